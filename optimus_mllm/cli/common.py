@@ -1,0 +1,24 @@
+"""What every optimus command does with user errors: one line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from optimus_mllm.errors import OptimusError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (argparse's own exit code, 2, is kept)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def run(prog: str, body: Callable[[], int]) -> int:
+    try:
+        return body()
+    except OptimusError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2

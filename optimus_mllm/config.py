@@ -1,0 +1,497 @@
+"""The YAML schema: typed dataclasses, strict loading, and cross-field validation.
+
+Field names follow megatron-core's ``TransformerConfig`` where one exists (``hidden_size``,
+``num_attention_heads``, ``ffn_hidden_size``, ``kv_channels``, ``num_query_groups`` ...), so a
+Megatron user can read a config without a glossary.
+
+A model section (``model.llm`` or one entry of ``model.encoders``) may name a ``base`` YAML file,
+relative to the file that names it; the section's own keys override the base's. The model zoo in
+``configs/models/`` is used this way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from optimus_mllm.errors import ConfigError
+
+Precision = Literal["bf16", "fp16", "fp32"]
+Recompute = Literal["none", "selective", "full"]
+Normalization = Literal["LayerNorm", "RMSNorm"]
+PositionEmbedding = Literal["learned_absolute", "rope", "none"]
+ProjectorType = Literal["mlp", "linear"]
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The GPUs the job runs on. Bandwidths are per GPU, one direction, in GB/s."""
+
+    num_gpus: int
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0
+    peak_tflops: float = 989.0  # dense bf16 tensor-core peak (H100 SXM)
+    hbm_bandwidth_gbps: float = 3350.0
+    intra_node_bandwidth_gbps: float = 450.0  # NVLink
+    inter_node_bandwidth_gbps: float = 50.0  # one 400 Gb/s NIC per GPU
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """Shape of a stack of identical transformer layers."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    seq_length: int
+    kv_channels: int | None = None  # attention head dim; None means hidden_size // heads
+    num_query_groups: int | None = None  # grouped-query attention; None means one per head
+    gated_linear_unit: bool = False  # SwiGLU-style MLP: fc1 produces two ffn-wide halves
+    add_bias_linear: bool = True
+    normalization: Normalization = "LayerNorm"
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class ProjectorConfig:
+    """Maps encoder features into the LLM's hidden space (LLaVA's ``mlp2x_gelu`` is ``mlp``)."""
+
+    type: ProjectorType = "mlp"
+
+
+@dataclass(frozen=True)
+class EncoderConfig(TransformerSpec):
+    """A ViT-style modality encoder. ``seq_length`` is the number of patch tokens per image."""
+
+    name: str = "vit"
+    patch_size: int = 14
+    in_channels: int = 3
+    frozen: bool = False  # frozen encoders run forward only; their backward is never scheduled
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+
+
+@dataclass(frozen=True)
+class LLMConfig(TransformerSpec):
+    """The language backbone. ``seq_length`` counts every token, image tokens included."""
+
+    vocab_size: int = 50257
+    position_embedding_type: PositionEmbedding = "learned_absolute"
+    untie_embeddings_and_output_weights: bool = False
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    encoders: tuple[EncoderConfig, ...]
+    llm: LLMConfig
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    global_batch_size: int
+    micro_batch_size: int = 1
+    precision: Precision = "bf16"
+    distributed_optimizer: bool = True
+    sequence_parallel: bool = True
+    recompute: Recompute = "none"
+    train_iters: int = 10
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class LLMPlanConfig:
+    """A fixed LLM plan. ``vp`` is the number of model chunks per pipeline rank (virtual stages);
+    left out, the planner chooses it."""
+
+    dp: int
+    pp: int
+    tp: int
+    vp: int | None = None
+
+
+@dataclass(frozen=True)
+class EncoderPlanConfig:
+    """A fixed encoder plan; DP_enc follows from the GPU count."""
+
+    pp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    llm: LLMPlanConfig | None = None
+    encoder: EncoderPlanConfig | None = None
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    # Upper bound on microbatch partitions kept per encoder plan (after symmetry reduction).
+    max_partitions: int = 64
+    # Upper bound on virtual stages when the planner chooses V itself (12 is the paper's largest).
+    max_virtual_stages: int = 12
+
+
+@dataclass(frozen=True)
+class CostModelConfig:
+    """Roofline efficiency factors: achieved / peak, per kernel class."""
+
+    gemm_efficiency: float = 0.7
+    attention_efficiency: float = 0.5
+    memory_efficiency: float = 0.7
+    network_efficiency: float = 0.7
+    kernel_overhead_us: float = 2.0  # launch and tail latency added to every kernel
+    profile: str | None = None  # JSON of measured kernel times (optimus-profile); overrides the roofline
+
+
+@dataclass(frozen=True)
+class OptimusConfig:
+    cluster: ClusterConfig
+    model: ModelConfig
+    training: TrainingConfig
+    name: str = "unnamed"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+    source: str | None = None  # the file this config was read from; set by load_config
+
+    @property
+    def encoders(self) -> tuple[EncoderConfig, ...]:
+        return self.model.encoders
+
+    @property
+    def llm(self) -> LLMConfig:
+        return self.model.llm
+
+    @property
+    def num_microbatches_total(self) -> int:
+        """Microbatches per iteration over all LLM data-parallel replicas."""
+        return self.training.global_batch_size // self.training.micro_batch_size
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> OptimusConfig:
+    """Read, merge ``base`` files, apply ``key.path=value`` overrides, type-check and validate."""
+    path = Path(path)
+    raw = _read_yaml(path, "--config")
+    if not isinstance(raw, dict):
+        raise ConfigError("config", f"{path} must hold a mapping at top level, got {type(raw).__name__}")
+    raw = _resolve_model_bases(raw, path.parent)
+    for item in overrides:
+        _apply_override(raw, item)
+    raw["source"] = str(path)
+    config = _build(OptimusConfig, raw, "")
+    validate(config)
+    return config
+
+
+def config_from_dict(raw: dict[str, Any], base_dir: str | Path = ".") -> OptimusConfig:
+    """Build and validate a config from an in-memory mapping (tests, programmatic use)."""
+    raw = _resolve_model_bases(dict(raw), Path(base_dir))
+    config = _build(OptimusConfig, raw, "")
+    validate(config)
+    return config
+
+
+def _read_yaml(path: Path, field_name: str) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(field_name, f"file {path} does not exist; pass an existing YAML file") from None
+    except OSError as exc:
+        raise ConfigError(field_name, f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(field_name, f"{path} is not valid YAML{where}") from None
+
+
+def _resolve_model_bases(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return raw
+    model = dict(model)
+    if isinstance(model.get("llm"), dict):
+        model["llm"] = _merge_base(model["llm"], base_dir, "model.llm")
+    if isinstance(model.get("encoders"), list):
+        model["encoders"] = [
+            _merge_base(enc, base_dir, f"model.encoders[{i}]") if isinstance(enc, dict) else enc
+            for i, enc in enumerate(model["encoders"])
+        ]
+    raw = dict(raw)
+    raw["model"] = model
+    return raw
+
+
+def _merge_base(section: dict[str, Any], base_dir: Path, where: str) -> dict[str, Any]:
+    if "base" not in section:
+        return section
+    base_name = section["base"]
+    if not isinstance(base_name, str):
+        raise ConfigError(f"{where}.base", "must be a path to a YAML file, relative to this config")
+    base = _read_yaml(base_dir / base_name, f"{where}.base")
+    if not isinstance(base, dict):
+        raise ConfigError(f"{where}.base", f"{base_name} must hold a mapping of model fields")
+    merged = {**base, **{k: v for k, v in section.items() if k != "base"}}
+    return merged
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError("--override", f"'{item}' is not key=value; write e.g. training.micro_batch_size=2")
+    key, value = item.split("=", 1)
+    node: Any = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            raise ConfigError(".".join(parts[: i + 1]), f"cannot override inside a {type(node).__name__}")
+    if not isinstance(node, dict):
+        raise ConfigError(key, "override must name a mapping key")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
+    label = where or "config"
+    if not isinstance(data, dict):
+        raise ConfigError(label, f"expected a mapping of {cls.__name__} fields, got {_describe(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_join(where, str(key)), _unknown_key_message(str(key), fields))
+    kwargs = {}
+    for name, f in fields.items():
+        path = _join(where, name)
+        if name in data:
+            kwargs[name] = _coerce(hints[name], data[name], path)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(path, "is required but missing")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, path)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(path, f"must be one of {', '.join(map(str, args))}; got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list) or not value:
+            raise ConfigError(path, f"expected a non-empty list, got {_describe(value)}")
+        return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {_describe(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"expected an integer, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {_describe(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {_describe(value)}")
+        return value
+    raise TypeError(f"unsupported schema type {tp!r} at {path}")  # a bug in this module, not user input
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _unknown_key_message(key: str, fields: dict[str, Any]) -> str:
+    valid = [k for k in fields if k != "source"]
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"unknown key; {hint}valid keys: {', '.join(valid)}"
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: everything that a single field's type cannot say.
+
+
+def validate(config: OptimusConfig) -> None:
+    """Raise ConfigError on the first inconsistency, naming the field and a valid alternative."""
+    c, t = config.cluster, config.training
+    _positive(c.num_gpus, "cluster.num_gpus")
+    _positive(c.gpus_per_node, "cluster.gpus_per_node")
+    for name in ("gpu_memory_gib", "peak_tflops", "hbm_bandwidth_gbps", "intra_node_bandwidth_gbps",
+                 "inter_node_bandwidth_gbps"):
+        _positive(getattr(c, name), f"cluster.{name}")
+    if c.num_gpus > c.gpus_per_node and c.num_gpus % c.gpus_per_node:
+        raise ConfigError("cluster.num_gpus", f"{c.num_gpus} is not a multiple of gpus_per_node={c.gpus_per_node}")
+
+    names = [e.name for e in config.encoders]
+    if len(set(names)) != len(names):
+        raise ConfigError("model.encoders", f"encoder names must be unique, got {names}")
+    for i, enc in enumerate(config.encoders):
+        _validate_transformer(enc, f"model.encoders[{i}]")
+        _positive(enc.patch_size, f"model.encoders[{i}].patch_size")
+        _positive(enc.in_channels, f"model.encoders[{i}].in_channels")
+    _validate_transformer(config.llm, "model.llm")
+    _positive(config.llm.vocab_size, "model.llm.vocab_size")
+    image_tokens = sum(e.seq_length for e in config.encoders)
+    if image_tokens >= config.llm.seq_length:
+        raise ConfigError("model.llm.seq_length", f"{config.llm.seq_length} leaves no room for text after "
+                          f"{image_tokens} image tokens; use more than {image_tokens}")
+
+    _positive(t.global_batch_size, "training.global_batch_size")
+    _positive(t.micro_batch_size, "training.micro_batch_size")
+    _positive(t.train_iters, "training.train_iters")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError("training.global_batch_size", f"{t.global_batch_size} is not divisible by "
+                          f"micro_batch_size={t.micro_batch_size}; use a multiple of {t.micro_batch_size}")
+
+    _positive(config.planner.max_partitions, "planner.max_partitions")
+    _positive(config.planner.max_virtual_stages, "planner.max_virtual_stages")
+    cm = config.cost_model
+    for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "network_efficiency"):
+        value = getattr(cm, name)
+        if not 0 < value <= 1:
+            raise ConfigError(f"cost_model.{name}", f"must be in (0, 1], got {value}")
+    if cm.kernel_overhead_us < 0:
+        raise ConfigError("cost_model.kernel_overhead_us", f"must be >= 0, got {cm.kernel_overhead_us}")
+
+    if config.parallel.llm is not None:
+        validate_llm_plan(config, config.parallel.llm, "parallel.llm")
+    if config.parallel.encoder is not None:
+        if config.parallel.llm is None:
+            raise ConfigError("parallel.encoder", "a fixed encoder plan needs a fixed parallel.llm plan too")
+        validate_encoder_plan(config, config.parallel.encoder, config.parallel.llm, "parallel.encoder")
+
+
+def _positive(value: float, path: str) -> None:
+    if value <= 0:
+        raise ConfigError(path, f"must be positive, got {value}")
+
+
+def _validate_transformer(spec: TransformerSpec, where: str) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
+        _positive(getattr(spec, name), f"{where}.{name}")
+    if spec.kv_channels is None and spec.hidden_size % spec.num_attention_heads:
+        raise ConfigError(f"{where}.num_attention_heads", f"{spec.num_attention_heads} does not divide hidden_size="
+                          f"{spec.hidden_size}; use a divisor of {spec.hidden_size} or set kv_channels")
+    if spec.kv_channels is not None:
+        _positive(spec.kv_channels, f"{where}.kv_channels")
+    if spec.num_query_groups is not None:
+        _positive(spec.num_query_groups, f"{where}.num_query_groups")
+        if spec.num_attention_heads % spec.num_query_groups:
+            raise ConfigError(f"{where}.num_query_groups", f"{spec.num_query_groups} does not divide "
+                              f"num_attention_heads={spec.num_attention_heads}; use one of "
+                              f"{_divisors_text(spec.num_attention_heads)}")
+
+
+def tp_divisibility_problem(spec: TransformerSpec, tp: int) -> str | None:
+    """Why tensor parallel size ``tp`` cannot split ``spec``'s layers, or None if it can."""
+    if spec.num_attention_heads % tp:
+        return f"num_attention_heads={spec.num_attention_heads} is not divisible by tp={tp}"
+    if spec.query_groups % tp:
+        return f"num_query_groups={spec.query_groups} is not divisible by tp={tp}"
+    if spec.ffn_hidden_size % tp:
+        return f"ffn_hidden_size={spec.ffn_hidden_size} is not divisible by tp={tp}"
+    return None
+
+
+def validate_llm_plan(config: OptimusConfig, plan: LLMPlanConfig, where: str) -> None:
+    """Check a fixed LLM plan against the cluster, model and batch."""
+    n, llm, t = config.cluster.num_gpus, config.llm, config.training
+    vp = plan.vp or 1
+    for name in ("dp", "pp", "tp"):
+        _positive(getattr(plan, name), f"{where}.{name}")
+    _positive(vp, f"{where}.vp")
+    if plan.dp * plan.pp * plan.tp != n:
+        raise ConfigError(where, f"dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.dp * plan.pp * plan.tp} "
+                          f"must equal cluster.num_gpus={n}")
+    problem = tp_divisibility_problem(llm, plan.tp)
+    if problem:
+        ok = [d for d in _divisors(n) if tp_divisibility_problem(llm, d) is None]
+        raise ConfigError(f"{where}.tp", f"model.llm.{problem}; use tp in {_join_ints(ok)}")
+    if llm.num_layers % (plan.pp * vp):
+        raise ConfigError(f"{where}.pp", f"pp*vp = {plan.pp}*{vp} does not divide model.llm.num_layers="
+                          f"{llm.num_layers}; use pp*vp in {_divisors_text(llm.num_layers)}")
+    if t.sequence_parallel and plan.tp > 1 and llm.seq_length % plan.tp:
+        raise ConfigError(f"{where}.tp", f"sequence parallel needs model.llm.seq_length={llm.seq_length} "
+                          f"divisible by tp={plan.tp}")
+    per_replica = t.global_batch_size // t.micro_batch_size
+    if per_replica % plan.dp:
+        raise ConfigError("training.global_batch_size", f"{t.global_batch_size} is not divisible into "
+                          f"micro_batch_size*dp = {t.micro_batch_size}*{plan.dp}; use a multiple of "
+                          f"{t.micro_batch_size * plan.dp}")
+    num_microbatches = per_replica // plan.dp
+    if vp > 1 and num_microbatches % plan.pp:
+        raise ConfigError(f"{where}.vp", f"the interleaved schedule needs the {num_microbatches} microbatches per "
+                          f"pipeline to be a multiple of pp={plan.pp}; use vp: 1 or change global_batch_size")
+
+
+def validate_encoder_plan(config: OptimusConfig, plan: EncoderPlanConfig, llm_plan: LLMPlanConfig,
+                          where: str) -> None:
+    """Check a fixed encoder plan: PP_enc | PP_llm and TP_enc | TP_llm (paper §4.1)."""
+    _positive(plan.pp, f"{where}.pp")
+    _positive(plan.tp, f"{where}.tp")
+    if llm_plan.pp % plan.pp:
+        raise ConfigError(f"{where}.pp", f"{plan.pp} does not divide the LLM's pp={llm_plan.pp}; use one of "
+                          f"{_divisors_text(llm_plan.pp)}")
+    if llm_plan.tp % plan.tp:
+        raise ConfigError(f"{where}.tp", f"{plan.tp} does not divide the LLM's tp={llm_plan.tp}; use one of "
+                          f"{_divisors_text(llm_plan.tp)}")
+    for i, enc in enumerate(config.encoders):
+        problem = tp_divisibility_problem(enc, plan.tp)
+        if problem:
+            raise ConfigError(f"{where}.tp", f"model.encoders[{i}].{problem}")
+        if enc.num_layers < plan.pp:
+            raise ConfigError(f"{where}.pp", f"model.encoders[{i}] has {enc.num_layers} layers, fewer than "
+                              f"pp={plan.pp} stages")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _join_ints(values: list[int]) -> str:
+    return "{" + ", ".join(map(str, values)) + "}"
+
+
+def _divisors_text(n: int) -> str:
+    divs = _divisors(n)
+    if len(divs) > 12:
+        return f"the divisors of {n}"
+    return _join_ints(divs)
+

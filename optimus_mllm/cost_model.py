@@ -1,0 +1,259 @@
+"""Per-kernel work and durations of transformer layers, TP/PP/DP communication.
+
+Every kernel has a stable name (``qkv``, ``attn_core``, ``tp_rs_attn`` ...), so durations can come
+either from a roofline over the kernel's FLOPs and bytes or from a measured JSON profile
+(``optimus-profile`` writes one on a GPU) keyed by (module, kernel, phase, tp).
+
+Shapes follow Megatron's tensor parallelism: column-parallel QKV and fc1, row-parallel output
+projection and fc2; with sequence parallelism each half-layer starts with an all-gather and ends
+with a reduce-scatter, without it ends with an all-reduce (and its backward all-reduce sits before
+the QKV/fc1 input gradient).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from optimus_mllm.config import ClusterConfig, CostModelConfig, OptimusConfig, TransformerSpec
+from optimus_mllm.errors import OptimusError
+
+Phase = Literal["fwd", "bwd"]
+KernelClass = Literal["gemm", "attention", "memory", "comm"]
+Collective = Literal["all_gather", "reduce_scatter", "all_reduce", "p2p"]
+
+PROFILE_FORMAT = "optimus-kernel-profile"
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KernelWork:
+    """What one kernel does, before it is turned into time.
+
+    For compute kernels ``bytes`` is HBM traffic; for communication kernels it is the size of the
+    whole (gathered / reduced) tensor, and ``group_size`` the ranks taking part.
+    """
+
+    name: str
+    phase: Phase
+    kind: KernelClass
+    flops: float = 0.0
+    bytes: float = 0.0
+    collective: Collective | None = None
+    group_size: int = 1
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind == "comm"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A costed kernel: the unit the bubble scheduler places."""
+
+    name: str
+    phase: Phase
+    is_comm: bool
+    duration_us: float
+    flops: float
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A transformer layer as one TP rank runs it for one microbatch."""
+
+    spec: TransformerSpec
+    tp: int
+    micro_batch_size: int
+    sequence_parallel: bool
+    dtype_bytes: int
+    recompute: Literal["none", "selective", "full"] = "none"
+
+    @property
+    def tokens(self) -> int:
+        return self.spec.seq_length * self.micro_batch_size
+
+
+def layer_kernels(shape: LayerShape, phase: Phase) -> list[KernelWork]:
+    """The kernels of one layer's forward or backward, in execution order."""
+    fwd = _forward_kernels(shape)
+    if phase == "fwd":
+        return fwd
+    bwd: list[KernelWork] = []
+    if shape.recompute == "full":
+        bwd += [_renamed(k, "recompute_" + k.name, "bwd") for k in fwd]
+    for k in reversed(fwd):
+        if k.is_comm:
+            bwd.append(_backward_comm(k))
+        elif k.kind == "gemm":
+            bwd.append(KernelWork(k.name, "bwd", "gemm", 2 * k.flops, 2 * k.bytes))  # dgrad + wgrad
+        elif k.kind == "attention":
+            if shape.recompute == "selective":  # Korthikanti: recompute the attention core only
+                bwd.append(_renamed(k, "recompute_attn_core", "bwd"))
+            bwd.append(KernelWork(k.name, "bwd", "attention", 2 * k.flops, 2 * k.bytes))
+        else:
+            bwd.append(KernelWork(k.name, "bwd", k.kind, k.flops, 2 * k.bytes))
+    return bwd
+
+
+def _renamed(k: KernelWork, name: str, phase: Phase) -> KernelWork:
+    return KernelWork(name, phase, k.kind, k.flops, k.bytes, k.collective, k.group_size)
+
+
+def _backward_comm(k: KernelWork) -> KernelWork:
+    """The adjoint collective: all-gather <-> reduce-scatter, all-reduce stays."""
+    flip = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "all_reduce"}
+    name = k.name.replace("_ag_", "_rs_") if k.collective == "all_gather" else k.name.replace("_rs_", "_ag_")
+    return KernelWork(name, "bwd", "comm", 0.0, k.bytes, flip[k.collective], k.group_size)  # type: ignore[index]
+
+
+def _forward_kernels(shape: LayerShape) -> list[KernelWork]:
+    s, t, b = shape.spec, shape.tp, shape.dtype_bytes
+    n, h, d = shape.tokens, s.hidden_size, s.head_dim
+    q_width, kv_width = s.num_attention_heads * d // t, s.query_groups * d // t
+    ffn = s.ffn_hidden_size // t
+    fc1_out = 2 * ffn if s.gated_linear_unit else ffn
+    sp = shape.sequence_parallel and t > 1
+    local_tokens = n // t if sp else n  # sequence-parallel regions hold 1/t of the tokens
+    act = n * h * b  # one full activation tensor
+
+    def gemm(name: str, k_in: int, k_out: int) -> KernelWork:
+        return KernelWork(name, "fwd", "gemm", 2.0 * n * k_in * k_out, (n * k_in + k_in * k_out + n * k_out) * b)
+
+    def norm(name: str) -> KernelWork:
+        return KernelWork(name, "fwd", "memory", 8.0 * local_tokens * h, 2 * local_tokens * h * b)
+
+    def tp_comm(name: str, collective: Collective) -> KernelWork:
+        return KernelWork(name, "fwd", "comm", 0.0, act, collective, t)
+
+    heads = s.num_attention_heads // t
+    attn_core = KernelWork(
+        "attn_core", "fwd", "attention",
+        4.0 * shape.micro_batch_size * heads * s.seq_length**2 * d,  # QK^T and PV
+        (n * (q_width + 2 * kv_width) + n * q_width) * b,  # flash-style: no s^2 tensor in HBM
+    )
+    kernels = [norm("ln_attn")]
+    if t > 1 and sp:
+        kernels.append(tp_comm("tp_ag_attn", "all_gather"))
+    kernels += [gemm("qkv", h, q_width + 2 * kv_width), attn_core, gemm("attn_proj", q_width, h)]
+    if t > 1:
+        kernels.append(tp_comm("tp_rs_attn", "reduce_scatter") if sp else tp_comm("tp_ar_attn", "all_reduce"))
+    kernels.append(norm("ln_mlp"))
+    if t > 1 and sp:
+        kernels.append(tp_comm("tp_ag_mlp", "all_gather"))
+    kernels += [
+        gemm("fc1", h, fc1_out),
+        KernelWork("act", "fwd", "memory", 8.0 * n * fc1_out, (n * fc1_out + n * ffn) * b),
+        gemm("fc2", ffn, h),
+    ]
+    if t > 1:
+        kernels.append(tp_comm("tp_rs_mlp", "reduce_scatter") if sp else tp_comm("tp_ar_mlp", "all_reduce"))
+    return kernels
+
+
+def collective_bytes_on_wire(collective: Collective, tensor_bytes: float, group_size: int) -> float:
+    """Bytes each rank sends in a ring collective over a tensor of ``tensor_bytes``."""
+    if collective == "p2p":
+        return tensor_bytes
+    if group_size <= 1:
+        return 0.0
+    factor = (group_size - 1) / group_size
+    return 2 * factor * tensor_bytes if collective == "all_reduce" else factor * tensor_bytes
+
+
+def group_bandwidth_gbps(cluster: ClusterConfig, group_size: int, rank_stride: int) -> float:
+    """NVLink when the group's ranks (``rank_stride`` apart) fit in one node, else the network."""
+    span = (group_size - 1) * rank_stride + 1
+    return cluster.intra_node_bandwidth_gbps if span <= cluster.gpus_per_node else cluster.inter_node_bandwidth_gbps
+
+
+class CostModel:
+    """Turns kernel work into microseconds: measured profile first, roofline otherwise."""
+
+    def __init__(self, cluster: ClusterConfig, params: CostModelConfig, profile: dict[tuple, float] | None = None):
+        self.cluster = cluster
+        self.params = params
+        self.profile = profile or {}
+
+    @classmethod
+    def from_config(cls, config: OptimusConfig) -> CostModel:
+        profile = load_profile(config.cost_model.profile) if config.cost_model.profile else None
+        return cls(config.cluster, config.cost_model, profile)
+
+    def compute_us(self, work: KernelWork, module: str, tp: int) -> float:
+        measured = self.profile.get((module, work.name, work.phase, tp))
+        if measured is not None:
+            return measured
+        p = self.params
+        peak = self.cluster.peak_tflops * 1e12
+        eff = p.attention_efficiency if work.kind == "attention" else p.gemm_efficiency
+        flop_time = work.flops / (peak * eff) if work.kind in ("gemm", "attention") else 0.0
+        mem_time = work.bytes / (self.cluster.hbm_bandwidth_gbps * 1e9 * p.memory_efficiency)
+        return max(flop_time, mem_time) * 1e6 + p.kernel_overhead_us
+
+    def comm_us(self, work: KernelWork, bandwidth_gbps: float, module: str = "", tp: int = 0) -> float:
+        measured = self.profile.get((module, work.name, work.phase, tp))
+        if measured is not None:
+            return measured
+        assert work.collective is not None
+        wire = collective_bytes_on_wire(work.collective, work.bytes, work.group_size)
+        if wire == 0:
+            return 0.0
+        return wire / (bandwidth_gbps * 1e9 * self.params.network_efficiency) * 1e6 + self.params.kernel_overhead_us
+
+    def layer(self, shape: LayerShape, phase: Phase, module: str, tp_bandwidth_gbps: float) -> list[Kernel]:
+        """Costed kernels of one layer's forward or backward on one TP rank."""
+        kernels = []
+        for work in layer_kernels(shape, phase):
+            if work.is_comm:
+                us = self.comm_us(work, tp_bandwidth_gbps, module, shape.tp)
+            else:
+                us = self.compute_us(work, module, shape.tp)
+            kernels.append(Kernel(work.name, work.phase, work.is_comm, us, work.flops))
+        return kernels
+
+
+def p2p_work(name: str, phase: Phase, spec: TransformerSpec, micro_batch_size: int, tp: int,
+             dtype_bytes: int) -> KernelWork:
+    """A pipeline send/receive of one microbatch's hidden states between adjacent stages.
+
+    Megatron's scatter/gather optimisation (and sequence parallelism) sends 1/tp of the tensor per rank.
+    """
+    tensor = spec.seq_length * micro_batch_size * spec.hidden_size * dtype_bytes / tp
+    return KernelWork(name, phase, "comm", 0.0, tensor, "p2p", 2)
+
+
+def dp_param_all_gather_work(params_per_rank: int, dp: int, param_bytes: int) -> KernelWork:
+    """Distributed optimizer: gather the updated (bf16) parameter shards at the start of a step."""
+    return KernelWork("dp_all_gather", "fwd", "comm", 0.0, params_per_rank * param_bytes, "all_gather", dp)
+
+
+def dp_grad_reduce_scatter_work(params_per_rank: int, dp: int, grad_bytes: int) -> KernelWork:
+    """Distributed optimizer: reduce-scatter the (fp32) gradients at the end of a step."""
+    return KernelWork("dp_reduce_scatter", "bwd", "comm", 0.0, params_per_rank * grad_bytes, "reduce_scatter", dp)
+
+
+def load_profile(path: str | Path) -> dict[tuple, float]:
+    """Read a kernel profile: {(module, kernel, phase, tp): microseconds}."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise OptimusError(f"cost_model.profile: {path} does not exist; run optimus-profile to create it") from None
+    except json.JSONDecodeError as exc:
+        raise OptimusError(f"cost_model.profile: {path} is not valid JSON (line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise OptimusError(f"cost_model.profile: {path} is not an {PROFILE_FORMAT} file")
+    if data.get("version") != PROFILE_VERSION:
+        raise OptimusError(f"cost_model.profile: {path} has version {data.get('version')}, "
+                           f"this release reads version {PROFILE_VERSION}; re-run optimus-profile")
+    table = {}
+    for i, entry in enumerate(data.get("kernels", [])):
+        try:
+            key = (entry["module"], entry["kernel"], entry["phase"], int(entry["tp"]))
+            table[key] = float(entry["time_us"])
+        except (KeyError, TypeError, ValueError):
+            raise OptimusError(f"cost_model.profile: kernels[{i}] in {path} needs module, kernel, phase, tp "
+                               "and time_us") from None
+    return table

@@ -1,0 +1,129 @@
+"""GPU memory per rank: model states (k bytes/param) and activations (Korthikanti et al., 2022).
+
+Model states. With mixed precision and Megatron's distributed optimizer every rank holds its shard
+of the 16-bit parameters and of the fp32 main gradients: k = 2 + 4 = 6 bytes per parameter (paper
+§4.5). The Adam states (fp32 master copy and two moments, 12 bytes; 8 with fp32 parameters, which
+are their own master copy) are divided over the data-parallel ranks.
+
+Activations of one transformer layer for one microbatch, in bytes (s sequence, b microbatch, h
+hidden, a heads, t tensor-parallel size; Korthikanti et al. §4):
+  no parallelism                    s*b*h*(34 + 5*a*s/h)
+  tensor parallel                   s*b*h*(10 + 24/t + 5*a*s/(h*t))
+  tensor + sequence parallel        s*b*h*(34 + 5*a*s/h) / t
+  ... + selective recomputation     s*b*h*34 / t            (without SP: s*b*h*(10 + 24/t))
+  full recomputation                2*s*b*h / t             (the layer input only; without SP: 2*s*b*h)
+The formula assumes 16-bit activations, an MLP of 4h and one key/value head per query head; for
+other shapes it is the usual approximation.
+
+With 1F1B the first pipeline stage holds activations of ``pp`` microbatches for its L/pp layers, i.e.
+of L layers; the interleaved schedule multiplies that by (1 + (pp-1)/(pp*vp)).
+
+Encoders. The paper leaves encoder activations out as negligible; we keep them, because under
+Optimus an encoder pipeline holds the activations of every microbatch it has run forward until the
+LLM returns that microbatch's gradient (the coarse schedule runs all forwards first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimus_mllm.config import OptimusConfig, Recompute, TransformerSpec
+
+GIB = 1024**3
+
+PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MAIN_GRAD_BYTES = 4  # Megatron accumulates and reduces gradients in fp32
+
+
+def param_bytes(config: OptimusConfig) -> int:
+    return PARAM_BYTES[config.training.precision]
+
+
+def bytes_per_param_k(config: OptimusConfig) -> int:
+    """k of paper §4.5: parameter plus main-gradient bytes per parameter held by every replica."""
+    return param_bytes(config) + MAIN_GRAD_BYTES
+
+
+def optimizer_bytes_per_param(config: OptimusConfig) -> int:
+    """Adam: two fp32 moments, plus an fp32 master copy when parameters are 16-bit."""
+    return 8 if config.training.precision == "fp32" else 12
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one GPU."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(self.params + other.params, self.grads + other.grads,
+                               self.optimizer + other.optimizer, self.activations + other.activations)
+
+    def as_gib(self) -> dict[str, float]:
+        return {k: round(v / GIB, 3) for k, v in
+                {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                 "activations": self.activations, "total": self.total}.items()}
+
+
+def model_state_memory(config: OptimusConfig, params_per_rank: float, dp: int) -> MemoryBreakdown:
+    """Parameters, gradients and optimizer states of ``params_per_rank`` parameters on one rank."""
+    opt = optimizer_bytes_per_param(config) * params_per_rank
+    if config.training.distributed_optimizer:
+        opt /= dp
+    return MemoryBreakdown(param_bytes(config) * params_per_rank, MAIN_GRAD_BYTES * params_per_rank, opt, 0.0)
+
+
+def layer_activation_bytes(spec: TransformerSpec, micro_batch_size: int, tp: int, sequence_parallel: bool,
+                           recompute: Recompute) -> float:
+    """Korthikanti et al.'s activation memory of one layer and one microbatch on one TP rank."""
+    s, b, h, a = spec.seq_length, micro_batch_size, spec.hidden_size, spec.num_attention_heads
+    sbh = s * b * h
+    sp = sequence_parallel and tp > 1
+    if recompute == "full":
+        return 2 * sbh / tp if sp else 2 * sbh
+    attention_scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return sbh * (34 + attention_scores) / tp
+    return sbh * (10 + 24 / tp + attention_scores / tp)
+
+
+def interleaving_factor(pp: int, vp: int) -> float:
+    """Extra in-flight activations of the interleaved schedule on the first stage."""
+    return 1 + (pp - 1) / (pp * vp) if vp > 1 else 1.0
+
+
+def llm_activation_memory(config: OptimusConfig, pp: int, tp: int, vp: int) -> float:
+    """Peak activation bytes on the first LLM pipeline stage (the fullest under 1F1B)."""
+    t = config.training
+    per_layer = layer_activation_bytes(config.llm, t.micro_batch_size, tp, t.sequence_parallel, t.recompute)
+    microbatches_in_flight = min(pp, num_microbatches_per_pipeline(config, config.cluster.num_gpus // (pp * tp)))
+    layers_per_stage = config.llm.num_layers / pp
+    return per_layer * layers_per_stage * microbatches_in_flight * interleaving_factor(pp, vp)
+
+
+def encoder_activation_memory_per_microbatch(config: OptimusConfig, pp: int, tp: int) -> float:
+    """Activation bytes one microbatch leaves on the fullest encoder stage (all encoders together)."""
+    t = config.training
+    total = 0.0
+    for enc in config.encoders:
+        if enc.frozen:
+            continue  # forward only: nothing is kept for a backward pass
+        per_layer = layer_activation_bytes(enc, t.micro_batch_size, tp, t.sequence_parallel, t.recompute)
+        total += per_layer * -(-enc.num_layers // pp)
+    return total
+
+
+def num_microbatches_per_pipeline(config: OptimusConfig, dp: int) -> int:
+    return config.num_microbatches_total // dp
+
+
+def colocation_overhead(k: float, dp_enc: int, dp_llm: int, phi_enc: float, n_gpu: int) -> float:
+    """Paper §4.5: MEM_overhead = k (DP_enc − DP_llm) Φ_enc / n_gpu, against DP_enc = DP_llm."""
+    return k * (dp_enc - dp_llm) * phi_enc / n_gpu

@@ -1,0 +1,121 @@
+"""Cost model: kernel FLOPs against the closed forms, adjoint collectives, roofline and measured profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from optimus_mllm.config import ClusterConfig, CostModelConfig, TransformerSpec
+from optimus_mllm.cost_model import (
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    CostModel,
+    KernelWork,
+    LayerShape,
+    collective_bytes_on_wire,
+    layer_kernels,
+    load_profile,
+)
+from optimus_mllm.errors import OptimusError
+
+GPT = TransformerSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=49152,
+                      seq_length=2048)
+
+
+def _shape(tp=1, sp=True, recompute="none", b=2):
+    return LayerShape(GPT, tp=tp, micro_batch_size=b, sequence_parallel=sp, dtype_bytes=2, recompute=recompute)
+
+
+def _flops(kernels):
+    return sum(k.flops for k in kernels if k.kind in ("gemm", "attention"))
+
+
+def test_forward_flops_match_narayanan_formula():
+    b, s, h = 2, GPT.seq_length, GPT.hidden_size
+    assert _flops(layer_kernels(_shape(), "fwd")) == pytest.approx(24 * b * s * h * h * (1 + s / (6 * h)))
+
+
+def test_tensor_parallel_divides_flops():
+    full = _flops(layer_kernels(_shape(tp=1), "fwd"))
+    assert _flops(layer_kernels(_shape(tp=8), "fwd")) == pytest.approx(full / 8)
+
+
+def test_backward_is_twice_forward_and_adjoint_collectives():
+    fwd, bwd = layer_kernels(_shape(tp=8), "fwd"), layer_kernels(_shape(tp=8), "bwd")
+    assert _flops(bwd) == pytest.approx(2 * _flops(fwd))
+    fwd_comm = [(k.name, k.collective) for k in fwd if k.is_comm]
+    bwd_comm = [(k.name, k.collective) for k in bwd if k.is_comm]
+    assert fwd_comm == [("tp_ag_attn", "all_gather"), ("tp_rs_attn", "reduce_scatter"),
+                        ("tp_ag_mlp", "all_gather"), ("tp_rs_mlp", "reduce_scatter")]
+    assert bwd_comm == [("tp_ag_mlp", "all_gather"), ("tp_rs_mlp", "reduce_scatter"),
+                        ("tp_ag_attn", "all_gather"), ("tp_rs_attn", "reduce_scatter")]
+    names = [k.name for k in bwd]
+    assert len(names) == len(set(names)), "kernel names must be unique within a phase"
+
+
+def test_no_sequence_parallel_uses_all_reduce_and_tp1_has_no_comm():
+    comm = [k.collective for k in layer_kernels(_shape(tp=4, sp=False), "fwd") if k.is_comm]
+    assert comm == ["all_reduce", "all_reduce"]
+    assert not any(k.is_comm for k in layer_kernels(_shape(tp=1), "bwd"))
+
+
+def test_recompute_adds_forward_work_to_backward():
+    plain = _flops(layer_kernels(_shape(tp=8), "bwd"))
+    fwd = _flops(layer_kernels(_shape(tp=8), "fwd"))
+    attn = next(k.flops for k in layer_kernels(_shape(tp=8), "fwd") if k.name == "attn_core")
+    assert _flops(layer_kernels(_shape(tp=8, recompute="selective"), "bwd")) == pytest.approx(plain + attn)
+    assert _flops(layer_kernels(_shape(tp=8, recompute="full"), "bwd")) == pytest.approx(plain + fwd)
+
+
+def test_ring_collective_volumes():
+    assert collective_bytes_on_wire("all_gather", 800, 8) == 700
+    assert collective_bytes_on_wire("reduce_scatter", 800, 8) == 700
+    assert collective_bytes_on_wire("all_reduce", 800, 8) == 1400
+    assert collective_bytes_on_wire("all_reduce", 800, 1) == 0
+
+
+def test_roofline_durations():
+    cluster = ClusterConfig(num_gpus=8, peak_tflops=1000, hbm_bandwidth_gbps=2000, intra_node_bandwidth_gbps=100)
+    params = CostModelConfig(gemm_efficiency=0.5, memory_efficiency=1.0, network_efficiency=1.0, kernel_overhead_us=0)
+    model = CostModel(cluster, params)
+    gemm = KernelWork("fc1", "fwd", "gemm", flops=1e12, bytes=1.0)
+    assert model.compute_us(gemm, "llm", 1) == pytest.approx(2000.0)  # 1e12 / (1e15 * 0.5) s
+    norm = KernelWork("ln_attn", "fwd", "memory", flops=1.0, bytes=2e9)
+    assert model.compute_us(norm, "llm", 1) == pytest.approx(1000.0)  # 2e9 / 2e12 s
+    ag = KernelWork("tp_ag_attn", "fwd", "comm", bytes=8e8, collective="all_gather", group_size=8)
+    assert model.comm_us(ag, 100.0) == pytest.approx(7000.0)  # 7e8 / 1e11 s
+
+
+def _profile(tmp_path, entries, **header):
+    data = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernels": entries, **header}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_measured_profile_overrides_roofline(tmp_path):
+    path = _profile(tmp_path, [{"module": "llm", "kernel": "qkv", "phase": "fwd", "tp": 8, "time_us": 123.5}])
+    model = CostModel(ClusterConfig(num_gpus=8), CostModelConfig(), load_profile(path))
+    kernels = {k.name: k for k in model.layer(_shape(tp=8), "fwd", "llm", 450.0)}
+    assert kernels["qkv"].duration_us == 123.5
+    roofline = {k.name: k for k in CostModel(ClusterConfig(num_gpus=8), CostModelConfig()).layer(
+        _shape(tp=8), "fwd", "llm", 450.0)}
+    assert kernels["fc1"].duration_us == roofline["fc1"].duration_us
+    assert roofline["qkv"].duration_us != 123.5
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    ("{not json", "not valid JSON"),
+    (json.dumps({"format": "other"}), f"is not an {PROFILE_FORMAT} file"),
+    (json.dumps({"format": PROFILE_FORMAT, "version": 99}), "version 99"),
+    (json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernels": [{"module": "llm"}]}),
+     "kernels[0]"),
+])
+def test_bad_profile_is_a_clear_error(tmp_path, content, message):
+    path = tmp_path / "profile.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(OptimusError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_profile(path)
