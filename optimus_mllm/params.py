@@ -60,19 +60,24 @@ def llm_params(llm: LLMConfig) -> int:
     return llm_embedding_params(llm) + llm.num_layers * layer_params(llm) + llm_output_params(llm)
 
 
-def llm_stage_params(llm: LLMConfig, pp: int) -> int:
-    """Parameters of the heaviest LLM pipeline stage (before TP sharding).
+def llm_params_per_stage(llm: LLMConfig, pp: int) -> list[int]:
+    """Parameters of each LLM pipeline stage (before TP sharding).
 
-    The first stage holds the embeddings, the last the output layer; with tied embeddings Megatron
-    keeps a copy of the word embedding on the last stage as well.
+    The first stage holds the embeddings, the last the final norm and output layer; with tied
+    embeddings Megatron keeps a copy of the word embedding on the last stage as well.
     """
-    layers = llm.num_layers // pp * layer_params(llm)
     if pp == 1:
-        return llm_params(llm)
-    first = layers + llm_embedding_params(llm)
+        return [llm_params(llm)]
+    per_stage = [llm.num_layers // pp * layer_params(llm)] * pp
     tied_copy = 0 if llm.untie_embeddings_and_output_weights else llm.vocab_size * llm.hidden_size
-    last = layers + llm_output_params(llm) + tied_copy
-    return max(first, last)
+    per_stage[0] += llm_embedding_params(llm)
+    per_stage[-1] += llm_output_params(llm) + tied_copy
+    return per_stage
+
+
+def llm_stage_params(llm: LLMConfig, pp: int) -> int:
+    """Parameters of the heaviest LLM pipeline stage (before TP sharding)."""
+    return max(llm_params_per_stage(llm, pp))
 
 
 def encoder_params_per_stage(encoders: tuple[EncoderConfig, ...], llm: LLMConfig, pp: int) -> list[int]:

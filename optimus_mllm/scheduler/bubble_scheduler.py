@@ -1,0 +1,514 @@
+"""The bubble scheduler: paper §4.2-4.4, Algorithms 1 and 2.
+
+Time base: microseconds from the start of the iteration. The LLM's computation starts at the LLM
+origin ``t0`` (the LLM timeline is shifted by it); kernels inside the LLM's span are tracked
+relative to ``t0`` (tau = t - t0), so moving ``t0`` never disturbs them.
+
+Encoder work for microbatch k of encoder pipeline j runs on each of its stages e as a chain of
+kernels, in one of three windows of the stage's GPUs:
+- ``pre``: coarse, before the LLM's first computation on that GPU (DP all-gather and PP warm-up
+  bubbles; ``t0`` moves later if it does not fit);
+- ``llm``: fine, kernel by kernel in the bubbles between the LLM's first and last computation:
+  compute kernels into idle compute-stream time (TP and PP bubbles), communication kernels into
+  time with no LLM TP collective (so mostly under LLM compute, paper Fig. 7);
+- ``post``: coarse, after the LLM's last computation (PP cool-down and DP reduce-scatter bubbles).
+``InitSchedule`` puts every forward in ``pre`` and every backward in ``post``; ``OptimizeSchedule``
+moves one microbatch at a time of the critical encoder pipeline into ``llm``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.scheduler.dependencies import EPS_US, EncLLMDep, check_enc_llm_dep, get_enc_llm_dep, global_order
+from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain, build_encoder_work
+from optimus_mllm.scheduler.intervals import FreeIntervals
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
+
+Window = Literal["pre", "llm", "post"]
+Mode = Literal["fwd", "bwd"]
+FWD: Mode = "fwd"
+BWD: Mode = "bwd"
+
+
+@dataclass(frozen=True)
+class ChainPlacement:
+    """One microbatch's kernel chain on one encoder stage, as placed."""
+
+    pipeline: int
+    stage: int
+    local_microbatch: int
+    phase: Phase
+    window: Window
+    starts_us: tuple[float, ...]  # iteration time of each kernel of EncoderWork.fwd/bwd[stage]
+
+
+@dataclass
+class Schedule:
+    """A complete schedule of one LLM pipeline and its encoder pipelines."""
+
+    llm_plan: ParallelPlan
+    encoder_plan: ParallelPlan
+    partition: tuple[int, ...]
+    dep: EncLLMDep
+    work: EncoderWork
+    llm_origin_us: float  # t0
+    assignment: tuple[tuple[int, int], ...]  # LLM microbatch i <- (encoder pipeline, its local microbatch)
+    encoder_forward_end_us: tuple[float, ...]  # EF_i: A_i has reached the first LLM stage
+    encoder_backward_start_us: tuple[float, ...]  # EB_i: the encoder starts microbatch i's backward
+    chains: tuple[ChainPlacement, ...]
+    iteration_us: float
+    coarse_iteration_us: float  # InitSchedule's latency for this partition
+
+    @property
+    def timeline(self) -> LLMTimeline:
+        return self.dep.timeline
+
+    @property
+    def forward_dependency_us(self) -> tuple[float, ...]:
+        """F_i in iteration time."""
+        return tuple(f + self.llm_origin_us for f in self.dep.forward)
+
+    @property
+    def backward_dependency_us(self) -> tuple[float, ...]:
+        """B_i in iteration time."""
+        return tuple(b + self.llm_origin_us for b in self.dep.backward)
+
+    def chain_kernels(self, chain: ChainPlacement) -> StageChain:
+        return (self.work.fwd if chain.phase == "fwd" else self.work.bwd)[chain.stage]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Resource:
+    """The GPUs of one encoder stage: their LLM stage's free compute time and comm-allowed time (tau)."""
+
+    llm_stage: int
+    compute: FreeIntervals
+    comm: FreeIntervals
+
+
+@dataclass
+class _Evaluation:
+    t0: float
+    assignment: list[tuple[int, int]]
+    ef: list[float]
+    eb: list[float]
+    latency: float
+    pre: dict[tuple[int, int], list[tuple[int, float]]]  # (j, e) -> [(k, start)]
+    post: dict[tuple[int, int], list[tuple[int, float]]]  # (j, e) -> [(k, start tau)]
+    pre_required_t0: dict[int, float]  # per pipeline: the t0 its pre-window work needs
+    end_by_resource: dict[tuple[int, int], tuple[float, bool]]  # (j, e) -> (end tau, encoder-bound)
+
+
+class _PartitionScheduler:
+    """Scheduling state for one microbatch partition (one element of InitSchedule's output)."""
+
+    def __init__(self, work: EncoderWork, dep: EncLLMDep, partition: tuple[int, ...],
+                 stage_gaps: list[tuple[FreeIntervals, FreeIntervals]]):
+        self.work, self.dep, self.partition = work, dep, partition
+        self.timeline = dep.timeline
+        self.pp_enc = len(work.fwd)
+        self.stage_gaps = stage_gaps
+        self.resources: dict[tuple[int, int], _Resource] = {}
+        self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
+        self.fine_fwd: dict[tuple[int, int], list[list[float]]] = {}  # (j, k) -> per stage kernel starts (tau)
+        self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
+        self.has_backward = any(chain.kernels for chain in work.bwd)
+        self.evaluation = self.evaluate()
+
+    # -- resources ---------------------------------------------------------------------------
+
+    def resource(self, j: int, e: int) -> _Resource:
+        key = (j, e)
+        if key not in self.resources:
+            s = self.work.llm_stage(j, e)
+            compute, comm = self.stage_gaps[s]
+            self.resources[key] = _Resource(s, compute.copy(), comm.copy())
+        return self.resources[key]
+
+    def first(self, j: int, e: int) -> float:
+        return self.timeline.stages[self.work.llm_stage(j, e)].first_compute_us
+
+    def last(self, j: int, e: int) -> float:
+        return self.timeline.stages[self.work.llm_stage(j, e)].last_compute_us
+
+    # -- evaluation: windows, t0, global ordering, latency ------------------------------------
+
+    def evaluate(self) -> _Evaluation | None:
+        """Lay out the coarse windows around the fine chains; None if dependencies cannot hold."""
+        w, tl = self.work, self.timeline
+        a_enc = w.dp_all_gather_us
+        # pre: GPipe-style forwards from the end of the encoder's all-gather (iteration time)
+        pre: dict[tuple[int, int], list[tuple[int, float]]] = {}
+        pre_ef: list[tuple[float, int, int]] = []
+        required: dict[int, float] = {}
+        for j in range(w.num_pipelines):
+            cursor = [a_enc] * self.pp_enc
+            for k in range(self.n_coarse_fwd[j]):
+                ready = a_enc
+                for e in range(self.pp_enc):
+                    start = max(cursor[e], ready)
+                    end = start + w.fwd[e].duration_us
+                    pre.setdefault((j, e), []).append((k, start))
+                    cursor[e] = end
+                    ready = end + w.p2p_us
+                pre_ef.append((end + w.to_llm_us[j], j, k))
+            if self.n_coarse_fwd[j]:
+                required[j] = max(cursor[e] - self.first(j, e) for e in range(self.pp_enc))
+        fine_ef = [(starts[-1][-1] + w.fwd[-1].kernels[-1].duration_us + w.to_llm_us[j], j, k)
+                   for (j, k), starts in self.fine_fwd.items()]
+        t_low = max([a_enc + ag - st.first_compute_us for st, ag in zip(tl.stages, tl.dp_all_gather_us)]
+                    + list(required.values()) + [0.0])
+        t0 = self._earliest_feasible_t0(t_low, pre_ef, fine_ef)
+        if t0 is None:
+            return None
+        merged = pre_ef + [(ef + t0, j, k) for ef, j, k in fine_ef]
+        assignment = global_order(merged)
+        ef_of = {(j, k): ef for ef, j, k in merged}
+        ef = [ef_of[a] for a in assignment]
+        # post: backwards after the LLM's last computation, in order of gradient arrival (tau)
+        grad_ready = {a: self.dep.backward[i] + w.to_llm_us[a[0]] for i, a in enumerate(assignment)}
+        post: dict[tuple[int, int], list[tuple[int, float]]] = {}
+        bwd_end: dict[tuple[int, int], float] = {}
+        first_bwd_start: dict[tuple[int, int], float] = {}
+        for (j, k), starts in self.fine_bwd.items():
+            first_bwd_start[(j, k)] = starts[-1][0]
+            for e in range(self.pp_enc):
+                chain = w.bwd[e]
+                end = starts[e][-1] + chain.kernels[-1].duration_us if chain.kernels else starts[e][0]
+                bwd_end[(j, e)] = max(bwd_end.get((j, e), float("-inf")), end)
+        if self.has_backward:
+            for j in range(w.num_pipelines):
+                coarse = sorted((grad_ready[(j, k)], k) for k in range(self.partition[j]) if (j, k) not in self.fine_bwd)
+                cursor = [self.last(j, e) for e in range(self.pp_enc)]
+                for ready, k in coarse:
+                    for e in reversed(range(self.pp_enc)):
+                        start = max(cursor[e], ready)
+                        end = start + w.bwd[e].duration_us
+                        post.setdefault((j, e), []).append((k, start))
+                        if e == self.pp_enc - 1:
+                            first_bwd_start[(j, k)] = start
+                        cursor[e] = end
+                        ready = end + w.p2p_us
+                    for e in range(self.pp_enc):
+                        bwd_end[(j, e)] = max(bwd_end.get((j, e), float("-inf")), cursor[e])
+            eb = [first_bwd_start[a] + t0 for a in assignment]
+        else:
+            eb = [b + t0 for b in self.dep.backward]  # nothing to order against
+        end_by_resource = {}
+        tail = 0.0
+        for j in range(w.num_pipelines):
+            for e in range(self.pp_enc):
+                s = w.llm_stage(j, e)
+                llm_only = tl.stages[s].last_compute_us + tl.dp_reduce_scatter_us[s]
+                reduces = [(tl.stages[s].last_compute_us, tl.dp_reduce_scatter_us[s])]
+                if (j, e) in bwd_end:
+                    reduces.append((bwd_end[(j, e)], w.dp_reduce_scatter_us))
+                end = network_fifo_end(reduces)
+                end_by_resource[(j, e)] = (end, end > llm_only + EPS_US)
+                tail = max(tail, end)
+        evaluation = _Evaluation(t0, assignment, ef, eb, t0 + tail, pre, post, required, end_by_resource)
+        if not check_enc_llm_dep(ef, eb, [f + t0 for f in self.dep.forward], [b + t0 for b in self.dep.backward]):
+            return None
+        return evaluation
+
+    def _earliest_feasible_t0(self, t_low: float, pre_ef: list[tuple[float, int, int]],
+                              fine_ef: list[tuple[float, int, int]]) -> float | None:
+        """Smallest t0 >= t_low with the i-th earliest EF_i <= F_i + t0 (monotone in t0)."""
+        forward = self.dep.forward
+
+        def feasible(t0: float) -> bool:
+            merged = sorted([ef for ef, _, _ in pre_ef] + [ef + t0 for ef, _, _ in fine_ef])
+            return all(ef <= f + t0 + EPS_US for ef, f in zip(merged, forward))
+
+        if feasible(t_low):
+            return t_low
+        hi = t_low + max([ef for ef, _, _ in pre_ef] + [0.0]) + 1.0
+        if not feasible(hi):
+            return None
+        lo = t_low
+        while hi - lo > 0.01:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+        return hi
+
+    # -- kernel placement --------------------------------------------------------------------
+
+    def place_chain(self, j: int, e: int, chain: StageChain, ready: float, limit: float) -> list[float] | None:
+        """First-fit the chain's kernels in order into the stage's bubbles; None if they do not fit."""
+        r = self.resource(j, e)
+        starts, t = [], ready
+        for k in chain.kernels:
+            free = r.comm if k.is_comm else r.compute
+            start = free.earliest_fit(t, k.duration_us, limit)
+            if start is None:
+                return None
+            starts.append(start)
+            t = start + k.duration_us
+        return starts
+
+    def commit_chain(self, j: int, e: int, chain: StageChain, starts: list[float]) -> None:
+        r = self.resource(j, e)
+        for k, start in zip(chain.kernels, starts):
+            (r.comm if k.is_comm else r.compute).occupy(start, start + k.duration_us)
+
+
+# --------------------------------------------------------------------------------------------
+# Algorithm 2
+
+
+def init_schedule(work: EncoderWork, bubbles: LLMBubbles, partition: tuple[int, ...]) -> _PartitionScheduler | None:
+    """InitSchedule for one microbatch partition: every encoder forward before the LLM's computation,
+    every backward after it (coarse-grained). None if the dependencies cannot be met.
+
+    The paper builds these for all partitions up front; ``bubble_scheduler`` builds them one at a time
+    so that its lower bound can skip partitions that cannot win.
+    """
+    state = _PartitionScheduler(work, bubbles.dep, partition, bubbles.gaps)
+    return state if state.evaluation is not None else None
+
+
+def stage_gaps(timeline: LLMTimeline) -> list[tuple[FreeIntervals, FreeIntervals]]:
+    """Per LLM stage: (idle compute-stream time, time without an LLM TP collective) inside its span."""
+    gaps = []
+    for s, stage in enumerate(timeline.stages):
+        compute, comm = timeline.kernel_intervals(s)
+        lo, hi = stage.first_compute_us, stage.last_compute_us
+        gaps.append((FreeIntervals.complement(compute, lo, hi), FreeIntervals.complement(comm, lo, hi)))
+    return gaps
+
+
+def find_critical(state: _PartitionScheduler, mode: Mode) -> int | None:
+    """findCritical: the encoder pipeline on the critical path, or None if the LLM itself is."""
+    ev = state.evaluation
+    if mode == FWD:
+        if not ev.pre_required_t0:
+            return None
+        j, need = max(ev.pre_required_t0.items(), key=lambda item: (item[1], state.n_coarse_fwd[item[0]]))
+        return j if need >= ev.t0 - EPS_US else None
+    (j, _), (end, encoder_bound) = max(ev.end_by_resource.items(), key=lambda item: item[1][0])
+    return j if encoder_bound else None
+
+
+def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
+    """ScheduleKernels: move one microbatch of pipeline j into the LLM's bubbles, kernel by kernel.
+
+    Forward: its last coarse microbatch, stage by stage from upstream to downstream; backward: the
+    coarse microbatch whose gradient arrives first, from downstream to upstream. Kept only if the
+    dependencies still hold (checkEncLLMDep) and the iteration gets no longer.
+    """
+    w, dep = state.work, state.dep
+    before = state.evaluation
+    if mode == FWD:
+        if state.n_coarse_fwd[j] == 0:
+            return False
+        k = state.n_coarse_fwd[j] - 1
+        limit = max(dep.forward) - w.to_llm_us[j]
+        starts_by_stage, ready = [], state.first(j, 0)
+        for e in range(state.pp_enc):
+            starts = state.place_chain(j, e, w.fwd[e], max(ready, state.first(j, e)), limit)
+            if starts is None:
+                return False
+            starts_by_stage.append(starts)
+            ready = starts[-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
+        state.n_coarse_fwd[j] -= 1
+        state.fine_fwd[(j, k)] = starts_by_stage
+        after = state.evaluate()
+        if after is None or after.latency > before.latency + EPS_US:
+            state.n_coarse_fwd[j] += 1
+            del state.fine_fwd[(j, k)]
+            return False
+        for e, starts in enumerate(starts_by_stage):
+            state.commit_chain(j, e, w.fwd[e], starts)
+    else:
+        index = {a: i for i, a in enumerate(before.assignment)}
+        coarse = [k for k in range(state.partition[j]) if (j, k) not in state.fine_bwd]
+        if not coarse:
+            return False
+        k = min(coarse, key=lambda k: dep.backward[index[(j, k)]])
+        ready = dep.backward[index[(j, k)]] + w.to_llm_us[j]
+        starts_by_stage: list[list[float]] = [[] for _ in range(state.pp_enc)]
+        for e in reversed(range(state.pp_enc)):
+            starts = state.place_chain(j, e, w.bwd[e], ready, state.last(j, e))
+            if starts is None:
+                return False
+            starts_by_stage[e] = starts or [ready]
+            ready = (starts[-1] + w.bwd[e].kernels[-1].duration_us if starts else ready) + w.p2p_us
+        state.fine_bwd[(j, k)] = starts_by_stage
+        after = state.evaluate()
+        if after is None or after.latency > before.latency + EPS_US:
+            del state.fine_bwd[(j, k)]
+            return False
+        for e, starts in enumerate(starts_by_stage):
+            if w.bwd[e].kernels:
+                state.commit_chain(j, e, w.bwd[e], starts)
+    state.evaluation = after
+    return True
+
+
+def optimize_schedule(state: _PartitionScheduler, mode: Mode) -> _PartitionScheduler:
+    """OptimizeSchedule: keep moving the critical pipeline's work into bubbles while it helps."""
+    if mode == BWD and not state.has_backward:
+        return state
+    while True:
+        j = find_critical(state, mode)
+        if j is None or not schedule_kernels(state, j, mode):
+            return state
+
+
+@dataclass
+class SchedulerStats:
+    partitions_total: int = 0
+    partitions_searched: int = 0
+    partitions_pruned: int = 0  # skipped by the lower bound
+    best_coarse_us: float = float("inf")
+
+
+@dataclass(frozen=True)
+class LLMBubbles:
+    """What every encoder plan's scheduling shares: dependency points and the LLM's bubbles per stage."""
+
+    dep: EncLLMDep
+    gaps: list[tuple[FreeIntervals, FreeIntervals]]  # per stage: (idle compute, no-TP-collective) time
+    busy_us: list[float]  # per stage: LLM compute time inside its span
+
+    @classmethod
+    def of(cls, dep: EncLLMDep) -> LLMBubbles:
+        gaps = stage_gaps(dep.timeline)
+        busy = [st.last_compute_us - st.first_compute_us - g.total() for st, (g, _) in zip(dep.timeline.stages, gaps)]
+        return cls(dep, gaps, busy)
+
+
+def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: EncoderPlanCandidate,
+                     bubbles: LLMBubbles, cost: CostModel, bound_us: float = float("inf"),
+                     fine: bool = True) -> tuple[Schedule | None, SchedulerStats]:
+    """BubbleScheduler (Algorithm 2): coarse schedules for every partition, refined, the fastest kept.
+
+    Partitions whose lower bound (see ``partition_lower_bound``) cannot beat ``bound_us`` or the best
+    schedule found so far are skipped; this never drops a schedule that could have won.
+    """
+    work = build_encoder_work(config, llm_plan, candidate.plan, cost)
+    stats = SchedulerStats(partitions_total=len(candidate.partitions.partitions))
+    dep, busy = bubbles.dep, bubbles.busy_us
+    bounds = {p: partition_lower_bound(work, dep, p, busy) for p in candidate.partitions.partitions}
+    best: Schedule | None = None
+    best_us = bound_us
+    for partition in sorted(bounds, key=bounds.get):
+        if bounds[partition] >= best_us - EPS_US:
+            stats.partitions_pruned += 1
+            continue
+        stats.partitions_searched += 1
+        state = init_schedule(work, bubbles, partition)
+        if state is None:
+            continue
+        coarse_us = state.evaluation.latency
+        stats.best_coarse_us = min(stats.best_coarse_us, coarse_us)
+        if fine:
+            state = optimize_schedule(state, FWD)
+            state = optimize_schedule(state, BWD)
+        if state.evaluation.latency < best_us - EPS_US:
+            best = _to_schedule(state, llm_plan, candidate.plan, coarse_us)
+            best_us = best.iteration_us
+    return best, stats
+
+
+def partition_lower_bound(work: EncoderWork, dep: EncLLMDep, partition: tuple[int, ...], busy: list[float]) -> float:
+    """No schedule of this partition can be faster than this.
+
+    Every iteration contains the encoder's and the LLM's all-gathers before the LLM starts and the
+    LLM's reduce-scatters after it ends; and each encoder stage's GPUs must fit that stage's encoder
+    compute, after the encoder's all-gather, into time their LLM stage is not computing.
+    """
+    tl = dep.timeline
+    t0_min = max(work.dp_all_gather_us + ag - st.first_compute_us for st, ag in zip(tl.stages, tl.dp_all_gather_us))
+    bound = max(t0_min, 0.0) + tl.tail_us
+    for j, n in enumerate(partition):
+        for e in range(len(work.fwd)):
+            s = work.llm_stage(j, e)
+            encoder = n * (work.fwd[e].compute_us + work.bwd[e].compute_us)
+            bound = max(bound, work.dp_all_gather_us + busy[s] + encoder)
+    return bound
+
+
+def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: ParallelPlan,
+                 coarse_us: float) -> Schedule:
+    ev, w = state.evaluation, state.work
+    t0 = ev.t0
+    chains = []
+    for (j, e), items in ev.pre.items():
+        for k, start in items:
+            chains.append(ChainPlacement(j, e, k, "fwd", "pre", _block(start, w.fwd[e])))
+    for (j, k), per_stage in state.fine_fwd.items():
+        for e, starts in enumerate(per_stage):
+            chains.append(ChainPlacement(j, e, k, "fwd", "llm", tuple(s + t0 for s in starts)))
+    for (j, k), per_stage in state.fine_bwd.items():
+        for e, starts in enumerate(per_stage):
+            if w.bwd[e].kernels:
+                chains.append(ChainPlacement(j, e, k, "bwd", "llm", tuple(s + t0 for s in starts)))
+    for (j, e), items in ev.post.items():
+        for k, start in items:
+            if w.bwd[e].kernels:
+                chains.append(ChainPlacement(j, e, k, "bwd", "post", _block(start + t0, w.bwd[e])))
+    return Schedule(
+        llm_plan=llm_plan, encoder_plan=enc_plan, partition=state.partition, dep=state.dep, work=w,
+        llm_origin_us=t0, assignment=tuple(ev.assignment), encoder_forward_end_us=tuple(ev.ef),
+        encoder_backward_start_us=tuple(ev.eb), chains=tuple(chains), iteration_us=ev.latency,
+        coarse_iteration_us=coarse_us,
+    )
+
+
+def network_fifo_end(transfers: list[tuple[float, float]]) -> float:
+    """End of (ready, duration) transfers sharing one GPU's network link, served in ready order.
+
+    The encoder's gradient reduce-scatter starts as soon as its last backward is done, under the
+    LLM's computation if that is still running; the LLM's own starts after its last backward.
+    """
+    t = 0.0
+    for ready, duration in sorted(transfers):
+        t = max(t, ready) + duration
+    return t
+
+
+def _block(start: float, chain: StageChain) -> tuple[float, ...]:
+    starts, t = [], start
+    for k in chain.kernels:
+        starts.append(t)
+        t += k.duration_us
+    return tuple(starts)
+
+
+# --------------------------------------------------------------------------------------------
+# Algorithm 1
+
+
+@dataclass
+class OptimusResult:
+    best: Schedule | None
+    per_plan: list[tuple[ParallelPlan, float | None, SchedulerStats]] = field(default_factory=list)
+    coarse_best_us: float = float("inf")
+    runtime_s: float = 0.0
+
+
+def optimus(config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine: bool = True) -> OptimusResult:
+    """Optimus (Algorithm 1): run the bubble scheduler on every encoder plan, keep the fastest schedule."""
+    started = time.perf_counter()
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    result = OptimusResult(best=None)
+    for candidate in planned.candidates:
+        bound = result.best.iteration_us if result.best else float("inf")
+        schedule, stats = bubble_scheduler(config, planned.llm_plan, candidate, bubbles, cost, bound, fine)
+        result.per_plan.append((candidate.plan, schedule.iteration_us if schedule else None, stats))
+        result.coarse_best_us = min(result.coarse_best_us, stats.best_coarse_us)
+        if schedule is not None and (result.best is None or schedule.iteration_us < result.best.iteration_us):
+            result.best = schedule
+    result.runtime_s = time.perf_counter() - started
+    return result

@@ -1,0 +1,72 @@
+"""Encoder-LLM dependency points (paper §4.3): F_i, B_i, the adjusted warm-up, and the global-ordering check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.scheduler.llm_costs import build_llm_timeline, llm_op_work, timeline_from_work
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, PipelineDeadlock, default_warmup
+
+EPS_US = 1e-6
+
+
+@dataclass(frozen=True)
+class EncLLMDep:
+    """Dependency points of one LLM pipeline, relative to the LLM's origin."""
+
+    forward: tuple[float, ...]  # F_i: the first stage needs encoder output A_i
+    backward: tuple[float, ...]  # B_i: the first stage has produced gradient G_i
+    warmup: tuple[int, ...]  # warm-up forwards per stage giving these points
+    default_warmup: tuple[int, ...]
+    timeline: LLMTimeline
+
+
+def get_enc_llm_dep(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> EncLLMDep:
+    """GetEncLLMDep: F_i and B_i under the adjusted warm-up of Fig. 12.
+
+    Fewer warm-up forwards defer the forward dependency points of the later microbatches into the
+    1F1B phase, giving the encoder more time, as long as the LLM pipeline does not get longer. We
+    lower every stage's warm-up by the same amount, keep the largest reduction that neither
+    deadlocks nor delays the end of the LLM's computation, and take F_i, B_i from that timeline.
+    """
+    work = llm_op_work(config, plan, cost)
+    base = timeline_from_work(config, plan, cost, work)
+    default = [default_warmup(plan.pp, plan.vp, base.num_microbatches, s) for s in range(plan.pp)]
+    best = base
+    for cut in range(1, max(default) + 1):
+        warmup = [max(0, w - cut) for w in default]
+        try:
+            candidate = timeline_from_work(config, plan, cost, work, warmup)
+        except PipelineDeadlock:
+            break
+        if candidate.compute_end_us > base.compute_end_us + EPS_US:
+            break
+        best = candidate
+    return EncLLMDep(tuple(best.forward_dependency_points), tuple(best.backward_dependency_points),
+                     tuple(s.warmup for s in best.stages), tuple(default), best)
+
+
+def default_enc_llm_dep(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> EncLLMDep:
+    """F_i and B_i of megatron-core's own warm-up, without adjustment."""
+    timeline = build_llm_timeline(config, plan, cost)
+    warmup = tuple(s.warmup for s in timeline.stages)
+    return EncLLMDep(tuple(timeline.forward_dependency_points), tuple(timeline.backward_dependency_points),
+                     warmup, warmup, timeline)
+
+
+def global_order(encoder_forward_ends: list[tuple[float, int, int]]) -> list[tuple[int, int]]:
+    """Global ordering: the i-th finished encoder forward feeds LLM microbatch i.
+
+    Takes (EF, pipeline, local microbatch) and returns (pipeline, local microbatch) per LLM microbatch.
+    """
+    return [(j, k) for _, j, k in sorted(encoder_forward_ends)]
+
+
+def check_enc_llm_dep(forward_ends: list[float], backward_starts: list[float], dep_forward: list[float],
+                      dep_backward: list[float]) -> bool:
+    """checkEncLLMDep: EF_i <= F_i and EB_i >= B_i for every LLM microbatch i (same time base)."""
+    return (all(ef <= f + EPS_US for ef, f in zip(forward_ends, dep_forward))
+            and all(eb >= b - EPS_US for eb, b in zip(backward_starts, dep_backward)))

@@ -1,0 +1,157 @@
+"""The encoder(s) under an encoder plan: per pipeline stage, the kernel chain of one microbatch.
+
+Several encoders are independent of each other, so each stage's chain simply runs the layers of
+every encoder in turn: the scheduler treats them as one encoder (paper §4.4). A frozen encoder has
+no backward; its projector still trains (paper §6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from optimus_mllm.config import EncoderConfig, OptimusConfig
+from optimus_mllm.cost_model import CostModel, KernelWork, LayerShape, group_bandwidth_gbps, p2p_work
+from optimus_mllm.params import encoder_params_per_stage, stage_layer_bounds
+from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
+from optimus_mllm.scheduler.llm_costs import activation_dtype_bytes, dp_comm_us, tp_bandwidth
+from optimus_mllm.scheduler.llm_timeline import Phase
+
+
+@dataclass(frozen=True)
+class EncoderKernel:
+    encoder: str
+    layer: int  # -1 for the patch embedding and the projector
+    name: str
+    phase: Phase
+    is_comm: bool
+    duration_us: float
+
+
+@dataclass(frozen=True)
+class StageChain:
+    """One microbatch's kernels on one encoder stage, in order."""
+
+    kernels: tuple[EncoderKernel, ...]
+
+    @cached_property
+    def duration_us(self) -> float:
+        return sum(k.duration_us for k in self.kernels)
+
+    @cached_property
+    def compute_us(self) -> float:
+        return sum(k.duration_us for k in self.kernels if not k.is_comm)
+
+
+@dataclass(frozen=True)
+class EncoderWork:
+    plan: ParallelPlan
+    fwd: tuple[StageChain, ...]  # per encoder stage
+    bwd: tuple[StageChain, ...]  # per encoder stage; empty chains when every encoder is frozen
+    p2p_us: float  # between consecutive encoder stages
+    to_llm_us: tuple[float, ...]  # per encoder pipeline: its last stage to the first LLM stage
+    dp_all_gather_us: float  # exposed, before the first encoder forward
+    dp_reduce_scatter_us: float  # exposed, after the last encoder backward
+    stage_gpus: tuple[tuple[tuple[int, ...], ...], ...]  # [pipeline][stage] -> GPUs in the LLM pipeline
+    llm_tp: int
+
+    def llm_stage(self, pipeline: int, stage: int) -> int:
+        return self.stage_gpus[pipeline][stage][0] // self.llm_tp
+
+    @property
+    def num_pipelines(self) -> int:
+        return len(self.stage_gpus)
+
+
+def build_encoder_work(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: ParallelPlan,
+                       cost: CostModel) -> EncoderWork:
+    t = config.training
+    dtype = activation_dtype_bytes(config)
+    bw = tp_bandwidth(config, enc_plan.tp)
+    fwd: list[list[EncoderKernel]] = [[] for _ in range(enc_plan.pp)]
+    bwd: list[list[EncoderKernel]] = [[] for _ in range(enc_plan.pp)]
+    for enc in config.encoders:
+        shape = LayerShape(enc, enc_plan.tp, t.micro_batch_size, t.sequence_parallel, dtype, t.recompute)
+        layer = {phase: cost.layer(shape, phase, enc.name, bw) for phase in ("fwd", "bwd")}
+        for e, (lo, hi) in enumerate(stage_layer_bounds(enc.num_layers, enc_plan.pp)):
+            if e == 0:
+                fwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "fwd"))
+            for i in range(lo, hi):
+                fwd[e] += [EncoderKernel(enc.name, i, k.name, "fwd", k.is_comm, k.duration_us) for k in layer["fwd"]]
+            if e == enc_plan.pp - 1:
+                fwd[e] += _projector(config, enc, cost, enc_plan.tp, "fwd")
+                bwd[e] += _projector(config, enc, cost, enc_plan.tp, "bwd")
+            if not enc.frozen:
+                for i in reversed(range(lo, hi)):
+                    bwd[e] += [EncoderKernel(enc.name, i, k.name, "bwd", k.is_comm, k.duration_us)
+                               for k in layer["bwd"]]
+                if e == 0:
+                    bwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "bwd"))
+    layout = encoder_stage_gpus(llm_plan, enc_plan)
+    per_stage = encoder_params_per_stage(tuple(e for e in config.encoders if not e.frozen), config.llm,
+                                         enc_plan.pp) if any(not e.frozen for e in config.encoders) else [0]
+    ag, rs = dp_comm_us(config, max(per_stage) / enc_plan.tp, enc_plan.dp, enc_plan.tp, cost)
+    return EncoderWork(
+        plan=enc_plan,
+        fwd=tuple(StageChain(tuple(c)) for c in fwd),
+        bwd=tuple(StageChain(tuple(c)) for c in bwd),
+        p2p_us=_encoder_p2p_us(config, llm_plan, enc_plan, cost),
+        to_llm_us=tuple(_to_llm_us(config, llm_plan, stages[-1][0] // llm_plan.tp, cost) for stages in layout),
+        dp_all_gather_us=ag,
+        dp_reduce_scatter_us=rs,
+        stage_gpus=tuple(tuple(tuple(g) for g in stages) for stages in layout),
+        llm_tp=llm_plan.tp,
+    )
+
+
+def _patch_embed(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase) -> EncoderKernel:
+    """The patch embedding as a GEMM over flattened patches (replicated over TP, like Megatron's CLIP)."""
+    tokens = enc.seq_length * config.training.micro_batch_size
+    patch_dim = enc.in_channels * enc.patch_size**2
+    dtype = activation_dtype_bytes(config)
+    scale = 1 if phase == "fwd" else 2
+    work = KernelWork("patch_embed", phase, "gemm", scale * 2.0 * tokens * patch_dim * enc.hidden_size,
+                      scale * (tokens * patch_dim + patch_dim * enc.hidden_size + tokens * enc.hidden_size) * dtype)
+    return EncoderKernel(enc.name, -1, "patch_embed", phase, False, cost.compute_us(work, enc.name, tp))
+
+
+def _projector(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase) -> list[EncoderKernel]:
+    """Projector GEMMs, column- then row-parallel over the encoder's TP group (one all-reduce)."""
+    tokens = enc.seq_length * config.training.micro_batch_size
+    dtype = activation_dtype_bytes(config)
+    h_llm = config.llm.hidden_size
+    shapes = [("projector_fc1", enc.hidden_size, h_llm // tp)]
+    if enc.projector.type == "mlp":
+        shapes.append(("projector_fc2", h_llm // tp, h_llm))
+    scale = 1 if phase == "fwd" else 2
+    kernels = []
+    for name, k_in, k_out in shapes:
+        work = KernelWork(name, phase, "gemm", scale * 2.0 * tokens * k_in * k_out,
+                          scale * (tokens * k_in + k_in * k_out + tokens * k_out) * dtype)
+        kernels.append(EncoderKernel(enc.name, -1, name, phase, False, cost.compute_us(work, enc.name, tp)))
+    if tp > 1:
+        reduce = KernelWork("tp_ar_projector", phase, "comm", 0.0, tokens * h_llm * dtype, "all_reduce", tp)
+        kernels.append(EncoderKernel(enc.name, -1, "tp_ar_projector", phase, True,
+                                     cost.comm_us(reduce, tp_bandwidth(config, tp), enc.name, tp)))
+    return kernels if phase == "fwd" else kernels[::-1]
+
+
+def _encoder_p2p_us(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: ParallelPlan, cost: CostModel) -> float:
+    if enc_plan.pp == 1:
+        return 0.0
+    widest = max(config.encoders, key=lambda e: e.seq_length * e.hidden_size)
+    work = p2p_work("encoder_p2p", "fwd", widest, config.training.micro_batch_size, enc_plan.tp,
+                    activation_dtype_bytes(config))
+    # consecutive encoder stages sit on consecutive LLM stages
+    return cost.comm_us(work, group_bandwidth_gbps(config.cluster, 2, llm_plan.tp * llm_plan.dp))
+
+
+def _to_llm_us(config: OptimusConfig, llm_plan: ParallelPlan, llm_stage: int, cost: CostModel) -> float:
+    """Send the projected image tokens (and later their gradient) to/from the first LLM stage."""
+    if llm_stage == 0:
+        return 0.0  # colocated on the first LLM stage: a local copy
+    tokens = sum(e.seq_length for e in config.encoders) * config.training.micro_batch_size
+    nbytes = tokens * config.llm.hidden_size * activation_dtype_bytes(config) / llm_plan.tp
+    work = KernelWork("encoder_to_llm", "fwd", "comm", 0.0, nbytes, "p2p", 2)
+    stride = llm_stage * llm_plan.tp * llm_plan.dp
+    return cost.comm_us(work, group_bandwidth_gbps(config.cluster, 2, stride))

@@ -1,0 +1,57 @@
+"""Sorted, disjoint free intervals of one GPU's stream, with first-fit placement."""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+
+class FreeIntervals:
+    """Disjoint [start, end) intervals in time order."""
+
+    def __init__(self, intervals: list[tuple[float, float]]):
+        merged = [(a, b) for a, b in intervals if b > a]
+        self.starts = [a for a, _ in merged]
+        self.ends = [b for _, b in merged]
+
+    @classmethod
+    def complement(cls, busy: list[tuple[float, float]], lo: float, hi: float) -> FreeIntervals:
+        """The gaps of time-ordered ``busy`` intervals inside [lo, hi)."""
+        gaps, t = [], lo
+        for a, b in busy:
+            if a > t:
+                gaps.append((t, min(a, hi)))
+            t = max(t, b)
+            if t >= hi:
+                break
+        if t < hi:
+            gaps.append((t, hi))
+        return cls(gaps)
+
+    def copy(self) -> FreeIntervals:
+        new = FreeIntervals([])
+        new.starts, new.ends = list(self.starts), list(self.ends)
+        return new
+
+    def earliest_fit(self, t: float, duration: float, limit: float) -> float | None:
+        """Earliest start >= t of a [start, start + duration) inside one free interval, ending by ``limit``."""
+        i = bisect_right(self.ends, t)
+        while i < len(self.starts):
+            start = max(self.starts[i], t)
+            if start + duration > limit:
+                return None
+            if start + duration <= self.ends[i]:
+                return start
+            i += 1
+        return None
+
+    def occupy(self, start: float, end: float) -> None:
+        """Remove [start, end), which must lie inside one free interval."""
+        i = bisect_right(self.starts, start) - 1
+        a, b = self.starts[i], self.ends[i]
+        assert a <= start and end <= b + 1e-9, (a, b, start, end)
+        pieces = [(x, y) for x, y in ((a, start), (end, b)) if y > x]
+        self.starts[i:i + 1] = [x for x, _ in pieces]
+        self.ends[i:i + 1] = [y for _, y in pieces]
+
+    def total(self) -> float:
+        return sum(b - a for a, b in zip(self.starts, self.ends))

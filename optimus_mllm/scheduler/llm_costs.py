@@ -1,0 +1,132 @@
+"""Kernels and communication of the LLM under a plan, turned into an ``LLMTimeline``."""
+
+from __future__ import annotations
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.cost_model import (
+    CostModel,
+    KernelWork,
+    LayerShape,
+    dp_grad_reduce_scatter_work,
+    dp_param_all_gather_work,
+    group_bandwidth_gbps,
+    p2p_work,
+)
+from optimus_mllm.memory_model import MAIN_GRAD_BYTES, param_bytes
+from optimus_mllm.params import llm_params_per_stage
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork, Phase, simulate
+
+LLM = "llm"
+
+
+def activation_dtype_bytes(config: OptimusConfig) -> int:
+    return 4 if config.training.precision == "fp32" else 2
+
+
+def llm_layer_shape(config: OptimusConfig, plan: ParallelPlan) -> LayerShape:
+    t = config.training
+    return LayerShape(config.llm, plan.tp, t.micro_batch_size, t.sequence_parallel,
+                      activation_dtype_bytes(config), t.recompute)
+
+
+def tp_bandwidth(config: OptimusConfig, tp: int) -> float:
+    return group_bandwidth_gbps(config.cluster, tp, 1)
+
+
+def llm_op_work(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> dict[tuple[int, int, Phase], OpWork]:
+    """Kernels of every (stage, chunk, phase): the chunk's layers, plus the embedding on the first
+    virtual stage and the output layer on the last (Megatron's interleaved layer assignment)."""
+    shape = llm_layer_shape(config, plan)
+    bw = tp_bandwidth(config, plan.tp)
+    layer = {phase: cost.layer(shape, phase, LLM, bw) for phase in ("fwd", "bwd")}
+    per_chunk = config.llm.num_layers // (plan.pp * plan.vp)
+    head = _head_kernels(config, plan, cost)
+    work = {}
+    for s in range(plan.pp):
+        for c in range(plan.vp):
+            first_layer = (c * plan.pp + s) * per_chunk
+            for phase in ("fwd", "bwd"):
+                items = [(k.name, first_layer + i, k.is_comm, k.duration_us)
+                         for i in range(per_chunk) for k in layer[phase]]
+                if phase == "bwd":  # layers run backwards in the backward pass
+                    items = [(k.name, first_layer + per_chunk - 1 - i, k.is_comm, k.duration_us)
+                             for i in range(per_chunk) for k in layer[phase]]
+                first = s == 0 and c == 0
+                last = s == plan.pp - 1 and c == plan.vp - 1
+                if phase == "fwd":
+                    items = (head["embedding", "fwd"] if first else []) + items + (
+                        head["output_layer", "fwd"] if last else [])
+                else:
+                    items = (head["output_layer", "bwd"] if last else []) + items + (
+                        head["embedding", "bwd"] if first else [])
+                work[(s, c, phase)] = OpWork.sequential(items)
+    return work
+
+
+def _head_kernels(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> dict:
+    """Embedding lookup (memory-bound) and the vocabulary-parallel output GEMM."""
+    llm, t = config.llm, config.training
+    tokens = llm.seq_length * t.micro_batch_size
+    b = activation_dtype_bytes(config)
+    vocab = llm.vocab_size // plan.tp
+    emb = KernelWork("embedding", "fwd", "memory", 0.0, 2 * tokens * llm.hidden_size * b)
+    out = KernelWork("output_layer", "fwd", "gemm", 2.0 * tokens * llm.hidden_size * vocab,
+                     (tokens * llm.hidden_size + llm.hidden_size * vocab + tokens * vocab) * b)
+    kernels = {}
+    for work in (emb, out):
+        for phase, scale in (("fwd", 1), ("bwd", 2)):
+            scaled = KernelWork(work.name, phase, work.kind, work.flops * scale, work.bytes * scale)
+            kernels[(work.name, phase)] = [(work.name, -1, False, cost.compute_us(scaled, LLM, plan.tp))]
+    return kernels
+
+
+def llm_p2p_us(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> float:
+    """One pipeline send/receive between adjacent stages (ranks tp*dp apart in Megatron's order)."""
+    if plan.pp == 1:
+        return 0.0
+    work = p2p_work("p2p", "fwd", config.llm, config.training.micro_batch_size, plan.tp,
+                    activation_dtype_bytes(config))
+    return cost.comm_us(work, group_bandwidth_gbps(config.cluster, 2, plan.tp * plan.dp))
+
+
+def dp_comm_us(config: OptimusConfig, params_per_rank: float, dp: int, tp: int, cost: CostModel) -> tuple[float, float]:
+    """Exposed (all-gather, reduce-scatter) time of ``params_per_rank`` over ``dp`` replicas.
+
+    Without Megatron's --overlap-param-gather / --overlap-grad-reduce (its defaults) the whole
+    rank's parameters are gathered before the first computation and its gradients reduced after the
+    last; without the distributed optimizer the gradients are all-reduced instead.
+    """
+    if dp == 1:
+        return 0.0, 0.0
+    bw = group_bandwidth_gbps(config.cluster, dp, tp)
+    if not config.training.distributed_optimizer:
+        rs = KernelWork("dp_all_reduce", "bwd", "comm", 0.0, params_per_rank * MAIN_GRAD_BYTES, "all_reduce", dp)
+        return 0.0, cost.comm_us(rs, bw)
+    ag = dp_param_all_gather_work(int(params_per_rank), dp, param_bytes(config))
+    rs = dp_grad_reduce_scatter_work(int(params_per_rank), dp, MAIN_GRAD_BYTES)
+    return cost.comm_us(ag, bw), cost.comm_us(rs, bw)
+
+
+def build_llm_timeline(config: OptimusConfig, plan: ParallelPlan, cost: CostModel,
+                       warmup: list[int] | None = None,
+                       extra_stage_params: list[float] | None = None) -> LLMTimeline:
+    """Simulate one LLM pipeline under ``plan``; ``warmup`` overrides megatron-core's warm-up counts.
+
+    ``extra_stage_params`` adds parameters to each stage's DP collectives (a baseline that keeps
+    the encoder on the first stage).
+    """
+    work = llm_op_work(config, plan, cost)
+    return timeline_from_work(config, plan, cost, work, warmup, extra_stage_params)
+
+
+def timeline_from_work(config: OptimusConfig, plan: ParallelPlan, cost: CostModel,
+                       work: dict[tuple[int, int, Phase], OpWork], warmup: list[int] | None = None,
+                       extra_stage_params: list[float] | None = None) -> LLMTimeline:
+    n_mb = config.num_microbatches_total // plan.dp
+    p2p = llm_p2p_us(config, plan, cost)
+    stages = simulate(plan.pp, plan.vp, n_mb, work, p2p, warmup)
+    per_stage = llm_params_per_stage(config.llm, plan.pp)
+    extra = extra_stage_params or [0.0] * plan.pp
+    dp = [dp_comm_us(config, (p + e) / plan.tp, plan.dp, plan.tp, cost) for p, e in zip(per_stage, extra)]
+    return LLMTimeline(plan.pp, plan.vp, n_mb, stages, work, p2p, [a for a, _ in dp], [r for _, r in dp])

@@ -1,0 +1,233 @@
+"""The LLM's timeline for one pipeline: Megatron's (interleaved) 1F1B with every kernel placed.
+
+Op order per pipeline rank is megatron-core's: ``get_schedule_table`` order of (microbatch, chunk)
+for forwards, the same order with the chunk mirrored for backwards, ``warmup`` forwards first, then
+one forward and one backward at a time, then the remaining backwards. A rank runs its ops in that
+order, each as soon as its input has arrived (P2P overlapped with compute, as with
+``overlap_p2p_comm``). Inside an op the layer kernels run back to back on the compute stream; TP
+collectives block it (these are the TP bubbles). All TP ranks of a stage have the same timeline.
+
+Times are microseconds from the start of the first LLM computation (the LLM's origin); the DP
+all-gather before it and the reduce-scatter after are kept separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Phase = Literal["fwd", "bwd"]
+
+
+@dataclass(frozen=True)
+class KernelSlot:
+    """A kernel's position inside an op: offsets from the op's start."""
+
+    name: str
+    layer: int  # layer index within the whole LLM; -1 for embedding / output layer
+    is_comm: bool
+    offset_us: float
+    duration_us: float
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """The kernels of one chunk's forward or backward on one stage (same for every microbatch)."""
+
+    kernels: tuple[KernelSlot, ...]
+
+    @property
+    def duration_us(self) -> float:
+        return self.kernels[-1].offset_us + self.kernels[-1].duration_us if self.kernels else 0.0
+
+    @staticmethod
+    def sequential(items: list[tuple[str, int, bool, float]]) -> OpWork:
+        """Lay (name, layer, is_comm, duration) kernels back to back."""
+        slots, t = [], 0.0
+        for name, layer, is_comm, duration in items:
+            slots.append(KernelSlot(name, layer, is_comm, t, duration))
+            t += duration
+        return OpWork(tuple(slots))
+
+
+@dataclass(frozen=True)
+class PipelineOp:
+    stage: int
+    chunk: int
+    microbatch: int
+    phase: Phase
+    start_us: float
+    end_us: float
+
+
+@dataclass
+class StageTimeline:
+    stage: int
+    warmup: int
+    ops: list[PipelineOp] = field(default_factory=list)
+
+    @property
+    def first_compute_us(self) -> float:
+        return self.ops[0].start_us
+
+    @property
+    def last_compute_us(self) -> float:
+        return self.ops[-1].end_us
+
+
+@dataclass
+class LLMTimeline:
+    """One LLM pipeline's iteration (all times relative to the LLM's origin)."""
+
+    pp: int
+    vp: int
+    num_microbatches: int
+    stages: list[StageTimeline]
+    work: dict[tuple[int, int, Phase], OpWork]  # (stage, chunk, phase) -> kernels
+    p2p_us: float
+    dp_all_gather_us: list[float]  # per stage, exposed before the first computation
+    dp_reduce_scatter_us: list[float]  # per stage, exposed after the last computation
+
+    @property
+    def forward_dependency_points(self) -> list[float]:
+        """F_i: when the first stage starts chunk 0's forward of microbatch i (needs A_i)."""
+        return [op.start_us for op in self._first_chunk_ops("fwd")]
+
+    @property
+    def backward_dependency_points(self) -> list[float]:
+        """B_i: when the first stage finishes chunk 0's backward of microbatch i (produces G_i)."""
+        return [op.end_us for op in self._first_chunk_ops("bwd")]
+
+    def _first_chunk_ops(self, phase: Phase) -> list[PipelineOp]:
+        ops = sorted((op for op in self.stages[0].ops if op.chunk == 0 and op.phase == phase),
+                     key=lambda op: op.microbatch)
+        return ops
+
+    @property
+    def compute_end_us(self) -> float:
+        """Relative time when the last LLM computation of any stage ends."""
+        return max(s.last_compute_us for s in self.stages)
+
+    @property
+    def origin_us(self) -> float:
+        """Earliest start of the LLM's computation: every stage's DP all-gather done before its first op."""
+        return max(0.0, max(ag - s.first_compute_us for s, ag in zip(self.stages, self.dp_all_gather_us)))
+
+    @property
+    def tail_us(self) -> float:
+        """From the LLM's origin to the end of the last stage's reduce-scatter."""
+        return max(s.last_compute_us + rs for s, rs in zip(self.stages, self.dp_reduce_scatter_us))
+
+    @property
+    def iteration_us(self) -> float:
+        """One training step of the LLM alone: all-gather, computation, reduce-scatter."""
+        return self.origin_us + self.tail_us
+
+    def kernel_intervals(self, stage: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """(compute, tp_comm) intervals of a stage's compute stream, in time order."""
+        compute: list[tuple[float, float]] = []
+        comm: list[tuple[float, float]] = []
+        for op in self.stages[stage].ops:
+            for k in self.work[(stage, op.chunk, op.phase)].kernels:
+                if k.duration_us <= 0:
+                    continue
+                start = op.start_us + k.offset_us
+                (comm if k.is_comm else compute).append((start, start + k.duration_us))
+        return compute, comm
+
+
+def schedule_table(num_microbatches: int, vp: int, group_size: int) -> list[tuple[int, int]]:
+    """megatron-core's (microbatch, chunk) order of forwards on every rank (``get_schedule_table``)."""
+    table = []
+    for lo in range(0, num_microbatches, group_size):
+        hi = num_microbatches if lo + group_size >= num_microbatches else lo + group_size
+        table += [(mb, chunk) for chunk in range(vp) for mb in range(lo, hi)]
+    return table
+
+
+def default_warmup(pp: int, vp: int, num_microbatches: int, stage: int, group_size: int | None = None) -> int:
+    """megatron-core's number of warm-up forwards (``get_pp_rank_microbatches``)."""
+    total = num_microbatches * vp
+    if pp == 1:
+        return 0
+    if vp == 1:
+        warmup = pp - stage - 1
+    else:
+        warmup = (pp - stage - 1) * 2 + (vp - 1) * (group_size or pp)
+    return min(warmup, total)
+
+
+def rank_op_order(num_microbatches: int, vp: int, warmup: int, group_size: int) -> list[tuple[int, int, Phase]]:
+    """(microbatch, chunk, phase) in the order one pipeline rank runs them."""
+    table = schedule_table(num_microbatches, vp, group_size)
+    total = len(table)
+    fwd = [(mb, chunk, "fwd") for mb, chunk in table]
+    bwd = [(mb, vp - 1 - chunk, "bwd") for mb, chunk in table]
+    order: list[tuple[int, int, Phase]] = fwd[:warmup]
+    for i in range(total - warmup):
+        order += [fwd[warmup + i], bwd[i]]
+    order += bwd[total - warmup:]
+    return order  # type: ignore[return-value]
+
+
+class PipelineDeadlock(Exception):
+    """The op orders cannot all make progress (only possible with a hand-made warm-up)."""
+
+
+def simulate(pp: int, vp: int, num_microbatches: int, work: dict[tuple[int, int, Phase], OpWork],
+             p2p_us: float, warmup: list[int] | None = None, group_size: int | None = None,
+             input_ready_us: list[float] | None = None) -> list[StageTimeline]:
+    """Run the pipeline: every op starts when its rank is free and its input has arrived.
+
+    ``input_ready_us[i]``, if given, is when microbatch i's input (the encoder output) reaches the
+    first stage; by default inputs are ready at time 0.
+    """
+    group = group_size or pp
+    warmups = warmup if warmup is not None else [default_warmup(pp, vp, num_microbatches, s, group)
+                                                  for s in range(pp)]
+    orders = [rank_op_order(num_microbatches, vp, warmups[s], group) for s in range(pp)]
+    done: dict[tuple[int, int, int, Phase], float] = {}
+    stages = [StageTimeline(s, warmups[s]) for s in range(pp)]
+    cursor = [0] * pp
+    free = [0.0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(pp):
+            order = orders[s]
+            while cursor[s] < len(order):
+                mb, chunk, phase = order[cursor[s]]
+                ready = _input_ready(s, chunk, mb, phase, pp, vp, p2p_us, done, input_ready_us)
+                if ready is None:
+                    break
+                start = max(free[s], ready)
+                end = start + work[(s, chunk, phase)].duration_us
+                done[(s, chunk, mb, phase)] = end
+                stages[s].ops.append(PipelineOp(s, chunk, mb, phase, start, end))
+                free[s] = end
+                cursor[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise PipelineDeadlock(f"warm-up {warmups} deadlocks with pp={pp}, vp={vp}, "
+                                   f"{num_microbatches} microbatches")
+    return stages
+
+
+def _input_ready(s: int, chunk: int, mb: int, phase: Phase, pp: int, vp: int, p2p_us: float,
+                 done: dict, input_ready_us: list[float] | None) -> float | None:
+    """When op (s, chunk, mb, phase)'s input is available, or None if its producer has not run."""
+    if phase == "fwd":
+        if s > 0:
+            producer = (s - 1, chunk, mb, "fwd")
+        elif chunk > 0:
+            producer = (pp - 1, chunk - 1, mb, "fwd")
+        else:
+            return input_ready_us[mb] if input_ready_us is not None else 0.0
+    else:
+        if s == pp - 1 and chunk == vp - 1:
+            producer = (s, chunk, mb, "fwd")
+            return done.get(producer)  # the loss is on the same rank: no transfer
+        producer = (s + 1, chunk, mb, "bwd") if s < pp - 1 else (0, chunk + 1, mb, "bwd")
+    end = done.get(producer)
+    return None if end is None else end + p2p_us
