@@ -1,4 +1,4 @@
-"""``optimus-plan``: run the model planner on a YAML config and print (or save) the plans."""
+"""``optimus-plan``: plan the job, schedule encoder work into the LLM's bubbles, print or save the result."""
 
 from __future__ import annotations
 
@@ -8,21 +8,29 @@ from dataclasses import asdict
 from typing import Any
 
 from optimus_mllm.cli.common import ArgumentParser, run
-from optimus_mllm.config import load_config
+from optimus_mllm.config import OptimusConfig, load_config
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.memory_model import GIB, MemoryBreakdown
-from optimus_mllm.planner import PlannerResult, plan
+from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
+from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, optimus
+from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency
 
 PROG = "optimus-plan"
+RANKING = "simulated iteration time (bubble scheduler)"
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog=PROG, description="Choose the LLM plan and enumerate colocated encoder plans "
-                                                   "(Optimus model planner).")
+    parser = ArgumentParser(prog=PROG, description="Choose the LLM plan, enumerate colocated encoder plans and "
+                                                   "schedule encoder work into the LLM's bubbles (Optimus).")
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/paper/strong_3072.yaml")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. training.micro_batch_size=1 (repeatable)")
-    parser.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
+    parser.add_argument("--json", metavar="OUT", help="also write the plans and their schedules as JSON")
+    parser.add_argument("--artifact", metavar="OUT", help="write the chosen schedule for the runtime (JSON)")
+    parser.add_argument("--trace", metavar="OUT", help="write the chosen schedule as a Chrome/Perfetto trace")
+    parser.add_argument("--png", metavar="OUT", help="draw the chosen schedule's timeline (needs matplotlib)")
     return parser
 
 
@@ -31,10 +39,26 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         config = load_config(args.config, args.override)
-        result = plan(config)
+        planned = plan(config)
+        scheduled = optimus(config, planned, CostModel.from_config(config))
+        if (args.artifact or args.trace or args.png) and scheduled.best is None:
+            raise OptimusError("no encoder plan could be scheduled, so there is no schedule to write; "
+                               "see the pruned plans")
         if args.json:
-            atomic_write_text(args.json, json.dumps(result_to_dict(result), indent=2) + "\n")
-        sys.stdout.write(format_result(result))
+            atomic_write_text(args.json, json.dumps(result_to_dict(planned, scheduled), indent=2) + "\n")
+        if args.artifact:
+            from optimus_mllm.scheduler.artifact import write_artifact
+
+            write_artifact(scheduled.best, config.name, config.cluster.num_gpus, args.artifact)
+        if args.trace:
+            from optimus_mllm.scheduler.trace import write_trace
+
+            write_trace(scheduled.best, args.trace)
+        if args.png:
+            from optimus_mllm.scheduler.plot import draw_schedule
+
+            draw_schedule(scheduled.best, args.png)
+        sys.stdout.write(format_result(config, planned, scheduled))
         return 0
 
     return run(PROG, body)
@@ -44,7 +68,12 @@ def _gib(value: float) -> str:
     return f"{value / GIB:.2f}"
 
 
-def format_result(result: PlannerResult) -> str:
+def _seconds(us: float) -> str:
+    return f"{us / 1e6:.4f}"
+
+
+def format_result(config: OptimusConfig, result: PlannerResult, scheduled: OptimusResult) -> str:
+    best = scheduled.best
     lines = [
         f"config {result.config_name}: {result.num_gpus} GPUs of {result.gpu_memory_bytes / GIB:g} GiB",
         f"LLM plan ({result.llm_plan_origin}): {result.llm_plan}, {result.num_microbatches} microbatches per "
@@ -52,37 +81,60 @@ def format_result(result: PlannerResult) -> str:
     ]
     for rejected in result.llm_rejected:
         lines.append(f"  tried first, rejected: {rejected.plan}: {rejected.reason}")
-    lines += ["", f"encoder plans ({len(result.candidates)} kept, ranked by {result.ranking}):"]
-    header = (f"{'rank':>4}  {'encoder plan':<16}{'m':>4}  {'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}"
-              f"{'total':>8}  {'overhead':>8}  {'max mb':>6}  partitions")
+    lines.append(f"LLM alone: iteration {_seconds(scheduled.llm_alone_us)} s")
+    candidates = {c.plan: c for c in result.candidates}
+    lines += ["", f"encoder plans ({len(result.candidates)} fit in memory, ranked by {RANKING}):"]
+    header = (f"{'rank':>4}  {'encoder plan':<16}{'m':>4}  {'iteration s':>13}  {'params':>7}{'grads':>7}"
+              f"{'optim':>7}{'activ':>7}{'total':>8}  {'overhead':>8}  {'max mb':>6}  partitions")
     lines += [header, "  " + "-" * (len(header) - 2)]
-    for i, c in enumerate(result.candidates, 1):
-        mem: MemoryBreakdown = c.memory
-        parts = c.partitions
-        partitions = f"{len(parts.partitions)} of {parts.num_compositions}"
-        if parts.truncated:
-            partitions += " (capped)"
-        lines.append(f"{i:>4}  {str(c.plan):<16}{c.m:>4}  {_gib(mem.params):>7}{_gib(mem.grads):>7}"
-                     f"{_gib(mem.optimizer):>7}{_gib(mem.activations):>7}{_gib(mem.total):>8}  "
-                     f"{_gib(c.overhead_bytes):>8}  {c.max_microbatches_per_pipeline:>6}  {partitions}")
-    lines += ["", "  memory columns: GiB on the fullest GPU (LLM + encoder); overhead: paper §4.5, "
-                  "k(DP_enc - DP_llm)Φ_enc/n_gpu in GiB;",
-              "  max mb: most microbatches one encoder pipeline can hold activations for; partitions: kept "
-              "(symmetry-reduced, capped) of all compositions of the microbatches over the m pipelines"]
+    for i, outcome in enumerate(scheduled.ranked, 1):
+        c = candidates[outcome.plan]
+        lines.append(f"{i:>4}  {str(c.plan):<16}{c.m:>4}  {_outcome_text(outcome):>13}  {_memory_columns(c)}")
+    lines += ["",
+              "  iteration: best schedule found; '>= x' means the plan's lower bound x cannot beat rank 1, so it",
+              "  was not searched; memory: GiB on the fullest GPU (LLM + encoder); overhead: paper §4.5,",
+              "  k(DP_enc - DP_llm)Φ_enc/n_gpu in GiB; max mb: most microbatches one encoder pipeline can hold",
+              "  activations for; partitions: kept (symmetry-reduced, capped) of all compositions"]
     if result.pruned:
         lines += ["", f"pruned encoder plans ({len(result.pruned)}):"]
         lines += [f"  {str(p.plan):<16}{p.reason}" for p in result.pruned]
-    if result.candidates:
-        lines += ["", f"chosen: LLM {result.llm_plan} | encoder {result.candidates[0].plan}"]
+    lines.append("")
+    if best is None:
+        lines.append("chosen: none: no encoder plan could be scheduled; see the reasons above")
     else:
-        lines += ["", "chosen: none: no encoder plan fits; see the reasons above"]
+        lines += [
+            f"chosen: LLM {result.llm_plan} | encoder {best.encoder_plan} | partition {list(best.partition)}",
+            f"  iteration {_seconds(best.iteration_us)} s (coarse-only {_seconds(best.coarse_iteration_us)} s, "
+            f"LLM alone {_seconds(scheduled.llm_alone_us)} s); encoder compute inside LLM bubbles "
+            f"{scheduling_efficiency(best):.1%}; MFU {mfu(config, best.iteration_us):.1%}",
+            f"  warm-up per stage {list(best.dep.warmup)} (megatron-core default {list(best.dep.default_warmup)}); "
+            f"scheduler runtime {scheduled.runtime_s:.2f} s",
+        ]
     return "\n".join(lines) + "\n"
 
 
-def result_to_dict(result: PlannerResult) -> dict[str, Any]:
+def _outcome_text(outcome: PlanOutcome) -> str:
+    if outcome.status == "scheduled":
+        return _seconds(outcome.iteration_us)
+    if outcome.status == "bounded":
+        return ">= " + _seconds(outcome.lower_bound_us)
+    return "infeasible"
+
+
+def _memory_columns(c: EncoderPlanCandidate) -> str:
+    mem: MemoryBreakdown = c.memory
+    parts = c.partitions
+    partitions = f"{len(parts.partitions)} of {parts.num_compositions}" + (" (capped)" if parts.truncated else "")
+    return (f"{_gib(mem.params):>7}{_gib(mem.grads):>7}{_gib(mem.optimizer):>7}{_gib(mem.activations):>7}"
+            f"{_gib(mem.total):>8}  {_gib(c.overhead_bytes):>8}  {c.max_microbatches_per_pipeline:>6}  {partitions}")
+
+
+def result_to_dict(result: PlannerResult, scheduled: OptimusResult) -> dict[str, Any]:
     def memory(mem: MemoryBreakdown) -> dict[str, float]:
         return {**asdict(mem), "total": mem.total}
 
+    outcomes = {o.plan: o for o in scheduled.outcomes}
+    best = scheduled.best
     return {
         "config": result.config_name,
         "num_gpus": result.num_gpus,
@@ -91,11 +143,15 @@ def result_to_dict(result: PlannerResult) -> dict[str, Any]:
         "llm_plan_origin": result.llm_plan_origin,
         "llm_rejected": [{"plan": p.plan.as_dict(), "reason": p.reason} for p in result.llm_rejected],
         "num_microbatches": result.num_microbatches,
-        "ranking": result.ranking,
+        "ranking": RANKING,
+        "llm_alone_iteration_us": scheduled.llm_alone_us,
         "encoder_plans": [
             {
                 "plan": c.plan.as_dict(),
                 "m": c.m,
+                "status": outcomes[c.plan].status,
+                "iteration_us": outcomes[c.plan].iteration_us,
+                "lower_bound_us": outcomes[c.plan].lower_bound_us,
                 "memory_bytes": memory(c.memory),
                 "llm_memory_bytes": memory(c.llm_memory),
                 "encoder_memory_bytes": memory(c.encoder_memory),
@@ -105,9 +161,17 @@ def result_to_dict(result: PlannerResult) -> dict[str, Any]:
                 "partitions_truncated": c.partitions.truncated,
                 "partitions": [list(p) for p in c.partitions.partitions],
             }
-            for c in result.candidates
+            for c in sorted(result.candidates, key=lambda c: scheduled.ranked.index(outcomes[c.plan]))
         ],
         "pruned": [{"plan": p.plan.as_dict(), "reason": p.reason} for p in result.pruned],
+        "chosen": None if best is None else {
+            "encoder_plan": best.encoder_plan.as_dict(),
+            "partition": list(best.partition),
+            "iteration_us": best.iteration_us,
+            "coarse_iteration_us": best.coarse_iteration_us,
+            "warmup": list(best.dep.warmup),
+            "scheduler_runtime_s": scheduled.runtime_s,
+        },
     }
 
 

@@ -21,11 +21,6 @@ from optimus_mllm.params import encoder_params, encoder_params_per_stage, llm_st
 from optimus_mllm.planner.partitions import PartitionSet, microbatch_partitions
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline, symmetry_groups
 
-# Until the bubble scheduler ranks encoder plans by simulated iteration time, they are ordered by
-# this stand-in rule, named wherever the ranking is shown.
-PLACEHOLDER_RANKING = "placeholder: least peak memory per GPU, then fewest encoder pipeline stages"
-
-
 @dataclass(frozen=True)
 class PrunedPlan:
     plan: ParallelPlan
@@ -58,16 +53,14 @@ class PlannerResult:
     llm_plan_origin: str  # "config" or "planner"
     llm_rejected: tuple[PrunedPlan, ...]  # smaller LLM plans tried first by the planner
     num_microbatches: int  # per LLM pipeline
-    candidates: tuple[EncoderPlanCandidate, ...]  # best first by ``ranking``
+    candidates: tuple[EncoderPlanCandidate, ...]  # in enumeration order; the bubble scheduler ranks them
     pruned: tuple[PrunedPlan, ...]
-    ranking: str
 
 
 def plan(config: OptimusConfig) -> PlannerResult:
     """Run the model planner on a validated config."""
     llm_plan, origin, rejected = choose_llm_plan(config)
     candidates, pruned = enumerate_encoder_plans(config, llm_plan)
-    ranked = sorted(candidates, key=lambda c: (c.memory.total, c.plan.pp, c.plan.tp))
     return PlannerResult(
         config_name=config.name,
         num_gpus=config.cluster.num_gpus,
@@ -76,9 +69,8 @@ def plan(config: OptimusConfig) -> PlannerResult:
         llm_plan_origin=origin,
         llm_rejected=tuple(rejected),
         num_microbatches=config.num_microbatches_total // llm_plan.dp,
-        candidates=tuple(ranked),
+        candidates=tuple(candidates),
         pruned=tuple(pruned),
-        ranking=PLACEHOLDER_RANKING,
     )
 
 

@@ -393,17 +393,18 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
                      fine: bool = True) -> tuple[Schedule | None, SchedulerStats]:
     """BubbleScheduler (Algorithm 2): coarse schedules for every partition, refined, the fastest kept.
 
-    Partitions whose lower bound (see ``partition_lower_bound``) cannot beat ``bound_us`` or the best
-    schedule found so far are skipped; this never drops a schedule that could have won.
+    Partitions whose lower bound (see ``partition_lower_bound``) cannot beat ``bound_us`` (the best
+    schedule of other plans) or this plan's best so far are skipped; this never drops a schedule that
+    could have won. Returns this plan's best schedule found, or None if no partition was feasible or
+    searched.
     """
     work = build_encoder_work(config, llm_plan, candidate.plan, cost)
     stats = SchedulerStats(partitions_total=len(candidate.partitions.partitions))
     dep, busy = bubbles.dep, bubbles.busy_us
     bounds = {p: partition_lower_bound(work, dep, p, busy) for p in candidate.partitions.partitions}
     best: Schedule | None = None
-    best_us = bound_us
     for partition in sorted(bounds, key=bounds.get):
-        if bounds[partition] >= best_us - EPS_US:
+        if bounds[partition] >= min(bound_us, best.iteration_us if best else bound_us) - EPS_US:
             stats.partitions_pruned += 1
             continue
         stats.partitions_searched += 1
@@ -415,9 +416,8 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
         if fine:
             state = optimize_schedule(state, FWD)
             state = optimize_schedule(state, BWD)
-        if state.evaluation.latency < best_us - EPS_US:
+        if best is None or state.evaluation.latency < best.iteration_us - EPS_US:
             best = _to_schedule(state, llm_plan, candidate.plan, coarse_us)
-            best_us = best.iteration_us
     return best, stats
 
 
@@ -425,12 +425,25 @@ def partition_lower_bound(work: EncoderWork, dep: EncLLMDep, partition: tuple[in
     """No schedule of this partition can be faster than this.
 
     Every iteration contains the encoder's and the LLM's all-gathers before the LLM starts and the
-    LLM's reduce-scatters after it ends; and each encoder stage's GPUs must fit that stage's encoder
-    compute, after the encoder's all-gather, into time their LLM stage is not computing.
+    LLM's reduce-scatters after it ends; the encoder's reduce-scatter follows the backward of the last
+    LLM microbatch through a whole encoder pipeline; and each encoder stage's GPUs must fit that
+    stage's encoder compute, after the encoder's all-gather, into time their LLM stage is not computing.
     """
     tl = dep.timeline
-    t0_min = max(work.dp_all_gather_us + ag - st.first_compute_us for st, ag in zip(tl.stages, tl.dp_all_gather_us))
-    bound = max(t0_min, 0.0) + tl.tail_us
+    t0_min = max(0.0, max(work.dp_all_gather_us + ag - st.first_compute_us
+                          for st, ag in zip(tl.stages, tl.dp_all_gather_us)))
+    bound = t0_min + tl.tail_us
+    if any(chain.kernels for chain in work.bwd):
+        # The last LLM microbatch's gradient leaves the LLM at B_last; some encoder pipeline must then
+        # run its whole backward before its first stage's GPUs can reduce-scatter the encoder's gradients.
+        chain = sum(c.duration_us for c in work.bwd) + (len(work.bwd) - 1) * work.p2p_us
+        tails = []
+        for j in range(work.num_pipelines):
+            s = work.llm_stage(j, 0)
+            encoder_done = dep.backward[-1] + work.to_llm_us[j] + chain
+            tails.append(network_fifo_end([(tl.stages[s].last_compute_us, tl.dp_reduce_scatter_us[s]),
+                                           (encoder_done, work.dp_reduce_scatter_us)]))
+        bound = max(bound, t0_min + min(tails))
     for j, n in enumerate(partition):
         for e in range(len(work.fwd)):
             s = work.llm_stage(j, e)
@@ -490,25 +503,58 @@ def _block(start: float, chain: StageChain) -> tuple[float, ...]:
 # Algorithm 1
 
 
+@dataclass(frozen=True)
+class PlanOutcome:
+    """What the bubble scheduler made of one encoder plan."""
+
+    plan: ParallelPlan
+    status: Literal["scheduled", "bounded", "infeasible"]  # bounded: its lower bound cannot beat the best
+    iteration_us: float | None  # best schedule found for this plan
+    lower_bound_us: float
+    stats: SchedulerStats
+
+
 @dataclass
 class OptimusResult:
     best: Schedule | None
-    per_plan: list[tuple[ParallelPlan, float | None, SchedulerStats]] = field(default_factory=list)
+    outcomes: list[PlanOutcome] = field(default_factory=list)
+    llm_alone_us: float = 0.0
     coarse_best_us: float = float("inf")
     runtime_s: float = 0.0
 
+    @property
+    def ranked(self) -> list[PlanOutcome]:
+        """Scheduled plans fastest first, then plans the bound ruled out, then infeasible ones."""
+        order = {"scheduled": 0, "bounded": 1, "infeasible": 2}
+        return sorted(self.outcomes, key=lambda o: (order[o.status], o.iteration_us or o.lower_bound_us))
+
 
 def optimus(config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine: bool = True) -> OptimusResult:
-    """Optimus (Algorithm 1): run the bubble scheduler on every encoder plan, keep the fastest schedule."""
+    """Optimus (Algorithm 1): run the bubble scheduler on every encoder plan, keep the fastest schedule.
+
+    Plans are tried in order of their lower bound, so that the best schedule found early lets the
+    bound skip plans (and partitions) that cannot beat it.
+    """
     started = time.perf_counter()
     bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
-    result = OptimusResult(best=None)
+    result = OptimusResult(best=None, llm_alone_us=bubbles.dep.timeline.iteration_us)
+    bounds = {}
     for candidate in planned.candidates:
+        work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
+        bounds[candidate.plan] = min((partition_lower_bound(work, bubbles.dep, p, bubbles.busy_us)
+                                      for p in candidate.partitions.partitions), default=float("inf"))
+    for candidate in sorted(planned.candidates, key=lambda c: bounds[c.plan]):
         bound = result.best.iteration_us if result.best else float("inf")
         schedule, stats = bubble_scheduler(config, planned.llm_plan, candidate, bubbles, cost, bound, fine)
-        result.per_plan.append((candidate.plan, schedule.iteration_us if schedule else None, stats))
         result.coarse_best_us = min(result.coarse_best_us, stats.best_coarse_us)
-        if schedule is not None and (result.best is None or schedule.iteration_us < result.best.iteration_us):
-            result.best = schedule
+        if schedule is not None:
+            outcome = PlanOutcome(candidate.plan, "scheduled", schedule.iteration_us, bounds[candidate.plan], stats)
+            if result.best is None or schedule.iteration_us < result.best.iteration_us:
+                result.best = schedule
+        elif stats.partitions_searched == 0:
+            outcome = PlanOutcome(candidate.plan, "bounded", None, bounds[candidate.plan], stats)
+        else:
+            outcome = PlanOutcome(candidate.plan, "infeasible", None, bounds[candidate.plan], stats)
+        result.outcomes.append(outcome)
     result.runtime_s = time.perf_counter() - started
     return result

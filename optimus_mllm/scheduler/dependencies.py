@@ -8,7 +8,7 @@ from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline, llm_op_work, timeline_from_work
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, PipelineDeadlock, default_warmup
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, PipelineDeadlock
 
 EPS_US = 1e-6
 
@@ -27,17 +27,21 @@ class EncLLMDep:
 def get_enc_llm_dep(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> EncLLMDep:
     """GetEncLLMDep: F_i and B_i under the adjusted warm-up of Fig. 12.
 
-    Fewer warm-up forwards defer the forward dependency points of the later microbatches into the
-    1F1B phase, giving the encoder more time, as long as the LLM pipeline does not get longer. We
-    lower every stage's warm-up by the same amount, keep the largest reduction that neither
-    deadlocks nor delays the end of the LLM's computation, and take F_i, B_i from that timeline.
+    Fewer warm-up forwards on the first stages defer the forward dependency points of the later
+    microbatches into the 1F1B phase, giving the encoder more time, as long as the LLM's computation
+    does not end later. We lower the first stage's warm-up one forward at a time, each later stage
+    following as ``min(default_s, w_0 - s)``, and keep the last setting that neither deadlocks nor
+    lengthens the pipeline. On small pipelines this matches an exhaustive search over all per-stage
+    warm-ups (tests/test_scheduler.py).
     """
     work = llm_op_work(config, plan, cost)
     base = timeline_from_work(config, plan, cost, work)
-    default = [default_warmup(plan.pp, plan.vp, base.num_microbatches, s) for s in range(plan.pp)]
+    default = [s.warmup for s in base.stages]
     best = base
-    for cut in range(1, max(default) + 1):
-        warmup = [max(0, w - cut) for w in default]
+    for first in range(default[0] - 1, -1, -1):
+        warmup = [min(d, first - s) for s, d in enumerate(default)]
+        if min(warmup) < 0:
+            break
         try:
             candidate = timeline_from_work(config, plan, cost, work, warmup)
         except PipelineDeadlock:

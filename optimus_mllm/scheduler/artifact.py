@@ -1,0 +1,152 @@
+"""The schedule artifact: the versioned JSON contract between the scheduler and the runtime.
+
+It holds the plans, the microbatch partition, the global ordering (which encoder pipeline's local
+microbatch feeds each LLM microbatch), the LLM warm-up counts to run with, and for every encoder
+stage (the GPUs of one LLM pipeline that hold it) the ordered encoder kernels with the LLM hook point
+each is launched at and its predicted start and end.
+
+A hook point names a moment of the LLM's own execution on that GPU, never a time:
+- ``{"at": "before_first_compute"}``: before the LLM's first forward on this GPU (coarse forward);
+- ``{"at": "llm_kernel", "phase", "chunk", "microbatch", "kernel_index", "kernel", "layer"}``: once
+  the LLM has launched that kernel of that op (fine-grained: the encoder kernel fills the bubble
+  right after it or, for an encoder collective, runs under it);
+- ``{"at": "after_last_compute"}``: after the LLM's last backward on this GPU (coarse backward).
+All LLM pipelines of the job run the same schedule, so GPUs are numbered within one LLM pipeline:
+``llm_stage * TP_llm + tp_rank``.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.scheduler.bubble_scheduler import Schedule
+
+ARTIFACT_FORMAT = "optimus-schedule"
+ARTIFACT_VERSION = 1
+
+
+def schedule_to_artifact(schedule: Schedule, config_name: str, num_gpus: int) -> dict[str, Any]:
+    w, tl, t0 = schedule.work, schedule.timeline, schedule.llm_origin_us
+    llm_mb = {a: i for i, a in enumerate(schedule.assignment)}
+    hooks = [_HookIndex(tl, s, t0) for s in range(tl.pp)]
+    stages = []
+    for j, stage_list in enumerate(w.stage_gpus):
+        for e, gpus in enumerate(stage_list):
+            s = w.llm_stage(j, e)
+            ops = []
+            for c in (c for c in schedule.chains if c.pipeline == j and c.stage == e):
+                for index, (k, start) in enumerate(zip(schedule.chain_kernels(c).kernels, c.starts_us)):
+                    ops.append({
+                        "phase": c.phase, "microbatch": llm_mb[(j, c.local_microbatch)],
+                        "local_microbatch": c.local_microbatch, "encoder": k.encoder, "layer": k.layer,
+                        "kernel": k.name, "kernel_index": index, "is_comm": k.is_comm, "window": c.window,
+                        "start_us": round(start, 3), "end_us": round(start + k.duration_us, 3),
+                        "hook": hooks[s].hook(c.window, start),
+                    })
+            ops.sort(key=lambda op: (op["start_us"], op["phase"] == "bwd"))
+            stages.append({"encoder_pipeline": j, "encoder_stage": e, "llm_stage": s, "gpus": list(gpus),
+                           "ops": ops})
+    return {
+        "format": ARTIFACT_FORMAT,
+        "version": ARTIFACT_VERSION,
+        "config": config_name,
+        "num_gpus": num_gpus,
+        "llm_plan": schedule.llm_plan.as_dict(),
+        "encoder_plan": schedule.encoder_plan.as_dict(),
+        "num_microbatches": tl.num_microbatches,
+        "partition": list(schedule.partition),
+        "assignment": [list(a) for a in schedule.assignment],
+        "warmup": list(schedule.dep.warmup),
+        "default_warmup": list(schedule.dep.default_warmup),
+        "predicted": {
+            "iteration_us": schedule.iteration_us,
+            "coarse_iteration_us": schedule.coarse_iteration_us,
+            "llm_origin_us": t0,
+            "F": list(schedule.forward_dependency_us),
+            "B": list(schedule.backward_dependency_us),
+            "EF": list(schedule.encoder_forward_end_us),
+            "EB": list(schedule.encoder_backward_start_us),
+        },
+        "encoder_stages": stages,
+    }
+
+
+class _HookIndex:
+    """The LLM kernels of one stage in launch order, to name the one an encoder kernel follows."""
+
+    def __init__(self, tl, stage: int, t0: float):
+        self.starts: list[float] = []
+        self.names: list[dict[str, Any]] = []
+        for op in tl.stages[stage].ops:
+            for index, k in enumerate(tl.work[(stage, op.chunk, op.phase)].kernels):
+                self.starts.append(t0 + op.start_us + k.offset_us)
+                self.names.append({"at": "llm_kernel", "phase": op.phase, "chunk": op.chunk,
+                                   "microbatch": op.microbatch, "kernel_index": index, "kernel": k.name,
+                                   "layer": k.layer})
+
+    def hook(self, window: str, start: float) -> dict[str, Any]:
+        if window == "pre":
+            return {"at": "before_first_compute"}
+        if window == "post":
+            return {"at": "after_last_compute"}
+        i = bisect_right(self.starts, start + 1e-6) - 1
+        return dict(self.names[max(i, 0)])
+
+
+def write_artifact(schedule: Schedule, config_name: str, num_gpus: int, path: str | Path) -> None:
+    atomic_write_text(path, json.dumps(schedule_to_artifact(schedule, config_name, num_gpus)) + "\n")
+
+
+@dataclass(frozen=True)
+class ScheduleArtifact:
+    data: dict[str, Any]
+
+    @property
+    def llm_plan(self) -> ParallelPlan:
+        return ParallelPlan(**self.data["llm_plan"])
+
+    @property
+    def encoder_plan(self) -> ParallelPlan:
+        return ParallelPlan(**self.data["encoder_plan"])
+
+    def check_matches(self, llm_plan: ParallelPlan, encoder_plan: ParallelPlan, num_gpus: int) -> None:
+        """Refuse to run a schedule made for another job."""
+        if self.data["num_gpus"] != num_gpus:
+            raise OptimusError(f"schedule artifact was made for {self.data['num_gpus']} GPUs, this job has "
+                               f"{num_gpus}; re-run optimus-plan for this world size")
+        if self.llm_plan != llm_plan:
+            raise OptimusError(f"schedule artifact has LLM plan {self.llm_plan}, this job uses {llm_plan}; "
+                               "re-run optimus-plan with this job's plan")
+        if self.encoder_plan != encoder_plan:
+            raise OptimusError(f"schedule artifact has encoder plan {self.encoder_plan}, this job uses "
+                               f"{encoder_plan}; re-run optimus-plan with this job's plan")
+
+
+_REQUIRED = ("num_gpus", "llm_plan", "encoder_plan", "num_microbatches", "partition", "assignment", "warmup",
+             "encoder_stages")
+
+
+def load_artifact(path: str | Path) -> ScheduleArtifact:
+    """Read and check a schedule artifact's format and version."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise OptimusError(f"schedule artifact {path} does not exist; write one with optimus-plan --artifact") from None
+    except json.JSONDecodeError as exc:
+        raise OptimusError(f"schedule artifact {path} is not valid JSON (line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != ARTIFACT_FORMAT:
+        raise OptimusError(f"{path} is not an {ARTIFACT_FORMAT} file")
+    if data.get("version") != ARTIFACT_VERSION:
+        raise OptimusError(f"schedule artifact {path} has version {data.get('version')}; this release reads "
+                           f"version {ARTIFACT_VERSION}: re-run optimus-plan")
+    missing = [key for key in _REQUIRED if key not in data]
+    if missing:
+        raise OptimusError(f"schedule artifact {path} lacks {', '.join(missing)}")
+    return ScheduleArtifact(data)

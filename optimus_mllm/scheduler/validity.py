@@ -1,0 +1,148 @@
+"""Independent checks that a schedule is executable, recomputed from its kernels, not from the scheduler's state."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from optimus_mllm.scheduler.bubble_scheduler import ChainPlacement, Schedule
+
+TOLERANCE_US = 1e-6
+
+
+def schedule_violations(schedule: Schedule) -> list[str]:
+    """Every way ``schedule`` breaks the rules; empty when it is valid.
+
+    - on each GPU no two compute kernels overlap (LLM and encoder together), encoder communication
+      kernels never overlap an LLM TP collective or each other;
+    - every encoder kernel of every microbatch, stage and layer is placed exactly once (backward
+      only for trainable work);
+    - kernels of a chain run in order; a microbatch's forward reaches encoder stage e+1 only after
+      stage e finished it, its backward the other way round;
+    - EF_i <= F_i and EB_i >= B_i for every LLM microbatch i;
+    - the iteration is no longer than the coarse schedule's.
+    """
+    problems: list[str] = []
+    problems += _coverage(schedule)
+    problems += _chain_order(schedule)
+    problems += _overlaps(schedule)
+    problems += _dependencies(schedule)
+    if schedule.iteration_us > schedule.coarse_iteration_us + TOLERANCE_US:
+        problems.append(f"iteration {schedule.iteration_us:.3f} us is longer than the coarse schedule's "
+                        f"{schedule.coarse_iteration_us:.3f} us")
+    return problems
+
+
+def _chains_by_key(schedule: Schedule) -> dict[tuple[int, int, int, str], list[ChainPlacement]]:
+    chains: dict[tuple[int, int, int, str], list[ChainPlacement]] = defaultdict(list)
+    for c in schedule.chains:
+        chains[(c.pipeline, c.stage, c.local_microbatch, c.phase)].append(c)
+    return chains
+
+
+def _coverage(schedule: Schedule) -> list[str]:
+    w = schedule.work
+    chains = _chains_by_key(schedule)
+    problems = []
+    expected = set()
+    for j, count in enumerate(schedule.partition):
+        for k in range(count):
+            for e in range(len(w.fwd)):
+                expected.add((j, e, k, "fwd"))
+                if w.bwd[e].kernels:
+                    expected.add((j, e, k, "bwd"))
+    for key in expected:
+        n = len(chains.get(key, []))
+        if n != 1:
+            problems.append(f"encoder pipeline {key[0]} stage {key[1]} microbatch {key[2]} {key[3]}: placed {n} times")
+    for key in set(chains) - expected:
+        problems.append(f"unexpected chain {key}")
+    for c in schedule.chains:
+        if len(c.starts_us) != len(schedule.chain_kernels(c).kernels):
+            problems.append(f"chain {c.pipeline}/{c.stage}/{c.local_microbatch} {c.phase}: "
+                            f"{len(c.starts_us)} starts for {len(schedule.chain_kernels(c).kernels)} kernels")
+    # each encoder layer lives on exactly one stage: one QKV kernel per layer, layers 0..L-1
+    qkv = Counter((k.encoder, k.layer) for chain in w.fwd for k in chain.kernels if k.name == "qkv")
+    for encoder in {name for name, _ in qkv}:
+        layers = sorted(layer for name, layer in qkv if name == encoder)
+        if layers != list(range(len(layers))) or any(qkv[(encoder, layer)] != 1 for layer in layers):
+            problems.append(f"encoder {encoder}: layers are not each placed on exactly one stage")
+    return problems
+
+
+def _chain_order(schedule: Schedule) -> list[str]:
+    w = schedule.work
+    problems = []
+    chains = _chains_by_key(schedule)
+    span: dict[tuple[int, int, int, str], tuple[float, float]] = {}
+    for key, placed in chains.items():
+        chain = placed[0]
+        kernels = schedule.chain_kernels(chain).kernels
+        for a, b, ka in zip(chain.starts_us, chain.starts_us[1:], kernels):
+            if b < a + ka.duration_us - TOLERANCE_US:
+                problems.append(f"chain {key}: kernel {ka.name} of layer {ka.layer} overlaps the next one")
+        if kernels:
+            span[key] = (chain.starts_us[0], chain.starts_us[-1] + kernels[-1].duration_us)
+    pp_enc = len(w.fwd)
+    for (j, e, k, phase), (start, _) in span.items():
+        if phase == "fwd" and e > 0 and (j, e - 1, k, "fwd") in span:
+            if start < span[(j, e - 1, k, "fwd")][1] + w.p2p_us - TOLERANCE_US:
+                problems.append(f"pipeline {j} microbatch {k}: forward on stage {e} starts before stage {e - 1} "
+                                "finished and sent it")
+        if phase == "bwd" and e < pp_enc - 1 and (j, e + 1, k, "bwd") in span:
+            if start < span[(j, e + 1, k, "bwd")][1] + w.p2p_us - TOLERANCE_US:
+                problems.append(f"pipeline {j} microbatch {k}: backward on stage {e} starts before stage {e + 1} "
+                                "finished and sent it")
+    return problems
+
+
+def _overlaps(schedule: Schedule) -> list[str]:
+    """Per encoder stage (its GPUs share one LLM stage's timeline): compute and comm stream conflicts."""
+    w, tl, t0 = schedule.work, schedule.timeline, schedule.llm_origin_us
+    llm_by_stage = {}
+    for s in range(tl.pp):
+        compute, comm = tl.kernel_intervals(s)
+        llm_by_stage[s] = ([(a + t0, b + t0, "llm") for a, b in compute], [(a + t0, b + t0, "llm") for a, b in comm])
+    encoder_compute: dict[tuple[int, int], list] = defaultdict(list)
+    encoder_comm: dict[tuple[int, int], list] = defaultdict(list)
+    for c in schedule.chains:
+        for k, start in zip(schedule.chain_kernels(c).kernels, c.starts_us):
+            if k.duration_us <= 0:
+                continue
+            item = (start, start + k.duration_us, f"encoder {k.name} (layer {k.layer}, mb {c.local_microbatch})")
+            (encoder_comm if k.is_comm else encoder_compute)[(c.pipeline, c.stage)].append(item)
+    problems = []
+    for j in range(w.num_pipelines):
+        for e in range(len(w.fwd)):
+            llm_compute, llm_comm = llm_by_stage[w.llm_stage(j, e)]
+            where = f"GPUs {list(w.stage_gpus[j][e])}"
+            problems += _first_overlap(llm_compute + encoder_compute[(j, e)], f"{where} compute stream")
+            problems += _first_overlap(llm_comm + encoder_comm[(j, e)], f"{where} links")
+    return problems
+
+
+def _first_overlap(intervals: list[tuple[float, float, str]], where: str) -> list[str]:
+    intervals = sorted(intervals)
+    for (a0, b0, n0), (a1, b1, n1) in zip(intervals, intervals[1:]):
+        if a1 < b0 - TOLERANCE_US and not (n0 == n1 == "llm"):
+            return [f"{where}: {n0} [{a0:.3f}, {b0:.3f}) overlaps {n1} [{a1:.3f}, {b1:.3f})"]
+    return []
+
+
+def _dependencies(schedule: Schedule) -> list[str]:
+    w = schedule.work
+    chains = _chains_by_key(schedule)
+    last = len(w.fwd) - 1
+    problems = []
+    forward, backward = schedule.forward_dependency_us, schedule.backward_dependency_us
+    for i, (j, k) in enumerate(schedule.assignment):
+        fwd = chains[(j, last, k, "fwd")][0]
+        kernels = w.fwd[last].kernels
+        ef = fwd.starts_us[-1] + kernels[-1].duration_us + w.to_llm_us[j]
+        if ef > forward[i] + TOLERANCE_US:
+            problems.append(f"microbatch {i}: encoder output arrives at {ef:.3f} after F_{i} = {forward[i]:.3f}")
+        if w.bwd[last].kernels:
+            eb = chains[(j, last, k, "bwd")][0].starts_us[0]
+            if eb < backward[i] + w.to_llm_us[j] - TOLERANCE_US:
+                problems.append(f"microbatch {i}: encoder backward starts at {eb:.3f} before B_{i} = {backward[i]:.3f} "
+                                "plus the gradient transfer")
+    return problems
