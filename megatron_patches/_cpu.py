@@ -1,0 +1,184 @@
+"""CPU stand-ins for the spots where megatron-core hard-codes CUDA on its pipeline-schedule path.
+
+Each ``_patch_*`` function names one megatron-core attribute and builds its replacement; megatron's
+own code keeps running, only its CUDA device lookups are answered with the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+
+class MegatronPatchError(RuntimeError):
+    """A megatron-core attribute that a patch needs is missing (renamed in this version?)."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace ``owner.name`` (a module or class attribute) by ``replacement``."""
+
+    owner: object
+    name: str
+    replacement: object
+
+
+def _megatron_version() -> str:
+    return getattr(importlib.import_module("megatron.core"), "__version__", "unknown")
+
+
+def _module(path: str) -> ModuleType:
+    try:
+        return importlib.import_module(path)
+    except ImportError as error:
+        raise MegatronPatchError(
+            f"megatron_patches: cannot import {path} (megatron-core {_megatron_version()})"
+        ) from error
+
+
+def _require(owner: object, name: str) -> Any:
+    if not hasattr(owner, name):
+        raise MegatronPatchError(
+            f"megatron_patches: {getattr(owner, '__name__', owner)} has no attribute {name!r} "
+            f"(megatron-core {_megatron_version()}); update megatron_patches for this version"
+        )
+    return getattr(owner, name)
+
+
+def _cpu_if_cuda(device: Any) -> Any:
+    """Map any CUDA device spec (name, torch.device or index) to the CPU; keep others as given."""
+    if device is None:
+        return None
+    if isinstance(device, int) or torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CpuCuda:
+    """``torch.cuda`` as a megatron module sees it on a host without CUDA."""
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """CPU ops are synchronous: nothing to wait for."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch:
+    """The ``torch`` name inside one megatron module: ``zeros(device="cuda")`` and
+    ``cuda.current_device()`` give the CPU, ``cuda.synchronize()`` does nothing; all else is torch.
+    """
+
+    cuda = _CpuCuda()
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device=_cpu_if_cuda(device), **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _patch_schedules_token_counter() -> Patch:
+    # schedules.py creates its token counter with torch.zeros(..., device="cuda") in every schedule
+    schedules = _module("megatron.core.pipeline_parallel.schedules")
+    _require(schedules, "torch")
+    return Patch(schedules, "torch", _CpuTorch())
+
+
+def _patch_p2p_buffers() -> Patch:
+    # p2p receive buffers go to torch.cuda.current_device(); batch_p2p_sync calls
+    # torch.cuda.synchronize()
+    p2p = _module("megatron.core.pipeline_parallel.p2p_communication")
+    _require(p2p, "torch")
+    return Patch(p2p, "torch", _CpuTorch())
+
+
+def _cpu_get_tensor(
+    self: Any, tensor_shape: Sequence[int], dtype: torch.dtype, name: str, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """A fresh CPU tensor: the shared buffer only spares the CUDA caching allocator."""
+    return torch.empty(tuple(tensor_shape), dtype=dtype)
+
+
+def _patch_global_memory_buffer() -> Patch:
+    # get_tensor() allocates on torch.cuda.current_device(); the local attention calls it
+    buffer_class = _require(_module("megatron.core.utils"), "GlobalMemoryBuffer")
+    _require(buffer_class, "get_tensor")
+    return Patch(buffer_class, "get_tensor", _cpu_get_tensor)
+
+
+def _rng_tracker_class() -> type:
+    return _require(_module("megatron.core.tensor_parallel.random"), "CudaRNGStatesTracker")
+
+
+def _cpu_rng_add(self: Any, name: str, seed: int) -> None:
+    """Track a CPU generator state seeded with ``seed`` (megatron's add() seeds the CUDA one)."""
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    self.seeds_.add(seed)
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+    self._is_initialized = True
+
+
+def _patch_rng_tracker_add() -> Patch:
+    # add() reads and seeds the CUDA generator; model_parallel_cuda_manual_seed reaches only this
+    tracker_class = _rng_tracker_class()
+    _require(tracker_class, "add")
+    return Patch(tracker_class, "add", _cpu_rng_add)
+
+
+def _cpu_rng_fork(default_name: str) -> Callable[..., contextlib.AbstractContextManager[None]]:
+    """fork() over the default CPU generator, which plays the CUDA generator's part on CPU."""
+
+    @contextlib.contextmanager
+    def fork(self: Any, name: str = default_name) -> Iterator[None]:
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer_state = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer_state)
+
+    return fork
+
+
+def _patch_rng_tracker_fork() -> Patch:
+    # fork() swaps the CUDA generator state; the local attention enters it around its dropout
+    tracker_class = _rng_tracker_class()
+    original = _require(tracker_class, "fork")
+    name_parameter = inspect.signature(original).parameters.get("name")
+    if name_parameter is None or name_parameter.default is inspect.Parameter.empty:
+        raise MegatronPatchError(
+            f"megatron_patches: CudaRNGStatesTracker.fork{inspect.signature(original)} has no "
+            f"default 'name' (megatron-core {_megatron_version()})"
+        )
+    return Patch(tracker_class, "fork", _cpu_rng_fork(name_parameter.default))
+
+
+def cpu_patches() -> list[Patch]:
+    """Every patch CPU runs need; raises MegatronPatchError before anything is installed."""
+    return [
+        _patch_schedules_token_counter(),
+        _patch_p2p_buffers(),
+        _patch_global_memory_buffer(),
+        _patch_rng_tracker_add(),
+        _patch_rng_tracker_fork(),
+    ]

@@ -1,0 +1,117 @@
+"""Run a function on N gloo ranks in spawned processes, with a hard timeout, for tests.
+
+``run_distributed(fn, world_size, *args)`` calls ``fn(*args)`` on every rank after
+``torch.distributed`` is initialised with gloo, and returns the ranks' results in rank order.
+``fn`` and ``args`` must be picklable (a module-level function). If a rank raises, dies or the
+timeout passes, every rank is killed and the failure (with the rank's traceback) is raised.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_JOIN_SECONDS = 5.0
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    try:
+        torch.set_num_threads(1)  # N ranks share few cores: avoid oversubscription
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        results.put((rank, True, fn(*args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _died(processes: list[BaseProcess], accounted: set[int]) -> str:
+    """Ranks outside ``accounted`` that exited, as text (a rank that dies reports nothing)."""
+    return "".join(
+        f"\nrank {rank} died (exit code {process.exitcode}) without a result"
+        for rank, process in enumerate(processes)
+        if rank not in accounted and not process.is_alive()
+    )
+
+
+def _collect(processes: list[BaseProcess], results: Any, timeout: float) -> dict[int, Any]:
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(outputs) < len(processes):
+        try:
+            rank, ok, payload = results.get(timeout=0.5)
+        except queue.Empty:
+            died = _died(processes, set(outputs))
+            if died and results.empty():
+                raise RuntimeError(died.lstrip()) from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(processes))) - set(outputs))
+                message = f"ranks {missing} did not finish within {timeout:.0f} s"
+                raise TimeoutError(message) from None
+            continue
+        if not ok:
+            others = _died(processes, {rank, *outputs})
+            raise RuntimeError(f"rank {rank} failed:\n{payload}{others}")
+        outputs[rank] = payload
+    return outputs
+
+
+def _stop(processes: list[BaseProcess]) -> None:
+    for process in processes:
+        process.join(_JOIN_SECONDS)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result, rank order."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(
+            target=_rank_main, args=(rank, world_size, port, fn, args, results), daemon=True
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        outputs = _collect(processes, results, timeout)
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
+    finally:
+        _stop(processes)
+        results.close()
+    return [outputs[rank] for rank in range(world_size)]
