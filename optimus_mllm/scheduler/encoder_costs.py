@@ -12,7 +12,7 @@ from functools import cached_property
 
 from optimus_mllm.config import EncoderConfig, OptimusConfig
 from optimus_mllm.cost_model import CostModel, KernelWork, LayerShape, group_bandwidth_gbps, p2p_work
-from optimus_mllm.params import encoder_params_per_stage, stage_layer_bounds
+from optimus_mllm.params import encoder_params_per_stage, projector_params, stage_layer_bounds
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
 from optimus_mllm.scheduler.llm_costs import activation_dtype_bytes, dp_comm_us, tp_bandwidth
 from optimus_mllm.scheduler.llm_timeline import Phase
@@ -88,9 +88,8 @@ def build_encoder_work(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: 
                 if e == 0:
                     bwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "bwd"))
     layout = encoder_stage_gpus(llm_plan, enc_plan)
-    per_stage = encoder_params_per_stage(tuple(e for e in config.encoders if not e.frozen), config.llm,
-                                         enc_plan.pp) if any(not e.frozen for e in config.encoders) else [0]
-    ag, rs = dp_comm_us(config, max(per_stage) / enc_plan.tp, enc_plan.dp, enc_plan.tp, cost)
+    ag, rs = dp_comm_us(config, max(trainable_params_per_stage(config, enc_plan.pp)) / enc_plan.tp,
+                        enc_plan.dp, enc_plan.tp, cost)
     return EncoderWork(
         plan=enc_plan,
         fwd=tuple(StageChain(tuple(c)) for c in fwd),
@@ -102,6 +101,15 @@ def build_encoder_work(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: 
         stage_gpus=tuple(tuple(tuple(g) for g in stages) for stages in layout),
         llm_tp=llm_plan.tp,
     )
+
+
+def trainable_params_per_stage(config: OptimusConfig, pp: int) -> list[float]:
+    """Parameters with gradients per encoder stage: trainable encoders, plus every projector (a frozen
+    encoder's projector still trains)."""
+    trainable = tuple(e for e in config.encoders if not e.frozen)
+    per_stage = [float(p) for p in encoder_params_per_stage(trainable, config.llm, pp)] if trainable else [0.0] * pp
+    per_stage[-1] += sum(projector_params(e, config.llm) for e in config.encoders if e.frozen)
+    return per_stage
 
 
 def _patch_embed(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase) -> EncoderKernel:

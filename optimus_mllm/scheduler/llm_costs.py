@@ -109,24 +109,20 @@ def dp_comm_us(config: OptimusConfig, params_per_rank: float, dp: int, tp: int, 
 
 
 def build_llm_timeline(config: OptimusConfig, plan: ParallelPlan, cost: CostModel,
-                       warmup: list[int] | None = None,
-                       extra_stage_params: list[float] | None = None) -> LLMTimeline:
-    """Simulate one LLM pipeline under ``plan``; ``warmup`` overrides megatron-core's warm-up counts.
-
-    ``extra_stage_params`` adds parameters to each stage's DP collectives (a baseline that keeps
-    the encoder on the first stage).
-    """
+                       warmup: list[int] | None = None) -> LLMTimeline:
+    """Simulate one LLM pipeline under ``plan``; ``warmup`` overrides megatron-core's warm-up counts."""
     work = llm_op_work(config, plan, cost)
-    return timeline_from_work(config, plan, cost, work, warmup, extra_stage_params)
+    return timeline_from_work(config, plan, cost, work, warmup)
 
 
 def timeline_from_work(config: OptimusConfig, plan: ParallelPlan, cost: CostModel,
                        work: dict[tuple[int, int, Phase], OpWork], warmup: list[int] | None = None,
-                       extra_stage_params: list[float] | None = None) -> LLMTimeline:
+                       stage_params: list[float] | None = None) -> LLMTimeline:
+    """Simulate ``work``; ``stage_params`` (per stage, before TP sharding) replaces the LLM's own
+    parameter counts in the DP collectives, for layouts that move layers between stages (baselines)."""
     n_mb = config.num_microbatches_total // plan.dp
     p2p = llm_p2p_us(config, plan, cost)
     stages = simulate(plan.pp, plan.vp, n_mb, work, p2p, warmup)
-    per_stage = llm_params_per_stage(config.llm, plan.pp)
-    extra = extra_stage_params or [0.0] * plan.pp
-    dp = [dp_comm_us(config, (p + e) / plan.tp, plan.dp, plan.tp, cost) for p, e in zip(per_stage, extra)]
+    per_stage = stage_params if stage_params is not None else llm_params_per_stage(config.llm, plan.pp)
+    dp = [dp_comm_us(config, p / plan.tp, plan.dp, plan.tp, cost) for p in per_stage]
     return LLMTimeline(plan.pp, plan.vp, n_mb, stages, work, p2p, [a for a, _ in dp], [r for _, r in dp])

@@ -1,0 +1,203 @@
+"""The paper's Megatron-LM baselines (§5.1, Appendix B), simulated with Optimus's own cost model.
+
+* Megatron-LM: every encoder (patch embedding, layers, projector) runs in the pre-process of the
+  first pipeline stage, tensor-parallel with the LLM's TP: before the forward of (stage 0, chunk 0)
+  and after its backward.
+* Megatron-LM balanced: encoder and LLM layers form one sequence, split into V*PP contiguous
+  virtual stages by Appendix B's dynamic program and run by the interleaved 1F1B schedule, virtual
+  stage ``chunk * PP + stage`` on pipeline rank ``stage`` (Megatron's interleaved assignment).
+
+Both reuse the LLM's pipeline simulator. Every stage boundary costs the LLM's P2P time (the LLM's
+hidden states), also where the balanced split cuts inside the encoder.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from optimus_mllm.config import EncoderConfig, LLMConfig, OptimusConfig, tp_divisibility_problem
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.params import (
+    encoder_params_per_stage,
+    layer_params,
+    llm_embedding_params,
+    llm_output_params,
+    llm_params_per_stage,
+    projector_params,
+)
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.scheduler.encoder_costs import EncoderKernel, build_encoder_work
+from optimus_mllm.scheduler.llm_costs import llm_op_work, timeline_from_work
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork, Phase
+
+KernelItem = tuple[str, int, bool, float]  # (name, layer, is_comm, duration_us), as OpWork.sequential takes
+PATCH_EMBED = "patch_embed"  # encoder_costs' name for the patch embedding kernel
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    name: str
+    iteration_us: float
+    timeline: LLMTimeline
+    layer_ranges: tuple[tuple[int, int], ...] | None = None  # balanced: [lo, hi) per virtual stage
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One entry of the layer sequence: its kernels and the parameters it adds to DP collectives."""
+
+    fwd: tuple[KernelItem, ...]
+    bwd: tuple[KernelItem, ...]
+    params: float
+
+    @property
+    def time_us(self) -> float:
+        return sum(item[3] for item in self.fwd + self.bwd)
+
+
+def megatron_lm_baseline(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel) -> BaselineResult:
+    """All encoders in the first stage's pre-process, under the given LLM plan."""
+    encoder = _encoder_layers(config, llm_plan, cost)
+    work = llm_op_work(config, llm_plan, cost)
+    work[(0, 0, "fwd")] = OpWork.sequential(_flatten(encoder, "fwd") + _items(work[(0, 0, "fwd")]))
+    work[(0, 0, "bwd")] = OpWork.sequential(_items(work[(0, 0, "bwd")]) + _flatten(encoder[::-1], "bwd"))
+    stage_params = [float(p) for p in llm_params_per_stage(config.llm, llm_plan.pp)]
+    stage_params[0] += sum(layer.params for layer in encoder)
+    timeline = timeline_from_work(config, llm_plan, cost, work, stage_params=stage_params)
+    return BaselineResult("Megatron-LM", timeline.iteration_us, timeline)
+
+
+def megatron_lm_balanced_baseline(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel,
+                                  vp: int | None = None) -> BaselineResult:
+    """Encoder and LLM layers balanced over V*PP virtual stages (V = ``vp``, default the plan's)."""
+    if len(config.encoders) != 1:
+        names = ", ".join(e.name for e in config.encoders)
+        raise OptimusError(f"Megatron-LM balanced needs a single encoder, the config has {len(config.encoders)} "
+                           f"({names}): the paper's layer-partition DP (Appendix B) handles a single encoder only, "
+                           "as independent encoders do not form one linear layer sequence")
+    plan = ParallelPlan(llm_plan.dp, llm_plan.pp, llm_plan.tp, vp if vp is not None else llm_plan.vp)
+    layers = _encoder_layers(config, plan, cost) + _llm_layers(config, plan, cost)
+    _check_balanced_plan(config, plan, len(layers))
+    ranges = balanced_partition([layer.time_us for layer in layers], plan.pp * plan.vp)
+    work = {}
+    stage_params = [0.0] * plan.pp
+    for v, (lo, hi) in enumerate(ranges):
+        chunk, stage = divmod(v, plan.pp)
+        work[(stage, chunk, "fwd")] = OpWork.sequential(_flatten(layers[lo:hi], "fwd"))
+        work[(stage, chunk, "bwd")] = OpWork.sequential(_flatten(layers[lo:hi][::-1], "bwd"))
+        stage_params[stage] += sum(layer.params for layer in layers[lo:hi])
+    timeline = timeline_from_work(config, plan, cost, work, stage_params=stage_params)
+    return BaselineResult("Megatron-LM balanced", timeline.iteration_us, timeline, tuple(ranges))
+
+
+def balanced_partition(layer_times: list[float], num_stages: int) -> list[tuple[int, int]]:
+    """Appendix B: contiguous [lo, hi) stages of >= 1 layer each that minimise the slowest stage.
+
+    F(l, m), the slowest of m stages over the first l layers, is min over j < l of
+    max(F(j, m - 1), t_{j+1} + ... + t_l); ties keep the smallest j.
+    """
+    n = len(layer_times)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
+    prefix = [0.0]
+    for t in layer_times:
+        prefix.append(prefix[-1] + t)
+    slowest = prefix[:]  # F(l, 1)
+    cuts: list[list[int]] = []  # cuts[m - 2][l]: the best j of F(l, m)
+    for m in range(2, num_stages + 1):
+        row, cut = [float("inf")] * (n + 1), [0] * (n + 1)
+        for l in range(m, n + 1):
+            row[l], cut[l] = min((max(slowest[j], prefix[l] - prefix[j]), j) for j in range(m - 1, l))
+        slowest = row
+        cuts.append(cut)
+    ranges, hi = [], n
+    for cut in reversed(cuts):
+        ranges.append((cut[hi], hi))
+        hi = cut[hi]
+    ranges.append((0, hi))
+    return ranges[::-1]
+
+
+def max_virtual_stage_us(timeline: LLMTimeline) -> float:
+    """The slowest virtual stage: one chunk's forward plus backward on one rank."""
+    return max(timeline.work[(s, c, "fwd")].duration_us + timeline.work[(s, c, "bwd")].duration_us
+               for s in range(timeline.pp) for c in range(timeline.vp))
+
+
+def _check_balanced_plan(config: OptimusConfig, plan: ParallelPlan, num_layers: int) -> None:
+    stages = plan.pp * plan.vp
+    if plan.vp < 1 or stages > num_layers:
+        raise OptimusError(f"Megatron-LM balanced: V*PP = {plan.vp}*{plan.pp} = {stages} virtual stages need "
+                           f"1 <= V and at most {num_layers} (encoder plus LLM layers), one layer each at least")
+    n_mb = config.num_microbatches_total // plan.dp
+    if plan.vp > 1 and n_mb % plan.pp:
+        raise OptimusError(f"Megatron-LM balanced: the interleaved schedule needs the {n_mb} microbatches per "
+                           f"pipeline to be a multiple of pp={plan.pp}; use vp=1")
+
+
+def _encoder_layers(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel) -> list[_Layer]:
+    """Every encoder's layers at the LLM's TP: the patch embedding joins the first, the projector the last."""
+    for enc in config.encoders:
+        problem = tp_divisibility_problem(enc, llm_plan.tp)
+        if problem:
+            raise OptimusError(f"Megatron-LM baselines run encoder '{enc.name}' with the LLM's tp={llm_plan.tp}, "
+                               f"but its {problem}")
+    # One encoder stage at the LLM's TP gives the whole chain, as the first LLM stage runs it.
+    single_stage = ParallelPlan(llm_plan.dp, 1, llm_plan.tp)
+    work = build_encoder_work(config, llm_plan, single_stage, cost)
+    fwd, bwd = _by_layer(config, work.fwd[0].kernels), _by_layer(config, work.bwd[0].kernels)
+    layers = []
+    for enc in config.encoders:
+        params = _encoder_layer_params(enc, config.llm)
+        for i in range(enc.num_layers):
+            key = (enc.name, i)
+            layers.append(_Layer(tuple(fwd[key]), tuple(bwd[key]), params[i]))
+    return layers
+
+
+def _by_layer(config: OptimusConfig, kernels: tuple[EncoderKernel, ...]) -> dict[tuple[str, int], list[KernelItem]]:
+    """Encoder kernels grouped by (encoder, layer); names carry the encoder, layer is -1 (not an LLM layer)."""
+    last = {enc.name: enc.num_layers - 1 for enc in config.encoders}
+    groups: dict[tuple[str, int], list[KernelItem]] = defaultdict(list)
+    for k in kernels:
+        layer = k.layer if k.layer >= 0 else (0 if k.name == PATCH_EMBED else last[k.encoder])
+        groups[(k.encoder, layer)].append((f"{k.encoder}.{k.name}", -1, k.is_comm, k.duration_us))
+    return groups
+
+
+def _encoder_layer_params(enc: EncoderConfig, llm: LLMConfig) -> list[float]:
+    """Trained parameters per layer (embeddings with the first, final norm and projector with the last);
+    a frozen encoder trains its projector only."""
+    if enc.frozen:
+        return [0.0] * (enc.num_layers - 1) + [float(projector_params(enc, llm))]
+    return [float(p) for p in encoder_params_per_stage((enc,), llm, enc.num_layers)]
+
+
+def _llm_layers(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> list[_Layer]:
+    """The LLM's layers with the embedding joined to the first and the output layer to the last."""
+    llm = config.llm
+    # With one layer per stage, llm_op_work gives each layer's kernels, heads attached as in the LLM's timeline.
+    work = llm_op_work(config, ParallelPlan(plan.dp, llm.num_layers, plan.tp, 1), cost)
+    params = _llm_layer_params(llm, plan.pp)
+    return [_Layer(tuple(_items(work[(i, 0, "fwd")])), tuple(_items(work[(i, 0, "bwd")])), params[i])
+            for i in range(llm.num_layers)]
+
+
+def _llm_layer_params(llm: LLMConfig, pp: int) -> list[float]:
+    params = [float(layer_params(llm))] * llm.num_layers
+    params[0] += llm_embedding_params(llm)
+    params[-1] += llm_output_params(llm)
+    if pp > 1 and not llm.untie_embeddings_and_output_weights:
+        # the last stage's copy of the tied word embedding, as in params.llm_params_per_stage
+        params[-1] += llm.vocab_size * llm.hidden_size
+    return params
+
+
+def _items(op: OpWork) -> list[KernelItem]:
+    return [(k.name, k.layer, k.is_comm, k.duration_us) for k in op.kernels]
+
+
+def _flatten(layers: list[_Layer], phase: Phase) -> list[KernelItem]:
+    return [item for layer in layers for item in (layer.fwd if phase == "fwd" else layer.bwd)]
