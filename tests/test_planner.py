@@ -150,12 +150,15 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys):
     assert main(["--config", str(CONFIGS / "paper" / "strong_3072.yaml"), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "LLM plan (config): DP48 PP8 TP8 V12, 16 microbatches per LLM pipeline" in out
-    assert "ranked by placeholder:" in out
+    assert "ranked by simulated iteration time (bubble scheduler)" in out
     assert "pruned encoder plans" in out and "chosen: LLM DP48 PP8 TP8 V12 | encoder" in out
     data = json.loads(out_json.read_text())
     assert data["llm_plan"] == {"dp": 48, "pp": 8, "tp": 8, "vp": 12}
     expected = plan(load_config(CONFIGS / "paper" / "strong_3072.yaml"))
-    assert [p["plan"] for p in data["encoder_plans"]] == [c.plan.as_dict() for c in expected.candidates]
+    assert sorted(map(str, (p["plan"] for p in data["encoder_plans"]))) == sorted(
+        str(c.plan.as_dict()) for c in expected.candidates)
+    assert data["chosen"]["encoder_plan"] == data["encoder_plans"][0]["plan"]
+    assert data["encoder_plans"][0]["status"] == "scheduled"
     first = data["encoder_plans"][0]
     assert set(first["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
     assert all("reason" in p for p in data["pruned"])

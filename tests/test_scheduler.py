@@ -1,0 +1,326 @@
+"""Bubble scheduler: the LLM timeline, dependency points, and validity of every schedule it emits."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from optimus_mllm.config import config_from_dict, load_config
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner import ParallelPlan, plan
+from optimus_mllm.scheduler.artifact import load_artifact, schedule_to_artifact, write_artifact
+from optimus_mllm.scheduler.bubble_scheduler import (
+    ChainPlacement,
+    LLMBubbles,
+    bubble_scheduler,
+    optimus,
+)
+from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
+from optimus_mllm.scheduler.llm_timeline import (
+    OpWork,
+    PipelineDeadlock,
+    default_warmup,
+    rank_op_order,
+    schedule_table,
+    simulate,
+)
+from optimus_mllm.scheduler.metrics import bubble_breakdown, scheduling_efficiency
+from optimus_mllm.scheduler.validity import schedule_violations
+from tests.conftest import CONFIGS
+
+
+def _uniform_work(pp: int, vp: int, tf: float = 1.0, tb: float = 2.0):
+    return {(s, c, phase): OpWork.sequential([(phase, 0, False, (tf if phase == "fwd" else tb) / vp)])
+            for s in range(pp) for c in range(vp) for phase in ("fwd", "bwd")}
+
+
+@pytest.mark.parametrize("pp, vp, m", [(2, 1, 4), (4, 1, 8), (3, 1, 5), (2, 2, 4), (4, 2, 8), (4, 2, 16),
+                                       (4, 4, 12), (8, 2, 32), (8, 12, 16), (8, 6, 24)])
+def test_idle_fraction_is_p_minus_1_over_v_m(pp, vp, m):
+    """Seed 002: with no communication the pipeline bubble is (p-1)/(v*m) of the ideal compute time."""
+    stages = simulate(pp, vp, m, _uniform_work(pp, vp), p2p_us=0.0)
+    busy = m * 3.0
+    for stage in stages:
+        end = max(s.last_compute_us for s in stages)
+        idle = end - sum(op.end_us - op.start_us for op in stage.ops)
+        assert idle / busy == pytest.approx((pp - 1) / (vp * m))
+
+
+def test_schedule_table_and_warmup_match_megatron_core():
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    for m, vp, group in [(8, 2, 4), (16, 12, 8), (12, 3, 4), (6, 2, 4)]:
+        assert schedule_table(m, vp, group) == schedules.get_schedule_table(m, vp, group)
+    # megatron-core's formula: (PP - rank - 1) * 2 + (V - 1) * group, capped at the total
+    assert [default_warmup(4, 2, 8, s) for s in range(4)] == [10, 8, 6, 4]
+    assert [default_warmup(4, 1, 8, s) for s in range(4)] == [3, 2, 1, 0]
+    assert default_warmup(8, 12, 16, 0) == min(14 + 11 * 8, 16 * 12)
+
+
+def test_rank_order_is_1f1b():
+    order = rank_op_order(8, 2, warmup=4, group_size=4)
+    assert [p for _, _, p in order[:4]] == ["fwd"] * 4
+    assert [p for _, _, p in order[4:16]] == ["fwd", "bwd"] * 6
+    assert len(order) == 32 and sorted(order) == sorted(set(order))
+
+
+def test_bad_warmup_deadlock_is_detected():
+    with pytest.raises(PipelineDeadlock):
+        simulate(2, 2, 4, _uniform_work(2, 2), 0.0, warmup=[0, 4])
+
+
+@pytest.mark.parametrize("pp, vp, m, p2p", [(4, 2, 8, 0.05), (2, 2, 4, 0.0), (3, 2, 6, 0.1), (4, 1, 8, 0.05)])
+def test_adjusted_warmup_rule_matches_exhaustive_search(pp, vp, m, p2p):
+    """The GetEncLLMDep rule w_s = min(default_s, w_0 - s) defers F as far as any per-stage warm-up."""
+    work = _uniform_work(pp, vp)
+    base = simulate(pp, vp, m, work, p2p)
+    end = max(s.last_compute_us for s in base)
+    default = [s.warmup for s in base]
+
+    def forward_points(stages):
+        ops = [op for op in stages[0].ops if op.chunk == 0 and op.phase == "fwd"]
+        return sum(op.start_us for op in ops)
+
+    best = forward_points(base)
+    for warmup in itertools.product(*[range(d + 1) for d in default]):
+        try:
+            stages = simulate(pp, vp, m, work, p2p, list(warmup))
+        except PipelineDeadlock:
+            continue
+        if max(s.last_compute_us for s in stages) <= end + 1e-9:
+            best = max(best, forward_points(stages))
+    rule = forward_points(base)
+    for first in range(default[0] - 1, -1, -1):
+        warmup = [min(d, first - s) for s, d in enumerate(default)]
+        if min(warmup) < 0:
+            break
+        try:
+            stages = simulate(pp, vp, m, work, p2p, warmup)
+        except PipelineDeadlock:
+            break
+        if max(s.last_compute_us for s in stages) > end + 1e-9:
+            break
+        rule = forward_points(stages)
+    assert rule == pytest.approx(best)
+
+
+def test_adjusted_warmup_defers_forward_points_without_lengthening():
+    config = load_config(CONFIGS / "paper" / "fig5_8gpu.yaml")
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    dep = get_enc_llm_dep(config, planned.llm_plan, cost)
+    assert dep.warmup != dep.default_warmup
+    from optimus_mllm.scheduler.dependencies import default_enc_llm_dep
+
+    default = default_enc_llm_dep(config, planned.llm_plan, cost)
+    assert dep.timeline.compute_end_us <= default.timeline.compute_end_us + 1e-6
+    assert all(a >= b - 1e-6 for a, b in zip(dep.forward, default.forward))
+    assert sum(dep.forward) > sum(default.forward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validity of emitted schedules
+
+
+def _random_config(seed: int) -> dict:
+    rng = random.Random(seed)
+    tp = rng.choice([1, 2, 4])
+    pp = rng.choice([1, 2, 4])
+    dp = rng.choice([1, 2])
+    n = tp * pp * dp
+    vp = rng.choice([1, 2]) if pp > 1 else 1
+    heads = 4 * rng.choice([1, 2])
+    layers = pp * vp * rng.choice([1, 2])
+    per_pipeline = pp * rng.choice([1, 2, 3])
+    mbs = rng.choice([1, 2])
+    encoders = []
+    for i in range(rng.choice([1, 1, 2])):
+        enc_heads = rng.choice([4, 8])
+        encoders.append({"name": f"enc{i}", "num_layers": rng.choice([1, 2, 3, 4]), "hidden_size": 16 * enc_heads,
+                         "num_attention_heads": enc_heads, "ffn_hidden_size": 64 * enc_heads,
+                         "seq_length": rng.choice([16, 64, 256]), "patch_size": 4,
+                         "frozen": rng.random() < 0.25})
+    return {
+        "name": f"random{seed}",
+        "cluster": {"num_gpus": n, "gpus_per_node": max(4, tp), "gpu_memory_gib": 80,
+                    "inter_node_bandwidth_gbps": rng.choice([5.0, 50.0])},
+        "model": {"encoders": encoders,
+                  "llm": {"num_layers": layers, "hidden_size": 32 * heads, "num_attention_heads": heads,
+                          "ffn_hidden_size": 128 * heads, "seq_length": 1024, "vocab_size": 1024}},
+        "training": {"global_batch_size": per_pipeline * dp * mbs, "micro_batch_size": mbs,
+                     "sequence_parallel": rng.random() < 0.5, "recompute": rng.choice(["none", "selective"])},
+        "parallel": {"llm": {"dp": dp, "pp": pp, "tp": tp, "vp": vp}},
+        "planner": {"max_partitions": 8},
+    }
+
+
+def _all_plan_schedules(config):
+    """The best schedule of every encoder plan (no pruning across plans)."""
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    for candidate in planned.candidates:
+        schedule, _ = bubble_scheduler(config, planned.llm_plan, candidate, bubbles, cost)
+        if schedule is not None:
+            yield schedule
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_configs_give_valid_schedules(seed):
+    config = config_from_dict(_random_config(seed))
+    schedules = list(_all_plan_schedules(config))
+    assert schedules, "every random config has at least the DP_enc = DP_llm plan"
+    for schedule in schedules:
+        assert schedule_violations(schedule) == []
+        assert schedule.iteration_us <= schedule.coarse_iteration_us + 1e-6
+        assert 0.0 <= scheduling_efficiency(schedule) <= 1.0 + 1e-9
+        ef = schedule.encoder_forward_end_us
+        assert list(ef) == sorted(ef), "global ordering feeds microbatches in order of encoder completion"
+
+
+@pytest.mark.parametrize("name", ["tiny", "fig5_8gpu", "strong_3072", "dualenc_22b_5b", "model_a"])
+def test_shipped_configs_give_valid_schedules(name):
+    path = CONFIGS / f"{name}.yaml" if name == "tiny" else CONFIGS / "paper" / f"{name}.yaml"
+    config = load_config(path)
+    result = optimus(config, plan(config), CostModel.from_config(config))
+    assert result.best is not None
+    assert schedule_violations(result.best) == []
+    assert result.best.iteration_us >= result.llm_alone_us - 1e-6, "encoder work cannot make the LLM faster"
+
+
+def test_fine_scheduling_moves_work_into_bubbles():
+    """On the Figure 5 setup the coarse schedule delays the LLM; kernel-level placement recovers time."""
+    config = load_config(CONFIGS / "paper" / "fig5_8gpu.yaml")
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    fine = optimus(config, planned, cost)
+    coarse = optimus(config, planned, cost, fine=False)
+    assert fine.best.iteration_us < coarse.best.iteration_us
+    assert any(c.window == "llm" for c in fine.best.chains)
+    assert all(c.window != "llm" for c in coarse.best.chains)
+    assert scheduling_efficiency(fine.best) > scheduling_efficiency(coarse.best)
+
+
+def test_frozen_encoder_has_no_backward_layers():
+    raw = _random_config(3)
+    raw["model"]["encoders"] = [dict(raw["model"]["encoders"][0], frozen=True)]
+    config = config_from_dict(raw)
+    schedule = next(_all_plan_schedules(config))
+    backward_layers = [k for c in schedule.chains if c.phase == "bwd" for k in schedule.chain_kernels(c).kernels]
+    assert backward_layers and all(k.layer == -1 and k.name.startswith(("projector", "tp_ar_projector"))
+                                   for k in backward_layers)
+    assert schedule_violations(schedule) == []
+
+
+def test_two_encoders_are_scheduled_as_one():
+    config = load_config(CONFIGS / "paper" / "dualenc_22b_5b.yaml")
+    result = optimus(config, plan(config), CostModel.from_config(config))
+    names = {k.encoder for chain in result.best.work.fwd for k in chain.kernels}
+    assert names == {"vit_22b", "vit_5b"}
+
+
+def _schedule(name="fig5_8gpu"):
+    config = load_config(CONFIGS / "paper" / f"{name}.yaml")
+    return config, optimus(config, plan(config), CostModel.from_config(config)).best
+
+
+def test_validity_checker_catches_broken_schedules():
+    _, schedule = _schedule()
+    assert schedule_violations(schedule) == []
+    fine = next(c for c in schedule.chains if c.window == "llm" and c.phase == "fwd")
+    others = [c for c in schedule.chains if c is not fine]
+
+    dropped = dataclasses.replace(schedule, chains=tuple(others))
+    assert any("placed 0 times" in p for p in schedule_violations(dropped))
+
+    duplicated = dataclasses.replace(schedule, chains=schedule.chains + (fine,))
+    assert any("placed 2 times" in p for p in schedule_violations(duplicated))
+
+    # move a fine chain onto the LLM's compute: it must now overlap an LLM kernel
+    tl = schedule.timeline
+    stage = schedule.work.llm_stage(fine.pipeline, fine.stage)
+    compute, _ = tl.kernel_intervals(stage)
+    a, _ = max(compute, key=lambda ab: ab[1] - ab[0])
+    shift = a + schedule.llm_origin_us - fine.starts_us[0]
+    moved = dataclasses.replace(fine, starts_us=tuple(s + shift for s in fine.starts_us))
+    assert any("overlaps" in p for p in schedule_violations(dataclasses.replace(schedule, chains=tuple(others) + (moved,))))
+
+    # a last-stage forward that finishes after its F_i
+    last = len(schedule.work.fwd) - 1
+    j, k = schedule.assignment[0]
+    late_key = next(c for c in schedule.chains if (c.pipeline, c.stage, c.local_microbatch, c.phase) == (j, last, k, "fwd"))
+    late = ChainPlacement(j, last, k, "fwd", late_key.window, tuple(s + 1e9 for s in late_key.starts_us))
+    chains = tuple(c for c in schedule.chains if c is not late_key) + (late,)
+    assert any("after F_0" in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains)))
+
+
+def test_bubble_breakdown_adds_up():
+    _, schedule = _schedule("strong_3072")
+    bb = bubble_breakdown(schedule.timeline)
+    assert all(v >= -1e-6 for v in bb.seconds_by_kind.values())
+    assert 0 < sum(bb.seconds_by_kind.values()) < bb.iteration_us
+
+
+def test_artifact_round_trip_and_hooks(tmp_path):
+    config, schedule = _schedule()
+    path = tmp_path / "schedule.json"
+    write_artifact(schedule, config.name, config.cluster.num_gpus, path)
+    artifact = load_artifact(path)
+    artifact.check_matches(schedule.llm_plan, schedule.encoder_plan, config.cluster.num_gpus)
+    data = artifact.data
+    assert data["assignment"] == [list(a) for a in schedule.assignment]
+    ops = [op for stage in data["encoder_stages"] for op in stage["ops"]]
+    total = sum(len(schedule.chain_kernels(c).kernels) for c in schedule.chains)
+    assert len(ops) == total
+    windows = {op["window"]: op["hook"]["at"] for op in ops}
+    assert windows == {"pre": "before_first_compute", "llm": "llm_kernel", "post": "after_last_compute"}
+    # an llm-window kernel is launched at an LLM kernel that starts no later than it
+    tl, t0 = schedule.timeline, schedule.llm_origin_us
+    for stage in data["encoder_stages"]:
+        starts = {}
+        for op in tl.stages[stage["llm_stage"]].ops:
+            for index, k in enumerate(tl.work[(stage["llm_stage"], op.chunk, op.phase)].kernels):
+                starts[(op.phase, op.chunk, op.microbatch, index)] = t0 + op.start_us + k.offset_us
+        for op in stage["ops"]:
+            if op["window"] == "llm":
+                h = op["hook"]
+                assert starts[(h["phase"], h["chunk"], h["microbatch"], h["kernel_index"])] <= op["start_us"] + 1e-3
+
+
+def test_artifact_mismatch_and_version_errors(tmp_path):
+    config, schedule = _schedule()
+    path = tmp_path / "schedule.json"
+    write_artifact(schedule, config.name, config.cluster.num_gpus, path)
+    artifact = load_artifact(path)
+    with pytest.raises(OptimusError, match="made for 8 GPUs, this job has 16"):
+        artifact.check_matches(schedule.llm_plan, schedule.encoder_plan, 16)
+    with pytest.raises(OptimusError, match="LLM plan"):
+        artifact.check_matches(ParallelPlan(1, 2, 4, 1), schedule.encoder_plan, 8)
+    with pytest.raises(OptimusError, match="encoder plan"):
+        artifact.check_matches(schedule.llm_plan, ParallelPlan(8, 1, 1), 8)
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(OptimusError, match="version 99"):
+        load_artifact(path)
+    with pytest.raises(OptimusError, match="does not exist"):
+        load_artifact(tmp_path / "missing.json")
+
+
+def test_artifact_of_tiny_config_is_json_serialisable():
+    config = load_config(CONFIGS / "tiny.yaml")
+    schedule = optimus(config, plan(config), CostModel.from_config(config)).best
+    json.dumps(schedule_to_artifact(schedule, config.name, config.cluster.num_gpus))
+
+
+def test_planner_and_scheduler_do_not_import_torch():
+    code = ("import sys, optimus_mllm.cli.plan, optimus_mllm.scheduler.bubble_scheduler, "
+            "optimus_mllm.scheduler.artifact, optimus_mllm.scheduler.metrics, optimus_mllm.scheduler.validity; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
