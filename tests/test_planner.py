@@ -162,3 +162,20 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys):
     first = data["encoder_plans"][0]
     assert set(first["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
     assert all("reason" in p for p in data["pruned"])
+
+
+def test_cli_writes_artifact_trace_and_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = {name: tmp_path / name for name in ("schedule.json", "trace.json", "timeline.png")}
+    assert main(["--config", str(CONFIGS / "tiny.yaml"), "--artifact", str(out["schedule.json"]),
+                 "--trace", str(out["trace.json"]), "--png", str(out["timeline.png"])]) == 0
+    assert "chosen: LLM DP1 PP2 TP2 V2 | encoder" in capsys.readouterr().out
+    assert json.loads(out["schedule.json"].read_text())["format"] == "optimus-schedule"
+    assert json.loads(out["trace.json"].read_text())["traceEvents"]
+    assert out["timeline.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_output_into_missing_directory_is_a_clear_error(tmp_path, capsys):
+    assert main(["--config", str(CONFIGS / "tiny.yaml"), "--artifact", str(tmp_path / "no" / "a.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not exist" in err

@@ -324,3 +324,24 @@ def test_planner_and_scheduler_do_not_import_torch():
             "optimus_mllm.scheduler.artifact, optimus_mllm.scheduler.metrics, optimus_mllm.scheduler.validity; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _never_slower_than_megatron(config) -> None:
+    from optimus_mllm.scheduler.baselines import megatron_lm_baseline
+
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    result = optimus(config, planned, cost)
+    baseline = megatron_lm_baseline(config, planned.llm_plan, cost)
+    assert result.best.iteration_us <= baseline.iteration_us + 1e-6, (
+        f"Optimus {result.best.iteration_us:.1f} us > Megatron-LM {baseline.iteration_us:.1f} us")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONFIGS / "paper").glob("*.yaml")))
+def test_optimus_never_slower_than_megatron_lm_on_paper_setups(name):
+    _never_slower_than_megatron(load_config(CONFIGS / "paper" / f"{name}.yaml"))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_optimus_never_slower_than_megatron_lm_on_random_configs(seed):
+    _never_slower_than_megatron(config_from_dict(_random_config(seed)))

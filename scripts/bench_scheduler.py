@@ -1,0 +1,184 @@
+"""Paper-scale benchmark of the bubble scheduler, side by side with the Optimus paper's figures.
+
+    python scripts/bench_scheduler.py [--json OUT] [--profile kernel_profile.json] [--only NAME ...]
+
+For every setup in configs/paper/ it plans, schedules (Algorithm 1, on one core), and simulates the
+two Megatron-LM baselines with the same cost model, then prints:
+- Table 7: Eff_coarse, Eff_fine and scheduler runtime at 1536/2048/3072 GPUs;
+- Table 5: iteration time and MFU of Megatron-LM, Megatron-LM balanced and Optimus;
+- weak scaling (Models A-D), the dual-encoder models, and Appendix C's 8-GPU model;
+- a sensitivity row: the strong-scaling setups with 1536 image tokens per image instead of our
+  assumed 256 (the paper does not state the image size), to show a heavier encoder.
+Absolute times come from our roofline cost model (efficiencies in configs, not tuned per row); the
+paper measured a production cluster, so compare shapes and ratios, not seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
+from optimus_mllm.cost_model import CostModel  # noqa: E402
+from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
+from optimus_mllm.planner import plan  # noqa: E402
+from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline  # noqa: E402
+from optimus_mllm.scheduler.bubble_scheduler import optimus  # noqa: E402
+from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency  # noqa: E402
+
+# The paper's numbers (Tables 5, 7, 10; Figures 15, 16 give speedups only).
+PAPER_TABLE7 = {"strong_1536": (32, 34.3, 57.5, 322.2), "strong_2048": (24, 45.8, 69.3, 89.6),
+                "strong_3072": (16, 68.7, 85.0, 15.1)}
+PAPER_TABLE5 = {"strong_1536": (10.65, 10.43, 9.80, 31.6, 32.3, 34.4),
+                "strong_2048": (8.26, 8.06, 7.29, 30.6, 31.3, 34.6),
+                "strong_3072": (5.91, 5.87, 4.87, 28.5, 28.7, 34.6)}
+PAPER_SPEEDUP = {"model_a": "up to 1.22", "model_b": "up to 1.22", "model_c": "up to 1.22", "model_d": "up to 1.22",
+                 "dualenc_11b_5b": "1.25", "dualenc_22b_5b": "1.26", "dualenc_22b_11b": "1.27",
+                 "appc_vit3b_gpt11b_8gpu": "1.23"}  # App. C: 3.42 s / 2.78 s
+PAPER_V = {4: 6, 8: 12}  # Megatron-LM balanced's V in Tables 11 and 12
+HEAVY_TOKENS = 1536  # 6x our 256; leaves 512 text tokens of the LLM's 2048
+
+
+@dataclass
+class Row:
+    name: str
+    gpus: int
+    microbatches: int
+    llm_plan: str
+    encoder_plan: str
+    llm_alone_s: float
+    megatron_s: float
+    balanced_s: float | None
+    optimus_s: float
+    coarse_s: float
+    eff_coarse: float
+    eff_fine: float
+    runtime_s: float
+    mfu_megatron: float
+    mfu_balanced: float | None
+    mfu_optimus: float
+
+    @property
+    def speedup(self) -> float:
+        return self.megatron_s / self.optimus_s
+
+    @property
+    def speedup_balanced(self) -> float | None:
+        return self.balanced_s / self.optimus_s if self.balanced_s else None
+
+
+def run_setup(name: str, config: OptimusConfig) -> Row:
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    started = time.perf_counter()
+    fine = optimus(config, planned, cost)
+    runtime = time.perf_counter() - started
+    coarse = optimus(config, planned, cost, fine=False)
+    megatron = megatron_lm_baseline(config, planned.llm_plan, cost)
+    balanced = None
+    if len(config.encoders) == 1:
+        balanced = megatron_lm_balanced_baseline(config, planned.llm_plan, cost,
+                                                 PAPER_V.get(planned.llm_plan.pp, planned.llm_plan.vp))
+    best = fine.best
+    return Row(
+        name=name, gpus=config.cluster.num_gpus, microbatches=planned.num_microbatches,
+        llm_plan=str(planned.llm_plan), encoder_plan=str(best.encoder_plan),
+        llm_alone_s=fine.llm_alone_us / 1e6, megatron_s=megatron.iteration_us / 1e6,
+        balanced_s=balanced.iteration_us / 1e6 if balanced else None,
+        optimus_s=best.iteration_us / 1e6, coarse_s=coarse.best.iteration_us / 1e6,
+        eff_coarse=scheduling_efficiency(coarse.best), eff_fine=scheduling_efficiency(best), runtime_s=runtime,
+        mfu_megatron=mfu(config, megatron.iteration_us),
+        mfu_balanced=mfu(config, balanced.iteration_us) if balanced else None,
+        mfu_optimus=mfu(config, best.iteration_us),
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def print_tables(rows: dict[str, Row], heavy: dict[str, Row]) -> None:
+    strong = [n for n in PAPER_TABLE7 if n in rows]
+    if strong:
+        print("Table 7: scheduling efficiency and scheduler runtime (ours | paper)")
+        print(f"{'setting':<13}{'#mb':>4}  {'Eff_coarse':>17}  {'Eff_fine':>17}  {'runtime s':>17}")
+        for n in strong:
+            r, (mb, pc, pf, pt) = rows[n], PAPER_TABLE7[n]
+            print(f"{r.gpus:>5}-GPU    {r.microbatches:>4}  {_pct(r.eff_coarse):>7} | {pc:>5.1f}%  "
+                  f"{_pct(r.eff_fine):>7} | {pf:>5.1f}%  {r.runtime_s:>7.2f} | {pt:>7.1f}")
+        print()
+        print("Table 5: iteration time in s and MFU, batch 1536 (ours | paper)")
+        print(f"{'GPUs':>5}  {'Megatron-LM':>16}  {'balanced':>16}  {'Optimus':>16}  {'MFU Meg':>15}  "
+              f"{'MFU bal':>15}  {'MFU Opt':>15}  {'speedup':>7}")
+        for n in strong:
+            r, p = rows[n], PAPER_TABLE5[n]
+            print(f"{r.gpus:>5}  {r.megatron_s:>7.3f} | {p[0]:>5.2f}  {_s(r.balanced_s):>7} | {p[1]:>5.2f}  "
+                  f"{r.optimus_s:>7.3f} | {p[2]:>5.2f}  {_pct(r.mfu_megatron):>6} | {p[3]:>5.1f}%  "
+                  f"{_pct(r.mfu_balanced):>6} | {p[4]:>5.1f}%  {_pct(r.mfu_optimus):>6} | {p[5]:>5.1f}%  "
+                  f"{r.speedup:>6.2f}x")
+        print()
+    others = [n for n in rows if n not in PAPER_TABLE7]
+    if others:
+        print("Other setups: iteration time in s (speedup of Optimus over Megatron-LM: ours | paper)")
+        _print_rows({n: rows[n] for n in others}, paper=True)
+    if heavy:
+        print(f"Sensitivity: strong scaling with {HEAVY_TOKENS} image tokens per image (ours assume 256)")
+        _print_rows(heavy, paper=False)
+
+
+def _print_rows(rows: dict[str, Row], paper: bool) -> None:
+    print(f"{'setup':<24}{'GPUs':>5}  {'LLM plan':<18}{'encoder plan':<16}{'LLM alone':>10}{'Megatron':>10}"
+          f"{'balanced':>10}{'Optimus':>10}{'coarse':>10}{'Eff_c':>8}{'Eff_f':>8}{'vs Meg':>8}{'vs bal':>8}"
+          + ("    paper" if paper else ""))
+    for n, r in rows.items():
+        bal = f"{r.speedup_balanced:.2f}x" if r.speedup_balanced else "-"
+        line = (f"{n:<24}{r.gpus:>5}  {r.llm_plan:<18}{r.encoder_plan:<16}{r.llm_alone_s:>10.3f}{r.megatron_s:>10.3f}"
+                f"{_s(r.balanced_s):>10}{r.optimus_s:>10.3f}{r.coarse_s:>10.3f}{_pct(r.eff_coarse):>8}"
+                f"{_pct(r.eff_fine):>8}{r.speedup:>7.2f}x{bal:>8}")
+        if paper:
+            line += f"    {PAPER_SPEEDUP.get(n, '-')}x"
+        print(line)
+    print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="OUT", help="write every figure as JSON")
+    parser.add_argument("--profile", metavar="PROFILE", help="measured kernel profile (optimus-profile) to use "
+                                                             "instead of the roofline")
+    parser.add_argument("--only", nargs="*", metavar="NAME", help="setups to run, e.g. strong_3072 model_a")
+    parser.add_argument("--no-sensitivity", action="store_true", help="skip the heavier-encoder rows")
+    args = parser.parse_args(argv)
+    overrides = [f"cost_model.profile={args.profile}"] if args.profile else []
+    names = sorted(p.stem for p in (REPO / "configs" / "paper").glob("*.yaml"))
+    names = [n for n in names if not args.only or n in args.only]
+    ordered = [n for n in PAPER_TABLE7 if n in names] + [n for n in names if n not in PAPER_TABLE7]
+    rows = {n: run_setup(n, load_config(REPO / "configs" / "paper" / f"{n}.yaml", overrides)) for n in ordered}
+    heavy = {}
+    if not args.no_sensitivity:
+        for n in (n for n in PAPER_TABLE7 if n in names):
+            config = load_config(REPO / "configs" / "paper" / f"{n}.yaml",
+                                 overrides + [f"model.encoders.0.seq_length={HEAVY_TOKENS}"])
+            heavy[f"{n}_{HEAVY_TOKENS}tok"] = run_setup(n, config)
+    print_tables(rows, heavy)
+    if args.json:
+        payload = {"cost_model": "profile" if args.profile else "roofline",
+                   "rows": {n: {**vars(r), "speedup": r.speedup} for n, r in {**rows, **heavy}.items()},
+                   "paper": {"table7": PAPER_TABLE7, "table5": PAPER_TABLE5, "speedup": PAPER_SPEEDUP}}
+        atomic_write_text(args.json, json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
