@@ -31,7 +31,7 @@ from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
 from optimus_mllm.planner import plan  # noqa: E402
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline  # noqa: E402
 from optimus_mllm.scheduler.bubble_scheduler import optimus  # noqa: E402
-from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency  # noqa: E402
+from optimus_mllm.scheduler.metrics import BUBBLE_KINDS, bubble_breakdown, mfu, scheduling_efficiency  # noqa: E402
 
 # The paper's numbers (Tables 5, 7, 10; Figures 15, 16 give speedups only).
 PAPER_TABLE7 = {"strong_1536": (32, 34.3, 57.5, 322.2), "strong_2048": (24, 45.8, 69.3, 89.6),
@@ -42,6 +42,8 @@ PAPER_TABLE5 = {"strong_1536": (10.65, 10.43, 9.80, 31.6, 32.3, 34.4),
 PAPER_SPEEDUP = {"model_a": "up to 1.22", "model_b": "up to 1.22", "model_c": "up to 1.22", "model_d": "up to 1.22",
                  "dualenc_11b_5b": "1.25", "dualenc_22b_5b": "1.26", "dualenc_22b_11b": "1.27",
                  "appc_vit3b_gpt11b_8gpu": "1.23"}  # App. C: 3.42 s / 2.78 s
+PAPER_TABLE1 = {"dp_all_gather": 3.3, "dp_reduce_scatter": 8.9, "pp_warmup": 5.0, "pp_cooldown": 9.2,
+                "pp_other": 8.7, "tp": 11.2}  # % of a 5.12 s step, >3000 GPUs, production
 PAPER_V = {4: 6, 8: 12}  # Megatron-LM balanced's V in Tables 11 and 12
 HEAVY_TOKENS = 1536  # 6x our 256; leaves 512 text tokens of the LLM's 2048
 
@@ -64,6 +66,7 @@ class Row:
     mfu_megatron: float
     mfu_balanced: float | None
     mfu_optimus: float
+    bubbles: dict[str, float]  # share of the LLM-alone iteration per bubble kind
 
     @property
     def speedup(self) -> float:
@@ -87,6 +90,7 @@ def run_setup(name: str, config: OptimusConfig) -> Row:
         balanced = megatron_lm_balanced_baseline(config, planned.llm_plan, cost,
                                                  PAPER_V.get(planned.llm_plan.pp, planned.llm_plan.vp))
     best = fine.best
+    breakdown = bubble_breakdown(best.timeline)
     return Row(
         name=name, gpus=config.cluster.num_gpus, microbatches=planned.num_microbatches,
         llm_plan=str(planned.llm_plan), encoder_plan=str(best.encoder_plan),
@@ -97,6 +101,7 @@ def run_setup(name: str, config: OptimusConfig) -> Row:
         mfu_megatron=mfu(config, megatron.iteration_us),
         mfu_balanced=mfu(config, balanced.iteration_us) if balanced else None,
         mfu_optimus=mfu(config, best.iteration_us),
+        bubbles={k: breakdown.share(k) for k in BUBBLE_KINDS},
     )
 
 
@@ -111,6 +116,12 @@ def _s(x: float | None) -> str:
 def print_tables(rows: dict[str, Row], heavy: dict[str, Row]) -> None:
     strong = [n for n in PAPER_TABLE7 if n in rows]
     if strong:
+        print("Table 1: LLM bubbles, % of the LLM-alone iteration (ours per setup | paper, production >3000 GPUs)")
+        print(f"{'bubble':<20}" + "".join(f"{rows[n].gpus:>8}-GPU" for n in strong) + f"{'paper':>10}")
+        for kind in BUBBLE_KINDS:
+            print(f"{kind:<20}" + "".join(f"{_pct(rows[n].bubbles[kind]):>12}" for n in strong)
+                  + f"{PAPER_TABLE1[kind]:>9.1f}%")
+        print()
         print("Table 7: scheduling efficiency and scheduler runtime (ours | paper)")
         print(f"{'setting':<13}{'#mb':>4}  {'Eff_coarse':>17}  {'Eff_fine':>17}  {'runtime s':>17}")
         for n in strong:
