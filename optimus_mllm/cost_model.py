@@ -12,13 +12,13 @@ the QKV/fc1 input gradient).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from optimus_mllm.config import ClusterConfig, CostModelConfig, OptimusConfig, TransformerSpec
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.io_utils import read_versioned_json
 
 Phase = Literal["fwd", "bwd"]
 KernelClass = Literal["gemm", "attention", "memory", "comm"]
@@ -237,17 +237,8 @@ def dp_grad_reduce_scatter_work(params_per_rank: int, dp: int, grad_bytes: int) 
 
 def load_profile(path: str | Path) -> dict[tuple, float]:
     """Read a kernel profile: {(module, kernel, phase, tp): microseconds}."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise OptimusError(f"cost_model.profile: {path} does not exist; run optimus-profile to create it") from None
-    except json.JSONDecodeError as exc:
-        raise OptimusError(f"cost_model.profile: {path} is not valid JSON (line {exc.lineno})") from None
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        raise OptimusError(f"cost_model.profile: {path} is not an {PROFILE_FORMAT} file")
-    if data.get("version") != PROFILE_VERSION:
-        raise OptimusError(f"cost_model.profile: {path} has version {data.get('version')}, "
-                           f"this release reads version {PROFILE_VERSION}; re-run optimus-profile")
+    data = read_versioned_json(path, "cost_model.profile:", PROFILE_FORMAT, PROFILE_VERSION,
+                               "run optimus-profile to create it")
     table = {}
     for i, entry in enumerate(data.get("kernels", [])):
         try:

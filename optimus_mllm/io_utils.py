@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from optimus_mllm.errors import OptimusError
 
@@ -24,3 +26,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_versioned_json(path: str | Path, what: str, file_format: str, version: int, remedy: str) -> dict[str, Any]:
+    """Read a JSON file of ``file_format`` at ``version``; ``remedy`` says how to make a good one."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise OptimusError(f"{what} {path} does not exist; {remedy}") from None
+    except json.JSONDecodeError as exc:
+        raise OptimusError(f"{what} {path} is not valid JSON (line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != file_format:
+        raise OptimusError(f"{what} {path} is not an {file_format} file")
+    if data.get("version") != version:
+        raise OptimusError(f"{what} {path} has version {data.get('version')}, this release reads version "
+                           f"{version}; {remedy}")
+    return data

@@ -123,10 +123,10 @@ def print_tables(rows: dict[str, Row], heavy: dict[str, Row]) -> None:
                   + f"{PAPER_TABLE1[kind]:>9.1f}%")
         print()
         print("Table 7: scheduling efficiency and scheduler runtime (ours | paper)")
-        print(f"{'setting':<13}{'#mb':>4}  {'Eff_coarse':>17}  {'Eff_fine':>17}  {'runtime s':>17}")
+        print(f"{'setting':<13}{'#mb':>7}  {'Eff_coarse':>17}  {'Eff_fine':>17}  {'runtime s':>17}")
         for n in strong:
             r, (mb, pc, pf, pt) = rows[n], PAPER_TABLE7[n]
-            print(f"{r.gpus:>5}-GPU    {r.microbatches:>4}  {_pct(r.eff_coarse):>7} | {pc:>5.1f}%  "
+            print(f"{r.gpus:>5}-GPU    {r.microbatches:>2} | {mb:<2}  {_pct(r.eff_coarse):>7} | {pc:>5.1f}%  "
                   f"{_pct(r.eff_fine):>7} | {pf:>5.1f}%  {r.runtime_s:>7.2f} | {pt:>7.1f}")
         print()
         print("Table 5: iteration time in s and MFU, batch 1536 (ours | paper)")
@@ -158,7 +158,7 @@ def _print_rows(rows: dict[str, Row], paper: bool) -> None:
                 f"{_s(r.balanced_s):>10}{r.optimus_s:>10.3f}{r.coarse_s:>10.3f}{_pct(r.eff_coarse):>8}"
                 f"{_pct(r.eff_fine):>8}{r.speedup:>7.2f}x{bal:>8}")
         if paper:
-            line += f"    {PAPER_SPEEDUP.get(n, '-')}x"
+            line += f"    {PAPER_SPEEDUP[n]}x" if n in PAPER_SPEEDUP else "    -"
         print(line)
     print()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.bubble_scheduler import Schedule
 
@@ -135,17 +135,8 @@ _REQUIRED = ("num_gpus", "llm_plan", "encoder_plan", "num_microbatches", "partit
 
 def load_artifact(path: str | Path) -> ScheduleArtifact:
     """Read and check a schedule artifact's format and version."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise OptimusError(f"schedule artifact {path} does not exist; write one with optimus-plan --artifact") from None
-    except json.JSONDecodeError as exc:
-        raise OptimusError(f"schedule artifact {path} is not valid JSON (line {exc.lineno})") from None
-    if not isinstance(data, dict) or data.get("format") != ARTIFACT_FORMAT:
-        raise OptimusError(f"{path} is not an {ARTIFACT_FORMAT} file")
-    if data.get("version") != ARTIFACT_VERSION:
-        raise OptimusError(f"schedule artifact {path} has version {data.get('version')}; this release reads "
-                           f"version {ARTIFACT_VERSION}: re-run optimus-plan")
+    data = read_versioned_json(path, "schedule artifact", ARTIFACT_FORMAT, ARTIFACT_VERSION,
+                               "write one with optimus-plan --artifact")
     missing = [key for key in _REQUIRED if key not in data]
     if missing:
         raise OptimusError(f"schedule artifact {path} lacks {', '.join(missing)}")
