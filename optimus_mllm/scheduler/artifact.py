@@ -7,11 +7,13 @@ each is launched at and its predicted start and end.
 
 A hook point names a moment of the LLM's own execution on that GPU, never a time:
 - ``{"at": "before_first_compute"}``: before the LLM's first forward on this GPU (coarse forward);
-- ``{"at": "llm_kernel", "phase", "chunk", "microbatch", "kernel_index", "kernel", "layer"}``: once
-  the LLM has launched that kernel of that op (fine-grained: the encoder kernel fills the bubble
-  right after it or, for an encoder collective, runs under it);
+- ``{"at": "llm_kernel", "phase", "chunk", "microbatch", "kernel_index", "kernel", "layer", "after"}``:
+  at that kernel of that LLM op (fine-grained): ``after`` true means once it has finished (the
+  encoder kernel fills the bubble that follows), false means while it runs (an encoder compute
+  kernel in a TP collective's bubble, or an encoder collective under LLM compute);
 - ``{"at": "after_last_compute"}``: after the LLM's last backward on this GPU (coarse backward).
-All LLM pipelines of the job run the same schedule, so GPUs are numbered within one LLM pipeline:
+``llm_kernels["stage/chunk/phase"]`` lists the names of the LLM op's kernels, which ``kernel_index``
+counts. All LLM pipelines of the job run the same schedule, so GPUs are numbered within one LLM pipeline:
 ``llm_stage * TP_llm + tp_rank``.
 """
 
@@ -74,6 +76,8 @@ def schedule_to_artifact(schedule: Schedule, config_name: str, num_gpus: int) ->
             "EF": list(schedule.encoder_forward_end_us),
             "EB": list(schedule.encoder_backward_start_us),
         },
+        "llm_kernels": {f"{s}/{c}/{phase}": [k.name for k in work.kernels]
+                        for (s, c, phase), work in sorted(tl.work.items())},
         "encoder_stages": stages,
     }
 
@@ -83,10 +87,12 @@ class _HookIndex:
 
     def __init__(self, tl, stage: int, t0: float):
         self.starts: list[float] = []
+        self.ends: list[float] = []
         self.names: list[dict[str, Any]] = []
         for op in tl.stages[stage].ops:
             for index, k in enumerate(tl.work[(stage, op.chunk, op.phase)].kernels):
                 self.starts.append(t0 + op.start_us + k.offset_us)
+                self.ends.append(t0 + op.start_us + k.offset_us + k.duration_us)
                 self.names.append({"at": "llm_kernel", "phase": op.phase, "chunk": op.chunk,
                                    "microbatch": op.microbatch, "kernel_index": index, "kernel": k.name,
                                    "layer": k.layer})
@@ -96,8 +102,8 @@ class _HookIndex:
             return {"at": "before_first_compute"}
         if window == "post":
             return {"at": "after_last_compute"}
-        i = bisect_right(self.starts, start + 1e-6) - 1
-        return dict(self.names[max(i, 0)])
+        i = max(bisect_right(self.starts, start + 1e-6) - 1, 0)
+        return {**self.names[i], "after": start >= self.ends[i] - 1e-6}
 
 
 def write_artifact(schedule: Schedule, config_name: str, num_gpus: int, path: str | Path) -> None:
@@ -130,7 +136,7 @@ class ScheduleArtifact:
 
 
 _REQUIRED = ("num_gpus", "llm_plan", "encoder_plan", "num_microbatches", "partition", "assignment", "warmup",
-             "encoder_stages")
+             "llm_kernels", "encoder_stages")
 
 
 def load_artifact(path: str | Path) -> ScheduleArtifact:

@@ -1,0 +1,1 @@
+"""Runtime: execute a schedule artifact inside megatron-core."""
