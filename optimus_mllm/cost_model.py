@@ -84,29 +84,47 @@ def layer_kernels(shape: LayerShape, phase: Phase) -> list[KernelWork]:
     bwd: list[KernelWork] = []
     if shape.recompute == "full":
         bwd += [_renamed(k, "recompute_" + k.name, "bwd") for k in fwd]
-    for k in reversed(fwd):
-        if k.is_comm:
-            bwd.append(_backward_comm(k))
-        elif k.kind == "gemm":
-            bwd.append(KernelWork(k.name, "bwd", "gemm", 2 * k.flops, 2 * k.bytes))  # dgrad + wgrad
-        elif k.kind == "attention":
-            if shape.recompute == "selective":  # Korthikanti: recompute the attention core only
-                bwd.append(_renamed(k, "recompute_attn_core", "bwd"))
-            bwd.append(KernelWork(k.name, "bwd", "attention", 2 * k.flops, 2 * k.bytes))
-        else:
-            bwd.append(KernelWork(k.name, "bwd", k.kind, k.flops, 2 * k.bytes))
+    mlp_starts = next(i for i, k in enumerate(fwd) if k.name == "ln_mlp")
+    for half in (fwd[mlp_starts:], fwd[:mlp_starts]):  # the MLP half first, backwards
+        bwd += _half_backward(half, shape.recompute)
     return bwd
+
+
+def _half_backward(half: list[KernelWork], recompute: str) -> list[KernelWork]:
+    """Backward of [norm, (all-gather), GEMM, ..., GEMM, reduce]: the adjoint collectives in place.
+
+    With sequence parallelism the output reduce-scatter's adjoint all-gathers the gradient first and
+    the input all-gather's adjoint reduce-scatters it before the norm. Without it, the output
+    all-reduce's adjoint is free and the input copy's adjoint all-reduces the partial input gradient
+    of the first GEMM, so it follows that GEMM's backward.
+    """
+    norm, body = half[0], half[1:]
+    comm = [k for k in body if k.is_comm]
+    compute = [k for k in body if not k.is_comm]
+    out: list[KernelWork] = []
+    if any(k.collective == "reduce_scatter" for k in comm):
+        out.append(_adjoint(next(k for k in comm if k.collective == "reduce_scatter"), "all_gather"))
+    for k in reversed(compute):
+        if k.kind == "attention" and recompute == "selective":  # Korthikanti: recompute the core only
+            out.append(_renamed(k, "recompute_attn_core", "bwd"))
+        scale = 2 if k.kind in ("gemm", "attention") else 1  # dgrad + wgrad
+        out.append(KernelWork(k.name, "bwd", k.kind, scale * k.flops, 2 * k.bytes))
+    if any(k.collective == "all_gather" for k in comm):
+        out.append(_adjoint(next(k for k in comm if k.collective == "all_gather"), "reduce_scatter"))
+    elif any(k.collective == "all_reduce" for k in comm):
+        out.append(_adjoint(next(k for k in comm if k.collective == "all_reduce"), "all_reduce"))
+    out.append(KernelWork(norm.name, "bwd", norm.kind, norm.flops, 2 * norm.bytes))
+    return out
 
 
 def _renamed(k: KernelWork, name: str, phase: Phase) -> KernelWork:
     return KernelWork(name, phase, k.kind, k.flops, k.bytes, k.collective, k.group_size)
 
 
-def _backward_comm(k: KernelWork) -> KernelWork:
-    """The adjoint collective: all-gather <-> reduce-scatter, all-reduce stays."""
-    flip = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_reduce": "all_reduce"}
-    name = k.name.replace("_ag_", "_rs_") if k.collective == "all_gather" else k.name.replace("_rs_", "_ag_")
-    return KernelWork(name, "bwd", "comm", 0.0, k.bytes, flip[k.collective], k.group_size)  # type: ignore[index]
+def _adjoint(k: KernelWork, collective: Collective) -> KernelWork:
+    name = {"all_gather": k.name.replace("_rs_", "_ag_"), "reduce_scatter": k.name.replace("_ag_", "_rs_"),
+            "all_reduce": k.name}[collective]
+    return KernelWork(name, "bwd", "comm", 0.0, k.bytes, collective, k.group_size)
 
 
 def _forward_kernels(shape: LayerShape) -> list[KernelWork]:

@@ -119,3 +119,11 @@ def test_bad_profile_is_a_clear_error(tmp_path, content, message):
         path.write_text(content)
     with pytest.raises(OptimusError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_profile(path)
+
+
+def test_backward_all_reduce_follows_the_gemm_whose_input_gradient_it_reduces():
+    """Without sequence parallelism the forward all-reduce's adjoint is free; the all-reduce of the
+    backward pass sums the partial input gradients of qkv / fc1, so it comes after them."""
+    names = [k.name for k in layer_kernels(_shape(tp=4, sp=False), "bwd")]
+    assert names == ["fc2", "act", "fc1", "tp_ar_mlp", "ln_mlp",
+                     "attn_proj", "attn_core", "qkv", "tp_ar_attn", "ln_attn"]

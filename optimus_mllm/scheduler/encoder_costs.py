@@ -113,8 +113,11 @@ def trainable_params_per_stage(config: OptimusConfig, pp: int) -> list[float]:
 
 
 def _patch_embed(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase) -> EncoderKernel:
-    """The patch embedding as a GEMM over flattened patches (replicated over TP, like Megatron's CLIP)."""
+    """The patch embedding as a GEMM over flattened patches; with sequence parallelism each TP rank
+    embeds its own share of the tokens, otherwise all of them (replicated, like Megatron's CLIP)."""
     tokens = enc.seq_length * config.training.micro_batch_size
+    if config.training.sequence_parallel and tp > 1:
+        tokens //= tp
     patch_dim = enc.in_channels * enc.patch_size**2
     dtype = activation_dtype_bytes(config)
     scale = 1 if phase == "fwd" else 2
@@ -124,24 +127,47 @@ def _patch_embed(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp:
 
 
 def _projector(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase) -> list[EncoderKernel]:
-    """Projector GEMMs, column- then row-parallel over the encoder's TP group (one all-reduce)."""
-    tokens = enc.seq_length * config.training.micro_batch_size
+    """Projector kernels as the runtime runs them (``runtime/vit.py``).
+
+    ``mlp``: column-parallel fc1 (GELU fused), row-parallel fc2; ``linear``: one row-parallel GEMM.
+    Forward: with sequence parallelism the tokens are gathered first; the output is all-reduced so
+    every TP rank holds it whole. Backward: the GEMMs in reverse, then the collective that forms the
+    encoder features' gradient (none when the encoder is frozen): the input copy's all-reduce, its
+    reduce-scatter under sequence parallelism (``mlp``), or the all-gather of the row-parallel input
+    slices (``linear``).
+    """
+    t = config.training
+    tokens = enc.seq_length * t.micro_batch_size
     dtype = activation_dtype_bytes(config)
-    h_llm = config.llm.hidden_size
-    shapes = [("projector_fc1", enc.hidden_size, h_llm // tp)]
-    if enc.projector.type == "mlp":
-        shapes.append(("projector_fc2", h_llm // tp, h_llm))
+    h_enc, h_llm = enc.hidden_size, config.llm.hidden_size
+    bw = tp_bandwidth(config, tp)
+    sp = t.sequence_parallel and tp > 1
+    mlp = enc.projector.type == "mlp"
     scale = 1 if phase == "fwd" else 2
-    kernels = []
+    shapes = [("projector_fc1", h_enc, h_llm // tp)] if mlp else [("projector_fc1", h_enc // tp, h_llm)]
+    if mlp:
+        shapes.append(("projector_fc2", h_llm // tp, h_llm))
+    gemms = []
     for name, k_in, k_out in shapes:
         work = KernelWork(name, phase, "gemm", scale * 2.0 * tokens * k_in * k_out,
                           scale * (tokens * k_in + k_in * k_out + tokens * k_out) * dtype)
-        kernels.append(EncoderKernel(enc.name, -1, name, phase, False, cost.compute_us(work, enc.name, tp)))
-    if tp > 1:
-        reduce = KernelWork("tp_ar_projector", phase, "comm", 0.0, tokens * h_llm * dtype, "all_reduce", tp)
-        kernels.append(EncoderKernel(enc.name, -1, "tp_ar_projector", phase, True,
-                                     cost.comm_us(reduce, tp_bandwidth(config, tp), enc.name, tp)))
-    return kernels if phase == "fwd" else kernels[::-1]
+        gemms.append(EncoderKernel(enc.name, -1, name, phase, False, cost.compute_us(work, enc.name, tp)))
+
+    def collective(name: str, kind: str, nbytes: float) -> EncoderKernel:
+        work = KernelWork(name, phase, "comm", 0.0, nbytes, kind, tp)  # type: ignore[arg-type]
+        return EncoderKernel(enc.name, -1, name, phase, True, cost.comm_us(work, bw, enc.name, tp))
+
+    features = tokens * h_enc * dtype
+    if phase == "fwd":
+        head = [collective("tp_ag_projector", "all_gather", features)] if sp else []
+        tail = [collective("tp_ar_projector", "all_reduce", tokens * h_llm * dtype)] if tp > 1 else []
+        return head + gemms + tail
+    if tp == 1 or enc.frozen:
+        return gemms[::-1]
+    if not mlp:
+        return gemms[::-1] + [collective("tp_ag_projector", "all_gather", features)]
+    return gemms[::-1] + [collective("tp_rs_projector", "reduce_scatter", features) if sp
+                          else collective("tp_ar_projector", "all_reduce", features)]
 
 
 def _encoder_p2p_us(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: ParallelPlan, cost: CostModel) -> float:
