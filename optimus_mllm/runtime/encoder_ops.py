@@ -1,0 +1,347 @@
+"""Encoder work as ops of about one kernel each, with explicit per-op forward and backward.
+
+A model describes one encoder stage as ``Block``s (patch embedding, one transformer layer, the
+projector), each a chain of ``Step``s: small differentiable functions over a named activation
+state (``hidden``, ``residual``). A step names the cost model's kernel it belongs to in forward and
+in backward, or None where it launches no kernel of its own in that direction (a residual add, the
+identity side of a tensor-parallel collective); such a step rides with a neighbouring kernel of its
+block, the previous one when there is one. Grouping the steps by kernel gives the ``EncoderOp``s
+the bubble scheduler places, in the order of ``encoder_costs.build_encoder_work``'s stage chains
+(with TP > 1 the backward collectives sit where their data is ready, see ``vit``).
+
+Per-op backward: a forward op keeps, per compute step, its detached inputs (as autograd leaves) and
+its outputs; the backward op calls ``torch.autograd.backward`` on those outputs with their
+gradients, which accumulates parameter ``.grad`` and leaves the input gradients on the leaves for
+the op before it, then drops them. A collective step has an explicit adjoint and saves nothing. So
+any prefix of a microbatch's ops can run now and the rest later, microbatches interleaved, and the
+gradients are those of ordinary autograd through the whole stage. With recomputation a layer's
+forward keeps only the state entering the recomputed part; the ``recompute_*`` ops rebuild it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from optimus_mllm.config import Recompute
+
+Tensor = torch.Tensor
+OpKind = Literal["forward", "recompute", "backward"]
+HIDDEN = "hidden"  # the one state entry that enters and leaves every block
+
+
+@dataclass(frozen=True)
+class Step:
+    """One differentiable piece of a block: ``forward(*state[reads]) -> state[writes]``.
+
+    ``adjoint`` set makes it a collective: run under no_grad, its backward is
+    ``adjoint(*grads of writes) -> grads of reads``; otherwise autograd differentiates ``forward``.
+    """
+
+    forward: Callable[..., tuple[Tensor, ...]]
+    fwd_kernel: str | None
+    bwd_kernel: str | None
+    reads: tuple[str, ...] = (HIDDEN,)
+    writes: tuple[str, ...] = (HIDDEN,)
+    trainable: bool = False  # uses parameters that want gradients
+    adjoint: Callable[..., tuple[Tensor, ...]] | None = None
+
+    @property
+    def is_collective(self) -> bool:
+        return self.adjoint is not None
+
+
+@dataclass(frozen=True)
+class Block:
+    """Steps that the cost model counts as one unit: ``layer`` -1 is the patch embedding or projector."""
+
+    encoder: str
+    layer: int
+    steps: tuple[Step, ...]
+    input_requires_grad: bool  # whether the stage needs the gradient of this block's input
+
+
+@dataclass(frozen=True)
+class BoundStep:
+    """A step at its place in a stage: which of its inputs need gradients, whether it has a backward."""
+
+    step: Step
+    needs_grad: tuple[bool, ...]  # per entry of step.reads
+
+    @property
+    def differentiated(self) -> bool:
+        return self.step.trainable or any(self.needs_grad)
+
+
+@dataclass(frozen=True)
+class EncoderOp:
+    """One schedulable encoder op: the steps run for one kernel of the cost model's stage chain."""
+
+    encoder: str
+    layer: int
+    name: str  # the cost model's kernel name (``recompute_`` + forward name for recomputation)
+    is_comm: bool
+    kind: OpKind
+    steps: tuple[int, ...]  # indices into StageOps.steps, in execution order
+    block: int  # index of the block in the stage
+    record: bool = True  # forward: keep what the backward needs (False: no backward, or recomputed)
+    checkpoint: bool = False  # forward: keep the entering state; recompute: restart from it
+
+
+@dataclass(frozen=True)
+class StageOps:
+    """The forward and backward op chains of one encoder stage for one microbatch."""
+
+    steps: tuple[BoundStep, ...]
+    fwd: tuple[EncoderOp, ...]
+    bwd: tuple[EncoderOp, ...]
+    encoders: tuple[str, ...]  # in stage order
+    input_grad_encoders: frozenset[str]  # encoders whose stage input gets a gradient
+    output_grad_encoders: frozenset[str]  # encoders whose stage output needs a gradient
+
+    def chain(self, phase: Literal["fwd", "bwd"]) -> list[tuple[str, int, str]]:
+        """(encoder, layer, kernel name) per op: comparable with a cost-model stage chain."""
+        return [(op.encoder, op.layer, op.name) for op in (self.fwd if phase == "fwd" else self.bwd)]
+
+
+def build_stage_ops(blocks: Sequence[Block], recompute: Recompute = "none") -> StageOps:
+    """Group a stage's blocks into ops, in the cost model's chain order.
+
+    Forward: every block in stage order. Backward: per encoder, its blocks in reverse, each block's
+    differentiated steps in reverse; ``recompute`` ("selective": the attention core, "full": whole
+    layers) adds the ``recompute_*`` ops where ``cost_model.layer_kernels`` puts them.
+    """
+    steps: list[BoundStep] = []
+    fwd: list[EncoderOp] = []
+    bwd: dict[str, list[EncoderOp]] = {}
+    input_grad: set[str] = set()
+    for index, block in enumerate(blocks):
+        if block.encoder not in bwd and block.input_requires_grad:  # the encoder's first block here
+            input_grad.add(block.encoder)
+        first = len(steps)
+        steps += _bind(block)
+        ids = range(first, len(steps))
+        block_fwd = _group(block, index, "forward", [(i, steps[i].step) for i in ids])
+        diff = [(i, steps[i].step) for i in reversed(ids) if steps[i].differentiated]
+        block_bwd = _group(block, index, "backward", diff)
+        block_fwd, block_bwd = _with_recompute(block, block_fwd, block_bwd, recompute)
+        fwd += block_fwd
+        bwd.setdefault(block.encoder, [])[:0] = block_bwd  # blocks run backward in reverse
+    encoders = tuple(bwd)  # insertion order: stage order
+    return StageOps(
+        steps=tuple(steps),
+        fwd=tuple(fwd),
+        bwd=tuple(op for enc in encoders for op in bwd[enc]),
+        encoders=encoders,
+        input_grad_encoders=frozenset(input_grad),
+        output_grad_encoders=frozenset(enc for enc in encoders if bwd[enc]),
+    )
+
+
+def _bind(block: Block) -> list[BoundStep]:
+    """Follow which state entries need gradients through the block's steps."""
+    needs = {HIDDEN: block.input_requires_grad}
+    bound = []
+    for step in block.steps:
+        flags = tuple(needs.pop(key) for key in step.reads)
+        out = step.trainable or any(flags)
+        needs.update((key, out) for key in step.writes)
+        bound.append(BoundStep(step, flags))
+    return bound
+
+
+def _group(block: Block, index: int, kind: OpKind, items: list[tuple[int, Step]]) -> list[EncoderOp]:
+    """One op per kernel; a step without a kernel joins the previous op of the block, else the next."""
+    ops: list[EncoderOp] = []
+    pending: list[int] = []
+    for i, step in items:
+        kernel = step.fwd_kernel if kind == "forward" else step.bwd_kernel
+        if kernel is None:
+            if ops:
+                ops[-1] = replace(ops[-1], steps=(*ops[-1].steps, i))
+            else:
+                pending.append(i)
+            continue
+        ops.append(EncoderOp(block.encoder, block.layer, kernel, step.is_collective, kind, (*pending, i), index))
+        pending = []
+    if pending:
+        raise ValueError(f"{block.encoder} layer {block.layer}: {kind} steps without any kernel")
+    return ops
+
+
+def _with_recompute(block: Block, fwd: list[EncoderOp], bwd: list[EncoderOp],
+                    recompute: Recompute) -> tuple[list[EncoderOp], list[EncoderOp]]:
+    """Forward ops as they record, and the block's backward ops with recomputation inserted."""
+    if not bwd:
+        return [replace(op, record=False) for op in fwd], []
+    if block.layer < 0 or recompute == "none":
+        return fwd, bwd
+    if recompute == "full":
+        redo = [replace(op, kind="recompute", name="recompute_" + op.name, checkpoint=i == 0)
+                for i, op in enumerate(fwd)]
+        return [replace(op, record=False, checkpoint=i == 0) for i, op in enumerate(fwd)], redo + bwd
+    # selective (Korthikanti et al.): only the attention core, just before its backward
+    out_fwd, out_bwd = list(fwd), list(bwd)
+    for i, op in enumerate(fwd):
+        if op.name != "attn_core":
+            continue
+        out_fwd[i] = replace(op, record=False, checkpoint=True)
+        at = next(j for j, b in enumerate(out_bwd) if set(b.steps) & set(op.steps))
+        out_bwd.insert(at, replace(op, kind="recompute", name="recompute_attn_core", checkpoint=True))
+    return out_fwd, out_bwd
+
+
+class MicrobatchRun:
+    """One microbatch on one encoder stage, advanced one op at a time.
+
+    Forward ops run in chain order (``run_forward(k)`` with k = 0, 1, ...), at any moments; once
+    all have run, ``output`` is the stage's output per encoder (send it on, or feed it to the LLM
+    after the projector). ``set_output_grad`` takes the gradient of that output from the next stage
+    or the LLM; the backward ops then run in their chain order, and ``input_grad`` is what to send
+    to the previous stage (None on stage 0 and for frozen encoders). Parameter gradients accumulate
+    into ``.grad`` as each backward op runs, so microbatches may interleave freely.
+    """
+
+    def __init__(self, ops: StageOps, inputs: Mapping[str, Tensor]):
+        if set(inputs) != set(ops.encoders):
+            raise ValueError(f"inputs for encoders {sorted(inputs)}, this stage runs {list(ops.encoders)}")
+        self.ops = ops
+        self._state = {enc: {HIDDEN: inputs[enc].detach()} for enc in ops.encoders}
+        self._grads: dict[str, dict[str, Tensor]] = {enc: {} for enc in ops.encoders}
+        self._saved: dict[int, tuple[list[Tensor], tuple[Tensor, ...]]] = {}
+        self._checkpoints: dict[int, dict[str, Tensor]] = {}
+        self._recompute: dict[str, dict[str, Tensor]] = {}
+        self._next_fwd = 0
+        self._next_bwd = 0
+        self._has_output_grad = False
+
+    @property
+    def next_forward(self) -> int:
+        return self._next_fwd
+
+    @property
+    def next_backward(self) -> int:
+        return self._next_bwd
+
+    @property
+    def forward_done(self) -> bool:
+        return self._next_fwd == len(self.ops.fwd)
+
+    @property
+    def backward_done(self) -> bool:
+        return self._has_output_grad and self._next_bwd == len(self.ops.bwd)
+
+    @property
+    def output_grad_set(self) -> bool:
+        return self._has_output_grad
+
+    @property
+    def output(self) -> dict[str, Tensor]:
+        if not self.forward_done:
+            raise RuntimeError(f"output before the forward finished ({self._next_fwd}/{len(self.ops.fwd)} ops)")
+        return {enc: state[HIDDEN] for enc, state in self._state.items()}
+
+    def set_output_grad(self, grads: Mapping[str, Tensor]) -> None:
+        """Gradient of ``output`` for every encoder in ``ops.output_grad_encoders`` (others ignored)."""
+        if not self.forward_done:
+            raise RuntimeError("output gradient before the forward finished")
+        missing = self.ops.output_grad_encoders - set(grads)
+        if missing:
+            raise ValueError(f"no output gradient for encoders {sorted(missing)}")
+        for enc in self.ops.output_grad_encoders:
+            self._grads[enc] = {HIDDEN: grads[enc]}
+        self._has_output_grad = True
+
+    @property
+    def input_grad(self) -> dict[str, Tensor | None]:
+        if not self.backward_done:
+            raise RuntimeError(f"input gradient before the backward finished "
+                               f"({self._next_bwd}/{len(self.ops.bwd)} ops)")
+        return {enc: self._grads[enc].get(HIDDEN) if enc in self.ops.input_grad_encoders else None
+                for enc in self.ops.encoders}
+
+    def run_forward(self, k: int) -> None:
+        """Run forward op ``k`` of the stage chain; ops run in order."""
+        if k != self._next_fwd:
+            raise ValueError(f"forward op {k} requested, op {self._next_fwd} is next")
+        op = self.ops.fwd[k]
+        state = self._state[op.encoder]
+        if op.checkpoint:
+            self._checkpoints[op.block] = dict(state)
+        for i in op.steps:
+            self._forward_step(i, state, op.record)
+        self._next_fwd += 1
+
+    def run_backward(self, k: int) -> None:
+        """Run backward op ``k`` of the stage chain (recomputation included); ops run in order."""
+        if not self._has_output_grad:
+            raise RuntimeError("backward before set_output_grad")
+        if k != self._next_bwd:
+            raise ValueError(f"backward op {k} requested, op {self._next_bwd} is next")
+        op = self.ops.bwd[k]
+        if op.kind == "recompute":
+            if op.checkpoint:
+                self._recompute[op.encoder] = self._checkpoints.pop(op.block)
+            for i in op.steps:
+                self._forward_step(i, self._recompute[op.encoder], True)
+        else:
+            for i in op.steps:
+                self._backward_step(i, self._grads[op.encoder])
+        self._next_bwd += 1
+        if self.backward_done:
+            self._recompute.clear()
+
+    def _forward_step(self, index: int, state: dict[str, Tensor], record: bool) -> None:
+        bound = self.ops.steps[index]
+        step = bound.step
+        inputs = [state.pop(key) for key in step.reads]
+        if record and bound.differentiated and not step.is_collective:
+            leaves = [x.detach().requires_grad_(flag) for x, flag in zip(inputs, bound.needs_grad)]
+            with torch.enable_grad():
+                outputs = step.forward(*leaves)
+            self._saved[index] = (leaves, outputs)
+        else:
+            with torch.no_grad():
+                outputs = step.forward(*inputs)
+        state.update((key, out.detach()) for key, out in zip(step.writes, outputs))
+
+    def _backward_step(self, index: int, grads: dict[str, Tensor]) -> None:
+        bound = self.ops.steps[index]
+        step = bound.step
+        out_grads = [grads.pop(key, None) for key in step.writes]
+        if step.adjoint is not None:
+            with torch.no_grad():
+                in_grads = step.adjoint(*out_grads)
+        else:
+            leaves, outputs = self._saved.pop(index)
+            roots = [(out, g) for out, g in zip(outputs, out_grads) if g is not None and out.requires_grad]
+            if roots:
+                torch.autograd.backward([out for out, _ in roots], [g for _, g in roots])
+            in_grads = tuple(leaf.grad for leaf in leaves)
+        grads.update((key, g) for key, g, flag in zip(step.reads, in_grads, bound.needs_grad) if flag)
+
+
+class _CollectiveFunction(torch.autograd.Function):
+    """A collective step inside an ordinary autograd graph: forward, then its explicit adjoint."""
+
+    @staticmethod
+    def forward(ctx: Any, step: Step, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.step = step
+        return step.forward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return (None, *ctx.step.adjoint(*grads))
+
+
+def run_steps(steps: Sequence[Step], x: Tensor) -> Tensor:
+    """All steps at once as one autograd graph: the whole-module forward that ops must match."""
+    state = {HIDDEN: x}
+    for step in steps:
+        inputs = [state.pop(key) for key in step.reads]
+        outputs = _CollectiveFunction.apply(step, *inputs) if step.is_collective else step.forward(*inputs)
+        state.update(zip(step.writes, outputs))
+    return state[HIDDEN]
