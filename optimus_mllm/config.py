@@ -109,6 +109,7 @@ class TrainingConfig:
     sequence_parallel: bool = True
     recompute: Recompute = "none"
     train_iters: int = 10
+    lr: float = 1e-4
     seed: int = 1234
 
 
@@ -376,6 +377,7 @@ def validate(config: OptimusConfig) -> None:
     _positive(t.global_batch_size, "training.global_batch_size")
     _positive(t.micro_batch_size, "training.micro_batch_size")
     _positive(t.train_iters, "training.train_iters")
+    _positive(t.lr, "training.lr")
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError("training.global_batch_size", f"{t.global_batch_size} is not divisible by "
                           f"micro_batch_size={t.micro_batch_size}; use a multiple of {t.micro_batch_size}")

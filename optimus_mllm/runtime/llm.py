@@ -1,0 +1,85 @@
+"""The LLM: megatron-core ``GPTModel`` chunks for one pipeline rank, and the image-token splice.
+
+The projected encoder output of a microbatch replaces the word embeddings at the image positions of
+the first chunk on the first stage, passed in as ``decoder_input``; it is a leaf that requires grad,
+so after the LLM's backward its ``.grad`` is the gradient G_i the encoder needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.runtime.data import Microbatch
+from optimus_mllm.runtime.dtypes import DTYPES
+
+
+
+def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> TransformerConfig:
+    """megatron-core's config for the LLM under ``plan``, with fusions that need CUDA turned off."""
+    llm, t = config.llm, config.training
+    if not llm.untie_embeddings_and_output_weights and plan.pp > 1:
+        raise OptimusError("model.llm.untie_embeddings_and_output_weights: the runtime does not synchronise tied "
+                           "embeddings across pipeline stages yet; set it to true")
+    if t.sequence_parallel and plan.tp > 1:
+        raise OptimusError("training.sequence_parallel: the runtime does not splice image tokens into a "
+                           "sequence-parallel LLM yet; set training.sequence_parallel: false")
+    dtype = DTYPES[t.precision]
+    return TransformerConfig(
+        num_layers=llm.num_layers, hidden_size=llm.hidden_size, num_attention_heads=llm.num_attention_heads,
+        ffn_hidden_size=llm.ffn_hidden_size, kv_channels=llm.head_dim, num_query_groups=llm.query_groups,
+        gated_linear_unit=llm.gated_linear_unit, add_bias_linear=llm.add_bias_linear,
+        normalization=llm.normalization,
+        tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
+        virtual_pipeline_model_parallel_size=plan.vp if plan.vp > 1 else None,
+        sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=t.precision == "bf16", fp16=t.precision == "fp16",
+        hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False,
+        # megatron-core pairs interleaved PP=2 sends wrongly when batched (NVIDIA/Megatron-LM#750)
+        batch_p2p_comm=False,
+        recompute_granularity="selective" if t.recompute == "selective" else None,
+    )
+
+
+def build_llm_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerConfig) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual stage); needs megatron's parallel_state initialised."""
+    llm = config.llm
+    chunks = []
+    for vp_stage in range(plan.vp):
+        kwargs = {"vp_stage": vp_stage} if plan.vp > 1 else {}
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, **kwargs)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, **kwargs)
+        chunks.append(GPTModel(
+            config=tconfig, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=llm.vocab_size,
+            max_sequence_length=llm.seq_length, pre_process=pre, post_process=post,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type=llm.position_embedding_type, **kwargs))
+    return chunks
+
+
+def causal_mask(seq_length: int) -> torch.Tensor:
+    """Megatron's boolean mask (True = masked); built here because its default lives on CUDA."""
+    return torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool), diagonal=1)
+
+
+def decoder_input_with_images(chunk: GPTModel, mb: Microbatch, image_embeddings: torch.Tensor) -> torch.Tensor:
+    """Word (+ position) embeddings with the first positions replaced by the image embeddings
+    ``[image_tokens, batch, hidden]``: the decoder input ``[seq, batch, hidden]``."""
+    embeddings = chunk.embedding(input_ids=mb.tokens, position_ids=mb.position_ids)
+    n = image_embeddings.shape[0]
+    return torch.cat([image_embeddings.to(embeddings.dtype), embeddings[n:]], dim=0)
+
+
+def masked_lm_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean next-token loss over text positions (megatron divides it by the microbatch count)."""
+    loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}

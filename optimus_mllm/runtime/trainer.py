@@ -1,0 +1,221 @@
+"""One training step of the ViT + projector + GPT model, Optimus-style or Megatron-style.
+
+``optimus``: every rank holds an LLM stage (megatron-core ``GPTModel`` chunks under ``parallel_state``)
+and an encoder stage under the encoder plan (its own process groups); the encoder's kernel-level ops
+run at the hook points that the schedule artifact names, and the image tokens reach the LLM by P2P.
+``baseline``: the encoders run whole in the first pipeline stage's pre-process, tensor-parallel
+with the LLM, as Megatron-LM does for multimodal models; the same weights, data and LLM plan.
+Both end with data-parallel gradient averaging and an SGD step, so their losses and gradients can
+be compared number for number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+import megatron_patches
+from megatron_patches.hooks import tp_collective_hook, warmup_override
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
+from optimus_mllm.runtime.data import synthetic_microbatch
+from optimus_mllm.runtime.encoder_ops import build_stage_ops
+from optimus_mllm.runtime.executor import (
+    EncoderExecutor,
+    HookDriver,
+    Mailbox,
+    recv_embeddings,
+    send_embeddings_grad,
+)
+from optimus_mllm.runtime.hook_plan import POST, PRE, build_hook_plan
+from optimus_mllm.runtime.llm import (
+    build_llm_chunks,
+    causal_mask,
+    decoder_input_with_images,
+    masked_lm_loss,
+    transformer_config,
+)
+from optimus_mllm.runtime.process_groups import build_encoder_process_groups, build_encoder_rank_layout
+from optimus_mllm.runtime.vit import EncoderStage
+from optimus_mllm.runtime.weights import init_plan_independent_
+from optimus_mllm.scheduler.llm_timeline import default_warmup, rank_op_order
+
+Mode = Literal["optimus", "baseline"]
+
+
+@dataclass
+class StepResult:
+    loss: float | None  # mean LM loss over the step's microbatches; None off the last pipeline stage
+    encoder_log: list  # (event, phase, local microbatch, op index) of every encoder op run here
+
+
+class Trainer:
+    def __init__(self, config: OptimusConfig, llm_plan: ParallelPlan, mode: Mode,
+                 artifact: dict[str, Any] | None = None):
+        if mode == "optimus" and artifact is None:
+            raise OptimusError("the Optimus runtime needs a schedule artifact (optimus-plan --artifact)")
+        self.config, self.plan, self.mode, self.artifact = config, llm_plan, mode, artifact
+        self.rank = dist.get_rank()
+        megatron_patches.apply()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=llm_plan.tp, pipeline_model_parallel_size=llm_plan.pp,
+            virtual_pipeline_model_parallel_size=llm_plan.vp if llm_plan.vp > 1 else None)
+        torch.manual_seed(config.training.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
+        self.tconfig = transformer_config(config, llm_plan)
+        self.chunks = build_llm_chunks(config, llm_plan, self.tconfig)
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.llm_dp = parallel_state.get_data_parallel_rank()
+        self.num_microbatches = config.num_microbatches_total // llm_plan.dp
+        self.warmup = list(artifact["warmup"]) if artifact else [
+            default_warmup(llm_plan.pp, llm_plan.vp, self.num_microbatches, s) for s in range(llm_plan.pp)]
+        if llm_plan.vp == 1 and artifact and self.warmup != [default_warmup(llm_plan.pp, 1, self.num_microbatches, s)
+                                                            for s in range(llm_plan.pp)]:
+            raise OptimusError("schedule artifact: an adjusted warm-up needs the interleaved schedule (vp > 1)")
+        self.op_order = rank_op_order(self.num_microbatches, llm_plan.vp, self.warmup[self.stage], llm_plan.pp)
+        self.encoder: EncoderStage | None = None
+        if mode == "optimus":
+            self._build_optimus_encoder()
+        elif self.stage == 0:
+            self.encoder = EncoderStage(config, 0, 1, parallel_state.get_tensor_model_parallel_group())
+        if self.encoder is not None:
+            init_plan_independent_(self.encoder, config.training.seed)
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        params += list(self.encoder.parameters()) if self.encoder is not None else []
+        self.optimizer = torch.optim.SGD(params, lr=config.training.lr)
+
+    def _build_optimus_encoder(self) -> None:
+        a = self.artifact
+        enc_plan = ParallelPlan(**a["encoder_plan"])
+        self.enc_plan = enc_plan
+        self.m = encoder_pipelines_per_llm_pipeline(self.plan, enc_plan)
+        layout = build_encoder_rank_layout(self.plan, enc_plan)
+        self.groups = build_encoder_process_groups(layout, self.rank)
+        self.encoder = EncoderStage(self.config, self.groups.coords.pp, enc_plan.pp, self.groups.tp_group)
+        self.ops = build_stage_ops(self.encoder.blocks(), self.config.training.recompute)
+        self.stage_plan = build_hook_plan(a).for_gpu(layout.coords[self.rank].gpu)
+        self.assignment = [tuple(x) for x in a["assignment"]]
+
+    # ------------------------------------------------------------------------------------------
+
+    def train_step(self, iteration: int) -> StepResult:
+        mailbox = Mailbox()
+        executor = None
+        if self.mode == "optimus":
+            executor = EncoderExecutor(self.config, self.stage_plan, self.ops, self.groups, self.assignment,
+                                       self.llm_dp, self.enc_plan.pp, iteration, mailbox)
+        leaves: dict[int, torch.Tensor] = {}
+        pending: list[dist.Work] = []
+        driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox, pending))
+        self.tconfig.timers = driver.timers()
+        self.optimizer.zero_grad(set_to_none=True)
+        forward_step = partial(self._forward_step, driver, iteration, leaves, mailbox)
+        driver.fire(PRE)
+        with tp_collective_hook(driver.on_reduction), warmup_override(lambda s: self.warmup[s]):
+            outputs = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[None] * self.plan.vp if self.plan.vp > 1 else None,
+                model=self.chunks if self.plan.vp > 1 else self.chunks[0],
+                num_microbatches=self.num_microbatches, seq_length=self.config.llm.seq_length,
+                micro_batch_size=self.config.training.micro_batch_size, forward_only=False)
+        driver.fire(POST)
+        for work in pending:
+            work.wait()
+        if executor is not None:
+            executor.finish()
+        self._synchronise_gradients()
+        self.optimizer.step()
+        loss = None
+        if outputs:
+            loss = float(torch.stack([o["lm loss"] for o in outputs]).mean())
+        return StepResult(loss, executor.log if executor is not None else [])
+
+    def _forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
+                      data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        microbatch, _, _ = driver.current
+        mb = synthetic_microbatch(self.config, iteration, self.llm_dp * self.num_microbatches + microbatch)
+        mask = causal_mask(self.config.llm.seq_length)
+        decoder_input = None
+        if model.pre_process:
+            images = self._image_embeddings(microbatch, mb, mailbox)
+            if self.mode == "optimus":
+                images = images.detach().requires_grad_(True)
+                leaves[microbatch] = images  # its .grad after the backward is G_i
+            decoder_input = decoder_input_with_images(model, mb, images)
+        output = model(mb.tokens, mb.position_ids, mask, decoder_input=decoder_input, labels=mb.labels)
+        return output, partial(masked_lm_loss, loss_mask=mb.loss_mask)
+
+    def _image_embeddings(self, microbatch: int, mb: Any, mailbox: Mailbox) -> torch.Tensor:
+        """A_i: [image tokens, batch, hidden], from the encoder pipeline the global ordering assigns."""
+        if self.mode == "baseline":
+            outputs = self.encoder({e.name: image for e, image in zip(self.config.encoders, mb.images)})
+            return torch.cat([outputs[e.name] for e in self.config.encoders], dim=0)
+        link = self._link(microbatch)
+        if link.encoder_rank == self.rank:
+            return mailbox.embeddings.pop(microbatch)
+        return recv_embeddings(self.config, link.encoder_rank, microbatch)
+
+    def _link(self, microbatch: int):
+        encoder_dp = self.llm_dp * self.m + self.assignment[microbatch][0]
+        return next(link for link in self.groups.embedding_recvs if link.encoder_dp == encoder_dp)
+
+    def send_gradient(self, microbatch: int, grad: torch.Tensor, mailbox: Mailbox, pending: list) -> None:
+        """G_i back to the encoder's last stage, once the LLM's first stage finished microbatch i."""
+        link = self._link(microbatch)
+        if not link.carries_gradient:
+            return
+        if link.encoder_rank == self.rank:
+            mailbox.gradients[microbatch] = grad
+        else:
+            pending.append(send_embeddings_grad(grad, link.encoder_rank, microbatch))
+
+    def _synchronise_gradients(self) -> None:
+        """Average over the LLM's data-parallel replicas; the encoder's over its own DP group, where each
+        pipeline saw only its share of a replica's microbatches, so the sum is divided by DP_llm."""
+        dp = self.plan.dp
+        for chunk in self.chunks:
+            for p in chunk.parameters():
+                if p.grad is not None and dp > 1:
+                    dist.all_reduce(p.grad, group=parallel_state.get_data_parallel_group())
+                    p.grad /= dp
+        if self.encoder is None:
+            return
+        if self.mode == "optimus":
+            self.encoder.reduce_sequence_parallel_grads()
+            group, size = self.groups.dp_group, self.groups.dp_group.size()
+        else:
+            group, size = parallel_state.get_data_parallel_group(), dp
+        for p in self.encoder.parameters():
+            if p.grad is not None and size > 1:
+                dist.all_reduce(p.grad, group=group)
+            if p.grad is not None:
+                p.grad /= dp
+
+    def close(self) -> None:
+        parallel_state.destroy_model_parallel()
+        megatron_patches.remove()
+
+
+class _LLMSide:
+    """Driver listener: the LLM's own actions at an event (send G_i), then the encoder's ops."""
+
+    def __init__(self, trainer: Trainer, executor: EncoderExecutor | None, leaves: dict, mailbox: Mailbox,
+                 pending: list):
+        self.trainer, self.executor, self.leaves, self.mailbox, self.pending = trainer, executor, leaves, mailbox, pending
+
+    def on_event(self, event: tuple) -> None:
+        if self.executor is None:
+            return
+        if event[0] == "op_end":
+            microbatch, chunk, phase = self.trainer.op_order[event[1]]
+            if phase == "bwd" and chunk == 0 and self.trainer.stage == 0:
+                leaf = self.leaves.pop(microbatch)
+                self.trainer.send_gradient(microbatch, leaf.grad.detach(), self.mailbox, self.pending)
+        self.executor.on_event(event)
