@@ -9,6 +9,7 @@ global microbatch), so a microbatch does not depend on which rank or plan produc
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ def image_token_count(config: OptimusConfig) -> int:
 def synthetic_microbatch(config: OptimusConfig, iteration: int, global_microbatch: int) -> Microbatch:
     """Microbatch ``global_microbatch`` (counted over all data-parallel replicas) of ``iteration``."""
     t, llm = config.training, config.llm
-    generator = torch.Generator().manual_seed(hash((t.seed, iteration, global_microbatch)) & 0x7FFFFFFF)
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{t.seed}:{iteration}:{global_microbatch}".encode()))
     images = tuple(torch.randn(t.micro_batch_size, e.seq_length, e.in_channels * e.patch_size**2,
                                generator=generator) for e in config.encoders)
     sequence = torch.randint(0, llm.vocab_size, (t.micro_batch_size, llm.seq_length + 1), generator=generator)
