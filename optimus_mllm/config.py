@@ -444,7 +444,7 @@ def validate_llm_plan(config: OptimusConfig, plan: LLMPlanConfig, where: str) ->
                           f"must equal cluster.num_gpus={n}")
     problem = tp_divisibility_problem(llm, plan.tp)
     if problem:
-        ok = [d for d in _divisors(n) if tp_divisibility_problem(llm, d) is None]
+        ok = [d for d in divisors(n) if tp_divisibility_problem(llm, d) is None]
         raise ConfigError(f"{where}.tp", f"model.llm.{problem}; use tp in {_join_ints(ok)}")
     if llm.num_layers % (plan.pp * vp):
         raise ConfigError(f"{where}.pp", f"pp*vp = {plan.pp}*{vp} does not divide model.llm.num_layers="
@@ -483,7 +483,7 @@ def validate_encoder_plan(config: OptimusConfig, plan: EncoderPlanConfig, llm_pl
                               f"pp={plan.pp} stages")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -492,7 +492,7 @@ def _join_ints(values: list[int]) -> str:
 
 
 def _divisors_text(n: int) -> str:
-    divs = _divisors(n)
+    divs = divisors(n)
     if len(divs) > 12:
         return f"the divisors of {n}"
     return _join_ints(divs)

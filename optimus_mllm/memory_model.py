@@ -103,7 +103,7 @@ def llm_activation_memory(config: OptimusConfig, pp: int, tp: int, vp: int) -> f
     """Peak activation bytes on the first LLM pipeline stage (the fullest under 1F1B)."""
     t = config.training
     per_layer = layer_activation_bytes(config.llm, t.micro_batch_size, tp, t.sequence_parallel, t.recompute)
-    microbatches_in_flight = min(pp, num_microbatches_per_pipeline(config, config.cluster.num_gpus // (pp * tp)))
+    microbatches_in_flight = min(pp, config.num_microbatches_total // (config.cluster.num_gpus // (pp * tp)))
     layers_per_stage = config.llm.num_layers / pp
     return per_layer * layers_per_stage * microbatches_in_flight * interleaving_factor(pp, vp)
 
@@ -118,10 +118,6 @@ def encoder_activation_memory_per_microbatch(config: OptimusConfig, pp: int, tp:
         per_layer = layer_activation_bytes(enc, t.micro_batch_size, tp, t.sequence_parallel, t.recompute)
         total += per_layer * -(-enc.num_layers // pp)
     return total
-
-
-def num_microbatches_per_pipeline(config: OptimusConfig, dp: int) -> int:
-    return config.num_microbatches_total // dp
 
 
 def colocation_overhead(k: float, dp_enc: int, dp_llm: int, phi_enc: float, n_gpu: int) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimus_mllm.config import OptimusConfig, tp_divisibility_problem
+from optimus_mllm.config import OptimusConfig, divisors, tp_divisibility_problem
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.memory_model import (
     GIB,
@@ -117,8 +117,8 @@ def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[Prun
     node = min(n, config.cluster.gpus_per_node)
     rejected: list[PrunedPlan] = []
     options = []
-    for tp in _divisors(node):
-        for pp in _divisors(n // tp):
+    for tp in divisors(node):
+        for pp in divisors(n // tp):
             options.append((tp * pp, -tp, tp, pp))
     for _, _, tp, pp in sorted(options):
         dp = n // (tp * pp)
@@ -176,8 +176,8 @@ def enumerate_encoder_plans(config: OptimusConfig,
     n_mb = config.num_microbatches_total // llm_plan.dp
     capacity = gpu_memory_bytes(config)
     fixed = config.parallel.encoder
-    pp_options = [fixed.pp] if fixed else _divisors(llm_plan.pp)
-    tp_options = [fixed.tp] if fixed else _divisors(llm_plan.tp)
+    pp_options = [fixed.pp] if fixed else divisors(llm_plan.pp)
+    tp_options = [fixed.tp] if fixed else divisors(llm_plan.tp)
     llm_mem = llm_memory(config, llm_plan)
     k = bytes_per_param_k(config)
     phi_enc = sum(encoder_params(e) for e in config.encoders)
@@ -225,7 +225,3 @@ def _structural_problem(config: OptimusConfig, enc: ParallelPlan, m: int, n_mb: 
         return (f"m={m} encoder pipelines per LLM pipeline but only {n_mb} microbatches: "
                 "every encoder pipeline needs at least one")
     return None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
