@@ -370,7 +370,6 @@ class SchedulerStats:
     partitions_total: int = 0
     partitions_searched: int = 0
     partitions_pruned: int = 0  # skipped by the lower bound
-    best_coarse_us: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -412,7 +411,6 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
         if state is None:
             continue
         coarse_us = state.evaluation.latency
-        stats.best_coarse_us = min(stats.best_coarse_us, coarse_us)
         if fine:
             state = optimize_schedule(state, FWD)
             state = optimize_schedule(state, BWD)
@@ -519,7 +517,6 @@ class OptimusResult:
     best: Schedule | None
     outcomes: list[PlanOutcome] = field(default_factory=list)
     llm_alone_us: float = 0.0
-    coarse_best_us: float = float("inf")
     runtime_s: float = 0.0
 
     @property
@@ -546,7 +543,6 @@ def optimus(config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine
     for candidate in sorted(planned.candidates, key=lambda c: bounds[c.plan]):
         bound = result.best.iteration_us if result.best else float("inf")
         schedule, stats = bubble_scheduler(config, planned.llm_plan, candidate, bubbles, cost, bound, fine)
-        result.coarse_best_us = min(result.coarse_best_us, stats.best_coarse_us)
         if schedule is not None:
             outcome = PlanOutcome(candidate.plan, "scheduled", schedule.iteration_us, bounds[candidate.plan], stats)
             if result.best is None or schedule.iteration_us < result.best.iteration_us:
