@@ -22,7 +22,8 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     bubble_scheduler,
     optimus,
 )
-from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
+from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
+from optimus_mllm.scheduler.llm_costs import build_llm_timeline
 from optimus_mllm.scheduler.llm_timeline import (
     OpWork,
     PipelineDeadlock,
@@ -95,19 +96,12 @@ def test_adjusted_warmup_rule_matches_exhaustive_search(pp, vp, m, p2p):
             continue
         if max(s.last_compute_us for s in stages) <= end + 1e-9:
             best = max(best, forward_points(stages))
-    rule = forward_points(base)
-    for first in range(default[0] - 1, -1, -1):
-        warmup = [min(d, first - s) for s, d in enumerate(default)]
-        if min(warmup) < 0:
-            break
-        try:
-            stages = simulate(pp, vp, m, work, p2p, warmup)
-        except PipelineDeadlock:
-            break
-        if max(s.last_compute_us for s in stages) > end + 1e-9:
-            break
-        rule = forward_points(stages)
-    assert rule == pytest.approx(best)
+
+    def compute_end(warmup: list[int]) -> float:
+        return max(s.last_compute_us for s in simulate(pp, vp, m, work, p2p, warmup))
+
+    rule = adjusted_warmup(default, compute_end)
+    assert forward_points(simulate(pp, vp, m, work, p2p, rule)) == pytest.approx(best)
 
 
 def test_adjusted_warmup_defers_forward_points_without_lengthening():
@@ -116,12 +110,11 @@ def test_adjusted_warmup_defers_forward_points_without_lengthening():
     cost = CostModel.from_config(config)
     dep = get_enc_llm_dep(config, planned.llm_plan, cost)
     assert dep.warmup != dep.default_warmup
-    from optimus_mllm.scheduler.dependencies import default_enc_llm_dep
-
-    default = default_enc_llm_dep(config, planned.llm_plan, cost)
-    assert dep.timeline.compute_end_us <= default.timeline.compute_end_us + 1e-6
-    assert all(a >= b - 1e-6 for a, b in zip(dep.forward, default.forward))
-    assert sum(dep.forward) > sum(default.forward)
+    default = build_llm_timeline(config, planned.llm_plan, cost)  # megatron-core's own warm-up
+    assert [s.warmup for s in default.stages] == list(dep.default_warmup)
+    assert dep.timeline.compute_end_us <= default.compute_end_us + 1e-6
+    assert all(a >= b - 1e-6 for a, b in zip(dep.forward, default.forward_dependency_points))
+    assert sum(dep.forward) > sum(default.forward_dependency_points)
 
 
 # ---------------------------------------------------------------------------------------------

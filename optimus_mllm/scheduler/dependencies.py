@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.scheduler.llm_costs import build_llm_timeline, llm_op_work, timeline_from_work
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, PipelineDeadlock
+from optimus_mllm.scheduler.llm_costs import llm_op_work, timeline_from_work
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, PipelineDeadlock, default_warmup
 
 EPS_US = 1e-6
 
@@ -24,41 +25,46 @@ class EncLLMDep:
     timeline: LLMTimeline
 
 
-def get_enc_llm_dep(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> EncLLMDep:
-    """GetEncLLMDep: F_i and B_i under the adjusted warm-up of Fig. 12.
+def adjusted_warmup(default: list[int], compute_end: Callable[[list[int]], float]) -> list[int]:
+    """The adjusted warm-up of Fig. 12 for pipeline stages with megatron-core's ``default`` warm-up.
 
     Fewer warm-up forwards on the first stages defer the forward dependency points of the later
     microbatches into the 1F1B phase, giving the encoder more time, as long as the LLM's computation
     does not end later. We lower the first stage's warm-up one forward at a time, each later stage
     following as ``min(default_s, w_0 - s)``, and keep the last setting that neither deadlocks nor
-    lengthens the pipeline. On small pipelines this matches an exhaustive search over all per-stage
-    warm-ups (tests/test_scheduler.py).
+    lengthens the pipeline (``compute_end`` simulates one). On small pipelines this matches an
+    exhaustive search over all per-stage warm-ups (tests/test_scheduler.py).
     """
-    work = llm_op_work(config, plan, cost)
-    base = timeline_from_work(config, plan, cost, work)
-    default = [s.warmup for s in base.stages]
-    best = base
+    limit = compute_end(default)
+    best = list(default)
     for first in range(default[0] - 1, -1, -1):
         warmup = [min(d, first - s) for s, d in enumerate(default)]
         if min(warmup) < 0:
             break
         try:
-            candidate = timeline_from_work(config, plan, cost, work, warmup)
+            end = compute_end(warmup)
         except PipelineDeadlock:
             break
-        if candidate.compute_end_us > base.compute_end_us + EPS_US:
+        if end > limit + EPS_US:
             break
-        best = candidate
+        best = warmup
+    return best
+
+
+def get_enc_llm_dep(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> EncLLMDep:
+    """GetEncLLMDep: F_i and B_i of the LLM timeline under the adjusted warm-up (``adjusted_warmup``)."""
+    work = llm_op_work(config, plan, cost)
+    timelines: dict[tuple[int, ...], LLMTimeline] = {}
+
+    def compute_end(warmup: list[int]) -> float:
+        timelines[tuple(warmup)] = timeline_from_work(config, plan, cost, work, warmup)
+        return timelines[tuple(warmup)].compute_end_us
+
+    n_mb = config.num_microbatches_total // plan.dp
+    default = [default_warmup(plan.pp, plan.vp, n_mb, s) for s in range(plan.pp)]
+    best = timelines[tuple(adjusted_warmup(default, compute_end))]
     return EncLLMDep(tuple(best.forward_dependency_points), tuple(best.backward_dependency_points),
                      tuple(s.warmup for s in best.stages), tuple(default), best)
-
-
-def default_enc_llm_dep(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> EncLLMDep:
-    """F_i and B_i of megatron-core's own warm-up, without adjustment."""
-    timeline = build_llm_timeline(config, plan, cost)
-    warmup = tuple(s.warmup for s in timeline.stages)
-    return EncLLMDep(tuple(timeline.forward_dependency_points), tuple(timeline.backward_dependency_points),
-                     warmup, warmup, timeline)
 
 
 def global_order(encoder_forward_ends: list[tuple[float, int, int]]) -> list[tuple[int, int]]:
