@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from optimus_mllm.cli.common import ArgumentParser
+from optimus_mllm.cli.common import ArgumentParser, add_config_arguments
 from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import PlannerResult, plan
@@ -47,9 +47,7 @@ class _RankZeroParser(ArgumentParser):
 def build_parser() -> ArgumentParser:
     parser = _RankZeroParser(prog=PROG, description="Train on every rank of a torchrun job with the Optimus "
                                                     "schedule (or the Megatron-style baseline).")
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. training.train_iters=5 (repeatable)")
+    add_config_arguments(parser, "configs/tiny.yaml")
     parser.add_argument("--schedule", metavar="ARTIFACT",
                         help="schedule artifact from optimus-plan --artifact (default: schedule here)")
     parser.add_argument("--baseline", action="store_true",

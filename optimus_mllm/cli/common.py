@@ -16,6 +16,13 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    """--config and --override, the same on every command that reads a config."""
+    parser.add_argument("--config", required=True, help=f"YAML config, e.g. {example}")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. training.micro_batch_size=1 (repeatable)")
+
+
 def run(prog: str, body: Callable[[], int]) -> int:
     try:
         return body()

@@ -7,7 +7,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from optimus_mllm.cli.common import ArgumentParser, run
+from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, run
 from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
@@ -24,9 +24,7 @@ RANKING = "simulated iteration time (bubble scheduler)"
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog=PROG, description="Choose the LLM plan, enumerate colocated encoder plans and "
                                                    "schedule encoder work into the LLM's bubbles (Optimus).")
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/paper/strong_3072.yaml")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. training.micro_batch_size=1 (repeatable)")
+    add_config_arguments(parser, "configs/paper/strong_3072.yaml")
     parser.add_argument("--json", metavar="OUT", help="also write the plans and their schedules as JSON")
     parser.add_argument("--artifact", metavar="OUT", help="write the chosen schedule for the runtime (JSON)")
     parser.add_argument("--trace", metavar="OUT", help="write the chosen schedule as a Chrome/Perfetto trace")
