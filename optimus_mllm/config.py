@@ -159,6 +159,15 @@ class CostModelConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """Training data. ``path`` is a folder holding ``captions.jsonl`` and its images (the format is in
+    ``optimus_mllm/runtime/data.py``); left out, the job trains on synthetic data. A relative path is
+    kept as written and read from the working directory, like Megatron's ``--data-path``."""
+
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class OptimusConfig:
     cluster: ClusterConfig
     model: ModelConfig
@@ -167,6 +176,7 @@ class OptimusConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     source: str | None = None  # the file this config was read from; set by load_config
 
     @property

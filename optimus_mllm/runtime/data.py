@@ -1,20 +1,30 @@
-"""Synthetic image-text microbatches, the same on every rank and under every parallel plan.
+"""Image-text microbatches, the same on every rank and under every parallel plan.
 
 A sample is one image per encoder, given as flattened patches ``[seq_length, in_channels *
 patch_size**2]``, and ``llm.seq_length`` tokens whose first ``sum(encoder seq_length)`` positions are
 image tokens (replaced by the projected encoder output) and the rest text. The loss covers the text
-positions' next-token predictions. Every tensor is drawn from a generator seeded by (seed, iteration,
-global microbatch), so a microbatch does not depend on which rank or plan produces it.
+positions' next-token predictions. A source is a pure function of (iteration, global microbatch), so a
+microbatch does not depend on which rank or plan produces it, and a resumed job sees the same data.
+
+Two sources: ``synthetic_microbatch`` draws every tensor from a generator seeded by (seed, iteration,
+global microbatch); ``ImageTextDataset`` reads a folder of images with JSONL captions (``data.path``).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from PIL import Image
 
 from optimus_mllm.config import OptimusConfig
+from optimus_mllm.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -22,7 +32,7 @@ class Microbatch:
     images: tuple[torch.Tensor, ...]  # per encoder: [micro_batch, seq_length, patch_dim]
     tokens: torch.Tensor  # [micro_batch, llm_seq]
     labels: torch.Tensor  # [micro_batch, llm_seq]: the next token
-    loss_mask: torch.Tensor  # [micro_batch, llm_seq]: 1 on text positions
+    loss_mask: torch.Tensor  # [micro_batch, llm_seq]: 1 on text positions whose label is text
     position_ids: torch.Tensor  # [micro_batch, llm_seq]
 
     @property
@@ -46,3 +56,180 @@ def synthetic_microbatch(config: OptimusConfig, iteration: int, global_microbatc
     positions = torch.arange(llm.seq_length).unsqueeze(0).expand(t.micro_batch_size, -1)
     return Microbatch(images, sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous(), loss_mask,
                       positions.contiguous())
+
+
+MicrobatchSource = Callable[[int, int], Microbatch]  # (iteration, global microbatch) -> Microbatch
+
+
+def microbatch_source(config: OptimusConfig) -> MicrobatchSource:
+    """Where the job's microbatches come from: the ``data.path`` dataset if set, else synthetic data."""
+    if config.data.path is not None:
+        return ImageTextDataset(config)
+    return functools.partial(synthetic_microbatch, config)
+
+
+# --------------------------------------------------------------------------------------------
+# On-disk image-text data
+
+
+CAPTIONS = "captions.jsonl"
+BYTE_VOCAB = 256  # text tokens are UTF-8 bytes
+PAD = 0  # token after the caption; never a label the loss sees
+_IMAGE_MODES = {3: "RGB", 1: "L"}  # encoder in_channels -> Pillow mode
+_CACHED_IMAGES = 128  # decoded samples kept: the encoder and LLM stages on one rank ask for the same ones
+_SAMPLE_HINT = "python scripts/make_sample_dataset.py --out DIR makes a sample"
+
+
+@dataclass(frozen=True)
+class Caption:
+    line: int  # in captions.jsonl, for error messages
+    image: Path
+    text: bytes  # UTF-8
+
+
+class ImageTextDataset:
+    """A folder of images with captions, as a ``MicrobatchSource``.
+
+    ``DIR/captions.jsonl`` holds one JSON object per line, ``{"image": "images/000000.png", "text": "a red
+    square on a blue background"}``, with image paths relative to DIR and any format Pillow reads. Each
+    encoder gets the same picture, converted to its ``in_channels`` (3: RGB, 1: grayscale), resized
+    (bicubic) to a square of ``sqrt(seq_length) * patch_size`` pixels, scaled to [-1, 1] and cut into
+    patches. The caption's UTF-8 bytes (token ids 0-255) follow the image tokens; a longer caption is cut,
+    a shorter one padded with token 0 that the loss skips.
+
+    Sample j of global microbatch g in iteration it is record ``((it * num_microbatches_total + g) *
+    micro_batch_size + j) % len(records)``: epochs cycle through the file in order. captions.jsonl is
+    read once here; images are decoded when first asked for and a few are cached.
+    """
+
+    def __init__(self, config: OptimusConfig) -> None:
+        if config.data.path is None:
+            raise ValueError("ImageTextDataset needs config.data.path")
+        _check_model(config)
+        self.config = config
+        self.captions = read_captions(Path(config.data.path))
+        self._sample_images = functools.lru_cache(maxsize=_CACHED_IMAGES)(self._decode)
+
+    def __call__(self, iteration: int, global_microbatch: int) -> Microbatch:
+        t, llm = self.config.training, self.config.llm
+        first = (iteration * self.config.num_microbatches_total + global_microbatch) * t.micro_batch_size
+        indices = [(first + j) % len(self.captions) for j in range(t.micro_batch_size)]
+        images = tuple(torch.stack(per_encoder) for per_encoder in zip(*map(self._sample_images, indices)))
+        texts = [text_sequence(self.captions[i].text, image_token_count(self.config), llm.seq_length)
+                 for i in indices]
+        sequence, loss_mask = (torch.stack(parts) for parts in zip(*texts))
+        positions = torch.arange(llm.seq_length).unsqueeze(0).expand(t.micro_batch_size, -1)
+        return Microbatch(images, sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous(), loss_mask,
+                          positions.contiguous())
+
+    def _decode(self, index: int) -> tuple[torch.Tensor, ...]:
+        caption = self.captions[index]
+        try:
+            with Image.open(caption.image) as image:
+                return tuple(image_patches(image.convert(_IMAGE_MODES[e.in_channels]), e.patch_size,
+                                           math.isqrt(e.seq_length)) for e in self.config.encoders)
+        except OSError as exc:  # missing, unreadable or not an image
+            raise ConfigError("data.path", f"{CAPTIONS} line {caption.line}: cannot read {caption.image} as an "
+                              f"image ({exc.__class__.__name__}); replace the file or drop the line") from None
+
+
+def image_patches(image: Image.Image, patch_size: int, grid: int) -> torch.Tensor:
+    """``image`` resized to ``grid * patch_size`` pixels square, in [-1, 1], as ``[grid**2, patch_dim]``.
+
+    Patches are in row-major order, each flattened channel-last. Any fixed order works: the patch
+    embedding is a learned linear map, so it learns whichever layout it is fed.
+    """
+    side = grid * patch_size
+    resized = image.resize((side, side), Image.BICUBIC)
+    channels = len(resized.getbands())
+    pixels = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8).view(side, side, channels)
+    patches = pixels.view(grid, patch_size, grid, patch_size, channels).permute(0, 2, 1, 3, 4)
+    return (patches.reshape(grid * grid, -1).float() / 255 - 0.5) / 0.5
+
+
+def text_sequence(text: bytes, image_tokens: int, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``seq_length + 1`` token ids (inputs are ``[:-1]``, labels ``[1:]``) and the loss mask.
+
+    Image positions hold token 0 (their embeddings are replaced). The loss covers text positions whose
+    label is a caption byte, so neither image positions nor padding count.
+    """
+    kept = text[: seq_length + 1 - image_tokens]  # the last text position's label is one byte further
+    sequence = torch.full((seq_length + 1,), PAD, dtype=torch.long)
+    sequence[image_tokens: image_tokens + len(kept)] = torch.tensor(list(kept), dtype=torch.long)
+    loss_mask = torch.zeros(seq_length)
+    loss_mask[image_tokens: image_tokens + len(kept) - 1] = 1.0
+    return sequence, loss_mask
+
+
+def check_dataset(config: OptimusConfig) -> None:
+    """Validate ``data.path`` against the model without decoding images; ConfigError on the first problem.
+
+    Checks the folder, every line of captions.jsonl, that every image file exists, and that the model
+    can take the data (square patch grids, 1 or 3 input channels, a vocabulary with all 256 bytes).
+    """
+    if config.data.path is None:
+        return
+    _check_model(config)
+    for caption in read_captions(Path(config.data.path)):
+        if not caption.image.is_file():
+            raise ConfigError("data.path", f"{CAPTIONS} line {caption.line}: image {caption.image} does not "
+                              "exist; add the file or drop the line")
+
+
+def _check_model(config: OptimusConfig) -> None:
+    for i, enc in enumerate(config.encoders):
+        grid = math.isqrt(enc.seq_length)
+        if grid * grid != enc.seq_length:
+            raise ConfigError(f"model.encoders[{i}].seq_length", f"{enc.seq_length} is not a square number, "
+                              f"so images (data.path) cannot be cut into a square grid of patches; use e.g. "
+                              f"{grid * grid} or {(grid + 1) ** 2}")
+        if enc.in_channels not in _IMAGE_MODES:
+            raise ConfigError(f"model.encoders[{i}].in_channels", f"{enc.in_channels} has no image format for "
+                              "data.path; use 3 (RGB) or 1 (grayscale)")
+    if config.llm.vocab_size < BYTE_VOCAB:
+        raise ConfigError("model.llm.vocab_size", f"{config.llm.vocab_size} is too small for the byte-level "
+                          f"captions of data.path; use at least {BYTE_VOCAB}")
+
+
+def read_captions(root: Path) -> tuple[Caption, ...]:
+    """Parse ``root/captions.jsonl``; ConfigError naming ``data.path`` (and the line) on any problem."""
+    if not root.exists():
+        raise ConfigError("data.path", f"{root} does not exist; give a folder with {CAPTIONS} and images "
+                          f"({_SAMPLE_HINT})")
+    if not root.is_dir():
+        raise ConfigError("data.path", f"{root} is not a folder; give a folder with {CAPTIONS} and images")
+    path = root / CAPTIONS
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ConfigError("data.path", f"{path} does not exist; write one JSON object per line, "
+                          f'{{"image": "images/000000.png", "text": "..."}} ({_SAMPLE_HINT})') from None
+    except UnicodeDecodeError:
+        raise ConfigError("data.path", f"{path} is not UTF-8 text; save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError("data.path", f"cannot read {path}: {exc.strerror}") from None
+    captions = tuple(_parse_line(root, number, line) for number, line in enumerate(lines, 1) if line.strip())
+    if not captions:
+        raise ConfigError("data.path", f"{path} has no records; add lines like "
+                          '{"image": "images/000000.png", "text": "..."}')
+    return captions
+
+
+def _parse_line(root: Path, number: int, line: str) -> Caption:
+    where = f"{CAPTIONS} line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError("data.path", f"{where} is not valid JSON ({exc.msg}); write one object per line, "
+                          '{"image": "images/000000.png", "text": "..."}') from None
+    if not isinstance(record, dict):
+        raise ConfigError("data.path", f'{where} is not a JSON object; write {{"image": ..., "text": ...}}')
+    for key in ("image", "text"):
+        if not isinstance(record.get(key), str):
+            raise ConfigError("data.path", f'{where} has no string "{key}" field; give "image" (a path '
+                              'relative to data.path) and "text" (the caption)')
+    text = record["text"].encode("utf-8", "replace")  # JSON may escape a lone surrogate, which UTF-8 cannot hold
+    if len(text) < 2:  # the loss predicts each byte after the first, so a shorter caption has none
+        raise ConfigError("data.path", f'{where}: "text" {record["text"]!r} is too short; give a caption of '
+                          "at least 2 characters")
+    return Caption(number, root / record["image"], text)
