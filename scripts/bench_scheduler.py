@@ -11,6 +11,13 @@ two Megatron-LM baselines with the same cost model, then prints:
   assumed 256 (the paper does not state the image size), to show a heavier encoder.
 Absolute times come from our roofline cost model (efficiencies in configs, not tuned per row); the
 paper measured a production cluster, so compare shapes and ratios, not seconds.
+
+With ``--profile`` (kernel profiles written by ``optimus-profile`` on a GPU) every setup also runs
+with the measured kernel times and a last table shows how its figures move against the roofline. A
+profile is keyed by (module, kernel, phase, tp), which does not tell models apart, so a setup uses
+only the entries whose recorded FLOPs and bytes equal its own kernels' (the table says how many of
+its compute kernels were measured); the rest, and all communication, stay on the roofline. Measured
+times are those of the GPU the profile ran on, whatever GPU a setup's ``cluster`` section describes.
 """
 
 from __future__ import annotations
@@ -21,17 +28,22 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
 from optimus_mllm.cost_model import CostModel  # noqa: E402
+from optimus_mllm.errors import OptimusError  # noqa: E402
 from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
 from optimus_mllm.planner import plan  # noqa: E402
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline  # noqa: E402
 from optimus_mllm.scheduler.bubble_scheduler import optimus  # noqa: E402
 from optimus_mllm.scheduler.metrics import BUBBLE_KINDS, bubble_breakdown, mfu, scheduling_efficiency  # noqa: E402
+
+if TYPE_CHECKING:  # the profiler imports torch: loaded only with --profile
+    from optimus_mllm.profiler import MeasuredKernel
 
 # The paper's numbers (Tables 5, 7, 10; Figures 15, 16 give speedups only).
 PAPER_TABLE7 = {"strong_1536": (32, 34.3, 57.5, 322.2), "strong_2048": (24, 45.8, 69.3, 89.6),
@@ -77,9 +89,10 @@ class Row:
         return self.balanced_s / self.optimus_s if self.balanced_s else None
 
 
-def run_setup(name: str, config: OptimusConfig) -> Row:
+def run_setup(name: str, config: OptimusConfig, profile: dict[tuple, float] | None = None) -> Row:
+    """Plan, schedule and simulate the baselines; on the roofline, or with the measured ``profile``."""
     planned = plan(config)
-    cost = CostModel.from_config(config)
+    cost = CostModel(config.cluster, config.cost_model, profile)
     started = time.perf_counter()
     fine = optimus(config, planned, cost)
     runtime = time.perf_counter() - started
@@ -163,30 +176,104 @@ def _print_rows(rows: dict[str, Row], paper: bool) -> None:
     print()
 
 
+@dataclass
+class Measured:
+    """A setup run with measured kernel times, and how many of its compute kernels they cover."""
+
+    row: Row
+    kernels_measured: int
+    kernels_needed: int
+
+
+def run_measured(name: str, config: OptimusConfig, profiles: list[MeasuredKernel]) -> Measured | None:
+    """The setup with the profiles' entries that match its kernels, or None when none does."""
+    from optimus_mllm.profiler import matching_profile
+
+    table, needed = matching_profile(config, profiles)
+    return Measured(run_setup(name, config, table), len(table), needed) if table else None
+
+
+def _change(before: float | None, after: float | None, fmt: str) -> str:
+    if before is None or after is None:
+        return "-"
+    return f"{before:{fmt}} -> {after:{fmt}}"
+
+
+def print_profile_changes(rows: dict[str, Row], measured: dict[str, Measured | None]) -> None:
+    """Each setup's figures on the roofline against the measured profile."""
+    print("Measured profile vs roofline: iteration time in s, speedup of Optimus over Megatron-LM, Eff_fine, "
+          "MFU (roofline -> profile)")
+    print(f"{'setup':<24}{'measured':>10}  {'LLM alone s':>16}  {'Megatron s':>16}  {'Optimus s':>16}  "
+          f"{'change':>7}  {'speedup':>14}  {'Eff_fine':>15}  {'MFU Opt':>15}")
+    for n, r in rows.items():
+        m = measured[n]
+        if m is None:
+            print(f"{n:<24}{'0':>10}  no profile entry matches this setup's kernel shapes; roofline only")
+            continue
+        p, covered = m.row, f"{m.kernels_measured}/{m.kernels_needed}"
+        print(f"{n:<24}{covered:>10}  {_change(r.llm_alone_s, p.llm_alone_s, '7.3f')}"
+              f"  {_change(r.megatron_s, p.megatron_s, '7.3f')}  {_change(r.optimus_s, p.optimus_s, '7.3f')}"
+              f"  {p.optimus_s / r.optimus_s - 1:>+7.1%}  "
+              f"{_change(r.speedup, p.speedup, '5.2f')}x  {_change(100 * r.eff_fine, 100 * p.eff_fine, '5.1f')}%"
+              f"  {_change(100 * r.mfu_optimus, 100 * p.mfu_optimus, '5.1f')}%")
+    print("  measured: compute kernels of the setup timed in a profile whose shapes match / all it costs; "
+          "communication is always the bandwidth model; change: of Optimus's iteration time")
+    print()
+
+
+def _row_json(r: Row) -> dict:
+    return {**vars(r), "speedup": r.speedup}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="OUT", help="write every figure as JSON")
-    parser.add_argument("--profile", metavar="PROFILE", help="measured kernel profile (optimus-profile) to use "
-                                                             "instead of the roofline")
+    parser.add_argument("--profile", nargs="+", metavar="PROFILE",
+                        help="measured kernel profile(s) (optimus-profile): also run every setup with them and "
+                             "compare against the roofline")
     parser.add_argument("--only", nargs="*", metavar="NAME", help="setups to run, e.g. strong_3072 model_a")
     parser.add_argument("--no-sensitivity", action="store_true", help="skip the heavier-encoder rows")
     args = parser.parse_args(argv)
-    overrides = [f"cost_model.profile={args.profile}"] if args.profile else []
+    try:
+        return _run(args)
+    except OptimusError as exc:  # a bad config or profile: one line, no traceback
+        print(f"bench_scheduler: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    profiles: list[MeasuredKernel] = []
+    if args.profile:  # read them first: a bad file fails before minutes of scheduling
+        from optimus_mllm.profiler import read_profiles
+
+        profiles = read_profiles(args.profile)
     names = sorted(p.stem for p in (REPO / "configs" / "paper").glob("*.yaml"))
     names = [n for n in names if not args.only or n in args.only]
     ordered = [n for n in PAPER_TABLE7 if n in names] + [n for n in names if n not in PAPER_TABLE7]
-    rows = {n: run_setup(n, load_config(REPO / "configs" / "paper" / f"{n}.yaml", overrides)) for n in ordered}
-    heavy = {}
+    configs = {n: load_config(REPO / "configs" / "paper" / f"{n}.yaml") for n in ordered}
+    heavy_configs = {}
     if not args.no_sensitivity:
         for n in (n for n in PAPER_TABLE7 if n in names):
-            config = load_config(REPO / "configs" / "paper" / f"{n}.yaml",
-                                 overrides + [f"model.encoders.0.seq_length={HEAVY_TOKENS}"])
-            heavy[f"{n}_{HEAVY_TOKENS}tok"] = run_setup(n, config)
+            heavy_configs[f"{n}_{HEAVY_TOKENS}tok"] = load_config(
+                REPO / "configs" / "paper" / f"{n}.yaml", [f"model.encoders.0.seq_length={HEAVY_TOKENS}"])
+    rows = {n: run_setup(n, c) for n, c in configs.items()}
+    heavy = {n: run_setup(n.removesuffix(f"_{HEAVY_TOKENS}tok"), c) for n, c in heavy_configs.items()}
     print_tables(rows, heavy)
+    measured = {}
+    if args.profile:
+        measured = {n: run_measured(n, c, profiles) for n, c in {**configs, **heavy_configs}.items()}
+        print_profile_changes({**rows, **heavy}, measured)
     if args.json:
-        payload = {"cost_model": "profile" if args.profile else "roofline",
-                   "rows": {n: {**vars(r), "speedup": r.speedup} for n, r in {**rows, **heavy}.items()},
+        payload = {"cost_model": "roofline",
+                   "rows": {n: _row_json(r) for n, r in {**rows, **heavy}.items()},
                    "paper": {"table7": PAPER_TABLE7, "table5": PAPER_TABLE5, "speedup": PAPER_SPEEDUP}}
+        if args.profile:
+            payload["profile"] = {
+                "paths": args.profile,
+                "rows": {n: None if m is None else {**_row_json(m.row), "kernels_measured": m.kernels_measured,
+                                                    "kernels_needed": m.kernels_needed}
+                         for n, m in measured.items()},
+            }
         atomic_write_text(args.json, json.dumps(payload, indent=2) + "\n")
     return 0
 

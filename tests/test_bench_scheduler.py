@@ -20,3 +20,42 @@ def test_bench_scheduler_runs_and_writes_json(tmp_path):
     for row in rows.values():
         assert row["optimus_s"] <= row["megatron_s"]
         assert all(-1e-9 <= row[k] <= 1 + 1e-9 for k in ("eff_coarse", "eff_fine"))
+
+
+def _slow_encoder_profile(path, config_file, factor: float) -> None:
+    """A synthetic profile: the roofline's own times, the encoder's compute kernels ``factor`` slower."""
+    from optimus_mllm.config import load_config
+    from optimus_mllm.cost_model import PROFILE_FORMAT, PROFILE_VERSION, CostModel
+    from optimus_mllm.profiler import profile_entries
+    from optimus_mllm.scheduler.llm_costs import LLM
+
+    config = load_config(config_file)
+    roofline = CostModel(config.cluster, config.cost_model)
+    kernels = []
+    for e in profile_entries(config):
+        us = roofline.compute_us(e.work, e.module, e.tp) * (1 if e.module == LLM else factor)
+        kernels.append({"module": e.module, "kernel": e.work.name, "phase": e.work.phase, "tp": e.tp,
+                        "time_us": us, "flops": e.work.flops, "bytes": e.work.bytes})
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernels": kernels}))
+
+
+def test_bench_scheduler_reports_how_a_measured_profile_moves_the_figures(tmp_path):
+    setup = "appc_vit3b_gpt11b_8gpu"
+    profile, out = tmp_path / "profile.json", tmp_path / "bench.json"
+    _slow_encoder_profile(profile, REPO / "configs" / "paper" / f"{setup}.yaml", factor=2.0)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--only", setup,
+                           "--no-sensitivity", "--profile", str(profile), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Measured profile vs roofline" in proc.stdout
+    payload = json.loads(out.read_text())
+    roof, measured = payload["rows"][setup], payload["profile"]["rows"][setup]
+    assert measured["kernels_measured"] == measured["kernels_needed"] > 0
+    assert measured["llm_alone_s"] == roof["llm_alone_s"]  # the LLM's kernels kept their roofline times
+    # a twice slower encoder lengthens Megatron-LM, whose first stage runs it, and Optimus, whose bubbles
+    # here cannot hide the extra encoder time
+    assert measured["megatron_s"] > roof["megatron_s"]
+    assert measured["optimus_s"] > roof["optimus_s"]
+    assert measured["mfu_optimus"] < roof["mfu_optimus"]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith(setup) and "->" in line)
+    assert f"{roof['megatron_s']:7.3f} -> {measured['megatron_s']:7.3f}" in row

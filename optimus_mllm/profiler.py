@@ -1,0 +1,390 @@
+"""Measure the kernels the scheduler costs, on one GPU, into a profile the cost model loads.
+
+The entries are exactly the compute kernels the bubble scheduler and the Megatron-LM baselines ask
+the cost model for under the config's plans: the LLM's layer, embedding and output layer at the LLM's
+TP, and every encoder's layer, patch embedding and projector at each candidate encoder TP and at the
+LLM's TP (where the baselines run the encoder). They are found by running the scheduler's own costing
+functions against a recording cost model, so kernel names cannot drift from what it looks up.
+
+Each kernel is rebuilt in torch at its TP shard shape (GEMMs as ``F.linear`` with the sharded dims,
+the attention core with transformer-engine or flash-attn when importable, else torch SDPA, norms and
+activations as the runtime runs them) and timed after warm-up as the median of repeats; a backward
+kernel is timed as ``torch.autograd.grad`` through a retained forward graph, so only the backward
+runs. Communication kernels (TP all-gather / reduce-scatter / all-reduce, P2P, DP) need several GPUs
+and are not measured: the cost model keeps its bandwidth model for them, as for any key missing
+from a profile.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from optimus_mllm.config import OptimusConfig, TransformerSpec, tp_divisibility_problem
+from optimus_mllm.cost_model import PROFILE_FORMAT, PROFILE_VERSION, CostModel, KernelWork, Phase
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
+from optimus_mllm.planner import ParallelPlan, PlannerResult, plan
+from optimus_mllm.scheduler.encoder_costs import build_encoder_work
+from optimus_mllm.scheduler.llm_costs import LLM, llm_op_work
+
+Key = tuple[str, str, str, int]  # (module, kernel, phase, tp), as CostModel looks a profile up
+Timer = Callable[[Callable[[], object]], float]  # runs the callable once, returns microseconds
+RECOMPUTE = "recompute_"  # a forward kernel re-run inside the backward (cost_model.layer_kernels)
+NOT_MEASURED = ("communication kernels (TP all-gather/reduce-scatter/all-reduce, P2P, DP collectives) need "
+                "several GPUs and are not measured; the cost model uses its bandwidth model for them")
+
+
+# --------------------------------------------------------------------------------------------
+# Which kernels
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One compute kernel the scheduler costs: the cost model's work for it, where and at which TP."""
+
+    module: str
+    tp: int
+    work: KernelWork
+
+    @property
+    def key(self) -> Key:
+        return (self.module, self.work.name, self.work.phase, self.tp)
+
+
+class _RecordingCostModel(CostModel):
+    """The roofline cost model, remembering every compute kernel it is asked for."""
+
+    def __init__(self, config: OptimusConfig):
+        super().__init__(config.cluster, config.cost_model)
+        self.entries: dict[Key, ProfileEntry] = {}
+
+    def compute_us(self, work: KernelWork, module: str, tp: int) -> float:
+        entry = ProfileEntry(module, tp, work)
+        self.entries.setdefault(entry.key, entry)
+        return super().compute_us(work, module, tp)
+
+
+def profile_entries(config: OptimusConfig, planned: PlannerResult | None = None) -> list[ProfileEntry]:
+    """The compute kernels the scheduler and the baselines look up for ``config``, in costing order."""
+    planned = planned or plan(config)
+    recorder = _RecordingCostModel(config)
+    llm_op_work(config, planned.llm_plan, recorder)
+    for enc_plan in _encoder_plans(config, planned):
+        build_encoder_work(config, planned.llm_plan, enc_plan, recorder)
+    return list(recorder.entries.values())
+
+
+def _encoder_plans(config: OptimusConfig, planned: PlannerResult) -> list[ParallelPlan]:
+    """One encoder plan per TP the encoders run at: encoder kernels depend on TP only, not on PP/DP.
+
+    The Megatron-LM baselines run the encoders in the first LLM stage at the LLM's TP, as one stage.
+    """
+    llm_plan = planned.llm_plan
+    by_tp = {c.plan.tp: c.plan for c in planned.candidates}
+    if llm_plan.tp not in by_tp and not any(tp_divisibility_problem(e, llm_plan.tp) for e in config.encoders):
+        by_tp[llm_plan.tp] = ParallelPlan(llm_plan.dp, 1, llm_plan.tp)
+    return [by_tp[tp] for tp in sorted(by_tp)]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels as torch ops
+
+
+@dataclass(frozen=True)
+class KernelOp:
+    """A kernel's forward at its TP shard shape.
+
+    ``kind`` and ``dims``: ``linear`` (tokens, in, out), ``attention`` (batch, heads, kv_heads, seq,
+    head_dim), ``norm`` (tokens, hidden), ``act`` (tokens, ffn), ``embedding`` (tokens, vocab, hidden).
+    """
+
+    kind: str
+    dims: tuple[int, ...]
+    bias: bool = False
+    gelu: bool = False  # linear: GELU fused after the GEMM (the projector's fc1)
+    gated: bool = False  # act: gelu(gate) * up over a 2*ffn-wide input
+    rms: bool = False  # norm: RMSNorm instead of LayerNorm
+    causal: bool = False  # attention
+
+    def flops(self, backward: bool) -> float:
+        """Matmul FLOPs of the GEMM or attention core, as the cost model counts them (0 for the rest);
+        a backward does the dgrad and the wgrad GEMMs, twice the forward."""
+        if self.kind == "linear":
+            m, k, n = self.dims
+            fwd = 2.0 * m * k * n
+        elif self.kind == "attention":
+            b, h, _, s, d = self.dims
+            fwd = 4.0 * b * h * s * s * d  # QK^T and PV, the causal mask not discounted
+        else:
+            return 0.0
+        return 2 * fwd if backward else fwd
+
+
+def kernel_op(config: OptimusConfig, entry: ProfileEntry) -> KernelOp:
+    """The torch op of ``entry``'s kernel; the shapes mirror ``cost_model._forward_kernels`` and the
+    encoder/LLM head kernels in ``scheduler``, and :func:`check_flops` holds them to the same FLOPs."""
+    name = entry.work.name.removeprefix(RECOMPUTE)
+    t, mbs = entry.tp, config.training.micro_batch_size
+    if entry.module == LLM:
+        spec: TransformerSpec = config.llm
+        llm = config.llm
+        tokens = llm.seq_length * mbs
+        if name == "embedding":
+            return KernelOp("embedding", (tokens, llm.vocab_size // t, llm.hidden_size))
+        if name == "output_layer":
+            return KernelOp("linear", (tokens, llm.hidden_size, llm.vocab_size // t))
+    else:
+        enc = next((e for e in config.encoders if e.name == entry.module), None)
+        if enc is None:
+            raise OptimusError(f"profiler: the scheduler costs module '{entry.module}', which is neither the "
+                               "LLM nor an encoder of the config")
+        spec = enc
+        tokens = enc.seq_length * mbs
+        h_enc, h_llm = enc.hidden_size, config.llm.hidden_size
+        if name == "patch_embed":
+            local = tokens // t if config.training.sequence_parallel and t > 1 else tokens
+            return KernelOp("linear", (local, enc.in_channels * enc.patch_size**2, h_enc), bias=True)
+        if name == "projector_fc1":
+            if enc.projector.type == "mlp":  # column-parallel, GELU fused (runtime/vit.py)
+                return KernelOp("linear", (tokens, h_enc, h_llm // t), bias=True, gelu=True)
+            return KernelOp("linear", (tokens, h_enc // t, h_llm))  # row-parallel, bias after the reduce
+        if name == "projector_fc2":
+            return KernelOp("linear", (tokens, h_llm // t, h_llm))
+    return _layer_op(spec, name, t, mbs, config.training.sequence_parallel, causal=entry.module == LLM)
+
+
+def _layer_op(spec: TransformerSpec, name: str, t: int, mbs: int, sequence_parallel: bool,
+              causal: bool) -> KernelOp:
+    """A transformer layer's kernel on one TP rank (Megatron's column/row-parallel split)."""
+    n, h, d = spec.seq_length * mbs, spec.hidden_size, spec.head_dim
+    heads, groups, ffn = spec.num_attention_heads // t, spec.query_groups // t, spec.ffn_hidden_size // t
+    fc1_out = 2 * ffn if spec.gated_linear_unit else ffn
+    local = n // t if sequence_parallel and t > 1 else n  # norms run on the sequence-parallel shard
+    ops = {
+        "ln_attn": KernelOp("norm", (local, h), rms=spec.normalization == "RMSNorm"),
+        "ln_mlp": KernelOp("norm", (local, h), rms=spec.normalization == "RMSNorm"),
+        "qkv": KernelOp("linear", (n, h, (heads + 2 * groups) * d), bias=spec.add_bias_linear),
+        "attn_core": KernelOp("attention", (mbs, heads, groups, spec.seq_length, d), causal=causal),
+        # row-parallel GEMMs: their bias is added after the TP reduction, outside the kernel
+        "attn_proj": KernelOp("linear", (n, heads * d, h)),
+        "fc1": KernelOp("linear", (n, h, fc1_out), bias=spec.add_bias_linear),
+        "act": KernelOp("act", (n, ffn), gated=spec.gated_linear_unit),
+        "fc2": KernelOp("linear", (n, ffn, h)),
+    }
+    if name not in ops:
+        raise OptimusError(f"profiler: no torch op for kernel '{name}'; teach optimus_mllm/profiler.py its shape")
+    return ops[name]
+
+
+def check_flops(entry: ProfileEntry, op: KernelOp) -> None:
+    """Refuse to measure a GEMM or attention shape whose FLOPs differ from the cost model's kernel."""
+    if entry.work.kind not in ("gemm", "attention"):
+        return
+    backward = entry.work.phase == "bwd" and not entry.work.name.startswith(RECOMPUTE)
+    if op.flops(backward) != entry.work.flops:
+        raise OptimusError(f"profiler: {entry.key} would measure {op.flops(backward):.4g} FLOPs, the cost model "
+                           f"counts {entry.work.flops:.4g}; the profiler's shapes are out of date")
+
+
+def attention_backend(device: str, dtype: torch.dtype) -> str:
+    """transformer-engine, else flash-attn (both CUDA, 16-bit only), else torch SDPA."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    for module, backend in (("transformer_engine", "transformer_engine"), ("flash_attn", "flash_attn")):
+        if importlib.util.find_spec(module) is not None:
+            return backend
+    return "sdpa"
+
+
+def _forward(op: KernelOp, device: str, dtype: torch.dtype) -> tuple[Callable[..., torch.Tensor],
+                                                                       list[torch.Tensor]]:
+    """The op as a function of its inputs, with random inputs that require grad where it has gradients."""
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype).mul_(0.02).requires_grad_()
+
+    if op.kind == "linear":
+        m, k, n = op.dims
+        inputs = [rand(m, k), rand(n, k)] + ([rand(n)] if op.bias else [])
+        if op.gelu:
+            return lambda x, w, *b: F.gelu(F.linear(x, w, *b)), inputs
+        return F.linear, inputs
+    if op.kind == "norm":
+        n, h = op.dims
+        if op.rms:
+            return lambda x, w: F.rms_norm(x, (h,), w), [rand(n, h), rand(h)]
+        return lambda x, w, b: F.layer_norm(x, (h,), w, b), [rand(n, h), rand(h), rand(h)]
+    if op.kind == "act":
+        n, ffn = op.dims
+        if op.gated:  # runtime/vit.py and megatron-core's GLU: gelu(gate) * up
+            return lambda x: F.gelu(x[:, :ffn]) * x[:, ffn:], [rand(n, 2 * ffn)]
+        return F.gelu, [rand(n, ffn)]
+    if op.kind == "embedding":
+        tokens, vocab, h = op.dims
+        ids = torch.randint(0, vocab, (tokens,), device=device)
+        return lambda table: F.embedding(ids, table), [rand(vocab, h)]
+    if op.kind == "attention":
+        return _attention(op, device, dtype, rand)
+    raise OptimusError(f"profiler: unknown op kind '{op.kind}'")
+
+
+def _attention(op: KernelOp, device: str, dtype: torch.dtype,
+               rand: Callable[..., torch.Tensor]) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor]]:
+    b, heads, groups, s, d = op.dims
+    backend = attention_backend(device, dtype)
+    if backend == "transformer_engine":
+        import transformer_engine.pytorch as te
+
+        core = te.DotProductAttention(heads, d, num_gqa_groups=groups, attention_dropout=0.0, qkv_format="bshd",
+                                      attn_mask_type="causal" if op.causal else "no_mask")
+        return core, [rand(b, s, heads, d), rand(b, s, groups, d), rand(b, s, groups, d)]
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_func
+
+        return (lambda q, k, v: flash_attn_func(q, k, v, causal=op.causal),
+                [rand(b, s, heads, d), rand(b, s, groups, d), rand(b, s, groups, d)])
+    # SDPA: grouped K/V expanded to every head beforehand, as runtime/vit.py does
+    return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=op.causal),
+            [rand(b, heads, s, d), rand(b, heads, s, d), rand(b, heads, s, d)])
+
+
+def kernel_callable(op: KernelOp, phase: Phase, recompute: bool, device: str,
+                    dtype: torch.dtype) -> Callable[[], object]:
+    """A no-argument callable that runs the kernel once: the forward, or (``bwd``) the gradients of
+    every input through a forward graph built once and retained; a recompute runs the forward."""
+    fn, inputs = _forward(op, device, dtype)
+    if phase == "fwd" or recompute:
+        return lambda: fn(*inputs)
+    out = fn(*inputs)
+    grad = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+
+
+def cuda_timer(fn: Callable[[], object]) -> float:
+    """GPU time of one call between two CUDA events, in microseconds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def wallclock_timer(fn: Callable[[], object]) -> float:
+    """Host time of one call, in microseconds: for exercising the profiler on CPU only."""
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1e6
+
+
+def median_us(fn: Callable[[], object], warmup: int, repeats: int, timer: Timer) -> float:
+    """Median of ``repeats`` timed calls after ``warmup`` untimed ones."""
+    if repeats < 1 or warmup < 0:
+        raise OptimusError(f"profiler: needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timer(fn) for _ in range(repeats))
+
+
+# --------------------------------------------------------------------------------------------
+# The profile
+
+
+def profile_kernels(config: OptimusConfig, *, warmup: int = 5, repeats: int = 20, device: str = "cuda",
+                    dtype: torch.dtype = torch.bfloat16, timer: Timer | None = None) -> dict[str, Any]:
+    """Measure every compute kernel the scheduler costs for ``config``; a JSON-ready profile.
+
+    ``timer`` defaults to CUDA events on a CUDA device; pass :func:`wallclock_timer` elsewhere.
+    Each entry keeps the cost model's FLOPs and bytes (the shape it was measured at) and its roofline.
+    """
+    if timer is None:
+        if torch.device(device).type != "cuda":
+            raise OptimusError(f"profiler: device {device} has no CUDA events; pass a timer")
+        timer = cuda_timer
+    roofline = CostModel(config.cluster, config.cost_model)
+    kernels = []
+    for entry in profile_entries(config):
+        op = kernel_op(config, entry)
+        check_flops(entry, op)
+        fn = kernel_callable(op, entry.work.phase, entry.work.name.startswith(RECOMPUTE), device, dtype)
+        measured = median_us(fn, warmup, repeats, timer)
+        del fn  # free this kernel's tensors before the next one's
+        module, kernel, phase, tp = entry.key
+        kernels.append({"module": module, "kernel": kernel, "phase": phase, "tp": tp, "time_us": measured,
+                        "roofline_us": roofline.compute_us(entry.work, module, tp),
+                        "flops": entry.work.flops, "bytes": entry.work.bytes,
+                        "op": op.kind, "dims": list(op.dims)})
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "config": config.name,
+        "device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "attention_backend": attention_backend(device, dtype),
+        "torch": torch.__version__,
+        "warmup": warmup,
+        "repeats": repeats,
+        "statistic": "median",
+        "not_measured": NOT_MEASURED,
+        "kernels": kernels,
+    }
+
+
+def write_profile(profile: dict[str, Any], path: str | Path) -> None:
+    """Write the profile as JSON, atomically (no half-written file on failure)."""
+    atomic_write_text(path, json.dumps(profile, indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class MeasuredKernel:
+    """One entry of a profile file, with the shape (the cost model's FLOPs and bytes) it was timed at."""
+
+    key: Key
+    time_us: float
+    flops: float | None
+    bytes: float | None
+
+
+def read_profiles(paths: list[str | Path]) -> list[MeasuredKernel]:
+    """Every entry of the profile files, checked like ``cost_model.load_profile`` checks one."""
+    measured = []
+    for path in paths:
+        data = read_versioned_json(path, "profile", PROFILE_FORMAT, PROFILE_VERSION, "run optimus-profile to create it")
+        for i, item in enumerate(data.get("kernels", [])):
+            try:
+                key = (item["module"], item["kernel"], item["phase"], int(item["tp"]))
+                measured.append(MeasuredKernel(key, float(item["time_us"]), item.get("flops"), item.get("bytes")))
+            except (KeyError, TypeError, ValueError):
+                raise OptimusError(f"profile: kernels[{i}] in {path} needs module, kernel, phase, tp and "
+                                   "time_us") from None
+    return measured
+
+
+def matching_profile(config: OptimusConfig, measured: list[MeasuredKernel]) -> tuple[dict[Key, float], int]:
+    """The measured times that fit ``config``'s kernels, for ``CostModel(profile=...)``, and how many
+    compute kernels ``config`` costs in all.
+
+    A profile is keyed by (module, kernel, phase, tp), which does not tell models apart, so an entry is
+    used only where its recorded FLOPs and bytes equal those of ``config``'s kernel under that key.
+    """
+    needed = {e.key: e.work for e in profile_entries(config)}
+    table = {}
+    for m in measured:
+        work = needed.get(m.key)
+        if work is not None and (work.flops, work.bytes) == (m.flops, m.bytes):
+            table[m.key] = m.time_us
+    return table, len(needed)
