@@ -4,7 +4,8 @@
 ``config.timers`` calls around every forward and backward step (``op_start`` / ``op_end``, the op
 identified by megatron-core's own op order) and, through ``megatron_patches.hooks``, its
 RowParallelLinear reductions (``tp_before`` / ``tp_after``). At each event ``EncoderExecutor`` runs the
-encoder ops the plan puts there, inline (CPU; the CUDA side-stream path is issue 6).
+encoder ops the plan puts there, through an ``EncoderStream`` (``streams``): inline on the CPU, on a
+CUDA side stream ordered against the LLM's stream by events on a GPU.
 
 Tensors move for real: a stage's output goes to the next encoder stage, the projected image tokens
 A_i to the LLM's first stage, and its gradient G_i back, by P2P (tagged per microbatch) or a local
@@ -21,11 +22,12 @@ import torch
 import torch.distributed as dist
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.runtime.data import synthetic_microbatch
+from optimus_mllm.runtime.data import MicrobatchSource
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, StageOps
 from optimus_mllm.runtime.hook_plan import Event, StageHookPlan
 from optimus_mllm.runtime.process_groups import EncoderProcessGroups
+from optimus_mllm.runtime.streams import EncoderStream, InlineStream, to_device
 
 # P2P tags, one range per kind of message, offset by the microbatch (and encoder) index
 TAG_ACTIVATION, TAG_ACTIVATION_GRAD, TAG_EMBEDDINGS, TAG_EMBEDDINGS_GRAD = 1 << 20, 2 << 20, 3 << 20, 4 << 20
@@ -100,19 +102,33 @@ class _Timer:
 
 @dataclass
 class Mailbox:
-    """Hand-over of A_i / G_i between an encoder stage and the LLM on the same rank."""
+    """Hand-over of A_i / G_i between an encoder stage and the LLM on the same rank, and the stream the
+    encoder ops run on: A_i is ready for the LLM once its ``ready`` event is consumed."""
 
+    stream: EncoderStream = field(default_factory=InlineStream)
     embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
+    ready: dict[int, object] = field(default_factory=dict)
     gradients: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def put_embeddings(self, microbatch: int, embeddings: torch.Tensor) -> None:
+        self.embeddings[microbatch] = embeddings
+        self.ready[microbatch] = self.stream.publish(embeddings)
+
+    def take_embeddings(self, microbatch: int) -> torch.Tensor:
+        """A_i for the LLM: its stream waits here (not where A_i was made) for the encoder's last op."""
+        self.stream.consume(self.ready.pop(microbatch))
+        return self.embeddings.pop(microbatch)
 
 
 class EncoderExecutor:
     """This rank's encoder stage: runs its planned ops at events and moves their inputs and outputs."""
 
     def __init__(self, config: OptimusConfig, plan: StageHookPlan, ops: StageOps, groups: EncoderProcessGroups,
-                 assignment: list[tuple[int, int]], llm_dp: int, num_stages: int, iteration: int, mailbox: Mailbox):
+                 assignment: list[tuple[int, int]], llm_dp: int, num_stages: int, iteration: int, mailbox: Mailbox,
+                 data: MicrobatchSource):
         self.config, self.plan, self.ops, self.groups = config, plan, ops, groups
-        self.iteration, self.mailbox = iteration, mailbox
+        self.iteration, self.mailbox, self.data = iteration, mailbox, data
+        self.stream = mailbox.stream
         self.llm_microbatch = {tuple(a): i for i, a in enumerate(assignment)}
         self.llm_dp = llm_dp
         self.first, self.last = groups.coords.pp == 0, groups.coords.pp == num_stages - 1
@@ -124,15 +140,21 @@ class EncoderExecutor:
         self.log: list[tuple[Event, str, int, int]] = []  # (event, phase, local microbatch, op index)
 
     def on_event(self, event: Event) -> None:
-        for op in self.by_event.get(event, ()):
-            self._run(op.phase, op.local_microbatch, op.kernel_index)
-            self.log.append((event, op.phase, op.local_microbatch, op.kernel_index))
+        ops = self.by_event.get(event)
+        if not ops:
+            return
+        with self.stream.launch():
+            for op in ops:
+                self._run(op.phase, op.local_microbatch, op.kernel_index)
+                self.log.append((event, op.phase, op.local_microbatch, op.kernel_index))
 
     def finish(self) -> None:
-        """After the LLM's last op: everything ran at ``post`` at the latest; wait for our sends."""
+        """After the LLM's last op: everything ran at ``post`` at the latest; wait for our sends, and let the
+        LLM's stream wait for the encoder's (its gradients are reduced there next)."""
         for work in self.pending:
             work.wait()
         self.pending.clear()
+        self.stream.finish()
         assert not self.runs, f"encoder microbatches {sorted(self.runs)} did not finish their backward"
 
     def _run(self, phase: str, k: int, index: int) -> None:
@@ -160,8 +182,9 @@ class EncoderExecutor:
 
     def _forward_input(self, k: int) -> dict[str, torch.Tensor]:
         if self.first:
-            mb = synthetic_microbatch(self.config, self.iteration, self._global_microbatch(k))
-            return {enc.name: image for enc, image in zip(self.config.encoders, mb.images)}
+            mb = self.data(self.iteration, self._global_microbatch(k))
+            device = self.stream.device
+            return {enc.name: to_device(image, device) for enc, image in zip(self.config.encoders, mb.images)}
         return {name: self._recv(shape, self.groups.prev_stage_rank, TAG_ACTIVATION, k, i)
                 for i, (name, shape) in enumerate(self._hidden_shapes().items())}
 
@@ -181,7 +204,7 @@ class EncoderExecutor:
         i = self.llm_microbatch[(self.groups.coords.pipeline, k)]
         for link in self.groups.embedding_sends:
             if link.llm_rank == self.groups.rank:
-                self.mailbox.embeddings[i] = embeddings.detach()
+                self.mailbox.put_embeddings(i, embeddings.detach())
             else:
                 self._send(embeddings, link.llm_rank, TAG_EMBEDDINGS, i, 0)
 
@@ -193,7 +216,7 @@ class EncoderExecutor:
         i = self.llm_microbatch[(self.groups.coords.pipeline, k)]
         link = self.groups.gradient_recv
         if link.llm_rank == self.groups.rank:
-            grad = self.mailbox.gradients.pop(i)
+            grad = self.stream.adopt(self.mailbox.gradients.pop(i))  # made on the LLM's stream
         else:
             grad = self._recv(embeddings_shape(self.config), link.llm_rank, TAG_EMBEDDINGS_GRAD, i, 0)
         return dict(zip((e.name for e in self.config.encoders),
@@ -211,7 +234,7 @@ class EncoderExecutor:
         self.pending.append(dist.isend(tensor.detach().contiguous(), peer, tag=base + k * 16 + i))
 
     def _recv(self, shape: tuple[int, ...], peer: int, base: int, k: int, i: int) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=self._dtype())
+        buffer = torch.empty(shape, dtype=self._dtype(), device=self.stream.device)
         dist.recv(buffer, peer, tag=base + k * 16 + i)
         return buffer
 
@@ -224,8 +247,9 @@ def embeddings_shape(config: OptimusConfig) -> tuple[int, int, int]:
     return (sum(e.seq_length for e in config.encoders), config.training.micro_batch_size, config.llm.hidden_size)
 
 
-def recv_embeddings(config: OptimusConfig, peer: int, microbatch: int) -> torch.Tensor:
-    buffer = torch.empty(embeddings_shape(config), dtype=DTYPES[config.training.precision])
+def recv_embeddings(config: OptimusConfig, peer: int, microbatch: int,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    buffer = torch.empty(embeddings_shape(config), dtype=DTYPES[config.training.precision], device=device)
     dist.recv(buffer, peer, tag=TAG_EMBEDDINGS + microbatch * 16)
     return buffer
 

@@ -3,22 +3,31 @@
 The projected encoder output of a microbatch replaces the word embeddings at the image positions of
 the first chunk on the first stage, passed in as ``decoder_input``; it is a leaf that requires grad,
 so after the LLM's backward its ``.grad`` is the gradient G_i the encoder needs.
+
+On a GPU the layers' core attention is torch's fused ``scaled_dot_product_attention`` (flash
+attention; transformer-engine is optional): megatron-core's local ``DotProductAttention``
+materialises the [batch * heads, seq, seq] scores. On the CPU the local spec is used unchanged.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.data import Microbatch
 from optimus_mllm.runtime.dtypes import DTYPES
-
 
 
 def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> TransformerConfig:
@@ -59,16 +68,52 @@ def build_llm_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: Transfo
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, **kwargs)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, **kwargs)
         chunks.append(GPTModel(
-            config=tconfig, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=llm.vocab_size,
+            config=tconfig, transformer_layer_spec=layer_spec(), vocab_size=llm.vocab_size,
             max_sequence_length=llm.seq_length, pre_process=pre, post_process=post,
             share_embeddings_and_output_weights=False,
             position_embedding_type=llm.position_embedding_type, **kwargs))
     return chunks
 
 
-def causal_mask(seq_length: int) -> torch.Tensor:
+def layer_spec() -> ModuleSpec:
+    """megatron-core's local GPT layer; on a GPU with ``SdpaCoreAttention`` as its core attention."""
+    spec = get_gpt_layer_local_spec()
+    if not torch.cuda.is_available():
+        return spec
+    attention = spec.submodules.self_attention
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=SdpaCoreAttention))
+    return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
+
+
+class SdpaCoreAttention(MegatronModule):
+    """Causal softmax attention of one TP rank's heads by torch's fused SDPA; megatron-core's
+    ``DotProductAttention`` interface (query [s, b, heads, d], key/value [s, b, groups, d]). The mask
+    passed in is always ``causal_mask`` here, so ``is_causal`` stands in for it."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None, **kwargs: Any):
+        super().__init__(config=config)
+        self.softmax_scale = softmax_scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("SdpaCoreAttention: no attention bias or packed sequences")
+        s, b, heads, _ = query.shape
+        per_group = heads // key.shape[2]
+        if per_group > 1:
+            key, value = key.repeat_interleave(per_group, dim=2), value.repeat_interleave(per_group, dim=2)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                             is_causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def causal_mask(seq_length: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Megatron's boolean mask (True = masked); built here because its default lives on CUDA."""
-    return torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool), diagonal=1)
+    return torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)
 
 
 def decoder_input_with_images(chunk: GPTModel, mb: Microbatch, image_embeddings: torch.Tensor) -> torch.Tensor:

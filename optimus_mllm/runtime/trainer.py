@@ -7,11 +7,15 @@ run at the hook points that the schedule artifact names, and the image tokens re
 with the LLM, as Megatron-LM does for multimodal models; the same weights, data and LLM plan.
 Both end with data-parallel gradient averaging and an SGD step, so their losses and gradients can
 be compared number for number.
+
+Device: the CPU (gloo), or this process's GPU when CUDA is visible, with the models in the config's
+precision there; the encoder ops then run on a CUDA side stream (``streams``) unless
+``side_stream=False``. The CPU path is unchanged by any of this.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -25,7 +29,8 @@ from megatron_patches.hooks import tp_collective_hook, warmup_override
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
-from optimus_mllm.runtime.data import synthetic_microbatch
+from optimus_mllm.runtime.data import Microbatch, microbatch_source
+from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import build_stage_ops
 from optimus_mllm.runtime.executor import (
     EncoderExecutor,
@@ -43,6 +48,7 @@ from optimus_mllm.runtime.llm import (
     transformer_config,
 )
 from optimus_mllm.runtime.process_groups import build_encoder_process_groups, build_encoder_rank_layout
+from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_plan_independent_
 from optimus_mllm.scheduler.llm_timeline import default_warmup, rank_op_order
@@ -58,11 +64,14 @@ class StepResult:
 
 class Trainer:
     def __init__(self, config: OptimusConfig, llm_plan: ParallelPlan, mode: Mode,
-                 artifact: dict[str, Any] | None = None):
+                 artifact: dict[str, Any] | None = None, *, side_stream: bool = True):
         if mode == "optimus" and artifact is None:
             raise OptimusError("the Optimus runtime needs a schedule artifact (optimus-plan --artifact)")
         self.config, self.plan, self.mode, self.artifact = config, llm_plan, mode, artifact
         self.rank = dist.get_rank()
+        self.data = microbatch_source(config)
+        self.device = training_device()  # before megatron-core places parameters on the current GPU
+        self.stream = make_encoder_stream(self.device, side_stream)
         megatron_patches.apply()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=llm_plan.tp, pipeline_model_parallel_size=llm_plan.pp,
@@ -87,6 +96,10 @@ class Trainer:
             self.encoder = EncoderStage(config, 0, 1, parallel_state.get_tensor_model_parallel_group())
         if self.encoder is not None:
             init_plan_independent_(self.encoder, config.training.seed)
+        if self.device.type == "cuda":  # megatron-core leaves some (torch norm, position embedding) on the CPU
+            dtype = DTYPES[config.training.precision]
+            for module in [*self.chunks, *([self.encoder] if self.encoder is not None else [])]:
+                module.to(self.device, dtype)
         params = [p for chunk in self.chunks for p in chunk.parameters()]
         params += list(self.encoder.parameters()) if self.encoder is not None else []
         self.optimizer = torch.optim.SGD(params, lr=config.training.lr)
@@ -106,11 +119,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def train_step(self, iteration: int) -> StepResult:
-        mailbox = Mailbox()
+        mailbox = Mailbox(self.stream)
         executor = None
         if self.mode == "optimus":
             executor = EncoderExecutor(self.config, self.stage_plan, self.ops, self.groups, self.assignment,
-                                       self.llm_dp, self.enc_plan.pp, iteration, mailbox)
+                                       self.llm_dp, self.enc_plan.pp, iteration, mailbox, self.data)
         leaves: dict[int, torch.Tensor] = {}
         pending: list[dist.Work] = []
         driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox, pending))
@@ -140,8 +153,8 @@ class Trainer:
     def _forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
                       data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         microbatch, _, _ = driver.current
-        mb = synthetic_microbatch(self.config, iteration, self.llm_dp * self.num_microbatches + microbatch)
-        mask = causal_mask(self.config.llm.seq_length)
+        mb = _text_on(self.data(iteration, self.llm_dp * self.num_microbatches + microbatch), self.device)
+        mask = causal_mask(self.config.llm.seq_length, self.device)
         decoder_input = None
         if model.pre_process:
             images = self._image_embeddings(microbatch, mb, mailbox)
@@ -155,12 +168,13 @@ class Trainer:
     def _image_embeddings(self, microbatch: int, mb: Any, mailbox: Mailbox) -> torch.Tensor:
         """A_i: [image tokens, batch, hidden], from the encoder pipeline the global ordering assigns."""
         if self.mode == "baseline":
-            outputs = self.encoder({e.name: image for e, image in zip(self.config.encoders, mb.images)})
+            outputs = self.encoder({e.name: to_device(image, self.device)
+                                    for e, image in zip(self.config.encoders, mb.images)})
             return torch.cat([outputs[e.name] for e in self.config.encoders], dim=0)
         link = self._link(microbatch)
         if link.encoder_rank == self.rank:
-            return mailbox.embeddings.pop(microbatch)
-        return recv_embeddings(self.config, link.encoder_rank, microbatch)
+            return mailbox.take_embeddings(microbatch)
+        return recv_embeddings(self.config, link.encoder_rank, microbatch, self.device)
 
     def _link(self, microbatch: int):
         encoder_dp = self.llm_dp * self.m + self.assignment[microbatch][0]
@@ -201,6 +215,14 @@ class Trainer:
     def close(self) -> None:
         parallel_state.destroy_model_parallel()
         megatron_patches.remove()
+
+
+def _text_on(mb: Microbatch, device: torch.device) -> Microbatch:
+    """The LLM's tensors of ``mb`` on ``device``; the images stay where the encoder takes them from."""
+    if device.type == "cpu":
+        return mb
+    return replace(mb, tokens=to_device(mb.tokens, device), labels=to_device(mb.labels, device),
+                   loss_mask=to_device(mb.loss_mask, device), position_ids=to_device(mb.position_ids, device))
 
 
 class _LLMSide:

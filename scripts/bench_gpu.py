@@ -1,0 +1,442 @@
+"""GPU benchmark of the Optimus runtime's device path, on one GPU, in one run.
+
+    python scripts/bench_gpu.py [--config configs/gpu_single.yaml] [--json OUT] [--peak-tflops T] [--steps N]
+
+1. kernel-level ops: the encoder's forward+backward as the runtime's kernel-sized ops vs the same
+   encoder under plain autograd (time ratio; target <= 1.05);
+2. overlap: a communication-like window on the main stream (an NCCL all-reduce over the visible GPUs
+   where there are several, else a ``torch.cuda._sleep`` of measured length, named in the output)
+   with one microbatch's encoder ops launched on the side stream at its start: the share of the
+   encoder ops' time hidden (target >= 80 %), and the slowdown those ops cause to LLM-shaped GEMMs
+   running alongside;
+3. one bubble: the encoder ops that the schedule artifact places at one hook point, predicted by the
+   roofline cost model and by a kernel profile measured here (``optimus_mllm.profiler``) vs their
+   measured time (target within 10 % with the profile);
+4. a training step (ViT + GPT on this GPU, world of 1) with the Optimus runtime and the Megatron-style
+   baseline: step time and MFU (target >= 40 %; Optimus no more than 2 % slower, there being no
+   bubbles to fill on one GPU).
+
+Every number is measured in this run; without a CUDA GPU the script exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import shlex
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
+from optimus_mllm.errors import OptimusError  # noqa: E402
+from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
+
+PROG = "bench_gpu.py"
+FORMAT, VERSION = "optimus-bench-gpu", 1
+TARGETS = {"kernel_level_ratio": 1.05, "hidden_share": 0.80, "profile_error": 0.10, "mfu": 0.40,
+           "optimus_slowdown": 0.02}
+Tensor = torch.Tensor
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Measure the Optimus runtime on one CUDA GPU.")
+    parser.add_argument("--config", default=str(REPO / "configs" / "gpu_single.yaml"),
+                        help="a one-GPU config (DP1 PP1 TP1), default configs/gpu_single.yaml")
+    parser.add_argument("--json", metavar="OUT", help="also write the results here as JSON")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="the GPU's dense bf16 peak for MFU (default: the config's cluster.peak_tflops)")
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps per mode (default 5)")
+    return parser
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+
+def gpu_ms(fn: Callable[[], object], repeats: int, warmup: int = 2,
+           before: Callable[[], object] | None = None) -> float:
+    """Median over ``repeats`` of ``fn``'s time on the current stream (CUDA events), host gaps included;
+    ``before`` runs untimed ahead of each repeat."""
+    times = []
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()  # between repeats, outside the timed span
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class SleepClock:
+    """``torch.cuda._sleep`` in milliseconds: its cycles per ms, measured once."""
+
+    def __init__(self) -> None:
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles // 10)
+        self.cycles_per_ms = cycles / gpu_ms(lambda: torch.cuda._sleep(cycles), repeats=3, warmup=1)
+
+    def sleep(self, ms: float) -> None:
+        torch.cuda._sleep(max(1, int(ms * self.cycles_per_ms)))
+
+
+# -- the encoder, standalone -----------------------------------------------------------------------
+
+
+class Encoder:
+    """The config's encoder stage (PP1, TP1 on this GPU) with inputs and an output gradient per microbatch."""
+
+    def __init__(self, config: OptimusConfig, dtype: torch.dtype):
+        import torch.distributed as dist
+
+        from optimus_mllm.runtime.encoder_ops import build_stage_ops
+        from optimus_mllm.runtime.vit import EncoderStage
+
+        self.config, self.dtype, self.device = config, dtype, torch.device("cuda")
+        self.stage = EncoderStage(config, 0, 1, dist.new_group([0]), params_dtype=dtype).to(self.device)
+        self.ops = build_stage_ops(self.stage.blocks(), config.training.recompute)
+        t = config.training
+        self.inputs = {e.name: torch.randn(t.micro_batch_size, e.seq_length, e.in_channels * e.patch_size**2,
+                                           device=self.device, dtype=dtype) for e in config.encoders}
+        self.grads = {e.name: torch.randn(e.seq_length, t.micro_batch_size, config.llm.hidden_size,
+                                          device=self.device, dtype=dtype) * 1e-3 for e in config.encoders}
+
+    def new_run(self) -> Any:
+        from optimus_mllm.runtime.encoder_ops import MicrobatchRun
+
+        return MicrobatchRun(self.ops, self.inputs)
+
+    def run_ops(self) -> None:
+        """One microbatch's forward and backward, op by op, as the executor runs them."""
+        run = self.new_run()
+        for k in range(len(self.ops.fwd)):
+            run.run_forward(k)
+        run.set_output_grad(self.grads)
+        for k in range(len(self.ops.bwd)):
+            run.run_backward(k)
+
+    def run_autograd(self) -> None:
+        out = self.stage(self.inputs)
+        torch.autograd.backward([out[n] for n in self.grads], [self.grads[n] for n in self.grads])
+
+    def zero_grad(self) -> None:
+        self.stage.zero_grad(set_to_none=True)
+
+    def grads_of(self, fn: Callable[[], None]) -> list[Tensor]:
+        self.zero_grad()
+        fn()
+        return [p.grad.float().clone() for p in self.stage.parameters() if p.grad is not None]
+
+
+def measure_kernel_level(encoder: Encoder, repeats: int = 10) -> dict[str, Any]:
+    """1. The runtime's kernel-level ops vs plain autograd, same encoder, same microbatch."""
+    ops_ms = gpu_ms(encoder.run_ops, repeats, before=encoder.zero_grad)
+    autograd_ms = gpu_ms(encoder.run_autograd, repeats, before=encoder.zero_grad)
+    reference = encoder.grads_of(encoder.run_autograd)
+    ours = encoder.grads_of(encoder.run_ops)
+    error = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(ours, reference))
+    return {"ops": len(encoder.ops.fwd) + len(encoder.ops.bwd), "ops_ms": ops_ms, "autograd_ms": autograd_ms,
+            "ratio": ops_ms / autograd_ms, "grad_max_rel_diff": error}
+
+
+# -- 2. overlap --------------------------------------------------------------------------------
+
+
+def comm_window(clock: SleepClock, ms: float) -> tuple[str, Callable[[], None]]:
+    """The LLM's communication-like window on the main stream: a real collective over every visible GPU
+    where there are several, else a GPU sleep of ``ms``."""
+    count = torch.cuda.device_count()
+    if count > 1:
+        import torch.cuda.nccl as nccl
+
+        buffers = [torch.empty(64 << 20, dtype=torch.bfloat16, device=f"cuda:{i}") for i in range(count)]
+        if nccl.is_available(buffers):
+            return (f"NCCL all-reduce of 128 MiB over {count} GPUs (torch.cuda.nccl)",
+                    lambda: nccl.all_reduce(buffers))
+    return f"torch.cuda._sleep of {ms:.2f} ms (one GPU: no collective)", lambda: clock.sleep(ms)
+
+
+def measure_overlap(encoder: Encoder, clock: SleepClock, repeats: int = 5) -> dict[str, Any]:
+    """2. Encoder ops on the side stream launched at the start of a main-stream window."""
+    from optimus_mllm.runtime.streams import SideStream
+
+    stream = SideStream(encoder.device)
+    started = time.perf_counter()
+    with stream.launch():
+        encoder.run_ops()
+    launch_ms = (time.perf_counter() - started) * 1e3
+    stream.finish()
+    torch.cuda.synchronize()
+    gate_ms = 2 * launch_ms + 2  # the GPU stays busy while the host enqueues: both sides start together
+
+    def spanned(main: Callable[[], None] | None, side: bool) -> float:
+        def body() -> None:
+            if side:
+                with stream.launch():  # the hook point
+                    encoder.run_ops()
+            if main is not None:
+                main()
+            stream.finish()
+        return gpu_ms(body, repeats, before=lambda: (encoder.zero_grad(), clock.sleep(gate_ms)))
+
+    encoder_ms = spanned(None, True)
+    name, window = comm_window(clock, 1.5 * encoder_ms)
+    window_ms = spanned(window, False)
+    both_ms = spanned(window, True)
+    hidden = (encoder_ms + window_ms - both_ms) / encoder_ms
+    gemm_ms, gemm_with_ms = _gemm_slowdown(encoder, stream, clock, encoder_ms, gate_ms, repeats)
+    return {"window": name, "encoder_ms": encoder_ms, "window_ms": window_ms, "both_ms": both_ms,
+            "hidden_share": min(max(hidden, 0.0), 1.0), "host_launch_ms": launch_ms,
+            "gemm_alone_ms": gemm_ms, "gemm_with_encoder_ms": gemm_with_ms,
+            "gemm_slowdown": gemm_with_ms / gemm_ms - 1}
+
+
+def _gemm_slowdown(encoder: Encoder, stream: Any, clock: SleepClock, encoder_ms: float, gate_ms: float,
+                   repeats: int) -> tuple[float, float]:
+    """LLM fc1-shaped GEMMs on the main stream for about the encoder ops' time, alone and alongside them."""
+    llm, t = encoder.config.llm, encoder.config.training
+    x = torch.randn(t.micro_batch_size * llm.seq_length, llm.hidden_size, device=encoder.device, dtype=encoder.dtype)
+    w = torch.randn(llm.ffn_hidden_size, llm.hidden_size, device=encoder.device, dtype=encoder.dtype)
+    one = gpu_ms(lambda: torch.nn.functional.linear(x, w), repeats)
+    n = max(1, round(encoder_ms / one))
+
+    def gemms() -> None:
+        for _ in range(n):
+            torch.nn.functional.linear(x, w)
+
+    alone = gpu_ms(gemms, repeats)
+    times = []
+    for _ in range(repeats):
+        encoder.zero_grad()
+        clock.sleep(gate_ms)
+        with stream.launch():
+            encoder.run_ops()
+        times.append(gpu_ms(gemms, 1, warmup=0))  # the main stream's GEMMs only, side stream busy
+        stream.finish()
+        torch.cuda.synchronize()
+    return alone, statistics.median(times)
+
+
+# -- 3. one bubble -------------------------------------------------------------------------------
+
+
+def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3) -> dict[str, Any]:
+    """3. The encoder ops at the artifact's heaviest hook point: roofline and profile predictions vs measured."""
+    from optimus_mllm.cost_model import CostModel, load_profile
+    from optimus_mllm.profiler import profile_kernels, write_profile
+    from optimus_mllm.runtime.hook_plan import build_hook_plan
+
+    config = encoder.config
+    ops = build_hook_plan(artifact).for_gpu(0).ops
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.json"
+        write_profile(profile_kernels(config, device=encoder.device.type, dtype=encoder.dtype), path)
+        profile = load_profile(path)
+    roofline = _op_costs(encoder, artifact, CostModel.from_config(config))
+    profiled = _op_costs(encoder, artifact, CostModel(config.cluster, config.cost_model, profile))
+    events = {op.event for op in ops}
+    event = max(events, key=lambda e: sum(roofline[(op.phase, op.kernel_index)] for op in ops if op.event == e))
+    group = [op for op in ops if op.event == event]
+    measured = statistics.median(_time_group(encoder, group) for _ in range(repeats))
+    predicted = sum(roofline[(op.phase, op.kernel_index)] for op in group) / 1e3
+    predicted_profile = sum(profiled[(op.phase, op.kernel_index)] for op in group) / 1e3
+    tp = artifact["encoder_plan"]["tp"]
+    covered = sum(1 for op in group if (op.encoder, op.kernel, op.phase, tp) in profile)
+    return {"event": list(event), "ops": len(group), "microbatches": len({op.local_microbatch for op in group}),
+            "measured_ms": measured, "roofline_ms": predicted, "profile_ms": predicted_profile,
+            "roofline_error": predicted / measured - 1, "profile_error": predicted_profile / measured - 1,
+            "ops_in_profile": covered}
+
+
+def _op_costs(encoder: Encoder, artifact: dict[str, Any], cost: Any) -> dict[tuple[str, int], float]:
+    """Predicted µs per (phase, op index) of the stage chain; checks that the chains match the runtime's ops."""
+    from optimus_mllm.planner.plans import ParallelPlan
+    from optimus_mllm.scheduler.encoder_costs import build_encoder_work
+
+    work = build_encoder_work(encoder.config, ParallelPlan(**artifact["llm_plan"]),
+                              ParallelPlan(**artifact["encoder_plan"]), cost)
+    costs = {}
+    for phase, chain in (("fwd", work.fwd[0]), ("bwd", work.bwd[0])):
+        names = [(k.encoder, k.layer, k.name) for k in chain.kernels]
+        if names != encoder.ops.chain(phase):
+            raise OptimusError(f"the cost model's {phase} chain differs from the runtime's ops")
+        costs.update({(phase, i): k.duration_us for i, k in enumerate(chain.kernels)})
+    return costs
+
+
+def _time_group(encoder: Encoder, group: list) -> float:
+    """Bring each microbatch to just before its first op in ``group`` (untimed), then time the group."""
+    runs: dict[int, Any] = {}
+    for op in group:
+        if op.local_microbatch in runs:
+            continue
+        run = runs[op.local_microbatch] = encoder.new_run()
+        forward_until = op.kernel_index if op.phase == "fwd" else len(encoder.ops.fwd)
+        for k in range(forward_until):
+            run.run_forward(k)
+        if op.phase == "bwd":
+            run.set_output_grad(encoder.grads)
+            for k in range(op.kernel_index):
+                run.run_backward(k)
+
+    def body() -> None:
+        for op in group:
+            run = runs[op.local_microbatch]
+            (run.run_forward if op.phase == "fwd" else run.run_backward)(op.kernel_index)
+
+    encoder.zero_grad()
+    torch.cuda.synchronize()
+    return gpu_ms(body, repeats=1, warmup=0)
+
+
+# -- 4. training step ------------------------------------------------------------------------------
+
+
+def measure_training(config: OptimusConfig, artifact: dict[str, Any], peak_tflops: float, steps: int,
+                     warmup: int = 2) -> dict[str, Any]:
+    """4. Step time and MFU of the Optimus runtime and the Megatron-style baseline on this GPU."""
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime.trainer import Trainer
+    from optimus_mllm.scheduler.metrics import model_flops_per_iteration
+
+    llm_plan = plan(config).llm_plan
+    flops = model_flops_per_iteration(config)
+    result: dict[str, Any] = {"model_tflops_per_step": flops / 1e12, "peak_tflops": peak_tflops}
+    for mode in ("baseline", "optimus"):
+        trainer = Trainer(config, llm_plan, mode, artifact if mode == "optimus" else None)
+        try:
+            losses = [trainer.train_step(i).loss for i in range(warmup)]  # a step ends with the loss on the host
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            losses += [trainer.train_step(warmup + i).loss for i in range(steps)]
+            step_s = (time.perf_counter() - started) / steps
+        finally:
+            trainer.close()
+        del trainer
+        torch.cuda.empty_cache()
+        result[mode] = {"step_s": step_s, "mfu": flops / step_s / (peak_tflops * 1e12), "losses": losses}
+    result["optimus_slowdown"] = result["optimus"]["step_s"] / result["baseline"]["step_s"] - 1
+    return result
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def environment(config: OptimusConfig, peak_tflops: float) -> dict[str, Any]:
+    return {"gpu": torch.cuda.get_device_name(), "gpus_visible": torch.cuda.device_count(),
+            "torch": torch.__version__, "megatron_core": _version("megatron-core", "megatron_core"),
+            "transformer_engine": _version("transformer-engine", "transformer_engine"),
+            "config": config.source, "peak_tflops": peak_tflops, "command": shlex.join([sys.executable, *sys.argv])}
+
+
+def _version(*names: str) -> str:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _init_world_of_one() -> None:
+    """A torch.distributed world of this one process (NCCL): megatron-core and the encoder need groups."""
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def run(config: OptimusConfig, peak_tflops: float, steps: int) -> dict[str, Any]:
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime.dtypes import DTYPES
+    from optimus_mllm.train import _scheduled_artifact
+
+    artifact = _scheduled_artifact(config, plan(config))
+    results: dict[str, Any] = {"format": FORMAT, "version": VERSION, "environment": environment(config, peak_tflops),
+                               "targets": TARGETS}
+    encoder = Encoder(config, DTYPES[config.training.precision])
+    clock = SleepClock()
+    results["kernel_level"] = measure_kernel_level(encoder)
+    results["overlap"] = measure_overlap(encoder, clock)
+    results["bubble"] = measure_bubble(encoder, artifact)
+    del encoder
+    torch.cuda.empty_cache()
+    results["training"] = measure_training(config, artifact, peak_tflops, steps)
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    env, k, o, b, t = (results[n] for n in ("environment", "kernel_level", "overlap", "bubble", "training"))
+    rows = [
+        ("1 kernel-level ops / plain autograd", f"{k['ratio']:.3f} ({k['ops_ms']:.2f} / {k['autograd_ms']:.2f} ms, "
+         f"{k['ops']} ops, grad diff {k['grad_max_rel_diff']:.1e})", f"<= {TARGETS['kernel_level_ratio']}",
+         k["ratio"] <= TARGETS["kernel_level_ratio"]),
+        ("2 encoder time hidden in window", f"{o['hidden_share']:.1%} (encoder {o['encoder_ms']:.2f} ms, window "
+         f"{o['window_ms']:.2f} ms, both {o['both_ms']:.2f} ms)", f">= {TARGETS['hidden_share']:.0%}",
+         o["hidden_share"] >= TARGETS["hidden_share"]),
+        ("  window", o["window"], "", None),
+        ("  LLM GEMM slowdown alongside", f"{o['gemm_slowdown']:+.1%} ({o['gemm_alone_ms']:.2f} -> "
+         f"{o['gemm_with_encoder_ms']:.2f} ms)", "", None),
+        (f"3 one bubble ({b['ops']} ops at {tuple(b['event'])})", f"measured {b['measured_ms']:.2f} ms", "", None),
+        ("  roofline prediction", f"{b['roofline_ms']:.2f} ms ({b['roofline_error']:+.1%})", "", None),
+        ("  profile prediction", f"{b['profile_ms']:.2f} ms ({b['profile_error']:+.1%}; "
+         f"{b['ops_in_profile']}/{b['ops']} ops profiled)", f"within {TARGETS['profile_error']:.0%}",
+         abs(b["profile_error"]) <= TARGETS["profile_error"]),
+    ]
+    for mode in ("baseline", "optimus"):
+        m = t[mode]
+        rows.append((f"4 training step, {mode}", f"{m['step_s'] * 1e3:.1f} ms, MFU {m['mfu']:.1%}",
+                     f">= {TARGETS['mfu']:.0%}", m["mfu"] >= TARGETS["mfu"]))
+    rows.append(("  Optimus vs baseline", f"{t['optimus_slowdown']:+.2%}", f"<= +{TARGETS['optimus_slowdown']:.0%}",
+                 t["optimus_slowdown"] <= TARGETS["optimus_slowdown"]))
+    header = [f"bench_gpu: {env['gpu']} | torch {env['torch']} | megatron-core {env['megatron_core']} | "
+              f"transformer-engine {env['transformer_engine']} | peak {env['peak_tflops']:g} TFLOP/s bf16",
+              f"command: {env['command']}", ""]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'measurement':<{width}}  {'result':<70}  {'target':<11}  ok"]
+    for name, value, target, ok in rows:
+        lines.append(f"{name:<{width}}  {value:<70}  {target:<11}  {'' if ok is None else ('yes' if ok else 'NO')}")
+    return "\n".join(header + lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{PROG}: error: no CUDA GPU is visible; run it on a machine with an NVIDIA GPU "
+              "(nothing is measured or printed without one)", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+        if config.cluster.num_gpus != 1:
+            raise OptimusError(f"{args.config}: cluster.num_gpus is {config.cluster.num_gpus}; this benchmark "
+                               "trains on one GPU (see configs/gpu_single.yaml)")
+        _init_world_of_one()
+        results = run(config, args.peak_tflops or config.cluster.peak_tflops, args.steps)
+    except OptimusError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    print(table(results))
+    if args.json:
+        atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Where encoder ops run: inline (CPU, and CUDA with the side stream off) or on a CUDA side stream.
+
+On the CPU the executor with ``InlineStream`` is covered number for number by test_runtime; here
+the stream objects themselves. The GPU tests check the side stream's ordering (events, no host
+synchronisation), its overlap with main-stream work and ``record_stream`` on cross-stream tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimus_mllm.runtime.executor import Mailbox
+from optimus_mllm.runtime.streams import InlineStream, SideStream, make_encoder_stream, to_device
+from tests.conftest import CONFIGS
+from tests.distributed_utils import run_distributed
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ONE_GPU = ["cluster.num_gpus=1", "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}", "training.global_batch_size=8"]
+
+
+def test_inline_stream_runs_ops_at_once_in_call_order():
+    stream = InlineStream()
+    order = []
+    with stream.launch():
+        order.append("a")
+        x = torch.ones(3)
+        order.append("b")
+    order.append("after")
+    assert order == ["a", "b", "after"]
+    assert stream.publish(x) is None
+    stream.consume(None)
+    assert stream.adopt(x) is x
+    stream.finish()
+    assert stream.device == torch.device("cpu")
+
+
+def test_stream_choice_by_device():
+    assert isinstance(make_encoder_stream("cpu"), InlineStream)
+    disabled = make_encoder_stream("cuda", side_stream=False)  # no GPU needed to build it
+    assert isinstance(disabled, InlineStream) and disabled.device.type == "cuda"
+
+
+def test_mailbox_hands_embeddings_over_unchanged_inline():
+    mailbox = Mailbox()
+    a = torch.randn(4, 2, 8)
+    mailbox.put_embeddings(3, a)
+    assert mailbox.take_embeddings(3) is a
+    assert not mailbox.embeddings and not mailbox.ready
+
+
+def test_to_device_keeps_cpu_tensors():
+    x = torch.randn(2, 3)
+    assert to_device(x, torch.device("cpu")) is x
+
+
+# -- GPU ------------------------------------------------------------------------------------------
+
+
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles of torch.cuda._sleep per millisecond, measured."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm-up
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def _matmuls(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = torch.tanh(x @ x)
+    return x
+
+
+@needs_gpu
+def test_side_stream_overlaps_main_stream_sleep():
+    cycles_per_ms = _sleep_cycles_per_ms()
+    stream = SideStream("cuda")
+    x = torch.randn(2048, 2048, device="cuda") / 64
+    _matmuls(x, 2)
+    torch.cuda.synchronize()
+
+    def timed(side: bool, window_ms: float) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(5 * cycles_per_ms))  # keep the GPU busy while the host enqueues
+        start.record()
+        if side:
+            with stream.launch():  # the hook point: side waits for the main stream so far
+                _matmuls(x, 40)
+        if window_ms:
+            torch.cuda._sleep(int(window_ms * cycles_per_ms))  # the LLM's window after the hook
+        stream.finish()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    encoder_ms = timed(True, 0)
+    window_ms = 2 * encoder_ms
+    both_ms = timed(True, window_ms)
+    assert both_ms < window_ms + 0.3 * encoder_ms, (encoder_ms, window_ms, both_ms)
+
+
+@needs_gpu
+def test_published_tensor_is_ready_where_the_main_stream_consumes_it():
+    cycles_per_ms = _sleep_cycles_per_ms()
+    stream = SideStream("cuda")
+    with stream.launch():
+        torch.cuda._sleep(int(20 * cycles_per_ms))  # a slow encoder op
+        a = torch.full((1 << 20,), 3.0, device="cuda")
+        ready = stream.publish(a)
+    stream.consume(ready)
+    b = a + 1  # on the main stream
+    assert torch.equal(b, torch.full_like(b, 4.0))
+
+
+@needs_gpu
+def test_adopted_main_stream_tensor_is_not_reused_while_side_stream_reads_it():
+    cycles_per_ms = _sleep_cycles_per_ms()
+    stream = SideStream("cuda")
+    g = torch.full((1 << 22,), 1.0, device="cuda")  # like G_i: made on the LLM's stream
+    ptr = g.data_ptr()
+    with stream.launch():
+        torch.cuda._sleep(int(20 * cycles_per_ms))
+        out = stream.adopt(g) * 2  # read by the side stream after the sleep
+    del g
+    h = torch.empty(1 << 22, device="cuda")  # the main stream allocates the same size at once
+    assert h.data_ptr() != ptr, "the caching allocator reused memory the side stream still reads"
+    h.fill_(7.0)
+    stream.finish()
+    assert torch.equal(out, torch.full_like(out, 2.0))
+
+
+def _one_gpu_losses(side_stream: bool) -> dict[str, list[float]]:
+    from optimus_mllm.config import load_config
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime.trainer import Trainer
+    from optimus_mllm.train import _scheduled_artifact
+
+    config = load_config(CONFIGS / "tiny.yaml", ONE_GPU)
+    planned = plan(config)
+    losses = {}
+    for mode, artifact in (("baseline", None), ("optimus", _scheduled_artifact(config, planned))):
+        trainer = Trainer(config, planned.llm_plan, mode, artifact, side_stream=side_stream)
+        assert trainer.device.type == "cuda"
+        losses[mode] = [trainer.train_step(i).loss for i in range(3)]
+        trainer.close()
+    return losses
+
+
+@needs_gpu
+def test_side_stream_training_equals_inline_and_baseline_on_one_gpu():
+    (side,) = run_distributed(_one_gpu_losses, 1, True, timeout=300)
+    (inline,) = run_distributed(_one_gpu_losses, 1, False, timeout=300)
+    assert side["optimus"] == pytest.approx(inline["optimus"], rel=1e-5)  # cuBLAS may differ per stream
+    assert side["optimus"] == pytest.approx(side["baseline"], rel=1e-4)
