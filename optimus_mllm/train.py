@@ -1,7 +1,8 @@
 """``optimus-train``: train the ViT + projector + GPT model on every rank of a ``torchrun`` job.
 
     torchrun --nproc-per-node N -m optimus_mllm.train --config FILE.yaml [--override KEY=VALUE ...]
-             [--schedule ARTIFACT.json] [--baseline]
+             [--schedule ARTIFACT.json] [--baseline] [--save DIR [--save-interval N] [--resume]]
+             [--tensorboard-dir DIR]
 
 Every rank loads the config, plans and schedules (pure Python and deterministic, so every rank gets
 the same result) or loads ``--schedule``, and only then talks to the others: a bad config, a world
@@ -12,6 +13,7 @@ every rank, reported once by rank 0, and every rank exits with code 2 instead of
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -26,6 +28,8 @@ from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.runtime.checkpoint import CheckpointInfo, check_resumable, latest_checkpoint
+from optimus_mllm.runtime.data import check_dataset
 from optimus_mllm.runtime.hook_plan import POST, PRE
 
 PROG = "optimus-train"
@@ -52,7 +56,21 @@ def build_parser() -> ArgumentParser:
                         help="schedule artifact from optimus-plan --artifact (default: schedule here)")
     parser.add_argument("--baseline", action="store_true",
                         help="Megatron-style: encoders whole in the first pipeline stage, no bubble schedule")
+    parser.add_argument("--save", metavar="DIR", help="checkpoint folder: written at the end of training "
+                        "and every --save-interval steps")
+    parser.add_argument("--save-interval", metavar="N", type=_positive_int,
+                        help="also checkpoint after every N steps")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --save (weights, step, schedule)")
+    parser.add_argument("--tensorboard-dir", metavar="DIR", help="write TensorBoard scalars there (rank 0; "
+                        "needs the tensorboard package)")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -60,23 +78,56 @@ class Job:
     config: OptimusConfig
     llm_plan: ParallelPlan
     artifact: dict[str, Any] | None  # None in baseline mode
+    resume: CheckpointInfo | None = None
+    notes: tuple[str, ...] = ()  # what rank 0 says before the first step
 
 
 def prepare(args: argparse.Namespace, world_size: int) -> Job:
     """Everything that can fail on the user's input, with no communication (same answer on every rank)."""
     if args.baseline and args.schedule:
         raise OptimusError("--baseline runs without a schedule; drop --schedule or --baseline")
+    if (args.resume or args.save_interval) and not args.save:
+        raise OptimusError(f"{'--resume' if args.resume else '--save-interval'} needs --save DIR, the checkpoint "
+                           "folder")
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise OptimusError("--tensorboard-dir needs the tensorboard package; pip install tensorboard, or drop "
+                           "--tensorboard-dir")
     config = load_config(args.config, args.override)
     if world_size != config.cluster.num_gpus:
         raise OptimusError(f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "
                            f"launch {config.cluster.num_gpus} processes (torchrun --nproc-per-node) or set "
                            f"cluster.num_gpus={world_size} and a parallel.llm for it")
+    if config.data.path is not None:
+        check_dataset(config)
     planned = plan(config)
+    resume = _resume_point(args.save, config, planned.llm_plan) if args.resume else None
     if args.baseline:
-        return Job(config, planned.llm_plan, None)
+        return Job(config, planned.llm_plan, None, resume)
     if args.schedule:
-        return Job(config, planned.llm_plan, _loaded_artifact(args.schedule, planned, config, world_size))
-    return Job(config, planned.llm_plan, _scheduled_artifact(config, planned))
+        return Job(config, planned.llm_plan, _loaded_artifact(args.schedule, planned, config, world_size), resume)
+    if resume is not None and resume.schedule_path.is_file():
+        if resume.world_size != world_size:
+            note = (f"the checkpoint was written by {resume.world_size} ranks, this job has {world_size}: "
+                    "re-planned the encoder schedule")
+            return Job(config, planned.llm_plan, _scheduled_artifact(config, planned), resume, (note,))
+        try:
+            return Job(config, planned.llm_plan,
+                       _loaded_artifact(str(resume.schedule_path), planned, config, world_size), resume,
+                       ("schedule: the one saved with the checkpoint",))
+        except OptimusError as exc:  # e.g. the config now fixes another encoder plan
+            note = f"the checkpoint's schedule does not fit this job ({exc}): re-planned the encoder schedule"
+            return Job(config, planned.llm_plan, _scheduled_artifact(config, planned), resume, (note,))
+    return Job(config, planned.llm_plan, _scheduled_artifact(config, planned), resume)
+
+
+def _resume_point(save: str, config: OptimusConfig, llm_plan: ParallelPlan) -> CheckpointInfo:
+    info = latest_checkpoint(save)
+    check_resumable(info, config, llm_plan)
+    if info.iteration >= config.training.train_iters:
+        raise OptimusError(f"--resume: the checkpoint in {save} is at step {info.iteration} and "
+                           f"training.train_iters={config.training.train_iters}; raise training.train_iters to "
+                           "train further")
+    return info
 
 
 def _loaded_artifact(path: str, planned: PlannerResult, config: OptimusConfig, world_size: int) -> dict[str, Any]:
@@ -126,25 +177,59 @@ def _is_loss_reporter() -> bool:
             and parallel_state.get_tensor_model_parallel_rank() == 0)
 
 
-def train(job: Job) -> None:
+def train(job: Job, save: str | None = None, save_interval: int | None = None,
+          tensorboard_dir: str | None = None) -> None:
+    from optimus_mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
     from optimus_mllm.runtime.trainer import Trainer
 
     config, iters = job.config, job.config.training.train_iters
     trainer = Trainer(config, job.llm_plan, "baseline" if job.artifact is None else "optimus", job.artifact)
+    first = 0
+    if job.resume is not None:
+        load_checkpoint(trainer, job.resume)
+        first = job.resume.iteration
+        _say(f"resumed from {job.resume.path} at step {first}")
+    for note in job.notes:
+        _say(note)
+    board = _summary_writer(tensorboard_dir)
     reporter, times, loss = _is_loss_reporter(), [], 0.0
     tokens = config.training.global_batch_size * config.llm.seq_length
     try:
-        for i in range(iters):
+        for i in range(first, iters):
             started = time.perf_counter()
             result = trainer.train_step(i)
             loss, inside, total = _step_totals(result.loss, result.encoder_log, reporter, job.llm_plan.dp)
             times.append(time.perf_counter() - started)
-            share = "baseline" if job.artifact is None else f"encoder ops inside LLM span {inside / max(total, 1):.1%}"
+            share = None if job.artifact is None else inside / max(total, 1)
             _say(f"step {i + 1}/{iters} | loss {loss:.4f} | {times[-1] * 1e3:.1f} ms | "
-                 f"{tokens / times[-1]:.0f} tokens/s | {share}")
+                 f"{tokens / times[-1]:.0f} tokens/s | "
+                 + ("baseline" if share is None else f"encoder ops inside LLM span {share:.1%}"))
+            if board is not None:
+                _log_scalars(board, i + 1, loss, times[-1], tokens, share)
+            if save and (i + 1 == iters or (save_interval and (i + 1) % save_interval == 0)):
+                _say(f"saved checkpoint {save_checkpoint(trainer, save, i + 1)}")
     finally:
         trainer.close()
-    _say(f"done: {iters} steps | mean step {sum(times) / len(times) * 1e3:.1f} ms | final loss {loss:.4f}")
+        if board is not None:
+            board.close()
+    _say(f"done: {len(times)} steps | mean step {sum(times) / len(times) * 1e3:.1f} ms | final loss {loss:.4f}")
+
+
+def _summary_writer(log_dir: str | None) -> Any:
+    """TensorBoard on rank 0 only: the step totals are already reduced there."""
+    if log_dir is None or dist.get_rank() != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir)
+
+
+def _log_scalars(board: Any, step: int, loss: float, seconds: float, tokens: int, share: float | None) -> None:
+    board.add_scalar("lm loss", loss, step)
+    board.add_scalar("step time (ms)", seconds * 1e3, step)
+    board.add_scalar("tokens per second", tokens / seconds, step)
+    if share is not None:
+        board.add_scalar("encoder ops inside LLM span (%)", share * 100, step)
 
 
 def _say(line: str) -> None:
@@ -157,6 +242,8 @@ def _init_process_group() -> None:
     if missing:
         raise OptimusError(f"{', '.join(missing)} not set; launch with torchrun --nproc-per-node N "
                            "-m optimus_mllm.train ...")
+    if torch.cuda.is_available():  # before NCCL binds this process to a device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
@@ -164,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _init_process_group()
-        train(prepare(args, dist.get_world_size()))
+        train(prepare(args, dist.get_world_size()), args.save, args.save_interval, args.tensorboard_dir)
     except OptimusError as exc:  # raised before the first step, the same on every rank: none is left waiting
         if _is_rank_zero():
             print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -7,7 +7,6 @@ rank 0 and no traceback, instead of hanging.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,42 +14,31 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIGS, REPO
-from tests.distributed_utils import free_port
-
-TINY = str(CONFIGS / "tiny.yaml")
-TIMEOUT_S = 60
-STEP = re.compile(r"^step (\d+)/3 \| loss (\d+\.\d{4}) \| [\d.]+ ms \| \d+ tokens/s \| (.+)$")
-SUMMARY = re.compile(r"^done: 3 steps \| mean step [\d.]+ ms \| final loss (\d+\.\d{4})$")
+from tests.train_utils import STEP, SUMMARY, TINY, assert_one_error_everywhere, ranks, step_losses, torchrun
 
 
 def _torchrun(*args: str) -> list[str]:
-    """Train on 4 processes; the stdout lines, after checking exit 0, 3 step lines and the summary."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               "-m", "optimus_mllm.train", "--config", TINY, *args]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert len(lines) == 4, done.stdout
-    assert [STEP.match(line).group(1) for line in lines[:3]] == ["1", "2", "3"], done.stdout
-    assert SUMMARY.match(lines[3]).group(1) == STEP.match(lines[2]).group(2)
+    """Train 3 steps on 4 processes: 3 step lines and the summary."""
+    lines = torchrun(*args)
+    assert len(lines) == 4, lines
+    assert [STEP.match(line).group(1) for line in lines[:3]] == ["1", "2", "3"], lines
+    assert SUMMARY.match(lines[3]).group(2) == STEP.match(lines[2]).group(3)
     return lines
 
 
 def _losses(lines: list[str]) -> list[str]:
-    return [STEP.match(line).group(2) for line in lines[:3]]
+    return list(step_losses(lines).values())
 
 
 @pytest.fixture(scope="module")
 def baseline() -> list[str]:
     lines = _torchrun("--baseline")
-    assert all(STEP.match(line).group(3) == "baseline" for line in lines[:3])
+    assert all(STEP.match(line).group(4) == "baseline" for line in lines[:3])
     return lines
 
 
 def _bubble_shares(lines: list[str]) -> list[float]:
-    shares = [re.fullmatch(r"encoder ops inside LLM span ([\d.]+)%", STEP.match(line).group(3)) for line in lines[:3]]
+    shares = [re.fullmatch(r"encoder ops inside LLM span ([\d.]+)%", STEP.match(line).group(4)) for line in lines[:3]]
     return [float(s.group(1)) for s in shares]
 
 
@@ -74,36 +62,52 @@ def test_schedule_artifact_trains_like_the_baseline(baseline, tmp_path):
     assert _losses(lines) == _losses(baseline)
 
 
-def _ranks(world: int, *args: str) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks the way torchrun does (its environment variables) and wait for each."""
-    port = str(free_port())
-    ranks = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        ranks.append(subprocess.Popen([sys.executable, "-m", "optimus_mllm.train", "--config", TINY, *args],
-                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        outputs = [p.communicate(timeout=TIMEOUT_S) for p in ranks]
-        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(ranks, outputs)]
-    finally:
-        for p in ranks:
-            p.kill()
-
-
-def _assert_one_error_everywhere(ranks: list[subprocess.CompletedProcess], expected: str) -> None:
-    assert [r.returncode for r in ranks] == [2] * len(ranks), [r.stderr for r in ranks]
-    errors = [line for r in ranks for line in r.stderr.splitlines() if line.startswith("optimus-train: error:")]
-    assert len(errors) == 1 and expected in errors[0], errors
-    assert ranks[0].stderr.splitlines()[-1] == errors[0]
-    assert not any("Traceback" in r.stderr for r in ranks)
-
-
 def test_wrong_world_size_exits_2_on_every_rank():
-    _assert_one_error_everywhere(_ranks(2), "2 processes but cluster.num_gpus=4")
+    assert_one_error_everywhere(ranks(2), "2 processes but cluster.num_gpus=4")
 
 
 def test_artifact_for_another_plan_exits_2_on_every_rank(tmp_path):
     artifact = tmp_path / "schedule.json"
     _write_artifact(artifact, "parallel.llm={dp: 1, pp: 4, tp: 1, vp: 1}")
-    _assert_one_error_everywhere(_ranks(4, "--schedule", str(artifact)), "re-run optimus-plan")
+    assert_one_error_everywhere(ranks(4, "--schedule", str(artifact)), "re-run optimus-plan")
+
+
+def test_encoder_plan_not_dividing_the_llm_plan_exits_2_on_every_rank():
+    assert_one_error_everywhere(ranks(4, "--override", "parallel.encoder={pp: 1, tp: 4}"),
+                                "parallel.encoder.tp: 4 does not divide the LLM's tp=2")
+
+
+def test_missing_dataset_exits_2_on_every_rank(tmp_path):
+    missing = tmp_path / "no-such-data"
+    assert_one_error_everywhere(ranks(4, "--override", f"data.path={missing}"), f"data.path: {missing} does not")
+
+
+@pytest.fixture(scope="module")
+def sample_dataset(tmp_path_factory) -> Path:
+    from tests.conftest import REPO
+
+    out = tmp_path_factory.mktemp("data") / "sample"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "make_sample_dataset.py"), "--out", str(out),
+                           "--num-samples", "40"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_dataset_trains_the_same_under_both_runtimes(sample_dataset, baseline):
+    """Every rank reads the same samples: the Optimus runtime and the baseline print the same losses."""
+    data = f"data.path={sample_dataset}"
+    optimus_lines = _torchrun("--override", data)
+    assert _losses(optimus_lines) == _losses(_torchrun("--override", data, "--baseline"))
+    assert _losses(optimus_lines) != _losses(baseline)  # not the synthetic data
+
+
+def test_tensorboard_scalars_match_the_step_lines(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = _torchrun("--tensorboard-dir", str(tmp_path))
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert {"lm loss", "step time (ms)", "tokens per second", "encoder ops inside LLM span (%)"} <= set(
+        events.Tags()["scalars"])
+    logged = {e.step: f"{e.value:.4f}" for e in events.Scalars("lm loss")}
+    assert logged == step_losses(lines)

@@ -19,8 +19,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """--config and --override, the same on every command that reads a config."""
     parser.add_argument("--config", required=True, help=f"YAML config, e.g. {example}")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. training.micro_batch_size=1 (repeatable)")
+    parser.add_argument("--override", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override config fields, e.g. training.micro_batch_size=1 (one or more; repeatable)")
 
 
 def run(prog: str, body: Callable[[], int]) -> int:

@@ -1,0 +1,221 @@
+"""Training checkpoints: written atomically, resumed so that the following steps are unchanged.
+
+Layout under the ``--save`` folder (Megatron-LM's names where it has one)::
+
+    latest_checkpointed_iteration.txt          the newest complete checkpoint; replaced last, atomically
+    iter_0000003/meta.json                     iteration, world size, plans, model config
+    iter_0000003/schedule.json                 the schedule artifact the job ran (Optimus mode)
+    iter_0000003/llm/mp_rank_TT_PPP.pt         LLM chunks of (TP rank, PP rank), from DP rank 0
+    iter_0000003/encoder/stage_S.pt            encoder stage S as whole tensors by global name
+
+Every rank writes its files under ``iter_0000003.tmp``; only when all ranks succeeded does rank 0
+rename the folder and then replace the ``latest`` file, so a writer killed or failing midway leaves
+the previous checkpoint as the latest and loadable.
+
+The encoder is saved whole (gathered over its TP group) under plan-independent names, so it loads
+into any encoder plan: a resumed job may re-plan. The LLM is saved per (TP, PP) shard, as Megatron's
+legacy checkpoints are, so its TP, PP and virtual stages must stay (DP may change). The step draws
+no random numbers (no dropout; data seeded by iteration and microbatch) and SGD keeps no state, so
+weights and iteration are the whole training state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.runtime.weights import global_parameter_names, shard, whole
+
+CHECKPOINT_FORMAT = "optimus-checkpoint"
+CHECKPOINT_VERSION = 1
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint says about the job that wrote it (meta.json)."""
+
+    path: Path
+    iteration: int
+    world_size: int
+    llm_plan: ParallelPlan
+    mode: str
+    model: dict[str, Any]
+
+    @property
+    def schedule_path(self) -> Path:
+        return self.path / "schedule.json"
+
+
+def latest_checkpoint(root: str | Path) -> CheckpointInfo:
+    """The newest complete checkpoint under ``root`` (the ``--save`` folder)."""
+    marker = Path(root) / LATEST
+    if not marker.is_file():
+        raise OptimusError(f"--resume: no checkpoint in {root} ({LATEST} is missing); drop --resume to start "
+                           "from scratch or point --save at the folder of an earlier run")
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise OptimusError(f"--resume: {marker} holds {text!r}, not an iteration number")
+    path = iteration_dir(root, int(text))
+    meta = read_versioned_json(path / "meta.json", "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+                               "resume from a checkpoint written by this release")
+    return CheckpointInfo(path, meta["iteration"], meta["world_size"], ParallelPlan(**meta["llm_plan"]),
+                          meta["mode"], meta["model"])
+
+
+def check_resumable(info: CheckpointInfo, config: OptimusConfig, llm_plan: ParallelPlan) -> None:
+    """Refuse a checkpoint whose weights cannot load into this job (same answer on every rank)."""
+    changed = _first_difference(info.model, _model_json(config), "model")
+    if changed:
+        raise OptimusError(f"--resume: {changed} differs from the checkpoint in {info.path}; resume with the "
+                           "model config it was written with")
+    same = ParallelPlan(llm_plan.dp, info.llm_plan.pp, info.llm_plan.tp, info.llm_plan.vp)
+    if same != llm_plan:
+        raise OptimusError(f"--resume: the checkpoint holds the LLM as {info.llm_plan} shards, this job uses "
+                           f"{llm_plan}; LLM weights are saved per (TP, PP) shard, so resume with parallel.llm "
+                           f"tp={info.llm_plan.tp} pp={info.llm_plan.pp} vp={info.llm_plan.vp} (DP may change)")
+
+
+def _model_json(config: OptimusConfig) -> dict[str, Any]:
+    """The model config as meta.json stores it (tuples become lists), so saved and current compare equal."""
+    return json.loads(json.dumps(dataclasses.asdict(config.model)))
+
+
+def _first_difference(saved: Any, current: Any, where: str) -> str | None:
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current)):
+            found = _first_difference(saved.get(key), current.get(key), f"{where}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
+        for i, (a, b) in enumerate(zip(saved, current)):
+            found = _first_difference(a, b, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    return None if saved == current else where
+
+
+# -- saving ------------------------------------------------------------------------------------
+
+
+def save_checkpoint(trainer: Any, root: str | Path, iteration: int) -> Path:
+    """Every rank calls this after step ``iteration``; returns the checkpoint folder.
+
+    A failure on any rank is raised as the same OptimusError on every rank, and the previous
+    checkpoint stays the latest."""
+    root, rank = Path(root), dist.get_rank()
+    final = iteration_dir(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    _agree(_attempt(lambda: _fresh_dir(tmp)) if rank == 0 else None, "preparing")
+    encoder = _whole_encoder(trainer)  # a collective: outside the I/O, so a failed write cannot strand it
+    _agree(_attempt(lambda: _write_rank_files(trainer, tmp, encoder)), "writing")
+    _agree(_attempt(lambda: _publish(trainer, root, tmp, final, iteration)) if rank == 0 else None, "publishing")
+    return final
+
+
+def _attempt(action: Callable[[], None]) -> str | None:
+    try:
+        action()
+        return None
+    except Exception as exc:  # any rank's failure must reach every rank, or the others would wait forever
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _agree(error: str | None, what: str) -> None:
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        rank, message = failed[0]
+        raise OptimusError(f"checkpoint {what} failed on rank {rank} ({message.splitlines()[0]}); the previous "
+                           "checkpoint is still the latest")
+
+
+def _fresh_dir(path: Path) -> None:
+    if path.exists():  # left by a writer that was killed
+        shutil.rmtree(path)
+    (path / "llm").mkdir(parents=True)
+    (path / "encoder").mkdir()
+
+
+def _whole_encoder(trainer: Any) -> dict[str, torch.Tensor] | None:
+    """This rank's encoder stage as whole tensors, on the rank that writes it (None elsewhere)."""
+    encoder = trainer.encoder
+    if encoder is None:
+        return None
+    with torch.no_grad():  # whole() is a collective over the encoder's TP group: all its ranks take part
+        tensors = {name: whole(p.detach(), p, encoder.tp_group) for name, p in global_parameter_names(encoder).items()}
+    return tensors if _encoder_writer(trainer)[0] else None
+
+
+def _write_rank_files(trainer: Any, folder: Path, encoder: dict[str, torch.Tensor] | None) -> None:
+    if parallel_state.get_data_parallel_rank() == 0:
+        tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        torch.save({"chunks": [chunk.state_dict() for chunk in trainer.chunks]},
+                   folder / "llm" / f"mp_rank_{tp:02d}_{pp:03d}.pt")
+    if encoder is not None:
+        torch.save(encoder, folder / "encoder" / f"stage_{_encoder_writer(trainer)[1]}.pt")
+
+
+def _encoder_writer(trainer: Any) -> tuple[bool, int]:
+    """(whether this rank writes its encoder stage, the stage): TP rank 0 of the first encoder replica."""
+    if trainer.mode == "optimus":
+        coords = trainer.groups.coords
+        return coords.dp == 0 and coords.tp == 0, coords.pp
+    first = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+    return first, 0
+
+
+def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -> None:
+    meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "iteration": iteration,
+            "world_size": dist.get_world_size(), "mode": trainer.mode, "llm_plan": trainer.plan.as_dict(),
+            "model": _model_json(trainer.config)}
+    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")
+    if trainer.artifact is not None:
+        atomic_write_text(tmp / "schedule.json", json.dumps(trainer.artifact) + "\n")
+    if final.exists():  # the same iteration saved again (e.g. a rerun): the new one replaces it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(root / LATEST, f"{iteration}\n")
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def load_checkpoint(trainer: Any, info: CheckpointInfo) -> None:
+    """Load the weights of ``info`` into this rank's LLM chunks and encoder stage."""
+    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    llm = torch.load(info.path / "llm" / f"mp_rank_{tp:02d}_{pp:03d}.pt", map_location="cpu",
+                     weights_only=True)
+    for chunk, state in zip(trainer.chunks, llm["chunks"], strict=True):
+        chunk.load_state_dict(state)
+    encoder = trainer.encoder
+    if encoder is None:
+        return
+    saved: dict[str, torch.Tensor] = {}
+    for path in sorted((info.path / "encoder").glob("stage_*.pt")):
+        saved.update(torch.load(path, map_location="cpu", weights_only=True))
+    group = encoder.tp_group
+    with torch.no_grad():
+        for name, param in global_parameter_names(encoder).items():
+            param.copy_(shard(saved[name], param, group.rank(), group.size()))  # copy_ moves it to the param's device

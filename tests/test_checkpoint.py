@@ -1,0 +1,143 @@
+"""Checkpoints: resuming gives the uninterrupted run's losses; a failed or killed write keeps the previous one.
+
+The launcher tests train the tiny config on 4 CPU processes (torchrun); the write-failure test drives
+``save_checkpoint`` on 4 gloo ranks in-process and makes one rank's ``torch.save`` raise midway.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.distributed_utils import run_distributed
+from tests.train_utils import TINY, assert_one_error_everywhere, ranks, step_losses, torchrun
+
+SIX = "training.train_iters=6"
+EIGHT_RANKS = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={dp: 2, pp: 2, tp: 2, vp: 2}"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict[int, str]:
+    return step_losses(torchrun("--override", SIX))
+
+
+@pytest.fixture(scope="module")
+def first_half(tmp_path_factory) -> Path:
+    """Steps 1-3 of the 6-step run, checkpointed after each step."""
+    save = tmp_path_factory.mktemp("ckpt") / "run"
+    lines = torchrun("--override", SIX, "training.train_iters=3", "--save", str(save), "--save-interval", "1")
+    assert [line for line in lines if line.startswith("saved checkpoint")] == [
+        f"saved checkpoint {save / f'iter_000000{i}'}" for i in (1, 2, 3)]
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+    assert not list(save.glob("*.tmp"))
+    return save
+
+
+def test_resume_gives_the_uninterrupted_losses(uninterrupted, first_half, tmp_path):
+    save = tmp_path / "run"
+    shutil.copytree(first_half, save)
+    lines = torchrun("--override", SIX, "--save", str(save), "--resume")
+    assert lines[0] == f"resumed from {save / 'iter_0000003'} at step 3"
+    assert lines[1] == "schedule: the one saved with the checkpoint"
+    resumed = step_losses(lines)
+    assert sorted(resumed) == [4, 5, 6]
+    assert resumed == {step: uninterrupted[step] for step in (4, 5, 6)}
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+
+
+def test_resume_on_another_world_size_replans(uninterrupted, first_half, tmp_path):
+    save = tmp_path / "run"
+    shutil.copytree(first_half, save)
+    lines = torchrun("--override", SIX, *EIGHT_RANKS, "--save", str(save), "--resume", nproc=8)
+    assert lines[1] == "the checkpoint was written by 4 ranks, this job has 8: re-planned the encoder schedule"
+    resumed = step_losses(lines)
+    assert sorted(resumed) == [4, 5, 6]
+    # two data-parallel replicas sum their gradients in another order: equal to the printed precision
+    for step in (4, 5, 6):
+        assert float(resumed[step]) == pytest.approx(float(uninterrupted[step]), abs=2e-4)
+
+
+def test_resume_errors_on_every_rank(first_half, tmp_path):
+    assert_one_error_everywhere(ranks(4, "--resume"), "--resume needs --save DIR")
+    assert_one_error_everywhere(ranks(4, "--save", str(tmp_path / "empty"), "--resume"),
+                                "no checkpoint in")
+    other_tp = "parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}"
+    assert_one_error_everywhere(ranks(4, "--override", SIX, other_tp, "--save", str(first_half), "--resume"),
+                                "resume with parallel.llm tp=2 pp=2 vp=2")
+    assert_one_error_everywhere(ranks(4, "--override", SIX, "model.llm.num_layers=8", "--save", str(first_half),
+                                      "--resume"), "model.llm.num_layers differs from the checkpoint")
+    assert_one_error_everywhere(ranks(4, "--save", str(first_half), "--resume"),
+                                "raise training.train_iters to train further")
+
+
+# -- an interrupted write ------------------------------------------------------------------------
+
+
+def _interrupted(save: str) -> dict:
+    """Save after step 1; make rank 1's writer fail while saving after step 2; reload and redo step 2."""
+    import torch
+
+    from optimus_mllm.config import load_config
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime import checkpoint
+    from optimus_mllm.runtime.trainer import Trainer
+    from optimus_mllm.train import _scheduled_artifact
+
+    config = load_config(TINY)
+    planned = plan(config)
+    artifact = _scheduled_artifact(config, planned)
+    trainer = Trainer(config, planned.llm_plan, "optimus", artifact)
+    trainer.train_step(0)
+    checkpoint.save_checkpoint(trainer, save, 1)
+    second = trainer.train_step(1).loss
+
+    real_save, rank = torch.save, torch.distributed.get_rank()
+
+    def failing_save(obj, path, *args, **kwargs):
+        real_save(obj, path, *args, **kwargs)
+        if rank == 1:  # a file is already on disk when the writer dies
+            raise OSError("disk full")
+
+    checkpoint.torch.save = failing_save
+    try:
+        checkpoint.save_checkpoint(trainer, save, 2)
+        error = None
+    except OptimusError as exc:
+        error = str(exc)
+    finally:
+        checkpoint.torch.save = real_save
+    trainer.close()
+
+    info = checkpoint.latest_checkpoint(save)
+    fresh = Trainer(config, planned.llm_plan, "optimus", artifact)
+    checkpoint.load_checkpoint(fresh, info)
+    redo = fresh.train_step(1).loss
+    fresh.close()
+    return {"error": error, "latest": info.iteration, "second": second, "redo": redo}
+
+
+def test_failed_write_keeps_the_previous_checkpoint_loadable(tmp_path):
+    save = tmp_path / "run"
+    results = run_distributed(_interrupted, 4, str(save), timeout=240)
+    assert [r["error"] for r in results] == [
+        "checkpoint writing failed on rank 1 (OSError: disk full); the previous checkpoint is still the latest"] * 4
+    assert [r["latest"] for r in results] == [1] * 4
+    assert (save / "iter_0000002.tmp").is_dir() and not (save / "iter_0000002").exists()
+    losses = [(r["second"], r["redo"]) for r in results if r["second"] is not None]
+    assert losses and all(second == redo for second, redo in losses)
+
+
+def test_killed_writer_leftovers_do_not_count(first_half, tmp_path):
+    """A writer killed before publishing leaves only an ``.tmp`` folder: the latest stays, and resuming works."""
+    save = tmp_path / "run"
+    shutil.copytree(first_half, save)
+    shutil.rmtree(save / "iter_0000003")
+    (save / "latest_checkpointed_iteration.txt").write_text("2\n")
+    shutil.copytree(first_half / "iter_0000003", save / "iter_0000003.tmp")
+    (save / "iter_0000003.tmp" / "meta.json").unlink()
+    lines = torchrun("--override", "training.train_iters=3", "--save", str(save), "--resume")
+    assert lines[0] == f"resumed from {save / 'iter_0000002'} at step 2"
+    assert not (save / "iter_0000003.tmp").exists() and (save / "iter_0000003" / "meta.json").is_file()

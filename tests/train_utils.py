@@ -1,0 +1,56 @@
+"""Launching ``python -m optimus_mllm.train`` from tests: under torchrun, or rank by rank."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.conftest import CONFIGS, REPO
+from tests.distributed_utils import free_port
+
+TINY = str(CONFIGS / "tiny.yaml")
+TIMEOUT_S = 90
+STEP = re.compile(r"^step (\d+)/(\d+) \| loss (\d+\.\d{4}) \| [\d.]+ ms \| \d+ tokens/s \| (.+)$")
+SUMMARY = re.compile(r"^done: (\d+) steps \| mean step [\d.]+ ms \| final loss (\d+\.\d{4})$")
+
+
+def torchrun(*args: str, nproc: int = 4) -> list[str]:
+    """Train under torchrun; its stdout lines, after checking exit 0."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "optimus_mllm.train", "--config", TINY, *args]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def step_losses(lines: list[str]) -> dict[int, str]:
+    """{step: printed loss} of the step lines."""
+    return {int(m.group(1)): m.group(3) for m in map(STEP.match, lines) if m}
+
+
+def ranks(world: int, *args: str) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks the way torchrun does (its environment variables) and wait for each."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, "-m", "optimus_mllm.train", "--config", TINY, *args],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def assert_one_error_everywhere(results: list[subprocess.CompletedProcess], expected: str) -> None:
+    """Every rank exited 2 without a traceback, and rank 0 alone printed one error line with ``expected``."""
+    assert [r.returncode for r in results] == [2] * len(results), [r.stderr for r in results]
+    errors = [line for r in results for line in r.stderr.splitlines() if line.startswith("optimus-train: error:")]
+    assert len(errors) == 1 and expected in errors[0], errors
+    assert results[0].stderr.splitlines()[-1] == errors[0]
+    assert not any("Traceback" in r.stderr for r in results)
