@@ -26,11 +26,12 @@ import torch.distributed as dist
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments
 from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.planner import PlannerResult, plan
+from optimus_mllm.planner import plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.checkpoint import CheckpointInfo, check_resumable, latest_checkpoint
 from optimus_mllm.runtime.data import check_dataset
 from optimus_mllm.runtime.hook_plan import POST, PRE
+from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_job_artifact
 
 PROG = "optimus-train"
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -104,20 +105,20 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
     if args.baseline:
         return Job(config, planned.llm_plan, None, resume)
     if args.schedule:
-        return Job(config, planned.llm_plan, _loaded_artifact(args.schedule, planned, config, world_size), resume)
+        return Job(config, planned.llm_plan, load_job_artifact(args.schedule, planned, config, world_size), resume)
     if resume is not None and resume.schedule_path.is_file():
         if resume.world_size != world_size:
             note = (f"the checkpoint was written by {resume.world_size} ranks, this job has {world_size}: "
                     "re-planned the encoder schedule")
-            return Job(config, planned.llm_plan, _scheduled_artifact(config, planned), resume, (note,))
+            return Job(config, planned.llm_plan, schedule_job_artifact(config, planned), resume, (note,))
         try:
             return Job(config, planned.llm_plan,
-                       _loaded_artifact(str(resume.schedule_path), planned, config, world_size), resume,
+                       load_job_artifact(str(resume.schedule_path), planned, config, world_size), resume,
                        ("schedule: the one saved with the checkpoint",))
         except OptimusError as exc:  # e.g. the config now fixes another encoder plan
             note = f"the checkpoint's schedule does not fit this job ({exc}): re-planned the encoder schedule"
-            return Job(config, planned.llm_plan, _scheduled_artifact(config, planned), resume, (note,))
-    return Job(config, planned.llm_plan, _scheduled_artifact(config, planned), resume)
+            return Job(config, planned.llm_plan, schedule_job_artifact(config, planned), resume, (note,))
+    return Job(config, planned.llm_plan, schedule_job_artifact(config, planned), resume)
 
 
 def _resume_point(save: str, config: OptimusConfig, llm_plan: ParallelPlan) -> CheckpointInfo:
@@ -128,31 +129,6 @@ def _resume_point(save: str, config: OptimusConfig, llm_plan: ParallelPlan) -> C
                            f"training.train_iters={config.training.train_iters}; raise training.train_iters to "
                            "train further")
     return info
-
-
-def _loaded_artifact(path: str, planned: PlannerResult, config: OptimusConfig, world_size: int) -> dict[str, Any]:
-    from optimus_mllm.scheduler.artifact import load_artifact
-
-    artifact = load_artifact(path)
-    allowed = [c.plan for c in planned.candidates]
-    # a fixed parallel.encoder is the job's encoder plan; otherwise any plan the planner keeps will do
-    expected = allowed[0] if config.parallel.encoder is not None and allowed else artifact.encoder_plan
-    artifact.check_matches(planned.llm_plan, expected, world_size)
-    if expected not in allowed:
-        raise OptimusError(f"schedule artifact has encoder plan {expected}, which the planner rejects for this "
-                           "config (see optimus-plan); re-run optimus-plan for this config")
-    return artifact.data
-
-
-def _scheduled_artifact(config: OptimusConfig, planned: PlannerResult) -> dict[str, Any]:
-    from optimus_mllm.cost_model import CostModel
-    from optimus_mllm.scheduler.artifact import schedule_to_artifact
-    from optimus_mllm.scheduler.bubble_scheduler import optimus
-
-    best = optimus(config, planned, CostModel.from_config(config)).best
-    if best is None:
-        raise OptimusError("no encoder plan could be scheduled (see optimus-plan); try --baseline")
-    return schedule_to_artifact(best, config.name, config.cluster.num_gpus)
 
 
 # ----------------------------------------------------------------------------------------------

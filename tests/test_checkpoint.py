@@ -84,11 +84,11 @@ def _interrupted(save: str) -> dict:
     from optimus_mllm.planner import plan
     from optimus_mllm.runtime import checkpoint
     from optimus_mllm.runtime.trainer import Trainer
-    from optimus_mllm.train import _scheduled_artifact
+    from optimus_mllm.scheduler.artifact import schedule_job_artifact
 
     config = load_config(TINY)
     planned = plan(config)
-    artifact = _scheduled_artifact(config, planned)
+    artifact = schedule_job_artifact(config, planned)
     trainer = Trainer(config, planned.llm_plan, "optimus", artifact)
     trainer.train_step(0)
     checkpoint.save_checkpoint(trainer, save, 1)

@@ -30,14 +30,17 @@ def step_losses(lines: list[str]) -> dict[int, str]:
     return {int(m.group(1)): m.group(3) for m in map(STEP.match, lines) if m}
 
 
-def ranks(world: int, *args: str) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks the way torchrun does (its environment variables) and wait for each."""
+TRAIN = ("-m", "optimus_mllm.train", "--config", TINY)
+
+
+def ranks(world: int, *args: str, program: tuple[str, ...] = TRAIN) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks of ``program`` the way torchrun does (its environment variables); wait for each."""
     port = str(free_port())
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, "-m", "optimus_mllm.train", "--config", TINY, *args],
+        procs.append(subprocess.Popen([sys.executable, *program, *args],
                                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
@@ -47,10 +50,11 @@ def ranks(world: int, *args: str) -> list[subprocess.CompletedProcess]:
             p.kill()
 
 
-def assert_one_error_everywhere(results: list[subprocess.CompletedProcess], expected: str) -> None:
+def assert_one_error_everywhere(results: list[subprocess.CompletedProcess], expected: str,
+                                prog: str = "optimus-train") -> None:
     """Every rank exited 2 without a traceback, and rank 0 alone printed one error line with ``expected``."""
     assert [r.returncode for r in results] == [2] * len(results), [r.stderr for r in results]
-    errors = [line for r in results for line in r.stderr.splitlines() if line.startswith("optimus-train: error:")]
+    errors = [line for r in results for line in r.stderr.splitlines() if line.startswith(f"{prog}: error:")]
     assert len(errors) == 1 and expected in errors[0], errors
     assert results[0].stderr.splitlines()[-1] == errors[0]
     assert not any("Traceback" in r.stderr for r in results)

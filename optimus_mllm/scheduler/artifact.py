@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
+from optimus_mllm.planner import PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.scheduler.bubble_scheduler import Schedule
+from optimus_mllm.scheduler.bubble_scheduler import Schedule, optimus
 
 ARTIFACT_FORMAT = "optimus-schedule"
 ARTIFACT_VERSION = 1
@@ -147,3 +150,27 @@ def load_artifact(path: str | Path) -> ScheduleArtifact:
     if missing:
         raise OptimusError(f"schedule artifact {path} lacks {', '.join(missing)}")
     return ScheduleArtifact(data)
+
+
+# -- the schedule a training job runs ----------------------------------------------------------
+
+
+def load_job_artifact(path: str | Path, planned: PlannerResult, config: OptimusConfig, num_gpus: int) -> dict[str, Any]:
+    """An artifact from ``optimus-plan --artifact``, refused unless it was made for this job."""
+    artifact = load_artifact(path)
+    allowed = [c.plan for c in planned.candidates]
+    # a fixed parallel.encoder is the job's encoder plan; otherwise any plan the planner keeps will do
+    expected = allowed[0] if config.parallel.encoder is not None and allowed else artifact.encoder_plan
+    artifact.check_matches(planned.llm_plan, expected, num_gpus)
+    if expected not in allowed:
+        raise OptimusError(f"schedule artifact has encoder plan {expected}, which the planner rejects for this "
+                           "config (see optimus-plan); re-run optimus-plan for this config")
+    return artifact.data
+
+
+def schedule_job_artifact(config: OptimusConfig, planned: PlannerResult) -> dict[str, Any]:
+    """Schedule the job now (what ``optimus-plan --artifact`` would write)."""
+    best = optimus(config, planned, CostModel.from_config(config)).best
+    if best is None:
+        raise OptimusError("no encoder plan could be scheduled (see optimus-plan); try the Megatron-style baseline")
+    return schedule_to_artifact(best, config.name, config.cluster.num_gpus)
