@@ -17,8 +17,13 @@ import importlib.util
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
+
+# megatron-core warns at import, on every rank, that it falls back to torch without these; that is
+# the expected setup on CPU and says nothing about the job
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
 
 import torch
 import torch.distributed as dist
