@@ -111,3 +111,16 @@ def test_tensorboard_scalars_match_the_step_lines(tmp_path):
         events.Tags()["scalars"])
     logged = {e.step: f"{e.value:.4f}" for e in events.Scalars("lm loss")}
     assert logged == step_losses(lines)
+
+
+def test_tensorboard_dir_without_tensorboard_is_a_one_line_error(monkeypatch):
+    import importlib.util
+
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.train import build_parser, prepare
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    args = build_parser().parse_args(["--config", TINY, "--tensorboard-dir", "tb"])
+    with pytest.raises(OptimusError, match=r"^--tensorboard-dir needs the tensorboard package; pip install"):
+        prepare(args, 4)
