@@ -253,16 +253,30 @@ def dp_grad_reduce_scatter_work(params_per_rank: int, dp: int, grad_bytes: int) 
     return KernelWork("dp_reduce_scatter", "bwd", "comm", 0.0, params_per_rank * grad_bytes, "reduce_scatter", dp)
 
 
-def load_profile(path: str | Path) -> dict[tuple, float]:
-    """Read a kernel profile: {(module, kernel, phase, tp): microseconds}."""
-    data = read_versioned_json(path, "cost_model.profile:", PROFILE_FORMAT, PROFILE_VERSION,
-                               "run optimus-profile to create it")
-    table = {}
+@dataclass(frozen=True)
+class MeasuredKernel:
+    """One entry of a profile file, with the shape (the cost model's FLOPs and bytes) it was timed at,
+    where the file records it."""
+
+    key: tuple[str, str, str, int]  # (module, kernel, phase, tp)
+    time_us: float
+    flops: float | None = None
+    bytes: float | None = None
+
+
+def read_profile(path: str | Path, what: str = "cost_model.profile:") -> list[MeasuredKernel]:
+    """Every entry of a kernel profile file; ``what`` starts the error messages."""
+    data = read_versioned_json(path, what, PROFILE_FORMAT, PROFILE_VERSION, "run optimus-profile to create it")
+    measured = []
     for i, entry in enumerate(data.get("kernels", [])):
         try:
             key = (entry["module"], entry["kernel"], entry["phase"], int(entry["tp"]))
-            table[key] = float(entry["time_us"])
+            measured.append(MeasuredKernel(key, float(entry["time_us"]), entry.get("flops"), entry.get("bytes")))
         except (KeyError, TypeError, ValueError):
-            raise OptimusError(f"cost_model.profile: kernels[{i}] in {path} needs module, kernel, phase, tp "
-                               "and time_us") from None
-    return table
+            raise OptimusError(f"{what} kernels[{i}] in {path} needs module, kernel, phase, tp and time_us") from None
+    return measured
+
+
+def load_profile(path: str | Path) -> dict[tuple, float]:
+    """Read a kernel profile: {(module, kernel, phase, tp): microseconds}."""
+    return {m.key: m.time_us for m in read_profile(path)}

@@ -30,9 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from optimus_mllm.config import OptimusConfig, TransformerSpec, tp_divisibility_problem
-from optimus_mllm.cost_model import PROFILE_FORMAT, PROFILE_VERSION, CostModel, KernelWork, Phase
+from optimus_mllm.cost_model import (
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    CostModel,
+    KernelWork,
+    MeasuredKernel,
+    Phase,
+)
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
+from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.planner import ParallelPlan, PlannerResult, plan
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 from optimus_mllm.scheduler.llm_costs import LLM, llm_op_work
@@ -347,31 +354,6 @@ def profile_kernels(config: OptimusConfig, *, warmup: int = 5, repeats: int = 20
 def write_profile(profile: dict[str, Any], path: str | Path) -> None:
     """Write the profile as JSON, atomically (no half-written file on failure)."""
     atomic_write_text(path, json.dumps(profile, indent=2) + "\n")
-
-
-@dataclass(frozen=True)
-class MeasuredKernel:
-    """One entry of a profile file, with the shape (the cost model's FLOPs and bytes) it was timed at."""
-
-    key: Key
-    time_us: float
-    flops: float | None
-    bytes: float | None
-
-
-def read_profiles(paths: list[str | Path]) -> list[MeasuredKernel]:
-    """Every entry of the profile files, checked like ``cost_model.load_profile`` checks one."""
-    measured = []
-    for path in paths:
-        data = read_versioned_json(path, "profile", PROFILE_FORMAT, PROFILE_VERSION, "run optimus-profile to create it")
-        for i, item in enumerate(data.get("kernels", [])):
-            try:
-                key = (item["module"], item["kernel"], item["phase"], int(item["tp"]))
-                measured.append(MeasuredKernel(key, float(item["time_us"]), item.get("flops"), item.get("bytes")))
-            except (KeyError, TypeError, ValueError):
-                raise OptimusError(f"profile: kernels[{i}] in {path} needs module, kernel, phase, tp and "
-                                   "time_us") from None
-    return measured
 
 
 def matching_profile(config: OptimusConfig, measured: list[MeasuredKernel]) -> tuple[dict[Key, float], int]:

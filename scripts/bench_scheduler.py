@@ -28,13 +28,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
-from optimus_mllm.cost_model import CostModel  # noqa: E402
+from optimus_mllm.cost_model import CostModel, MeasuredKernel, read_profile  # noqa: E402
 from optimus_mllm.errors import OptimusError  # noqa: E402
 from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
 from optimus_mllm.planner import plan  # noqa: E402
@@ -42,8 +41,6 @@ from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, mega
 from optimus_mllm.scheduler.bubble_scheduler import optimus  # noqa: E402
 from optimus_mllm.scheduler.metrics import BUBBLE_KINDS, bubble_breakdown, mfu, scheduling_efficiency  # noqa: E402
 
-if TYPE_CHECKING:  # the profiler imports torch: loaded only with --profile
-    from optimus_mllm.profiler import MeasuredKernel
 
 # The paper's numbers (Tables 5, 7, 10; Figures 15, 16 give speedups only).
 PAPER_TABLE7 = {"strong_1536": (32, 34.3, 57.5, 322.2), "strong_2048": (24, 45.8, 69.3, 89.6),
@@ -244,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     profiles: list[MeasuredKernel] = []
     if args.profile:  # read them first: a bad file fails before minutes of scheduling
-        from optimus_mllm.profiler import read_profiles
-
-        profiles = read_profiles(args.profile)
+        profiles = [m for path in args.profile for m in read_profile(path, "profile")]
     names = sorted(p.stem for p in (REPO / "configs" / "paper").glob("*.yaml"))
     names = [n for n in names if not args.only or n in args.only]
     ordered = [n for n in PAPER_TABLE7 if n in names] + [n for n in names if n not in PAPER_TABLE7]
