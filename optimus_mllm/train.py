@@ -17,13 +17,8 @@ import importlib.util
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
-
-# megatron-core warns at import, on every rank, that it falls back to torch without these; that is
-# the expected setup on CPU and says nothing about the job
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed", category=UserWarning)
 
 import torch
 import torch.distributed as dist
@@ -31,7 +26,7 @@ import torch.distributed as dist
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments
 from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.planner import plan
+from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.checkpoint import CheckpointInfo, check_resumable, latest_checkpoint
 from optimus_mllm.runtime.data import check_dataset
@@ -103,27 +98,33 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
         raise OptimusError(f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "
                            f"launch {config.cluster.num_gpus} processes (torchrun --nproc-per-node) or set "
                            f"cluster.num_gpus={world_size} and a parallel.llm for it")
-    if config.data.path is not None:
-        check_dataset(config)
+    check_dataset(config)
     planned = plan(config)
     resume = _resume_point(args.save, config, planned.llm_plan) if args.resume else None
+    artifact, notes = _job_artifact(args, config, planned, world_size, resume)
+    return Job(config, planned.llm_plan, artifact, resume, notes)
+
+
+def _job_artifact(args: argparse.Namespace, config: OptimusConfig, planned: PlannerResult, world_size: int,
+                  resume: CheckpointInfo | None) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """The schedule the job runs (None in baseline mode) and what to say about where it came from:
+    ``--schedule``, else the checkpoint's when it fits this job, else scheduled now."""
     if args.baseline:
-        return Job(config, planned.llm_plan, None, resume)
+        return None, ()
     if args.schedule:
-        return Job(config, planned.llm_plan, load_job_artifact(args.schedule, planned, config, world_size), resume)
-    if resume is not None and resume.schedule_path.is_file():
-        if resume.world_size != world_size:
-            note = (f"the checkpoint was written by {resume.world_size} ranks, this job has {world_size}: "
-                    "re-planned the encoder schedule")
-            return Job(config, planned.llm_plan, schedule_job_artifact(config, planned), resume, (note,))
-        try:
-            return Job(config, planned.llm_plan,
-                       load_job_artifact(str(resume.schedule_path), planned, config, world_size), resume,
-                       ("schedule: the one saved with the checkpoint",))
-        except OptimusError as exc:  # e.g. the config now fixes another encoder plan
-            note = f"the checkpoint's schedule does not fit this job ({exc}): re-planned the encoder schedule"
-            return Job(config, planned.llm_plan, schedule_job_artifact(config, planned), resume, (note,))
-    return Job(config, planned.llm_plan, schedule_job_artifact(config, planned), resume)
+        return load_job_artifact(args.schedule, planned, config, world_size), ()
+    if resume is None or not resume.schedule_path.is_file():
+        return schedule_job_artifact(config, planned), ()
+    if resume.world_size != world_size:
+        note = (f"the checkpoint was written by {resume.world_size} ranks, this job has {world_size}: "
+                "re-planned the encoder schedule")
+        return schedule_job_artifact(config, planned), (note,)
+    try:
+        return (load_job_artifact(str(resume.schedule_path), planned, config, world_size),
+                ("schedule: the one saved with the checkpoint",))
+    except OptimusError as exc:  # e.g. the config now fixes another encoder plan
+        note = f"the checkpoint's schedule does not fit this job ({exc}): re-planned the encoder schedule"
+        return schedule_job_artifact(config, planned), (note,)
 
 
 def _resume_point(save: str, config: OptimusConfig, llm_plan: ParallelPlan) -> CheckpointInfo:

@@ -41,7 +41,20 @@ sys.path.insert(0, str(REPO))
 
 from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
 from optimus_mllm.errors import OptimusError  # noqa: E402
+from optimus_mllm.cost_model import CostModel, load_profile  # noqa: E402
 from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
+from optimus_mllm.planner import plan  # noqa: E402
+from optimus_mllm.planner.plans import ParallelPlan  # noqa: E402
+from optimus_mllm.profiler import cuda_timer, median_us, profile_kernels, write_profile  # noqa: E402
+from optimus_mllm.runtime.dtypes import DTYPES  # noqa: E402
+from optimus_mllm.runtime.encoder_ops import MicrobatchRun, build_stage_ops  # noqa: E402
+from optimus_mllm.runtime.hook_plan import build_hook_plan  # noqa: E402
+from optimus_mllm.runtime.streams import SideStream  # noqa: E402
+from optimus_mllm.runtime.trainer import Trainer  # noqa: E402
+from optimus_mllm.runtime.vit import EncoderStage  # noqa: E402
+from optimus_mllm.scheduler.artifact import schedule_job_artifact  # noqa: E402
+from optimus_mllm.scheduler.encoder_costs import build_encoder_work  # noqa: E402
+from optimus_mllm.scheduler.metrics import model_flops_per_iteration  # noqa: E402
 
 PROG = "bench_gpu.py"
 FORMAT, VERSION = "optimus-bench-gpu", 1
@@ -67,19 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
 def gpu_ms(fn: Callable[[], object], repeats: int, warmup: int = 2,
            before: Callable[[], object] | None = None) -> float:
     """Median over ``repeats`` of ``fn``'s time on the current stream (CUDA events), host gaps included;
-    ``before`` runs untimed ahead of each repeat."""
-    times = []
-    for i in range(warmup + repeats):
+    ``before`` runs untimed ahead of each timed repeat."""
+
+    def timer(f: Callable[[], object]) -> float:
         if before is not None:
             before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()  # between repeats, outside the timed span
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        return cuda_timer(f)
+
+    return median_us(fn, warmup, repeats, timer) / 1e3
 
 
 class SleepClock:
@@ -103,9 +111,6 @@ class Encoder:
     def __init__(self, config: OptimusConfig, dtype: torch.dtype):
         import torch.distributed as dist
 
-        from optimus_mllm.runtime.encoder_ops import build_stage_ops
-        from optimus_mllm.runtime.vit import EncoderStage
-
         self.config, self.dtype, self.device = config, dtype, torch.device("cuda")
         self.stage = EncoderStage(config, 0, 1, dist.new_group([0]), params_dtype=dtype).to(self.device)
         self.ops = build_stage_ops(self.stage.blocks(), config.training.recompute)
@@ -116,8 +121,6 @@ class Encoder:
                                           device=self.device, dtype=dtype) * 1e-3 for e in config.encoders}
 
     def new_run(self) -> Any:
-        from optimus_mllm.runtime.encoder_ops import MicrobatchRun
-
         return MicrobatchRun(self.ops, self.inputs)
 
     def run_ops(self) -> None:
@@ -172,8 +175,6 @@ def comm_window(clock: SleepClock, ms: float) -> tuple[str, Callable[[], None]]:
 
 def measure_overlap(encoder: Encoder, clock: SleepClock, repeats: int = 5) -> dict[str, Any]:
     """2. Encoder ops on the side stream launched at the start of a main-stream window."""
-    from optimus_mllm.runtime.streams import SideStream
-
     stream = SideStream(encoder.device)
     started = time.perf_counter()
     with stream.launch():
@@ -236,10 +237,6 @@ def _gemm_slowdown(encoder: Encoder, stream: Any, clock: SleepClock, encoder_ms:
 
 def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3) -> dict[str, Any]:
     """3. The encoder ops at the artifact's heaviest hook point: roofline and profile predictions vs measured."""
-    from optimus_mllm.cost_model import CostModel, load_profile
-    from optimus_mllm.profiler import profile_kernels, write_profile
-    from optimus_mllm.runtime.hook_plan import build_hook_plan
-
     config = encoder.config
     ops = build_hook_plan(artifact).for_gpu(0).ops
     with tempfile.TemporaryDirectory() as tmp:
@@ -264,9 +261,6 @@ def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3)
 
 def _op_costs(encoder: Encoder, artifact: dict[str, Any], cost: Any) -> dict[tuple[str, int], float]:
     """Predicted µs per (phase, op index) of the stage chain; checks that the chains match the runtime's ops."""
-    from optimus_mllm.planner.plans import ParallelPlan
-    from optimus_mllm.scheduler.encoder_costs import build_encoder_work
-
     work = build_encoder_work(encoder.config, ParallelPlan(**artifact["llm_plan"]),
                               ParallelPlan(**artifact["encoder_plan"]), cost)
     costs = {}
@@ -309,10 +303,6 @@ def _time_group(encoder: Encoder, group: list) -> float:
 def measure_training(config: OptimusConfig, artifact: dict[str, Any], peak_tflops: float, steps: int,
                      warmup: int = 2) -> dict[str, Any]:
     """4. Step time and MFU of the Optimus runtime and the Megatron-style baseline on this GPU."""
-    from optimus_mllm.planner import plan
-    from optimus_mllm.runtime.trainer import Trainer
-    from optimus_mllm.scheduler.metrics import model_flops_per_iteration
-
     llm_plan = plan(config).llm_plan
     flops = model_flops_per_iteration(config)
     result: dict[str, Any] = {"model_tflops_per_step": flops / 1e12, "peak_tflops": peak_tflops}
@@ -364,11 +354,7 @@ def _init_world_of_one() -> None:
 
 
 def run(config: OptimusConfig, peak_tflops: float, steps: int) -> dict[str, Any]:
-    from optimus_mllm.planner import plan
-    from optimus_mllm.runtime.dtypes import DTYPES
-    from optimus_mllm.train import _scheduled_artifact
-
-    artifact = _scheduled_artifact(config, plan(config))
+    artifact = schedule_job_artifact(config, plan(config))
     results: dict[str, Any] = {"format": FORMAT, "version": VERSION, "environment": environment(config, peak_tflops),
                                "targets": TARGETS}
     encoder = Encoder(config, DTYPES[config.training.precision])
