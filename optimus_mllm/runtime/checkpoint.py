@@ -158,23 +158,25 @@ def _fresh_dir(path: Path) -> None:
     (path / "encoder").mkdir()
 
 
-def _whole_encoder(trainer: Any) -> dict[str, torch.Tensor] | None:
-    """This rank's encoder stage as whole tensors, on the rank that writes it (None elsewhere)."""
+def _whole_encoder(trainer: Any) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """(file name, whole tensors) of this rank's encoder stage, on the rank that writes it (None elsewhere)."""
     encoder = trainer.encoder
     if encoder is None:
         return None
     with torch.no_grad():  # whole() is a collective over the encoder's TP group: all its ranks take part
         tensors = {name: whole(p.detach(), p, encoder.tp_group) for name, p in global_parameter_names(encoder).items()}
-    return tensors if _encoder_writer(trainer)[0] else None
+    writes, stage = _encoder_writer(trainer)
+    return (f"stage_{stage}.pt", tensors) if writes else None
 
 
-def _write_rank_files(trainer: Any, folder: Path, encoder: dict[str, torch.Tensor] | None) -> None:
+def _write_rank_files(trainer: Any, folder: Path, encoder: tuple[str, dict[str, torch.Tensor]] | None) -> None:
     if parallel_state.get_data_parallel_rank() == 0:
         tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
         torch.save({"chunks": [chunk.state_dict() for chunk in trainer.chunks]},
                    folder / "llm" / f"mp_rank_{tp:02d}_{pp:03d}.pt")
     if encoder is not None:
-        torch.save(encoder, folder / "encoder" / f"stage_{_encoder_writer(trainer)[1]}.pt")
+        name, tensors = encoder
+        torch.save(tensors, folder / "encoder" / name)
 
 
 def _encoder_writer(trainer: Any) -> tuple[bool, int]:

@@ -100,7 +100,8 @@ class SdpaCoreAttention(MegatronModule):
                 attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
         if attention_bias is not None or packed_seq_params is not None:
-            raise NotImplementedError("SdpaCoreAttention: no attention bias or packed sequences")
+            raise ValueError("SdpaCoreAttention takes neither an attention bias nor packed sequences; the Optimus "
+                             "runtime passes neither")
         s, b, heads, _ = query.shape
         per_group = heads // key.shape[2]
         if per_group > 1:
