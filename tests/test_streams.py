@@ -136,12 +136,12 @@ def _one_gpu_losses(side_stream: bool) -> dict[str, list[float]]:
     from optimus_mllm.config import load_config
     from optimus_mllm.planner import plan
     from optimus_mllm.runtime.trainer import Trainer
-    from optimus_mllm.train import _scheduled_artifact
+    from optimus_mllm.scheduler.artifact import schedule_job_artifact
 
     config = load_config(CONFIGS / "tiny.yaml", ONE_GPU)
     planned = plan(config)
     losses = {}
-    for mode, artifact in (("baseline", None), ("optimus", _scheduled_artifact(config, planned))):
+    for mode, artifact in (("baseline", None), ("optimus", schedule_job_artifact(config, planned))):
         trainer = Trainer(config, planned.llm_plan, mode, artifact, side_stream=side_stream)
         assert trainer.device.type == "cuda"
         losses[mode] = [trainer.train_step(i).loss for i in range(3)]
