@@ -219,11 +219,15 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
-def _init_process_group() -> None:
+def _torchrun_world_size() -> int:
     missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
     if missing:
         raise OptimusError(f"{', '.join(missing)} not set; launch with torchrun --nproc-per-node N "
                            "-m optimus_mllm.train ...")
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _init_process_group() -> None:
     if torch.cuda.is_available():  # before NCCL binds this process to a device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -232,9 +236,12 @@ def _init_process_group() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        # the job is checked before any rank connects: a rank that gave up during the others' connection
+        # handshake would break it for them
+        job = prepare(args, _torchrun_world_size())
         _init_process_group()
-        train(prepare(args, dist.get_world_size()), args.save, args.save_interval, args.tensorboard_dir)
-    except OptimusError as exc:  # raised before the first step, the same on every rank: none is left waiting
+        train(job, args.save, args.save_interval, args.tensorboard_dir)
+    except OptimusError as exc:  # the same decision on every rank, or a checkpoint failure agreed by all
         if _is_rank_zero():
             print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

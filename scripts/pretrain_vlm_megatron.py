@@ -65,16 +65,16 @@ def parse_args(extra_args_provider: Callable[[argparse.ArgumentParser], argparse
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(extra_args_provider=add_optimus_args, argv=argv)  # Optimus: adds --optimus-schedule
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    try:
-        megatron_patches.apply()  # Optimus: megatron-core's CUDA assumptions patched for CPU (no-op on GPU)
-        config = config_from_megatron_args(args, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 8)))
+    try:  # the same decision on every rank, before any rank connects (one leaving mid-handshake breaks it)
+        world_size = int(os.environ["WORLD_SIZE"])
+        config = config_from_megatron_args(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8)))
         mode, artifact = runtime_for_args(args, config)  # Optimus: the flag picks the runtime
-    except OptimusError as exc:  # the same decision on every rank, before any communication
-        if dist.get_rank() == 0:
+    except OptimusError as exc:
+        if os.environ.get("RANK", "0") == "0":
             print(f"pretrain_vlm_megatron.py: error: {exc}", file=sys.stderr)
-        dist.destroy_process_group()
         return 2
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    megatron_patches.apply()  # Optimus: megatron-core's CUDA assumptions patched for CPU (no-op on GPU)
     from megatron.core import parallel_state
 
     from optimus_mllm.runtime.trainer import Trainer
