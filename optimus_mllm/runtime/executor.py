@@ -16,6 +16,7 @@ guarantees the placement cannot wait in a cycle, so wrong time predictions cost 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,9 +37,11 @@ TAG_ACTIVATION, TAG_ACTIVATION_GRAD, TAG_EMBEDDINGS, TAG_EMBEDDINGS_GRAD = 1 << 
 class HookDriver:
     """megatron-core's timer and reduction callbacks -> hook plan events for this rank's LLM stage."""
 
-    def __init__(self, op_order: list[tuple[int, int, str]], listener: EncoderExecutor | None):
+    def __init__(self, op_order: list[tuple[int, int, str]], listener: EncoderExecutor | None,
+                 wait_for_input: Callable[[int, int, str], None] | None = None):
         self.op_order = op_order
         self.listener = listener
+        self.wait_for_input = wait_for_input  # the LLM op's pipeline input, once encoder ops at op_start ran
         self.op = -1  # index of the LLM op running now
         self.collectives = 0  # reductions seen in the current op
         self.events: list[Event] = []
@@ -67,6 +70,8 @@ class HookDriver:
                 raise RuntimeError(f"megatron-core ran a {phase} as op {self.op}; the plan expects "
                                    f"{self.op_order[self.op]}: the schedule artifact's warm-up does not match")
             self.fire(("op_start", self.op))
+            if self.wait_for_input is not None:
+                self.wait_for_input(*self.op_order[self.op])
         else:
             self.fire(("op_end", self.op))
 

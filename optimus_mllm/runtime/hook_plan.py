@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from optimus_mllm.scheduler.llm_timeline import rank_op_order
+from optimus_mllm.scheduler.llm_timeline import pipeline_producer, rank_op_order
 
 Event = tuple  # ("pre",) | ("op_start", k) | ("tp_before", k, n) | ("tp_after", k, n) | ("op_end", k) | ("post",)
 PRE: Event = ("pre",)
@@ -200,7 +200,7 @@ def _stuck_microbatches(plan: HookPlan, artifact: dict[str, Any]) -> set[tuple[i
     where = {s: {op: k for k, op in enumerate(order)} for s, order in plan.op_order.items()}
     for s, order in plan.op_order.items():  # the LLM's own P2P: an op needs its producer's output
         for k, (mb, chunk, phase) in enumerate(order):
-            producer = _llm_producer(s, chunk, mb, phase, pp, vp)
+            producer = pipeline_producer(s, chunk, phase, pp, vp)
             if producer is not None:
                 ps, pchunk = producer
                 pk = where[ps][(mb, pchunk, phase)]
@@ -233,17 +233,6 @@ def _stuck_microbatches(plan: HookPlan, artifact: dict[str, Any]) -> set[tuple[i
 def _after_start(events: tuple[Event, ...], k: int) -> Event:
     """The event right after op k starts: where the LLM has needed its input."""
     return events[events.index(("op_start", k)) + 1]
-
-
-def _llm_producer(s: int, chunk: int, mb: int, phase: str, pp: int, vp: int) -> tuple[int, int] | None:
-    """(stage, chunk) whose same-microbatch op feeds op (s, chunk, phase), or None (loss / encoder input)."""
-    if phase == "fwd":
-        if s > 0:
-            return s - 1, chunk
-        return (pp - 1, chunk - 1) if chunk > 0 else None
-    if s < pp - 1:
-        return s + 1, chunk
-    return (0, chunk + 1) if chunk < vp - 1 else None
 
 
 def _nodes_on_or_after_cycles(n: int, edges: dict[int, list[int]]) -> set[int]:

@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 import megatron_patches
 from megatron_patches.hooks import tp_collective_hook, warmup_override
+from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
@@ -51,7 +53,7 @@ from optimus_mllm.runtime.process_groups import build_encoder_process_groups, bu
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_plan_independent_
-from optimus_mllm.scheduler.llm_timeline import default_warmup, rank_op_order
+from optimus_mllm.scheduler.llm_timeline import default_warmup, pipeline_producer, rank_op_order
 
 Mode = Literal["optimus", "baseline"]
 
@@ -100,9 +102,37 @@ class Trainer:
             dtype = DTYPES[config.training.precision]
             for module in [*self.chunks, *([self.encoder] if self.encoder is not None else [])]:
                 module.to(self.device, dtype)
+        self.communicator = self._pipeline_communicator() if mode == "optimus" else None
         params = [p for chunk in self.chunks for p in chunk.parameters()]
         params += list(self.encoder.parameters()) if self.encoder is not None else []
         self.optimizer = torch.optim.SGD(params, lr=config.training.lr)
+
+    def _pipeline_communicator(self) -> ChannelP2PCommunicator | None:
+        """The LLM's P2P for the Optimus schedule: ops wait for their inputs only when they need them
+        (megatron_patches.p2p), so every warm-up the timeline accepts runs; with the interleaved
+        schedule's ``overlap_p2p_comm`` the sends leave right after their op, as the timeline assumes."""
+        if self.plan.pp == 1:
+            return None
+        self.tconfig.overlap_p2p_comm = self.plan.vp > 1
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        gathered: list[list[int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, dist.get_process_group_ranks(pp_group))
+        pipelines = sorted({tuple(ranks) for ranks in gathered})
+        channels = build_pipeline_channels([list(ranks) for ranks in pipelines], self.rank)
+        return ChannelP2PCommunicator(pp_group, self.tconfig, channels)
+
+    def _schedule_groups(self) -> dict[str, Any]:
+        """The communicator and megatron-core's own groups for its schedule (it takes both or neither)."""
+        if self.communicator is None:
+            return {}
+        groups = ProcessGroupCollection.use_mpu_process_groups(["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"])
+        return {"p2p_communicator": self.communicator, "pg_collection": groups}
+
+    def _wait_for_input(self, microbatch: int, chunk: int, phase: str) -> None:
+        """Right before an LLM op: its pipeline input, if it has one, must have arrived."""
+        if self.communicator is not None and \
+                pipeline_producer(self.stage, chunk, phase, self.plan.pp, self.plan.vp) is not None:
+            self.communicator.wait_for_input("prev" if phase == "fwd" else "next")
 
     def _build_optimus_encoder(self) -> None:
         a = self.artifact
@@ -126,7 +156,7 @@ class Trainer:
                                        self.llm_dp, self.enc_plan.pp, iteration, mailbox, self.data)
         leaves: dict[int, torch.Tensor] = {}
         pending: list[dist.Work] = []
-        driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox, pending))
+        driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox, pending), self._wait_for_input)
         self.tconfig.timers = driver.timers()
         self.optimizer.zero_grad(set_to_none=True)
         forward_step = partial(self._forward_step, driver, iteration, leaves, mailbox)
@@ -137,8 +167,11 @@ class Trainer:
                 data_iterator=[None] * self.plan.vp if self.plan.vp > 1 else None,
                 model=self.chunks if self.plan.vp > 1 else self.chunks[0],
                 num_microbatches=self.num_microbatches, seq_length=self.config.llm.seq_length,
-                micro_batch_size=self.config.training.micro_batch_size, forward_only=False)
+                micro_batch_size=self.config.training.micro_batch_size, forward_only=False,
+                **self._schedule_groups())
         driver.fire(POST)
+        if self.communicator is not None:
+            self.communicator.finish()
         for work in pending:
             work.wait()
         if executor is not None:

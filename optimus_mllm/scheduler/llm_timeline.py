@@ -214,20 +214,28 @@ def simulate(pp: int, vp: int, num_microbatches: int, work: dict[tuple[int, int,
     return stages
 
 
+def pipeline_producer(stage: int, chunk: int, phase: Phase, pp: int, vp: int) -> tuple[int, int] | None:
+    """(stage, chunk) whose op of the same microbatch and phase sends op (stage, chunk, phase) its input.
+
+    None where the input is no pipeline message: chunk 0's forward on the first stage takes the data
+    (and A_i), and the last chunk's backward on the last stage starts from its own loss.
+    """
+    if phase == "fwd":
+        if stage > 0:
+            return stage - 1, chunk
+        return (pp - 1, chunk - 1) if chunk > 0 else None
+    if stage < pp - 1:
+        return stage + 1, chunk
+    return (0, chunk + 1) if chunk < vp - 1 else None
+
+
 def _input_ready(s: int, chunk: int, mb: int, phase: Phase, pp: int, vp: int, p2p_us: float,
                  done: dict, input_ready_us: list[float] | None) -> float | None:
     """When op (s, chunk, mb, phase)'s input is available, or None if its producer has not run."""
-    if phase == "fwd":
-        if s > 0:
-            producer = (s - 1, chunk, mb, "fwd")
-        elif chunk > 0:
-            producer = (pp - 1, chunk - 1, mb, "fwd")
-        else:
-            return input_ready_us[mb] if input_ready_us is not None else 0.0
-    else:
-        if s == pp - 1 and chunk == vp - 1:
-            producer = (s, chunk, mb, "fwd")
-            return done.get(producer)  # the loss is on the same rank: no transfer
-        producer = (s + 1, chunk, mb, "bwd") if s < pp - 1 else (0, chunk + 1, mb, "bwd")
-    end = done.get(producer)
+    producer = pipeline_producer(s, chunk, phase, pp, vp)
+    if producer is None:
+        if phase == "bwd":  # the loss is on the same rank: no transfer
+            return done.get((s, chunk, mb, "fwd"))
+        return input_ready_us[mb] if input_ready_us is not None else 0.0
+    end = done.get((*producer, mb, phase))
     return None if end is None else end + p2p_us
