@@ -1,25 +1,46 @@
-"""Hook points inside megatron-core's forward: around the tensor-parallel reductions of RowParallelLinear.
+"""Hook points inside megatron-core's forward: around the tensor-parallel reductions of its layers.
 
-megatron-core has no hook API there; ``RowParallelLinear.forward`` calls the module-level functions
-``reduce_from_tensor_model_parallel_region`` (all-reduce) and ``reduce_scatter_to_sequence_parallel_region``
-(sequence parallel) of ``megatron.core.tensor_parallel.layers``. ``tp_collective_hook`` wraps those two
-names for the duration of a ``with`` block, calling ``callback("before")`` and ``callback("after")``
-around each reduction, and puts the originals back on exit. Unlike the CPU patches it applies on GPU too.
+megatron-core has no hook API there; ``RowParallelLinear.forward`` and ``VocabParallelEmbedding.forward``
+call the module-level functions ``reduce_from_tensor_model_parallel_region`` (all-reduce) and
+``reduce_scatter_to_sequence_parallel_region`` (sequence parallel) of ``megatron.core.tensor_parallel.layers``.
+``tp_collective_hook`` wraps those two names for the duration of a ``with`` block and calls
+``callback(edge, collective)`` with ``edge`` "before" / "after" around each reduction. ``collective``
+names what the reduction is, from the module running it (forward pre/post hooks on the given
+modules): ``tp_ar_embed`` / ``tp_rs_embed`` for the vocabulary-parallel embedding, ``tp_ar_attn`` /
+``tp_rs_attn`` for the attention's output projection, ``tp_ar_mlp`` / ``tp_rs_mlp`` for the MLP's second
+linear -- the cost model's kernel names -- and None for a reduction outside those modules. Everything
+is put back on exit. Unlike the CPU patches it applies on GPU too.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
+
+import torch
 
 from megatron_patches._cpu import MegatronPatchError
 
-_REDUCTIONS = ("reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region")
+_REDUCTIONS = {"reduce_from_tensor_model_parallel_region": "ar", "reduce_scatter_to_sequence_parallel_region": "rs"}
+
+
+def _role(name: str, module: torch.nn.Module) -> str | None:
+    """Which collective of the cost model a module's reduction is, by megatron-core's submodule names."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear, VocabParallelEmbedding
+
+    if isinstance(module, VocabParallelEmbedding):
+        return "embed"
+    if isinstance(module, RowParallelLinear):
+        leaf = name.rsplit(".", 1)[-1]
+        return {"linear_proj": "attn", "linear_fc2": "mlp"}.get(leaf)
+    return None
 
 
 @contextlib.contextmanager
-def tp_collective_hook(callback: Callable[[str], None]) -> Iterator[None]:
+def tp_collective_hook(callback: Callable[[str, str | None], None],
+                       modules: list[torch.nn.Module] = ()) -> Iterator[None]:
     from megatron.core.tensor_parallel import layers
 
     originals = {}
@@ -28,20 +49,40 @@ def tp_collective_hook(callback: Callable[[str], None]) -> Iterator[None]:
             raise MegatronPatchError(f"megatron_patches: megatron.core.tensor_parallel.layers has no {name!r}; "
                                      "update megatron_patches.hooks for this megatron-core")
         originals[name] = getattr(layers, name)
+    running: list[str | None] = []  # roles of the hooked modules whose forward is running, innermost last
+    handles = []
+    for root in modules:
+        for name, module in root.named_modules():
+            role = _role(name, module)
+            if role is not None:
+                handles.append(module.register_forward_pre_hook(partial(_enter, running, role)))
+                handles.append(module.register_forward_hook(partial(_leave, running)))
     try:
         for name, original in originals.items():
-            setattr(layers, name, _wrapped(original, callback))
+            setattr(layers, name, _wrapped(original, _REDUCTIONS[name], running, callback))
         yield
     finally:
         for name, original in originals.items():
             setattr(layers, name, original)
+        for handle in handles:
+            handle.remove()
 
 
-def _wrapped(original: Callable[..., Any], callback: Callable[[str], None]) -> Callable[..., Any]:
+def _enter(running: list[str], role: str, *_: Any) -> None:
+    running.append(role)
+
+
+def _leave(running: list[str], *_: Any) -> None:
+    running.pop()  # a forward hook's return value would replace the module's output
+
+
+def _wrapped(original: Callable[..., Any], kind: str, running: list[str | None],
+             callback: Callable[[str, str | None], None]) -> Callable[..., Any]:
     def reduction(*args: Any, **kwargs: Any) -> Any:
-        callback("before")
+        collective = f"tp_{kind}_{running[-1]}" if running else None
+        callback("before", collective)
         out = original(*args, **kwargs)
-        callback("after")
+        callback("after", collective)
         return out
 
     return reduction

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,10 @@ from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.checkpoint import CheckpointInfo, check_resumable, latest_checkpoint
 from optimus_mllm.runtime.data import check_dataset
-from optimus_mllm.runtime.hook_plan import POST, PRE
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_job_artifact
+
+if TYPE_CHECKING:
+    from optimus_mllm.runtime.trainer import StepResult
 
 PROG = "optimus-train"
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -140,15 +142,16 @@ def _resume_point(save: str, config: OptimusConfig, llm_plan: ParallelPlan) -> C
 # ----------------------------------------------------------------------------------------------
 
 
-def _step_totals(loss: float | None, encoder_log: list, is_loss_reporter: bool, dp: int) -> tuple[float, int, int]:
-    """(mean loss over the DP replicas, encoder ops run between the LLM's first and last op, all encoder ops), over all ranks.
+def _step_totals(loss: float | None, result: StepResult, is_loss_reporter: bool, dp: int) -> tuple[float, int, int, int]:
+    """Over all ranks: (mean loss over the DP replicas, encoder ops that ran between the LLM's first and
+    last op, all encoder ops, encoder ops that ran away from their scheduled hook point).
 
     One all-reduce; it also waits for the slowest rank, so rank 0's clock covers the whole step."""
-    inside = sum(1 for event, *_ in encoder_log if event not in (PRE, POST))
-    local = [loss / dp if is_loss_reporter and loss is not None else 0.0, float(inside), float(len(encoder_log))]
+    local = [loss / dp if is_loss_reporter and loss is not None else 0.0, float(result.ops_inside_llm),
+             float(len(result.encoder_record)), float(result.moved_ops)]
     totals = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(totals)
-    return float(totals[0]), int(totals[1]), int(totals[2])
+    return float(totals[0]), int(totals[1]), int(totals[2]), int(totals[3])
 
 
 def _is_loss_reporter() -> bool:
@@ -180,12 +183,13 @@ def train(job: Job, save: str | None = None, save_interval: int | None = None,
         for i in range(first, iters):
             started = time.perf_counter()
             result = trainer.train_step(i)
-            loss, inside, total = _step_totals(result.loss, result.encoder_log, reporter, job.llm_plan.dp)
+            loss, inside, total, moved = _step_totals(result.loss, result, reporter, job.llm_plan.dp)
             times.append(time.perf_counter() - started)
             share = None if job.artifact is None else inside / max(total, 1)
             _say(f"step {i + 1}/{iters} | loss {loss:.4f} | {times[-1] * 1e3:.1f} ms | "
                  f"{tokens / times[-1]:.0f} tokens/s | "
-                 + ("baseline" if share is None else f"encoder ops inside LLM span {share:.1%}"))
+                 + ("baseline" if share is None else
+                    f"encoder ops inside LLM span {share:.1%} | ops moved from their hook {moved}"))
             if board is not None:
                 _log_scalars(board, i + 1, loss, times[-1], tokens, share)
             if save and (i + 1 == iters or (save_interval and (i + 1) % save_interval == 0)):

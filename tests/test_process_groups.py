@@ -187,6 +187,23 @@ def test_encoder_pp1_on_the_first_llm_stage_is_a_local_copy() -> None:
     assert not any(link.local for link in layout.links if layout.coords[link.encoder_rank].llm.pp == 1)
 
 
+@pytest.mark.parametrize(("llm", "enc"), PLAN_PAIRS)
+def test_channels_one_per_message_kind_and_direction(llm: ParallelPlan, enc: ParallelPlan) -> None:
+    """Every encoder stage edge (per TP lane, both ways) and every non-local link has its own channel."""
+    layout = build_encoder_rank_layout(llm, enc)
+    channels = layout.channels
+    assert len(set(channels)) == len(channels)
+    assert all(c.sender != c.receiver for c in channels)
+    expected = {("embeddings", l.encoder_rank, l.llm_rank) for l in layout.links if not l.local}
+    expected |= {("embeddings_grad", l.llm_rank, l.encoder_rank) for l in layout.links
+                 if not l.local and l.carries_gradient}
+    for pipe in layout.pipelines:
+        for here, there in zip(pipe.stage_ranks, pipe.stage_ranks[1:]):
+            expected |= {("activation", a, b) for a, b in zip(here, there)}
+            expected |= {("activation_grad", b, a) for a, b in zip(here, there)}
+    assert {(c.kind, c.sender, c.receiver) for c in channels} == expected
+
+
 @pytest.mark.parametrize(
     ("llm", "enc"),
     [
@@ -237,25 +254,20 @@ def _exchange(layout: EncoderRankLayout, rank: int) -> dict[str, Any]:
         value = torch.tensor([rank])
         dist.all_reduce(value, group=group)
         sums[name] = int(value)
-    # tags keep embeddings (0), gradients (1) and encoder activations (2) apart
-    sends = [(link.llm_rank, 0) for link in pgs.embedding_sends if not link.local]
-    sends += [(link.encoder_rank, 1) for link in pgs.gradient_sends if not link.local]
-    recvs = [(link.encoder_rank, 0) for link in pgs.embedding_recvs if not link.local]
-    if pgs.gradient_recv is not None and not pgs.gradient_recv.local:
-        recvs.append((pgs.gradient_recv.llm_rank, 1))
-    if pgs.next_stage_rank is not None:
-        sends.append((pgs.next_stage_rank, 2))
-    if pgs.prev_stage_rank is not None:
-        recvs.append((pgs.prev_stage_rank, 2))
+    # one message per channel, on the channel's own group (no tags): it must arrive from its sender
+    sends = [c for c in pgs.channels if c.sender == rank]
+    recvs = [c for c in pgs.channels if c.receiver == rank]
     buffers = [torch.tensor([-1]) for _ in recvs]
-    works = [dist.isend(torch.tensor([rank]), peer, tag=tag) for peer, tag in sends]
-    works += [dist.irecv(buf, peer, tag=tag) for buf, (peer, tag) in zip(buffers, recvs)]
+    works = [dist.isend(torch.tensor([rank]), c.receiver, group=pgs.channels[c]) for c in sends]
+    works += [dist.irecv(buf, c.sender, group=pgs.channels[c]) for buf, c in zip(buffers, recvs)]
     for work in works:
         work.wait()
     return {
         "sums": sums,
         "ranks": {"tp": pgs.tp_ranks, "pp": pgs.pp_ranks, "dp": pgs.dp_ranks},
-        "received": [(peer, tag, int(buf)) for buf, (peer, tag) in zip(buffers, recvs)],
+        "received": [(c.sender, int(buf)) for buf, c in zip(buffers, recvs)],
+        "channels": sorted((c.kind, c.sender, c.receiver, tuple(dist.get_process_group_ranks(g)))
+                           for c, g in pgs.channels.items()),
     }
 
 
@@ -304,7 +316,10 @@ def _check_exchange(layout: EncoderRankLayout, rank: int, exchange: dict[str, An
     groups = {"tp": layout.tp_group_of(rank), "pp": layout.pp_group_of(rank), "dp": layout.dp_group_of(rank)}
     assert exchange["ranks"] == groups
     assert exchange["sums"] == {name: sum(ranks) for name, ranks in groups.items()}
-    assert all(peer == value for peer, _, value in exchange["received"]), exchange["received"]
+    assert all(peer == value for peer, value in exchange["received"]), exchange["received"]
+    mine = [c for c in layout.channels if rank in (c.sender, c.receiver)]
+    assert exchange["channels"] == sorted((c.kind, c.sender, c.receiver, tuple(sorted((c.sender, c.receiver))))
+                                          for c in mine)
 
 
 def test_four_ranks_megatron_llm_groups_and_encoder_groups() -> None:

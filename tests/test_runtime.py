@@ -41,8 +41,10 @@ def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | N
     if mode == "optimus":
         planned = [(op.event, op.phase, op.local_microbatch, op.kernel_index) for op in trainer.stage_plan.ops]
     trainer.close()
+    record = [(op.ran_at, op.scheduled_at, op.phase, op.local_microbatch, op.kernel_index)
+              for op in results[-1].encoder_record]
     return {"losses": [r.loss for r in results], "llm": llm, "encoder": encoder,
-            "log": results[-1].encoder_log, "planned": planned}
+            "record": record, "planned": planned, "unplanned": [r.unplanned_collectives for r in results]}
 
 
 def _artifact(overrides: list[str], encoder_plan: dict | None = None, cost_overrides: tuple = ()) -> dict:
@@ -119,8 +121,11 @@ def test_encoder_ops_run_at_the_artifacts_hook_points():
     results = _run(4, [], "optimus", artifact)
     inside = 0
     for rank, r in enumerate(results):
-        assert r["log"] == r["planned"], f"rank {rank}: execution differs from the plan"
-        inside += sum(1 for event, *_ in r["log"] if event[0] not in ("pre", "post"))
+        ran = [(ran_at, phase, k, index) for ran_at, _, phase, k, index in r["record"]]
+        assert ran == r["planned"], f"rank {rank}: execution differs from the plan"
+        assert all(ran_at == scheduled for ran_at, scheduled, *_ in r["record"]), f"rank {rank}: ops moved"
+        assert r["unplanned"] == [0] * STEPS, f"rank {rank}: megatron-core ran TP collectives the plan lacks"
+        inside += sum(1 for event, *_ in ran if event[0] not in ("pre", "post"))
     assert inside > 0, "some encoder ops run inside the LLM's ops, not only before or after it"
     from optimus_mllm.runtime.hook_plan import build_hook_plan
 
@@ -158,3 +163,17 @@ def test_adjusted_warmups_train_like_the_baseline(overrides, warmup):
     else:
         artifact = _with_warmup(artifact, warmup)
     _assert_same(_run(4, overrides, "optimus", artifact), _run(4, overrides, "baseline", None))
+
+
+def test_a_displaced_op_is_counted_as_moved():
+    """An op hooked before its chain's predecessor cannot run there: the record says where it ran."""
+    artifact = copy.deepcopy(_artifact([], {"pp": 2, "tp": 1}))
+    stage = next(s for s in artifact["encoder_stages"]
+                 if any(op["hook"]["at"] == "llm_kernel" and op["kernel_index"] > 0 for op in s["ops"]))
+    op = next(op for op in stage["ops"] if op["hook"]["at"] == "llm_kernel" and op["kernel_index"] > 0)
+    op["hook"] = {"at": "before_first_compute"}
+    results = _run(4, [], "optimus", artifact)
+    moved = [(rank, r) for rank, r in enumerate(results) for r in r["record"] if r[0] != r[1]]
+    displaced = [(r[2], r[3], r[4]) for _, r in moved]
+    assert displaced and set(displaced) == {(op["phase"], op["local_microbatch"], op["kernel_index"])}, moved
+    assert all(r[1] == ("pre",) and r[0] != ("pre",) for _, r in moved)

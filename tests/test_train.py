@@ -38,7 +38,8 @@ def baseline() -> list[str]:
 
 
 def _bubble_shares(lines: list[str]) -> list[float]:
-    shares = [re.fullmatch(r"encoder ops inside LLM span ([\d.]+)%", STEP.match(line).group(4)) for line in lines[:3]]
+    shares = [re.fullmatch(r"encoder ops inside LLM span ([\d.]+)% \| ops moved from their hook 0", STEP.match(line).group(4))
+              for line in lines[:3]]
     return [float(s.group(1)) for s in shares]
 
 

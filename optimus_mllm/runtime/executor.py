@@ -8,9 +8,10 @@ encoder ops the plan puts there, through an ``EncoderStream`` (``streams``): inl
 CUDA side stream ordered against the LLM's stream by events on a GPU.
 
 Tensors move for real: a stage's output goes to the next encoder stage, the projected image tokens
-A_i to the LLM's first stage, and its gradient G_i back, by P2P (tagged per microbatch) or a local
-hand-over when the two ends share a rank. A receive blocks until the data is there; the hook plan
-guarantees the placement cannot wait in a cycle, so wrong time predictions cost overlap only.
+A_i to the LLM's first stage, and its gradient G_i back, through ``messages.Messenger`` (a channel
+per kind and direction, each message naming its microbatch) or a local hand-over when the two ends
+share a rank. A receive blocks until the data is there; the hook plan guarantees the placement
+cannot wait in a cycle, so wrong time predictions cost overlap only.
 """
 
 from __future__ import annotations
@@ -18,43 +19,71 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.runtime.data import MicrobatchSource
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, StageOps
-from optimus_mllm.runtime.hook_plan import Event, StageHookPlan
-from optimus_mllm.runtime.process_groups import EncoderProcessGroups
+from optimus_mllm.runtime.hook_plan import Event, HookPlan, StageHookPlan
+from optimus_mllm.runtime.messages import Incoming, Messenger
+from optimus_mllm.runtime.process_groups import Channel, EncoderProcessGroups
 from optimus_mllm.runtime.streams import EncoderStream, InlineStream, to_device
 
-# P2P tags, one range per kind of message, offset by the microbatch (and encoder) index
-TAG_ACTIVATION, TAG_ACTIVATION_GRAD, TAG_EMBEDDINGS, TAG_EMBEDDINGS_GRAD = 1 << 20, 2 << 20, 3 << 20, 4 << 20
+class EventListener(Protocol):
+    def on_event(self, event: Event, ran_at: Event) -> None: ...
+
+
+@dataclass(frozen=True)
+class ExecutedOp:
+    """Where an encoder op really ran, as the engine's callbacks saw it, beside where it was scheduled."""
+
+    phase: str
+    local_microbatch: int
+    kernel_index: int
+    ran_at: Event  # the event megatron-core's own callbacks had reached
+    scheduled_at: Event  # the artifact's hook point
+    stream: str
+
+    @property
+    def moved(self) -> bool:
+        return self.ran_at != self.scheduled_at
 
 
 class HookDriver:
-    """megatron-core's timer and reduction callbacks -> hook plan events for this rank's LLM stage."""
+    """megatron-core's timer and reduction callbacks -> hook plan events for this rank's LLM stage.
 
-    def __init__(self, op_order: list[tuple[int, int, str]], listener: EncoderExecutor | None,
-                 wait_for_input: Callable[[int, int, str], None] | None = None):
+    An LLM op is megatron-core's next ``forward-compute`` / ``backward-compute`` timer span, checked
+    against the op order; a TP collective is named by the module that issues it
+    (``megatron_patches.hooks``) and matched against the op's planned collectives
+    (``collectives[op]``). A collective the plan lacks fires nothing and is recorded in
+    ``unplanned``; a planned one that never came fires at the op's end, so the ops placed there still
+    run, recorded as having run at ``op_end``.
+    """
+
+    def __init__(self, op_order: list[tuple[int, int, str]], listener: EventListener | None,
+                 wait_for_input: Callable[[int, int, str], None] | None = None,
+                 collectives: dict[int, list[str]] | None = None):
         self.op_order = op_order
         self.listener = listener
         self.wait_for_input = wait_for_input  # the LLM op's pipeline input, once encoder ops at op_start ran
+        self.collectives = collectives or {}
         self.op = -1  # index of the LLM op running now
-        self.collectives = 0  # reductions seen in the current op
+        self.seen = 0  # planned collectives of the current op observed so far
         self.events: list[Event] = []
+        self.unplanned: list[tuple[int, str | None]] = []  # (op, collective) run by megatron-core, not planned
 
     @property
     def current(self) -> tuple[int, int, str]:
         """(microbatch, chunk, phase) of the LLM op running now."""
         return self.op_order[self.op]
 
-    def fire(self, event: Event) -> None:
+    def fire(self, event: Event, ran_at: Event | None = None) -> None:
         self.events.append(event)
         if self.listener is not None:
-            self.listener.on_event(event)
+            self.listener.on_event(event, event if ran_at is None else ran_at)
 
     def timers(self) -> _Timers:
         return _Timers(self)
@@ -65,7 +94,7 @@ class HookDriver:
             return
         if edge == "start":
             self.op += 1
-            self.collectives = 0
+            self.seen = 0
             if self.op_order[self.op][2] != phase:
                 raise RuntimeError(f"megatron-core ran a {phase} as op {self.op}; the plan expects "
                                    f"{self.op_order[self.op]}: the schedule artifact's warm-up does not match")
@@ -73,14 +102,21 @@ class HookDriver:
             if self.wait_for_input is not None:
                 self.wait_for_input(*self.op_order[self.op])
         else:
-            self.fire(("op_end", self.op))
+            end = ("op_end", self.op)
+            for n in range(self.seen, len(self.collectives.get(self.op, ()))):
+                self.fire(("tp_before", self.op, n), end)
+                self.fire(("tp_after", self.op, n), end)
+            self.fire(end)
 
-    def on_reduction(self, edge: str) -> None:
+    def on_reduction(self, edge: str, collective: str | None) -> None:
         if self.op < 0 or self.current[2] != "fwd":
             return
-        self.fire(("tp_before" if edge == "before" else "tp_after", self.op, self.collectives))
-        if edge == "after":
-            self.collectives += 1
+        planned = self.collectives.get(self.op, ())
+        if self.seen < len(planned) and planned[self.seen] == collective:
+            self.fire(("tp_before" if edge == "before" else "tp_after", self.op, self.seen))
+            self.seen += edge == "after"
+        elif edge == "before":
+            self.unplanned.append((self.op, collective))
 
 
 class _Timers:
@@ -130,8 +166,8 @@ class EncoderExecutor:
 
     def __init__(self, config: OptimusConfig, plan: StageHookPlan, ops: StageOps, groups: EncoderProcessGroups,
                  assignment: list[tuple[int, int]], llm_dp: int, num_stages: int, iteration: int, mailbox: Mailbox,
-                 data: MicrobatchSource):
-        self.config, self.plan, self.ops, self.groups = config, plan, ops, groups
+                 data: MicrobatchSource, messenger: Messenger):
+        self.config, self.plan, self.ops, self.groups, self.messenger = config, plan, ops, groups, messenger
         self.iteration, self.mailbox, self.data = iteration, mailbox, data
         self.stream = mailbox.stream
         self.llm_microbatch = {tuple(a): i for i, a in enumerate(assignment)}
@@ -141,24 +177,22 @@ class EncoderExecutor:
         for op in plan.ops:
             self.by_event[op.event].append(op)
         self.runs: dict[int, MicrobatchRun] = {}
-        self.pending: list[dist.Work] = []
-        self.log: list[tuple[Event, str, int, int]] = []  # (event, phase, local microbatch, op index)
+        self.record: list[ExecutedOp] = []
 
-    def on_event(self, event: Event) -> None:
+    def on_event(self, event: Event, ran_at: Event) -> None:
         ops = self.by_event.get(event)
         if not ops:
             return
+        stream = type(self.stream).__name__
         with self.stream.launch():
             for op in ops:
                 self._run(op.phase, op.local_microbatch, op.kernel_index)
-                self.log.append((event, op.phase, op.local_microbatch, op.kernel_index))
+                self.record.append(ExecutedOp(op.phase, op.local_microbatch, op.kernel_index, ran_at, op.assigned,
+                                              stream))
 
     def finish(self) -> None:
-        """After the LLM's last op: everything ran at ``post`` at the latest; wait for our sends, and let the
-        LLM's stream wait for the encoder's (its gradients are reduced there next)."""
-        for work in self.pending:
-            work.wait()
-        self.pending.clear()
+        """After the LLM's last op: everything ran at ``post`` at the latest; let the LLM's stream wait for
+        the encoder's (its gradients are reduced there next)."""
         self.stream.finish()
         assert not self.runs, f"encoder microbatches {sorted(self.runs)} did not finish their backward"
 
@@ -190,20 +224,13 @@ class EncoderExecutor:
             mb = self.data(self.iteration, self._global_microbatch(k))
             device = self.stream.device
             return {enc.name: to_device(image, device) for enc, image in zip(self.config.encoders, mb.images)}
-        return {name: self._recv(shape, self.groups.prev_stage_rank, TAG_ACTIVATION, k, i)
-                for i, (name, shape) in enumerate(self._hidden_shapes().items())}
-
-    def _hidden_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shape of the activations between encoder stages: [tokens on this TP rank, batch, hidden]."""
-        tp = self.groups.tp_group.size()
-        sp = self.config.training.sequence_parallel and tp > 1
-        return {e.name: (e.seq_length // tp if sp else e.seq_length, self.config.training.micro_batch_size,
-                         e.hidden_size) for e in self.config.encoders}
+        return {e.name: self.messenger.recv("activation", self.groups.prev_stage_rank, (k, i))
+                for i, e in enumerate(self.config.encoders)}
 
     def _send_output(self, k: int, run: MicrobatchRun) -> None:
         if not self.last:
-            for i, name in enumerate(self._hidden_shapes()):
-                self._send(run.output[name], self.groups.next_stage_rank, TAG_ACTIVATION, k, i)
+            for i, e in enumerate(self.config.encoders):
+                self.messenger.send("activation", self.groups.next_stage_rank, run.output[e.name], (k, i))
             return
         embeddings = torch.cat([run.output[e.name] for e in self.config.encoders], dim=0)  # [image tokens, b, h]
         i = self.llm_microbatch[(self.groups.coords.pipeline, k)]
@@ -211,40 +238,28 @@ class EncoderExecutor:
             if link.llm_rank == self.groups.rank:
                 self.mailbox.put_embeddings(i, embeddings.detach())
             else:
-                self._send(embeddings, link.llm_rank, TAG_EMBEDDINGS, i, 0)
+                self.messenger.send("embeddings", link.llm_rank, embeddings, (i, 0))
 
     def _output_grad(self, k: int) -> dict[str, torch.Tensor]:
         if not self.last:
-            shapes = self._hidden_shapes()
-            return {name: self._recv(shapes[name], self.groups.next_stage_rank, TAG_ACTIVATION_GRAD, k, i)
-                    for i, name in enumerate(shapes) if name in self.ops.output_grad_encoders}
+            return {e.name: self.messenger.recv("activation_grad", self.groups.next_stage_rank, (k, i))
+                    for i, e in enumerate(self.config.encoders) if e.name in self.ops.output_grad_encoders}
         i = self.llm_microbatch[(self.groups.coords.pipeline, k)]
         link = self.groups.gradient_recv
         if link.llm_rank == self.groups.rank:
             grad = self.stream.adopt(self.mailbox.gradients.pop(i))  # made on the LLM's stream
         else:
-            grad = self._recv(embeddings_shape(self.config), link.llm_rank, TAG_EMBEDDINGS_GRAD, i, 0)
+            grad = self.messenger.recv("embeddings_grad", link.llm_rank, (i, 0))
         return dict(zip((e.name for e in self.config.encoders),
                         grad.split([e.seq_length for e in self.config.encoders], dim=0)))
 
     def _send_input_grad(self, k: int, run: MicrobatchRun) -> None:
         if self.first:
             return
-        for i, name in enumerate(self._hidden_shapes()):
-            grad = run.input_grad[name]
+        for i, e in enumerate(self.config.encoders):
+            grad = run.input_grad[e.name]
             if grad is not None:
-                self._send(grad, self.groups.prev_stage_rank, TAG_ACTIVATION_GRAD, k, i)
-
-    def _send(self, tensor: torch.Tensor, peer: int, base: int, k: int, i: int) -> None:
-        self.pending.append(dist.isend(tensor.detach().contiguous(), peer, tag=base + k * 16 + i))
-
-    def _recv(self, shape: tuple[int, ...], peer: int, base: int, k: int, i: int) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=self._dtype(), device=self.stream.device)
-        dist.recv(buffer, peer, tag=base + k * 16 + i)
-        return buffer
-
-    def _dtype(self) -> torch.dtype:
-        return DTYPES[self.config.training.precision]
+                self.messenger.send("activation_grad", self.groups.prev_stage_rank, grad, (k, i))
 
 
 def embeddings_shape(config: OptimusConfig) -> tuple[int, int, int]:
@@ -252,13 +267,39 @@ def embeddings_shape(config: OptimusConfig) -> tuple[int, int, int]:
     return (sum(e.seq_length for e in config.encoders), config.training.micro_batch_size, config.llm.hidden_size)
 
 
-def recv_embeddings(config: OptimusConfig, peer: int, microbatch: int,
-                    device: torch.device | str = "cpu") -> torch.Tensor:
-    buffer = torch.empty(embeddings_shape(config), dtype=DTYPES[config.training.precision], device=device)
-    dist.recv(buffer, peer, tag=TAG_EMBEDDINGS + microbatch * 16)
-    return buffer
+def hidden_shape(config: OptimusConfig, encoder: int, tp: int) -> tuple[int, int, int]:
+    """Activations between encoder stages: [tokens on this TP rank, batch, hidden]."""
+    e = config.encoders[encoder]
+    sp = config.training.sequence_parallel and tp > 1
+    return (e.seq_length // tp if sp else e.seq_length, config.training.micro_batch_size, e.hidden_size)
 
 
-def send_embeddings_grad(grad: torch.Tensor, peer: int, microbatch: int) -> dist.Work:
-    return dist.isend(grad.contiguous(), peer, tag=TAG_EMBEDDINGS_GRAD + microbatch * 16)
-
+def incoming_messages(config: OptimusConfig, plan: HookPlan, groups: EncoderProcessGroups, output_grad_encoders:
+                      frozenset[str], assignment: list[tuple[int, int]], llm_first_stage_order:
+                      list[tuple[int, int, str]], m: int, llm_dp: int, num_stages: int) -> Incoming:
+    """What arrives on each channel this rank receives on, in its sender's order (hook plan, LLM op order)."""
+    llm_microbatch = {tuple(a): i for i, a in enumerate(assignment)}
+    j, e, tp = groups.coords.pipeline, groups.coords.pp, groups.tp_group.size()
+    rank = groups.rank
+    incoming: Incoming = {}
+    if e > 0:
+        order = plan.stage(j, e - 1).completion_order("fwd")
+        incoming[Channel("activation", groups.prev_stage_rank, rank)] = [
+            ((k, i), hidden_shape(config, i, tp)) for k in order for i in range(len(config.encoders))]
+    if e < num_stages - 1:
+        wanted = [i for i, enc in enumerate(config.encoders) if enc.name in output_grad_encoders]
+        order = plan.stage(j, e + 1).completion_order("bwd")
+        incoming[Channel("activation_grad", groups.next_stage_rank, rank)] = [
+            ((k, i), hidden_shape(config, i, tp)) for k in order for i in wanted]
+    for link in groups.embedding_recvs:
+        if not link.local:
+            pipeline = link.encoder_dp - llm_dp * m
+            order = plan.stage(pipeline, num_stages - 1).completion_order("fwd")
+            incoming[Channel("embeddings", link.encoder_rank, rank)] = [
+                ((llm_microbatch[(pipeline, k)], 0), embeddings_shape(config)) for k in order]
+    link = groups.gradient_recv
+    if link is not None and not link.local:
+        incoming[Channel("embeddings_grad", link.llm_rank, rank)] = [
+            ((mb, 0), embeddings_shape(config)) for mb, chunk, phase in llm_first_stage_order
+            if chunk == 0 and phase == "bwd" and assignment[mb][0] == j]
+    return incoming

@@ -9,9 +9,12 @@ Encoder ops block on their inputs (CPU execution is inline), so a placement whos
 cycle would hang. We model each event as two nodes, ``arrive`` (the LLM got there) and ``done`` (the
 encoder ops placed there finished), with edges for program order, the LLM's P2P (the next op needs
 the previous stage's output), encoder output A_i into the first LLM stage, gradient G_i out of it,
-and the encoder pipeline's own P2P. If the artifact's placement is cyclic (predicted times were
-wrong), the microbatch caught in a cycle runs its encoder forward at ``pre`` or its backward at
-``post``, as the coarse schedule would; the fully coarse placement is acyclic, so this terminates.
+and the encoder pipeline's own P2P. Sends need no node: every message has a channel (a process
+group) of its own and is waited for only at the end of the step (``messages``, ``megatron_patches.p2p``),
+so a send never blocks; and a receive that takes its channel's earlier messages first waits for
+nothing more, since the sender sent those before the one wanted. If the artifact's placement is
+cyclic (predicted times were wrong), the microbatch caught in a cycle runs its encoder forward at
+``pre`` or its backward at ``post``, as the coarse schedule would; the fully coarse placement is acyclic, so this terminates.
 A wrong prediction therefore costs overlap, never correctness. Pure Python: no torch.
 """
 
@@ -27,8 +30,10 @@ Event = tuple  # ("pre",) | ("op_start", k) | ("tp_before", k, n) | ("tp_after",
 PRE: Event = ("pre",)
 POST: Event = ("post",)
 
-# TP collectives that megatron-core's RowParallelLinear issues through a patchable call in forward
-OBSERVABLE_COLLECTIVES = frozenset({"tp_ar_attn", "tp_ar_mlp", "tp_rs_attn", "tp_rs_mlp"})
+# TP collectives that megatron-core's RowParallelLinear and VocabParallelEmbedding issue through a
+# patchable call in forward
+OBSERVABLE_COLLECTIVES = frozenset({"tp_ar_embed", "tp_rs_embed", "tp_ar_attn", "tp_ar_mlp", "tp_rs_attn",
+                                    "tp_rs_mlp"})
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,12 @@ class StageHookPlan:
     def ops_at(self, event: Event) -> list[PlannedOp]:
         return [op for op in self.ops if op.event == event]
 
+    def completion_order(self, phase: str) -> list[int]:
+        """Local microbatches in the order this stage finishes their ``phase`` chain: the order the
+        stage's outgoing messages of that phase leave in."""
+        last = {op.local_microbatch: position for position, op in enumerate(self.ops) if op.phase == phase}
+        return sorted(last, key=last.__getitem__)
+
 
 @dataclass(frozen=True)
 class HookPlan:
@@ -68,6 +79,9 @@ class HookPlan:
 
     def for_gpu(self, gpu: int) -> StageHookPlan:
         return next(s for s in self.stages if gpu in s.gpus)
+
+    def stage(self, encoder_pipeline: int, encoder_stage: int) -> StageHookPlan:
+        return next(s for s in self.stages if (s.encoder_pipeline, s.encoder_stage) == (encoder_pipeline, encoder_stage))
 
 
 def build_hook_plan(artifact: dict[str, Any], observable: frozenset[str] = OBSERVABLE_COLLECTIVES) -> HookPlan:
@@ -118,6 +132,13 @@ def _stage_events(stage: int, order: list[tuple[int, int, str]], kernels: dict, 
         events.append(("op_end", k))
     events.append(POST)
     return tuple(events)
+
+
+def planned_collectives(artifact: dict[str, Any], stage: int, order: list[tuple[int, int, str]],
+                        observable: frozenset[str] = OBSERVABLE_COLLECTIVES) -> dict[int, list[str]]:
+    """Per forward op of ``stage`` (index in ``order``): its observable TP collectives, in order."""
+    return {k: [n for n in artifact["llm_kernels"][f"{stage}/{chunk}/fwd"] if n in observable]
+            for k, (_, chunk, phase) in enumerate(order) if phase == "fwd"}
 
 
 def _observed_collectives(names: list[str], phase: str, observable: frozenset[str]) -> int:

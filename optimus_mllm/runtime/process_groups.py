@@ -81,6 +81,19 @@ class EncoderLLMLink:
 
 
 @dataclass(frozen=True)
+class Channel:
+    """One kind of message from one rank to another, on a two-rank process group of its own.
+
+    A group per channel makes every group carry messages of one kind in one direction, matched by
+    order alone: NCCL's rule (it ignores tags), and no two opposing sends on one communicator.
+    """
+
+    kind: str  # "activation" / "activation_grad" between encoder stages, "embeddings" / "embeddings_grad"
+    sender: int
+    receiver: int
+
+
+@dataclass(frozen=True)
 class EncoderPipeline:
     encoder_dp: int
     llm_dp: int
@@ -110,6 +123,7 @@ class EncoderRankLayout:
     dp_groups: tuple[Ranks, ...]
     pipelines: tuple[EncoderPipeline, ...]  # indexed by encoder DP index
     links: tuple[EncoderLLMLink, ...]
+    channels: tuple[Channel, ...]  # every rank-to-rank message kind, in group creation order
 
     def tp_group_of(self, rank: int) -> Ranks:
         return _group_containing(self.tp_groups, rank)
@@ -158,6 +172,7 @@ def build_encoder_rank_layout(llm: ParallelPlan, enc: ParallelPlan) -> EncoderRa
         for stage, ranks in enumerate(pipe.stage_ranks)
         for tp, rank in enumerate(ranks)
     }
+    links = tuple(link for pipe in pipelines for link in _links(llm, enc, pipe))
     return EncoderRankLayout(
         llm_plan=llm,
         enc_plan=enc,
@@ -172,8 +187,25 @@ def build_encoder_rank_layout(llm: ParallelPlan, enc: ParallelPlan) -> EncoderRa
             for tp in range(enc.tp)
         ),
         pipelines=pipelines,
-        links=tuple(link for pipe in pipelines for link in _links(llm, enc, pipe)),
+        links=links,
+        channels=_channels(pipelines, links),
     )
+
+
+def _channels(pipelines: tuple[EncoderPipeline, ...], links: tuple[EncoderLLMLink, ...]) -> tuple[Channel, ...]:
+    """Activations down each encoder pipeline's TP lanes and their gradients back; embeddings to the LLM
+    and their gradient back, wherever the two ends are different ranks."""
+    channels = []
+    for pipe in pipelines:
+        for here, there in zip(pipe.stage_ranks, pipe.stage_ranks[1:]):
+            for a, b in zip(here, there):
+                channels += [Channel("activation", a, b), Channel("activation_grad", b, a)]
+    for link in links:
+        if not link.local:
+            channels.append(Channel("embeddings", link.encoder_rank, link.llm_rank))
+            if link.carries_gradient:
+                channels.append(Channel("embeddings_grad", link.llm_rank, link.encoder_rank))
+    return tuple(channels)
 
 
 def _encoder_pipelines(llm: ParallelPlan, enc: ParallelPlan) -> tuple[EncoderPipeline, ...]:
@@ -240,6 +272,7 @@ class EncoderProcessGroups:
     next_stage_rank: int | None  # next encoder stage; None on the last
     embedding_sends: tuple[EncoderLLMLink, ...]  # this rank as encoder last stage
     embedding_recvs: tuple[EncoderLLMLink, ...]  # this rank as LLM stage 0, by encoder DP index
+    channels: dict[Channel, ProcessGroup]  # the channels this rank sends or receives on
 
     @property
     def gradient_recv(self) -> EncoderLLMLink | None:
@@ -261,6 +294,7 @@ def build_encoder_process_groups(layout: EncoderRankLayout, rank: int) -> Encode
     tp_group, tp_ranks = _create_groups(layout.tp_groups, rank)
     pp_group, pp_ranks = _create_groups(layout.pp_groups, rank)
     dp_group, dp_ranks = _create_groups(layout.dp_groups, rank)
+    channels = _create_channel_groups(layout.channels, rank)
     coords = layout.coords[rank].encoder
     return EncoderProcessGroups(
         rank=rank,
@@ -275,6 +309,7 @@ def build_encoder_process_groups(layout: EncoderRankLayout, rank: int) -> Encode
         next_stage_rank=pp_ranks[coords.pp + 1] if coords.pp + 1 < len(pp_ranks) else None,
         embedding_sends=layout.links_from(rank),
         embedding_recvs=layout.links_to(rank),
+        channels=channels,
     )
 
 
@@ -284,3 +319,11 @@ def _create_groups(groups: tuple[Ranks, ...], rank: int) -> tuple[ProcessGroup, 
 
     created = [(dist.new_group(list(ranks)), ranks) for ranks in groups]
     return next((group, ranks) for group, ranks in created if rank in ranks)
+
+
+def _create_channel_groups(channels: tuple[Channel, ...], rank: int) -> dict[Channel, ProcessGroup]:
+    """A two-rank group per channel (all ranks create all, in order); this rank's channels."""
+    import torch.distributed as dist
+
+    created = {channel: dist.new_group([channel.sender, channel.receiver]) for channel in channels}
+    return {channel: group for channel, group in created.items() if rank in (channel.sender, channel.receiver)}

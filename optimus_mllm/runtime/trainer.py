@@ -34,14 +34,9 @@ from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_p
 from optimus_mllm.runtime.data import Microbatch, microbatch_source
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import build_stage_ops
-from optimus_mllm.runtime.executor import (
-    EncoderExecutor,
-    HookDriver,
-    Mailbox,
-    recv_embeddings,
-    send_embeddings_grad,
-)
-from optimus_mllm.runtime.hook_plan import POST, PRE, build_hook_plan
+from optimus_mllm.runtime.executor import EncoderExecutor, ExecutedOp, HookDriver, Mailbox, incoming_messages
+from optimus_mllm.runtime.hook_plan import POST, PRE, build_hook_plan, planned_collectives
+from optimus_mllm.runtime.messages import Messenger
 from optimus_mllm.runtime.llm import (
     build_llm_chunks,
     causal_mask,
@@ -61,7 +56,16 @@ Mode = Literal["optimus", "baseline"]
 @dataclass
 class StepResult:
     loss: float | None  # mean LM loss over the step's microbatches; None off the last pipeline stage
-    encoder_log: list  # (event, phase, local microbatch, op index) of every encoder op run here
+    encoder_record: list[ExecutedOp]  # every encoder op run here: where it ran, where it was scheduled
+    unplanned_collectives: int  # TP collectives megatron-core ran that the schedule's LLM kernels lack
+
+    @property
+    def moved_ops(self) -> int:
+        return sum(op.moved for op in self.encoder_record)
+
+    @property
+    def ops_inside_llm(self) -> int:
+        return sum(op.ran_at not in (PRE, POST) for op in self.encoder_record)
 
 
 class Trainer:
@@ -91,6 +95,7 @@ class Trainer:
                                                             for s in range(llm_plan.pp)]:
             raise OptimusError("schedule artifact: an adjusted warm-up needs the interleaved schedule (vp > 1)")
         self.op_order = rank_op_order(self.num_microbatches, llm_plan.vp, self.warmup[self.stage], llm_plan.pp)
+        self.collectives = {} if artifact is None else planned_collectives(artifact, self.stage, self.op_order)
         self.encoder: EncoderStage | None = None
         if mode == "optimus":
             self._build_optimus_encoder()
@@ -143,8 +148,14 @@ class Trainer:
         self.groups = build_encoder_process_groups(layout, self.rank)
         self.encoder = EncoderStage(self.config, self.groups.coords.pp, enc_plan.pp, self.groups.tp_group)
         self.ops = build_stage_ops(self.encoder.blocks(), self.config.training.recompute)
-        self.stage_plan = build_hook_plan(a).for_gpu(layout.coords[self.rank].gpu)
+        hook_plan = build_hook_plan(a)
+        self.stage_plan = hook_plan.for_gpu(layout.coords[self.rank].gpu)
         self.assignment = [tuple(x) for x in a["assignment"]]
+        first_stage_order = rank_op_order(self.num_microbatches, self.plan.vp, self.warmup[0], self.plan.pp)
+        incoming = incoming_messages(self.config, hook_plan, self.groups, self.ops.output_grad_encoders,
+                                     self.assignment, first_stage_order, self.m, self.llm_dp, enc_plan.pp)
+        self.messenger = Messenger(self.rank, self.groups.channels, incoming, DTYPES[self.config.training.precision],
+                                   self.device)
 
     # ------------------------------------------------------------------------------------------
 
@@ -153,15 +164,15 @@ class Trainer:
         executor = None
         if self.mode == "optimus":
             executor = EncoderExecutor(self.config, self.stage_plan, self.ops, self.groups, self.assignment,
-                                       self.llm_dp, self.enc_plan.pp, iteration, mailbox, self.data)
+                                       self.llm_dp, self.enc_plan.pp, iteration, mailbox, self.data, self.messenger)
         leaves: dict[int, torch.Tensor] = {}
-        pending: list[dist.Work] = []
-        driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox, pending), self._wait_for_input)
+        driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox), self._wait_for_input,
+                            self.collectives)
         self.tconfig.timers = driver.timers()
         self.optimizer.zero_grad(set_to_none=True)
         forward_step = partial(self._forward_step, driver, iteration, leaves, mailbox)
         driver.fire(PRE)
-        with tp_collective_hook(driver.on_reduction), warmup_override(lambda s: self.warmup[s]):
+        with tp_collective_hook(driver.on_reduction, self.chunks), warmup_override(lambda s: self.warmup[s]):
             outputs = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=[None] * self.plan.vp if self.plan.vp > 1 else None,
@@ -172,16 +183,15 @@ class Trainer:
         driver.fire(POST)
         if self.communicator is not None:
             self.communicator.finish()
-        for work in pending:
-            work.wait()
         if executor is not None:
             executor.finish()
+            self.messenger.finish()
         self._synchronise_gradients()
         self.optimizer.step()
         loss = None
         if outputs:
             loss = float(torch.stack([o["lm loss"] for o in outputs]).mean())
-        return StepResult(loss, executor.log if executor is not None else [])
+        return StepResult(loss, executor.record if executor is not None else [], len(driver.unplanned))
 
     def _forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
                       data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
@@ -207,13 +217,13 @@ class Trainer:
         link = self._link(microbatch)
         if link.encoder_rank == self.rank:
             return mailbox.take_embeddings(microbatch)
-        return recv_embeddings(self.config, link.encoder_rank, microbatch, self.device)
+        return self.messenger.recv("embeddings", link.encoder_rank, (microbatch, 0))
 
     def _link(self, microbatch: int):
         encoder_dp = self.llm_dp * self.m + self.assignment[microbatch][0]
         return next(link for link in self.groups.embedding_recvs if link.encoder_dp == encoder_dp)
 
-    def send_gradient(self, microbatch: int, grad: torch.Tensor, mailbox: Mailbox, pending: list) -> None:
+    def send_gradient(self, microbatch: int, grad: torch.Tensor, mailbox: Mailbox) -> None:
         """G_i back to the encoder's last stage, once the LLM's first stage finished microbatch i."""
         link = self._link(microbatch)
         if not link.carries_gradient:
@@ -221,7 +231,7 @@ class Trainer:
         if link.encoder_rank == self.rank:
             mailbox.gradients[microbatch] = grad
         else:
-            pending.append(send_embeddings_grad(grad, link.encoder_rank, microbatch))
+            self.messenger.send("embeddings_grad", link.encoder_rank, grad, (microbatch, 0))
 
     def _synchronise_gradients(self) -> None:
         """Average over the LLM's data-parallel replicas; the encoder's over its own DP group, where each
@@ -261,16 +271,15 @@ def _text_on(mb: Microbatch, device: torch.device) -> Microbatch:
 class _LLMSide:
     """Driver listener: the LLM's own actions at an event (send G_i), then the encoder's ops."""
 
-    def __init__(self, trainer: Trainer, executor: EncoderExecutor | None, leaves: dict, mailbox: Mailbox,
-                 pending: list):
-        self.trainer, self.executor, self.leaves, self.mailbox, self.pending = trainer, executor, leaves, mailbox, pending
+    def __init__(self, trainer: Trainer, executor: EncoderExecutor | None, leaves: dict, mailbox: Mailbox):
+        self.trainer, self.executor, self.leaves, self.mailbox = trainer, executor, leaves, mailbox
 
-    def on_event(self, event: tuple) -> None:
+    def on_event(self, event: tuple, ran_at: tuple) -> None:
         if self.executor is None:
             return
         if event[0] == "op_end":
             microbatch, chunk, phase = self.trainer.op_order[event[1]]
             if phase == "bwd" and chunk == 0 and self.trainer.stage == 0:
                 leaf = self.leaves.pop(microbatch)
-                self.trainer.send_gradient(microbatch, leaf.grad.detach(), self.mailbox, self.pending)
-        self.executor.on_event(event)
+                self.trainer.send_gradient(microbatch, leaf.grad.detach(), self.mailbox)
+        self.executor.on_event(event, ran_at)

@@ -65,7 +65,12 @@ def llm_op_work(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> d
 
 
 def _head_kernels(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> dict:
-    """Embedding lookup (memory-bound) and the vocabulary-parallel output GEMM."""
+    """Embedding lookup (memory-bound) and the vocabulary-parallel output GEMM.
+
+    With TP > 1 the vocabulary-parallel embedding ends in a TP collective of its own (all-reduce, or
+    reduce-scatter under sequence parallelism), a TP bubble like the layers' and a hook point the
+    runtime observes; its backward needs none.
+    """
     llm, t = config.llm, config.training
     tokens = llm.seq_length * t.micro_batch_size
     b = activation_dtype_bytes(config)
@@ -78,6 +83,12 @@ def _head_kernels(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) ->
         for phase, scale in (("fwd", 1), ("bwd", 2)):
             scaled = KernelWork(work.name, phase, work.kind, work.flops * scale, work.bytes * scale)
             kernels[(work.name, phase)] = [(work.name, -1, False, cost.compute_us(scaled, LLM, plan.tp))]
+    if plan.tp > 1:
+        sp = t.sequence_parallel
+        name, collective = ("tp_rs_embed", "reduce_scatter") if sp else ("tp_ar_embed", "all_reduce")
+        reduce = KernelWork(name, "fwd", "comm", 0.0, tokens * llm.hidden_size * b, collective, plan.tp)
+        kernels[("embedding", "fwd")].append(
+            (name, -1, True, cost.comm_us(reduce, tp_bandwidth(config, plan.tp), LLM, plan.tp)))
     return kernels
 
 
