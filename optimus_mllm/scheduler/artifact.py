@@ -17,7 +17,8 @@ A hook point names a moment of the LLM's own execution on that GPU, never a time
 counts. All LLM pipelines of the job run the same schedule, so GPUs are numbered within one LLM pipeline:
 ``llm_stage * TP_llm + tp_rank``.
 
-A job runs an artifact only if its fingerprint and plans are the job's, decided before any rank connects.
+A job runs an artifact only if its fingerprint and plans are the job's and its contents are whole and
+consistent (``artifact_checks``), all decided before any rank connects.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
 from optimus_mllm.planner import PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.scheduler.artifact_checks import validate_artifact, validate_for_job
 from optimus_mllm.scheduler.bubble_scheduler import Schedule, optimus
 from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_fingerprint
 
@@ -143,17 +145,11 @@ class ScheduleArtifact:
                                f"{encoder_plan}; re-run optimus-plan with this job's plan")
 
 
-_REQUIRED = ("fingerprint", "num_gpus", "llm_plan", "encoder_plan", "num_microbatches", "partition", "assignment",
-             "warmup", "llm_kernels", "encoder_stages")
-
-
 def load_artifact(path: str | Path) -> ScheduleArtifact:
-    """Read and check a schedule artifact's format and version."""
+    """Read a schedule artifact and refuse it unless it is whole and consistent (``artifact_checks``)."""
     data = read_versioned_json(path, "schedule artifact", ARTIFACT_FORMAT, ARTIFACT_VERSION,
                                "write one with optimus-plan --artifact")
-    missing = [key for key in _REQUIRED if key not in data]
-    if missing:
-        raise OptimusError(f"schedule artifact {path} lacks {', '.join(missing)}")
+    validate_artifact(data, f"schedule artifact {path}")
     return ScheduleArtifact(data)
 
 
@@ -177,6 +173,7 @@ def load_job_artifact(path: str | Path, planned: PlannerResult, config: OptimusC
     if expected not in allowed:
         raise OptimusError(f"schedule artifact has encoder plan {expected}, which the planner rejects for this "
                            "config (see optimus-plan); re-run optimus-plan for this config")
+    validate_for_job(artifact.data, config, f"schedule artifact {path}")
     return artifact.data
 
 
