@@ -31,11 +31,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 def read_versioned_json(path: str | Path, what: str, file_format: str, version: int, remedy: str) -> dict[str, Any]:
     """Read a JSON file of ``file_format`` at ``version``; ``remedy`` says how to make a good one."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise OptimusError(f"{what} {path} does not exist; {remedy}") from None
+    except IsADirectoryError:
+        raise OptimusError(f"{what} {path} is a directory, not a JSON file; {remedy}") from None
+    except OSError as exc:
+        raise OptimusError(f"{what} {path} cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise OptimusError(f"{what} {path} is not a text file (not UTF-8); {remedy}") from None
     except json.JSONDecodeError as exc:
-        raise OptimusError(f"{what} {path} is not valid JSON (line {exc.lineno})") from None
+        raise OptimusError(f"{what} {path} is not valid JSON (line {exc.lineno}); {remedy}") from None
+    except RecursionError:  # the parser takes a Python frame per nested bracket
+        raise OptimusError(f"{what} {path} is not valid JSON (nested too deeply); {remedy}") from None
     if not isinstance(data, dict) or data.get("format") != file_format:
         raise OptimusError(f"{what} {path} is not an {file_format} file")
     if data.get("version") != version:

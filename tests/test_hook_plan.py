@@ -19,7 +19,7 @@ from tests.conftest import CONFIGS
 def _artifact(path):
     config = load_config(path)
     schedule = optimus(config, plan(config), CostModel.from_config(config)).best
-    return schedule_to_artifact(schedule, config.name, config.cluster.num_gpus)
+    return schedule_to_artifact(schedule, config)
 
 
 @pytest.fixture(scope="module")

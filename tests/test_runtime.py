@@ -57,7 +57,7 @@ def _artifact(overrides: list[str], encoder_plan: dict | None = None, cost_overr
     extra = [f"parallel.encoder={{pp: {encoder_plan['pp']}, tp: {encoder_plan['tp']}}}"] if encoder_plan else []
     config = load_config(TINY, overrides + extra + list(cost_overrides))
     schedule = optimus(config, plan(config), CostModel.from_config(config)).best
-    return schedule_to_artifact(schedule, config.name, config.cluster.num_gpus)
+    return schedule_to_artifact(schedule, config)
 
 
 def _run(world: int, overrides: list[str], mode: str, artifact: dict | None) -> list[dict]:

@@ -263,7 +263,7 @@ def test_bubble_breakdown_adds_up():
 def test_artifact_round_trip_and_hooks(tmp_path):
     config, schedule = _schedule()
     path = tmp_path / "schedule.json"
-    write_artifact(schedule, config.name, config.cluster.num_gpus, path)
+    write_artifact(schedule, config, path)
     artifact = load_artifact(path)
     artifact.check_matches(schedule.llm_plan, schedule.encoder_plan, config.cluster.num_gpus)
     data = artifact.data
@@ -289,7 +289,7 @@ def test_artifact_round_trip_and_hooks(tmp_path):
 def test_artifact_mismatch_and_version_errors(tmp_path):
     config, schedule = _schedule()
     path = tmp_path / "schedule.json"
-    write_artifact(schedule, config.name, config.cluster.num_gpus, path)
+    write_artifact(schedule, config, path)
     artifact = load_artifact(path)
     with pytest.raises(OptimusError, match="made for 8 GPUs, this job has 16"):
         artifact.check_matches(schedule.llm_plan, schedule.encoder_plan, 16)
@@ -309,7 +309,7 @@ def test_artifact_mismatch_and_version_errors(tmp_path):
 def test_artifact_of_tiny_config_is_json_serialisable():
     config = load_config(CONFIGS / "tiny.yaml")
     schedule = optimus(config, plan(config), CostModel.from_config(config)).best
-    json.dumps(schedule_to_artifact(schedule, config.name, config.cluster.num_gpus))
+    json.dumps(schedule_to_artifact(schedule, config))
 
 
 def test_planner_and_scheduler_do_not_import_torch():

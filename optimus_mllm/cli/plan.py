@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.artifact:
             from optimus_mllm.scheduler.artifact import write_artifact
 
-            write_artifact(scheduled.best, config.name, config.cluster.num_gpus, args.artifact)
+            write_artifact(scheduled.best, config, args.artifact)
         if args.trace:
             from optimus_mllm.scheduler.trace import write_trace
 

@@ -1,9 +1,10 @@
 """The schedule artifact: the versioned JSON contract between the scheduler and the runtime.
 
-It holds the plans, the microbatch partition, the global ordering (which encoder pipeline's local
-microbatch feeds each LLM microbatch), the LLM warm-up counts to run with, and for every encoder
-stage (the GPUs of one LLM pipeline that hold it) the ordered encoder kernels with the LLM hook point
-each is launched at and its predicted start and end.
+It holds the settings of the config it was made for that shape its schedule (``fingerprint``), the
+plans, the microbatch partition, the global ordering (which encoder pipeline's local microbatch feeds
+each LLM microbatch), the LLM warm-up counts to run with, and for every encoder stage (the GPUs of one
+LLM pipeline that hold it) the ordered encoder kernels with the LLM hook point each is launched at
+and its predicted start and end.
 
 A hook point names a moment of the LLM's own execution on that GPU, never a time:
 - ``{"at": "before_first_compute"}``: before the LLM's first forward on this GPU (coarse forward);
@@ -15,6 +16,9 @@ A hook point names a moment of the LLM's own execution on that GPU, never a time
 ``llm_kernels["stage/chunk/phase"]`` lists the names of the LLM op's kernels, which ``kernel_index``
 counts. All LLM pipelines of the job run the same schedule, so GPUs are numbered within one LLM pipeline:
 ``llm_stage * TP_llm + tp_rank``.
+
+A job runs an artifact only if its fingerprint and plans are the job's and its contents are whole and
+consistent (``artifact_checks``), all decided before any rank connects.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
 from optimus_mllm.planner import PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.scheduler.artifact_checks import validate_artifact, validate_for_job
 from optimus_mllm.scheduler.bubble_scheduler import Schedule, optimus
+from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_fingerprint
 
 ARTIFACT_FORMAT = "optimus-schedule"
-ARTIFACT_VERSION = 1
+ARTIFACT_VERSION = 2  # 2: the config's fingerprint
 
 
-def schedule_to_artifact(schedule: Schedule, config_name: str, num_gpus: int) -> dict[str, Any]:
+def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> dict[str, Any]:
     w, tl, t0 = schedule.work, schedule.timeline, schedule.llm_origin_us
     llm_mb = {a: i for i, a in enumerate(schedule.assignment)}
     hooks = [_HookIndex(tl, s, t0) for s in range(tl.pp)]
@@ -61,8 +67,9 @@ def schedule_to_artifact(schedule: Schedule, config_name: str, num_gpus: int) ->
     return {
         "format": ARTIFACT_FORMAT,
         "version": ARTIFACT_VERSION,
-        "config": config_name,
-        "num_gpus": num_gpus,
+        "config": config.name,
+        "fingerprint": schedule_fingerprint(config),
+        "num_gpus": config.cluster.num_gpus,
         "llm_plan": schedule.llm_plan.as_dict(),
         "encoder_plan": schedule.encoder_plan.as_dict(),
         "num_microbatches": tl.num_microbatches,
@@ -109,8 +116,8 @@ class _HookIndex:
         return {**self.names[i], "after": start >= self.ends[i] - 1e-6}
 
 
-def write_artifact(schedule: Schedule, config_name: str, num_gpus: int, path: str | Path) -> None:
-    atomic_write_text(path, json.dumps(schedule_to_artifact(schedule, config_name, num_gpus)) + "\n")
+def write_artifact(schedule: Schedule, config: OptimusConfig, path: str | Path) -> None:
+    atomic_write_text(path, json.dumps(schedule_to_artifact(schedule, config)) + "\n")
 
 
 @dataclass(frozen=True)
@@ -138,17 +145,11 @@ class ScheduleArtifact:
                                f"{encoder_plan}; re-run optimus-plan with this job's plan")
 
 
-_REQUIRED = ("num_gpus", "llm_plan", "encoder_plan", "num_microbatches", "partition", "assignment", "warmup",
-             "llm_kernels", "encoder_stages")
-
-
 def load_artifact(path: str | Path) -> ScheduleArtifact:
-    """Read and check a schedule artifact's format and version."""
+    """Read a schedule artifact and refuse it unless it is whole and consistent (``artifact_checks``)."""
     data = read_versioned_json(path, "schedule artifact", ARTIFACT_FORMAT, ARTIFACT_VERSION,
                                "write one with optimus-plan --artifact")
-    missing = [key for key in _REQUIRED if key not in data]
-    if missing:
-        raise OptimusError(f"schedule artifact {path} lacks {', '.join(missing)}")
+    validate_artifact(data, f"schedule artifact {path}")
     return ScheduleArtifact(data)
 
 
@@ -156,8 +157,15 @@ def load_artifact(path: str | Path) -> ScheduleArtifact:
 
 
 def load_job_artifact(path: str | Path, planned: PlannerResult, config: OptimusConfig, num_gpus: int) -> dict[str, Any]:
-    """An artifact from ``optimus-plan --artifact``, refused unless it was made for this job."""
+    """An artifact from ``optimus-plan --artifact``, refused unless it was made for this job.
+
+    Everything here is decided from the files alone, so every rank refuses the same artifact before
+    any of them connects."""
     artifact = load_artifact(path)
+    difference = fingerprint_difference(artifact.data["fingerprint"], schedule_fingerprint(config))
+    if difference is not None:
+        raise OptimusError(f"schedule artifact {path} was made with {difference}; re-run optimus-plan "
+                           "--artifact for this config")
     allowed = [c.plan for c in planned.candidates]
     # a fixed parallel.encoder is the job's encoder plan; otherwise any plan the planner keeps will do
     expected = allowed[0] if config.parallel.encoder is not None and allowed else artifact.encoder_plan
@@ -165,6 +173,7 @@ def load_job_artifact(path: str | Path, planned: PlannerResult, config: OptimusC
     if expected not in allowed:
         raise OptimusError(f"schedule artifact has encoder plan {expected}, which the planner rejects for this "
                            "config (see optimus-plan); re-run optimus-plan for this config")
+    validate_for_job(artifact.data, config, f"schedule artifact {path}")
     return artifact.data
 
 
@@ -173,4 +182,4 @@ def schedule_job_artifact(config: OptimusConfig, planned: PlannerResult) -> dict
     best = optimus(config, planned, CostModel.from_config(config)).best
     if best is None:
         raise OptimusError("no encoder plan could be scheduled (see optimus-plan); try the Megatron-style baseline")
-    return schedule_to_artifact(best, config.name, config.cluster.num_gpus)
+    return schedule_to_artifact(best, config)

@@ -1,0 +1,69 @@
+"""What of a config shapes its schedule, as flat ``{"model.llm.num_layers": 4, ...}`` settings.
+
+A schedule artifact stores the fingerprint of the config it was made for, so that a job can name the
+first setting it differs in instead of failing after its ranks connect. Keys are written as
+``--override`` takes them (``model.encoders.0.num_layers``). Every config field is in it unless listed
+in ``_NOT_SCHEDULE``, so a field added to the config later counts until someone says why it does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from optimus_mllm.config import OptimusConfig
+
+_NOT_SCHEDULE = frozenset({
+    "name",  # a label
+    "source",  # the file the config was read from
+    "training.train_iters",  # how many steps run, not what a step does: resuming a job raises it
+    "training.lr",  # the optimizer's numbers, not the work of a step
+    "training.seed",
+    "data",  # synthetic or real samples have the same shapes
+    # The job compares the plans themselves (ScheduleArtifact.check_matches): a config that fixes the plan
+    # the planner would have chosen is the same job, and without parallel.encoder any plan the planner
+    # keeps will do.
+    "parallel",
+    "planner",  # search limits: where they matter, the plans they lead to are compared
+    # decides which encoder plans fit, which load_job_artifact checks against the planner's candidates;
+    # no kernel time depends on it (a Megatron job's config has the default)
+    "cluster.gpu_memory_gib",
+})
+
+
+def schedule_fingerprint(config: OptimusConfig) -> dict[str, Any]:
+    """The config's settings that the plans, kernels and their costs depend on, by dotted path."""
+    return dict(_settings(config, ""))
+
+
+def _settings(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if path in _NOT_SCHEDULE:
+        return
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _settings(getattr(value, f.name), f"{path}.{f.name}" if path else f.name)
+    elif isinstance(value, tuple):
+        for i, item in enumerate(value):
+            yield from _settings(item, f"{path}.{i}")
+    else:
+        yield path, value
+
+
+_ABSENT = object()
+
+
+def fingerprint_difference(made: dict[str, Any], job: dict[str, Any]) -> str | None:
+    """The first setting that differs, as ``key=made, this job has job``; None if none does."""
+    for key in [*job, *(k for k in made if k not in job)]:
+        a, b = made.get(key, _ABSENT), job.get(key, _ABSENT)
+        if not _same(a, b):
+            was = f"{key}={json.dumps(a)}" if a is not _ABSENT else f"no {key}"
+            return f"{was}, this job has {json.dumps(b) if b is not _ABSENT else 'none'}"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    # JSON keeps 80.0 as 80.0 but a hand-written 80 is the same setting; true is not 1
+    return a == b and isinstance(a, bool) == isinstance(b, bool)

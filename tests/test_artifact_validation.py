@@ -1,0 +1,251 @@
+"""A schedule artifact is checked before any rank connects: made for this job's config, and whole.
+
+Each refusal is one ``OptimusError`` line naming the setting or the field's path in the file.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from optimus_mllm.config import load_config
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner import plan
+from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_job_artifact
+from optimus_mllm.scheduler.artifact_checks import validate_artifact
+from optimus_mllm.scheduler.fingerprint import schedule_fingerprint
+from tests.conftest import CONFIGS
+from tests.train_utils import TINY, assert_one_error_everywhere, ranks
+
+REMEDY = "write a new one with optimus-plan --artifact"
+
+
+def _made_with(*overrides: str) -> dict:
+    config = load_config(TINY, list(overrides))
+    return schedule_job_artifact(config, plan(config))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> dict:
+    return _made_with()
+
+
+def _load(artifact: dict, tmp_path: Path, *overrides: str) -> dict:
+    """``load_job_artifact`` of the artifact written to a file, for the tiny job."""
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(artifact))
+    config = load_config(TINY, list(overrides))
+    return load_job_artifact(path, plan(config), config, config.cluster.num_gpus)
+
+
+def _refused(artifact: dict, tmp_path: Path) -> str:
+    with pytest.raises(OptimusError) as caught:
+        _load(artifact, tmp_path)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_artifact_of_this_config_passes(tiny, tmp_path):
+    assert _load(tiny, tmp_path) == tiny
+
+
+def test_settings_that_do_not_shape_the_schedule_are_free(tiny, tmp_path):
+    assert _load(tiny, tmp_path, "training.train_iters=6", "training.lr=0.5", "training.seed=7",
+                 "name=renamed", "cluster.gpu_memory_gib=2") == tiny
+
+
+def test_the_fingerprint_holds_the_schedule_settings_only():
+    fingerprint = schedule_fingerprint(load_config(TINY))
+    assert {"model.llm.num_layers", "model.encoders.0.seq_length", "model.encoders.0.projector.type",
+            "training.micro_batch_size", "training.global_batch_size", "training.precision", "training.recompute",
+            "training.sequence_parallel", "cluster.num_gpus", "cluster.inter_node_bandwidth_gbps",
+            "cost_model.gemm_efficiency", "cost_model.profile"} <= fingerprint.keys()
+    assert not {key for key in fingerprint if key.startswith(("training.lr", "training.seed", "training.train_iters",
+                                                              "data", "name", "source", "planner"))}
+    json.dumps(fingerprint)  # stored as it is
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("training.micro_batch_size=1", "training.micro_batch_size=1, this job has 2"),
+    ("model.encoders.0.num_layers=4", "model.encoders.0.num_layers=4, this job has 2"),
+    ("model.llm.num_layers=8", "model.llm.num_layers=8, this job has 4"),
+    ("training.precision=bf16", 'training.precision="bf16", this job has "fp32"'),
+])
+def test_an_artifact_for_another_config_names_the_first_different_setting(override, expected, tmp_path):
+    message = _refused(_made_with(override), tmp_path)
+    assert message == (f"schedule artifact {tmp_path / 'a.json'} was made with {expected}; re-run optimus-plan "
+                       "--artifact for this config")
+
+
+def _ops(artifact: dict, stage: int = 0) -> list[dict]:
+    return artifact["encoder_stages"][stage]["ops"]
+
+
+def _op_position(artifact: dict, phase: str, k: int, index: int) -> int:
+    """Where the first such op of stage 0 is; -1 if there is none."""
+    return next((n for n, op in enumerate(_ops(artifact))
+                 if (op["phase"], op["local_microbatch"], op["kernel_index"]) == (phase, k, index)), -1)
+
+
+def _num_gpus_as_string(a):
+    a["num_gpus"] = "4"
+
+
+def _unknown_plan_key(a):
+    a["llm_plan"]["pp_size"] = 2
+
+
+def _warmup_out_of_bounds(a):
+    a["warmup"] = [17, 2]
+
+
+def _deadlocking_warmup(a):
+    a["warmup"] = [0, 0]
+
+
+def _duplicated_op(a):
+    _ops(a).append(copy.deepcopy(_ops(a)[_op_position(a, "fwd", 0, 5)]))
+
+
+def _missing_last_op_of_a_chain(a):
+    last = max(op["kernel_index"] for op in _ops(a) if op["phase"] == "bwd")
+    del _ops(a)[_op_position(a, "bwd", 1, last)]
+
+
+def _kernel_index_gap(a):
+    del _ops(a)[_op_position(a, "fwd", 0, 5)]
+
+
+def _missing_encoder_stage(a):
+    del a["encoder_stages"][2]
+
+
+def _assignment_not_a_permutation(a):
+    a["assignment"][1] = a["assignment"][0]
+
+
+def _hook_kind(a):
+    _ops(a)[3]["hook"] = {"at": "somewhere"}
+
+
+def _hook_kernel_index(a):
+    n = next(n for n, op in enumerate(_ops(a)) if op["hook"]["at"] == "llm_kernel")
+    _ops(a)[n]["hook"]["kernel_index"] = 99
+
+
+def _missing_field(a):
+    del a["fingerprint"]
+
+
+def _llm_kernel_renamed(a):
+    a["llm_kernels"]["0/0/fwd"][1] = "ln"
+
+
+def _truncated_chains(a):
+    """Every forward chain of a stage one kernel short: consistent in the file, not what the encoder runs."""
+    last = max(op["kernel_index"] for op in _ops(a) if op["phase"] == "fwd")
+    a["encoder_stages"][0]["ops"] = [op for op in _ops(a) if (op["phase"], op["kernel_index"]) != ("fwd", last)]
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (_num_gpus_as_string, 'num_gpus: expected an integer, got "4"'),
+    (_unknown_plan_key, "llm_plan.pp_size: unknown key; valid keys: dp, pp, tp, vp"),
+    (_warmup_out_of_bounds, "warmup[0]: 17 forwards, but a stage runs 16 (num_microbatches * vp)"),
+    (_deadlocking_warmup, "warmup: [0, 0] deadlocks the LLM pipeline (pp=2, vp=2, 8 microbatches); megatron-core's "
+                          "default is [4, 2]"),
+    (_duplicated_op, "encoder_stages[0].ops[{n}].kernel_index: 5 again in the fwd chain of local microbatch 0 "
+                     "(also ops[{dup}])"),
+    (_missing_last_op_of_a_chain, "encoder_stages[0].ops: no bwd op of local microbatch 1 with kernel_index {last}, "
+                                  "but local microbatch 0 has one"),
+    (_kernel_index_gap, "encoder_stages[0].ops[{gap}].kernel_index: 6, but the fwd chain of local microbatch 0 has "
+                        "no kernel_index 5"),
+    (_missing_encoder_stage, "encoder_stages: no entry for encoder pipeline 2 stage 0"),
+    (_assignment_not_a_permutation, "assignment[1]: encoder pipeline 0's local microbatch 0 again (also "
+                                    "assignment[0]): must be a permutation"),
+    (_hook_kind, 'encoder_stages[0].ops[3].hook.at: "somewhere", but must be one of before_first_compute, '
+                 "llm_kernel, after_last_compute"),
+    (_hook_kernel_index, "encoder_stages[0].ops[{hook}].hook.kernel_index: 99, but the LLM's"),
+    (_missing_field, "fingerprint: missing"),
+    (_llm_kernel_renamed, "llm_kernels['0/0/fwd'][1]: 'ln', but this job's LLM runs 'ln_attn' there"),
+    (_truncated_chains, "encoder_stages[0].ops: the fwd chains have {last_fwd} kernels, but encoder stage 0's fwd "
+                        "chain has {fwd}"),
+])
+def test_a_broken_artifact_names_the_field(tiny, tmp_path, edit, expected):
+    artifact = copy.deepcopy(tiny)
+    edit(artifact)
+    ops = _ops(tiny)
+    fwd = 1 + max(op["kernel_index"] for op in ops if op["phase"] == "fwd")
+    names = {"n": len(_ops(artifact)) - 1, "dup": _op_position(artifact, "fwd", 0, 5),
+             "gap": _op_position(artifact, "fwd", 0, 6),
+             "last": max(op["kernel_index"] for op in ops if op["phase"] == "bwd"),
+             "hook": next(n for n, op in enumerate(ops) if op["hook"]["at"] == "llm_kernel"),
+             "fwd": fwd, "last_fwd": fwd - 1}
+    message = _refused(artifact, tmp_path)
+    assert message.startswith(f"schedule artifact {tmp_path / 'a.json'}: {expected.format(**names)}"), message
+    assert message.endswith(f"; {REMEDY}")
+
+
+def test_a_version_1_artifact_is_refused(tiny, tmp_path):
+    old = {**copy.deepcopy(tiny), "version": 1}
+    del old["fingerprint"]
+    assert _refused(old, tmp_path) == (f"schedule artifact {tmp_path / 'a.json'} has version 1, this release reads "
+                                       "version 2; write one with optimus-plan --artifact")
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "is a directory, not a JSON file"),
+    (b"\xff\xfe\x00\x01", "is not a text file (not UTF-8)"),
+    (b'{"format": "optimus-schedule",', "is not valid JSON (line 1)"),
+    (b"[" * 100_000, "is not valid JSON (nested too deeply)"),
+])
+def test_a_file_that_is_not_json_is_one_line(tmp_path, content, expected):
+    path = tmp_path / "a.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    config = load_config(TINY)
+    with pytest.raises(OptimusError) as caught:
+        load_job_artifact(path, plan(config), config, 4)
+    assert str(caught.value) == f"schedule artifact {path} {expected}; write one with optimus-plan --artifact"
+
+
+@pytest.mark.parametrize("config, overrides", [
+    (TINY, ["model.encoders.0.frozen=true", "parallel.encoder={pp: 2, tp: 1}"]),  # a stage without backward
+    (str(CONFIGS / "paper" / "fig5_8gpu.yaml"), []),
+])
+def test_what_the_scheduler_writes_passes(config, overrides, tmp_path):
+    job = load_config(config, overrides)
+    artifact = schedule_job_artifact(job, plan(job))
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(artifact))
+    assert load_job_artifact(path, plan(job), job, job.cluster.num_gpus) == artifact
+
+
+def test_hooks_anywhere_in_the_stage_are_well_formed(tiny):
+    """Any LLM kernel of the stage is a valid hook: the runtime copes with wrong predictions."""
+    rng = random.Random(0)
+    artifact = copy.deepcopy(tiny)
+    for stage in artifact["encoder_stages"]:
+        keys = [k for k in artifact["llm_kernels"] if k.startswith(f"{stage['llm_stage']}/")]
+        for op in stage["ops"]:
+            key = rng.choice(keys)
+            _, chunk, phase = key.split("/")
+            op["hook"] = {"at": "llm_kernel", "phase": phase, "chunk": int(chunk),
+                          "microbatch": rng.randrange(artifact["num_microbatches"]),
+                          "kernel_index": rng.randrange(len(artifact["llm_kernels"][key])),
+                          "kernel": "?", "layer": 0, "after": rng.random() < 0.5}
+    validate_artifact(artifact, "a.json")
+
+
+def test_an_artifact_for_another_config_exits_2_on_every_rank(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(_made_with("model.llm.num_layers=8")))
+    assert_one_error_everywhere(ranks(4, "--schedule", str(path)),
+                                f"schedule artifact {path} was made with model.llm.num_layers=8, this job has 4; "
+                                "re-run optimus-plan --artifact for this config")
