@@ -63,7 +63,7 @@ def _artifact(overrides: list[str]) -> dict:
 
     config = load_config(TINY, overrides)
     schedule = optimus(config, plan(config), CostModel.from_config(config)).best
-    return schedule_to_artifact(schedule, config.name, config.cluster.num_gpus)
+    return schedule_to_artifact(schedule, config)
 
 
 def nccl_violations(records: list[tuple]) -> list[str]:
