@@ -171,7 +171,7 @@ def _truncated_chains(a):
                  "llm_kernel, after_last_compute"),
     (_hook_kernel_index, "encoder_stages[0].ops[{hook}].hook.kernel_index: 99, but the LLM's"),
     (_missing_field, "fingerprint: missing"),
-    (_llm_kernel_renamed, "llm_kernels['0/0/fwd'][1]: 'ln', but this job's LLM runs 'ln_attn' there"),
+    (_llm_kernel_renamed, "llm_kernels['0/0/fwd'][1]: 'ln', but this job's LLM runs 'tp_ar_embed' there"),
     (_truncated_chains, "encoder_stages[0].ops: the fwd chains have {last_fwd} kernels, but encoder stage 0's fwd "
                         "chain has {fwd}"),
 ])
