@@ -168,7 +168,8 @@ def reduced_warmup(config: Any, llm_plan: ParallelPlan, default: list[int], avoi
     deadlock, outside ``avoid``; None if ``tries`` draws find none.
 
     Drawn from the last stage back, each stage at least its successor's count: a stage with fewer
-    warm-up forwards than the next one starves it, so most other draws deadlock.
+    warm-up forwards than the next one waits for a backward before it has sent the next one the
+    forwards that backward needs, so such draws mostly deadlock.
     """
     cost = CostModel.from_config(config)
     work, p2p = llm_op_work(config, llm_plan, cost), llm_p2p_us(config, llm_plan, cost)
@@ -295,7 +296,7 @@ def check_seed(seed: int, steps: int, timeout: float) -> Row:
     except TimeoutError as exc:
         return _row(job, setup, None, "HANG", str(exc), time.monotonic() - start)
     except Exception as exc:  # noqa: BLE001 - a failing job is a row of the table, not a crash
-        return _row(job, setup, None, "FAIL", _tail(f"{type(exc).__name__}: {exc}"), time.monotonic() - start)
+        return _row(job, setup, None, "FAIL", _symptom(f"{type(exc).__name__}: {exc}"), time.monotonic() - start)
     status: Status = "PASS" if diffs.passed else "FAIL"
     note = diffs.problem or ("" if diffs.passed else f"differences above {TOLERANCE:g}")
     return _row(job, setup, diffs, status, note, time.monotonic() - start)
@@ -324,14 +325,16 @@ def _row(job: Job, setup: Setup | None, diffs: Diffs | None, status: Status, not
                weight_diff=diffs.weight if diffs else None, seconds=round(seconds, 1), status=status, note=note)
 
 
-def _tail(text: str, lines: int = 8) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
+def _symptom(text: str, lines: int = 6) -> str:
+    """The first line (which rank failed) and the last ``lines`` (where and why) of a failure."""
+    parts = text.strip().splitlines()
+    return "\n".join(parts if len(parts) <= lines + 2 else [parts[0], "  ...", *parts[-lines:]])
 
 
 # -- table and command line --------------------------------------------------------------------
 
 _COLUMNS = (("seed", 5), ("world", 5), ("LLM D/P/T/V", 11), ("enc D/P/T", 9), ("#mb", 4), ("mbs", 3),
-            ("encoders", 12), ("warm-up", 12), ("kind", 8), ("|dloss|", 8), ("|dgrad|", 8), ("|dweight|", 9),
+            ("encoders", 13), ("warm-up", 12), ("kind", 8), ("|dloss|", 8), ("|dgrad|", 8), ("|dweight|", 9),
             ("sec", 6), ("status", 6))
 
 
