@@ -47,7 +47,7 @@ from optimus_mllm.runtime.llm import (
 from optimus_mllm.runtime.process_groups import build_encoder_process_groups, build_encoder_rank_layout
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
 from optimus_mllm.runtime.vit import EncoderStage
-from optimus_mllm.runtime.weights import init_plan_independent_
+from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
 from optimus_mllm.scheduler.llm_timeline import default_warmup, pipeline_producer, rank_op_order
 
 Mode = Literal["optimus", "baseline"]
@@ -86,6 +86,7 @@ class Trainer:
         tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
         self.tconfig = transformer_config(config, llm_plan)
         self.chunks = build_llm_chunks(config, llm_plan, self.tconfig)
+        init_llm_plan_independent_(self.chunks, config.training.seed, parallel_state.get_tensor_model_parallel_group())
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.llm_dp = parallel_state.get_data_parallel_rank()
         self.num_microbatches = config.num_microbatches_total // llm_plan.dp

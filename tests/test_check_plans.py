@@ -1,0 +1,81 @@
+"""scripts/check_plans.py: a few seeds of the randomized plan-equivalence check, and the check failing.
+
+The seeds are chosen so that together they cover an LLM PP4 job with the scheduler's adjusted warm-up
+(seed 44, two encoders), a DP2 PP2 V3 job with a forced warm-up and a frozen encoder (seed 7), and a
+PP2 V1 job whose 5 microbatches are not a multiple of PP (seed 179). Each test first asserts that its
+seed still draws what it is here for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from scripts.check_plans import (
+    Row,
+    check_seed,
+    compare,
+    draw_job,
+    main,
+    run_optimus,
+    run_reference,
+    schedule_job,
+    summary,
+)
+
+STEPS = 2
+TIMEOUT = 240.0
+
+
+@pytest.mark.parametrize("seed, expected", [
+    (44, {"pp": 4, "vp": 2, "warmup_kind": "adjusted", "encoders": "dual"}),
+    (7, {"dp": 2, "pp": 2, "vp": 3, "warmup_kind": "forced", "encoders": "single+frozen"}),
+], ids=["PP4-adjusted-dual", "DP2-PP2-V3-forced-frozen"])
+def test_seed_trains_like_one_rank(seed, expected):
+    job = draw_job(seed)
+    drawn = {**{k: getattr(job, k) for k in ("dp", "pp", "vp", "encoders")},
+             "warmup_kind": schedule_job(job).warmup_kind}
+    assert drawn.items() >= expected.items(), f"seed {seed} no longer draws {expected}: {drawn}"
+    row = check_seed(seed, STEPS, TIMEOUT)
+    assert row.status == "PASS", row
+
+
+@pytest.fixture(scope="module")
+def non_multiple_run():
+    """Seed 179's job, its Optimus ranks and its one-rank reference."""
+    job = draw_job(179)
+    assert (job.pp, job.vp, job.num_microbatches % job.pp) == (2, 1, 1), job
+    return job, run_optimus(schedule_job(job), STEPS, TIMEOUT), run_reference(job, STEPS, TIMEOUT)
+
+
+def test_microbatches_not_a_multiple_of_pp(non_multiple_run):
+    _, ranks, reference = non_multiple_run
+    diffs = compare(ranks, reference)
+    assert diffs.passed, diffs
+
+
+def test_a_wrong_run_fails(non_multiple_run):
+    """Against a reference trained from another seed (other weights and data) the check fails."""
+    job, ranks, _ = non_multiple_run
+    other = run_reference(replace(job, model=(*job.model, "training.seed=99991")), STEPS, TIMEOUT)
+    diffs = compare(ranks, other)
+    assert not diffs.passed and diffs.problem is None
+    assert min(diffs.loss, diffs.grad, diffs.weight) > 1e-3, diffs
+
+
+def test_summary_line():
+    rows = [Row(0, 1, "1/1/1/1", "1/1/1", 1, 1, "single", "0", "adjusted", 0.0, 0.0, 0.0, 1.0, "PASS", ""),
+            Row(1, 2, "1/2/1/1", "2/1/1", 2, 1, "dual", "1,0", "forced", None, None, None, 9.0, "HANG", "")]
+    lines = summary(rows)
+    assert lines[0] == "1 passed, 1 failed"
+    assert "1 adjusted" in lines[1] and "0 forced" in lines[1]
+
+
+@pytest.mark.parametrize("argv", [[], ["--seeds", "0"], ["--seeds", "2", "--timeout", "0"], ["--seeds", "x"]])
+def test_bad_arguments_exit_2_with_one_line(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("check_plans.py: error:") and "\n" not in err
