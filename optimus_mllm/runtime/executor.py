@@ -204,6 +204,8 @@ class EncoderExecutor:
             run.run_forward(index)
             if run.forward_done:
                 self._send_output(k, run)
+                if not self.ops.bwd:  # a frozen stage: nothing here runs backward, the microbatch is done
+                    del self.runs[k]
         else:
             run = self.runs[k]
             if index == 0:
