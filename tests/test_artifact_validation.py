@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_job_artifact
 from optimus_mllm.scheduler.artifact_checks import validate_artifact
 from optimus_mllm.scheduler.fingerprint import schedule_fingerprint
+from tests.artifact_utils import shuffled_hooks
 from tests.conftest import CONFIGS
 from tests.train_utils import TINY, assert_one_error_everywhere, ranks
 
@@ -229,17 +229,7 @@ def test_what_the_scheduler_writes_passes(config, overrides, tmp_path):
 
 def test_hooks_anywhere_in_the_stage_are_well_formed(tiny):
     """Any LLM kernel of the stage is a valid hook: the runtime copes with wrong predictions."""
-    rng = random.Random(0)
-    artifact = copy.deepcopy(tiny)
-    for stage in artifact["encoder_stages"]:
-        keys = [k for k in artifact["llm_kernels"] if k.startswith(f"{stage['llm_stage']}/")]
-        for op in stage["ops"]:
-            key = rng.choice(keys)
-            _, chunk, phase = key.split("/")
-            op["hook"] = {"at": "llm_kernel", "phase": phase, "chunk": int(chunk),
-                          "microbatch": rng.randrange(artifact["num_microbatches"]),
-                          "kernel_index": rng.randrange(len(artifact["llm_kernels"][key])),
-                          "kernel": "?", "layer": 0, "after": rng.random() < 0.5}
+    artifact = shuffled_hooks(tiny, seed=0)
     validate_artifact(artifact, "a.json")
 
 

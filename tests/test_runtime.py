@@ -8,10 +8,10 @@ points are wrong; and the encoder's ops run at the hook points the artifact name
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 
+from tests.artifact_utils import shuffled_hooks
 from tests.conftest import CONFIGS
 from tests.distributed_utils import run_distributed
 
@@ -93,24 +93,9 @@ def test_optimus_equals_megatron_baseline_on_4_ranks(baseline4, encoder_plan):
     _assert_same(_run(4, [], "optimus", artifact), baseline4)
 
 
-def _shuffled_hooks(artifact: dict, seed: int) -> dict:
-    rng = random.Random(seed)
-    artifact = copy.deepcopy(artifact)
-    for stage in artifact["encoder_stages"]:
-        keys = [k for k in artifact["llm_kernels"] if k.startswith(f"{stage['llm_stage']}/")]
-        for op in stage["ops"]:
-            key = rng.choice(keys)
-            _, chunk, phase = key.split("/")
-            op["hook"] = {"at": "llm_kernel", "phase": phase, "chunk": int(chunk),
-                          "microbatch": rng.randrange(artifact["num_microbatches"]),
-                          "kernel_index": rng.randrange(len(artifact["llm_kernels"][key])),
-                          "kernel": "?", "layer": 0, "after": rng.random() < 0.5}
-    return artifact
-
-
 def test_wrong_predictions_change_nothing_but_timing(baseline4):
     """Hook points from shuffled predictions, and from a cost model 10x off: same numbers."""
-    shuffled = _shuffled_hooks(_artifact([], {"pp": 2, "tp": 1}), seed=1)
+    shuffled = shuffled_hooks(_artifact([], {"pp": 2, "tp": 1}), seed=1)
     _assert_same(_run(4, [], "optimus", shuffled), baseline4)
     scaled = _artifact([], None, ("cost_model.gemm_efficiency=0.05", "cost_model.network_efficiency=1.0"))
     _assert_same(_run(4, [], "optimus", scaled), baseline4)

@@ -25,7 +25,6 @@ import torch
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.runtime.data import MicrobatchSource
-from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, StageOps
 from optimus_mllm.runtime.hook_plan import Event, HookPlan, StageHookPlan
 from optimus_mllm.runtime.messages import Incoming, Messenger
