@@ -127,7 +127,7 @@ def _stage_events(stage: int, order: list[tuple[int, int, str]], kernels: dict, 
     events: list[Event] = [PRE]
     for k, (_, chunk, phase) in enumerate(order):
         events.append(("op_start", k))
-        for n in range(_observed_collectives(kernels[f"{stage}/{chunk}/{phase}"], phase, observable)):
+        for n in range(len(_observed_collectives(kernels[f"{stage}/{chunk}/{phase}"], phase, observable))):
             events += [("tp_before", k, n), ("tp_after", k, n)]
         events.append(("op_end", k))
     events.append(POST)
@@ -137,13 +137,13 @@ def _stage_events(stage: int, order: list[tuple[int, int, str]], kernels: dict, 
 def planned_collectives(artifact: dict[str, Any], stage: int, order: list[tuple[int, int, str]],
                         observable: frozenset[str] = OBSERVABLE_COLLECTIVES) -> dict[int, list[str]]:
     """Per forward op of ``stage`` (index in ``order``): its observable TP collectives, in order."""
-    return {k: [n for n in artifact["llm_kernels"][f"{stage}/{chunk}/fwd"] if n in observable]
+    return {k: _observed_collectives(artifact["llm_kernels"][f"{stage}/{chunk}/fwd"], phase, observable)
             for k, (_, chunk, phase) in enumerate(order) if phase == "fwd"}
 
 
-def _observed_collectives(names: list[str], phase: str, observable: frozenset[str]) -> int:
+def _observed_collectives(names: list[str], phase: str, observable: frozenset[str]) -> list[str]:
     # backward collectives run inside autograd, where no hook is reached: only op boundaries there
-    return sum(1 for name in names if name in observable) if phase == "fwd" else 0
+    return [name for name in names if name in observable] if phase == "fwd" else []
 
 
 class _HookMapper:
