@@ -46,6 +46,7 @@ from optimus_mllm.scheduler.artifact import schedule_job_artifact  # noqa: E402
 from optimus_mllm.scheduler.llm_costs import llm_op_work, llm_p2p_us  # noqa: E402
 from optimus_mllm.scheduler.llm_timeline import PipelineDeadlock, simulate  # noqa: E402
 from tests.distributed_utils import run_distributed  # noqa: E402
+from tests.p2p_audit import nccl_violations, recorded_p2p  # noqa: E402
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 TOLERANCE = 1e-5
@@ -191,7 +192,8 @@ def reduced_warmup(config: Any, llm_plan: ParallelPlan, default: list[int], avoi
 
 
 def train_rank(overrides: list[str], mode: str, artifact: dict[str, Any] | None, steps: int) -> dict[str, Any]:
-    """On one rank: train ``steps`` steps; the losses and every whole (weight, gradient) held here.
+    """On one rank: train ``steps`` steps; the losses, every whole (weight, gradient) held here, and
+    the rank's P2P calls (tests/p2p_audit.py).
 
     Runs in the processes ``run_distributed`` spawns, so it imports the runtime itself.
     """
@@ -202,14 +204,15 @@ def train_rank(overrides: list[str], mode: str, artifact: dict[str, Any] | None,
 
     config = load_config(TINY, overrides)
     trainer = Trainer(config, plan(config).llm_plan, mode, artifact)
-    losses = [trainer.train_step(i).loss for i in range(steps)]
+    with recorded_p2p() as p2p:
+        losses = [trainer.train_step(i).loss for i in range(steps)]
     tensors = whole_parameters(llm_global_parameter_names(trainer.chunks),
                                parallel_state.get_tensor_model_parallel_group())
     if trainer.encoder is not None:
         tensors.update(whole_parameters(global_parameter_names(trainer.encoder), trainer.encoder.tp_group))
     trainer.close()
     # NumPy copies: tensors would travel back as shared-memory handles that die with the process
-    return {"losses": losses,
+    return {"losses": losses, "p2p": p2p,
             "tensors": {name: (w.numpy(), None if g is None else g.numpy()) for name, (w, g) in tensors.items()}}
 
 
@@ -233,7 +236,8 @@ def compare(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> Diffs:
 
     The job's loss of a step is the mean over its last-stage ranks (each DP replica's mean over its
     microbatches, repeated on its TP ranks). Every rank's copy of a tensor is compared, so TP ranks
-    and DP replicas that disagree with each other fail too.
+    and DP replicas that disagree with each other fail too. The ranks' P2P calls must obey NCCL's
+    matching rules (``nccl_violations``): gloo forgives what NCCL would match wrongly.
     """
     steps = len(reference["losses"])
     per_step = [[r["losses"][i] for r in ranks if r["losses"][i] is not None] for i in range(steps)]
@@ -255,6 +259,9 @@ def compare(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> Diffs:
             grad = max(grad, 0.0 if g is None else _max_abs(g, ref_g))
     missing = sorted(set(expected) - seen)
     problem = f"{len(missing)} reference tensors on no rank, e.g. {missing[0]}" if missing else None
+    violations = nccl_violations([record for r in ranks for record in r["p2p"]])
+    if violations and problem is None:
+        problem = f"NCCL would mismatch: {violations[0]} ({len(violations)} in all)"
     return Diffs(loss, grad, weight, problem)
 
 

@@ -56,6 +56,16 @@ def test_microbatches_not_a_multiple_of_pp(non_multiple_run):
     _, ranks, reference = non_multiple_run
     diffs = compare(ranks, reference)
     assert diffs.passed, diffs
+    assert any(rank["p2p"] for rank in ranks), "the PP2 job's pipeline P2P was not recorded"
+
+
+def test_a_p2p_call_nccl_would_mismatch_fails_the_seed(non_multiple_run):
+    """Right numbers are not enough: a tagged send on the default group fails the comparison."""
+    _, ranks, reference = non_multiple_run
+    damaged = [dict(rank) for rank in ranks]
+    damaged[0]["p2p"] = [*ranks[0]["p2p"], ("isend", "default", 0, 1, (2,), "torch.float32", 7)]
+    diffs = compare(damaged, reference)
+    assert not diffs.passed and "NCCL would mismatch" in diffs.problem, diffs
 
 
 def test_a_wrong_run_fails(non_multiple_run):
