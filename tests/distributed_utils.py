@@ -4,6 +4,8 @@
 ``torch.distributed`` is initialised with gloo, and returns the ranks' results in rank order.
 ``fn`` and ``args`` must be picklable (a module-level function). If a rank raises, dies or the
 timeout passes, every rank is killed and the failure (with the rank's traceback) is raised.
+The rendezvous port is one the OS called free a moment before; when another job takes it first
+(tests run beside each other), the ranks are started again on a new one, up to ``_PORT_ATTEMPTS``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _JOIN_SECONDS = 5.0
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    """The rendezvous port was taken between ``free_port`` and the ranks' ``init_process_group``."""
 
 
 def free_port() -> int:
@@ -40,9 +47,15 @@ def _rank_main(
 ) -> None:
     try:
         torch.set_num_threads(1)  # N ranks share few cores: avoid oversubscription
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+        try:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            )
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is the port race
+            if "address already in use" not in str(error).lower():
+                raise
+            results.put((rank, None, str(error)))
+            return
         results.put((rank, True, fn(*args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -75,6 +88,8 @@ def _collect(processes: list[BaseProcess], results: Any, timeout: float) -> dict
                 message = f"ranks {missing} did not finish within {timeout:.0f} s"
                 raise TimeoutError(message) from None
             continue
+        if ok is None:
+            raise _PortTaken(payload)
         if not ok:
             others = _died(processes, {rank, *outputs})
             raise RuntimeError(f"rank {rank} failed:\n{payload}{others}")
@@ -94,6 +109,16 @@ def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result, rank order."""
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _launch(fn, world_size, args, timeout)
+        except _PortTaken:
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import distributed_utils
 from distributed_utils import run_distributed
 
 
@@ -59,4 +61,26 @@ def test_a_hang_is_killed_at_the_timeout() -> None:
         run_distributed(_sleep, 2, timeout=3)
 
     assert time.monotonic() - start < 30
+    assert not multiprocessing.active_children()
+
+
+def test_a_port_taken_before_the_ranks_start_is_replaced(monkeypatch) -> None:
+    """Another job listens on the port free_port returned: the ranks start again on a new port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = taken.getsockname()[1]
+        ports = [taken_port]
+        real_free_port = distributed_utils.free_port
+
+        def taken_first() -> int:
+            port = ports.pop(0) if ports else real_free_port()
+            calls.append(port)
+            return port
+
+        calls: list[int] = []
+        monkeypatch.setattr(distributed_utils, "free_port", taken_first)
+        assert run_distributed(_rank_and_sum, 2) == [(0, 3), (1, 3)]
+
+    assert len(calls) == 2 and calls[0] == taken_port
     assert not multiprocessing.active_children()
