@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,8 +24,11 @@ import yaml
 
 from optimus_mllm.errors import ConfigError
 
+_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
+Optimizer = Literal["adam", "sgd"]
+LRDecayStyle = Literal["constant", "linear", "cosine"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbedding = Literal["learned_absolute", "rope", "none"]
 ProjectorType = Literal["mlp", "linear"]
@@ -109,8 +113,31 @@ class TrainingConfig:
     sequence_parallel: bool = True
     recompute: Recompute = "none"
     train_iters: int = 10
-    lr: float = 1e-4
     seed: int = 1234
+    # Optimizer, clipping and LR schedule: Megatron-LM's argument names and defaults (``--optimizer``,
+    # ``--lr-decay-style`` ...). ``adam`` is AdamW (decoupled weight decay), as in megatron-core.
+    optimizer: Optimizer = "adam"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: LRDecayStyle = "linear"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # None: train_iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0  # 0 turns clipping off
+    # fp16 loss scaling: a fixed ``loss_scale``, or dynamic from ``initial_loss_scale``
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+
+    @property
+    def decay_iters(self) -> int:
+        return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
 
 
 @dataclass(frozen=True)
@@ -330,6 +357,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(path, f"expected an integer, got {_describe(value)}")
         return value
     if tp is float:
+        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 (PyYAML) reads 1e-4 as a string; a Megatron user writes lr: 1e-4
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {_describe(value)}")
         return float(value)
@@ -387,7 +416,7 @@ def validate(config: OptimusConfig) -> None:
     _positive(t.global_batch_size, "training.global_batch_size")
     _positive(t.micro_batch_size, "training.micro_batch_size")
     _positive(t.train_iters, "training.train_iters")
-    _positive(t.lr, "training.lr")
+    _validate_optimizer(t)
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError("training.global_batch_size", f"{t.global_batch_size} is not divisible by "
                           f"micro_batch_size={t.micro_batch_size}; use a multiple of {t.micro_batch_size}")
@@ -408,6 +437,31 @@ def validate(config: OptimusConfig) -> None:
         if config.parallel.llm is None:
             raise ConfigError("parallel.encoder", "a fixed encoder plan needs a fixed parallel.llm plan too")
         validate_encoder_plan(config, config.parallel.encoder, config.parallel.llm, "parallel.encoder")
+
+
+def _validate_optimizer(t: TrainingConfig) -> None:
+    _positive(t.lr, "training.lr")
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError("training.min_lr", f"must be in [0, lr={t.lr}], got {t.min_lr}")
+    if t.lr_warmup_iters < 0:
+        raise ConfigError("training.lr_warmup_iters", f"must be >= 0, got {t.lr_warmup_iters}")
+    _positive(t.decay_iters, "training.lr_decay_iters")
+    if t.lr_warmup_iters >= t.decay_iters:  # megatron-core's OptimizerParamScheduler asserts it
+        raise ConfigError("training.lr_warmup_iters", f"{t.lr_warmup_iters} must be below lr_decay_iters (or "
+                          f"train_iters) = {t.decay_iters}; use fewer warm-up iterations")
+    for name in ("weight_decay", "clip_grad", "sgd_momentum"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"training.{name}", f"must be >= 0, got {getattr(t, name)}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(t, name) < 1:
+            raise ConfigError(f"training.{name}", f"must be in [0, 1), got {getattr(t, name)}")
+    _positive(t.adam_eps, "training.adam_eps")
+    if t.loss_scale is not None:
+        _positive(t.loss_scale, "training.loss_scale")
+    _positive(t.initial_loss_scale, "training.initial_loss_scale")
+    _positive(t.min_loss_scale, "training.min_loss_scale")
+    _positive(t.loss_scale_window, "training.loss_scale_window")
+    _positive(t.hysteresis, "training.hysteresis")
 
 
 def _positive(value: float, path: str) -> None:

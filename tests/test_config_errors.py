@@ -64,6 +64,14 @@ BAD = [
     (lambda r: _set(r, "cost_model.gemm_efficiency", 1.5), ["cost_model.gemm_efficiency", "(0, 1]"]),
     (lambda r: _set(_set(r, "cluster.num_gpus", 12), "cluster.gpus_per_node", 8),
      ["cluster.num_gpus", "not a multiple of gpus_per_node=8"]),
+    (lambda r: _set(r, "training.optimizer", "lion"), ["training.optimizer", "must be one of adam, sgd"]),
+    (lambda r: _set(r, "training.lr_decay_style", "exp"),
+     ["training.lr_decay_style", "must be one of constant, linear, cosine"]),
+    (lambda r: _set(r, "training.min_lr", 1.0), ["training.min_lr", "must be in [0, lr=0.0001]"]),
+    (lambda r: _set(r, "training.lr_warmup_iters", 3), ["training.lr_warmup_iters", "must be below lr_decay_iters"]),
+    (lambda r: _set(r, "training.adam_beta2", 1.0), ["training.adam_beta2", "must be in [0, 1)"]),
+    (lambda r: _set(r, "training.clip_grad", -1.0), ["training.clip_grad", "must be >= 0"]),
+    (lambda r: _set(r, "training.loss_scale", 0), ["training.loss_scale", "must be positive"]),
 ]
 
 
@@ -114,3 +122,15 @@ def test_usage_error_is_one_line(capsys):
         main([])
     assert exc.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_exponent_numbers_read_as_numbers(tmp_path):
+    """PyYAML (YAML 1.1) reads ``lr: 1e-4`` as a string; the config takes it as the number a user means."""
+    from optimus_mllm.config import load_config
+    from tests.conftest import CONFIGS
+
+    text = (CONFIGS / "tiny.yaml").read_text().replace("  train_iters: 3\n", "  train_iters: 3\n  lr: 1e-4\n  min_lr: 2E-5\n")
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    training = load_config(path).training
+    assert (training.lr, training.min_lr) == (1e-4, 2e-5)
