@@ -30,10 +30,12 @@ def layer_params(spec: TransformerSpec) -> int:
 
 
 def encoder_params(enc: EncoderConfig) -> int:
-    """The ViT alone (patch embedding, position embedding, layers, final norm), without projector."""
+    """The ViT alone (patch embedding, position embedding, layers), without projector. Like the
+    runtime's ViT (and the cost model's encoder kernels) it has no final norm: the last layer's output
+    goes to the projector."""
     patch_embed = enc.in_channels * enc.patch_size**2 * enc.hidden_size + enc.hidden_size
     pos_embed = enc.seq_length * enc.hidden_size
-    return patch_embed + pos_embed + enc.num_layers * layer_params(enc) + norm_params(enc)
+    return patch_embed + pos_embed + enc.num_layers * layer_params(enc)
 
 
 def projector_params(enc: EncoderConfig, llm: LLMConfig) -> int:
@@ -84,14 +86,14 @@ def encoder_params_per_stage(encoders: tuple[EncoderConfig, ...], llm: LLMConfig
     """Parameters of each encoder pipeline stage, all encoders (and projectors) together.
 
     Each encoder's layers are split evenly over the ``pp`` stages (paper Fig. 14); the patch and
-    position embeddings sit on the first stage, the final norm and the projector on the last.
+    position embeddings sit on the first stage, the projector on the last.
     """
     per_stage = [0] * pp
     for enc in encoders:
         for s, (lo, hi) in enumerate(stage_layer_bounds(enc.num_layers, pp)):
             per_stage[s] += (hi - lo) * layer_params(enc)
-        per_stage[0] += encoder_params(enc) - enc.num_layers * layer_params(enc) - norm_params(enc)
-        per_stage[-1] += norm_params(enc) + projector_params(enc, llm)
+        per_stage[0] += encoder_params(enc) - enc.num_layers * layer_params(enc)
+        per_stage[-1] += projector_params(enc, llm)
     return per_stage
 
 
