@@ -7,6 +7,7 @@ own code keeps running, only its CUDA device lookups are answered with the CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator, Sequence
@@ -76,16 +77,25 @@ class _CpuCuda:
         return getattr(torch.cuda, name)
 
 
+def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``factory`` (torch.zeros, torch.tensor, ...) with a CUDA ``device=`` answered by the CPU."""
+
+    def make(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return factory(*args, device=_cpu_if_cuda(device), **kwargs)
+
+    return make
+
+
 class _CpuTorch:
-    """The ``torch`` name inside one megatron module: ``zeros(device="cuda")`` and
+    """The ``torch`` name inside one megatron module: tensor factories given ``device="cuda"`` and
     ``cuda.current_device()`` give the CPU, ``cuda.synchronize()`` does nothing; all else is torch.
     """
 
     cuda = _CpuCuda()
-
-    @staticmethod
-    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        return torch.zeros(*args, device=_cpu_if_cuda(device), **kwargs)
+    zeros = staticmethod(_on_cpu(torch.zeros))
+    ones = staticmethod(_on_cpu(torch.ones))
+    empty = staticmethod(_on_cpu(torch.empty))
+    tensor = staticmethod(_on_cpu(torch.tensor))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -173,6 +183,81 @@ def _patch_rng_tracker_fork() -> Patch:
     return Patch(tracker_class, "fork", _cpu_rng_fork(name_parameter.default))
 
 
+_TRAINING_MODULES = (
+    # each allocates a buffer, a flag or a scale with device="cuda" / torch.cuda.current_device()
+    "megatron.core.distributed.param_and_grad_buffer",  # DDP's contiguous param and grad buffers
+    "megatron.core.optimizer.optimizer",  # found-inf flag, overflow buffer, loss-scale one
+    "megatron.core.optimizer.distrib_optimizer",  # the distributed optimizer's shard buffers
+    "megatron.core.optimizer.clip_grads",  # grad-norm accumulator and overflow buffer
+    "megatron.core.optimizer.grad_scaler",  # the loss scale and its growth/backoff factors
+    "megatron.core.utils",  # local_multi_tensor_l2_norm, the grad norm without apex / TE
+)
+
+
+def _patch_training_module(path: str) -> Patch:
+    module = _module(path)
+    _require(module, "torch")
+    return Patch(module, "torch", _CpuTorch())
+
+
+@contextlib.contextmanager
+def _cuda_type_names() -> Iterator[None]:
+    """``tensor.type()`` of a CPU tensor answers the CUDA name ("torch.cuda.FloatTensor"): megatron's
+    optimizers sort parameters into fp32 and 16-bit groups by that string, and clipping asserts it."""
+    original = torch.Tensor.type
+
+    def type_name(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_name  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def _with_cuda_type_names(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _cuda_type_names():
+            return function(*args, **kwargs)
+
+    return call
+
+
+def _patch_type_check(module_path: str, owner_name: str | None, name: str) -> Patch:
+    module = _module(module_path)
+    owner = module if owner_name is None else _require(module, owner_name)
+    return Patch(owner, name, _with_cuda_type_names(_require(owner, name)))
+
+
+def _cpu_load_scaler_state(self: Any, state_dict: dict[str, Any]) -> None:
+    """DynamicGradScaler.load_state_dict without its ``.cuda()``: the scale stays on the CPU."""
+    self._scale = state_dict["scale"].cpu()
+    self._growth_tracker = state_dict["growth_tracker"]
+    self._hysteresis_tracker = state_dict["hysteresis_tracker"]
+
+
+def _patch_scaler_load() -> Patch:
+    scaler = _require(_module("megatron.core.optimizer.grad_scaler"), "DynamicGradScaler")
+    _require(scaler, "load_state_dict")
+    return Patch(scaler, "load_state_dict", _cpu_load_scaler_state)
+
+
+def training_patches() -> list[Patch]:
+    """DDP, the (distributed) optimizer, clipping and loss scaling on the CPU."""
+    return [
+        *(_patch_training_module(path) for path in _TRAINING_MODULES),
+        _patch_type_check("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
+        _patch_type_check("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+        # clipping asserts fp32 grads by type name; optimizer.py calls it under its own import
+        _patch_type_check("megatron.core.optimizer.optimizer", None, "clip_grad_by_total_norm_fp32"),
+        _patch_scaler_load(),
+    ]
+
+
 def cpu_patches() -> list[Patch]:
     """Every patch CPU runs need; raises MegatronPatchError before anything is installed."""
     return [
@@ -181,4 +266,5 @@ def cpu_patches() -> list[Patch]:
         _patch_global_memory_buffer(),
         _patch_rng_tracker_add(),
         _patch_rng_tracker_fork(),
+        *training_patches(),
     ]

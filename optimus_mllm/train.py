@@ -1,7 +1,7 @@
 """``optimus-train``: train the ViT + projector + GPT model on every rank of a ``torchrun`` job.
 
     torchrun --nproc-per-node N -m optimus_mllm.train --config FILE.yaml [--override KEY=VALUE ...]
-             [--schedule ARTIFACT.json] [--baseline] [--save DIR [--save-interval N] [--resume]]
+             [--schedule ARTIFACT.json] [--baseline] [--save DIR [--save-interval N] [--resume [--no-load-optim]]]
              [--tensorboard-dir DIR]
 
 Every rank loads the config, plans and schedules (pure Python and deterministic, so every rank gets
@@ -28,7 +28,13 @@ from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.runtime.checkpoint import CheckpointInfo, check_resumable, latest_checkpoint
+from optimus_mllm.runtime.checkpoint import (
+    CheckpointInfo,
+    check_resumable,
+    latest_checkpoint,
+    optimizer_layout,
+    optimizer_layout_change,
+)
 from optimus_mllm.runtime.data import check_dataset
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_job_artifact
 
@@ -64,7 +70,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--save-interval", metavar="N", type=_positive_int,
                         help="also checkpoint after every N steps")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in --save (weights, step, schedule)")
+                        help="continue from the latest checkpoint in --save (weights, optimizer state, LR "
+                             "schedule, step, schedule)")
+    parser.add_argument("--no-load-optim", action="store_true",
+                        help="with --resume: start the optimizer state afresh (needed when the ranks, plans or "
+                             "optimizer settings differ from the checkpoint's)")
     parser.add_argument("--tensorboard-dir", metavar="DIR", help="write TensorBoard scalars there (rank 0; "
                         "needs the tensorboard package)")
     return parser
@@ -83,12 +93,15 @@ class Job:
     artifact: dict[str, Any] | None  # None in baseline mode
     resume: CheckpointInfo | None = None
     notes: tuple[str, ...] = ()  # what rank 0 says before the first step
+    load_optimizer: bool = True  # with ``resume``: the checkpoint's optimizer state too
 
 
 def prepare(args: argparse.Namespace, world_size: int) -> Job:
     """Everything that can fail on the user's input, with no communication (same answer on every rank)."""
     if args.baseline and args.schedule:
         raise OptimusError("--baseline runs without a schedule; drop --schedule or --baseline")
+    if args.no_load_optim and not args.resume:
+        raise OptimusError("--no-load-optim applies to --resume; drop it or add --resume")
     if (args.resume or args.save_interval) and not args.save:
         raise OptimusError(f"{'--resume' if args.resume else '--save-interval'} needs --save DIR, the checkpoint "
                            "folder")
@@ -104,7 +117,13 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
     planned = plan(config)
     resume = _resume_point(args.save, config, planned.llm_plan) if args.resume else None
     artifact, notes = _job_artifact(args, config, planned, world_size, resume)
-    return Job(config, planned.llm_plan, artifact, resume, notes)
+    if resume is not None and not args.no_load_optim:
+        changed = optimizer_layout_change(resume, optimizer_layout(config, world_size, planned.llm_plan, artifact))
+        if changed:
+            raise OptimusError(f"--resume: the checkpoint's optimizer state is saved per rank and its {changed} "
+                               f"differs from this job's; resume with the checkpoint's ranks, plans and optimizer "
+                               "settings, or add --no-load-optim to start the optimizer state afresh")
+    return Job(config, planned.llm_plan, artifact, resume, notes, load_optimizer=not args.no_load_optim)
 
 
 def _job_artifact(args: argparse.Namespace, config: OptimusConfig, planned: PlannerResult, world_size: int,
@@ -171,7 +190,7 @@ def train(job: Job, save: str | None = None, save_interval: int | None = None,
     trainer = Trainer(config, job.llm_plan, "baseline" if job.artifact is None else "optimus", job.artifact)
     first = 0
     if job.resume is not None:
-        load_checkpoint(trainer, job.resume)
+        load_checkpoint(trainer, job.resume, job.load_optimizer)
         first = job.resume.iteration
         _say(f"resumed from {job.resume.path} at step {first}")
     for note in job.notes:
@@ -186,12 +205,14 @@ def train(job: Job, save: str | None = None, save_interval: int | None = None,
             loss, inside, total, moved = _step_totals(result.loss, result, reporter, job.llm_plan.dp)
             times.append(time.perf_counter() - started)
             share = None if job.artifact is None else inside / max(total, 1)
-            _say(f"step {i + 1}/{iters} | loss {loss:.4f} | {times[-1] * 1e3:.1f} ms | "
+            norm = "skipped (inf/nan)" if result.grad_norm is None else f"{result.grad_norm:.4f}"
+            _say(f"step {i + 1}/{iters} | loss {loss:.4f} | grad norm {norm} | lr {result.lr:.3e} | "
+                 f"{times[-1] * 1e3:.1f} ms | "
                  f"{tokens / times[-1]:.0f} tokens/s | "
                  + ("baseline" if share is None else
                     f"encoder ops inside LLM span {share:.1%} | ops moved from their hook {moved}"))
             if board is not None:
-                _log_scalars(board, i + 1, loss, times[-1], tokens, share)
+                _log_scalars(board, i + 1, loss, result, times[-1], tokens, share)
             if save and (i + 1 == iters or (save_interval and (i + 1) % save_interval == 0)):
                 _say(f"saved checkpoint {save_checkpoint(trainer, save, i + 1)}")
     finally:
@@ -210,8 +231,12 @@ def _summary_writer(log_dir: str | None) -> Any:
     return SummaryWriter(log_dir)
 
 
-def _log_scalars(board: Any, step: int, loss: float, seconds: float, tokens: int, share: float | None) -> None:
+def _log_scalars(board: Any, step: int, loss: float, result: StepResult, seconds: float, tokens: int,
+                 share: float | None) -> None:
     board.add_scalar("lm loss", loss, step)
+    board.add_scalar("learning-rate", result.lr, step)
+    if result.grad_norm is not None:
+        board.add_scalar("grad-norm", result.grad_norm, step)
     board.add_scalar("step time (ms)", seconds * 1e3, step)
     board.add_scalar("tokens per second", tokens / seconds, step)
     if share is not None:

@@ -12,8 +12,9 @@ warm-up is the scheduler's (adjusted where it differs from megatron-core's defau
 interleaved jobs, a reduced one that ``llm_timeline.simulate`` runs without deadlock, forced into
 the artifact. The Optimus runtime then trains ``--steps`` steps on ``world`` gloo ranks, and the
 Megatron-style baseline the same steps on one rank (every microbatch there, no parallelism) from
-the same plan-independent weights (``runtime/weights.py``) and data; losses, final weights and
-last-step gradients, whole and by global name, must agree within ``TOLERANCE``.
+the same plan-independent weights (``runtime/weights.py``) and data, both with megatron-core's
+training stack (DDP, distributed optimizer, AdamW, clipping, LR schedule); losses, gradient norms,
+final weights and last-step gradients, whole and by global name, must agree within ``TOLERANCE``.
 
 Ranks run through tests/distributed_utils.py's ``run_distributed`` (imported, with the repository
 root on ``sys.path`` as the other scripts do), whose timeout turns a hang into a failure (HANG).
@@ -205,14 +206,15 @@ def train_rank(overrides: list[str], mode: str, artifact: dict[str, Any] | None,
     config = load_config(TINY, overrides)
     trainer = Trainer(config, plan(config).llm_plan, mode, artifact)
     with recorded_p2p() as p2p:
-        losses = [trainer.train_step(i).loss for i in range(steps)]
+        results = [trainer.train_step(i) for i in range(steps)]
+    trainer.gather_gradients()
     tensors = whole_parameters(llm_global_parameter_names(trainer.chunks),
                                parallel_state.get_tensor_model_parallel_group())
     if trainer.encoder is not None:
         tensors.update(whole_parameters(global_parameter_names(trainer.encoder), trainer.encoder.tp_group))
     trainer.close()
     # NumPy copies: tensors would travel back as shared-memory handles that die with the process
-    return {"losses": losses, "p2p": p2p,
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "p2p": p2p,
             "tensors": {name: (w.numpy(), None if g is None else g.numpy()) for name, (w, g) in tensors.items()}}
 
 
@@ -244,9 +246,13 @@ def compare(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> Diffs:
     if any(not losses for losses in per_step):
         return Diffs(np.inf, np.inf, np.inf, "no rank reported a loss")
     loss = max(abs(float(np.mean(losses)) - ref) for losses, ref in zip(per_step, reference["losses"]))
+    if any(None in (norm, ref) for r in ranks for norm, ref in zip(r["norms"], reference["norms"])):
+        return Diffs(loss, np.inf, np.inf, "a step skipped its update on one side only")
+    # the gradient norm spans every rank's LLM and encoder parts: one global value, on every rank
+    grad = max(abs(norm - ref) for r in ranks for norm, ref in zip(r["norms"], reference["norms"]))
     expected = reference["tensors"]
     seen: set[str] = set()
-    grad = weight = 0.0
+    weight = 0.0
     for r in ranks:
         for name, (w, g) in r["tensors"].items():
             if name not in expected:

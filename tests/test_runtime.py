@@ -1,7 +1,7 @@
 """The Optimus runtime inside megatron-core's pipeline schedule, on CPU with gloo.
 
-Three training steps with the schedule artifact give the same losses and parameter gradients as the
-Megatron-style baseline (encoders in the first stage's pre-process), also when the artifact's hook
+Three training steps with the schedule artifact give the same losses, gradient norms, last-step
+gradients and weights as the Megatron-style baseline (encoders in the first stage's pre-process), also when the artifact's hook
 points are wrong; and the encoder's ops run at the hook points the artifact names.
 """
 
@@ -21,29 +21,34 @@ EIGHT_RANKS = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={d
 
 
 def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | None) -> dict:
-    """One rank: train, then report losses, gradients (encoder ones whole, by plan-independent name), log."""
+    """One rank: train, then report losses, grad norms, (weight, gradient) pairs (encoder ones whole, by
+    plan-independent name), log."""
+    from megatron.core import parallel_state
+
     from optimus_mllm.config import load_config
     from optimus_mllm.planner import plan
     from optimus_mllm.runtime.trainer import Trainer
-    from optimus_mllm.runtime.weights import global_parameter_names, whole
+    from optimus_mllm.runtime.weights import global_parameter_names, llm_global_parameter_names, whole_parameters
 
     config = load_config(config_path, overrides)
     trainer = Trainer(config, plan(config).llm_plan, mode, artifact)
     results = [trainer.train_step(i) for i in range(STEPS)]
+    trainer.gather_gradients()
     # NumPy copies: tensors would travel back as shared-memory handles that die with the process
-    llm = {f"{c}.{n}": p.grad.numpy().copy() for c, chunk in enumerate(trainer.chunks)
-           for n, p in chunk.named_parameters()}
+    llm = {n: (w.numpy(), g.numpy()) for n, (w, g) in whole_parameters(
+        llm_global_parameter_names(trainer.chunks), parallel_state.get_tensor_model_parallel_group()).items()}
     encoder = {}
     if trainer.encoder is not None:
-        group = trainer.encoder.tp_group
-        encoder = {n: whole(p.grad, p, group).numpy() for n, p in global_parameter_names(trainer.encoder).items()}
+        encoder = {n: (w.numpy(), None if g is None else g.numpy()) for n, (w, g) in whole_parameters(
+            global_parameter_names(trainer.encoder), trainer.encoder.tp_group).items()}
     planned = []
     if mode == "optimus":
         planned = [(op.event, op.phase, op.local_microbatch, op.kernel_index) for op in trainer.stage_plan.ops]
     trainer.close()
     record = [(op.ran_at, op.scheduled_at, op.phase, op.local_microbatch, op.kernel_index)
               for op in results[-1].encoder_record]
-    return {"losses": [r.loss for r in results], "llm": llm, "encoder": encoder,
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "llm": llm,
+            "encoder": encoder,
             "record": record, "planned": planned, "unplanned": [r.unplanned_collectives for r in results]}
 
 
@@ -65,18 +70,26 @@ def _run(world: int, overrides: list[str], mode: str, artifact: dict | None) -> 
 
 
 def _assert_same(optimus: list[dict], baseline: list[dict]) -> None:
+    """Same LLM plan on both sides: rank by rank; the encoders (other plans) whole, by global name."""
     for rank, (o, b) in enumerate(zip(optimus, baseline)):
         if b["losses"][0] is not None:
             assert o["losses"] == pytest.approx(b["losses"], abs=1e-5), f"rank {rank}"
-        assert o["llm"].keys() == b["llm"].keys()
-        for name, grad in b["llm"].items():
-            assert abs(o["llm"][name] - grad).max() <= 1e-5, f"rank {rank}: {name}"
-    encoder_o = {n: g for r in optimus for n, g in r["encoder"].items()}
-    encoder_b = {n: g for r in baseline for n, g in r["encoder"].items()}
-    assert encoder_o.keys() == encoder_b.keys() and encoder_b
-    for name, grad in encoder_b.items():
-        assert abs(encoder_o[name] - grad).max() <= 1e-5, name
+        assert o["norms"] == pytest.approx(b["norms"], abs=1e-5), f"rank {rank}: gradient norms"
+        _assert_tensors_equal(o["llm"], b["llm"], f"rank {rank}")
+    encoder_o = {n: t for r in optimus for n, t in r["encoder"].items()}
+    encoder_b = {n: t for r in baseline for n, t in r["encoder"].items()}
+    assert encoder_b
+    _assert_tensors_equal(encoder_o, encoder_b, "encoder")
     assert any(l is not None for r in baseline for l in r["losses"])
+
+
+def _assert_tensors_equal(got: dict, expected: dict, where: str) -> None:
+    assert got.keys() == expected.keys(), where
+    for name, (weight, grad) in expected.items():
+        assert abs(got[name][0] - weight).max() <= 1e-5, f"{where}: weight {name}"
+        assert (got[name][1] is None) == (grad is None), f"{where}: gradient of {name} on one side only"
+        if grad is not None:
+            assert abs(got[name][1] - grad).max() <= 1e-5, f"{where}: gradient {name}"
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,9 @@ from tests.distributed_utils import free_port
 
 TINY = str(CONFIGS / "tiny.yaml")
 TIMEOUT_S = 90
-STEP = re.compile(r"^step (\d+)/(\d+) \| loss (\d+\.\d{4}) \| [\d.]+ ms \| \d+ tokens/s \| (.+)$")
+STEP = re.compile(r"^step (\d+)/(\d+) \| loss (\d+\.\d{4}) \| grad norm (?:\d+\.\d{4}|skipped \(inf/nan\)) \| "
+                  r"lr \d\.\d{3}e[-+]\d\d \| [\d.]+ ms \| \d+ tokens/s \| (.+)$")
+NUMBERS = re.compile(r"^step (\d+)/\d+ \| (loss \S+ \| grad norm \S+ \| lr \S+) \|")
 SUMMARY = re.compile(r"^done: (\d+) steps \| mean step [\d.]+ ms \| final loss (\d+\.\d{4})$")
 
 
@@ -28,6 +30,11 @@ def torchrun(*args: str, nproc: int = 4) -> list[str]:
 def step_losses(lines: list[str]) -> dict[int, str]:
     """{step: printed loss} of the step lines."""
     return {int(m.group(1)): m.group(3) for m in map(STEP.match, lines) if m}
+
+
+def step_numbers(lines: list[str]) -> dict[int, str]:
+    """{step: "loss L | grad norm N | lr R"} of the step lines: everything a step's update decides."""
+    return {int(m.group(1)): m.group(2) for m in map(NUMBERS.match, lines) if m}
 
 
 TRAIN = ("-m", "optimus_mllm.train", "--config", TINY)

@@ -7,6 +7,8 @@ Layout under the ``--save`` folder (Megatron-LM's names where it has one)::
     iter_0000003/schedule.json                 the schedule artifact the job ran (Optimus mode)
     iter_0000003/llm/mp_rank_TT_PPP.pt         LLM chunks of (TP rank, PP rank), from DP rank 0
     iter_0000003/encoder/stage_S.pt            encoder stage S as whole tensors by global name
+    iter_0000003/optimizer/rank_00005.pt       rank 5's optimizer state: Adam moments, main parameters,
+                                               step counts, loss scaler (megatron_patches.optimizer)
 
 Every rank writes its files under ``iter_0000003.tmp``; only when all ranks succeeded does rank 0
 rename the folder and then replace the ``latest`` file, so a writer killed or failing midway leaves
@@ -14,9 +16,12 @@ the previous checkpoint as the latest and loadable.
 
 The encoder is saved whole (gathered over its TP group) under plan-independent names, so it loads
 into any encoder plan: a resumed job may re-plan. The LLM is saved per (TP, PP) shard, as Megatron's
-legacy checkpoints are, so its TP, PP and virtual stages must stay (DP may change). The step draws
-no random numbers (no dropout; data seeded by iteration and microbatch) and SGD keeps no state, so
-weights and iteration are the whole training state.
+legacy checkpoints are, so its TP, PP and virtual stages must stay (DP may change). The optimizer's
+state is saved per rank, so it loads only into the same ranks, plans and optimizer settings
+(``optimizer_layout`` in meta.json); a job that differs must say ``--no-load-optim`` (Megatron-LM's
+flag) and resumes the weights and the LR schedule with a fresh optimizer state. The LR schedule's
+state is in meta.json. The step draws no random numbers (no dropout; data seeded by iteration and microbatch),
+so with these the resumed steps are the uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_patches.optimizer import load_optimizer_state, optimizer_state
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
@@ -41,7 +47,7 @@ from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.weights import global_parameter_names, shard, whole
 
 CHECKPOINT_FORMAT = "optimus-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 LATEST = "latest_checkpointed_iteration.txt"
 
 
@@ -59,6 +65,8 @@ class CheckpointInfo:
     llm_plan: ParallelPlan
     mode: str
     model: dict[str, Any]
+    optimizer_layout: dict[str, Any]  # what the per-rank optimizer state needs to load unchanged
+    scheduler: dict[str, Any]  # megatron-core's OptimizerParamScheduler.state_dict()
 
     @property
     def schedule_path(self) -> Path:
@@ -78,7 +86,7 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo:
     meta = read_versioned_json(path / "meta.json", "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
                                "resume from a checkpoint written by this release")
     return CheckpointInfo(path, meta["iteration"], meta["world_size"], ParallelPlan(**meta["llm_plan"]),
-                          meta["mode"], meta["model"])
+                          meta["mode"], meta["model"], meta["optimizer_layout"], meta["scheduler"])
 
 
 def check_resumable(info: CheckpointInfo, config: OptimusConfig, llm_plan: ParallelPlan) -> None:
@@ -92,6 +100,20 @@ def check_resumable(info: CheckpointInfo, config: OptimusConfig, llm_plan: Paral
         raise OptimusError(f"--resume: the checkpoint holds the LLM as {info.llm_plan} shards, this job uses "
                            f"{llm_plan}; LLM weights are saved per (TP, PP) shard, so resume with parallel.llm "
                            f"tp={info.llm_plan.tp} pp={info.llm_plan.pp} vp={info.llm_plan.vp} (DP may change)")
+
+
+def optimizer_layout(config: OptimusConfig, world_size: int, llm_plan: ParallelPlan,
+                     artifact: dict[str, Any] | None) -> dict[str, Any]:
+    """What a rank's saved optimizer state depends on: the ranks, both plans and the optimizer kind."""
+    t = config.training
+    return {"world_size": world_size, "llm_plan": llm_plan.as_dict(),
+            "encoder_plan": None if artifact is None else artifact["encoder_plan"],
+            "optimizer": t.optimizer, "distributed_optimizer": t.distributed_optimizer, "precision": t.precision}
+
+
+def optimizer_layout_change(info: CheckpointInfo, layout: dict[str, Any]) -> str | None:
+    """The first difference that keeps the checkpoint's optimizer state out of this job, or None."""
+    return _first_difference(info.optimizer_layout, json.loads(json.dumps(layout)), "optimizer layout")
 
 
 def _model_json(config: OptimusConfig) -> dict[str, Any]:
@@ -156,6 +178,7 @@ def _fresh_dir(path: Path) -> None:
         shutil.rmtree(path)
     (path / "llm").mkdir(parents=True)
     (path / "encoder").mkdir()
+    (path / "optimizer").mkdir()
 
 
 def _whole_encoder(trainer: Any) -> tuple[str, dict[str, torch.Tensor]] | None:
@@ -177,6 +200,11 @@ def _write_rank_files(trainer: Any, folder: Path, encoder: tuple[str, dict[str, 
     if encoder is not None:
         name, tensors = encoder
         torch.save(tensors, folder / "encoder" / name)
+    torch.save(optimizer_state(trainer.optimizer), _optimizer_file(folder, dist.get_rank()))
+
+
+def _optimizer_file(folder: Path, rank: int) -> Path:
+    return folder / "optimizer" / f"rank_{rank:05d}.pt"
 
 
 def _encoder_writer(trainer: Any) -> tuple[bool, int]:
@@ -191,7 +219,9 @@ def _encoder_writer(trainer: Any) -> tuple[bool, int]:
 def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -> None:
     meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "iteration": iteration,
             "world_size": dist.get_world_size(), "mode": trainer.mode, "llm_plan": trainer.plan.as_dict(),
-            "model": _model_json(trainer.config)}
+            "model": _model_json(trainer.config),
+            "optimizer_layout": optimizer_layout(trainer.config, dist.get_world_size(), trainer.plan, trainer.artifact),
+            "scheduler": trainer.scheduler.state_dict()}
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")
     if trainer.artifact is not None:
         atomic_write_text(tmp / "schedule.json", json.dumps(trainer.artifact) + "\n")
@@ -204,8 +234,22 @@ def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -
 # -- loading -----------------------------------------------------------------------------------
 
 
-def load_checkpoint(trainer: Any, info: CheckpointInfo) -> None:
-    """Load the weights of ``info`` into this rank's LLM chunks and encoder stage."""
+def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = True) -> None:
+    """Load the weights of ``info`` into this rank's LLM chunks and encoder stage, the LR schedule's
+    position and, with ``load_optimizer`` (the caller checked ``optimizer_layout_change``), this rank's
+    optimizer state."""
+    _load_weights(trainer, info)
+    try:
+        trainer.scheduler.load_state_dict(info.scheduler)
+    except AssertionError as exc:  # megatron-core asserts that the schedule's settings are unchanged
+        raise OptimusError(f"--resume: {exc}; resume with the training settings the checkpoint was written "
+                           "with") from None
+    if load_optimizer:
+        state = torch.load(_optimizer_file(info.path, dist.get_rank()), map_location="cpu", weights_only=False)
+        load_optimizer_state(trainer.optimizer, state)
+
+
+def _load_weights(trainer: Any, info: CheckpointInfo) -> None:
     tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     llm = torch.load(info.path / "llm" / f"mp_rank_{tp:02d}_{pp:03d}.pt", map_location="cpu",
                      weights_only=True)

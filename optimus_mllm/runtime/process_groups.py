@@ -112,7 +112,8 @@ class EncoderRankLayout:
 
     Groups are listed in a fixed order (the order ``torch.distributed.new_group`` is called in):
     TP groups by (encoder dp, stage), PP groups by (encoder dp, encoder tp), DP groups by
-    (stage, encoder tp); each group's ranks in TP, stage or DP order respectively.
+    (stage, encoder tp), model-parallel groups (one encoder pipeline's ranks, for the optimizer's
+    gradient norm) by encoder dp; each group's ranks in TP, stage, DP or stage-then-TP order.
     """
 
     llm_plan: ParallelPlan
@@ -121,6 +122,7 @@ class EncoderRankLayout:
     tp_groups: tuple[Ranks, ...]
     pp_groups: tuple[Ranks, ...]
     dp_groups: tuple[Ranks, ...]
+    mp_groups: tuple[Ranks, ...]
     pipelines: tuple[EncoderPipeline, ...]  # indexed by encoder DP index
     links: tuple[EncoderLLMLink, ...]
     channels: tuple[Channel, ...]  # every rank-to-rank message kind, in group creation order
@@ -186,6 +188,7 @@ def build_encoder_rank_layout(llm: ParallelPlan, enc: ParallelPlan) -> EncoderRa
             for stage in range(enc.pp)
             for tp in range(enc.tp)
         ),
+        mp_groups=tuple(tuple(rank for ranks in pipe.stage_ranks for rank in ranks) for pipe in pipelines),
         pipelines=pipelines,
         links=links,
         channels=_channels(pipelines, links),
@@ -265,6 +268,7 @@ class EncoderProcessGroups:
     tp_group: ProcessGroup
     pp_group: ProcessGroup
     dp_group: ProcessGroup
+    mp_group: ProcessGroup  # this rank's encoder pipeline: every stage and TP rank
     tp_ranks: Ranks
     pp_ranks: Ranks
     dp_ranks: Ranks
@@ -294,6 +298,7 @@ def build_encoder_process_groups(layout: EncoderRankLayout, rank: int) -> Encode
     tp_group, tp_ranks = _create_groups(layout.tp_groups, rank)
     pp_group, pp_ranks = _create_groups(layout.pp_groups, rank)
     dp_group, dp_ranks = _create_groups(layout.dp_groups, rank)
+    mp_group, _ = _create_groups(layout.mp_groups, rank)
     channels = _create_channel_groups(layout.channels, rank)
     coords = layout.coords[rank].encoder
     return EncoderProcessGroups(
@@ -302,6 +307,7 @@ def build_encoder_process_groups(layout: EncoderRankLayout, rank: int) -> Encode
         tp_group=tp_group,
         pp_group=pp_group,
         dp_group=dp_group,
+        mp_group=mp_group,
         tp_ranks=tp_ranks,
         pp_ranks=pp_ranks,
         dp_ranks=dp_ranks,

@@ -5,8 +5,9 @@ and an encoder stage under the encoder plan (its own process groups); the encode
 run at the hook points that the schedule artifact names, and the image tokens reach the LLM by P2P.
 ``baseline``: the encoders run whole in the first pipeline stage's pre-process, tensor-parallel
 with the LLM, as Megatron-LM does for multimodal models; the same weights, data and LLM plan.
-Both end with data-parallel gradient averaging and an SGD step, so their losses and gradients can
-be compared number for number.
+Both train with megatron-core's own stack (``runtime/optimizer.py``: DDP, the distributed optimizer,
+AdamW, clipping by one norm over LLM and encoder, the LR schedule), so their losses, gradient norms
+and weights can be compared number for number.
 
 Device: the CPU (gloo), or this process's GPU when CUDA is visible, with the models in the config's
 precision there; the encoder ops then run on a CUDA side stream (``streams``) unless
@@ -22,10 +23,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 import megatron_patches
+from megatron_patches.ddp import gather_main_grads
 from megatron_patches.hooks import tp_collective_hook, warmup_override
 from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
 from optimus_mllm.config import OptimusConfig
@@ -37,6 +40,7 @@ from optimus_mllm.runtime.encoder_ops import build_stage_ops
 from optimus_mllm.runtime.executor import EncoderExecutor, ExecutedOp, HookDriver, Mailbox, incoming_messages
 from optimus_mllm.runtime.hook_plan import POST, PRE, build_hook_plan, planned_collectives
 from optimus_mllm.runtime.messages import Messenger
+from optimus_mllm.runtime.optimizer import build_optimizer, build_scheduler, encoder_process_groups, wrap_ddp
 from optimus_mllm.runtime.llm import (
     build_llm_chunks,
     causal_mask,
@@ -56,6 +60,8 @@ Mode = Literal["optimus", "baseline"]
 @dataclass
 class StepResult:
     loss: float | None  # mean LM loss over the step's microbatches; None off the last pipeline stage
+    grad_norm: float | None  # over LLM and encoder, before clipping; None where fp16 skipped the update
+    lr: float  # the learning rate this step's update used
     encoder_record: list[ExecutedOp]  # every encoder op run here: where it ran, where it was scheduled
     unplanned_collectives: int  # TP collectives megatron-core ran that the schedule's LLM kernels lack
 
@@ -109,9 +115,19 @@ class Trainer:
             for module in [*self.chunks, *([self.encoder] if self.encoder is not None else [])]:
                 module.to(self.device, dtype)
         self.communicator = self._pipeline_communicator() if mode == "optimus" else None
-        params = [p for chunk in self.chunks for p in chunk.parameters()]
-        params += list(self.encoder.parameters()) if self.encoder is not None else []
-        self.optimizer = torch.optim.SGD(params, lr=config.training.lr)
+        self._build_training_stack()
+
+    def _build_training_stack(self) -> None:
+        """megatron-core's DDP around every model part, one optimizer and the LR schedule over them."""
+        self.models = [wrap_ddp(self.config, self.tconfig, chunk) for chunk in self.chunks]
+        self.encoder_ddp = None
+        encoder_groups = encoder_process_groups(self.groups) if self.mode == "optimus" else None
+        if self.encoder is not None:
+            self.encoder_ddp = wrap_ddp(self.config, self.tconfig, self.encoder, encoder_groups,
+                                        replicas=self.plan.dp if encoder_groups is not None else None)
+        self.optimizer = build_optimizer(self.config, self.models, self.encoder_ddp, encoder_groups)
+        self.scheduler = build_scheduler(self.config, self.optimizer)
+        self.tconfig.grad_scale_func = self.optimizer.scale_loss
 
     def _pipeline_communicator(self) -> ChannelP2PCommunicator | None:
         """The LLM's P2P for the Optimus schedule: ops wait for their inputs only when they need them
@@ -170,14 +186,16 @@ class Trainer:
         driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox), self._wait_for_input,
                             self.collectives)
         self.tconfig.timers = driver.timers()
-        self.optimizer.zero_grad(set_to_none=True)
+        for model in [*self.models, *([self.encoder_ddp] if self.encoder_ddp is not None else [])]:
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
         forward_step = partial(self._forward_step, driver, iteration, leaves, mailbox)
         driver.fire(PRE)
         with tp_collective_hook(driver.on_reduction, self.chunks), warmup_override(lambda s: self.warmup[s]):
             outputs = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=[None] * self.plan.vp if self.plan.vp > 1 else None,
-                model=self.chunks if self.plan.vp > 1 else self.chunks[0],
+                model=self.models if self.plan.vp > 1 else self.models[0],
                 num_microbatches=self.num_microbatches, seq_length=self.config.llm.seq_length,
                 micro_batch_size=self.config.training.micro_batch_size, forward_only=False,
                 **self._schedule_groups())
@@ -187,25 +205,29 @@ class Trainer:
         if executor is not None:
             executor.finish()
             self.messenger.finish()
-        self._synchronise_gradients()
-        self.optimizer.step()
+        self._finalize_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
         loss = None
         if outputs:
             loss = float(torch.stack([o["lm loss"] for o in outputs]).mean())
-        return StepResult(loss, executor.record if executor is not None else [], len(driver.unplanned))
+        return StepResult(loss, grad_norm if updated else None, lr,
+                          executor.record if executor is not None else [], len(driver.unplanned))
 
     def _forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
                       data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-        microbatch, _, _ = driver.current
+        microbatch, chunk, _ = driver.current
         mb = _text_on(self.data(iteration, self.llm_dp * self.num_microbatches + microbatch), self.device)
         mask = causal_mask(self.config.llm.seq_length, self.device)
         decoder_input = None
-        if model.pre_process:
+        if self.chunks[chunk].pre_process:
             images = self._image_embeddings(microbatch, mb, mailbox)
             if self.mode == "optimus":
                 images = images.detach().requires_grad_(True)
                 leaves[microbatch] = images  # its .grad after the backward is G_i
-            decoder_input = decoder_input_with_images(model, mb, images)
+            decoder_input = decoder_input_with_images(self.chunks[chunk], mb, images)
         output = model(mb.tokens, mb.position_ids, mask, decoder_input=decoder_input, labels=mb.labels)
         return output, partial(masked_lm_loss, loss_mask=mb.loss_mask)
 
@@ -234,27 +256,20 @@ class Trainer:
         else:
             self.messenger.send("embeddings_grad", link.encoder_rank, grad, (microbatch, 0))
 
-    def _synchronise_gradients(self) -> None:
-        """Average over the LLM's data-parallel replicas; the encoder's over its own DP group, where each
-        pipeline saw only its share of a replica's microbatches, so the sum is divided by DP_llm."""
-        dp = self.plan.dp
-        for chunk in self.chunks:
-            for p in chunk.parameters():
-                if p.grad is not None and dp > 1:
-                    dist.all_reduce(p.grad, group=parallel_state.get_data_parallel_group())
-                    p.grad /= dp
-        if self.encoder is None:
+    def _finalize_gradients(self) -> None:
+        """megatron-core's gradient reductions, once every op of the step (encoder ops included) ran: no
+        rank then waits in a collective for a peer that still has a P2P message to send it."""
+        finalize_model_grads(self.models)
+        if self.encoder_ddp is None:
             return
         if self.mode == "optimus":
             self.encoder.reduce_sequence_parallel_grads()
-            group, size = self.groups.dp_group, self.groups.dp_group.size()
-        else:
-            group, size = parallel_state.get_data_parallel_group(), dp
-        for p in self.encoder.parameters():
-            if p.grad is not None and size > 1:
-                dist.all_reduce(p.grad, group=group)
-            if p.grad is not None:
-                p.grad /= dp
+        self.encoder_ddp.finish_grad_sync()
+
+    def gather_gradients(self) -> None:
+        """After a step: every parameter's ``main_grad`` whole and reduced (``megatron_patches.ddp``)."""
+        for model in [*self.models, *([self.encoder_ddp] if self.encoder_ddp is not None else [])]:
+            gather_main_grads(model)
 
     def close(self) -> None:
         parallel_state.destroy_model_parallel()

@@ -361,14 +361,16 @@ class EncoderStage(nn.Module):
     def reduce_sequence_parallel_grads(self) -> None:
         """Sum the partial gradients of sequence-parallel parameters over the TP group; once per
         iteration after the last backward op (megatron-core's finalize_model_grads does the same
-        for these parameters when given this TP group)."""
-        params = [p for p in self.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-        if not params or self.tp_group.size() == 1:
+        for these parameters when given this TP group). Under megatron-core's DDP the gradient is
+        the parameter's ``main_grad``."""
+        grads = [getattr(p, "main_grad", p.grad) for p in self.parameters() if getattr(p, "sequence_parallel", False)]
+        grads = [g for g in grads if g is not None]
+        if not grads or self.tp_group.size() == 1:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.tp_group)
-        for p, reduced in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(reduced.view_as(p.grad))
+        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(reduced.view_as(g))
 
 
 def _check_tp(encoder: EncoderConfig, llm_hidden_size: int, tp: int, sequence_parallel: bool) -> None:

@@ -126,8 +126,11 @@ def whole_parameters(named: Mapping[str, torch.nn.Parameter],
     Returns:
         Whole copies; the gradient is None where the parameter has none (a frozen encoder). Another
         pipeline stage's parameters come from that stage's ranks; DP replicas hold equal copies.
+        Under megatron-core's DDP the gradient is ``main_grad`` (whole after
+        ``megatron_patches.ddp.gather_main_grads``).
     """
     with torch.no_grad():
+        grads = {name: getattr(param, "main_grad", param.grad) for name, param in named.items()}
         return {name: (whole(param.detach(), param, group),
-                       None if param.grad is None else whole(param.grad, param, group))
+                       None if grads[name] is None else whole(grads[name], param, group))
                 for name, param in named.items()}
