@@ -35,6 +35,12 @@ def add_optimus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+# Megatron-LM's optimizer flags that the training config takes under the same names
+_OPTIMIZER_ARGS = ("optimizer", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay",
+                   "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad", "loss_scale",
+                   "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+
+
 def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_per_node: int = 8) -> OptimusConfig:
     """The Optimus config of a job described by Megatron-LM's argument names.
 
@@ -44,7 +50,11 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
     ``encoder_num_attention_heads``, ``encoder_ffn_hidden_size``; parallelism and training:
     ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
     ``num_layers_per_virtual_pipeline_stage``, ``micro_batch_size``, ``global_batch_size``,
-    ``train_iters``, ``lr``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``."""
+    ``train_iters``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``; optimizer: ``optimizer``, ``lr``,
+    ``min_lr``, ``lr_decay_style``, ``lr_warmup_iters``, ``lr_decay_iters``, ``weight_decay``,
+    ``adam_beta1``, ``adam_beta2``, ``adam_eps``, ``sgd_momentum``, ``clip_grad``, ``loss_scale``,
+    ``initial_loss_scale``, ``min_loss_scale``, ``loss_scale_window``, ``hysteresis``,
+    ``use_distributed_optimizer``."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise OptimusError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not "
@@ -72,7 +82,8 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
                      "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                      "sequence_parallel": args.sequence_parallel, "train_iters": args.train_iters,
-                     "lr": args.lr, "seed": args.seed},
+                     "seed": args.seed, "distributed_optimizer": args.use_distributed_optimizer,
+                     **{name: getattr(args, name) for name in _OPTIMIZER_ARGS}},
         "parallel": {"llm": {"dp": world_size // (tp * pp), "pp": pp, "tp": tp, "vp": vp}},
     }
     return config_from_dict(raw)
