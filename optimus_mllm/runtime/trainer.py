@@ -110,10 +110,11 @@ class Trainer:
             self.encoder = EncoderStage(config, 0, 1, parallel_state.get_tensor_model_parallel_group())
         if self.encoder is not None:
             init_plan_independent_(self.encoder, config.training.seed)
-        if self.device.type == "cuda":  # megatron-core leaves some (torch norm, position embedding) on the CPU
-            dtype = DTYPES[config.training.precision]
-            for module in [*self.chunks, *([self.encoder] if self.encoder is not None else [])]:
-                module.to(self.device, dtype)
+        # megatron-core leaves some parts (torch norm, position embedding) on the CPU and in fp32: every part
+        # in the training precision, on the training device (megatron-core's DDP then keeps fp32 main copies)
+        dtype = DTYPES[config.training.precision]
+        for module in [*self.chunks, *([self.encoder] if self.encoder is not None else [])]:
+            module.to(self.device, dtype)
         self.communicator = self._pipeline_communicator() if mode == "optimus" else None
         self._build_training_stack()
 

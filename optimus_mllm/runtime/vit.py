@@ -170,7 +170,8 @@ class PatchEmbedding(nn.Module):
         """Embed the patches of ``tokens`` (a rank's own share under sequence parallelism)."""
 
         def forward(patches: Tensor) -> Tensor:
-            x = F.linear(patches[:, tokens], self.weight, self.bias) + self.position[tokens]
+            # pixels arrive in fp32 (the data loader's); the weights are in the training precision
+            x = F.linear(patches[:, tokens].to(self.weight.dtype), self.weight, self.bias) + self.position[tokens]
             return x.transpose(0, 1).contiguous()
 
         return _compute("patch_embed", forward, self.weight, self.bias, self.position)
