@@ -191,6 +191,8 @@ _TRAINING_MODULES = (
     "megatron.core.optimizer.clip_grads",  # grad-norm accumulator and overflow buffer
     "megatron.core.optimizer.grad_scaler",  # the loss scale and its growth/backoff factors
     "megatron.core.utils",  # local_multi_tensor_l2_norm, the grad norm without apex / TE
+    "megatron.core.tensor_parallel.mappings",  # sequence parallelism's all-gather / reduce-scatter outputs
+    "megatron.core.tensor_parallel.layers",  # the sequence-parallel all-gather in a linear's backward
 )
 
 
@@ -233,6 +235,35 @@ def _patch_type_check(module_path: str, owner_name: str | None, name: str) -> Pa
     return Patch(owner, name, _with_cuda_type_names(_require(owner, name)))
 
 
+@contextlib.contextmanager
+def _cuda_stays_on_cpu() -> Iterator[None]:
+    """``tensor.cuda()`` returns the CPU tensor itself."""
+    original = torch.Tensor.cuda
+
+    def stay(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    torch.Tensor.cuda = stay  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def _patch_tied_embedding_setup() -> Patch:
+    # with tied embeddings across pipeline stages, the last stage's copy is moved with .cuda() before
+    # the all-reduce that makes it the first stage's
+    module = _require(_module("megatron.core.models.common.language_module.language_module"), "LanguageModule")
+    original = _require(module, "setup_embeddings_and_output_layer")
+
+    @functools.wraps(original)
+    def setup(self: Any) -> None:
+        with _cuda_stays_on_cpu():
+            original(self)
+
+    return Patch(module, "setup_embeddings_and_output_layer", setup)
+
+
 def _cpu_load_scaler_state(self: Any, state_dict: dict[str, Any]) -> None:
     """DynamicGradScaler.load_state_dict without its ``.cuda()``: the scale stays on the CPU."""
     self._scale = state_dict["scale"].cpu()
@@ -247,7 +278,7 @@ def _patch_scaler_load() -> Patch:
 
 
 def training_patches() -> list[Patch]:
-    """DDP, the (distributed) optimizer, clipping and loss scaling on the CPU."""
+    """DDP, the (distributed) optimizer, clipping, loss scaling and tied embeddings on the CPU."""
     return [
         *(_patch_training_module(path) for path in _TRAINING_MODULES),
         _patch_type_check("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
@@ -255,6 +286,7 @@ def training_patches() -> list[Patch]:
         # clipping asserts fp32 grads by type name; optimizer.py calls it under its own import
         _patch_type_check("megatron.core.optimizer.optimizer", None, "clip_grad_by_total_norm_fp32"),
         _patch_scaler_load(),
+        _patch_tied_embedding_setup(),
     ]
 
 

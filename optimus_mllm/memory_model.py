@@ -45,8 +45,13 @@ def bytes_per_param_k(config: OptimusConfig) -> int:
 
 
 def optimizer_bytes_per_param(config: OptimusConfig) -> int:
-    """Adam: two fp32 moments, plus an fp32 master copy when parameters are 16-bit."""
-    return 8 if config.training.precision == "fp32" else 12
+    """Adam: two fp32 moments; SGD: one fp32 momentum, none without momentum; plus an fp32 master copy
+    when parameters are 16-bit (megatron-core's optimizers)."""
+    t = config.training
+    master = 0 if t.precision == "fp32" else 4
+    if t.optimizer == "sgd":
+        return master + (4 if t.sgd_momentum > 0 else 0)
+    return master + 8
 
 
 @dataclass(frozen=True)

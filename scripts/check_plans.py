@@ -5,8 +5,9 @@
 Each seed draws a small job from configs/tiny.yaml (``draw_job``): an LLM plan (PP 1/2/4, V 1/2/3,
 TP 1/2, DP 1/2, at most 8 ranks), a microbatch count per pipeline that is or is not a multiple of PP
 (a multiple with V > 1, as megatron-core's interleaved schedule needs), micro batch 1-3, one or two
-encoders, maybe one frozen, and model shapes that divide the plan (sometimes grouped-query attention
-or a gated linear unit). ``schedule_job`` plans and schedules it: the encoder plan is the
+encoders, maybe one frozen, model shapes that divide the plan (sometimes grouped-query attention
+or a gated linear unit), and sometimes LLM sequence parallelism (TP 2) or tied input and output
+embeddings. ``schedule_job`` plans and schedules it: the encoder plan is the
 scheduler's choice or one of the planner's other plans, forced through ``parallel.encoder``; the
 warm-up is the scheduler's (adjusted where it differs from megatron-core's default) or, for some
 interleaved jobs, a reduced one that ``llm_timeline.simulate`` runs without deadlock, forced into
@@ -73,6 +74,7 @@ class Job:
     micro_batch: int
     model: tuple[str, ...]  # plan-independent overrides: model shapes, encoders, training seed
     encoders: str  # "single", "dual", with "+frozen" if one encoder is frozen
+    llm: str  # "sp" (sequence parallel), "tied" (input and output embeddings), both joined by "+", or "-"
     force_encoder_plan: bool  # one of the planner's plans instead of the scheduler's choice
     force_warmup: bool  # a reduced warm-up instead of the scheduler's, where V > 1 allows one
 
@@ -120,9 +122,20 @@ def draw_job(seed: int) -> Job:
         encoders[rng.randrange(len(encoders))]["frozen"] = True
         label += "+frozen"
     model.append(f"model.encoders={json.dumps(encoders)}")
-    return Job(seed=seed, dp=dp, pp=pp, tp=tp, vp=vp, num_microbatches=num_microbatches,
-               micro_batch=rng.randint(1, 3), model=tuple(model), encoders=label,
-               force_encoder_plan=rng.random() < 0.5, force_warmup=vp > 1 and rng.random() < 0.4)
+    micro_batch = rng.randint(1, 3)
+    force_encoder_plan = rng.random() < 0.5
+    force_warmup = vp > 1 and rng.random() < 0.4
+    # drawn last, so that the draws above give the jobs they gave before these existed
+    llm = []
+    if tp > 1 and rng.random() < 0.5:
+        model.append("training.sequence_parallel=true")
+        llm.append("sp")
+    if rng.random() < 0.5:
+        model.append("model.llm.untie_embeddings_and_output_weights=false")
+        llm.append("tied")
+    return Job(seed=seed, dp=dp, pp=pp, tp=tp, vp=vp, num_microbatches=num_microbatches, micro_batch=micro_batch,
+               model=tuple(model), encoders=label, llm="+".join(llm) or "-", force_encoder_plan=force_encoder_plan,
+               force_warmup=force_warmup)
 
 
 def _tiny_encoder() -> dict[str, Any]:
@@ -287,6 +300,7 @@ class Row:
     microbatches: int  # per LLM pipeline
     micro_batch: int
     encoders: str
+    llm: str  # sp / tied / sp+tied / -
     warmup: str
     warmup_kind: str  # default, adjusted (the scheduler's) or forced
     loss_diff: float | None  # None where the run did not finish
@@ -333,7 +347,7 @@ def _row(job: Job, setup: Setup | None, diffs: Diffs | None, status: Status, not
         warmup, kind = ",".join(map(str, setup.artifact["warmup"])), setup.warmup_kind
     return Row(seed=job.seed, world=job.world, llm_plan=f"{job.dp}/{job.pp}/{job.tp}/{job.vp}",
                encoder_plan=encoder_plan, microbatches=job.num_microbatches, micro_batch=job.micro_batch,
-               encoders=job.encoders, warmup=warmup, warmup_kind=kind,
+               encoders=job.encoders, llm=job.llm, warmup=warmup, warmup_kind=kind,
                loss_diff=diffs.loss if diffs else None, grad_diff=diffs.grad if diffs else None,
                weight_diff=diffs.weight if diffs else None, seconds=round(seconds, 1), status=status, note=note)
 
@@ -347,7 +361,7 @@ def _symptom(text: str, lines: int = 6) -> str:
 # -- table and command line --------------------------------------------------------------------
 
 _COLUMNS = (("seed", 5), ("world", 5), ("LLM D/P/T/V", 11), ("enc D/P/T", 9), ("#mb", 4), ("mbs", 3),
-            ("encoders", 13), ("warm-up", 12), ("kind", 8), ("|dloss|", 8), ("|dgrad|", 8), ("|dweight|", 9),
+            ("encoders", 13), ("llm", 7), ("warm-up", 12), ("kind", 8), ("|dloss|", 8), ("|dgrad|", 8), ("|dweight|", 9),
             ("sec", 6), ("status", 6))
 
 
@@ -357,6 +371,7 @@ def header() -> str:
 
 def format_row(row: Row) -> str:
     cells = (row.seed, row.world, row.llm_plan, row.encoder_plan, row.microbatches, row.micro_batch, row.encoders,
+             row.llm,
              row.warmup, row.warmup_kind, _sci(row.loss_diff), _sci(row.grad_diff), _sci(row.weight_diff),
              f"{row.seconds:.1f}", row.status)
     return " ".join(str(cell).rjust(width) for cell, (_, width) in zip(cells, _COLUMNS))

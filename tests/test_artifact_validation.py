@@ -66,6 +66,7 @@ def test_the_fingerprint_holds_the_schedule_settings_only():
             "training.sequence_parallel", "cluster.num_gpus", "cluster.inter_node_bandwidth_gbps",
             "cost_model.gemm_efficiency", "cost_model.profile"} <= fingerprint.keys()
     assert not {key for key in fingerprint if key.startswith(("training.lr", "training.seed", "training.train_iters",
+                                                              "training.min_lr", "training.adam", "training.clip_grad",
                                                               "data", "name", "source", "planner"))}
     json.dumps(fingerprint)  # stored as it is
 

@@ -78,8 +78,8 @@ def test_a_wrong_run_fails(non_multiple_run):
 
 
 def test_summary_line():
-    rows = [Row(0, 1, "1/1/1/1", "1/1/1", 1, 1, "single", "0", "adjusted", 0.0, 0.0, 0.0, 1.0, "PASS", ""),
-            Row(1, 2, "1/2/1/1", "2/1/1", 2, 1, "dual", "1,0", "forced", None, None, None, 9.0, "HANG", "")]
+    rows = [Row(0, 1, "1/1/1/1", "1/1/1", 1, 1, "single", "-", "0", "adjusted", 0.0, 0.0, 0.0, 1.0, "PASS", ""),
+            Row(1, 2, "1/2/1/1", "2/1/1", 2, 1, "dual", "sp", "1,0", "forced", None, None, None, 9.0, "HANG", "")]
     lines = summary(rows)
     assert lines[0] == "1 passed, 1 failed"
     assert "1 adjusted" in lines[1] and "0 forced" in lines[1]

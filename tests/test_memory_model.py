@@ -14,6 +14,7 @@ from optimus_mllm.memory_model import (
     interleaving_factor,
     layer_activation_bytes,
     model_state_memory,
+    optimizer_bytes_per_param,
 )
 from optimus_mllm.params import encoder_params, encoder_params_per_stage
 from optimus_mllm.planner import plan
@@ -48,6 +49,15 @@ def test_k_follows_precision():
     assert bytes_per_param_k(config) == 6  # bf16 params + fp32 main grads, paper §4.5
     fp32 = dataclasses.replace(config, training=dataclasses.replace(config.training, precision="fp32"))
     assert bytes_per_param_k(fp32) == 8
+
+
+@pytest.mark.parametrize("optimizer, momentum, precision, expected", [
+    ("adam", 0.9, "bf16", 12), ("adam", 0.9, "fp32", 8), ("sgd", 0.9, "bf16", 8), ("sgd", 0.0, "bf16", 4),
+    ("sgd", 0.0, "fp32", 0)])
+def test_optimizer_state_bytes_follow_the_optimizer(optimizer, momentum, precision, expected):
+    config = load_config(CONFIGS / "tiny.yaml", [f"training.optimizer={optimizer}", f"training.sgd_momentum={momentum}",
+                                f"training.precision={precision}"])
+    assert optimizer_bytes_per_param(config) == expected
 
 
 def test_distributed_optimizer_shards_adam_states():

@@ -132,6 +132,16 @@ def test_encoder_ops_run_at_the_artifacts_hook_points():
     assert all(op.event == op.assigned for st in plan.stages for op in st.ops)
 
 
+SP_TIED = ["training.sequence_parallel=true", "model.llm.untie_embeddings_and_output_weights=false"]
+
+
+def test_sequence_parallel_and_tied_embeddings_train_like_the_baseline():
+    """LLM PP2 TP2 V2 with sequence parallelism (image tokens spliced, then scattered) and the output layer
+    tied to the input embedding across the pipeline (megatron-core's embedding-group gradient sum)."""
+    artifact = _artifact(SP_TIED)
+    _assert_same(_run(4, SP_TIED, "optimus", artifact), _run(4, SP_TIED, "baseline", None))
+
+
 def test_optimus_equals_megatron_baseline_on_8_ranks():
     """LLM DP2 PP2 TP2 V2 on 8 ranks with the scheduler's encoder plan."""
     artifact = _artifact(EIGHT_RANKS)

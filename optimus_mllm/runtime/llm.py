@@ -16,15 +16,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.data import Microbatch
 from optimus_mllm.runtime.dtypes import DTYPES
@@ -33,12 +34,6 @@ from optimus_mllm.runtime.dtypes import DTYPES
 def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> TransformerConfig:
     """megatron-core's config for the LLM under ``plan``, with fusions that need CUDA turned off."""
     llm, t = config.llm, config.training
-    if not llm.untie_embeddings_and_output_weights and plan.pp > 1:
-        raise OptimusError("model.llm.untie_embeddings_and_output_weights: the runtime does not synchronise tied "
-                           "embeddings across pipeline stages yet; set it to true")
-    if t.sequence_parallel and plan.tp > 1:
-        raise OptimusError("training.sequence_parallel: the runtime does not splice image tokens into a "
-                           "sequence-parallel LLM yet; set training.sequence_parallel: false")
     dtype = DTYPES[t.precision]
     return TransformerConfig(
         num_layers=llm.num_layers, hidden_size=llm.hidden_size, num_attention_heads=llm.num_attention_heads,
@@ -47,7 +42,7 @@ def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Transformer
         normalization=llm.normalization,
         tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
         virtual_pipeline_model_parallel_size=plan.vp if plan.vp > 1 else None,
-        sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype,
+        sequence_parallel=t.sequence_parallel and plan.tp > 1, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=t.precision == "bf16", fp16=t.precision == "fp16",
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -68,11 +63,26 @@ def build_llm_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: Transfo
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, **kwargs)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, **kwargs)
         chunks.append(GPTModel(
-            config=tconfig, transformer_layer_spec=layer_spec(), vocab_size=llm.vocab_size,
+            config=tconfig, transformer_layer_spec=decoder_spec(tconfig, llm.num_layers // (plan.pp * plan.vp)),
+            vocab_size=llm.vocab_size,
             max_sequence_length=llm.seq_length, pre_process=pre, post_process=post,
-            share_embeddings_and_output_weights=False,
+            share_embeddings_and_output_weights=not llm.untie_embeddings_and_output_weights,
+            # the image tokens are spliced into the whole sequence first (decoder_input_with_images)
+            scatter_embedding_sequence_parallel=False,
             position_embedding_type=llm.position_embedding_type, **kwargs))
     return chunks
+
+
+def decoder_spec(tconfig: TransformerConfig, layers: int) -> TransformerBlockSubmodules:
+    """One chunk's ``layers`` layers of ``layer_spec`` and its final norm. Without apex, megatron-core's
+    local spec has torch norms that refuse sequence parallelism; ``SequenceParallelTorchNorm`` takes
+    their place then."""
+    spec = layer_spec()
+    norm = spec.submodules.input_layernorm
+    if tconfig.sequence_parallel and norm is WrappedTorchNorm:
+        norm = SequenceParallelTorchNorm
+        spec = replace(spec, submodules=replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=norm)
 
 
 def layer_spec() -> ModuleSpec:
@@ -83,6 +93,22 @@ def layer_spec() -> ModuleSpec:
     attention = spec.submodules.self_attention
     attention = replace(attention, submodules=replace(attention.submodules, core_attention=SdpaCoreAttention))
     return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
+
+
+class SequenceParallelTorchNorm:
+    """megatron-core's ``WrappedTorchNorm`` (a torch LayerNorm / RMSNorm) for a sequence-parallel LLM.
+
+    Under sequence parallelism a norm sees only its TP rank's tokens, so its gradient is partial;
+    megatron-core sums gradients over TP for parameters marked ``sequence_parallel``
+    (``finalize_model_grads``), as apex's and transformer-engine's norms are. ``WrappedTorchNorm`` does
+    not mark its parameters and so refuses sequence parallelism; this marks them."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        norm_class = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_class(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 class SdpaCoreAttention(MegatronModule):
@@ -119,10 +145,16 @@ def causal_mask(seq_length: int, device: torch.device | str = "cpu") -> torch.Te
 
 def decoder_input_with_images(chunk: GPTModel, mb: Microbatch, image_embeddings: torch.Tensor) -> torch.Tensor:
     """Word (+ position) embeddings with the first positions replaced by the image embeddings
-    ``[image_tokens, batch, hidden]``: the decoder input ``[seq, batch, hidden]``."""
+    ``[image_tokens, batch, hidden]``: the decoder input ``[seq, batch, hidden]``, or this TP rank's
+    ``[seq / TP, batch, hidden]`` under sequence parallelism, scattered after the splice as
+    megatron-core's LLaVA does (the chunks are built with ``scatter_embedding_sequence_parallel=False``,
+    so the embedding's TP reduction is an all-reduce)."""
     embeddings = chunk.embedding(input_ids=mb.tokens, position_ids=mb.position_ids)
     n = image_embeddings.shape[0]
-    return torch.cat([image_embeddings.to(embeddings.dtype), embeddings[n:]], dim=0)
+    combined = torch.cat([image_embeddings.to(embeddings.dtype), embeddings[n:]], dim=0)
+    if chunk.config.sequence_parallel:
+        combined = tensor_parallel.scatter_to_sequence_parallel_region(combined)
+    return combined
 
 
 def masked_lm_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -263,8 +263,7 @@ class Trainer:
         finalize_model_grads(self.models)
         if self.encoder_ddp is None:
             return
-        if self.mode == "optimus":
-            self.encoder.reduce_sequence_parallel_grads()
+        self.encoder.reduce_sequence_parallel_grads()  # under either plan; DDP then reduces over DP
         self.encoder_ddp.finish_grad_sync()
 
     def gather_gradients(self) -> None:

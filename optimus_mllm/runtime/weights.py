@@ -57,13 +57,19 @@ def init_plan_independent_(stage: EncoderStage, seed: int) -> None:
 
 
 def llm_global_parameter_names(chunks: Sequence[GPTModel]) -> dict[str, torch.nn.Parameter]:
-    """This rank's LLM parameters (all its chunks) keyed by a name that is the same under every plan."""
+    """This rank's LLM parameters (all its chunks) keyed by a name that is the same under every plan.
+
+    With tied embeddings across pipeline stages, the last stage's copy of the word embedding (its
+    ``output_layer.weight``) is named as the embedding: both start equal and, gradients summed over
+    megatron-core's embedding group, stay equal."""
     names = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             parts = name.split(".")
             if parts[:2] == ["decoder", "layers"]:
                 parts[2] = str(chunk.decoder.layers[int(parts[2])].layer_number - 1)
+            if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
+                parts = ["embedding", "word_embeddings", "weight"]
             names[f"llm.{'.'.join(parts)}"] = param
     return names
 

@@ -19,7 +19,12 @@ _NOT_SCHEDULE = frozenset({
     "name",  # a label
     "source",  # the file the config was read from
     "training.train_iters",  # how many steps run, not what a step does: resuming a job raises it
-    "training.lr",  # the optimizer's numbers, not the work of a step
+    # the optimizer's numbers, not the work of a step (its kind and SGD's momentum stay: they set the
+    # optimizer states' memory)
+    "training.lr", "training.min_lr", "training.lr_decay_style", "training.lr_warmup_iters", "training.lr_decay_iters",
+    "training.weight_decay", "training.adam_beta1", "training.adam_beta2", "training.adam_eps",
+    "training.clip_grad", "training.loss_scale", "training.initial_loss_scale",
+    "training.min_loss_scale", "training.loss_scale_window", "training.hysteresis",
     "training.seed",
     "data",  # synthetic or real samples have the same shapes
     # The job compares the plans themselves (ScheduleArtifact.check_matches): a config that fixes the plan

@@ -84,8 +84,9 @@ def _head_kernels(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) ->
             scaled = KernelWork(work.name, phase, work.kind, work.flops * scale, work.bytes * scale)
             kernels[(work.name, phase)] = [(work.name, -1, False, cost.compute_us(scaled, LLM, plan.tp))]
     if plan.tp > 1:
-        sp = t.sequence_parallel
-        name, collective = ("tp_rs_embed", "reduce_scatter") if sp else ("tp_ar_embed", "all_reduce")
+        # all-reduced even under sequence parallelism: the image tokens are spliced into the whole
+        # sequence before it is scattered (runtime/llm.py, as megatron-core's LLaVA does)
+        name, collective = "tp_ar_embed", "all_reduce"
         reduce = KernelWork(name, "fwd", "comm", 0.0, tokens * llm.hidden_size * b, collective, plan.tp)
         kernels[("embedding", "fwd")].append(
             (name, -1, True, cost.comm_us(reduce, tp_bandwidth(config, plan.tp), LLM, plan.tp)))
