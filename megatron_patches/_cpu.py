@@ -290,6 +290,23 @@ def training_patches() -> list[Patch]:
     ]
 
 
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """The default CPU generator's state, which plays the CUDA generator's part on CPU (as in fork())."""
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _patch_rng_state(name: str, replacement: Callable[..., Any]) -> Patch:
+    # activation checkpointing (selective and full recompute) saves and restores the CUDA generator
+    # around the recomputed forward, through these two functions
+    random = _module("megatron.core.tensor_parallel.random")
+    _require(random, name)
+    return Patch(random, name, replacement)
+
+
 def cpu_patches() -> list[Patch]:
     """Every patch CPU runs need; raises MegatronPatchError before anything is installed."""
     return [
@@ -298,5 +315,7 @@ def cpu_patches() -> list[Patch]:
         _patch_global_memory_buffer(),
         _patch_rng_tracker_add(),
         _patch_rng_tracker_fork(),
+        _patch_rng_state("_get_cuda_rng_state", _cpu_get_rng_state),
+        _patch_rng_state("_set_cuda_rng_state", _cpu_set_rng_state),
         *training_patches(),
     ]

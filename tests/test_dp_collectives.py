@@ -20,11 +20,12 @@ from tests.conftest import CONFIGS
 from tests.distributed_utils import run_distributed
 
 TINY = str(CONFIGS / "tiny.yaml")
+FIG5_SMALL = str(CONFIGS / "paper" / "small" / "fig5_8gpu.yaml")  # the paper's Figure 5 plan, small
 STEPS = 3
 EIGHT_RANKS = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={dp: 2, pp: 2, tp: 2, vp: 2}"]
 
 
-def _recorded_steps(overrides: list[str], artifact: dict) -> dict:
+def _recorded_steps(config_path: str, overrides: list[str], artifact: dict) -> dict:
     """One rank: STEPS Optimus steps with megatron-core's DP collectives recorded as (kind, group, elements,
     phase); the DP group ranks of this rank's LLM stage and encoder stage."""
     import torch.distributed as dist
@@ -35,7 +36,7 @@ def _recorded_steps(overrides: list[str], artifact: dict) -> dict:
     from optimus_mllm.planner import plan
     from optimus_mllm.runtime.trainer import Trainer
 
-    config = load_config(TINY, overrides)
+    config = load_config(config_path, overrides)
     trainer = Trainer(config, plan(config).llm_plan, "optimus", artifact)
     phase = ["schedule"]
     records: list[tuple] = []
@@ -79,25 +80,25 @@ def _recorded_steps(overrides: list[str], artifact: dict) -> dict:
     return result
 
 
-def _artifact(overrides: list[str]) -> dict:
+def _artifact(config_path: str, overrides: list[str]) -> dict:
     from optimus_mllm.config import load_config
     from optimus_mllm.cost_model import CostModel
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.artifact import schedule_to_artifact
     from optimus_mllm.scheduler.bubble_scheduler import optimus
 
-    config = load_config(TINY, overrides)
+    config = load_config(config_path, overrides)
     return schedule_to_artifact(optimus(config, plan(config), CostModel.from_config(config)).best, config)
 
 
-def _modelled_elements(overrides: list[str], artifact: dict) -> tuple[list[float], list[float]]:
+def _modelled_elements(config_path: str, overrides: list[str], artifact: dict) -> tuple[list[float], list[float]]:
     """The timeline's parameters per rank: by LLM stage, and by encoder stage."""
     from optimus_mllm.config import load_config
     from optimus_mllm.params import llm_params_per_stage
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.encoder_costs import trainable_params_per_stage
 
-    config = load_config(TINY, overrides)
+    config = load_config(config_path, overrides)
     llm, enc = plan(config).llm_plan, artifact["encoder_plan"]
     return ([p / llm.tp for p in llm_params_per_stage(config.llm, llm.pp)],
             [p / enc["tp"] for p in trainable_params_per_stage(config, enc["pp"])])
@@ -108,16 +109,16 @@ def _modelled_elements(overrides: list[str], artifact: dict) -> tuple[list[float
 SLACK = 0.15
 
 
-@pytest.mark.parametrize("overrides, distributed_optimizer", [
-    ([], True), (EIGHT_RANKS, True), (EIGHT_RANKS, False),
-], ids=["tiny-LLM-DP1-encoder-DP4", "LLM-DP2", "LLM-DP2-no-distributed-optimizer"])
-def test_dp_collectives_are_the_timelines(overrides, distributed_optimizer):
+@pytest.mark.parametrize("config_path, overrides, distributed_optimizer", [
+    (TINY, [], True), (TINY, EIGHT_RANKS, True), (TINY, EIGHT_RANKS, False), (FIG5_SMALL, [], True),
+], ids=["tiny-LLM-DP1-encoder-DP4", "LLM-DP2", "LLM-DP2-no-distributed-optimizer", "fig5-small"])
+def test_dp_collectives_are_the_timelines(config_path, overrides, distributed_optimizer):
     overrides = [*overrides, f"training.distributed_optimizer={str(distributed_optimizer).lower()}"]
-    artifact = _artifact(overrides)
-    llm_model, encoder_model = _modelled_elements(overrides, artifact)
-    world = 8 if overrides[0].startswith("cluster") else 4
+    artifact = _artifact(config_path, overrides)
+    llm_model, encoder_model = _modelled_elements(config_path, overrides, artifact)
+    world = artifact["llm_plan"]["dp"] * artifact["llm_plan"]["pp"] * artifact["llm_plan"]["tp"]
     seen_groups = set()
-    for rank, r in enumerate(run_distributed(_recorded_steps, world, overrides, artifact, timeout=300)):
+    for rank, r in enumerate(run_distributed(_recorded_steps, world, config_path, overrides, artifact, timeout=400)):
         for group, modelled in ((r["llm_dp"], llm_model[r["stage"]]), (r["encoder_dp"], encoder_model[r["encoder_stage"]])):
             calls = [(kind, n, phase) for kind, ranks, n, phase in r["records"] if ranks == group]
             if len(group) == 1:

@@ -53,16 +53,19 @@ def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | N
 
 
 def _artifact(overrides: list[str], encoder_plan: dict | None = None, cost_overrides: tuple = ()) -> dict:
+    extra = [f"parallel.encoder={{pp: {encoder_plan['pp']}, tp: {encoder_plan['tp']}}}"] if encoder_plan else []
+    return _artifact_for(TINY, overrides + extra + list(cost_overrides))
+
+
+def _artifact_for(config_path: str, overrides: list[str] = ()) -> dict:
     from optimus_mllm.config import load_config
     from optimus_mllm.cost_model import CostModel
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.artifact import schedule_to_artifact
     from optimus_mllm.scheduler.bubble_scheduler import optimus
 
-    extra = [f"parallel.encoder={{pp: {encoder_plan['pp']}, tp: {encoder_plan['tp']}}}"] if encoder_plan else []
-    config = load_config(TINY, overrides + extra + list(cost_overrides))
-    schedule = optimus(config, plan(config), CostModel.from_config(config)).best
-    return schedule_to_artifact(schedule, config)
+    config = load_config(config_path, overrides)
+    return schedule_to_artifact(optimus(config, plan(config), CostModel.from_config(config)).best, config)
 
 
 def _run(world: int, overrides: list[str], mode: str, artifact: dict | None) -> list[dict]:
@@ -140,6 +143,15 @@ def test_sequence_parallel_and_tied_embeddings_train_like_the_baseline():
     tied to the input embedding across the pipeline (megatron-core's embedding-group gradient sum)."""
     artifact = _artifact(SP_TIED)
     _assert_same(_run(4, SP_TIED, "optimus", artifact), _run(4, SP_TIED, "baseline", None))
+
+
+def test_the_paper_figure_5_twin_trains_like_the_baseline():
+    """configs/paper/small/fig5_8gpu.yaml: the paper's Figure 5 plan (PP4 TP2, two chunks per rank) with
+    sequence parallelism, selective recompute, tied embeddings and the distributed optimizer."""
+    config = str(CONFIGS / "paper" / "small" / "fig5_8gpu.yaml")
+    artifact = _artifact_for(config)
+    optimus = run_distributed(_train, 8, config, [], "optimus", artifact, timeout=400)
+    _assert_same(optimus, run_distributed(_train, 8, config, [], "baseline", None, timeout=400))
 
 
 def test_optimus_equals_megatron_baseline_on_8_ranks():
