@@ -135,12 +135,14 @@ def test_encoder_ops_run_at_the_artifacts_hook_points():
     assert all(op.event == op.assigned for st in plan.stages for op in st.ops)
 
 
-SP_TIED = ["training.sequence_parallel=true", "model.llm.untie_embeddings_and_output_weights=false"]
+SP_TIED = ["training.sequence_parallel=true", "model.llm.untie_embeddings_and_output_weights=false",
+           "training.recompute=full"]
 
 
 def test_sequence_parallel_and_tied_embeddings_train_like_the_baseline():
-    """LLM PP2 TP2 V2 with sequence parallelism (image tokens spliced, then scattered) and the output layer
-    tied to the input embedding across the pipeline (megatron-core's embedding-group gradient sum)."""
+    """LLM PP2 TP2 V2 with sequence parallelism (image tokens spliced, then scattered), the output layer
+    tied to the input embedding across the pipeline (megatron-core's embedding-group gradient sum) and
+    full recompute of every LLM layer."""
     artifact = _artifact(SP_TIED)
     _assert_same(_run(4, SP_TIED, "optimus", artifact), _run(4, SP_TIED, "baseline", None))
 

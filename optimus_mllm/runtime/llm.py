@@ -50,7 +50,10 @@ def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Transformer
         persist_layer_norm=False, apply_rope_fusion=False,
         # megatron-core pairs interleaved PP=2 sends wrongly when batched (NVIDIA/Megatron-LM#750)
         batch_p2p_comm=False,
-        recompute_granularity="selective" if t.recompute == "selective" else None,
+        # Megatron-LM's --recompute-granularity; full recomputes every layer (--recompute-method uniform,
+        # --recompute-num-layers 1), as the memory model assumes
+        recompute_granularity=None if t.recompute == "none" else t.recompute,
+        **({"recompute_method": "uniform", "recompute_num_layers": 1} if t.recompute == "full" else {}),
     )
 
 
