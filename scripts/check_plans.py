@@ -1,6 +1,6 @@
 """Randomized plan equivalence: the Optimus runtime trains every plan to a single rank's numbers.
 
-    python scripts/check_plans.py --seeds N [--start S] [--steps K] [--json OUT] [--timeout SEC]
+    python scripts/check_plans.py --seeds N [--start S] [--steps K (5)] [--json OUT] [--timeout SEC]
 
 Each seed draws a small job from configs/tiny.yaml (``draw_job``): an LLM plan (PP 1/2/4, V 1/2/3,
 TP 1/2, DP 1/2, at most 8 ranks), a microbatch count per pipeline that is or is not a multiple of PP
@@ -14,8 +14,9 @@ interleaved jobs, a reduced one that ``llm_timeline.simulate`` runs without dead
 the artifact. The Optimus runtime then trains ``--steps`` steps on ``world`` gloo ranks, and the
 Megatron-style baseline the same steps on one rank (every microbatch there, no parallelism) from
 the same plan-independent weights (``runtime/weights.py``) and data, both with megatron-core's
-training stack (DDP, distributed optimizer, AdamW, clipping, LR schedule); losses, gradient norms,
-final weights and last-step gradients, whole and by global name, must agree within ``TOLERANCE``.
+training stack (DDP, distributed optimizer, AdamW, clipping at 1.0, warm-up + cosine LR: ``SCHEDULE``);
+losses, gradient norms, final weights and last-step gradients, whole and by global name, must agree
+within ``TOLERANCE``.
 
 Ranks run through tests/distributed_utils.py's ``run_distributed`` (imported, with the repository
 root on ``sys.path`` as the other scripts do), whose timeout turns a hang into a failure (HANG).
@@ -52,6 +53,9 @@ from tests.p2p_audit import nccl_violations, recorded_p2p  # noqa: E402
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 TOLERANCE = 1e-5
+# AdamW (the config's default, clipping at 1.0) with a one-step warm-up, then cosine decay over 5 steps
+SCHEDULE = ("training.lr=1e-3", "training.min_lr=1e-4", "training.lr_warmup_iters=1",
+            "training.lr_decay_style=cosine", "training.lr_decay_iters=5")
 MAX_WORLD = 8
 WarmupKind = Literal["default", "adjusted", "forced"]
 Status = Literal["PASS", "FAIL", "HANG"]
@@ -93,7 +97,7 @@ class Job:
 
     def _common(self, world: int) -> list[str]:
         global_batch = self.dp * self.num_microbatches * self.micro_batch
-        return [*self.model, f"cluster.num_gpus={world}", f"cluster.gpus_per_node={world}",
+        return [*self.model, *SCHEDULE, f"cluster.num_gpus={world}", f"cluster.gpus_per_node={world}",
                 f"training.micro_batch_size={self.micro_batch}", f"training.global_batch_size={global_batch}"]
 
 
@@ -401,7 +405,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = _Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, required=True, help="how many seeds to run")
     parser.add_argument("--start", type=int, default=0, help="the first seed (default 0)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps per run (default 2)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds one run may take before it counts as a hang (default 300)")
     parser.add_argument("--json", help="write the rows to this file")

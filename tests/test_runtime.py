@@ -8,6 +8,7 @@ points are wrong; and the encoder's ops run at the hook points the artifact name
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 
@@ -20,7 +21,7 @@ TINY = str(CONFIGS / "tiny.yaml")
 EIGHT_RANKS = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={dp: 2, pp: 2, tp: 2, vp: 2}"]
 
 
-def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | None) -> dict:
+def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | None, steps: int = STEPS) -> dict:
     """One rank: train, then report losses, grad norms, (weight, gradient) pairs (encoder ones whole, by
     plan-independent name), log."""
     from megatron.core import parallel_state
@@ -32,7 +33,7 @@ def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | N
 
     config = load_config(config_path, overrides)
     trainer = Trainer(config, plan(config).llm_plan, mode, artifact)
-    results = [trainer.train_step(i) for i in range(STEPS)]
+    results = [trainer.train_step(i) for i in range(steps)]
     trainer.gather_gradients()
     # NumPy copies: tensors would travel back as shared-memory handles that die with the process
     llm = {n: (w.float().numpy(), g.float().numpy()) for n, (w, g) in whole_parameters(
@@ -47,7 +48,8 @@ def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | N
     trainer.close()
     record = [(op.ran_at, op.scheduled_at, op.phase, op.local_microbatch, op.kernel_index)
               for op in results[-1].encoder_record]
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "llm": llm,
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "lrs": [r.lr for r in results], "llm": llm,
             "encoder": encoder,
             "record": record, "planned": planned, "unplanned": [r.unplanned_collectives for r in results]}
 
@@ -199,6 +201,20 @@ def test_a_displaced_op_is_counted_as_moved():
     displaced = [(r[2], r[3], r[4]) for _, r in moved]
     assert displaced and set(displaced) == {(op["phase"], op["local_microbatch"], op["kernel_index"])}, moved
     assert all(r[1] == ("pre",) and r[0] != ("pre",) for _, r in moved)
+
+
+def test_five_steps_of_adamw_with_warmup_and_cosine_decay():
+    """AdamW, clipping at 1.0 and the distributed optimizer (the config's defaults), a one-step warm-up then
+    cosine decay; encoder DP2 PP2, so its gradients are averaged over the LLM's one replica, not its two."""
+    overrides = ["training.lr=1e-3", "training.min_lr=1e-4", "training.lr_warmup_iters=1",
+                 "training.lr_decay_style=cosine", "training.train_iters=5"]
+    artifact = _artifact(overrides, {"pp": 2, "tp": 1})
+    optimus = run_distributed(_train, 4, TINY, overrides, "optimus", artifact, 5, timeout=300)
+    _assert_same(optimus, run_distributed(_train, 4, TINY, overrides, "baseline", None, 5, timeout=300))
+    # megatron-core's schedule: 0 in the warm-up step, then min + (max - min) * (1 + cos(pi * done)) / 2
+    expected = [0.0] + [1e-4 + 0.9e-3 * (1 + math.cos(math.pi * (k - 1) / 4)) / 2 for k in range(1, 5)]
+    assert optimus[0]["lrs"] == pytest.approx(expected)
+    assert any(norm > 1.0 for norm in optimus[0]["norms"]), "clipping at 1.0 had nothing to clip"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
