@@ -154,8 +154,8 @@ def test_the_paper_figure_5_twin_trains_like_the_baseline():
     sequence parallelism, selective recompute, tied embeddings and the distributed optimizer."""
     config = str(CONFIGS / "paper" / "small" / "fig5_8gpu.yaml")
     artifact = _artifact_for(config)
-    optimus = run_distributed(_train, 8, config, [], "optimus", artifact, timeout=400)
-    _assert_same(optimus, run_distributed(_train, 8, config, [], "baseline", None, timeout=400))
+    optimus = run_distributed(_train, 8, config, [], "optimus", artifact, 2, timeout=400)
+    _assert_same(optimus, run_distributed(_train, 8, config, [], "baseline", None, 2, timeout=400))
 
 
 def test_optimus_equals_megatron_baseline_on_8_ranks():
