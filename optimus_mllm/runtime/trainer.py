@@ -130,6 +130,11 @@ class Trainer:
         self.scheduler = build_scheduler(self.config, self.optimizer)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
 
+    @property
+    def ddp_models(self) -> list[Any]:
+        """Every megatron-core DDP wrapper on this rank: the LLM chunks', then the encoder stage's."""
+        return [*self.models, *([self.encoder_ddp] if self.encoder_ddp is not None else [])]
+
     def _pipeline_communicator(self) -> ChannelP2PCommunicator | None:
         """The LLM's P2P for the Optimus schedule: ops wait for their inputs only when they need them
         (megatron_patches.p2p), so every warm-up the timeline accepts runs; with the interleaved
@@ -187,7 +192,7 @@ class Trainer:
         driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox), self._wait_for_input,
                             self.collectives)
         self.tconfig.timers = driver.timers()
-        for model in [*self.models, *([self.encoder_ddp] if self.encoder_ddp is not None else [])]:
+        for model in self.ddp_models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         forward_step = partial(self._forward_step, driver, iteration, leaves, mailbox)
@@ -268,7 +273,7 @@ class Trainer:
 
     def gather_gradients(self) -> None:
         """After a step: every parameter's ``main_grad`` whole and reduced (``megatron_patches.ddp``)."""
-        for model in [*self.models, *([self.encoder_ddp] if self.encoder_ddp is not None else [])]:
+        for model in self.ddp_models:
             gather_main_grads(model)
 
     def close(self) -> None:
