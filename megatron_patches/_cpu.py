@@ -220,10 +220,12 @@ def _cuda_type_names() -> Iterator[None]:
         torch.Tensor.type = original  # type: ignore[method-assign]
 
 
-def _with_cuda_type_names(function: Callable[..., Any]) -> Callable[..., Any]:
+def _within(context: Callable[[], contextlib.AbstractContextManager[None]],
+            function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, every call of it run inside a fresh ``context()``."""
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with _cuda_type_names():
+        with context():
             return function(*args, **kwargs)
 
     return call
@@ -232,7 +234,7 @@ def _with_cuda_type_names(function: Callable[..., Any]) -> Callable[..., Any]:
 def _patch_type_check(module_path: str, owner_name: str | None, name: str) -> Patch:
     module = _module(module_path)
     owner = module if owner_name is None else _require(module, owner_name)
-    return Patch(owner, name, _with_cuda_type_names(_require(owner, name)))
+    return Patch(owner, name, _within(_cuda_type_names, _require(owner, name)))
 
 
 @contextlib.contextmanager
@@ -255,13 +257,7 @@ def _patch_tied_embedding_setup() -> Patch:
     # the all-reduce that makes it the first stage's
     module = _require(_module("megatron.core.models.common.language_module.language_module"), "LanguageModule")
     original = _require(module, "setup_embeddings_and_output_layer")
-
-    @functools.wraps(original)
-    def setup(self: Any) -> None:
-        with _cuda_stays_on_cpu():
-            original(self)
-
-    return Patch(module, "setup_embeddings_and_output_layer", setup)
+    return Patch(module, "setup_embeddings_and_output_layer", _within(_cuda_stays_on_cpu, original))
 
 
 def _cpu_load_scaler_state(self: Any, state_dict: dict[str, Any]) -> None:

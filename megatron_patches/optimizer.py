@@ -3,14 +3,18 @@
 megatron-core's ``state_dict`` of a ``DistributedOptimizer`` leaves out the parameter state (main
 parameters and Adam moments), which its legacy checkpoints write separately;
 ``get_parameter_state_dp_reshardable`` / ``load_parameter_state_from_dp_reshardable`` are the per-rank
-form of it. Used as they stand, three things go wrong, handled here:
+form of it. Used as they stand, four things go wrong, handled here:
 
 - the getter returns views of the live state, so it is cloned;
 - the loader skips entries marked ``padding`` (as its sharded checkpoints mark them), and the getter
   marks none, so every entry is marked unpadded;
 - with torch's Adam (no apex / transformer-engine), ``DistributedOptimizer.load_state_dict`` gives
   every parameter's state one shared ``step`` tensor, which torch's Adam then increments once per
-  parameter on the next step: every parameter gets its own copy before the loaded state goes in.
+  parameter on the next step: every parameter gets its own copy before the loaded state goes in;
+- before its first update (fp16 skips the updates whose gradients overflow, from Megatron's initial
+  loss scale of 2**32 typically the first dozens) torch's Adam has no state, and
+  ``DistributedOptimizer.state_dict`` asserts that it finds one step count: such a part's state is its
+  loss scale alone, and its main parameters are the model's (the caller reloads them from the weights).
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ def optimizer_state(optimizer: ChainedOptimizer) -> dict[str, Any]:
     """This rank's whole optimizer state: megatron's ``state_dict`` and each distributed part's shard."""
     parts = optimizer.chained_optimizers
     return {
-        "common": _cloned([None if _is_stub(part) else part.state_dict() for part in parts]),
+        "common": _cloned([None if _is_stub(part) else
+                           {BEFORE_FIRST_UPDATE: _scaler_state(part)} if _before_first_update(part) else
+                           part.state_dict() for part in parts]),
         "parameters": [_cloned(part.get_parameter_state_dp_reshardable())
-                       if isinstance(part, DistributedOptimizer) and not _is_stub(part) else None for part in parts],
+                       if isinstance(part, DistributedOptimizer) and not _is_stub(part)
+                       and not _before_first_update(part) else None for part in parts],
     }
 
 
@@ -40,6 +47,10 @@ def load_optimizer_state(optimizer: ChainedOptimizer, state: dict[str, Any]) -> 
     for part, common, parameters in zip(parts, state["common"], state["parameters"]):
         if common is None:
             continue
+        if BEFORE_FIRST_UPDATE in common:
+            if part.grad_scaler is not None:
+                part.grad_scaler.load_state_dict(common[BEFORE_FIRST_UPDATE])
+            continue
         part.load_state_dict(common)
         if parameters is None:
             continue
@@ -49,6 +60,17 @@ def load_optimizer_state(optimizer: ChainedOptimizer, state: dict[str, Any]) -> 
         _mark_unpadded(parameters)
         with torch.no_grad():  # the loader copies into views of leaf parameters
             part.load_parameter_state_from_dp_reshardable(parameters)
+
+
+BEFORE_FIRST_UPDATE = "before_first_update"  # marks a part saved before its first update: its loss-scale state
+
+
+def _before_first_update(part: Any) -> bool:
+    return isinstance(part, DistributedOptimizer) and not _is_stub(part) and not part.optimizer.state
+
+
+def _scaler_state(part: Any) -> dict[str, Any] | None:
+    return None if part.grad_scaler is None else part.grad_scaler.state_dict()
 
 
 def _is_stub(part: Any) -> bool:

@@ -206,7 +206,8 @@ def train(job: Job, save: str | None = None, save_interval: int | None = None,
             times.append(time.perf_counter() - started)
             share = None if job.artifact is None else inside / max(total, 1)
             norm = "skipped (inf/nan)" if result.grad_norm is None else f"{result.grad_norm:.4f}"
-            _say(f"step {i + 1}/{iters} | loss {loss:.4f} | grad norm {norm} | lr {result.lr:.3e} | "
+            scale = "" if result.loss_scale is None else f"loss scale {result.loss_scale:.1f} | "
+            _say(f"step {i + 1}/{iters} | loss {loss:.4f} | grad norm {norm} | lr {result.lr:.3e} | {scale}"
                  f"{times[-1] * 1e3:.1f} ms | "
                  f"{tokens / times[-1]:.0f} tokens/s | "
                  + ("baseline" if share is None else
@@ -237,6 +238,8 @@ def _log_scalars(board: Any, step: int, loss: float, result: StepResult, seconds
     board.add_scalar("learning-rate", result.lr, step)
     if result.grad_norm is not None:
         board.add_scalar("grad-norm", result.grad_norm, step)
+    if result.loss_scale is not None:
+        board.add_scalar("loss-scale", result.loss_scale, step)
     board.add_scalar("step time (ms)", seconds * 1e3, step)
     board.add_scalar("tokens per second", tokens / seconds, step)
     if share is not None:

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def artifact_for(config_path: str | Path, overrides: Sequence[str] = ()) -> dict:
+    """The schedule artifact ``optimus-plan --artifact`` writes for this config."""
+    from optimus_mllm.config import load_config
+    from optimus_mllm.planner import plan
+    from optimus_mllm.scheduler.artifact import schedule_job_artifact
+
+    config = load_config(str(config_path), list(overrides))
+    return schedule_job_artifact(config, plan(config))
 
 
 def shuffled_hooks(artifact: dict, seed: int) -> dict:

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from tests.artifact_utils import artifact_for
 from tests.conftest import CONFIGS
 from tests.distributed_utils import run_distributed
 
@@ -80,17 +81,6 @@ def _recorded_steps(config_path: str, overrides: list[str], artifact: dict) -> d
     return result
 
 
-def _artifact(config_path: str, overrides: list[str]) -> dict:
-    from optimus_mllm.config import load_config
-    from optimus_mllm.cost_model import CostModel
-    from optimus_mllm.planner import plan
-    from optimus_mllm.scheduler.artifact import schedule_to_artifact
-    from optimus_mllm.scheduler.bubble_scheduler import optimus
-
-    config = load_config(config_path, overrides)
-    return schedule_to_artifact(optimus(config, plan(config), CostModel.from_config(config)).best, config)
-
-
 def _modelled_elements(config_path: str, overrides: list[str], artifact: dict) -> tuple[list[float], list[float]]:
     """The timeline's parameters per rank: by LLM stage, and by encoder stage."""
     from optimus_mllm.config import load_config
@@ -114,7 +104,7 @@ SLACK = 0.15
 ], ids=["tiny-LLM-DP1-encoder-DP4", "LLM-DP2", "LLM-DP2-no-distributed-optimizer", "fig5-small"])
 def test_dp_collectives_are_the_timelines(config_path, overrides, distributed_optimizer):
     overrides = [*overrides, f"training.distributed_optimizer={str(distributed_optimizer).lower()}"]
-    artifact = _artifact(config_path, overrides)
+    artifact = artifact_for(config_path, overrides)
     llm_model, encoder_model = _modelled_elements(config_path, overrides, artifact)
     world = artifact["llm_plan"]["dp"] * artifact["llm_plan"]["pp"] * artifact["llm_plan"]["tp"]
     seen_groups = set()

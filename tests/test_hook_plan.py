@@ -7,24 +7,14 @@ import random
 
 import pytest
 
-from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel
-from optimus_mllm.planner import plan
 from optimus_mllm.runtime.hook_plan import OBSERVABLE_COLLECTIVES, POST, PRE, _stuck_microbatches, build_hook_plan
-from optimus_mllm.scheduler.artifact import schedule_to_artifact
-from optimus_mllm.scheduler.bubble_scheduler import optimus
+from tests.artifact_utils import artifact_for
 from tests.conftest import CONFIGS
-
-
-def _artifact(path):
-    config = load_config(path)
-    schedule = optimus(config, plan(config), CostModel.from_config(config)).best
-    return schedule_to_artifact(schedule, config)
 
 
 @pytest.fixture(scope="module")
 def artifacts():
-    return {"tiny": _artifact(CONFIGS / "tiny.yaml"), "fig5": _artifact(CONFIGS / "paper" / "fig5_8gpu.yaml")}
+    return {"tiny": artifact_for(CONFIGS / "tiny.yaml"), "fig5": artifact_for(CONFIGS / "paper" / "fig5_8gpu.yaml")}
 
 
 def _chain_positions(hp):

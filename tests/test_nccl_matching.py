@@ -10,6 +10,7 @@ import copy
 
 import pytest
 
+from tests.artifact_utils import artifact_for
 from tests.conftest import CONFIGS
 from tests.distributed_utils import run_distributed
 from tests.p2p_audit import nccl_violations, recorded_p2p
@@ -33,18 +34,6 @@ def _recorded_step(overrides: list[str], artifact: dict) -> list[tuple]:
     return records
 
 
-def _artifact(overrides: list[str]) -> dict:
-    from optimus_mllm.config import load_config
-    from optimus_mllm.cost_model import CostModel
-    from optimus_mllm.planner import plan
-    from optimus_mllm.scheduler.artifact import schedule_to_artifact
-    from optimus_mllm.scheduler.bubble_scheduler import optimus
-
-    config = load_config(TINY, overrides)
-    schedule = optimus(config, plan(config), CostModel.from_config(config)).best
-    return schedule_to_artifact(schedule, config)
-
-
 def test_the_checker_finds_tags_shared_groups_opposing_sends_and_order_mismatches():
     records = [("isend", "default", 0, 1, (2,), "f", 5), ("recv", "default", 1, 0, (2,), "f", 5),
                ("isend", "g", 0, 1, (2,), "f", 0), ("isend", "g", 1, 0, (2,), "f", 0),
@@ -66,7 +55,7 @@ def _shuffled_hooks(artifact: dict) -> dict:
 @pytest.mark.parametrize("overrides, shuffle", [([], False), (ENC_PP2, True), (PP4_V2, False)],
                          ids=["tiny", "encoder-PP2-reordered", "PP4-V2-adjusted"])
 def test_runtime_messages_follow_nccl_matching_rules(overrides, shuffle):
-    artifact = _artifact(overrides)
+    artifact = artifact_for(TINY, overrides)
     if shuffle:
         artifact = _shuffled_hooks(artifact)
     per_rank = run_distributed(_recorded_step, 4, overrides, artifact, timeout=240)

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from tests.artifact_utils import shuffled_hooks
+from tests.artifact_utils import artifact_for, shuffled_hooks
 from tests.conftest import CONFIGS
 from tests.distributed_utils import run_distributed
 
@@ -56,18 +56,7 @@ def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | N
 
 def _artifact(overrides: list[str], encoder_plan: dict | None = None, cost_overrides: tuple = ()) -> dict:
     extra = [f"parallel.encoder={{pp: {encoder_plan['pp']}, tp: {encoder_plan['tp']}}}"] if encoder_plan else []
-    return _artifact_for(TINY, overrides + extra + list(cost_overrides))
-
-
-def _artifact_for(config_path: str, overrides: list[str] = ()) -> dict:
-    from optimus_mllm.config import load_config
-    from optimus_mllm.cost_model import CostModel
-    from optimus_mllm.planner import plan
-    from optimus_mllm.scheduler.artifact import schedule_to_artifact
-    from optimus_mllm.scheduler.bubble_scheduler import optimus
-
-    config = load_config(config_path, overrides)
-    return schedule_to_artifact(optimus(config, plan(config), CostModel.from_config(config)).best, config)
+    return artifact_for(TINY, overrides + extra + list(cost_overrides))
 
 
 def _run(world: int, overrides: list[str], mode: str, artifact: dict | None) -> list[dict]:
@@ -153,7 +142,7 @@ def test_the_paper_figure_5_twin_trains_like_the_baseline():
     """configs/paper/small/fig5_8gpu.yaml: the paper's Figure 5 plan (PP4 TP2, two chunks per rank) with
     sequence parallelism, selective recompute, tied embeddings and the distributed optimizer."""
     config = str(CONFIGS / "paper" / "small" / "fig5_8gpu.yaml")
-    artifact = _artifact_for(config)
+    artifact = artifact_for(config)
     optimus = run_distributed(_train, 8, config, [], "optimus", artifact, 2, timeout=400)
     _assert_same(optimus, run_distributed(_train, 8, config, [], "baseline", None, 2, timeout=400))
 

@@ -13,8 +13,9 @@ from tests.distributed_utils import free_port
 TINY = str(CONFIGS / "tiny.yaml")
 TIMEOUT_S = 90
 STEP = re.compile(r"^step (\d+)/(\d+) \| loss (\d+\.\d{4}) \| grad norm (?:\d+\.\d{4}|skipped \(inf/nan\)) \| "
-                  r"lr \d\.\d{3}e[-+]\d\d \| [\d.]+ ms \| \d+ tokens/s \| (.+)$")
-NUMBERS = re.compile(r"^step (\d+)/\d+ \| (loss \S+ \| grad norm \S+ \| lr \S+) \|")
+                  r"lr \d\.\d{3}e[-+]\d\d \| (?:loss scale \d+\.\d \| )?[\d.]+ ms \| \d+ tokens/s \| (.+)$")
+NUMBERS = re.compile(r"^step (\d+)/\d+ \| (loss \S+ \| grad norm (?:\S+|skipped \(inf/nan\)) \| lr \S+"
+                     r"(?: \| loss scale \S+)?) \|")
 SUMMARY = re.compile(r"^done: (\d+) steps \| mean step [\d.]+ ms \| final loss (\d+\.\d{4})$")
 
 
@@ -33,7 +34,8 @@ def step_losses(lines: list[str]) -> dict[int, str]:
 
 
 def step_numbers(lines: list[str]) -> dict[int, str]:
-    """{step: "loss L | grad norm N | lr R"} of the step lines: everything a step's update decides."""
+    """{step: "loss L | grad norm N | lr R[ | loss scale S]"} of the step lines: everything a step's update
+    decides."""
     return {int(m.group(1)): m.group(2) for m in map(NUMBERS.match, lines) if m}
 
 

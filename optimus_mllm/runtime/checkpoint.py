@@ -239,6 +239,9 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
     position and, with ``load_optimizer`` (the caller checked ``optimizer_layout_change``), this rank's
     optimizer state."""
     _load_weights(trainer, info)
+    # the optimizer's fp32 main copies (bf16/fp16) follow the loaded weights, as in Megatron's
+    # load_checkpoint; a loaded optimizer state then puts its own in their place
+    trainer.optimizer.reload_model_params()
     try:
         trainer.scheduler.load_state_dict(info.scheduler)
     except AssertionError as exc:  # megatron-core asserts that the schedule's settings are unchanged

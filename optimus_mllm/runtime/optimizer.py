@@ -5,7 +5,8 @@ Every LLM chunk and the encoder stage are wrapped in megatron-core's ``Distribut
 ``get_megatron_optimizer`` (AdamW or SGD; fp32 main parameters for bf16/fp16 models; dynamic loss
 scaling for fp16; the distributed optimizer, ZeRO-1, with ``training.distributed_optimizer``), one
 ``ChainedOptimizer`` over the LLM's and the encoder's parts so that the gradient norm and its
-clipping span both. The LR follows megatron-core's ``OptimizerParamScheduler``, one step per iteration.
+clipping span both, and, for fp16, one loss scale (``OneLossScaleOptimizer``). The LR follows
+megatron-core's ``OptimizerParamScheduler``, one step per iteration.
 
 Data-parallel collectives are Megatron-LM's defaults (no ``--overlap-grad-reduce`` /
 ``--overlap-param-gather``): the gradients are reduce-scattered (all-reduced without the distributed
@@ -22,11 +23,14 @@ of one LLM replica share that replica's microbatches.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
@@ -81,7 +85,7 @@ def optimizer_config(config: OptimusConfig) -> OptimizerConfig:
 
 def build_optimizer(config: OptimusConfig, llm: Sequence[DistributedDataParallel],
                     encoder: DistributedDataParallel | None,
-                    encoder_groups: ProcessGroupCollection | None) -> ChainedOptimizer:
+                    encoder_groups: ProcessGroupCollection | None) -> OneLossScaleOptimizer:
     """One optimizer over the LLM chunks and the encoder stage.
 
     ``encoder_groups`` None: the encoder shares the LLM's groups (the Megatron-style baseline, where
@@ -91,16 +95,71 @@ def build_optimizer(config: OptimusConfig, llm: Sequence[DistributedDataParallel
     """
     opt_config = optimizer_config(config)
     if encoder_groups is None:
-        return _chained(get_megatron_optimizer(opt_config, [*llm, *([encoder] if encoder else [])]))
-    parts = [*_chained(get_megatron_optimizer(opt_config, list(llm))).chained_optimizers]
+        models = [*llm, *([encoder] if encoder is not None else [])]
+        return OneLossScaleOptimizer(_parts(get_megatron_optimizer(opt_config, models)))
+    parts = _parts(get_megatron_optimizer(opt_config, list(llm)))
     if encoder is not None:
-        parts += _chained(get_megatron_optimizer(opt_config, [encoder], use_gloo_process_groups=False,
-                                                 pg_collection=encoder_groups)).chained_optimizers
-    return ChainedOptimizer(parts)
+        parts += _parts(get_megatron_optimizer(opt_config, [encoder], use_gloo_process_groups=False,
+                                               pg_collection=encoder_groups))
+    return OneLossScaleOptimizer(parts)
 
 
-def _chained(optimizer: MegatronOptimizer) -> ChainedOptimizer:
-    return optimizer if isinstance(optimizer, ChainedOptimizer) else ChainedOptimizer([optimizer])
+class OneLossScaleOptimizer(ChainedOptimizer):
+    """A ``ChainedOptimizer`` whose parts share one loss scale, updated once per step from all of them.
+
+    megatron-core's ``ChainedOptimizer`` scales the loss by its first part's scale, while every part
+    unscales its gradients by, and updates, a scale of its own. After a step where only the LLM's
+    gradients overflow, the LLM's scale backs off and the encoder's does not: from then on the encoder's
+    gradients are unscaled by a scale the loss was never multiplied by. Here the first part's scaler is
+    the one scale; the parts read it and only report their overflow.
+    """
+
+    def __init__(self, parts: list[MegatronOptimizer]):
+        super().__init__(parts)
+        self.loss_scaler: MegatronGradScaler | None = getattr(parts[0], "grad_scaler", None) if parts else None
+        if self.loss_scaler is not None:
+            for part in parts:
+                part.grad_scaler = _PartOfLossScale(self.loss_scaler)
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        found_inf = super().prepare_grads()
+        if self.loss_scaler is None:
+            return found_inf
+        # every rank skips or steps together, whatever groups the parts checked their overflow over
+        flag = torch.tensor([float(found_inf)], device=self.loss_scaler.scale.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        found_inf = bool(flag.item() > 0)
+        self.loss_scaler.update(found_inf)
+        return found_inf
+
+
+class _PartOfLossScale(MegatronGradScaler):
+    """A part's view of its ``OneLossScaleOptimizer``'s scale: read it, leave updating it to the owner."""
+
+    def __init__(self, owner: MegatronGradScaler):  # no super().__init__: the scale tensor is the owner's
+        self.owner = owner
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.owner.scale
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        return self.owner.inv_scale
+
+    def update(self, found_inf: bool) -> None:
+        pass  # the owner's update follows every part's check (OneLossScaleOptimizer.prepare_grads)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.owner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.owner.load_state_dict(state_dict)
+
+
+def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    return list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
 
 def build_scheduler(config: OptimusConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:

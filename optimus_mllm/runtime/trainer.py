@@ -62,6 +62,7 @@ class StepResult:
     loss: float | None  # mean LM loss over the step's microbatches; None off the last pipeline stage
     grad_norm: float | None  # over LLM and encoder, before clipping; None where fp16 skipped the update
     lr: float  # the learning rate this step's update used
+    loss_scale: float | None  # fp16: the dynamic loss scale after this step (what Megatron logs); else None
     encoder_record: list[ExecutedOp]  # every encoder op run here: where it ran, where it was scheduled
     unplanned_collectives: int  # TP collectives megatron-core ran that the schedule's LLM kernels lack
 
@@ -219,7 +220,8 @@ class Trainer:
         loss = None
         if outputs:
             loss = float(torch.stack([o["lm loss"] for o in outputs]).mean())
-        return StepResult(loss, grad_norm if updated else None, lr,
+        scaler = self.optimizer.loss_scaler
+        return StepResult(loss, grad_norm if updated else None, lr, None if scaler is None else scaler.scale.item(),
                           executor.record if executor is not None else [], len(driver.unplanned))
 
     def _forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
