@@ -155,3 +155,51 @@ def test_killed_writer_leftovers_do_not_count(first_half, tmp_path):
     lines = torchrun("--override", "training.train_iters=3", "--save", str(save), "--resume")
     assert lines[0] == f"resumed from {save / 'iter_0000002'} at step 2"
     assert not (save / "iter_0000003.tmp").exists() and (save / "iter_0000003" / "meta.json").is_file()
+
+
+def _weights_after_an_update_with_a_fresh_optimizer(save: str) -> dict:
+    """bf16 on one rank: train 2 steps and save; a fresh job loads the weights with a fresh optimizer
+    (``--no-load-optim``) and takes an update from zero gradients (no weight decay), which leaves the
+    optimizer's fp32 main weights as they are and writes them into the model's."""
+    from optimus_mllm.config import load_config
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime import checkpoint
+    from optimus_mllm.runtime.trainer import Trainer
+    from optimus_mllm.scheduler.artifact import schedule_job_artifact
+
+    config = load_config(TINY, ["cluster.num_gpus=1", "cluster.gpus_per_node=1", "training.precision=bf16",
+                                "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}", "training.lr=1e-2",
+                                "training.weight_decay=0"])
+    planned = plan(config)
+    artifact = schedule_job_artifact(config, planned)
+
+    def weights(trainer: Trainer) -> dict:
+        modules = [*trainer.chunks, trainer.encoder]
+        return {f"{i}.{name}": p.detach().float().numpy().copy() for i, module in enumerate(modules)
+                for name, p in module.named_parameters()}
+
+    trained = Trainer(config, planned.llm_plan, "optimus", artifact)
+    trained.train_step(0)
+    trained.train_step(1)
+    checkpoint.save_checkpoint(trained, save, 2)
+    saved = weights(trained)
+    trained.close()
+    fresh = Trainer(config, planned.llm_plan, "optimus", artifact)
+    initial = weights(fresh)
+    checkpoint.load_checkpoint(fresh, checkpoint.latest_checkpoint(save), load_optimizer=False)
+    for model in fresh.ddp_models:
+        model.zero_grad_buffer()
+    fresh.optimizer.step()
+    after = weights(fresh)
+    fresh.close()
+    return {"saved": saved, "initial": initial, "after": after}
+
+
+def test_no_load_optim_updates_the_loaded_weights(tmp_path):
+    """The optimizer's fp32 main weights are reloaded from the loaded bf16 ones, as Megatron-LM does; they
+    used to keep the initial weights, which the first update then wrote back over the loaded ones."""
+    [result] = run_distributed(_weights_after_an_update_with_a_fresh_optimizer, 1, str(tmp_path / "run"),
+                               timeout=180)
+    assert all((result["saved"][name] != result["initial"][name]).any() for name in result["saved"])
+    for name, weight in result["saved"].items():
+        assert (result["after"][name] == weight).all(), name
