@@ -15,8 +15,8 @@ the artifact. The Optimus runtime then trains ``--steps`` steps on ``world`` glo
 Megatron-style baseline the same steps on one rank (every microbatch there, no parallelism) from
 the same plan-independent weights (``runtime/weights.py``) and data, both with megatron-core's
 training stack (DDP, distributed optimizer, AdamW, clipping at 1.0, warm-up + cosine LR: ``SCHEDULE``);
-losses, gradient norms, final weights and last-step gradients, whole and by global name, must agree
-within ``TOLERANCE``.
+losses, gradient norms (relative to the norm where it exceeds 1), final weights and last-step gradients,
+whole and by global name, must agree within ``TOLERANCE``.
 
 Ranks run through tests/distributed_utils.py's ``run_distributed`` (imported, with the repository
 root on ``sys.path`` as the other scripts do), whose timeout turns a hang into a failure (HANG).
@@ -265,8 +265,10 @@ def compare(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> Diffs:
     loss = max(abs(float(np.mean(losses)) - ref) for losses, ref in zip(per_step, reference["losses"]))
     if any(None in (norm, ref) for r in ranks for norm, ref in zip(r["norms"], reference["norms"])):
         return Diffs(loss, np.inf, np.inf, "a step skipped its update on one side only")
-    # the gradient norm spans every rank's LLM and encoder parts: one global value, on every rank
-    grad = max(abs(norm - ref) for r in ranks for norm, ref in zip(r["norms"], reference["norms"]))
+    # the gradient norm spans every rank's LLM and encoder parts: one global value, on every rank. It is an
+    # fp32 sum of squares that each plan adds up in another order (seed 13's first step: 26.8 off by 1.0e-5
+    # while every gradient agreed to 1.5e-7), so it is compared relative to its size, where above 1
+    grad = max(abs(norm - ref) / max(1.0, abs(ref)) for r in ranks for norm, ref in zip(r["norms"], reference["norms"]))
     expected = reference["tensors"]
     seen: set[str] = set()
     weight = 0.0

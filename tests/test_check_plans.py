@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from scripts.check_plans import (
@@ -75,6 +76,20 @@ def test_a_wrong_run_fails(non_multiple_run):
     diffs = compare(ranks, other)
     assert not diffs.passed and diffs.problem is None
     assert min(diffs.loss, diffs.grad, diffs.weight) > 1e-3, diffs
+
+
+def _one_rank(norm: float, gradient: float) -> dict:
+    return {"losses": [5.5], "norms": [norm], "tensors": {"w": (np.ones(3), np.full(3, gradient))}, "p2p": []}
+
+
+def test_the_gradient_norm_is_compared_relative_to_its_size():
+    """A norm of 26.8 off by 1.0e-5 (fp32 sums in another order: seed 13) passes; off by 1e-3 it fails,
+    and so does a single gradient off by 2e-5."""
+    reference = _one_rank(26.81378953, 0.5)
+    assert compare([_one_rank(26.81378953 + 1.02e-5, 0.5)], reference).passed
+    assert not compare([_one_rank(26.81378953 + 1e-3, 0.5)], reference).passed
+    assert not compare([_one_rank(26.81378953, 0.5 + 2e-5)], reference).passed
+    assert not compare([_one_rank(0.5 + 2e-5, 0.5)], _one_rank(0.5, 0.5)).passed
 
 
 def test_summary_line():
