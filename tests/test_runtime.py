@@ -212,7 +212,8 @@ def test_low_precision_trains_like_the_baseline(precision):
     scale low enough that no step is skipped): both runtimes agree to the precision's resolution."""
     overrides = [f"training.precision={precision}", "training.initial_loss_scale=1024"]
     artifact = _artifact(overrides)
-    optimus, baseline = _run(4, overrides, "optimus", artifact), _run(4, overrides, "baseline", None)
+    optimus, baseline = (run_distributed(_train, 4, TINY, overrides, mode, a, 2, timeout=240)
+                         for mode, a in (("optimus", artifact), ("baseline", None)))
     for o, b in zip(optimus, baseline):
         assert None not in o["norms"] and None not in b["norms"], "a step was skipped"
         assert o["norms"] == pytest.approx(b["norms"], rel=1e-2)
