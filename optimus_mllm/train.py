@@ -28,7 +28,7 @@ from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.runtime.checkpoint import (
+from optimus_mllm.runtime.checkpoint_meta import (
     CheckpointInfo,
     check_resumable,
     latest_checkpoint,

@@ -96,7 +96,7 @@ def _interrupted(save: str) -> dict:
     from optimus_mllm.config import load_config
     from optimus_mllm.errors import OptimusError
     from optimus_mllm.planner import plan
-    from optimus_mllm.runtime import checkpoint
+    from optimus_mllm.runtime import checkpoint, checkpoint_meta
     from optimus_mllm.runtime.trainer import Trainer
     from optimus_mllm.scheduler.artifact import schedule_job_artifact
 
@@ -125,7 +125,7 @@ def _interrupted(save: str) -> dict:
         checkpoint.torch.save = real_save
     trainer.close()
 
-    info = checkpoint.latest_checkpoint(save)
+    info = checkpoint_meta.latest_checkpoint(save)
     fresh = Trainer(config, planned.llm_plan, "optimus", artifact)
     checkpoint.load_checkpoint(fresh, info)
     redo = fresh.train_step(1).loss
@@ -163,7 +163,7 @@ def _weights_after_an_update_with_a_fresh_optimizer(save: str) -> dict:
     optimizer's fp32 main weights as they are and writes them into the model's."""
     from optimus_mllm.config import load_config
     from optimus_mllm.planner import plan
-    from optimus_mllm.runtime import checkpoint
+    from optimus_mllm.runtime import checkpoint, checkpoint_meta
     from optimus_mllm.runtime.trainer import Trainer
     from optimus_mllm.scheduler.artifact import schedule_job_artifact
 
@@ -186,7 +186,7 @@ def _weights_after_an_update_with_a_fresh_optimizer(save: str) -> dict:
     trained.close()
     fresh = Trainer(config, planned.llm_plan, "optimus", artifact)
     initial = weights(fresh)
-    checkpoint.load_checkpoint(fresh, checkpoint.latest_checkpoint(save), load_optimizer=False)
+    checkpoint.load_checkpoint(fresh, checkpoint_meta.latest_checkpoint(save), load_optimizer=False)
     for model in fresh.ddp_models:
         model.zero_grad_buffer()
     fresh.optimizer.step()

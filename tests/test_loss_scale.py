@@ -57,22 +57,24 @@ def test_an_overflow_in_the_llm_alone_backs_off_the_one_loss_scale():
     assert result["unscaled"] == [1.0 / 512]
 
 
-# fp16 from a loss scale at which step 1 overflows (backed off, hysteresis 1), step 2 updates, step 3 updates
-# and grows the scale (window 2), step 4 overflows again: a resume after step 1 starts from a part with no
-# Adam state yet; one after step 2 must carry the scaler's count of clean steps
-FP16 = ["training.precision=fp16", "training.initial_loss_scale=65536", "training.hysteresis=1",
+# fp16 on 2 ranks (LLM DP2, so the distributed optimizer shards) from a loss scale at which steps 1 and 2
+# overflow (each backs off, hysteresis 1), step 3 updates and step 4 updates and grows the scale (window 2):
+# a resume after step 1 starts from parts with no Adam state yet; one after step 3 must carry the scaler's
+# count of clean steps
+FP16 = ["cluster.num_gpus=2", "cluster.gpus_per_node=2", "parallel.llm={dp: 2, pp: 1, tp: 1, vp: 1}",
+        "training.precision=fp16", "training.initial_loss_scale=65536", "training.hysteresis=1",
         "training.loss_scale_window=2", "training.train_iters=5"]
 
 
 def test_fp16_resume_continues_the_loss_scale(tmp_path):
     save = tmp_path / "run"
-    uninterrupted = step_numbers(torchrun("--override", *FP16, "--save", str(save), "--save-interval", "1"))
-    assert ["skipped" in uninterrupted[step] for step in range(1, 6)] == [True, False, False, True, False]
-    assert len({numbers.split("loss scale ")[1] for numbers in uninterrupted.values()}) == 2
-    for iteration in (1, 2):
+    uninterrupted = step_numbers(torchrun("--override", *FP16, "--save", str(save), "--save-interval", "1", nproc=2))
+    assert ["skipped" in uninterrupted[step] for step in range(1, 6)] == [True, True, False, False, False]
+    assert [uninterrupted[step].split("loss scale ")[1] for step in (3, 4)] == ["16384.0", "32768.0"]
+    for iteration in (1, 3):
         resumed = tmp_path / f"from_{iteration}"
         shutil.copytree(save, resumed)
         (resumed / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")  # roll back, Megatron's way
-        lines = torchrun("--override", *FP16, "--save", str(resumed), "--resume")
+        lines = torchrun("--override", *FP16, "--save", str(resumed), "--resume", nproc=2)
         assert lines[0] == f"resumed from {resumed / f'iter_{iteration:07d}'} at step {iteration}"
         assert step_numbers(lines) == {step: uninterrupted[step] for step in range(iteration + 1, 6)}
