@@ -1,8 +1,9 @@
 """The Optimus runtime inside megatron-core's pipeline schedule, on CPU with gloo.
 
-Three training steps with the schedule artifact give the same losses, gradient norms, last-step
-gradients and weights as the Megatron-style baseline (encoders in the first stage's pre-process), also when the artifact's hook
-points are wrong; and the encoder's ops run at the hook points the artifact names.
+Two training steps (the second from updated weights) with the schedule artifact give the same losses,
+gradient norms, last-step gradients and weights as the Megatron-style baseline (encoders in the first
+stage's pre-process), also when the artifact's hook points are wrong; and the encoder's ops run at the
+hook points the artifact names.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.artifact_utils import artifact_for, shuffled_hooks
 from tests.conftest import CONFIGS
 from tests.distributed_utils import run_distributed
 
-STEPS = 3
+STEPS = 2  # the second step runs from the first one's update; more steps only cost CI time
 TINY = str(CONFIGS / "tiny.yaml")
 EIGHT_RANKS = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={dp: 2, pp: 2, tp: 2, vp: 2}"]
 
