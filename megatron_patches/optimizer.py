@@ -11,8 +11,8 @@ form of it. Used as they stand, four things go wrong, handled here:
 - with torch's Adam (no apex / transformer-engine), ``DistributedOptimizer.load_state_dict`` gives
   every parameter's state one shared ``step`` tensor, which torch's Adam then increments once per
   parameter on the next step: every parameter gets its own copy before the loaded state goes in;
-- before its first update (fp16 skips the updates whose gradients overflow, from Megatron's initial
-  loss scale of 2**32 typically the first dozens) torch's Adam has no state, and
+- before its first update (fp16 skips the updates whose gradients overflow, as the first steps from
+  Megatron's initial loss scale of 2**32 do) torch's Adam has no state, and
   ``DistributedOptimizer.state_dict`` asserts that it finds one step count: such a part's state is its
   loss scale alone, and its main parameters are the model's (the caller reloads them from the weights).
 """
@@ -28,15 +28,19 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 def optimizer_state(optimizer: ChainedOptimizer) -> dict[str, Any]:
     """This rank's whole optimizer state: megatron's ``state_dict`` and each distributed part's shard."""
-    parts = optimizer.chained_optimizers
-    return {
-        "common": _cloned([None if _is_stub(part) else
-                           {BEFORE_FIRST_UPDATE: _scaler_state(part)} if _before_first_update(part) else
-                           part.state_dict() for part in parts]),
-        "parameters": [_cloned(part.get_parameter_state_dp_reshardable())
-                       if isinstance(part, DistributedOptimizer) and not _is_stub(part)
-                       and not _before_first_update(part) else None for part in parts],
-    }
+    common, parameters = zip(*map(_part_state, optimizer.chained_optimizers), strict=True)
+    return {"common": _cloned(list(common)), "parameters": _cloned(list(parameters))}
+
+
+def _part_state(part: Any) -> tuple[dict[str, Any] | None, dict[Any, Any] | None]:
+    """A part's ``state_dict`` and, for a distributed part, its parameter shard (None where it has none)."""
+    if _is_stub(part):
+        return None, None
+    if not isinstance(part, DistributedOptimizer):
+        return part.state_dict(), None
+    if not part.optimizer.state:  # before the first update: the loss scale is all it has
+        return {BEFORE_FIRST_UPDATE: None if part.grad_scaler is None else part.grad_scaler.state_dict()}, None
+    return part.state_dict(), part.get_parameter_state_dp_reshardable()
 
 
 def load_optimizer_state(optimizer: ChainedOptimizer, state: dict[str, Any]) -> None:
@@ -63,14 +67,6 @@ def load_optimizer_state(optimizer: ChainedOptimizer, state: dict[str, Any]) -> 
 
 
 BEFORE_FIRST_UPDATE = "before_first_update"  # marks a part saved before its first update: its loss-scale state
-
-
-def _before_first_update(part: Any) -> bool:
-    return isinstance(part, DistributedOptimizer) and not _is_stub(part) and not part.optimizer.state
-
-
-def _scaler_state(part: Any) -> dict[str, Any] | None:
-    return None if part.grad_scaler is None else part.grad_scaler.state_dict()
 
 
 def _is_stub(part: Any) -> bool:

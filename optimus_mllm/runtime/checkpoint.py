@@ -18,9 +18,9 @@ The encoder is saved whole (gathered over its TP group) under plan-independent n
 into any encoder plan: a resumed job may re-plan. The LLM is saved per (TP, PP) shard, as Megatron's
 legacy checkpoints are, so its TP, PP and virtual stages must stay (DP may change). The optimizer's
 state is saved per rank, so it loads only into the same ranks, plans and optimizer settings
-(``optimizer_layout`` in meta.json, read by ``checkpoint_meta``); a job that differs must say ``--no-load-optim`` (Megatron-LM's
-flag) and resumes the weights and the LR schedule with a fresh optimizer state. The LR schedule's
-state is in meta.json. The step draws no random numbers (no dropout; data seeded by iteration and microbatch),
+(``optimizer_layout`` in meta.json, read by ``checkpoint_meta``); a job that differs must say
+``--no-load-optim`` (Megatron-LM's flag) and resumes the weights and the LR schedule with a fresh
+optimizer state. The LR schedule's state is in meta.json. The step draws no random numbers (no dropout; data seeded by iteration and microbatch),
 so with these the resumed steps are the uninterrupted ones.
 """
 
