@@ -61,6 +61,9 @@ class TransformerSpec:
     gated_linear_unit: bool = False  # SwiGLU-style MLP: fc1 produces two ffn-wide halves
     add_bias_linear: bool = True
     normalization: Normalization = "LayerNorm"
+    # Megatron-LM's --hidden-dropout / --attention-dropout (whose defaults are 0.1); off unless set
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -483,6 +486,10 @@ def _validate_transformer(spec: TransformerSpec, where: str) -> None:
             raise ConfigError(f"{where}.num_query_groups", f"{spec.num_query_groups} does not divide "
                               f"num_attention_heads={spec.num_attention_heads}; use one of "
                               f"{_divisors_text(spec.num_attention_heads)}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0 <= getattr(spec, name) < 1:
+            raise ConfigError(f"{where}.{name}", f"must be a probability in [0, 1), got {getattr(spec, name)}; "
+                              "0 turns dropout off")
 
 
 def tp_divisibility_problem(spec: TransformerSpec, tp: int) -> str | None:

@@ -47,7 +47,9 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
     LLM: ``num_layers``, ``hidden_size``, ``num_attention_heads``, ``ffn_hidden_size``, ``seq_length``,
     ``vocab_size``, ``untie_embeddings_and_output_weights``; vision: ``encoder_num_layers``, ``img_h``,
     ``img_w``, ``patch_dim``, ``num_channels`` and the encoder width flags ``encoder_hidden_size``,
-    ``encoder_num_attention_heads``, ``encoder_ffn_hidden_size``; parallelism and training:
+    ``encoder_num_attention_heads``, ``encoder_ffn_hidden_size``; ``hidden_dropout`` and
+    ``attention_dropout`` for both (Megatron-LM's ``pretrain_vlm.py`` copies the language model's
+    config for the vision model); parallelism and training:
     ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
     ``num_layers_per_virtual_pipeline_stage``, ``micro_batch_size``, ``global_batch_size``,
     ``train_iters``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``; optimizer: ``optimizer``, ``lr``,
@@ -65,6 +67,7 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
         raise OptimusError(f"--img-h {args.img_h} and --img-w {args.img_w} must be multiples of --patch-dim "
                            f"{args.patch_dim}")
     patches = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    dropout = {"hidden_dropout": args.hidden_dropout, "attention_dropout": args.attention_dropout}
     raw: dict[str, Any] = {
         "name": "megatron-args",
         "cluster": {"num_gpus": world_size, "gpus_per_node": min(gpus_per_node, world_size)},
@@ -73,11 +76,11 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
                           "hidden_size": args.encoder_hidden_size,
                           "num_attention_heads": args.encoder_num_attention_heads,
                           "ffn_hidden_size": args.encoder_ffn_hidden_size, "seq_length": patches,
-                          "patch_size": args.patch_dim, "in_channels": args.num_channels}],
+                          "patch_size": args.patch_dim, "in_channels": args.num_channels, **dropout}],
             "llm": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                     "num_attention_heads": args.num_attention_heads, "ffn_hidden_size": args.ffn_hidden_size,
                     "seq_length": args.seq_length, "vocab_size": args.vocab_size,
-                    "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights},
+                    "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights, **dropout},
         },
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
                      "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",

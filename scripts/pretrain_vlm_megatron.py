@@ -42,6 +42,8 @@ def parse_args(extra_args_provider: Callable[[argparse.ArgumentParser], argparse
     add("--seq-length", type=int, default=64)
     add("--vocab-size", type=int, default=256)
     add("--untie-embeddings-and-output-weights", action="store_true")
+    add("--hidden-dropout", type=float, default=0.1)
+    add("--attention-dropout", type=float, default=0.1)
     add("--encoder-num-layers", type=int, default=2)
     add("--encoder-hidden-size", type=int, default=32)
     add("--encoder-num-attention-heads", type=int, default=4)

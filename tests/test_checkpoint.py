@@ -15,23 +15,25 @@ import pytest
 from tests.distributed_utils import run_distributed
 from tests.train_utils import TINY, assert_one_error_everywhere, ranks, step_numbers, torchrun
 
-# warm-up, then cosine decay: the resumed steps' learning rates come from the restored schedule
 SIX = "training.train_iters=6"
-SCHEDULE = ["training.lr_warmup_iters=2", "training.lr_decay_style=cosine", "training.lr=1e-3",
-            "training.min_lr=1e-4"]
+# warm-up, then cosine decay: the resumed steps' learning rates come from the restored schedule; dropout:
+# its masks come from the iteration and microbatch alone, so no generator state needs restoring
+RUN = ["training.lr_warmup_iters=2", "training.lr_decay_style=cosine", "training.lr=1e-3", "training.min_lr=1e-4",
+       *(f"model.{part}.{name}=0.1" for part in ("llm", "encoders.0")
+         for name in ("hidden_dropout", "attention_dropout"))]
 EIGHT_RANKS = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={dp: 2, pp: 2, tp: 2, vp: 2}"]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted() -> dict[int, str]:
-    return step_numbers(torchrun("--override", SIX, *SCHEDULE))
+    return step_numbers(torchrun("--override", SIX, *RUN))
 
 
 @pytest.fixture(scope="module")
 def first_half(tmp_path_factory) -> Path:
     """Steps 1-3 of the 6-step run, checkpointed after each step."""
     save = tmp_path_factory.mktemp("ckpt") / "run"
-    lines = torchrun("--override", SIX, *SCHEDULE, "training.train_iters=3", "training.lr_decay_iters=6",
+    lines = torchrun("--override", SIX, *RUN, "training.train_iters=3", "training.lr_decay_iters=6",
                      "--save", str(save), "--save-interval", "1")
     assert [line for line in lines if line.startswith("saved checkpoint")] == [
         f"saved checkpoint {save / f'iter_000000{i}'}" for i in (1, 2, 3)]
@@ -43,7 +45,7 @@ def first_half(tmp_path_factory) -> Path:
 def test_resume_gives_the_uninterrupted_losses(uninterrupted, first_half, tmp_path):
     save = tmp_path / "run"
     shutil.copytree(first_half, save)
-    lines = torchrun("--override", SIX, *SCHEDULE, "training.lr_decay_iters=6", "--save", str(save), "--resume")
+    lines = torchrun("--override", SIX, *RUN, "training.lr_decay_iters=6", "--save", str(save), "--resume")
     assert lines[0] == f"resumed from {save / 'iter_0000003'} at step 3"
     assert lines[1] == "schedule: the one saved with the checkpoint"
     resumed = step_numbers(lines)
@@ -58,12 +60,12 @@ def test_resume_without_the_optimizer_state(uninterrupted, first_half, tmp_path)
     save = tmp_path / "run"
     shutil.copytree(first_half, save)
     resume = ("--save", str(save), "--resume")
-    assert_one_error_everywhere(ranks(4, "--override", SIX, *SCHEDULE, "training.lr_decay_iters=6",
+    assert_one_error_everywhere(ranks(4, "--override", SIX, *RUN, "training.lr_decay_iters=6",
                                       "training.optimizer=sgd", *resume),
                                 "optimizer layout.optimizer differs from this job's")
-    assert_one_error_everywhere(ranks(4, "--override", SIX, *SCHEDULE, "--no-load-optim"),
+    assert_one_error_everywhere(ranks(4, "--override", SIX, *RUN, "--no-load-optim"),
                                 "--no-load-optim applies to --resume")
-    lines = torchrun("--override", SIX, *SCHEDULE, "training.lr_decay_iters=6", *EIGHT_RANKS, *resume,
+    lines = torchrun("--override", SIX, *RUN, "training.lr_decay_iters=6", *EIGHT_RANKS, *resume,
                      "--no-load-optim", nproc=8)
     assert lines[1] == "the checkpoint was written by 4 ranks, this job has 8: re-planned the encoder schedule"
     resumed = step_numbers(lines)

@@ -59,7 +59,8 @@ def test_a_schedule_for_another_job_is_refused_on_every_rank(plan_json):
 
 
 def test_megatron_args_give_the_tiny_config():
-    """The script's defaults with the flag above describe the same model and plan as configs/tiny.yaml."""
+    """The script's defaults with the flags above and without dropout describe the same model and plan as
+    configs/tiny.yaml; dropout is Megatron-LM's 0.1 by default, for the LLM and the vision model."""
     from optimus_mllm.config import load_config
     from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args
 
@@ -70,6 +71,9 @@ def test_megatron_args_give_the_tiny_config():
         sys.path.pop(0)
     args = parse_args(add_optimus_args, TINY_ARGS)
     assert isinstance(args, argparse.Namespace) and args.optimus_schedule is None
+    defaults = config_from_megatron_args(args, 4, 4).model
+    assert {(spec.hidden_dropout, spec.attention_dropout) for spec in (defaults.llm, *defaults.encoders)} == {(0.1, 0.1)}
+    args = parse_args(add_optimus_args, [*TINY_ARGS, "--hidden-dropout", "0", "--attention-dropout", "0"])
     ours, tiny = config_from_megatron_args(args, 4, 4), load_config(TINY)
     assert ours.model == tiny.model
     assert ours.parallel.llm == tiny.parallel.llm

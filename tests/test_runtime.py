@@ -179,6 +179,20 @@ def test_adjusted_warmups_train_like_the_baseline(overrides, warmup):
     _assert_same(_run(4, overrides, "optimus", artifact), _run(4, overrides, "baseline", None))
 
 
+DROPOUT = [f"model.{part}.{name}=0.1" for part in ("llm", "encoders.0")
+           for name in ("hidden_dropout", "attention_dropout")]
+
+
+def test_dropout_draws_the_baselines_masks_under_an_adjusted_warmup():
+    """Hidden and attention dropout in the LLM and the encoder, with sequence parallelism and full recompute;
+    the PP2 warm-up forced to [3, 2]. Optimus runs the encoder under another plan than the baseline's TP2,
+    its ops at hook points inside the LLM's: the same masks, so the same numbers."""
+    overrides = DROPOUT + SP_TIED
+    artifact = _with_warmup(_artifact(overrides), [3, 2])
+    assert artifact["encoder_plan"]["tp"] != 2, "the encoder plan is the baseline's (TP2 in the first stage)"
+    _assert_same(_run(4, overrides, "optimus", artifact), _run(4, overrides, "baseline", None))
+
+
 def test_a_displaced_op_is_counted_as_moved():
     """An op hooked before its chain's predecessor cannot run there: the record says where it ran."""
     artifact = copy.deepcopy(_artifact([], {"pp": 2, "tp": 1}))

@@ -20,8 +20,9 @@ legacy checkpoints are, so its TP, PP and virtual stages must stay (DP may chang
 state is saved per rank, so it loads only into the same ranks, plans and optimizer settings
 (``optimizer_layout`` in meta.json, read by ``checkpoint_meta``); a job that differs must say
 ``--no-load-optim`` (Megatron-LM's flag) and resumes the weights and the LR schedule with a fresh
-optimizer state. The LR schedule's state is in meta.json. The step draws no random numbers (no dropout; data seeded by iteration and microbatch),
-so with these the resumed steps are the uninterrupted ones.
+optimizer state. The LR schedule's state is in meta.json. No generator state carries from one step to
+the next (data and dropout masks are seeded by iteration and microbatch, ``runtime.dropout``), so with
+these the resumed steps are the uninterrupted ones.
 """
 
 from __future__ import annotations

@@ -89,8 +89,13 @@ def optimizer_layout_change(info: CheckpointInfo, layout: dict[str, Any]) -> str
 
 
 def model_json(config: OptimusConfig) -> dict[str, Any]:
-    """The model config as meta.json stores it (tuples become lists), so saved and current compare equal."""
-    return json.loads(json.dumps(dataclasses.asdict(config.model)))
+    """The model config as meta.json stores it (tuples become lists), so saved and current compare equal;
+    without dropout, which a resumed job may change (the weights are the same model's)."""
+    model = json.loads(json.dumps(dataclasses.asdict(config.model)))
+    for spec in (model["llm"], *model["encoders"]):
+        for name in ("hidden_dropout", "attention_dropout"):
+            del spec[name]
+    return model
 
 
 def _first_difference(saved: Any, current: Any, where: str) -> str | None:

@@ -39,6 +39,8 @@ class Step:
 
     ``adjoint`` set makes it a collective: run under no_grad, its backward is
     ``adjoint(*grads of writes) -> grads of reads``; otherwise autograd differentiates ``forward``.
+    ``seeded`` (dropout): ``forward(seed, *state[reads])`` with the microbatch's dropout seed, so
+    that a recomputed forward draws the same masks.
     """
 
     forward: Callable[..., tuple[Tensor, ...]]
@@ -48,6 +50,10 @@ class Step:
     writes: tuple[str, ...] = (HIDDEN,)
     trainable: bool = False  # uses parameters that want gradients
     adjoint: Callable[..., tuple[Tensor, ...]] | None = None
+    seeded: bool = False
+
+    def run(self, seed: int, *inputs: Tensor) -> tuple[Tensor, ...]:
+        return self.forward(seed, *inputs) if self.seeded else self.forward(*inputs)
 
     @property
     def is_collective(self) -> bool:
@@ -202,13 +208,14 @@ class MicrobatchRun:
     after the projector). ``set_output_grad`` takes the gradient of that output from the next stage
     or the LLM; the backward ops then run in their chain order, and ``input_grad`` is what to send
     to the previous stage (None on stage 0 and for frozen encoders). Parameter gradients accumulate
-    into ``.grad`` as each backward op runs, so microbatches may interleave freely.
+    into ``.grad`` as each backward op runs, so microbatches may interleave freely. ``seed`` seeds the
+    microbatch's dropout masks (``dropout.microbatch_seed``).
     """
 
-    def __init__(self, ops: StageOps, inputs: Mapping[str, Tensor]):
+    def __init__(self, ops: StageOps, inputs: Mapping[str, Tensor], seed: int):
         if set(inputs) != set(ops.encoders):
             raise ValueError(f"inputs for encoders {sorted(inputs)}, this stage runs {list(ops.encoders)}")
-        self.ops = ops
+        self.ops, self.seed = ops, seed
         self._state = {enc: {HIDDEN: inputs[enc].detach()} for enc in ops.encoders}
         self._grads: dict[str, dict[str, Tensor]] = {enc: {} for enc in ops.encoders}
         self._saved: dict[int, tuple[list[Tensor], tuple[Tensor, ...]]] = {}
@@ -301,11 +308,11 @@ class MicrobatchRun:
         if record and bound.differentiated and not step.is_collective:
             leaves = [x.detach().requires_grad_(flag) for x, flag in zip(inputs, bound.needs_grad)]
             with torch.enable_grad():
-                outputs = step.forward(*leaves)
+                outputs = step.run(self.seed, *leaves)
             self._saved[index] = (leaves, outputs)
         else:
             with torch.no_grad():
-                outputs = step.forward(*inputs)
+                outputs = step.run(self.seed, *inputs)
         state.update((key, out.detach()) for key, out in zip(step.writes, outputs))
 
     def _backward_step(self, index: int, grads: dict[str, Tensor]) -> None:
@@ -337,11 +344,11 @@ class _CollectiveFunction(torch.autograd.Function):
         return (None, *ctx.step.adjoint(*grads))
 
 
-def run_steps(steps: Sequence[Step], x: Tensor) -> Tensor:
+def run_steps(steps: Sequence[Step], x: Tensor, seed: int) -> Tensor:
     """All steps at once as one autograd graph: the whole-module forward that ops must match."""
     state = {HIDDEN: x}
     for step in steps:
         inputs = [state.pop(key) for key in step.reads]
-        outputs = _CollectiveFunction.apply(step, *inputs) if step.is_collective else step.forward(*inputs)
+        outputs = _CollectiveFunction.apply(step, *inputs) if step.is_collective else step.run(seed, *inputs)
         state.update(zip(step.writes, outputs))
     return state[HIDDEN]

@@ -25,6 +25,7 @@ import torch
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.runtime.data import MicrobatchSource
+from optimus_mllm.runtime.dropout import microbatch_seed
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, StageOps
 from optimus_mllm.runtime.hook_plan import Event, HookPlan, StageHookPlan
 from optimus_mllm.runtime.messages import Incoming, Messenger
@@ -198,7 +199,8 @@ class EncoderExecutor:
     def _run(self, phase: str, k: int, index: int) -> None:
         if phase == "fwd":
             if index == 0:
-                self.runs[k] = MicrobatchRun(self.ops, self._forward_input(k))
+                seed = microbatch_seed(self.config.training.seed, self.iteration, self._global_microbatch(k))
+                self.runs[k] = MicrobatchRun(self.ops, self._forward_input(k), seed)
             run = self.runs[k]
             run.run_forward(index)
             if run.forward_done:

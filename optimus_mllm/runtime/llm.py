@@ -11,6 +11,7 @@ materialises the [batch * heads, seq, seq] scores. On the CPU the local spec is 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any
 
@@ -44,7 +45,7 @@ def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Transformer
         virtual_pipeline_model_parallel_size=plan.vp if plan.vp > 1 else None,
         sequence_parallel=t.sequence_parallel and plan.tp > 1, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=t.precision == "bf16", fp16=t.precision == "fp16",
-        hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=llm.hidden_dropout, attention_dropout=llm.attention_dropout,
         use_cpu_initialization=not torch.cuda.is_available(),
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False,
@@ -136,8 +137,12 @@ class SdpaCoreAttention(MegatronModule):
         if per_group > 1:
             key, value = key.repeat_interleave(per_group, dim=2), value.repeat_interleave(per_group, dim=2)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                             is_causal=True, scale=self.softmax_scale)
+        p = self.dropout if self.training else 0.0
+        # a TP rank's heads draw from the tracker's model-parallel state, as in megatron-core's attention
+        # (under sequence parallelism the whole block already runs in it)
+        fork = p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 

@@ -35,6 +35,7 @@ from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
 from optimus_mllm.runtime.data import Microbatch, microbatch_source
+from optimus_mllm.runtime.dropout import llm_chunk_index, microbatch_seed, seed_llm_dropout
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import build_stage_ops
 from optimus_mllm.runtime.executor import EncoderExecutor, ExecutedOp, HookDriver, Mailbox, incoming_messages
@@ -227,11 +228,14 @@ class Trainer:
     def _forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
                       data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
         microbatch, chunk, _ = driver.current
-        mb = _text_on(self.data(iteration, self.llm_dp * self.num_microbatches + microbatch), self.device)
+        global_microbatch = self.llm_dp * self.num_microbatches + microbatch
+        seed = microbatch_seed(self.config.training.seed, iteration, global_microbatch)
+        seed_llm_dropout(seed, llm_chunk_index(chunk))
+        mb = _text_on(self.data(iteration, global_microbatch), self.device)
         mask = causal_mask(self.config.llm.seq_length, self.device)
         decoder_input = None
         if self.chunks[chunk].pre_process:
-            images = self._image_embeddings(microbatch, mb, mailbox)
+            images = self._image_embeddings(microbatch, mb, mailbox, seed)
             if self.mode == "optimus":
                 images = images.detach().requires_grad_(True)
                 leaves[microbatch] = images  # its .grad after the backward is G_i
@@ -239,11 +243,11 @@ class Trainer:
         output = model(mb.tokens, mb.position_ids, mask, decoder_input=decoder_input, labels=mb.labels)
         return output, partial(masked_lm_loss, loss_mask=mb.loss_mask)
 
-    def _image_embeddings(self, microbatch: int, mb: Any, mailbox: Mailbox) -> torch.Tensor:
+    def _image_embeddings(self, microbatch: int, mb: Any, mailbox: Mailbox, seed: int) -> torch.Tensor:
         """A_i: [image tokens, batch, hidden], from the encoder pipeline the global ordering assigns."""
         if self.mode == "baseline":
             outputs = self.encoder({e.name: to_device(image, self.device)
-                                    for e, image in zip(self.config.encoders, mb.images)})
+                                    for e, image in zip(self.config.encoders, mb.images)}, seed)
             return torch.cat([outputs[e.name] for e in self.config.encoders], dim=0)
         link = self._link(microbatch)
         if link.encoder_rank == self.rank:

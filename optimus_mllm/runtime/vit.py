@@ -44,6 +44,7 @@ from torch.distributed import ProcessGroup
 
 from optimus_mllm.config import EncoderConfig, OptimusConfig, TransformerSpec
 from optimus_mllm.params import stage_layer_bounds
+from optimus_mllm.runtime.dropout import dropout, site_seed
 from optimus_mllm.runtime.encoder_ops import Block, Step, run_steps
 
 Tensor = torch.Tensor
@@ -129,14 +130,20 @@ def _norm_step(norm: nn.Module, kernel: str) -> Step:
                 writes=("hidden", "residual"), trainable=_wants_grad(*norm.parameters()))
 
 
-def _residual_add_step(bias: Tensor | None) -> Step:
-    """The row-parallel bias and the residual, after the reduction: no kernel of its own."""
+def _residual_add_step(bias: Tensor | None, p: float, site: str, group: ProcessGroup,
+                       sequence_parallel: bool) -> Step:
+    """The row-parallel bias, hidden dropout and the residual, after the reduction (megatron-core's
+    bias-dropout-add): no kernel of its own. Under sequence parallelism ``x`` holds this rank's tokens,
+    otherwise all of them, the same on every TP rank."""
+    parts, part = (group.size(), group.rank()) if sequence_parallel else (1, 0)
 
-    def forward(x: Tensor, residual: Tensor) -> tuple[Tensor]:
-        return ((x if bias is None else x + bias) + residual,)
+    def forward(seed: int, x: Tensor, residual: Tensor) -> tuple[Tensor]:
+        x = x if bias is None else x + bias
+        x = dropout(x, p, site_seed(seed, site), (x.shape[0] * parts, *x.shape[1:]), 0, parts, part)
+        return (x + residual,)
 
     return Step(forward=forward, fwd_kernel=None, bwd_kernel=None, reads=("hidden", "residual"),
-                trainable=_wants_grad(bias))
+                trainable=_wants_grad(bias), seeded=True)
 
 
 def _bias_step(bias: Tensor | None) -> Step:
@@ -186,6 +193,7 @@ class TransformerLayer(nn.Module):
         tp = group.size()
         self.heads, self.groups = spec.num_attention_heads // tp, spec.query_groups // tp
         self.head_dim = spec.head_dim
+        self.hidden_dropout, self.attention_dropout = spec.hidden_dropout, spec.attention_dropout
         self.gated = spec.gated_linear_unit
         dims = {"config": config, "init_method": init_method, "bias": spec.add_bias_linear,
                 "skip_bias_add": False, "tp_group": group}
@@ -200,12 +208,15 @@ class TransformerLayer(nn.Module):
                                         gather_output=False, stride=2 if self.gated else 1, **dims)
         self.fc2 = RowParallelLinear(spec.ffn_hidden_size, spec.hidden_size, input_is_parallel=True, **dims)
 
-    def steps(self, group: ProcessGroup, sequence_parallel: bool) -> tuple[Step, ...]:
+    def steps(self, group: ProcessGroup, sequence_parallel: bool, site: str) -> tuple[Step, ...]:
+        """The layer's steps; ``site`` (``encoder:global layer``) names its dropout masks."""
         tp = group.size() > 1
         qkv, proj, fc1, fc2 = self.qkv, self.attn_proj, self.fc1, self.fc2
+        core = Step(forward=lambda seed, x: (self._attention(x, group, site_seed(seed, f"{site}:attn_core")),),
+                    fwd_kernel="attn_core", bwd_kernel="attn_core", seeded=True)
         attention = [
             _compute("qkv", lambda x: F.linear(x, qkv.weight, qkv.bias), qkv.weight, qkv.bias),
-            _compute("attn_core", self._attention),
+            core,
             _compute("attn_proj", lambda x: F.linear(x, proj.weight), proj.weight),
         ]
         mlp = [
@@ -217,14 +228,19 @@ class TransformerLayer(nn.Module):
             sp = sequence_parallel
             attention = [_tp_entry(group, sp, "attn"), *attention, _tp_exit(group, sp, "attn")]
             mlp = [_tp_entry(group, sp, "mlp"), *mlp, _tp_exit(group, sp, "mlp")]
+        p, sp = self.hidden_dropout, sequence_parallel
         return (
-            _norm_step(self.ln_attn, "ln_attn"), *attention, _residual_add_step(proj.bias),
-            _norm_step(self.ln_mlp, "ln_mlp"), *mlp, _residual_add_step(fc2.bias),
+            _norm_step(self.ln_attn, "ln_attn"), *attention,
+            _residual_add_step(proj.bias, p, f"{site}:attn", group, sp),
+            _norm_step(self.ln_mlp, "ln_mlp"), *mlp,
+            _residual_add_step(fc2.bias, p, f"{site}:mlp", group, sp),
         )
 
-    def _attention(self, qkv: Tensor) -> Tensor:
+    def _attention(self, qkv: Tensor, group: ProcessGroup, seed: int) -> Tensor:
         """Bidirectional softmax attention over this rank's heads; QKV grouped per query group
-        (megatron-core's layout, so TP shards split whole groups)."""
+        (megatron-core's layout, so TP shards split whole groups). With attention dropout the
+        probabilities are materialised (as in megatron-core's local attention): their mask is cut
+        from the one of all heads."""
         s, b, _ = qkv.shape
         per_group = self.heads // self.groups
         x = qkv.view(s, b, self.groups, per_group + 2, self.head_dim)
@@ -233,7 +249,15 @@ class TransformerLayer(nn.Module):
         q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [batch, heads, seq, head_dim]
         if per_group > 1:
             k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v)
+        p = self.attention_dropout
+        if p == 0.0:
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            scores = torch.matmul(q, k.transpose(-2, -1)) * self.head_dim**-0.5
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            tp = group.size()
+            probs = dropout(probs, p, seed, (b, self.heads * tp, s, s), 1, tp, group.rank())
+            out = torch.matmul(probs, v)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
     def _activation(self, x: Tensor) -> Tensor:
@@ -326,17 +350,19 @@ class VisionStage(nn.Module):
             start = group.rank() * share if sp else 0
             blocks.append(Block(name, -1, (self.patch_embed.step(slice(start, start + share)),), False))
         for i, layer in enumerate(self.layers):
-            blocks.append(Block(name, self.first_layer + i, layer.steps(group, sp), trainable))
+            index = self.first_layer + i
+            blocks.append(Block(name, index, layer.steps(group, sp, f"{name}:{index}"), trainable))
         if self.projector is not None:
             blocks.append(Block(name, -1, self.projector.steps(group, sp), trainable))
         return blocks
 
-    def forward(self, x: Tensor) -> Tensor:
-        """The whole stage as one autograd graph (patches on stage 0, hidden states elsewhere)."""
+    def forward(self, x: Tensor, seed: int) -> Tensor:
+        """The whole stage as one autograd graph (patches on stage 0, hidden states elsewhere); ``seed``:
+        the microbatch's dropout seed."""
         if self.patch_embed is not None and x.shape[1] != self.encoder.seq_length:
             raise ValueError(f"{self.encoder.name}: {x.shape[1]} patches per image, seq_length is "
                              f"{self.encoder.seq_length}")
-        return run_steps([step for block in self.blocks() for step in block.steps], x)
+        return run_steps([step for block in self.blocks() for step in block.steps], x, seed)
 
 
 class EncoderStage(nn.Module):
@@ -356,8 +382,8 @@ class EncoderStage(nn.Module):
     def blocks(self) -> list[Block]:
         return [block for stage in self.encoders.values() for block in stage.blocks()]
 
-    def forward(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return {name: stage(inputs[name]) for name, stage in self.encoders.items()}
+    def forward(self, inputs: Mapping[str, Tensor], seed: int) -> dict[str, Tensor]:
+        return {name: stage(inputs[name], seed) for name, stage in self.encoders.items()}
 
     def reduce_sequence_parallel_grads(self) -> None:
         """Sum the partial gradients of sequence-parallel parameters over the TP group; once per

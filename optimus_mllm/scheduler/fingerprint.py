@@ -3,7 +3,8 @@
 A schedule artifact stores the fingerprint of the config it was made for, so that a job can name the
 first setting it differs in instead of failing after its ranks connect. Keys are written as
 ``--override`` takes them (``model.encoders.0.num_layers``). Every config field is in it unless listed
-in ``_NOT_SCHEDULE``, so a field added to the config later counts until someone says why it does not.
+in ``_NOT_SCHEDULE`` (or, for the models, ``_NOT_SCHEDULE_IN_MODELS``), so a field added to the config
+later counts until someone says why it does not.
 """
 
 from __future__ import annotations
@@ -38,13 +39,18 @@ _NOT_SCHEDULE = frozenset({
 })
 
 
+# fields of any transformer (LLM or encoder) that no plan or priced kernel depends on: dropout's masks are
+# elementwise work the cost model does not count
+_NOT_SCHEDULE_IN_MODELS = frozenset({"hidden_dropout", "attention_dropout"})
+
+
 def schedule_fingerprint(config: OptimusConfig) -> dict[str, Any]:
     """The config's settings that the plans, kernels and their costs depend on, by dotted path."""
     return dict(_settings(config, ""))
 
 
 def _settings(value: Any, path: str) -> Iterator[tuple[str, Any]]:
-    if path in _NOT_SCHEDULE:
+    if path in _NOT_SCHEDULE or (path.startswith("model.") and path.rsplit(".", 1)[-1] in _NOT_SCHEDULE_IN_MODELS):
         return
     if dataclasses.is_dataclass(value):
         for f in dataclasses.fields(value):
