@@ -193,6 +193,10 @@ _TRAINING_MODULES = (
     "megatron.core.utils",  # local_multi_tensor_l2_norm, the grad norm without apex / TE
     "megatron.core.tensor_parallel.mappings",  # sequence parallelism's all-gather / reduce-scatter outputs
     "megatron.core.tensor_parallel.layers",  # the sequence-parallel all-gather in a linear's backward
+    # dist_checkpointing: the writer's host copies wait on torch.cuda.synchronize(), and the save's
+    # plan and finish agree over flags made on the current CUDA device
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 
 

@@ -1,20 +1,22 @@
-"""A rank's state of a megatron-core ``ChainedOptimizer``, taken and restored exactly.
+"""megatron-core's optimizer checkpoint state where torch's own optimizers stand in for apex / TE.
 
-megatron-core's ``state_dict`` of a ``DistributedOptimizer`` leaves out the parameter state (main
-parameters and Adam moments), which its legacy checkpoints write separately;
-``get_parameter_state_dp_reshardable`` / ``load_parameter_state_from_dp_reshardable`` are the per-rank
-form of it. Used as they stand, four things go wrong, handled here:
+Without apex or transformer-engine (the CPU, and any GPU job without them) megatron-core steps
+torch's ``AdamW`` / ``SGD``, which keep the step count per parameter and create their state lazily
+at the first update. Its checkpoint code assumes otherwise in three places, handled here:
 
-- the getter returns views of the live state, so it is cloned;
-- the loader skips entries marked ``padding`` (as its sharded checkpoints mark them), and the getter
-  marks none, so every entry is marked unpadded;
-- with torch's Adam (no apex / transformer-engine), ``DistributedOptimizer.load_state_dict`` gives
-  every parameter's state one shared ``step`` tensor, which torch's Adam then increments once per
-  parameter on the next step: every parameter gets its own copy before the loaded state goes in;
-- before its first update (fp16 skips the updates whose gradients overflow, as the first steps from
-  Megatron's initial loss scale of 2**32 do) torch's Adam has no state, and
-  ``DistributedOptimizer.state_dict`` asserts that it finds one step count: such a part's state is its
-  loss scale alone, and its main parameters are the model's (the caller reloads them from the weights).
+- ``DistributedOptimizer.state_dict`` (which ``sharded_state_dict`` calls, for saving and for
+  loading) asserts that it finds exactly one step count in the state: before the first update (a
+  fresh job about to load, or fp16 skipping its first updates on overflow) there is none.
+  ``prepare_state`` gives every parameter the state torch's optimizer starts from (step 0, zero
+  moments), which its next update treats exactly as no state;
+- ``DistributedOptimizer.load_state_dict`` puts a ``step`` into every parameter's state and then, in
+  the fully reshardable format, copies into each state entry from the loaded tensors, which have no
+  ``step`` (``load_state`` lets the step keep its value); the step tensor it puts there is one shared
+  by all parameters, which torch's Adam then increments once per parameter: ``set_step`` gives each
+  its own;
+- the fully reshardable format gathers a distributed part's state over a gloo data-parallel group,
+  which megatron-core does not create for a part built on groups of its own (the encoder's): the
+  caller hands one to ``use_gloo_group``.
 """
 
 from __future__ import annotations
@@ -22,72 +24,66 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from torch.distributed import ProcessGroup
 
 
-def optimizer_state(optimizer: ChainedOptimizer) -> dict[str, Any]:
-    """This rank's whole optimizer state: megatron's ``state_dict`` and each distributed part's shard."""
-    common, parameters = zip(*map(_part_state, optimizer.chained_optimizers), strict=True)
-    return {"common": _cloned(list(common)), "parameters": _cloned(list(parameters))}
+def parts(optimizer: Any) -> list[Any]:
+    """The parts of a megatron-core (chained) optimizer that hold state: stubs (a frozen encoder
+    stage, nothing to train on this rank) left out."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part for part in chained if not getattr(part, "is_stub_optimizer", False)]
 
 
-def _part_state(part: Any) -> tuple[dict[str, Any] | None, dict[Any, Any] | None]:
-    """A part's ``state_dict`` and, for a distributed part, its parameter shard (None where it has none)."""
-    if _is_stub(part):
-        return None, None
+def prepare_state(part: Any) -> None:
+    """Give every parameter of ``part`` without state the one torch's optimizer starts from."""
+    inner = part.optimizer
+    adam = isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+    for group in inner.param_groups:
+        for param in group["params"]:
+            state = inner.state[param]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0)
+            if adam and "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def step_count(part: Any) -> int:
+    """The number of updates ``part`` took (every parameter took the same)."""
+    steps = {int(state["step"]) for state in part.optimizer.state.values() if "step" in state}
+    if len(steps) > 1:
+        raise ValueError(f"the optimizer's parameters took different numbers of updates: {sorted(steps)}")
+    return steps.pop() if steps else 0
+
+
+def set_step(part: Any, step: int) -> None:
+    """Every parameter of ``part`` has taken ``step`` updates, each with a step tensor of its own."""
+    for state in part.optimizer.state.values():
+        state["step"] = torch.tensor(float(step))
+
+
+def load_state(part: Any, state_dict: dict[str, Any]) -> None:
+    """``part.load_state_dict(state_dict)``, the step of each parameter's state left to ``set_step``."""
     if not isinstance(part, DistributedOptimizer):
-        return part.state_dict(), None
-    if not part.optimizer.state:  # before the first update: the loss scale is all it has
-        return {BEFORE_FIRST_UPDATE: None if part.grad_scaler is None else part.grad_scaler.state_dict()}, None
-    return part.state_dict(), part.get_parameter_state_dp_reshardable()
+        part.load_state_dict(state_dict)
+        return
+    original = part._set_main_param_and_optimizer_states
+
+    def set_states(model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
+        current = part._get_main_param_and_optimizer_states(model_param)
+        if "step" in current and "step" not in tensors:
+            tensors = {**tensors, "step": current["step"].clone()}
+        original(model_param, tensors)
+
+    part._set_main_param_and_optimizer_states = set_states  # this object only, for this call
+    try:
+        part.load_state_dict(state_dict)
+    finally:
+        del part._set_main_param_and_optimizer_states
 
 
-def load_optimizer_state(optimizer: ChainedOptimizer, state: dict[str, Any]) -> None:
-    """Restore what ``optimizer_state`` took, into an optimizer built for the same model and plan."""
-    parts = optimizer.chained_optimizers
-    if len(parts) != len(state["common"]):
-        raise ValueError(f"the saved optimizer has {len(state['common'])} parts, this one {len(parts)}")
-    for part, common, parameters in zip(parts, state["common"], state["parameters"]):
-        if common is None:
-            continue
-        if BEFORE_FIRST_UPDATE in common:
-            if part.grad_scaler is not None:
-                part.grad_scaler.load_state_dict(common[BEFORE_FIRST_UPDATE])
-            continue
-        part.load_state_dict(common)
-        if parameters is None:
-            continue
-        for param_state in part.optimizer.state.values():
-            if "step" in param_state:
-                param_state["step"] = param_state["step"].clone()
-        _mark_unpadded(parameters)
-        with torch.no_grad():  # the loader copies into views of leaf parameters
-            part.load_parameter_state_from_dp_reshardable(parameters)
-
-
-BEFORE_FIRST_UPDATE = "before_first_update"  # marks a part saved before its first update: its loss-scale state
-
-
-def _is_stub(part: Any) -> bool:
-    """A part with nothing to train on this rank (a frozen encoder stage): no state of its own."""
-    return getattr(part, "is_stub_optimizer", False)
-
-
-def _mark_unpadded(parameters: dict[Any, Any]) -> None:
-    for key, by_dtype in parameters.items():
-        if isinstance(key, int):  # a gradient buffer's index; the other keys are bucket sizes
-            for buckets in by_dtype.values():
-                for bucket in buckets:
-                    for entry in bucket:
-                        entry["padding"] = False
-
-
-def _cloned(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {key: _cloned(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cloned(value) for value in tree)
-    return tree
+def use_gloo_group(part: Any, group: ProcessGroup) -> None:
+    """The gloo group a distributed part gathers its state over when checkpointing."""
+    if isinstance(part, DistributedOptimizer):
+        part.data_parallel_group_gloo = group

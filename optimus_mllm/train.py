@@ -73,8 +73,8 @@ def build_parser() -> ArgumentParser:
                         help="continue from the latest checkpoint in --save (weights, optimizer state, LR "
                              "schedule, step, schedule)")
     parser.add_argument("--no-load-optim", action="store_true",
-                        help="with --resume: start the optimizer state afresh (needed when the ranks, plans or "
-                             "optimizer settings differ from the checkpoint's)")
+                        help="with --resume: start the optimizer state afresh (needed when the optimizer "
+                             "settings differ from the checkpoint's)")
     parser.add_argument("--tensorboard-dir", metavar="DIR", help="write TensorBoard scalars there (rank 0; "
                         "needs the tensorboard package)")
     return parser
@@ -115,14 +115,14 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
                            f"cluster.num_gpus={world_size} and a parallel.llm for it")
     check_dataset(config)
     planned = plan(config)
-    resume = _resume_point(args.save, config, planned.llm_plan) if args.resume else None
+    resume = _resume_point(args.save, config) if args.resume else None
     artifact, notes = _job_artifact(args, config, planned, world_size, resume)
     if resume is not None and not args.no_load_optim:
-        changed = optimizer_layout_change(resume, optimizer_layout(config, world_size, planned.llm_plan, artifact))
+        changed = optimizer_layout_change(resume, optimizer_layout(config))
         if changed:
-            raise OptimusError(f"--resume: the checkpoint's optimizer state is saved per rank and its {changed} "
-                               f"differs from this job's; resume with the checkpoint's ranks, plans and optimizer "
-                               "settings, or add --no-load-optim to start the optimizer state afresh")
+            raise OptimusError(f"--resume: the checkpoint's {changed} differs from this job's, so its optimizer "
+                               "state does not fit; resume with the optimizer settings it was written with, or "
+                               "add --no-load-optim to start the optimizer state afresh")
     return Job(config, planned.llm_plan, artifact, resume, notes, load_optimizer=not args.no_load_optim)
 
 
@@ -148,9 +148,9 @@ def _job_artifact(args: argparse.Namespace, config: OptimusConfig, planned: Plan
         return schedule_job_artifact(config, planned), (note,)
 
 
-def _resume_point(save: str, config: OptimusConfig, llm_plan: ParallelPlan) -> CheckpointInfo:
+def _resume_point(save: str, config: OptimusConfig) -> CheckpointInfo:
     info = latest_checkpoint(save)
-    check_resumable(info, config, llm_plan)
+    check_resumable(info, config)
     if info.iteration >= config.training.train_iters:
         raise OptimusError(f"--resume: the checkpoint in {save} is at step {info.iteration} and "
                            f"training.train_iters={config.training.train_iters}; raise training.train_iters to "

@@ -124,7 +124,8 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], time
     port = free_port()
     processes = [
         context.Process(
-            target=_rank_main, args=(rank, world_size, port, fn, args, results), daemon=True
+            # not daemonic: megatron-core's checkpoint writer starts processes of its own
+            target=_rank_main, args=(rank, world_size, port, fn, args, results), daemon=False
         )
         for rank in range(world_size)
     ]

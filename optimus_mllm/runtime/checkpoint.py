@@ -1,27 +1,33 @@
-"""Training checkpoints: written atomically, resumed so that the following steps are unchanged.
+"""Training checkpoints in megatron-core's distributed format: written atomically, resumed onto any plan.
 
-Layout under the ``--save`` folder (Megatron-LM's names where it has one)::
+Layout under the ``--save`` folder (Megatron-LM's)::
 
-    latest_checkpointed_iteration.txt          the newest complete checkpoint; replaced last, atomically
-    iter_0000003/meta.json                     iteration, world size, plans, model config
-    iter_0000003/schedule.json                 the schedule artifact the job ran (Optimus mode)
-    iter_0000003/llm/mp_rank_TT_PPP.pt         LLM chunks of (TP rank, PP rank), from DP rank 0
-    iter_0000003/encoder/stage_S.pt            encoder stage S as whole tensors by global name
-    iter_0000003/optimizer/rank_00005.pt       rank 5's optimizer state: Adam moments, main parameters,
-                                               step counts, loss scaler (megatron_patches.optimizer)
+    latest_checkpointed_iteration.txt    the newest complete checkpoint; replaced last, atomically
+    iter_0000003/                        a megatron-core dist_checkpointing folder (metadata.json,
+                                         common.pt, *.distcp) ...
+    iter_0000003/meta.json               ... plus what the launcher reads before ranks connect
+                                         (``checkpoint_meta``)
+    iter_0000003/schedule.json           the schedule artifact the job ran (Optimus mode)
 
-Every rank writes its files under ``iter_0000003.tmp``; only when all ranks succeeded does rank 0
+The state dict is Megatron-LM's: ``model`` (``model0``, ``model1``... per virtual stage) holds the
+model under the LLaVA layout's keys (``runtime.sharded_state``; the encoder in the first entry),
+``optimizer`` megatron-core's sharded optimizer state, ``opt_param_scheduler`` the LR schedule and
+``iteration`` the step. Every tensor is saved once, by its main replica, as this rank's shard of the
+tensor it belongs to; nothing is gathered whole. The distributed optimizer's state takes megatron-core's
+``fully_reshardable`` form (its buffers gathered over the data-parallel group, one (TP, PP) shard at a
+time, onto DP rank 0, over gloo), so that it too is keyed by the model's tensors.
+
+So a checkpoint resumes onto another LLM TP / PP / VP / DP, another encoder plan, and across the two
+runtimes: every tensor is addressed by its place in the whole model. The optimizer's state is saved
+as megatron-core's flat ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model key>`` tensors only;
+what megatron-core keeps beside them per optimizer part (hyper-parameters, the step count, the loss
+scale) depends on how the parts fall on a rank, so a loading job rebuilds that from its own
+optimizer, the saved step count and the saved loss scale (``optimus_state``).
+
+Every rank writes into ``iter_0000003.tmp``; only when all ranks succeeded does rank 0 add meta.json,
 rename the folder and then replace the ``latest`` file, so a writer killed or failing midway leaves
-the previous checkpoint as the latest and loadable.
-
-The encoder is saved whole (gathered over its TP group) under plan-independent names, so it loads
-into any encoder plan: a resumed job may re-plan. The LLM is saved per (TP, PP) shard, as Megatron's
-legacy checkpoints are, so its TP, PP and virtual stages must stay (DP may change). The optimizer's
-state is saved per rank, so it loads only into the same ranks, plans and optimizer settings
-(``optimizer_layout`` in meta.json, read by ``checkpoint_meta``); a job that differs must say
-``--no-load-optim`` (Megatron-LM's flag) and resumes the weights and the LR schedule with a fresh
-optimizer state. The LR schedule's state is in meta.json. No generator state carries from one step to
-the next (data and dropout masks are seeded by iteration and microbatch, ``runtime.dropout``), so with
+the previous checkpoint as the latest and loadable. No generator state carries from one step to the
+next (data and dropout masks are seeded by iteration and microbatch, ``runtime.dropout``), so with
 these the resumed steps are the uninterrupted ones.
 """
 
@@ -30,15 +36,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedStateDict
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_patches.optimizer import load_optimizer_state, optimizer_state
+from megatron_patches.optimizer import load_state, parts, prepare_state, set_step, step_count
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.runtime.checkpoint_meta import (
@@ -50,7 +59,71 @@ from optimus_mllm.runtime.checkpoint_meta import (
     model_json,
     optimizer_layout,
 )
-from optimus_mllm.runtime.weights import global_parameter_names, shard, whole
+from optimus_mllm.runtime.sharded_state import encoder_sharded_state_dict, llm_sharded_state_dict
+
+CHECKPOINT_VERSION_MEGATRON = 3.0  # Megatron-LM's checkpoint_version of its dist checkpoints
+# megatron-core's optimizer format keyed by the model's tensors; gathered over gloo onto DP rank 0 only
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+def model_sharded_state_dict(trainer: Any) -> dict[str, ShardedStateDict]:
+    """This rank's LLM chunks and encoder stage as Megatron-LM's ``model`` / ``model<i>`` entries."""
+    state = llm_sharded_state_dict(trainer.chunks)
+    if trainer.encoder is not None:
+        dp_group = trainer.groups.dp_group if trainer.mode == "optimus" else parallel_state.get_data_parallel_group()
+        state[next(iter(state))].update(encoder_sharded_state_dict(trainer.config, trainer.encoder, dp_group))
+    return state
+
+
+def _optimizer_requests(optimizer: Any, model_state: dict[str, ShardedStateDict],
+                        is_loading: bool) -> list[ShardedStateDict]:
+    """Each stateful optimizer part's own sharded state dict (megatron-core's)."""
+    requests = []
+    for part in parts(optimizer):
+        prepare_state(part)
+        requests.append(part.sharded_state_dict(model_state, is_loading, metadata=OPTIMIZER_SHARDING))
+    return requests
+
+
+def _sharded_leaves(tree: Any, path: str = "") -> dict[str, ShardedBase]:
+    """The sharded tensors of a nested state dict by their place in it ("0/param_state/3/exp_avg"):
+    saved as one flat dict, so the checkpoint holds no trace of how the parts fell on a rank."""
+    if isinstance(tree, ShardedBase):
+        return {path: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {key: leaf for name, value in items for key, leaf in _sharded_leaves(value, f"{path}/{name}").items()}
+
+
+def _filled(tree: Any, loaded: dict[str, Any], path: str = "") -> Any:
+    """``tree`` with every sharded tensor replaced by what was loaded for its place (``_sharded_leaves``)."""
+    if isinstance(tree, ShardedBase):
+        return loaded[path]
+    if isinstance(tree, dict):
+        return {name: _filled(value, loaded, f"{path}/{name}") for name, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_filled(value, loaded, f"{path}/{i}") for i, value in enumerate(tree))
+    return tree
+
+
+def optimus_state(optimizer: Any) -> dict[str, Any]:
+    """What a loading job needs beside the tensors: the updates taken and the (fp16) loss scale."""
+    steps = {step_count(part) for part in parts(optimizer)}
+    if len(steps) > 1:
+        raise ValueError(f"the optimizer's parts took different numbers of updates: {sorted(steps)}")
+    scaler = optimizer.loss_scaler
+    return {"optimizer_step": steps.pop() if steps else 0,
+            "loss_scaler": None if scaler is None else scaler.state_dict()}
+
+
+def _quietly(function: Callable[..., Any], *args: Any) -> Any:
+    """megatron-core saves and loads through torch's ShardedTensor, which torch has deprecated: its
+    FutureWarnings (one per rank and call) tell a user nothing they can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
+        return function(*args)
+
 
 # -- saving ------------------------------------------------------------------------------------
 
@@ -64,79 +137,60 @@ def save_checkpoint(trainer: Any, root: str | Path, iteration: int) -> Path:
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     _agree(_attempt(lambda: _fresh_dir(tmp)) if rank == 0 else None, "preparing")
-    encoder = _whole_encoder(trainer)  # a collective: outside the I/O, so a failed write cannot strand it
-    _agree(_attempt(lambda: _write_rank_files(trainer, tmp, encoder)), "writing")
+    # a collective (the distributed optimizer gathers its state): outside the I/O, so that a failed
+    # write cannot strand it
+    state = _state_dict(trainer, iteration)
+    _agree(_attempt(lambda: _quietly(dist_checkpointing.save, state, str(tmp))), "writing")
     _agree(_attempt(lambda: _publish(trainer, root, tmp, final, iteration)) if rank == 0 else None, "publishing")
     return final
 
 
-def _attempt(action: Callable[[], None]) -> str | None:
+def _state_dict(trainer: Any, iteration: int) -> dict[str, Any]:
+    model_state = model_sharded_state_dict(trainer)
+    optimizer_state = _sharded_leaves(_optimizer_requests(trainer.optimizer, model_state, is_loading=False))
+    state = {**model_state, "opt_param_scheduler": trainer.scheduler.state_dict(), "iteration": iteration,
+             "checkpoint_version": CHECKPOINT_VERSION_MEGATRON, "optimus": optimus_state(trainer.optimizer)}
+    if optimizer_state:  # none off DP rank 0: the distributed optimizer's state is gathered there
+        state["optimizer"] = optimizer_state
+    return state
+
+
+def _attempt(action: Callable[[], Any]) -> tuple[int, str] | None:
+    """None, or (the rank that failed, what failed there): any rank's failure must reach every rank,
+    or the others would wait forever."""
     try:
         action()
         return None
-    except Exception as exc:  # any rank's failure must reach every rank, or the others would wait forever
-        return f"{type(exc).__name__}: {exc}"
+    except CheckpointException as exc:  # torch's (a BaseException): raised on every rank, the detail on one
+        if not exc.failures:
+            return dist.get_rank(), ""
+        rank, (error, _) = min(exc.failures.items())
+        return rank, f"{type(error).__name__}: {error}"
+    except Exception as exc:
+        return dist.get_rank(), f"{type(exc).__name__}: {exc}"
 
 
-def _agree(error: str | None, what: str) -> None:
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
+def _agree(outcome: tuple[int, str] | None, what: str) -> None:
+    outcomes: list[tuple[int, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    failed = [o for o in outcomes if o]
     if failed:
-        rank, message = failed[0]
-        raise OptimusError(f"checkpoint {what} failed on rank {rank} ({message.splitlines()[0]}); the previous "
-                           "checkpoint is still the latest")
+        rank, message = next((o for o in failed if o[1]), failed[0])
+        detail = f" ({message.splitlines()[0]})" if message else ""
+        raise OptimusError(f"checkpoint {what} failed on rank {rank}{detail}; the previous checkpoint is still "
+                           "the latest")
 
 
 def _fresh_dir(path: Path) -> None:
     if path.exists():  # left by a writer that was killed
         shutil.rmtree(path)
-    (path / "llm").mkdir(parents=True)
-    (path / "encoder").mkdir()
-    (path / "optimizer").mkdir()
-
-
-def _whole_encoder(trainer: Any) -> tuple[str, dict[str, torch.Tensor]] | None:
-    """(file name, whole tensors) of this rank's encoder stage, on the rank that writes it (None elsewhere)."""
-    encoder = trainer.encoder
-    if encoder is None:
-        return None
-    with torch.no_grad():  # whole() is a collective over the encoder's TP group: all its ranks take part
-        tensors = {name: whole(p.detach(), p, encoder.tp_group) for name, p in global_parameter_names(encoder).items()}
-    writes, stage = _encoder_writer(trainer)
-    return (f"stage_{stage}.pt", tensors) if writes else None
-
-
-def _write_rank_files(trainer: Any, folder: Path, encoder: tuple[str, dict[str, torch.Tensor]] | None) -> None:
-    if parallel_state.get_data_parallel_rank() == 0:
-        tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-        torch.save({"chunks": [chunk.state_dict() for chunk in trainer.chunks]},
-                   folder / "llm" / f"mp_rank_{tp:02d}_{pp:03d}.pt")
-    if encoder is not None:
-        name, tensors = encoder
-        torch.save(tensors, folder / "encoder" / name)
-    torch.save(optimizer_state(trainer.optimizer), _optimizer_file(folder, dist.get_rank()))
-
-
-def _optimizer_file(folder: Path, rank: int) -> Path:
-    return folder / "optimizer" / f"rank_{rank:05d}.pt"
-
-
-def _encoder_writer(trainer: Any) -> tuple[bool, int]:
-    """(whether this rank writes its encoder stage, the stage): TP rank 0 of the first encoder replica."""
-    if trainer.mode == "optimus":
-        coords = trainer.groups.coords
-        return coords.dp == 0 and coords.tp == 0, coords.pp
-    first = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
-    return first, 0
+    path.mkdir(parents=True)
 
 
 def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -> None:
     meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "iteration": iteration,
             "world_size": dist.get_world_size(), "mode": trainer.mode, "llm_plan": trainer.plan.as_dict(),
-            "model": model_json(trainer.config),
-            "optimizer_layout": optimizer_layout(trainer.config, dist.get_world_size(), trainer.plan, trainer.artifact),
-            "scheduler": trainer.scheduler.state_dict()}
+            "model": model_json(trainer.config), "optimizer_layout": optimizer_layout(trainer.config)}
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")
     if trainer.artifact is not None:
         atomic_write_text(tmp / "schedule.json", json.dumps(trainer.artifact) + "\n")
@@ -151,35 +205,46 @@ def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -
 
 def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = True) -> None:
     """Load the weights of ``info`` into this rank's LLM chunks and encoder stage, the LR schedule's
-    position and, with ``load_optimizer`` (the caller checked ``optimizer_layout_change``), this rank's
-    optimizer state."""
-    _load_weights(trainer, info)
+    position and, with ``load_optimizer`` (the caller checked ``optimizer_layout_change``), the
+    optimizer's state; whatever plans and runtime wrote it."""
+    model_state = model_sharded_state_dict(trainer)
+    request: dict[str, Any] = dict(model_state)
+    optimizer_requests: list[ShardedStateDict] = []
+    if load_optimizer:
+        optimizer_requests = _optimizer_requests(trainer.optimizer, model_state, is_loading=True)
+        request["optimizer"] = _sharded_leaves(optimizer_requests)
+    loaded = _quietly(dist_checkpointing.load, request, str(info.path))
+    copy_into_model(model_state, loaded)
     # the optimizer's fp32 main copies (bf16/fp16) follow the loaded weights, as in Megatron's
     # load_checkpoint; a loaded optimizer state then puts its own in their place
     trainer.optimizer.reload_model_params()
     try:
-        trainer.scheduler.load_state_dict(info.scheduler)
+        trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     except AssertionError as exc:  # megatron-core asserts that the schedule's settings are unchanged
         raise OptimusError(f"--resume: {exc}; resume with the training settings the checkpoint was written "
                            "with") from None
     if load_optimizer:
-        state = torch.load(_optimizer_file(info.path, dist.get_rank()), map_location="cpu", weights_only=False)
-        load_optimizer_state(trainer.optimizer, state)
+        _load_optimizer(trainer.optimizer, optimizer_requests, loaded["optimizer"], loaded["optimus"])
+    # the LR and weight decay of the loaded step: the optimizer's hyper-parameters are this job's own
+    trainer.scheduler.step(increment=0)
 
 
-def _load_weights(trainer: Any, info: CheckpointInfo) -> None:
-    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-    llm = torch.load(info.path / "llm" / f"mp_rank_{tp:02d}_{pp:03d}.pt", map_location="cpu",
-                     weights_only=True)
-    for chunk, state in zip(trainer.chunks, llm["chunks"], strict=True):
-        chunk.load_state_dict(state)
-    encoder = trainer.encoder
-    if encoder is None:
-        return
-    saved: dict[str, torch.Tensor] = {}
-    for path in sorted((info.path / "encoder").glob("stage_*.pt")):
-        saved.update(torch.load(path, map_location="cpu", weights_only=True))
-    group = encoder.tp_group
+def copy_into_model(model_state: dict[str, ShardedStateDict], loaded: dict[str, Any]) -> None:
+    """Copy what ``dist_checkpointing.load`` returned for ``model_state`` into the parameters it names."""
     with torch.no_grad():
-        for name, param in global_parameter_names(encoder).items():
-            param.copy_(shard(saved[name], param, group.rank(), group.size()))  # copy_ moves it to the param's device
+        for entry, tensors in model_state.items():
+            for key, sharded in tensors.items():
+                if not isinstance(sharded, ShardedObject):  # ShardedObjects: megatron's empty _extra_state
+                    # the loader may have filled the parameter in place, or a view of it: one tensor at a time
+                    sharded.data.copy_(loaded[entry][key].clone())
+
+
+def _load_optimizer(optimizer: Any, requests: list[ShardedStateDict], loaded: dict[str, Any],
+                    saved: dict[str, Any]) -> None:
+    """Each part's state from its own request (its hyper-parameters, its layout) with the loaded tensors."""
+    for i, (part, request) in enumerate(zip(parts(optimizer), requests, strict=True)):
+        with torch.no_grad():  # the loader copies into views of leaf parameters
+            load_state(part, _filled(request, loaded, f"/{i}"))
+        set_step(part, saved["optimizer_step"])
+    if optimizer.loss_scaler is not None and saved["loss_scaler"] is not None:
+        optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])

@@ -19,7 +19,7 @@ from optimus_mllm.io_utils import read_versioned_json
 from optimus_mllm.planner.plans import ParallelPlan
 
 CHECKPOINT_FORMAT = "optimus-checkpoint"
-CHECKPOINT_VERSION = 2
+CHECKPOINT_VERSION = 3  # 3: megatron-core dist_checkpointing (2: per-rank torch.save shards)
 LATEST = "latest_checkpointed_iteration.txt"
 
 
@@ -37,8 +37,7 @@ class CheckpointInfo:
     llm_plan: ParallelPlan
     mode: str
     model: dict[str, Any]
-    optimizer_layout: dict[str, Any]  # what the per-rank optimizer state needs to load unchanged
-    scheduler: dict[str, Any]  # megatron-core's OptimizerParamScheduler.state_dict()
+    optimizer_layout: dict[str, Any]  # the optimizer settings its saved state belongs to
 
     @property
     def schedule_path(self) -> Path:
@@ -58,29 +57,23 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo:
     meta = read_versioned_json(path / "meta.json", "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
                                "resume from a checkpoint written by this release")
     return CheckpointInfo(path, meta["iteration"], meta["world_size"], ParallelPlan(**meta["llm_plan"]),
-                          meta["mode"], meta["model"], meta["optimizer_layout"], meta["scheduler"])
+                          meta["mode"], meta["model"], meta["optimizer_layout"])
 
 
-def check_resumable(info: CheckpointInfo, config: OptimusConfig, llm_plan: ParallelPlan) -> None:
-    """Refuse a checkpoint whose weights cannot load into this job (same answer on every rank)."""
+def check_resumable(info: CheckpointInfo, config: OptimusConfig) -> None:
+    """Refuse a checkpoint whose weights cannot load into this job (same answer on every rank); its
+    plans and runtime may differ from this job's."""
     changed = _first_difference(info.model, model_json(config), "model")
     if changed:
         raise OptimusError(f"--resume: {changed} differs from the checkpoint in {info.path}; resume with the "
                            "model config it was written with")
-    same = ParallelPlan(llm_plan.dp, info.llm_plan.pp, info.llm_plan.tp, info.llm_plan.vp)
-    if same != llm_plan:
-        raise OptimusError(f"--resume: the checkpoint holds the LLM as {info.llm_plan} shards, this job uses "
-                           f"{llm_plan}; LLM weights are saved per (TP, PP) shard, so resume with parallel.llm "
-                           f"tp={info.llm_plan.tp} pp={info.llm_plan.pp} vp={info.llm_plan.vp} (DP may change)")
 
 
-def optimizer_layout(config: OptimusConfig, world_size: int, llm_plan: ParallelPlan,
-                     artifact: dict[str, Any] | None) -> dict[str, Any]:
-    """What a rank's saved optimizer state depends on: the ranks, both plans and the optimizer kind."""
+def optimizer_layout(config: OptimusConfig) -> dict[str, Any]:
+    """What the saved optimizer state is made of: the optimizer (its moments), whether the distributed
+    optimizer saved fp32 main weights beside the model's, and the precision (whether there are any)."""
     t = config.training
-    return {"world_size": world_size, "llm_plan": llm_plan.as_dict(),
-            "encoder_plan": None if artifact is None else artifact["encoder_plan"],
-            "optimizer": t.optimizer, "distributed_optimizer": t.distributed_optimizer, "precision": t.precision}
+    return {"optimizer": t.optimizer, "distributed_optimizer": t.distributed_optimizer, "precision": t.precision}
 
 
 def optimizer_layout_change(info: CheckpointInfo, layout: dict[str, Any]) -> str | None:

@@ -36,6 +36,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
 from megatron_patches.ddp import average_over
+from megatron_patches.optimizer import use_gloo_group
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.process_groups import EncoderProcessGroups
@@ -85,13 +86,15 @@ def optimizer_config(config: OptimusConfig) -> OptimizerConfig:
 
 def build_optimizer(config: OptimusConfig, llm: Sequence[DistributedDataParallel],
                     encoder: DistributedDataParallel | None,
-                    encoder_groups: ProcessGroupCollection | None) -> OneLossScaleOptimizer:
+                    encoder_groups: ProcessGroupCollection | None,
+                    encoder_dp_gloo: dist.ProcessGroup | None = None) -> OneLossScaleOptimizer:
     """One optimizer over the LLM chunks and the encoder stage.
 
     ``encoder_groups`` None: the encoder shares the LLM's groups (the Megatron-style baseline, where
     it sits in the first pipeline stage) and joins the LLM's optimizer. Otherwise it gets its own,
     on every rank, even where its stage has nothing to train (a frozen encoder): megatron-core then
-    builds a stub that still takes part in the gradient-norm reduction.
+    builds a stub that still takes part in the gradient-norm reduction. ``encoder_dp_gloo``: the
+    encoder's data-parallel group over gloo, which its part gathers its checkpoint state over.
     """
     opt_config = optimizer_config(config)
     if encoder_groups is None:
@@ -99,8 +102,11 @@ def build_optimizer(config: OptimusConfig, llm: Sequence[DistributedDataParallel
         return OneLossScaleOptimizer(_parts(get_megatron_optimizer(opt_config, models)))
     parts = _parts(get_megatron_optimizer(opt_config, list(llm)))
     if encoder is not None:
-        parts += _parts(get_megatron_optimizer(opt_config, [encoder], use_gloo_process_groups=False,
-                                               pg_collection=encoder_groups))
+        encoder_parts = _parts(get_megatron_optimizer(opt_config, [encoder], use_gloo_process_groups=False,
+                                                      pg_collection=encoder_groups))
+        for part in encoder_parts:
+            use_gloo_group(part, encoder_dp_gloo)
+        parts += encoder_parts
     return OneLossScaleOptimizer(parts)
 
 

@@ -268,6 +268,7 @@ class EncoderProcessGroups:
     tp_group: ProcessGroup
     pp_group: ProcessGroup
     dp_group: ProcessGroup
+    dp_group_gloo: ProcessGroup  # dp_group over gloo (itself when gloo is the backend): checkpoint gathers
     mp_group: ProcessGroup  # this rank's encoder pipeline: every stage and TP rank
     tp_ranks: Ranks
     pp_ranks: Ranks
@@ -298,6 +299,7 @@ def build_encoder_process_groups(layout: EncoderRankLayout, rank: int) -> Encode
     tp_group, tp_ranks = _create_groups(layout.tp_groups, rank)
     pp_group, pp_ranks = _create_groups(layout.pp_groups, rank)
     dp_group, dp_ranks = _create_groups(layout.dp_groups, rank)
+    dp_group_gloo = _create_groups(layout.dp_groups, rank, "gloo")[0] if _backend() != "gloo" else dp_group
     mp_group, _ = _create_groups(layout.mp_groups, rank)
     channels = _create_channel_groups(layout.channels, rank)
     coords = layout.coords[rank].encoder
@@ -307,6 +309,7 @@ def build_encoder_process_groups(layout: EncoderRankLayout, rank: int) -> Encode
         tp_group=tp_group,
         pp_group=pp_group,
         dp_group=dp_group,
+        dp_group_gloo=dp_group_gloo,
         mp_group=mp_group,
         tp_ranks=tp_ranks,
         pp_ranks=pp_ranks,
@@ -319,11 +322,17 @@ def build_encoder_process_groups(layout: EncoderRankLayout, rank: int) -> Encode
     )
 
 
-def _create_groups(groups: tuple[Ranks, ...], rank: int) -> tuple[ProcessGroup, Ranks]:
-    """Call ``new_group`` for every group (all ranks must), return the one holding ``rank``."""
+def _backend() -> str:
     import torch.distributed as dist  # here, so that the layout alone never imports torch
 
-    created = [(dist.new_group(list(ranks)), ranks) for ranks in groups]
+    return dist.get_backend()
+
+
+def _create_groups(groups: tuple[Ranks, ...], rank: int, backend: str | None = None) -> tuple[ProcessGroup, Ranks]:
+    """Call ``new_group`` for every group (all ranks must), return the one holding ``rank``."""
+    import torch.distributed as dist
+
+    created = [(dist.new_group(list(ranks), backend=backend), ranks) for ranks in groups]
     return next((group, ranks) for group, ranks in created if rank in ranks)
 
 

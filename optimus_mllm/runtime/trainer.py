@@ -128,7 +128,8 @@ class Trainer:
         if self.encoder is not None:
             self.encoder_ddp = wrap_ddp(self.config, self.tconfig, self.encoder, encoder_groups,
                                         replicas=self.plan.dp if encoder_groups is not None else None)
-        self.optimizer = build_optimizer(self.config, self.models, self.encoder_ddp, encoder_groups)
+        self.optimizer = build_optimizer(self.config, self.models, self.encoder_ddp, encoder_groups,
+                                         self.groups.dp_group_gloo if self.mode == "optimus" else None)
         self.scheduler = build_scheduler(self.config, self.optimizer)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
 

@@ -1,0 +1,100 @@
+"""The model's sharded state dict for megatron-core's ``dist_checkpointing``, under either runtime.
+
+Keys are megatron-core's LLaVA layout (``megatron.core.models.multimodal.llava_model``), so a
+checkpoint loads into any plan, into either runtime and into a plain megatron-core script:
+
+- ``language_model.``: each LLM chunk's own ``GPTModel.sharded_state_dict`` (global layer numbers,
+  TP shards, the tied output embedding as a replica of the input one);
+- ``vision_model.`` and ``vision_projection.`` for the encoder (prefixed by the encoder's name,
+  ``<name>.vision_model.``, when the config has several): its layers under the names of megatron-core's
+  ``TransformerLayer`` with the local spec (``decoder.layers.<global layer>.self_attention.linear_qkv``,
+  ``.mlp.linear_fc1``, ``.input_layernorm`` ...), the projector under ``MultimodalProjector``'s
+  (``encoder.linear_fc1`` ...), and the patch embedding, which megatron-core's ``CLIPViTModel`` has
+  no counterpart of (a Linear over flattened patches, not a Conv2d), as ``patch_embed.*``.
+
+Each tensor is a ``ShardedTensor`` holding the parameter itself (so the optimizer's state maps onto
+it) with its TP shard and its replica id over the encoder's own groups: in Optimus mode the encoder
+plan's TP and DP groups, in the Megatron-style baseline the LLM's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.utils import make_sharded_tensor_for_checkpoint
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.runtime.vit import EncoderStage, TransformerLayer, VisionStage
+
+
+def llm_sharded_state_dict(chunks: list[Any]) -> dict[str, ShardedStateDict]:
+    """Megatron-LM's ``model`` (one chunk) or ``model0``, ``model1``... (virtual stages) entries."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(prefix="language_model.")}
+    return {f"model{i}": chunk.sharded_state_dict(prefix="language_model.") for i, chunk in enumerate(chunks)}
+
+
+def encoder_prefix(config: OptimusConfig, name: str) -> str:
+    """The key prefix of one encoder: LLaVA's own names for a single encoder."""
+    return "" if len(config.encoders) == 1 else f"{name}."
+
+
+def encoder_sharded_state_dict(config: OptimusConfig, stage: EncoderStage,
+                               dp_group: ProcessGroup) -> ShardedStateDict:
+    """This rank's encoder stage as ShardedTensors keyed by the LLaVA layout's plan-independent names.
+
+    Args:
+        config: the job's config (its encoders name the prefixes).
+        stage: this rank's encoder stage; its TP group is the one the tensors are sharded over.
+        dp_group: the group of the stage's data-parallel replicas (only replica 0 writes a tensor).
+    """
+    groups = {"tp_group": stage.tp_group, "dp_cp_group": dp_group}
+    metadata = {"dp_cp_group": dp_group}
+    state: ShardedStateDict = {}
+    for name, vision in stage.encoders.items():
+        prefix = encoder_prefix(config, name)
+        state.update(_vision_state(vision, f"{prefix}vision_model.", groups, metadata))
+        if vision.projector is not None:
+            projector = vision.projector
+            linears = {"linear_fc1": projector.fc1, "linear_fc2": projector.fc2} if projector.mlp else {"": projector.fc1}
+            for sub, linear in linears.items():
+                key = f"{prefix}vision_projection.encoder.{sub + '.' if sub else ''}"
+                state.update(linear.sharded_state_dict(key, (), metadata))
+    return state
+
+
+def _vision_state(vision: VisionStage, prefix: str, groups: dict[str, ProcessGroup],
+                  metadata: dict[str, Any]) -> ShardedStateDict:
+    state: ShardedStateDict = {}
+    if vision.patch_embed is not None:
+        state.update(_replicated(vision.patch_embed, f"{prefix}patch_embed.", groups))
+    for i, layer in enumerate(vision.layers):
+        state.update(_layer_state(layer, f"{prefix}decoder.layers.{vision.first_layer + i}.", groups, metadata))
+    return state
+
+
+def _layer_state(layer: TransformerLayer, prefix: str, groups: dict[str, ProcessGroup],
+                 metadata: dict[str, Any]) -> ShardedStateDict:
+    """One layer under megatron-core's local-spec ``TransformerLayer`` names."""
+    state = {
+        **_replicated(layer.ln_attn, f"{prefix}input_layernorm.", groups),
+        **layer.qkv.sharded_state_dict(f"{prefix}self_attention.linear_qkv.", (), metadata),
+        **layer.attn_proj.sharded_state_dict(f"{prefix}self_attention.linear_proj.", (), metadata),
+        **_replicated(layer.ln_mlp, f"{prefix}pre_mlp_layernorm.", groups),
+        **layer.fc2.sharded_state_dict(f"{prefix}mlp.linear_fc2.", (), metadata),
+    }
+    fc1 = layer.fc1.sharded_state_dict(f"{prefix}mlp.linear_fc1.", (), metadata)
+    if layer.gated:  # [gate; up] per TP rank: megatron-core's MLP saves the two halves as separate shards
+        fc1 = {key: apply_swiglu_sharded_factory(value, ()) for key, value in fc1.items()}
+    state.update(fc1)
+    return state
+
+
+def _replicated(module: nn.Module, prefix: str, groups: dict[str, ProcessGroup]) -> ShardedStateDict:
+    """A module whose parameters every TP rank holds whole (norms, the patch embedding)."""
+    return {f"{prefix}{name}": make_sharded_tensor_for_checkpoint(param, f"{prefix}{name}", **groups)
+            for name, param in module.named_parameters()}
