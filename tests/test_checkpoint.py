@@ -350,3 +350,61 @@ def test_a_plain_megatron_core_script_loads_the_llm(first_half):
     for name, weight in result["plain"].items():
         assert (weight == result["ours"][name]).all(), name
         assert not (weight == result["initial"][name]).all() or weight.dim() < 2, name
+
+
+def _received(name: str, args: tuple) -> int:
+    """Elements a rank receives in one call of torch.distributed's ``name``."""
+    if name in ("all_gather", "gather"):
+        outputs = args[0] if name == "all_gather" else (args[1] if len(args) > 1 else None)
+        return sum(t.numel() for t in outputs or [])
+    return args[0].numel()  # all_gather_into_tensor / reduce_scatter_tensor: the output; broadcast, all_reduce
+
+
+def _collectives_while_saving(save: str) -> dict:
+    """Every tensor collective a rank takes part in while saving: its group's ranks and the elements it
+    receives; the rank's data-parallel groups and parameter count."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from optimus_mllm.runtime import checkpoint
+
+    trainer = _trainer(["parallel.llm={dp: 2, pp: 1, tp: 2, vp: 1}", "parallel.encoder={pp: 1, tp: 2}"], "optimus")
+    trainer.train_step(0)
+    seen = []
+
+    def recording(name, original):
+        def call(*args, **kwargs):
+            group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            ranks = tuple(dist.get_process_group_ranks(group)) if group else tuple(range(dist.get_world_size()))
+            seen.append((name, ranks, _received(name, args)))
+            return original(*args, **kwargs)
+        return call
+
+    names = ["all_gather", "all_gather_into_tensor", "gather", "broadcast", "all_reduce", "reduce_scatter_tensor"]
+    originals = {name: getattr(dist, name) for name in names}
+    for name, original in originals.items():
+        setattr(dist, name, recording(name, original))
+    try:
+        checkpoint.save_checkpoint(trainer, save, 1)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    # this rank's own shard as megatron-core's DDP lays it out (its buckets padded for the reduce-scatter)
+    params = sum(buffer.grad_data.numel() for module in trainer.ddp_models for buffer in module.buffers)
+    dp_groups = {tuple(dist.get_process_group_ranks(group))
+                 for group in (trainer.groups.dp_group, parallel_state.get_data_parallel_group())}
+    trainer.close()
+    return {"seen": seen, "params": params, "dp_groups": dp_groups}
+
+
+def test_saving_gathers_nothing_beyond_a_ranks_own_shard(tmp_path):
+    """LLM and encoder both TP2 DP2: a rank only ever exchanges tensors with its data-parallel replicas
+    (copies of its own shard: the distributed optimizer's state, gathered onto DP rank 0), never with
+    its TP peers, and receives at most three times its own parameters (main weights and Adam's two
+    moments, in DDP's padded buckets); nothing is gathered whole."""
+    results = run_distributed(_collectives_while_saving, 4, str(tmp_path / "run"), timeout=240)
+    received = [[(name, group, size) for name, group, size in r["seen"] if size > 1] for r in results]
+    assert sum(map(len, received)) > 0, "the distributed optimizer gathers its state onto DP rank 0"
+    for result, tensors in zip(results, received):
+        assert all(group in result["dp_groups"] for _, group, _ in tensors), tensors
+        assert sum(size for _, _, size in tensors) <= 3 * result["params"]
