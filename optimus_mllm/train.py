@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N -m optimus_mllm.train --config FILE.yaml [--override KEY=VALUE ...]
              [--schedule ARTIFACT.json] [--baseline] [--save DIR [--save-interval N] [--resume [--no-load-optim]]]
+             [--pretrained-checkpoint DIR] [--pretrained-llm DIR] [--pretrained-encoder NAME=DIR ...]
              [--tensorboard-dir DIR]
 
 Every rank loads the config, plans and schedules (pure Python and deterministic, so every rank gets
@@ -18,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +33,7 @@ from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.checkpoint_meta import (
     CheckpointInfo,
     check_resumable,
+    dist_checkpoint_folder,
     latest_checkpoint,
     optimizer_layout,
     optimizer_layout_change,
@@ -75,6 +78,13 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--no-load-optim", action="store_true",
                         help="with --resume: start the optimizer state afresh (needed when the optimizer "
                              "settings differ from the checkpoint's)")
+    parser.add_argument("--pretrained-checkpoint", metavar="DIR",
+                        help="start from this checkpoint's weights (LLM and encoders; not its optimizer state or "
+                             "step), Megatron-LM's flag")
+    parser.add_argument("--pretrained-llm", metavar="DIR",
+                        help="start the LLM from this checkpoint's weights (ours, or a megatron-core GPT one)")
+    parser.add_argument("--pretrained-encoder", metavar="NAME=DIR", action="append", default=[],
+                        help="start encoder NAME from this checkpoint's weights; repeat for several")
     parser.add_argument("--tensorboard-dir", metavar="DIR", help="write TensorBoard scalars there (rank 0; "
                         "needs the tensorboard package)")
     return parser
@@ -94,6 +104,7 @@ class Job:
     resume: CheckpointInfo | None = None
     notes: tuple[str, ...] = ()  # what rank 0 says before the first step
     load_optimizer: bool = True  # with ``resume``: the checkpoint's optimizer state too
+    pretrained: tuple[tuple[str, Path, str], ...] = ()  # (model part, checkpoint folder, flag) to start from
 
 
 def prepare(args: argparse.Namespace, world_size: int) -> Job:
@@ -102,6 +113,13 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
         raise OptimusError("--baseline runs without a schedule; drop --schedule or --baseline")
     if args.no_load_optim and not args.resume:
         raise OptimusError("--no-load-optim applies to --resume; drop it or add --resume")
+    pretrained = args.pretrained_checkpoint or args.pretrained_llm or args.pretrained_encoder
+    if pretrained and args.resume:
+        flag = next(f for f, given in (("--pretrained-checkpoint", args.pretrained_checkpoint),
+                                       ("--pretrained-llm", args.pretrained_llm),
+                                       ("--pretrained-encoder", args.pretrained_encoder)) if given)
+        raise OptimusError(f"{flag} starts a new run from pretrained weights, --resume continues one; drop one of "
+                           "them")
     if (args.resume or args.save_interval) and not args.save:
         raise OptimusError(f"{'--resume' if args.resume else '--save-interval'} needs --save DIR, the checkpoint "
                            "folder")
@@ -113,6 +131,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
         raise OptimusError(f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "
                            f"launch {config.cluster.num_gpus} processes (torchrun --nproc-per-node) or set "
                            f"cluster.num_gpus={world_size} and a parallel.llm for it")
+    parts = _pretrained_parts(args, config)
     check_dataset(config)
     planned = plan(config)
     resume = _resume_point(args.save, config) if args.resume else None
@@ -123,7 +142,30 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
             raise OptimusError(f"--resume: the checkpoint's {changed} differs from this job's, so its optimizer "
                                "state does not fit; resume with the optimizer settings it was written with, or "
                                "add --no-load-optim to start the optimizer state afresh")
-    return Job(config, planned.llm_plan, artifact, resume, notes, load_optimizer=not args.no_load_optim)
+    return Job(config, planned.llm_plan, artifact, resume, notes, load_optimizer=not args.no_load_optim,
+               pretrained=parts)
+
+
+def _pretrained_parts(args: argparse.Namespace, config: OptimusConfig) -> tuple[tuple[str, Path, str], ...]:
+    """(model part, checkpoint folder, flag) for each ``--pretrained-*`` flag, checked before ranks connect."""
+    parts: list[tuple[str, str, str]] = []
+    if args.pretrained_checkpoint:
+        flag = "--pretrained-checkpoint"
+        parts += [(part, args.pretrained_checkpoint, flag) for part in ("llm", *(e.name for e in config.encoders))]
+    if args.pretrained_llm:
+        parts.append(("llm", args.pretrained_llm, "--pretrained-llm"))
+    names = [e.name for e in config.encoders]
+    for given in args.pretrained_encoder:
+        name, sep, folder = given.partition("=")
+        if not sep or name not in names or not folder:
+            raise OptimusError(f"--pretrained-encoder {given!r}: give NAME=DIR with NAME one of the config's "
+                               f"encoders ({', '.join(names)})")
+        parts.append((name, folder, "--pretrained-encoder"))
+    seen = [part for part, _, _ in parts]
+    twice = next((part for part in seen if seen.count(part) > 1), None)
+    if twice is not None:
+        raise OptimusError(f"the {twice} weights are given by two --pretrained-* flags; give each model part once")
+    return tuple((part, dist_checkpoint_folder(folder, flag), flag) for part, folder, flag in parts)
 
 
 def _job_artifact(args: argparse.Namespace, config: OptimusConfig, planned: PlannerResult, world_size: int,
@@ -183,12 +225,14 @@ def _is_loss_reporter() -> bool:
 
 def train(job: Job, save: str | None = None, save_interval: int | None = None,
           tensorboard_dir: str | None = None) -> None:
-    from optimus_mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from optimus_mllm.runtime.checkpoint import load_checkpoint, load_pretrained, save_checkpoint
     from optimus_mllm.runtime.trainer import Trainer
 
     config, iters = job.config, job.config.training.train_iters
     trainer = Trainer(config, job.llm_plan, "baseline" if job.artifact is None else "optimus", job.artifact)
     first = 0
+    for part, folder, flag in job.pretrained:
+        _say(load_pretrained(trainer, part, folder, flag))
     if job.resume is not None:
         load_checkpoint(trainer, job.resume, job.load_optimizer)
         first = job.resume.iteration

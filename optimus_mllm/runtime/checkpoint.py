@@ -44,7 +44,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedStateDict
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_patches.optimizer import load_state, parts, prepare_state, set_step, step_count
@@ -59,7 +61,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
     model_json,
     optimizer_layout,
 )
-from optimus_mllm.runtime.sharded_state import encoder_sharded_state_dict, llm_sharded_state_dict
+from optimus_mllm.runtime.sharded_state import encoder_sharded_state_dict, llm_sharded_state_dict, part_layout
 
 CHECKPOINT_VERSION_MEGATRON = 3.0  # Megatron-LM's checkpoint_version of its dist checkpoints
 # megatron-core's optimizer format keyed by the model's tensors; gathered over gloo onto DP rank 0 only
@@ -248,3 +250,43 @@ def _load_optimizer(optimizer: Any, requests: list[ShardedStateDict], loaded: di
         set_step(part, saved["optimizer_step"])
     if optimizer.loss_scaler is not None and saved["loss_scaler"] is not None:
         optimizer.loss_scaler.load_state_dict(saved["loss_scaler"])
+
+
+# -- pretrained weights ------------------------------------------------------------------------
+
+
+def load_pretrained(trainer: Any, part: str, folder: Path, flag: str) -> str:
+    """Load the weights of one model part, ``"llm"`` or an encoder's name, from the dist checkpoint in
+    ``folder`` (Megatron-LM's ``--pretrained-checkpoint``: weights only; the optimizer starts afresh,
+    the run from step 0). Every rank calls this; returns what to tell the user.
+
+    The part's keys are found under this project's (LLaVA's) prefix or under the one a checkpoint of the
+    part alone has: a megatron-core ``GPTModel``'s bare keys for the LLM; for an encoder,
+    ``vision_model.*`` (a single encoder's) or ``<name>.vision_model.*`` (one of several). An encoder's
+    projector is loaded when the checkpoint has it and starts from scratch otherwise (a pretrained ViT
+    and a new projector: LLaVA's first stage).
+    """
+    saved = set(_quietly(dist_checkpointing.load_tensors_metadata, str(folder)))
+    prefix, roots, candidates = part_layout(trainer.config, part)
+    found = next((c for c in candidates if any(key.startswith(c + roots[0]) for key in saved)), None)
+    if found is None:
+        raise OptimusError(f"{flag} {folder}: the checkpoint holds no {part} tensors (no key starts with "
+                           f"{' or '.join(c + roots[0] for c in candidates)}); point it at a checkpoint of it")
+    request = {entry: {key: sharded for key, sharded in tensors.items()  # not megatron's empty _extra_state
+                       if key.startswith(tuple(prefix + root for root in roots)) and not isinstance(sharded, ShardedObject)}
+               for entry, tensors in model_sharded_state_dict(trainer).items()}
+    if found != prefix:
+        replace_prefix_for_sharding(request, prefix, found)
+    optional = tuple(found + root for root in roots[1:]) if part != "llm" else ()
+    absent = any(not any(key.startswith(root) for key in saved) for root in optional)
+    if absent:  # the projector: not in this checkpoint, trained from its initialisation
+        request = {entry: {key: sharded for key, sharded in tensors.items() if not sharded.key.startswith(optional)}
+                   for entry, tensors in request.items()}
+    try:
+        loaded = _quietly(dist_checkpointing.load, request, str(folder))
+    except CheckpointingException as exc:
+        raise OptimusError(f"{flag} {folder}: {str(exc).splitlines()[0]}; point it at a checkpoint of this "
+                           f"{part}") from None
+    copy_into_model(request, loaded)
+    trainer.optimizer.reload_model_params()
+    return f"{part}: pretrained weights from {folder}" + (" (no projector there: it starts from scratch)" if absent else "")

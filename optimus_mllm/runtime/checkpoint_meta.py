@@ -60,6 +60,21 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo:
                           meta["mode"], meta["model"], meta["optimizer_layout"])
 
 
+def dist_checkpoint_folder(path: str | Path, flag: str) -> Path:
+    """The megatron-core dist checkpoint ``path`` names: the folder itself, or the newest in a ``--save``
+    folder (Megatron-LM's, with ``latest_checkpointed_iteration.txt``)."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        text = (path / LATEST).read_text().strip()
+        if not text.isdigit():
+            raise OptimusError(f"{flag} {path}: {LATEST} holds {text!r}, not an iteration number")
+        path = iteration_dir(path, int(text))
+    if not (path / "metadata.json").is_file():
+        raise OptimusError(f"{flag} {path}: not a megatron-core dist checkpoint (no metadata.json); point it at a "
+                           f"checkpoint folder (iter_NNNNNNN) or the folder holding {LATEST}")
+    return path
+
+
 def check_resumable(info: CheckpointInfo, config: OptimusConfig) -> None:
     """Refuse a checkpoint whose weights cannot load into this job (same answer on every rank); its
     plans and runtime may differ from this job's."""

@@ -7,10 +7,13 @@ checkpoint loads into any plan, into either runtime and into a plain megatron-co
   TP shards, the tied output embedding as a replica of the input one);
 - ``vision_model.`` and ``vision_projection.`` for the encoder (prefixed by the encoder's name,
   ``<name>.vision_model.``, when the config has several): its layers under the names of megatron-core's
-  ``TransformerLayer`` with the local spec (``decoder.layers.<global layer>.self_attention.linear_qkv``,
-  ``.mlp.linear_fc1``, ``.input_layernorm`` ...), the projector under ``MultimodalProjector``'s
-  (``encoder.linear_fc1`` ...), and the patch embedding, which megatron-core's ``CLIPViTModel`` has
-  no counterpart of (a Linear over flattened patches, not a Conv2d), as ``patch_embed.*``.
+  ``TransformerLayer`` with the local spec, stacked over layers as megatron-core's
+  ``TransformerBlock`` saves them (``decoder.layers.self_attention.linear_qkv.weight`` holds every
+  layer, each rank writing its layers' slices; ``.mlp.linear_fc1``; the norms as
+  ``.self_attention.linear_qkv.layer_norm_weight``, the names megatron-core gives them), the
+  projector under ``MultimodalProjector``'s (``encoder.linear_fc1`` ...), and the patch embedding,
+  which megatron-core's ``CLIPViTModel`` has no counterpart of (a Linear over flattened patches, not a
+  Conv2d), as ``patch_embed.*``.
 
 Each tensor is a ``ShardedTensor`` holding the parameter itself (so the optimizer's state maps onto
 it) with its TP shard and its replica id over the encoder's own groups: in Optimus mode the encoder
@@ -22,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.utils import make_sharded_tensor_for_checkpoint
 from torch import nn
@@ -31,16 +35,31 @@ from optimus_mllm.config import OptimusConfig
 from optimus_mllm.runtime.vit import EncoderStage, TransformerLayer, VisionStage
 
 
+LLM_PREFIX = "language_model."
+LLM_ROOTS = ("embedding.", "decoder.", "output_layer.")  # a megatron-core GPTModel's own keys
+ENCODER_ROOTS = ("vision_model.", "vision_projection.")
+
+
 def llm_sharded_state_dict(chunks: list[Any]) -> dict[str, ShardedStateDict]:
     """Megatron-LM's ``model`` (one chunk) or ``model0``, ``model1``... (virtual stages) entries."""
     if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict(prefix="language_model.")}
-    return {f"model{i}": chunk.sharded_state_dict(prefix="language_model.") for i, chunk in enumerate(chunks)}
+        return {"model": chunks[0].sharded_state_dict(prefix=LLM_PREFIX)}
+    return {f"model{i}": chunk.sharded_state_dict(prefix=LLM_PREFIX) for i, chunk in enumerate(chunks)}
 
 
 def encoder_prefix(config: OptimusConfig, name: str) -> str:
     """The key prefix of one encoder: LLaVA's own names for a single encoder."""
     return "" if len(config.encoders) == 1 else f"{name}."
+
+
+def part_layout(config: OptimusConfig, part: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(prefix, roots, prefixes a checkpoint may hold it under) of one model part, ``"llm"`` or an
+    encoder's name: its keys are prefix + a root + the rest. Besides this layout's own prefix, the LLM
+    may stand alone (a megatron-core GPT checkpoint) and an encoder alone or among several."""
+    if part == "llm":
+        return LLM_PREFIX, LLM_ROOTS, (LLM_PREFIX, "")
+    prefix = encoder_prefix(config, part)
+    return prefix, ENCODER_ROOTS, tuple(dict.fromkeys((prefix, "", f"{part}.")))
 
 
 def encoder_sharded_state_dict(config: OptimusConfig, stage: EncoderStage,
@@ -71,30 +90,40 @@ def _vision_state(vision: VisionStage, prefix: str, groups: dict[str, ProcessGro
                   metadata: dict[str, Any]) -> ShardedStateDict:
     state: ShardedStateDict = {}
     if vision.patch_embed is not None:
-        state.update(_replicated(vision.patch_embed, f"{prefix}patch_embed.", groups))
+        state.update(_replicated(vision.patch_embed, f"{prefix}patch_embed.", groups, ()))
+    layers = f"{prefix}decoder.layers."
     for i, layer in enumerate(vision.layers):
-        state.update(_layer_state(layer, f"{prefix}decoder.layers.{vision.first_layer + i}.", groups, metadata))
+        index = vision.first_layer + i
+        # megatron-core's TransformerBlock: one tensor per parameter over all layers, each layer its slice
+        layer_state = _layer_state(layer, f"{layers}{index}.", ((0, index, vision.encoder.num_layers),), groups,
+                                   metadata)
+        replace_prefix_for_sharding(layer_state, f"{layers}{index}.", layers)
+        state.update(layer_state)
     return state
 
 
-def _layer_state(layer: TransformerLayer, prefix: str, groups: dict[str, ProcessGroup],
-                 metadata: dict[str, Any]) -> ShardedStateDict:
+def _layer_state(layer: TransformerLayer, prefix: str, offsets: tuple[tuple[int, int, int], ...],
+                 groups: dict[str, ProcessGroup], metadata: dict[str, Any]) -> ShardedStateDict:
     """One layer under megatron-core's local-spec ``TransformerLayer`` names."""
     state = {
-        **_replicated(layer.ln_attn, f"{prefix}input_layernorm.", groups),
-        **layer.qkv.sharded_state_dict(f"{prefix}self_attention.linear_qkv.", (), metadata),
-        **layer.attn_proj.sharded_state_dict(f"{prefix}self_attention.linear_proj.", (), metadata),
-        **_replicated(layer.ln_mlp, f"{prefix}pre_mlp_layernorm.", groups),
-        **layer.fc2.sharded_state_dict(f"{prefix}mlp.linear_fc2.", (), metadata),
+        # the norms under the names megatron-core saves its local spec's under (sharded_state_dict_keys_map):
+        # transformer-engine's, which fuses them into the following linear
+        **_replicated(layer.ln_attn, f"{prefix}self_attention.linear_qkv.layer_norm_", groups, offsets),
+        **layer.qkv.sharded_state_dict(f"{prefix}self_attention.linear_qkv.", offsets, metadata),
+        **layer.attn_proj.sharded_state_dict(f"{prefix}self_attention.linear_proj.", offsets, metadata),
+        **_replicated(layer.ln_mlp, f"{prefix}mlp.linear_fc1.layer_norm_", groups, offsets),
+        **layer.fc2.sharded_state_dict(f"{prefix}mlp.linear_fc2.", offsets, metadata),
     }
-    fc1 = layer.fc1.sharded_state_dict(f"{prefix}mlp.linear_fc1.", (), metadata)
+    fc1 = layer.fc1.sharded_state_dict(f"{prefix}mlp.linear_fc1.", offsets, metadata)
     if layer.gated:  # [gate; up] per TP rank: megatron-core's MLP saves the two halves as separate shards
-        fc1 = {key: apply_swiglu_sharded_factory(value, ()) for key, value in fc1.items()}
+        fc1 = {key: value if key.endswith("_extra_state") else apply_swiglu_sharded_factory(value, offsets)
+               for key, value in fc1.items()}
     state.update(fc1)
     return state
 
 
-def _replicated(module: nn.Module, prefix: str, groups: dict[str, ProcessGroup]) -> ShardedStateDict:
+def _replicated(module: nn.Module, prefix: str, groups: dict[str, ProcessGroup],
+                offsets: tuple[tuple[int, int, int], ...]) -> ShardedStateDict:
     """A module whose parameters every TP rank holds whole (norms, the patch embedding)."""
-    return {f"{prefix}{name}": make_sharded_tensor_for_checkpoint(param, f"{prefix}{name}", **groups)
+    return {f"{prefix}{name}": make_sharded_tensor_for_checkpoint(param, f"{prefix}{name}", offsets, **groups)
             for name, param in module.named_parameters()}
