@@ -154,6 +154,8 @@ def save_dist_checkpoint(entries: list[Entry], folder: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    from megatron_patches.checkpoint import synchronous_writer
+
     state = {}
     for key, data, layer in entries:
         if layer is None:
@@ -162,4 +164,5 @@ def save_dist_checkpoint(entries: list[Entry], folder: str) -> None:
             index, num_layers = layer
             state[f"{key}.{index}"] = ShardedTensor.from_rank_offsets(
                 key, data.contiguous(), (0, index, num_layers), replica_id=0, prepend_axis_num=1)
-    dist_checkpointing.save({"model": state}, folder)
+    with synchronous_writer():
+        dist_checkpointing.save({"model": state}, folder)

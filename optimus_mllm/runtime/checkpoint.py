@@ -49,6 +49,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject,
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_patches.checkpoint import synchronous_writer
 from megatron_patches.optimizer import load_state, parts, prepare_state, set_step, step_count
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text
@@ -142,7 +143,8 @@ def save_checkpoint(trainer: Any, root: str | Path, iteration: int) -> Path:
     # a collective (the distributed optimizer gathers its state): outside the I/O, so that a failed
     # write cannot strand it
     state = _state_dict(trainer, iteration)
-    _agree(_attempt(lambda: _quietly(dist_checkpointing.save, state, str(tmp))), "writing")
+    with synchronous_writer():
+        _agree(_attempt(lambda: _quietly(dist_checkpointing.save, state, str(tmp))), "writing")
     _agree(_attempt(lambda: _publish(trainer, root, tmp, final, iteration)) if rank == 0 else None, "publishing")
     return final
 
