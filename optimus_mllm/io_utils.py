@@ -12,20 +12,50 @@ from optimus_mllm.errors import OptimusError
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write to a temporary file in the same directory, then rename over ``path``."""
+    """Write to a temporary file in the same directory, then rename over ``path``; synced, so that the
+    file is whole on disk once this returns, with the mode a plain ``open`` would give it."""
     path = Path(path)
     if not path.parent.is_dir():
         raise OptimusError(f"{path}: directory {path.parent} does not exist; create it first")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from the user's group
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Sync a directory, so that the renames and new entries in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | Path) -> None:
+    """Sync every file and directory under ``path`` (and ``path`` itself)."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(folder)
 
 
 def read_versioned_json(path: str | Path, what: str, file_format: str, version: int, remedy: str) -> dict[str, Any]:

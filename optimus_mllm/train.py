@@ -136,6 +136,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
     planned = plan(config)
     resume = _resume_point(args.save, config) if args.resume else None
     artifact, notes = _job_artifact(args, config, planned, world_size, resume)
+    if resume is not None and resume.passed_over:
+        notes = (resume.passed_over, *notes)
     if resume is not None and not args.no_load_optim:
         changed = optimizer_layout_change(resume, optimizer_layout(config))
         if changed:

@@ -145,7 +145,7 @@ def test_failed_write_keeps_the_previous_checkpoint_loadable(tmp_path):
         "checkpoint writing failed on rank 1 (RuntimeError: Worker failure: disk full); the previous checkpoint "
         "is still the latest"] * 4
     assert [r["latest"] for r in results] == [1] * 4
-    assert (save / "iter_0000002.tmp").is_dir() and not (save / "iter_0000002").exists()
+    assert not (save / "iter_0000002.tmp").exists() and not (save / "iter_0000002").exists()
     losses = [(r["second"], r["redo"]) for r in results if r["second"] is not None]
     assert losses and all(second == redo for second, redo in losses)
 

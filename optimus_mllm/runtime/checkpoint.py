@@ -22,7 +22,7 @@ runtimes: every tensor is addressed by its place in the whole model. The optimiz
 as megatron-core's flat ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model key>`` tensors only;
 what megatron-core keeps beside them per optimizer part (hyper-parameters, the step count, the loss
 scale) depends on how the parts fall on a rank, so a loading job rebuilds that from its own
-optimizer, the saved step count and the saved loss scale (``optimus_state``).
+optimizer, the saved step count and the saved loss scale (``_optimus_state``).
 
 Every rank writes into ``iter_0000003.tmp``; only when all ranks succeeded does rank 0 add meta.json,
 rename the folder and then replace the ``latest`` file, so a writer killed or failing midway leaves
@@ -44,7 +44,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedStateDict
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from torch.distributed.checkpoint.api import CheckpointException
@@ -52,7 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_patches.checkpoint import synchronous_writer
 from megatron_patches.optimizer import load_state, parts, prepare_state, set_step, step_count
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.io_utils import atomic_write_text, fsync_dir, fsync_tree
 from optimus_mllm.runtime.checkpoint_meta import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
@@ -109,7 +108,7 @@ def _filled(tree: Any, loaded: dict[str, Any], path: str = "") -> Any:
     return tree
 
 
-def optimus_state(optimizer: Any) -> dict[str, Any]:
+def _optimus_state(optimizer: Any) -> dict[str, Any]:
     """What a loading job needs beside the tensors: the updates taken and the (fp16) loss scale."""
     steps = {step_count(part) for part in parts(optimizer)}
     if len(steps) > 1:
@@ -134,18 +133,24 @@ def _quietly(function: Callable[..., Any], *args: Any) -> Any:
 def save_checkpoint(trainer: Any, root: str | Path, iteration: int) -> Path:
     """Every rank calls this after step ``iteration``; returns the checkpoint folder.
 
-    A failure on any rank is raised as the same OptimusError on every rank, and the previous
-    checkpoint stays the latest."""
+    A failure on any rank is raised as the same OptimusError on every rank; the half-written folder
+    is removed and the previous checkpoint stays the latest."""
     root, rank = Path(root), dist.get_rank()
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
-    _agree(_attempt(lambda: _fresh_dir(tmp)) if rank == 0 else None, "preparing")
+    _agree_saving(_attempt(lambda: _fresh_dir(tmp)) if rank == 0 else None, "preparing", root)
     # a collective (the distributed optimizer gathers its state): outside the I/O, so that a failed
     # write cannot strand it
     state = _state_dict(trainer, iteration)
-    with synchronous_writer():
-        _agree(_attempt(lambda: _quietly(dist_checkpointing.save, state, str(tmp))), "writing")
-    _agree(_attempt(lambda: _publish(trainer, root, tmp, final, iteration)) if rank == 0 else None, "publishing")
+    try:
+        with synchronous_writer():
+            _agree_saving(_attempt(lambda: _quietly(dist_checkpointing.save, state, str(tmp))), "writing", root)
+        _agree_saving(_attempt(lambda: _publish(trainer, root, tmp, final, iteration)) if rank == 0 else None,
+                      "publishing", root)
+    except OptimusError:
+        if rank == 0:  # a half-written folder would only hold the disk
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
@@ -153,7 +158,7 @@ def _state_dict(trainer: Any, iteration: int) -> dict[str, Any]:
     model_state = model_sharded_state_dict(trainer)
     optimizer_state = _sharded_leaves(_optimizer_requests(trainer.optimizer, model_state, is_loading=False))
     state = {**model_state, "opt_param_scheduler": trainer.scheduler.state_dict(), "iteration": iteration,
-             "checkpoint_version": CHECKPOINT_VERSION_MEGATRON, "optimus": optimus_state(trainer.optimizer)}
+             "checkpoint_version": CHECKPOINT_VERSION_MEGATRON, "optimus": _optimus_state(trainer.optimizer)}
     if optimizer_state:  # none off DP rank 0: the distributed optimizer's state is gathered there
         state["optimizer"] = optimizer_state
     return state
@@ -174,15 +179,25 @@ def _attempt(action: Callable[[], Any]) -> tuple[int, str] | None:
         return dist.get_rank(), f"{type(exc).__name__}: {exc}"
 
 
-def _agree(outcome: tuple[int, str] | None, what: str) -> None:
+def _first_failure(outcome: tuple[int, str] | None) -> tuple[int, str] | None:
+    """Every rank's ``_attempt`` outcome gathered: the first failure that says what failed, or None."""
     outcomes: list[tuple[int, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, outcome)
     failed = [o for o in outcomes if o]
-    if failed:
-        rank, message = next((o for o in failed if o[1]), failed[0])
-        detail = f" ({message.splitlines()[0]})" if message else ""
-        raise OptimusError(f"checkpoint {what} failed on rank {rank}{detail}; the previous checkpoint is still "
-                           "the latest")
+    return next((o for o in failed if o[1]), failed[0]) if failed else None
+
+
+def _agree_saving(outcome: tuple[int, str] | None, what: str, root: Path) -> None:
+    failure = _first_failure(outcome)
+    if failure is None:
+        return
+    rank, message = failure
+    if "No space left on device" in message:
+        raise OptimusError(f"checkpoint {what} failed: no space left on {root}; free space there or point --save "
+                           "elsewhere; the previous checkpoint is still the latest")
+    detail = f" ({message.splitlines()[0]})" if message else ""
+    raise OptimusError(f"checkpoint {what} failed on rank {rank}{detail}; the previous checkpoint is still the "
+                       "latest")
 
 
 def _fresh_dir(path: Path) -> None:
@@ -192,16 +207,38 @@ def _fresh_dir(path: Path) -> None:
 
 
 def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -> None:
+    """Make ``tmp`` the checkpoint of ``iteration``, in an order that a crash at any point leaves
+    ``checkpoint_meta.latest_checkpoint`` a complete checkpoint to resume from (this one or the one before)."""
+    if trainer.artifact is not None:
+        atomic_write_text(tmp / "schedule.json", json.dumps(trainer.artifact) + "\n")
     meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "iteration": iteration,
             "world_size": dist.get_world_size(), "mode": trainer.mode, "llm_plan": trainer.plan.as_dict(),
             "model": model_json(trainer.config), "optimizer_layout": optimizer_layout(trainer.config)}
-    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")
-    if trainer.artifact is not None:
-        atomic_write_text(tmp / "schedule.json", json.dumps(trainer.artifact) + "\n")
+    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")  # last: the folder is complete
+    fsync_tree(tmp)  # megatron-core syncs its tensor files, not its metadata
+    replaced = None
     if final.exists():  # the same iteration saved again (e.g. a rerun): the new one replaces it
-        shutil.rmtree(final)
+        replaced = final.with_name(final.name + ".old")
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
     os.replace(tmp, final)
+    fsync_dir(root)
     atomic_write_text(root / LATEST, f"{iteration}\n")
+    if replaced is not None:
+        shutil.rmtree(replaced)
+
+
+def _load_agreed(request: dict[str, Any], folder: Path, failed: str) -> dict[str, Any]:
+    """``dist_checkpointing.load`` on every rank; a failure on any rank is one OptimusError on all,
+    ``failed`` (what to do about it) appended."""
+    loaded: dict[str, Any] = {}
+    failure = _first_failure(_attempt(lambda: loaded.update(_quietly(dist_checkpointing.load, request,
+                                                                      str(folder)))))
+    if failure is not None:
+        rank, message = failure
+        detail = f" ({message.splitlines()[0]})" if message else ""
+        raise OptimusError(f"loading {folder} failed on rank {rank}{detail}; {failed}")
+    return loaded
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -217,11 +254,13 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
     if load_optimizer:
         optimizer_requests = _optimizer_requests(trainer.optimizer, model_state, is_loading=True)
         request["optimizer"] = _sharded_leaves(optimizer_requests)
-    loaded = _quietly(dist_checkpointing.load, request, str(info.path))
-    copy_into_model(model_state, loaded)
+    loaded = _load_agreed(request, info.path, "the checkpoint is damaged: move it away, and --resume takes the "
+                                              "newest complete one before it")
+    _copy_into_model(model_state, loaded)
     # the optimizer's fp32 main copies (bf16/fp16) follow the loaded weights, as in Megatron's
     # load_checkpoint; a loaded optimizer state then puts its own in their place
     trainer.optimizer.reload_model_params()
+    trainer.scheduler.num_steps = 0  # megatron-core's load_state_dict counts the saved steps on from here
     try:
         trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     except AssertionError as exc:  # megatron-core asserts that the schedule's settings are unchanged
@@ -233,7 +272,7 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
     trainer.scheduler.step(increment=0)
 
 
-def copy_into_model(model_state: dict[str, ShardedStateDict], loaded: dict[str, Any]) -> None:
+def _copy_into_model(model_state: dict[str, ShardedStateDict], loaded: dict[str, Any]) -> None:
     """Copy what ``dist_checkpointing.load`` returned for ``model_state`` into the parameters it names."""
     with torch.no_grad():
         for entry, tensors in model_state.items():
@@ -284,11 +323,7 @@ def load_pretrained(trainer: Any, part: str, folder: Path, flag: str) -> str:
     if absent:  # the projector: not in this checkpoint, trained from its initialisation
         request = {entry: {key: sharded for key, sharded in tensors.items() if not sharded.key.startswith(optional)}
                    for entry, tensors in request.items()}
-    try:
-        loaded = _quietly(dist_checkpointing.load, request, str(folder))
-    except CheckpointingException as exc:
-        raise OptimusError(f"{flag} {folder}: {str(exc).splitlines()[0]}; point it at a checkpoint of this "
-                           f"{part}") from None
-    copy_into_model(request, loaded)
+    loaded = _load_agreed(request, folder, f"{flag} must name a checkpoint of this model's {part}")
+    _copy_into_model(request, loaded)
     trainer.optimizer.reload_model_params()
     return f"{part}: pretrained weights from {folder}" + (" (no projector there: it starts from scratch)" if absent else "")

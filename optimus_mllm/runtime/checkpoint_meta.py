@@ -38,26 +38,114 @@ class CheckpointInfo:
     mode: str
     model: dict[str, Any]
     optimizer_layout: dict[str, Any]  # the optimizer settings its saved state belongs to
+    passed_over: str | None = None  # why the checkpoint the tracker names was not this one
 
     @property
     def schedule_path(self) -> Path:
         return self.path / "schedule.json"
 
 
+class _Incomplete(Exception):
+    """A checkpoint folder that a writer did not finish, or that was damaged since."""
+
+
 def latest_checkpoint(root: str | Path) -> CheckpointInfo:
-    """The newest complete checkpoint under ``root`` (the ``--save`` folder)."""
-    marker = Path(root) / LATEST
-    if not marker.is_file():
-        raise OptimusError(f"--resume: no checkpoint in {root} ({LATEST} is missing); drop --resume to start "
-                           "from scratch or point --save at the folder of an earlier run")
-    text = marker.read_text().strip()
-    if not text.isdigit():
-        raise OptimusError(f"--resume: {marker} holds {text!r}, not an iteration number")
-    path = iteration_dir(root, int(text))
-    meta = read_versioned_json(path / "meta.json", "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
-                               "resume from a checkpoint written by this release")
-    return CheckpointInfo(path, meta["iteration"], meta["world_size"], ParallelPlan(**meta["llm_plan"]),
-                          meta["mode"], meta["model"], meta["optimizer_layout"])
+    """The checkpoint to resume from under ``root`` (the ``--save`` folder): the one
+    ``latest_checkpointed_iteration.txt`` names when it is complete, else the newest complete one
+    (``passed_over`` says why). Complete: meta.json (written last, before the folder is renamed into
+    place) is whole, and every file megatron-core's metadata lists holds the bytes it lists."""
+    root = Path(root)
+    named, why = _tracked_iteration(root)
+    if named is not None:
+        try:
+            return _read_complete(iteration_dir(root, named))
+        except _Incomplete as exc:
+            why = f"{LATEST} names iter_{named:07d}, which {exc}"
+    others = sorted((it for it in _iterations(root) if it != named), reverse=True)
+    for iteration in others:
+        try:
+            info = _read_complete(iteration_dir(root, iteration))
+        except _Incomplete:
+            continue
+        return dataclasses.replace(info, passed_over=f"{why}: resumed from {info.path.name}, the newest complete "
+                                                     "checkpoint")
+    if named is None and not others:
+        raise OptimusError(f"--resume: no checkpoint in {root} ({why}); drop --resume to start from scratch or "
+                           "point --save at the folder of an earlier run")
+    raise OptimusError(f"--resume: no complete checkpoint in {root} ({why}); drop --resume to start from scratch")
+
+
+def _tracked_iteration(root: Path) -> tuple[int | None, str]:
+    """The iteration the tracker names, or None and why not."""
+    marker = root / LATEST
+    try:
+        raw = marker.read_bytes()
+    except FileNotFoundError:
+        return None, f"{LATEST} is missing"
+    except OSError as exc:
+        return None, f"{LATEST} cannot be read ({exc.strerror})"
+    text = raw.decode("ascii", errors="replace").strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 12:
+        return None, f"{LATEST} holds {text[:20]!r}, not an iteration number"
+    return int(text), ""
+
+
+def _iterations(root: Path) -> list[int]:
+    """The iterations of the ``iter_NNNNNNN`` folders under ``root`` (not ``.tmp`` leftovers)."""
+    if not root.is_dir():
+        return []
+    names = (path.name.removeprefix("iter_") for path in root.glob("iter_*"))
+    return [int(name) for name in names if name.isascii() and name.isdigit()]
+
+
+_META_FIELDS = {"iteration": int, "world_size": int, "llm_plan": dict, "mode": str, "model": dict,
+                "optimizer_layout": dict}
+
+
+def _read_complete(path: Path) -> CheckpointInfo:
+    if not path.is_dir():
+        raise _Incomplete("does not exist")
+    try:
+        meta = read_versioned_json(path / "meta.json", "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
+                                   "resume from a checkpoint written by this release")
+    except OptimusError as exc:
+        raise _Incomplete(f"has no usable meta.json ({str(exc).split(': ', 1)[-1]})") from None
+    for field, kind in _META_FIELDS.items():
+        if not isinstance(meta.get(field), kind):
+            raise _Incomplete(f"has an incomplete meta.json (no {kind.__name__} {field!r})")
+    try:
+        plan = ParallelPlan(**meta["llm_plan"])
+    except (TypeError, ValueError):
+        raise _Incomplete(f"has an incomplete meta.json (llm_plan {meta['llm_plan']!r})") from None
+    if meta["iteration"] != int(path.name.removeprefix("iter_")):
+        raise _Incomplete(f"has the meta.json of iteration {meta['iteration']}")
+    missing = _missing_bytes(path)
+    if missing:
+        raise _Incomplete(missing)
+    return CheckpointInfo(path, meta["iteration"], meta["world_size"], plan, meta["mode"], meta["model"],
+                          meta["optimizer_layout"])
+
+
+def _missing_bytes(path: Path) -> str | None:
+    """What is missing of the tensor files torch's distributed-checkpoint metadata lists, or None."""
+    from torch.distributed.checkpoint import FileSystemReader  # the launcher has torch; not megatron-core
+
+    if not (path / "metadata.json").is_file():
+        return "has no metadata.json"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # missing, truncated or foreign: unreadable either way
+        return f"has an unreadable .metadata ({type(exc).__name__})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"lacks {name}"
+        if file.stat().st_size < size:
+            return f"has {name} cut short ({file.stat().st_size} of {size} bytes)"
+    return None
 
 
 def dist_checkpoint_folder(path: str | Path, flag: str) -> Path:
