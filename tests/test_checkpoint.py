@@ -90,8 +90,11 @@ def test_resume_errors_on_every_rank(first_half, tmp_path):
 
 
 def _interrupted(save: str) -> dict:
-    """Save after step 1; make rank 1's writer fail while saving after step 2; reload and redo step 2."""
+    """Save after step 1; rank 1's writer finds the disk full while saving after step 2; reload and redo
+    step 2."""
+    import errno
     import functools
+    import os
 
     import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -117,7 +120,7 @@ def _interrupted(save: str) -> dict:
     def failing_write(*args, **kwargs):
         result = real_write(*args, **kwargs)
         if torch.distributed.get_rank() == 1:  # a tensor is already on disk when the writer fails
-            raise OSError("disk full")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a full disk
         return result
 
     filesystem_async._write_item = failing_write  # megatron-core's writer processes fork with it
@@ -142,8 +145,8 @@ def test_failed_write_keeps_the_previous_checkpoint_loadable(tmp_path):
     save = tmp_path / "run"
     results = run_distributed(_interrupted, 4, str(save), timeout=240)
     assert [r["error"] for r in results] == [
-        "checkpoint writing failed on rank 1 (RuntimeError: Worker failure: disk full); the previous checkpoint "
-        "is still the latest"] * 4
+        f"checkpoint writing failed: no space left on {save}; free space there or point --save elsewhere; the "
+        "previous checkpoint is still the latest"] * 4
     assert [r["latest"] for r in results] == [1] * 4
     assert not (save / "iter_0000002.tmp").exists() and not (save / "iter_0000002").exists()
     losses = [(r["second"], r["redo"]) for r in results if r["second"] is not None]
