@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -20,10 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from optimus_mllm.errors import ConfigError
+from optimus_mllm.yaml_input import YAMLInputError, parse_yaml, read_yaml_file
 
+# The bounds of what is planned, each far above any job of today: the planner's and scheduler's work
+# grows with layers, GPUs and microbatches, and a typo (4000000000000 layers) must not run for hours.
+MAX_GPUS = 1 << 17
+MAX_MICROBATCHES_PER_PIPELINE = 256  # the paper's largest is 128; the scheduler's time grows ~mb^2.5
+MAX_MODEL_SIZES = {"num_layers": 1024, "hidden_size": 1 << 20, "num_attention_heads": 1 << 14,
+                   "ffn_hidden_size": 1 << 22, "seq_length": 1 << 22}
+MAX_NUMBER = 1e15  # above every size, count, rate and bandwidth a config holds (1e15 B/s is 1 PB/s)
 _YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
@@ -252,17 +259,13 @@ def config_from_dict(raw: dict[str, Any], base_dir: str | Path = ".") -> Optimus
 
 def _read_yaml(path: Path, field_name: str) -> Any:
     try:
-        text = path.read_text()
+        return read_yaml_file(path)
     except FileNotFoundError:
         raise ConfigError(field_name, f"file {path} does not exist; pass an existing YAML file") from None
     except OSError as exc:
         raise ConfigError(field_name, f"cannot read {path}: {exc.strerror}") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(field_name, f"{path} is not valid YAML{where}") from None
+    except YAMLInputError as exc:
+        raise ConfigError(field_name, f"{path} {exc}") from None
 
 
 def _resolve_model_bases(raw: dict[str, Any], base_dir: Path) -> dict[str, Any]:
@@ -310,7 +313,10 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(".".join(parts[: i + 1]), f"cannot override inside a {type(node).__name__}")
     if not isinstance(node, dict):
         raise ConfigError(key, "override must name a mapping key")
-    node[parts[-1]] = yaml.safe_load(value)
+    try:
+        node[parts[-1]] = parse_yaml(value)
+    except YAMLInputError as exc:
+        raise ConfigError(key, f"the --override value {value[:40]!r} {exc}; write it as YAML, e.g. {key}=2") from None
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -358,12 +364,16 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(path, f"expected an integer, got {_describe(value)}")
+        if abs(value) > MAX_NUMBER:
+            raise ConfigError(path, f"{_short(value)} is beyond any config value (at most {MAX_NUMBER:.0e})")
         return value
     if tp is float:
         if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 (PyYAML) reads 1e-4 as a string; a Megatron user writes lr: 1e-4
+            value = float(value)  # YAML 1.1 (PyYAML) reads 1e-4 as a string; a Megatron user writes lr: 1e-4
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {_describe(value)}")
+        if isinstance(value, float) and not math.isfinite(value) or abs(value) > MAX_NUMBER:
+            raise ConfigError(path, f"must be a finite number of at most {MAX_NUMBER:.0e}, got {_short(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -373,7 +383,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
 
 
 def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{_short(value)} ({type(value).__name__})"
+
+
+def _short(value: Any) -> str:
+    """``repr`` cut to a readable length (an integer of 5000 digits is not one)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else f"a {len(str(abs(value)))}-digit integer"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _join(where: str, name: str) -> str:
@@ -395,6 +411,7 @@ def validate(config: OptimusConfig) -> None:
     """Raise ConfigError on the first inconsistency, naming the field and a valid alternative."""
     c, t = config.cluster, config.training
     _positive(c.num_gpus, "cluster.num_gpus")
+    _at_most(c.num_gpus, MAX_GPUS, "cluster.num_gpus")
     _positive(c.gpus_per_node, "cluster.gpus_per_node")
     for name in ("gpu_memory_gib", "peak_tflops", "hbm_bandwidth_gbps", "intra_node_bandwidth_gbps",
                  "inter_node_bandwidth_gbps"):
@@ -411,6 +428,7 @@ def validate(config: OptimusConfig) -> None:
         _positive(enc.in_channels, f"model.encoders[{i}].in_channels")
     _validate_transformer(config.llm, "model.llm")
     _positive(config.llm.vocab_size, "model.llm.vocab_size")
+    _at_most(config.llm.vocab_size, 1 << 24, "model.llm.vocab_size")
     image_tokens = sum(e.seq_length for e in config.encoders)
     if image_tokens >= config.llm.seq_length:
         raise ConfigError("model.llm.seq_length", f"{config.llm.seq_length} leaves no room for text after "
@@ -418,6 +436,8 @@ def validate(config: OptimusConfig) -> None:
 
     _positive(t.global_batch_size, "training.global_batch_size")
     _positive(t.micro_batch_size, "training.micro_batch_size")
+    _at_most(t.global_batch_size // t.micro_batch_size, MAX_MICROBATCHES_PER_PIPELINE * c.num_gpus,
+             "training.global_batch_size", "microbatches (global_batch_size / micro_batch_size)")
     _positive(t.train_iters, "training.train_iters")
     _validate_optimizer(t)
     if t.global_batch_size % t.micro_batch_size:
@@ -472,9 +492,16 @@ def _positive(value: float, path: str) -> None:
         raise ConfigError(path, f"must be positive, got {value}")
 
 
+def _at_most(value: int, limit: int, path: str, what: str = "") -> None:
+    """Bounds that keep planning and scheduling within seconds (each far above any real job)."""
+    if value > limit:
+        raise ConfigError(path, f"{what + ' ' if what else ''}{value} is above the {limit} this tool plans for")
+
+
 def _validate_transformer(spec: TransformerSpec, where: str) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
         _positive(getattr(spec, name), f"{where}.{name}")
+        _at_most(getattr(spec, name), MAX_MODEL_SIZES[name], f"{where}.{name}")
     if spec.kv_channels is None and spec.hidden_size % spec.num_attention_heads:
         raise ConfigError(f"{where}.num_attention_heads", f"{spec.num_attention_heads} does not divide hidden_size="
                           f"{spec.hidden_size}; use a divisor of {spec.hidden_size} or set kv_channels")
@@ -506,7 +533,7 @@ def tp_divisibility_problem(spec: TransformerSpec, tp: int) -> str | None:
 def validate_llm_plan(config: OptimusConfig, plan: LLMPlanConfig, where: str) -> None:
     """Check a fixed LLM plan against the cluster, model and batch."""
     n, llm, t = config.cluster.num_gpus, config.llm, config.training
-    vp = plan.vp or 1
+    vp = 1 if plan.vp is None else plan.vp
     for name in ("dp", "pp", "tp"):
         _positive(getattr(plan, name), f"{where}.{name}")
     _positive(vp, f"{where}.vp")
@@ -529,6 +556,10 @@ def validate_llm_plan(config: OptimusConfig, plan: LLMPlanConfig, where: str) ->
                           f"micro_batch_size*dp = {t.micro_batch_size}*{plan.dp}; use a multiple of "
                           f"{t.micro_batch_size * plan.dp}")
     num_microbatches = per_replica // plan.dp
+    if num_microbatches > MAX_MICROBATCHES_PER_PIPELINE:
+        raise ConfigError("training.global_batch_size", f"{t.global_batch_size} makes {num_microbatches} "
+                          f"microbatches per pipeline under dp={plan.dp}; the scheduler takes at most "
+                          f"{MAX_MICROBATCHES_PER_PIPELINE}: use a larger micro_batch_size or dp")
     if vp > 1 and num_microbatches % plan.pp:
         raise ConfigError(f"{where}.vp", f"the interleaved schedule needs the {num_microbatches} microbatches per "
                           f"pipeline to be a multiple of pp={plan.pp}; use vp: 1 or change global_batch_size")

@@ -15,3 +15,7 @@ class ConfigError(OptimusError):
         self.field = field
         self.problem = problem
         super().__init__(f"{field}: {problem}")
+
+
+class AgreedError(OptimusError):
+    """An OptimusError every rank raises with the same message, after agreeing on it (rank 0 reports it)."""

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from optimus_mllm.cli.common import ArgumentParser, add_config_arguments
+from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, quiet_library_warnings
 from optimus_mllm.config import OptimusConfig, load_config
-from optimus_mllm.errors import OptimusError
+from optimus_mllm.errors import AgreedError, OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.checkpoint_meta import (
@@ -313,17 +313,30 @@ def _init_process_group() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_library_warnings(torch.cuda.is_available())
+    watchdog = None
     try:
         # the job is checked before any rank connects: a rank that gave up during the others' connection
         # handshake would break it for them
         job = prepare(args, _torchrun_world_size())
         _init_process_group()
+        from optimus_mllm.runtime.watchdog import Watchdog
+
+        watchdog = Watchdog(PROG)
         train(job, args.save, args.save_interval, args.tensorboard_dir)
-    except OptimusError as exc:  # the same decision on every rank, or a checkpoint failure agreed by all
-        if _is_rank_zero():
+    except OptimusError as exc:
+        if watchdog is not None:  # after the ranks connected: this rank's own, or one all ranks agreed on
+            watchdog.fail(str(exc), agreed=isinstance(exc, AgreedError))
+        elif _is_rank_zero():  # before: the same decision on every rank
             print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except Exception:
+        if watchdog is not None:
+            watchdog.peer_failed()  # exits 2 when another rank failed or stopped: it, or one line, said so
+        raise  # a bug of ours: its traceback
     finally:
+        if watchdog is not None:
+            watchdog.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, run
+from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, quiet_library_warnings, run
 from optimus_mllm.config import load_config
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.hf_convert import gpt2_entries, save_dist_checkpoint, vit_entries
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                              "too); repeat for several")
     parser.add_argument("--out", required=True, metavar="DIR", help="the checkpoint folder to create")
     args = parser.parse_args(argv)
+    quiet_library_warnings(torch.cuda.is_available())
     return run(PROG, lambda: _convert(args))
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patches
+from optimus_mllm.cli.common import quiet_library_warnings
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args, runtime_for_args
 from optimus_mllm.planner import ParallelPlan, plan
@@ -85,6 +86,7 @@ def parse_args(extra_args_provider: Callable[[argparse.ArgumentParser], argparse
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(extra_args_provider=add_optimus_args, argv=argv)  # Optimus: adds --optimus-schedule
+    quiet_library_warnings(torch.cuda.is_available())
     try:  # the same decision on every rank, before any rank connects (one leaving mid-handshake breaks it)
         world_size = int(os.environ["WORLD_SIZE"])
         config = config_from_megatron_args(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8)))

@@ -192,9 +192,11 @@ def _umask() -> int:
     return mask
 
 
-def test_bytes_damaged_in_place_stop_every_rank_with_one_line(two_checkpoints, tmp_path):
+def test_bytes_damaged_in_place_stop_every_rank_with_one_line(two_checkpoints, tmp_path, monkeypatch):
     """A shard of the right length but wrong bytes passes the launcher's check; loading then fails on the
-    ranks that read it, and every rank stops with the same line (exit 2), before any step."""
+    ranks that read it, and every rank stops with the same line (exit 2), before any step. CUDA_HOME set
+    on a machine without a GPU (a CUDA toolkit, no driver) adds no line of torch's."""
+    monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda")
     save = tmp_path / "run"
     shutil.copytree(two_checkpoints, save)
     shard = _largest_shard(save / "iter_0000002")

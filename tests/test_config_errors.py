@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +136,68 @@ def test_exponent_numbers_read_as_numbers(tmp_path):
     path.write_text(text)
     training = load_config(path).training
     assert (training.lr, training.min_lr) == (1e-4, 2e-5)
+
+
+# -- inputs a fuzzer found: each one line, within seconds ------------------------------------------
+
+OVERRIDES = [
+    (["training.lr=["], "training.lr: the --override value '[' is not valid YAML"),
+    (["model.llm.num_layers=" + "9" * 5000], "holds a number Python cannot read"),
+    (["model.llm.num_layers=1" + "0" * 400], "a 401-digit integer is beyond any config value"),
+    (["cluster.gpu_memory_gib=.inf"], "cluster.gpu_memory_gib: must be a finite number"),
+    (["cluster.gpu_memory_gib=.nan"], "cluster.gpu_memory_gib: must be a finite number"),
+    (["training.lr=.nan"], "training.lr: must be a finite number"),
+    (["training.lr=.inf"], "training.lr: must be a finite number"),
+    (["cost_model.kernel_overhead_us=.nan"], "cost_model.kernel_overhead_us: must be a finite number"),
+    (["cluster.peak_tflops=.inf"], "cluster.peak_tflops: must be a finite number"),
+    (["parallel.llm.vp=0"], "parallel.llm.vp: must be positive"),
+    (["model.llm.num_layers=4000000000000"], "model.llm.num_layers: 4000000000000 is above the 1024"),
+    (["training.global_batch_size=16000000"], "training.global_batch_size: microbatches"),
+    (["cluster.num_gpus=1000000000000", "parallel.llm=null"], "cluster.num_gpus: 1000000000000 is above"),
+    (["training.global_batch_size=2048"], "2048 makes 1024 microbatches per pipeline"),
+    (["parallel.llm={dp: 1, dp: 2, pp: 2, tp: 2, vp: 2}"], "key 'dp' is given twice"),
+]
+
+
+def _plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "optimus_mllm.cli.plan", *args], capture_output=True, text=True,
+                          timeout=30)
+
+
+def _assert_one_line(proc: subprocess.CompletedProcess, expected: str) -> None:
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("optimus-plan: error: ") and expected in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("overrides, expected", OVERRIDES, ids=[o[0][:40] for o, _ in OVERRIDES])
+def test_an_override_beyond_bounds_is_one_line_within_seconds(overrides, expected):
+    from tests.conftest import CONFIGS
+
+    started = time.monotonic()
+    _assert_one_line(_plan_cli("--config", str(CONFIGS / "tiny.yaml"), "--override", *overrides), expected)
+    assert time.monotonic() - started < 5
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+FILES = {
+    "not UTF-8": (lambda d: _write(d / "c.yaml", b"name: x\n\xff\xfe bad\n"), "is not UTF-8 text (byte 8)"),
+    "nested 5000 deep": (lambda d: _write(d / "c.yaml", b"a: " + b"[" * 5000 + b"]" * 5000), "nests deeper than 32"),
+    "/dev/zero": (lambda d: Path("/dev/zero"), "is larger than 1 MiB"),
+    "a directory": (lambda d: d, "cannot read"),
+    "a second training block": (lambda d: _write(d / "c.yaml", (CONFIG_TEXT + "training:\n  train_iters: 5\n").encode()),
+                                "key 'training' is given twice (line"),
+}
+CONFIG_TEXT = (Path(__file__).parent.parent / "configs" / "tiny.yaml").read_text()
+
+
+@pytest.mark.parametrize("case", FILES)
+def test_a_config_file_that_is_not_a_config_is_one_line(case, tmp_path):
+    make, expected = FILES[case]
+    started = time.monotonic()
+    _assert_one_line(_plan_cli("--config", str(make(tmp_path))), expected)
+    assert time.monotonic() - started < 5

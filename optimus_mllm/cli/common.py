@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import warnings
 from collections.abc import Callable
 
 from optimus_mllm.errors import OptimusError
@@ -29,3 +31,15 @@ def run(prog: str, body: Callable[[], int]) -> int:
     except OptimusError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def quiet_library_warnings(cuda_available: bool) -> None:
+    """Silence what torch and megatron-core print at import and set-up that a user can do nothing about,
+    so that an error stays one line (an entry point calls this before importing them)."""
+    # torch on a machine with a CUDA toolkit but no GPU: "No CUDA runtime is found, using CUDA_HOME=..."
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # the optional packages megatron-core falls back without (this project's README says they are optional)
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", message="Apex is not installed")
+    if not cuda_available:  # advice on a CUDA setting, given on the CPU too
+        warnings.filterwarnings("ignore", message="When using async grad allreduce it is recommended")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimus_mllm.config import OptimusConfig, divisors, tp_divisibility_problem
+from optimus_mllm.config import MAX_MICROBATCHES_PER_PIPELINE, OptimusConfig, divisors, tp_divisibility_problem
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.memory_model import (
     GIB,
@@ -129,6 +129,8 @@ def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[Prun
             problem = f"pp={pp} does not divide num_layers={llm.num_layers}"
         if problem is None and remainder:
             problem = f"global batch does not split over dp={dp} with micro_batch_size={config.training.micro_batch_size}"
+        if problem is None and n_mb > MAX_MICROBATCHES_PER_PIPELINE:
+            problem = f"{n_mb} microbatches per pipeline, above the scheduler's {MAX_MICROBATCHES_PER_PIPELINE}"
         if problem is None and config.training.sequence_parallel and tp > 1 and llm.seq_length % tp:
             problem = f"seq_length={llm.seq_length} is not divisible by tp={tp}"
         if problem is None:

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_patches.checkpoint import synchronous_writer
 from megatron_patches.optimizer import load_state, parts, prepare_state, set_step, step_count
-from optimus_mllm.errors import OptimusError
+from optimus_mllm.errors import AgreedError, OptimusError
 from optimus_mllm.io_utils import atomic_write_text, fsync_dir, fsync_tree
 from optimus_mllm.runtime.checkpoint_meta import (
     CHECKPOINT_FORMAT,
@@ -193,10 +193,10 @@ def _agree_saving(outcome: tuple[int, str] | None, what: str, root: Path) -> Non
         return
     rank, message = failure
     if "No space left on device" in message:
-        raise OptimusError(f"checkpoint {what} failed: no space left on {root}; free space there or point --save "
+        raise AgreedError(f"checkpoint {what} failed: no space left on {root}; free space there or point --save "
                            "elsewhere; the previous checkpoint is still the latest")
     detail = f" ({message.splitlines()[0]})" if message else ""
-    raise OptimusError(f"checkpoint {what} failed on rank {rank}{detail}; the previous checkpoint is still the "
+    raise AgreedError(f"checkpoint {what} failed on rank {rank}{detail}; the previous checkpoint is still the "
                        "latest")
 
 
@@ -237,7 +237,7 @@ def _load_agreed(request: dict[str, Any], folder: Path, failed: str) -> dict[str
     if failure is not None:
         rank, message = failure
         detail = f" ({message.splitlines()[0]})" if message else ""
-        raise OptimusError(f"loading {folder} failed on rank {rank}{detail}; {failed}")
+        raise AgreedError(f"loading {folder} failed on rank {rank}{detail}; {failed}")
     return loaded
 
 
@@ -264,7 +264,7 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
     try:
         trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     except AssertionError as exc:  # megatron-core asserts that the schedule's settings are unchanged
-        raise OptimusError(f"--resume: {exc}; resume with the training settings the checkpoint was written "
+        raise AgreedError(f"--resume: {exc}; resume with the training settings the checkpoint was written "
                            "with") from None
     if load_optimizer:
         _load_optimizer(trainer.optimizer, optimizer_requests, loaded["optimizer"], loaded["optimus"])
@@ -311,7 +311,7 @@ def load_pretrained(trainer: Any, part: str, folder: Path, flag: str) -> str:
     prefix, roots, candidates = part_layout(trainer.config, part)
     found = next((c for c in candidates if any(key.startswith(c + roots[0]) for key in saved)), None)
     if found is None:
-        raise OptimusError(f"{flag} {folder}: the checkpoint holds no {part} tensors (no key starts with "
+        raise AgreedError(f"{flag} {folder}: the checkpoint holds no {part} tensors (no key starts with "
                            f"{' or '.join(c + roots[0] for c in candidates)}); point it at a checkpoint of it")
     request = {entry: {key: sharded for key, sharded in tensors.items()  # not megatron's empty _extra_state
                        if key.startswith(tuple(prefix + root for root in roots)) and not isinstance(sharded, ShardedObject)}

@@ -128,7 +128,11 @@ class ImageTextDataset:
             with Image.open(caption.image) as image:
                 return tuple(image_patches(image.convert(_IMAGE_MODES[e.in_channels]), e.patch_size,
                                            math.isqrt(e.seq_length)) for e in self.config.encoders)
-        except OSError as exc:  # missing, unreadable or not an image
+        except Image.DecompressionBombError:
+            raise ConfigError("data.path", f"{CAPTIONS} line {caption.line}: {caption.image} has more than "
+                              f"{2 * Image.MAX_IMAGE_PIXELS} pixels (Pillow's decompression-bomb limit); resize it "
+                              "or drop the line") from None
+        except (OSError, ValueError, SyntaxError) as exc:  # missing, unreadable, not an image, a broken one
             raise ConfigError("data.path", f"{CAPTIONS} line {caption.line}: cannot read {caption.image} as an "
                               f"image ({exc.__class__.__name__}); replace the file or drop the line") from None
 

@@ -54,6 +54,8 @@ def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Transformer
         # Megatron-LM's --recompute-granularity; full recomputes every layer (--recompute-method uniform,
         # --recompute-num-layers 1), as the memory model assumes
         recompute_granularity=None if t.recompute == "none" else t.recompute,
+        # megatron-core's own default, "full", is deprecated for [] (the same: the whole layer) and warns
+        **({"cuda_graph_scope": []} if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__ else {}),
         **({"recompute_method": "uniform", "recompute_num_layers": 1} if t.recompute == "full" else {}),
     )
 
