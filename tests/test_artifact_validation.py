@@ -153,7 +153,17 @@ def _truncated_chains(a):
     a["encoder_stages"][0]["ops"] = [op for op in _ops(a) if (op["phase"], op["kernel_index"]) != ("fwd", last)]
 
 
+def _nan_prediction(a):
+    a["predicted"]["iteration_us"] = float("nan")  # json writes NaN, and reads it back
+
+
+def _infinite_op_start(a):
+    a["encoder_stages"][0]["ops"][2]["start_us"] = float("inf")
+
+
 @pytest.mark.parametrize("edit, expected", [
+    (_nan_prediction, "predicted.iteration_us: expected a finite number, got NaN"),
+    (_infinite_op_start, "encoder_stages[0].ops[2].start_us: expected a finite number, got Infinity"),
     (_num_gpus_as_string, 'num_gpus: expected an integer, got "4"'),
     (_unknown_plan_key, "llm_plan.pp_size: unknown key; valid keys: dp, pp, tp, vp"),
     (_warmup_out_of_bounds, "warmup[0]: 17 forwards, but a stage runs 16 (num_microbatches * vp)"),

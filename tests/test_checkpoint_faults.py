@@ -139,7 +139,19 @@ DAMAGES = {
         {k: v for k, v in json.loads((f / "meta.json").read_text()).items() if k != "llm_plan"})),
         "incomplete meta.json (no dict 'llm_plan')"),
     "missing folder": (lambda f: shutil.rmtree(f), "does not exist"),
+    "meta.json mode": (lambda f: _edit_meta(f, mode="text"), "mode 'text', not one of optimus, baseline"),
+    "meta.json world_size": (lambda f: _edit_meta(f, world_size=-1), "world_size -1 is not its llm_plan's"),
+    "meta.json llm_plan": (lambda f: _edit_meta(f, llm_plan={"dp": 1, "pp": 1, "tp": "1", "vp": 1}),
+                           "incomplete meta.json (llm_plan"),
+    "cut common.pt": (lambda f: (f / "common.pt").write_bytes((f / "common.pt").read_bytes()[:-30]),
+                      "unreadable common.pt"),
+    "bad metadata.json": (lambda f: (f / "metadata.json").write_text("[]"), "metadata.json that is not"),
 }
+
+
+def _edit_meta(folder: Path, **fields) -> None:
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, **fields}))
 
 
 @pytest.mark.parametrize("damage", DAMAGES)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,7 @@ def _iterations(root: Path) -> list[int]:
     return [int(name) for name in names if name.isascii() and name.isdigit()]
 
 
+_MODES = ("optimus", "baseline")
 _META_FIELDS = {"iteration": int, "world_size": int, "llm_plan": dict, "mode": str, "model": dict,
                 "optimizer_layout": dict}
 
@@ -113,10 +115,15 @@ def _read_complete(path: Path) -> CheckpointInfo:
     for field, kind in _META_FIELDS.items():
         if not isinstance(meta.get(field), kind):
             raise _Incomplete(f"has an incomplete meta.json (no {kind.__name__} {field!r})")
-    try:
-        plan = ParallelPlan(**meta["llm_plan"])
-    except (TypeError, ValueError):
-        raise _Incomplete(f"has an incomplete meta.json (llm_plan {meta['llm_plan']!r})") from None
+    plan_fields = meta["llm_plan"]
+    if sorted(plan_fields) != ["dp", "pp", "tp", "vp"] or not all(
+            type(value) is int and value > 0 for value in plan_fields.values()):
+        raise _Incomplete(f"has an incomplete meta.json (llm_plan {str(plan_fields)[:60]})")
+    plan = ParallelPlan(**plan_fields)
+    if meta["world_size"] != plan.world_size:
+        raise _Incomplete(f"has a meta.json whose world_size {meta['world_size']} is not its llm_plan's")
+    if meta["mode"] not in _MODES:
+        raise _Incomplete(f"has a meta.json with mode {meta['mode'][:20]!r}, not one of {', '.join(_MODES)}")
     if meta["iteration"] != int(path.name.removeprefix("iter_")):
         raise _Incomplete(f"has the meta.json of iteration {meta['iteration']}")
     missing = _missing_bytes(path)
@@ -130,8 +137,22 @@ def _missing_bytes(path: Path) -> str | None:
     """What is missing of the tensor files torch's distributed-checkpoint metadata lists, or None."""
     from torch.distributed.checkpoint import FileSystemReader  # the launcher has torch; not megatron-core
 
-    if not (path / "metadata.json").is_file():
+    try:
+        if not isinstance(json.loads((path / "metadata.json").read_bytes()), dict):
+            return "has a metadata.json that is not megatron-core's"
+    except FileNotFoundError:
         return "has no metadata.json"
+    except (OSError, ValueError):
+        return "has an unreadable metadata.json"
+    try:  # megatron-core's common state: a torch.save zip, checked member by member without unpickling it
+        with zipfile.ZipFile(path / "common.pt") as common:
+            broken = common.testzip()
+    except FileNotFoundError:
+        return "has no common.pt"
+    except (OSError, zipfile.BadZipFile):
+        return "has an unreadable common.pt"
+    if broken is not None:
+        return f"has common.pt damaged ({broken})"
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # missing, truncated or foreign: unreadable either way

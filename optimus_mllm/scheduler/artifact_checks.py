@@ -10,6 +10,8 @@ artifact fails here, in one line, instead of with a traceback or a hang after th
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import json
 from typing import Any
@@ -76,6 +78,7 @@ def _check_artifact(data: dict[str, Any]) -> None:
     llm_microbatch = _check_assignment(data["assignment"], partition, n_mb)
     _check_warmup(data["warmup"], llm, n_mb)
     _int_list(data["default_warmup"], "default_warmup", llm.pp)
+    _check_predicted(data["predicted"], n_mb)
     kernels = _check_llm_kernels(data["llm_kernels"], llm)
     _check_fingerprint(data["fingerprint"])
     seen: dict[tuple[int, int], int] = {}
@@ -91,6 +94,26 @@ def _check_artifact(data: dict[str, Any]) -> None:
         for e in range(len(stages)):
             if (j, e) not in seen:
                 raise _Invalid("encoder_stages", f"no entry for encoder pipeline {j} stage {e}")
+
+
+def _check_predicted(value: dict, n_mb: int) -> None:
+    """The scheduler's predictions (times in us; F/B/EF/EB per microbatch): finite numbers."""
+    times, per_microbatch = ("iteration_us", "coarse_iteration_us", "llm_origin_us"), ("F", "B", "EF", "EB")
+    _keys(value, times + per_microbatch, "predicted")
+    for key in times:
+        _finite(value[key], f"predicted.{key}")
+    for key in per_microbatch:
+        entries = _typed(value[key], list, f"predicted.{key}")
+        if len(entries) != n_mb:
+            raise _Invalid(f"predicted.{key}", f"{len(entries)} entries, but there are {n_mb} microbatches")
+        for i, entry in enumerate(entries):
+            _finite(entry, f"predicted.{key}[{i}]")
+
+
+def _finite(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _Invalid(field, f"expected a finite number, got {_describe(value)}")
+    return value
 
 
 def _check_plans(llm: ParallelPlan, enc: ParallelPlan, num_gpus: int) -> None:
@@ -243,8 +266,7 @@ def _check_op(op: Any, at: str, j: int, count: int, llm_microbatch: dict[tuple[i
     _typed(op["is_comm"], bool, f"{at}.is_comm")
     _choice(op["window"], ("pre", "llm", "post"), f"{at}.window")
     for key in ("start_us", "end_us"):
-        if isinstance(op[key], bool) or not isinstance(op[key], (int, float)):
-            raise _Invalid(f"{at}.{key}", f"expected a number, got {_describe(op[key])}")
+        _finite(op[key], f"{at}.{key}")
     _check_hook(op["hook"], f"{at}.hook", kernels, llm, n_mb)
     return phase, k, index
 
