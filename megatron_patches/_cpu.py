@@ -197,6 +197,10 @@ _TRAINING_MODULES = (
     # plan and finish agree over flags made on the current CUDA device
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    # RoPE moves its inverse frequencies to torch.cuda.current_device() at the first forward
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    # Megatron's timers synchronize CUDA around every start/stop and gather their times on the device
+    "megatron.core.timers",
 )
 
 

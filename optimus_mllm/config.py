@@ -37,6 +37,7 @@ Recompute = Literal["none", "selective", "full"]
 Optimizer = Literal["adam", "sgd"]
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
+Activation = Literal["gelu", "silu"]
 PositionEmbedding = Literal["learned_absolute", "rope", "none"]
 ProjectorType = Literal["mlp", "linear"]
 
@@ -65,7 +66,8 @@ class TransformerSpec:
     seq_length: int
     kv_channels: int | None = None  # attention head dim; None means hidden_size // heads
     num_query_groups: int | None = None  # grouped-query attention; None means one per head
-    gated_linear_unit: bool = False  # SwiGLU-style MLP: fc1 produces two ffn-wide halves
+    gated_linear_unit: bool = False  # GLU MLP: fc1 produces two ffn-wide halves, act(gate) * up
+    activation: Activation = "gelu"  # the MLP's; Megatron-LM's --swiglu is silu with a gated linear unit
     add_bias_linear: bool = True
     normalization: Normalization = "LayerNorm"
     # Megatron-LM's --hidden-dropout / --attention-dropout (whose defaults are 0.1); off unless set

@@ -6,7 +6,7 @@ A Megatron-LM pretrain script opts in with its own argument hook and one patch c
     megatron_patches.apply()                                # CPU shims; nothing to patch on a GPU
     config = config_from_megatron_args(args, world_size)
     mode, artifact = runtime_for_args(args, config)         # "optimus" with the flag, else "baseline"
-    trainer = Trainer(config, plan(config).llm_plan, mode, artifact)
+    trainer = Trainer(config, plan(config).llm_plan, mode, artifact, timers=timers)  # Megatron's Timers, chained
 
 Without the flag the job runs as Megatron-LM runs a multimodal model (encoders in the first pipeline
 stage); with it, the encoders get the artifact's own plan and their kernels run at the artifact's
@@ -18,6 +18,7 @@ and plan; it is refused, with the reason, when it was made for another job.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from optimus_mllm.config import OptimusConfig, config_from_dict
@@ -41,55 +42,164 @@ _OPTIMIZER_ARGS = ("optimizer", "lr", "min_lr", "lr_decay_style", "lr_warmup_ite
                    "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 
-def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_per_node: int = 8) -> OptimusConfig:
-    """The Optimus config of a job described by Megatron-LM's argument names.
+@dataclass(frozen=True)
+class RefusedFlag:
+    """A Megatron-LM flag that changes the model in a way the Optimus runtime does not build: a value
+    outside ``accepted`` (by default Megatron-LM's default alone) is refused, naming the flag and the fix."""
 
-    LLM: ``num_layers``, ``hidden_size``, ``num_attention_heads``, ``ffn_hidden_size``, ``seq_length``,
-    ``vocab_size``, ``untie_embeddings_and_output_weights``; vision: ``encoder_num_layers``, ``img_h``,
-    ``img_w``, ``patch_dim``, ``num_channels`` and the encoder width flags ``encoder_hidden_size``,
-    ``encoder_num_attention_heads``, ``encoder_ffn_hidden_size``; ``hidden_dropout`` and
-    ``attention_dropout`` for both (Megatron-LM's ``pretrain_vlm.py`` copies the language model's
-    config for the vision model); parallelism and training:
-    ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-    ``num_layers_per_virtual_pipeline_stage``, ``micro_batch_size``, ``global_batch_size``,
-    ``train_iters``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``; optimizer: ``optimizer``, ``lr``,
-    ``min_lr``, ``lr_decay_style``, ``lr_warmup_iters``, ``lr_decay_iters``, ``weight_decay``,
-    ``adam_beta1``, ``adam_beta2``, ``adam_eps``, ``sgd_momentum``, ``clip_grad``, ``loss_scale``,
-    ``initial_loss_scale``, ``min_loss_scale``, ``loss_scale_window``, ``hysteresis``,
-    ``use_distributed_optimizer``."""
+    flag: str
+    dest: str
+    default: Any  # Megatron-LM's, for a namespace without the flag
+    why: str
+    accepted: tuple[Any, ...] | None = None  # None: (default,)
+
+    def allows(self, value: Any) -> bool:
+        return value in (self.accepted if self.accepted is not None else (self.default,))
+
+
+# Every Megatron-LM flag that shapes the model, and what the config makes of it. The vision model is a
+# copy of the language model's TransformerConfig with --encoder-num-layers layers, as Megatron-LM's
+# pretrain_vlm.py builds it, so the LLM's shape flags shape the ViT too.
+HONOURED_FLAGS = {
+    "--num-layers": "model.llm.num_layers",
+    "--hidden-size": "model.llm.hidden_size and the ViT's",
+    "--ffn-hidden-size": "model.llm.ffn_hidden_size and the ViT's (Megatron-LM's default: 4 * hidden, "
+                         "with --swiglu int(8 * hidden / 3 / 64) * 64)",
+    "--num-attention-heads": "model.llm.num_attention_heads and the ViT's",
+    "--kv-channels": "kv_channels of both",
+    "--group-query-attention": "num_query_groups of both (with --num-query-groups)",
+    "--num-query-groups": "num_query_groups of both (with --group-query-attention)",
+    "--swiglu": "gated_linear_unit: true and activation: silu, both (the projector stays a GELU MLP)",
+    "--normalization": "normalization of both (LayerNorm, RMSNorm)",
+    "--disable-bias-linear": "add_bias_linear: false, both",
+    "--add-qkv-bias": "no change while linear layers have biases (they include QKV's)",
+    "--position-embedding-type": "model.llm.position_embedding_type (learned_absolute, rope, none)",
+    "--untie-embeddings-and-output-weights": "model.llm.untie_embeddings_and_output_weights",
+    "--hidden-dropout": "hidden_dropout of both",
+    "--attention-dropout": "attention_dropout of both",
+    "--vocab-size": "model.llm.vocab_size",
+    "--seq-length": "the text tokens; model.llm.seq_length adds the image tokens, as pretrain_vlm.py does",
+    "--dataloader-seq-length": "the text tokens when given (else --seq-length)",
+    "--encoder-num-layers": "the ViT's num_layers",
+    "--img-h": "the ViT's seq_length: (img_h / patch_dim) * (img_w / patch_dim) patch tokens",
+    "--img-w": "the ViT's seq_length",
+    "--patch-dim": "the ViT's patch_size",
+    "--num-channels": "the ViT's in_channels",
+    "--freeze-ViT": "the ViT's frozen: true (its projector still trains)",
+    "--recompute-granularity": "training.recompute (full: every layer, uniform, 1 layer per checkpoint)",
+}
+
+REFUSED_FLAGS = (
+    RefusedFlag("--position-embedding-type", "position_embedding_type", "learned_absolute",
+                "is not one the runtime builds; use learned_absolute, rope or none",
+                ("learned_absolute", "rope", "none")),
+    RefusedFlag("--rotary-percent", "rotary_percent", 1.0, "partial rotary embeddings are not built; use 1.0"),
+    RefusedFlag("--rotary-base", "rotary_base", 10000, "the runtime's rotary base is 10000"),
+    RefusedFlag("--use-rope-scaling", "use_rope_scaling", False, "RoPE scaling is not built; leave it out"),
+    RefusedFlag("--norm-epsilon", "norm_epsilon", 1e-5, "the runtime's norms use 1e-5"),
+    RefusedFlag("--apply-layernorm-1p", "apply_layernorm_1p", False, "zero-centred norms are not built; "
+                "leave it out"),
+    RefusedFlag("--qk-layernorm", "qk_layernorm", False, "QK layernorm is not built; leave it out"),
+    RefusedFlag("--squared-relu", "squared_relu", False, "the MLP is GELU or SwiGLU (--swiglu)"),
+    RefusedFlag("--openai-gelu", "openai_gelu", False, "the MLP is GELU or SwiGLU (--swiglu)"),
+    RefusedFlag("--quick-geglu", "quick_geglu", False, "the MLP is GELU or SwiGLU (--swiglu)"),
+    RefusedFlag("--num-experts", "num_experts", None, "mixture-of-experts layers are not built; leave it out"),
+    RefusedFlag("--multi-latent-attention", "multi_latent_attention", False, "multi-latent attention is not built"),
+    RefusedFlag("--init-method-std", "init_method_std", 0.02,
+                "weights are drawn plan-independently with std 0.02 (optimus_mllm/runtime/weights.py)"),
+    RefusedFlag("--apply-query-key-layer-scaling", "apply_query_key_layer_scaling", False,
+                "attention scores are scaled by 1/sqrt(head dim) only"),
+    RefusedFlag("--transformer-impl", "transformer_impl", "transformer_engine",
+                "the runtime runs megatron-core's local layer spec; pass --transformer-impl local", ("local",)),
+    RefusedFlag("--context-parallel-size", "context_parallel_size", 1, "context parallelism is not planned"),
+    RefusedFlag("--expert-model-parallel-size", "expert_model_parallel_size", 1, "there are no experts"),
+    RefusedFlag("--decoder-num-layers", "decoder_num_layers", None, "give the LLM's depth as --num-layers"),
+    RefusedFlag("--freeze-LM", "freeze_LM", False, "a frozen LLM is not planned; leave it out"),
+    RefusedFlag("--disable-vision-class-token", "disable_vision_class_token", False,
+                "the Optimus ViT has no class token, so its image tokens are the patch tokens alone; add "
+                "--disable-vision-class-token", (True,)),
+    RefusedFlag("--recompute-method", "recompute_method", None,
+                "full recompute is uniform, one layer per checkpoint", (None, "uniform")),
+    RefusedFlag("--recompute-num-layers", "recompute_num_layers", None,
+                "full recompute checkpoints one layer at a time", (None, 1)),
+    RefusedFlag("--fp8-format", "fp8", None, "fp8 training is not built; use --bf16 or --fp16"),
+)
+
+
+def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_per_node: int = 8) -> OptimusConfig:
+    """The Optimus config of a job described by Megatron-LM's arguments (a ``parse_args`` namespace).
+
+    The model flags are read as Megatron-LM's ``pretrain_vlm.py`` reads them: the LLM from the language
+    flags, the vision model a copy of the LLM's layers with ``--encoder-num-layers`` layers, images of
+    ``--img-h`` x ``--img-w`` in ``--patch-dim`` patches, and the LLM's sequence the text tokens plus the
+    image tokens. ``HONOURED_FLAGS`` lists what each flag sets; a flag of ``REFUSED_FLAGS`` with a value
+    the runtime does not build is an ``OptimusError`` naming it. A flag the namespace lacks takes
+    Megatron-LM's default. Parallelism and training: ``tensor_model_parallel_size``,
+    ``pipeline_model_parallel_size``, ``num_layers_per_virtual_pipeline_stage``, ``micro_batch_size``,
+    ``global_batch_size``, ``train_iters``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``,
+    ``use_distributed_optimizer`` and the optimizer flags of ``_OPTIMIZER_ARGS``."""
+    for refused in REFUSED_FLAGS:
+        value = getattr(args, refused.dest, refused.default)
+        if not refused.allows(value):
+            raise OptimusError(f"{refused.flag} {_shown(value)}: {refused.why}")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise OptimusError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not "
                            f"divide the world size {world_size}; launch a multiple of {tp * pp} processes")
-    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     vp = args.num_layers // (pp * per_chunk) if per_chunk else 1
     if args.img_h % args.patch_dim or args.img_w % args.patch_dim:
         raise OptimusError(f"--img-h {args.img_h} and --img-w {args.img_w} must be multiples of --patch-dim "
                            f"{args.patch_dim}")
-    patches = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
-    dropout = {"hidden_dropout": args.hidden_dropout, "attention_dropout": args.attention_dropout}
+    if getattr(args, "encoder_num_layers", None) is None:
+        raise OptimusError("--encoder-num-layers is missing: the vision model's depth")
+    image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    text_tokens = getattr(args, "dataloader_seq_length", None) or args.seq_length
+    layers = _layer_shape(args)
     raw: dict[str, Any] = {
         "name": "megatron-args",
         "cluster": {"num_gpus": world_size, "gpus_per_node": min(gpus_per_node, world_size)},
         "model": {
-            "encoders": [{"name": "vit", "num_layers": args.encoder_num_layers,
-                          "hidden_size": args.encoder_hidden_size,
-                          "num_attention_heads": args.encoder_num_attention_heads,
-                          "ffn_hidden_size": args.encoder_ffn_hidden_size, "seq_length": patches,
-                          "patch_size": args.patch_dim, "in_channels": args.num_channels, **dropout}],
-            "llm": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                    "num_attention_heads": args.num_attention_heads, "ffn_hidden_size": args.ffn_hidden_size,
-                    "seq_length": args.seq_length, "vocab_size": args.vocab_size,
-                    "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights, **dropout},
+            "encoders": [{"name": "vit", **layers, "num_layers": args.encoder_num_layers, "seq_length": image_tokens,
+                          "patch_size": args.patch_dim, "in_channels": getattr(args, "num_channels", 3),
+                          "frozen": getattr(args, "freeze_ViT", False)}],
+            "llm": {**layers, "num_layers": args.num_layers, "seq_length": text_tokens + image_tokens,
+                    "vocab_size": args.vocab_size, "position_embedding_type": getattr(
+                        args, "position_embedding_type", "learned_absolute"),
+                    "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights},
         },
         "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
                      "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                      "sequence_parallel": args.sequence_parallel, "train_iters": args.train_iters,
                      "seed": args.seed, "distributed_optimizer": args.use_distributed_optimizer,
+                     "recompute": getattr(args, "recompute_granularity", None) or "none",
                      **{name: getattr(args, name) for name in _OPTIMIZER_ARGS}},
         "parallel": {"llm": {"dp": world_size // (tp * pp), "pp": pp, "tp": tp, "vp": vp}},
     }
     return config_from_dict(raw)
+
+
+def _layer_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The transformer layer fields the LLM and the ViT share, with Megatron-LM's derived defaults."""
+    hidden, swiglu = args.hidden_size, getattr(args, "swiglu", False)
+    ffn = getattr(args, "ffn_hidden_size", None)
+    if ffn is None:
+        ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
+    add_bias_linear = getattr(args, "add_bias_linear", True)
+    if getattr(args, "add_qkv_bias", False) and not add_bias_linear:
+        raise OptimusError("--add-qkv-bias with --disable-bias-linear: the runtime's layers have biases on every "
+                           "linear layer or on none; drop one of the two flags")
+    return {"hidden_size": hidden, "num_attention_heads": args.num_attention_heads, "ffn_hidden_size": ffn,
+            "kv_channels": getattr(args, "kv_channels", None),
+            "num_query_groups": args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+            "gated_linear_unit": swiglu, "activation": "silu" if swiglu else "gelu",
+            "add_bias_linear": add_bias_linear, "normalization": getattr(args, "normalization", "LayerNorm"),
+            "hidden_dropout": getattr(args, "hidden_dropout", 0.1),
+            "attention_dropout": getattr(args, "attention_dropout", 0.1)}
+
+
+def _shown(value: Any) -> str:
+    return {True: "(set)", False: "(not set)"}.get(value, str(value)) if isinstance(value, bool) else str(value)
 
 
 def runtime_for_args(args: argparse.Namespace, config: OptimusConfig) -> tuple[str, dict[str, Any] | None]:

@@ -119,7 +119,8 @@ class KernelOp:
     dims: tuple[int, ...]
     bias: bool = False
     gelu: bool = False  # linear: GELU fused after the GEMM (the projector's fc1)
-    gated: bool = False  # act: gelu(gate) * up over a 2*ffn-wide input
+    gated: bool = False  # act: act(gate) * up over a 2*ffn-wide input
+    silu: bool = False  # act: SiLU instead of GELU (Megatron-LM's --swiglu)
     rms: bool = False  # norm: RMSNorm instead of LayerNorm
     causal: bool = False  # attention
 
@@ -185,7 +186,7 @@ def _layer_op(spec: TransformerSpec, name: str, t: int, mbs: int, sequence_paral
         # row-parallel GEMMs: their bias is added after the TP reduction, outside the kernel
         "attn_proj": KernelOp("linear", (n, heads * d, h)),
         "fc1": KernelOp("linear", (n, h, fc1_out), bias=spec.add_bias_linear),
-        "act": KernelOp("act", (n, ffn), gated=spec.gated_linear_unit),
+        "act": KernelOp("act", (n, ffn), gated=spec.gated_linear_unit, silu=spec.activation == "silu"),
         "fc2": KernelOp("linear", (n, ffn, h)),
     }
     if name not in ops:
@@ -233,9 +234,10 @@ def _forward(op: KernelOp, device: str, dtype: torch.dtype) -> tuple[Callable[..
         return lambda x, w, b: F.layer_norm(x, (h,), w, b), [rand(n, h), rand(h), rand(h)]
     if op.kind == "act":
         n, ffn = op.dims
-        if op.gated:  # runtime/vit.py and megatron-core's GLU: gelu(gate) * up
-            return lambda x: F.gelu(x[:, :ffn]) * x[:, ffn:], [rand(n, 2 * ffn)]
-        return F.gelu, [rand(n, ffn)]
+        act = F.silu if op.silu else F.gelu
+        if op.gated:  # runtime/vit.py and megatron-core's GLU: act(gate) * up
+            return lambda x: act(x[:, :ffn]) * x[:, ffn:], [rand(n, 2 * ffn)]
+        return act, [rand(n, ffn)]
     if op.kind == "embedding":
         tokens, vocab, h = op.dims
         ids = torch.randint(0, vocab, (tokens,), device=device)

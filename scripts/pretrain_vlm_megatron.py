@@ -8,7 +8,7 @@ opt-in is the three marked lines: the extra-args hook, the ``megatron_patches`` 
 runtime from the flag. Without ``--optimus-schedule`` the encoder runs Megatron-style in the first
 pipeline stage; with it, the encoder's kernels run in the LLM's bubbles as the schedule says. Make the
 schedule for the same model with ``optimus-plan --config MODEL.yaml --artifact plan.json`` (the
-defaults below are ``configs/tiny.yaml``).
+defaults below, with ``--disable-vision-class-token``, are ``configs/megatron_tiny.yaml``).
 """
 
 from __future__ import annotations
@@ -36,23 +36,58 @@ def parse_args(extra_args_provider: Callable[[argparse.ArgumentParser], argparse
     add("--tensor-model-parallel-size", type=int, default=2)
     add("--pipeline-model-parallel-size", type=int, default=2)
     add("--num-layers-per-virtual-pipeline-stage", type=int, default=1)
+    add("--context-parallel-size", type=int, default=1)
+    add("--expert-model-parallel-size", type=int, default=1)
+    # the model: Megatron-LM's flags and defaults (sizes: configs/megatron_tiny.yaml)
     add("--num-layers", type=int, default=4)
+    add("--decoder-num-layers", type=int, default=None)
+    add("--encoder-num-layers", type=int, default=2)
     add("--hidden-size", type=int, default=64)
-    add("--num-attention-heads", type=int, default=4)
     add("--ffn-hidden-size", type=int, default=256)
-    add("--seq-length", type=int, default=64)
+    add("--num-attention-heads", type=int, default=4)
+    add("--kv-channels", type=int, default=None)
+    add("--group-query-attention", action="store_true")
+    add("--num-query-groups", type=int, default=1)
+    add("--seq-length", type=int, default=48)
+    add("--dataloader-seq-length", type=int, default=None)
+    add("--max-position-embeddings", type=int, default=None)
     add("--vocab-size", type=int, default=256)
+    add("--position-embedding-type", default="learned_absolute",
+        choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"])
+    add("--rotary-percent", type=float, default=1.0)
+    add("--rotary-base", type=int, default=10000)
+    add("--use-rope-scaling", action="store_true")
+    add("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    add("--norm-epsilon", type=float, default=1e-5)
+    add("--apply-layernorm-1p", action="store_true")
+    add("--qk-layernorm", action="store_true")
+    add("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    add("--add-qkv-bias", action="store_true")
+    add("--swiglu", action="store_true")
+    add("--squared-relu", action="store_true")
+    add("--openai-gelu", action="store_true")
+    add("--quick-geglu", action="store_true")
+    add("--num-experts", type=int, default=None)
+    add("--multi-latent-attention", action="store_true")
+    add("--init-method-std", type=float, default=0.02)
+    add("--apply-query-key-layer-scaling", action="store_true")
     add("--untie-embeddings-and-output-weights", action="store_true")
     add("--hidden-dropout", type=float, default=0.1)
     add("--attention-dropout", type=float, default=0.1)
-    add("--encoder-num-layers", type=int, default=2)
-    add("--encoder-hidden-size", type=int, default=32)
-    add("--encoder-num-attention-heads", type=int, default=4)
-    add("--encoder-ffn-hidden-size", type=int, default=64)
+    # Megatron-LM's default is transformer_engine, which the Optimus runtime does not run yet
+    add("--transformer-impl", default="local", choices=["local", "transformer_engine"])
+    add("--recompute-granularity", default=None, choices=["full", "selective"])
+    add("--recompute-method", default=None, choices=["uniform", "block"])
+    add("--recompute-num-layers", type=int, default=None)
+    add("--fp8-format", dest="fp8", default=None, choices=["e4m3", "hybrid"])
+    # the vision model (pretrain_vlm.py: a copy of the language model's layers)
     add("--img-h", type=int, default=16)
     add("--img-w", type=int, default=16)
     add("--patch-dim", type=int, default=4)
     add("--num-channels", type=int, default=3)
+    add("--disable-vision-class-token", action="store_true")
+    add("--freeze-LM", action="store_true")
+    add("--freeze-ViT", action="store_true")
     add("--micro-batch-size", type=int, default=2)
     add("--global-batch-size", type=int, default=16)
     add("--train-iters", type=int, default=3)
@@ -76,6 +111,8 @@ def parse_args(extra_args_provider: Callable[[argparse.ArgumentParser], argparse
     add("--hysteresis", type=int, default=2)
     add("--use-distributed-optimizer", action="store_true")
     add("--seed", type=int, default=1234)
+    add("--timing-log-level", type=int, default=0, choices=range(0, 3))
+    add("--timing-log-option", default="minmax", choices=["max", "minmax", "all"])
     add("--bf16", action="store_true")
     add("--fp16", action="store_true")
     add("--sequence-parallel", action="store_true")
@@ -98,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     megatron_patches.apply()  # Optimus: megatron-core's CUDA assumptions patched for CPU (no-op on GPU)
     from megatron.core import parallel_state
+    from megatron.core.timers import Timers
 
     from optimus_mllm.runtime.trainer import Trainer
 
-    trainer = Trainer(config, plan(config).llm_plan, mode, artifact)
+    timers = Timers(args.timing_log_level, args.timing_log_option)  # Megatron's; the runtime keeps them timing
+    trainer = Trainer(config, plan(config).llm_plan, mode, artifact, timers=timers)
     reports_loss = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                     and parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_data_parallel_rank() == 0)
@@ -110,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.train_step(iteration)
         if reports_loss:
             print(f"iteration {iteration + 1}/{args.train_iters} | lm loss {result.loss:.4f} | {label}", flush=True)
+    # Megatron-LM's training_log: the schedule's timers, min/max over ranks, printed by the last rank
+    report = timers.get_all_timers_string(["forward-compute", "backward-compute"], normalizer=args.train_iters)
+    if dist.get_rank() == dist.get_world_size() - 1 and report:
+        print(report, flush=True)
     trainer.close()
     dist.destroy_process_group()
     return 0

@@ -2,24 +2,46 @@
 
 With ``--optimus-schedule`` it runs the schedule (the encoder under its own plan, kernels at the
 artifact's hook points) and prints the same losses as without it, where it runs plain Megatron-style.
+Its model flags are Megatron-LM's, read as ``pretrain_vlm.py`` reads them; each is honoured or refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.train_utils import TIMEOUT_S, TINY, assert_one_error_everywhere, ranks
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.megatron import HONOURED_FLAGS, REFUSED_FLAGS, add_optimus_args, config_from_megatron_args
+from tests.conftest import CONFIGS, REPO
+from tests.train_utils import TIMEOUT_S, assert_one_error_everywhere, ranks
 
 SCRIPT = str(REPO / "scripts" / "pretrain_vlm_megatron.py")
+MEGATRON_TINY = str(CONFIGS / "megatron_tiny.yaml")
 LINE = re.compile(r"^iteration (\d)/3 \| lm loss (\d+\.\d{4}) \| (.+)$")
-# configs/tiny.yaml in Megatron's flags (its untied embeddings are the one non-default)
-TINY_ARGS = ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer"]
+# configs/megatron_tiny.yaml in Megatron's flags: untied embeddings, the distributed optimizer, and no class token
+TINY_ARGS = ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--disable-vision-class-token"]
+LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
+         "--normalization", "RMSNorm", "--disable-bias-linear"]
+
+
+def _parse_args(*argv: str) -> argparse.Namespace:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from pretrain_vlm_megatron import parse_args
+    finally:
+        sys.path.pop(0)
+    return parse_args(add_optimus_args, [*TINY_ARGS, *argv])
+
+
+def _config(*argv: str) -> OptimusConfig:
+    return config_from_megatron_args(_parse_args(*argv), 4, 4)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -30,7 +52,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def _lines(done: subprocess.CompletedProcess) -> list[re.Match]:
     assert done.returncode == 0, done.stderr[-3000:]
-    matches = [LINE.match(line) for line in done.stdout.splitlines()]
+    matches = [LINE.match(line) for line in done.stdout.splitlines() if not line.startswith(("(min, max)", "    "))]
     assert all(matches) and [m.group(1) for m in matches] == ["1", "2", "3"], done.stdout
     return matches
 
@@ -40,16 +62,31 @@ def plan_json(tmp_path_factory) -> str:
     from optimus_mllm.cli.plan import main as optimus_plan
 
     path = tmp_path_factory.mktemp("plan") / "plan.json"
-    assert optimus_plan(["--config", TINY, "--artifact", str(path)]) == 0
+    assert optimus_plan(["--config", MEGATRON_TINY, "--artifact", str(path)]) == 0
     return str(path)
 
 
-def test_the_flag_switches_the_optimus_runtime_on(plan_json):
-    plain = _lines(_run())
-    optimus = _lines(_run("--optimus-schedule", plan_json))
-    assert {m.group(3) for m in plain} == {"plain"}
-    assert len({m.group(3) for m in optimus}) == 1 and optimus[0].group(3).startswith("optimus, encoder plan DP")
-    assert [m.group(2) for m in optimus] == [m.group(2) for m in plain]
+def test_the_flag_switches_the_optimus_runtime_on_and_megatrons_timers_still_report(tmp_path):
+    """A LLaMA-shaped model (SwiGLU, grouped-query attention, RoPE, RMSNorm, no biases) with Megatron's
+    default dropout on the script's LLM TP2 PP2 V2: the same losses with and without the flag."""
+    from optimus_mllm.planner import plan
+    from optimus_mllm.scheduler.artifact import schedule_job_artifact
+
+    config = _config(*LLAMA)
+    assert (config.llm.gated_linear_unit, config.llm.activation, config.llm.query_groups) == (True, "silu", 2)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(schedule_job_artifact(config, plan(config))))
+    plain = _run(*LLAMA, "--timing-log-level", "2")
+    optimus = _run(*LLAMA, "--timing-log-level", "2", "--optimus-schedule", str(path))
+    plain_lines, optimus_lines = _lines(plain), _lines(optimus)
+    assert {m.group(3) for m in plain_lines} == {"plain"}
+    assert len({m.group(3) for m in optimus_lines}) == 1
+    assert optimus_lines[0].group(3).startswith("optimus, encoder plan DP")
+    assert [m.group(2) for m in optimus_lines] == [m.group(2) for m in plain_lines]
+    for done in (plain, optimus):  # megatron-core's schedule timed by the job's own Timers, under the hooks
+        times = re.findall(r"^    (forward|backward)-compute \.+: \((\d+\.\d+), (\d+\.\d+)\)$", done.stdout, re.M)
+        assert [name for name, *_ in times] == ["forward", "backward"], done.stdout
+        assert all(float(low) > 0 for _, low, _ in times), times
 
 
 def test_a_schedule_for_another_job_is_refused_on_every_rank(plan_json):
@@ -58,23 +95,118 @@ def test_a_schedule_for_another_job_is_refused_on_every_rank(plan_json):
     assert_one_error_everywhere(results, "re-run optimus-plan", prog="pretrain_vlm_megatron.py")
 
 
-def test_megatron_args_give_the_tiny_config():
-    """The script's defaults with the flags above and without dropout describe the same model and plan as
-    configs/tiny.yaml; dropout is Megatron-LM's 0.1 by default, for the LLM and the vision model."""
+def test_megatron_args_give_the_megatron_tiny_config():
+    """The script's defaults with TINY_ARGS and without dropout describe configs/megatron_tiny.yaml; dropout
+    is Megatron-LM's 0.1 by default, for the LLM and the vision model."""
     from optimus_mllm.config import load_config
-    from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from pretrain_vlm_megatron import parse_args
-    finally:
-        sys.path.pop(0)
-    args = parse_args(add_optimus_args, TINY_ARGS)
+    args = _parse_args()
     assert isinstance(args, argparse.Namespace) and args.optimus_schedule is None
     defaults = config_from_megatron_args(args, 4, 4).model
     assert {(spec.hidden_dropout, spec.attention_dropout) for spec in (defaults.llm, *defaults.encoders)} == {(0.1, 0.1)}
-    args = parse_args(add_optimus_args, [*TINY_ARGS, "--hidden-dropout", "0", "--attention-dropout", "0"])
-    ours, tiny = config_from_megatron_args(args, 4, 4), load_config(TINY)
+    ours, tiny = _config("--hidden-dropout", "0", "--attention-dropout", "0"), load_config(MEGATRON_TINY)
     assert ours.model == tiny.model
     assert ours.parallel.llm == tiny.parallel.llm
     assert ours.training == tiny.training  # optimizer, LR schedule and clipping included
+
+
+# Every flag of HONOURED_FLAGS: the flags given, and what the LLM and the ViT become (None: unchanged)
+HONOURED = {
+    "--num-layers": (["--num-layers", "8"], {"num_layers": 8}, None),
+    "--hidden-size": (["--hidden-size", "128"], {"hidden_size": 128}, {"hidden_size": 128}),
+    "--ffn-hidden-size": (["--ffn-hidden-size", "96"], {"ffn_hidden_size": 96}, {"ffn_hidden_size": 96}),
+    "--num-attention-heads": (["--num-attention-heads", "8"], {"num_attention_heads": 8}, {"num_attention_heads": 8}),
+    "--kv-channels": (["--kv-channels", "8"], {"kv_channels": 8}, {"kv_channels": 8}),
+    "--group-query-attention": (["--group-query-attention", "--num-query-groups", "2"], {"num_query_groups": 2},
+                                {"num_query_groups": 2}),
+    "--num-query-groups": (["--num-query-groups", "2"], {"num_query_groups": None}, None),  # needs the flag above
+    "--swiglu": (["--swiglu", "--ffn-hidden-size", "128"], {"gated_linear_unit": True, "activation": "silu"},
+                 {"gated_linear_unit": True, "activation": "silu"}),
+    "--normalization": (["--normalization", "RMSNorm"], {"normalization": "RMSNorm"}, {"normalization": "RMSNorm"}),
+    "--disable-bias-linear": (["--disable-bias-linear"], {"add_bias_linear": False}, {"add_bias_linear": False}),
+    "--add-qkv-bias": (["--add-qkv-bias"], {"add_bias_linear": True}, None),
+    "--position-embedding-type": (["--position-embedding-type", "rope"], {"position_embedding_type": "rope"}, None),
+    "--untie-embeddings-and-output-weights": ([], {"untie_embeddings_and_output_weights": True}, None),
+    "--hidden-dropout": (["--hidden-dropout", "0.2"], {"hidden_dropout": 0.2}, {"hidden_dropout": 0.2}),
+    "--attention-dropout": (["--attention-dropout", "0.3"], {"attention_dropout": 0.3}, {"attention_dropout": 0.3}),
+    "--vocab-size": (["--vocab-size", "512"], {"vocab_size": 512}, None),
+    "--seq-length": (["--seq-length", "112"], {"seq_length": 128}, None),
+    "--dataloader-seq-length": (["--dataloader-seq-length", "112", "--seq-length", "999"], {"seq_length": 128}, None),
+    "--encoder-num-layers": (["--encoder-num-layers", "4"], None, {"num_layers": 4}),
+    "--img-h": (["--img-h", "32"], {"seq_length": 80}, {"seq_length": 32}),
+    "--img-w": (["--img-w", "32"], {"seq_length": 80}, {"seq_length": 32}),
+    "--patch-dim": (["--patch-dim", "8"], {"seq_length": 52}, {"seq_length": 4, "patch_size": 8}),
+    "--num-channels": (["--num-channels", "1"], None, {"in_channels": 1}),
+    "--freeze-ViT": (["--freeze-ViT"], None, {"frozen": True}),
+    "--recompute-granularity": (["--recompute-granularity", "full"], None, None),
+}
+
+
+def test_the_walk_covers_every_model_flag_and_the_script_takes_each():
+    assert set(HONOURED) == set(HONOURED_FLAGS)
+    flags = {*HONOURED_FLAGS, *(refused.flag for refused in REFUSED_FLAGS)}
+    parser_flags = set(re.findall(r'add\("(--[\w-]+)"', Path(SCRIPT).read_text()))
+    assert flags <= parser_flags, flags - parser_flags
+
+
+@pytest.mark.parametrize("flag", HONOURED)
+def test_an_honoured_flag_shapes_the_llm_and_the_vit_as_pretrain_vlm_does(flag):
+    argv, llm, vit = HONOURED[flag]
+    base, config = _config(), _config(*argv)
+    for spec, base_spec, expected in ((config.llm, base.llm, llm), (config.encoders[0], base.encoders[0], vit)):
+        for field, value in (expected or {}).items():
+            assert getattr(spec, field) == value, (flag, field)
+    if flag == "--recompute-granularity":
+        assert (base.training.recompute, config.training.recompute) == ("none", "full")
+    elif flag == "--untie-embeddings-and-output-weights":  # in TINY_ARGS: compare with the flag left out
+        tied = _parse_args()
+        tied.untie_embeddings_and_output_weights = False
+        assert not config_from_megatron_args(tied, 4, 4).llm.untie_embeddings_and_output_weights
+    else:
+        assert (config.llm, config.encoders[0]) != (base.llm, base.encoders[0]) or flag in (
+            "--num-query-groups", "--add-qkv-bias")
+
+
+def _refused_value(refused) -> list[str]:
+    if refused.default is False:
+        return [refused.flag]
+    if refused.flag == "--disable-vision-class-token":
+        return []
+    values = {"--position-embedding-type": "yarn", "--transformer-impl": "transformer_engine",
+              "--recompute-method": "block", "--fp8-format": "hybrid"}
+    return [refused.flag, values.get(refused.flag, "2")]
+
+
+@pytest.mark.parametrize("refused", REFUSED_FLAGS, ids=lambda r: r.flag)
+def test_a_model_flag_the_runtime_does_not_build_is_refused_naming_it(refused):
+    argv = _refused_value(refused)
+    args = _parse_args(*argv)
+    if refused.flag == "--disable-vision-class-token":
+        args.disable_vision_class_token = False
+    with pytest.raises(OptimusError) as caught:
+        config_from_megatron_args(args, 4, 4)
+    message = str(caught.value)
+    assert message.startswith(f"{refused.flag} ") and "\n" not in message, message
+
+
+def test_qkv_bias_without_the_other_biases_is_refused():
+    with pytest.raises(OptimusError, match="--add-qkv-bias with --disable-bias-linear"):
+        _config("--add-qkv-bias", "--disable-bias-linear")
+
+
+def test_a_missing_class_token_flag_is_one_line_on_every_rank():
+    command = [SCRIPT, "--untie-embeddings-and-output-weights"]
+    assert_one_error_everywhere(ranks(2, "--tensor-model-parallel-size", "1", program=tuple(command)),
+                                "--disable-vision-class-token", prog="pretrain_vlm_megatron.py")
+
+
+def test_swiglu_gives_megatron_cores_llm_a_silu_gated_mlp():
+    import torch.nn.functional as F
+
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime.llm import transformer_config
+
+    for argv, activation in (([], F.gelu), (["--swiglu"], F.silu)):
+        config = _config(*argv)
+        tconfig = transformer_config(config, plan(config).llm_plan)
+        assert (tconfig.activation_func, tconfig.gated_linear_unit) == (activation, bool(argv))

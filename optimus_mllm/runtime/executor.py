@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -85,8 +85,10 @@ class HookDriver:
         if self.listener is not None:
             self.listener.on_event(event, event if ran_at is None else ran_at)
 
-    def timers(self) -> _Timers:
-        return _Timers(self)
+    def timers(self, chained: Any = None) -> _Timers:
+        """``config.timers`` for megatron-core's schedule; ``chained``, the user's Megatron ``Timers``,
+        still times every call."""
+        return _Timers(self, chained)
 
     def on_timer(self, name: str, edge: str) -> None:
         phase = {"forward-compute": "fwd", "backward-compute": "bwd"}.get(name)
@@ -122,23 +124,28 @@ class HookDriver:
 class _Timers:
     """Stands in for megatron's ``config.timers``: ``timers(name, log_level=...)`` -> start()/stop()."""
 
-    def __init__(self, driver: HookDriver):
-        self.driver = driver
+    def __init__(self, driver: HookDriver, chained: Any = None):
+        self.driver, self.chained = driver, chained
 
     def __call__(self, name: str, log_level: int | None = None) -> _Timer:
-        return _Timer(self.driver, name)
+        return _Timer(self.driver, name, None if self.chained is None else self.chained(name, log_level=log_level))
 
 
 @dataclass
 class _Timer:
     driver: HookDriver
     name: str
+    chained: Any  # the user's timer of the same name, or None
 
     def start(self, barrier: bool = False) -> None:
+        if self.chained is not None:
+            self.chained.start(barrier=barrier)
         self.driver.on_timer(self.name, "start")
 
     def stop(self, barrier: bool = False) -> None:
         self.driver.on_timer(self.name, "stop")
+        if self.chained is not None:
+            self.chained.stop(barrier=barrier)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.data import Microbatch
-from optimus_mllm.runtime.dtypes import DTYPES
+from optimus_mllm.runtime.dtypes import ACTIVATIONS, DTYPES
 
 
 def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> TransformerConfig:
@@ -40,7 +40,7 @@ def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Transformer
         num_layers=llm.num_layers, hidden_size=llm.hidden_size, num_attention_heads=llm.num_attention_heads,
         ffn_hidden_size=llm.ffn_hidden_size, kv_channels=llm.head_dim, num_query_groups=llm.query_groups,
         gated_linear_unit=llm.gated_linear_unit, add_bias_linear=llm.add_bias_linear,
-        normalization=llm.normalization,
+        normalization=llm.normalization, activation_func=ACTIVATIONS[llm.activation],
         tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
         virtual_pipeline_model_parallel_size=plan.vp if plan.vp > 1 else None,
         sequence_parallel=t.sequence_parallel and plan.tp > 1, params_dtype=dtype, pipeline_dtype=dtype,

@@ -78,10 +78,14 @@ class StepResult:
 
 class Trainer:
     def __init__(self, config: OptimusConfig, llm_plan: ParallelPlan, mode: Mode,
-                 artifact: dict[str, Any] | None = None, *, side_stream: bool = True):
+                 artifact: dict[str, Any] | None = None, *, side_stream: bool = True, timers: Any = None):
+        """``timers``: the job's Megatron ``Timers`` (``megatron.core.timers``), which keep timing
+        megatron-core's schedule (``forward-compute``, ``backward-compute``, the P2P calls) under the
+        hooks the runtime sets in ``config.timers``."""
         if mode == "optimus" and artifact is None:
             raise OptimusError("the Optimus runtime needs a schedule artifact (optimus-plan --artifact)")
         self.config, self.plan, self.mode, self.artifact = config, llm_plan, mode, artifact
+        self.timers = timers
         self.rank = dist.get_rank()
         self.data = microbatch_source(config)
         self.device = training_device()  # before megatron-core places parameters on the current GPU
@@ -194,7 +198,7 @@ class Trainer:
         leaves: dict[int, torch.Tensor] = {}
         driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox), self._wait_for_input,
                             self.collectives)
-        self.tconfig.timers = driver.timers()
+        self.tconfig.timers = driver.timers(self.timers)
         for model in self.ddp_models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -45,6 +45,7 @@ from torch.distributed import ProcessGroup
 from optimus_mllm.config import EncoderConfig, OptimusConfig, TransformerSpec
 from optimus_mllm.params import stage_layer_bounds
 from optimus_mllm.runtime.dropout import dropout, site_seed
+from optimus_mllm.runtime.dtypes import ACTIVATIONS
 from optimus_mllm.runtime.encoder_ops import Block, Step, run_steps
 
 Tensor = torch.Tensor
@@ -194,7 +195,7 @@ class TransformerLayer(nn.Module):
         self.heads, self.groups = spec.num_attention_heads // tp, spec.query_groups // tp
         self.head_dim = spec.head_dim
         self.hidden_dropout, self.attention_dropout = spec.hidden_dropout, spec.attention_dropout
-        self.gated = spec.gated_linear_unit
+        self.gated, self.act = spec.gated_linear_unit, ACTIVATIONS[spec.activation]
         dims = {"config": config, "init_method": init_method, "bias": spec.add_bias_linear,
                 "skip_bias_add": False, "tp_group": group}
         q_width = spec.num_attention_heads * spec.head_dim
@@ -263,8 +264,8 @@ class TransformerLayer(nn.Module):
     def _activation(self, x: Tensor) -> Tensor:
         if self.gated:
             gate, up = x.chunk(2, dim=-1)
-            return F.gelu(gate) * up
-        return F.gelu(x)
+            return self.act(gate) * up
+        return self.act(x)
 
 
 class Projector(nn.Module):
