@@ -49,7 +49,7 @@ def _check_layers(spec: LLMConfig | EncoderConfig, where: str) -> None:
     """GPT-2's and ViT's layers: one key and value per head, LayerNorm, biases, a plain GELU MLP."""
     wanted = {"num_query_groups": (spec.query_groups, spec.num_attention_heads),
               "normalization": (spec.normalization, "LayerNorm"), "add_bias_linear": (spec.add_bias_linear, True),
-              "gated_linear_unit": (spec.gated_linear_unit, False)}
+              "gated_linear_unit": (spec.gated_linear_unit, False), "activation": (spec.activation, "gelu")}
     for field, (value, theirs) in wanted.items():
         if value != theirs:
             raise OptimusError(f"{where}.{field} is {value}; Hugging Face GPT-2 and ViT layers have {theirs}")

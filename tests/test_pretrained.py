@@ -227,3 +227,17 @@ def test_the_launcher_starts_from_converted_weights_without_a_projector(tmp_path
 ])
 def test_pretrained_flags_that_cannot_work_are_refused(args, expected):
     assert_one_error_everywhere(ranks(4, *args), expected)
+
+
+@pytest.mark.parametrize("field, value", [("activation", "silu"), ("gated_linear_unit", True),
+                                          ("normalization", "RMSNorm")])
+def test_converting_into_layers_that_are_not_gpt2s_is_refused(field, value):
+    from dataclasses import replace
+
+    from optimus_mllm.config import load_config
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.hf_convert import gpt2_entries
+
+    llm = replace(load_config(TINY).llm, **{field: value})
+    with pytest.raises(OptimusError, match=f"model.llm.{field} is {value}; Hugging Face GPT-2 and ViT layers"):
+        gpt2_entries(_gpt2_state(), llm)
