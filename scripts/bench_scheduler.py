@@ -3,7 +3,8 @@
     python scripts/bench_scheduler.py [--json OUT] [--profile kernel_profile.json] [--only NAME ...]
 
 For every setup in configs/paper/ it plans, schedules (Algorithm 1, on one core), and simulates the
-two Megatron-LM baselines with the same cost model, then prints:
+two Megatron-LM baselines with the same cost model, each at Optimus's V (the LLM plan's, for an equal
+footing) and at every V up to 16 (its fastest labelled; speedups are quoted against both), then prints:
 - Table 7: Eff_coarse, Eff_fine and scheduler runtime at 1536/2048/3072 GPUs;
 - Table 5: iteration time and MFU of Megatron-LM, Megatron-LM balanced and Optimus;
 - weak scaling (Models A-D), the dual-encoder models, and Appendix C's 8-GPU model;
@@ -26,7 +27,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,7 +37,7 @@ from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
 from optimus_mllm.cost_model import CostModel, MeasuredKernel, read_profile  # noqa: E402
 from optimus_mllm.errors import OptimusError  # noqa: E402
 from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
-from optimus_mllm.planner import plan  # noqa: E402
+from optimus_mllm.planner import ParallelPlan, plan  # noqa: E402
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline  # noqa: E402
 from optimus_mllm.scheduler.bubble_scheduler import optimus  # noqa: E402
 from optimus_mllm.scheduler.metrics import BUBBLE_KINDS, bubble_breakdown, mfu, scheduling_efficiency  # noqa: E402
@@ -53,7 +54,7 @@ PAPER_SPEEDUP = {"model_a": "up to 1.22", "model_b": "up to 1.22", "model_c": "u
                  "appc_vit3b_gpt11b_8gpu": "1.23"}  # App. C: 3.42 s / 2.78 s
 PAPER_TABLE1 = {"dp_all_gather": 3.3, "dp_reduce_scatter": 8.9, "pp_warmup": 5.0, "pp_cooldown": 9.2,
                 "pp_other": 8.7, "tp": 11.2}  # % of a 5.12 s step, >3000 GPUs, production
-PAPER_V = {4: 6, 8: 12}  # Megatron-LM balanced's V in Tables 11 and 12
+MAX_BASELINE_V = 16  # the baselines are tried at every V up to this (the paper's balanced runs use 6 and 12)
 HEAVY_TOKENS = 1536  # 6x our 256; leaves 512 text tokens of the LLM's 2048
 
 
@@ -65,8 +66,10 @@ class Row:
     llm_plan: str
     encoder_plan: str
     llm_alone_s: float
-    megatron_s: float
+    megatron_s: float  # the baselines at the config's (the planner's) V, Optimus's own
     balanced_s: float | None
+    megatron_by_v: dict[int, float]  # every V each baseline can run at
+    balanced_by_v: dict[int, float]
     optimus_s: float
     coarse_s: float
     eff_coarse: float
@@ -78,6 +81,10 @@ class Row:
     bubbles: dict[str, float]  # share of the LLM-alone iteration per bubble kind
 
     @property
+    def llm_v(self) -> int:
+        return int(self.llm_plan.rsplit(" V", 1)[1]) if " V" in self.llm_plan else 1
+
+    @property
     def speedup(self) -> float:
         return self.megatron_s / self.optimus_s
 
@@ -85,31 +92,66 @@ class Row:
     def speedup_balanced(self) -> float | None:
         return self.balanced_s / self.optimus_s if self.balanced_s else None
 
+    @property
+    def best_baseline(self) -> tuple[str, int, float]:
+        """The fastest baseline at any V: (name, V, seconds)."""
+        runs = [("Megatron-LM", v, t) for v, t in self.megatron_by_v.items()]
+        runs += [("balanced", v, t) for v, t in self.balanced_by_v.items()]
+        return min(runs, key=lambda run: run[2])
+
+    @property
+    def speedup_best(self) -> float:
+        return self.best_baseline[2] / self.optimus_s
+
+    @property
+    def speedup_equal_v(self) -> float:
+        return min(t for t in (self.megatron_s, self.balanced_s) if t is not None) / self.optimus_s
+
+
+def baseline_vs(config: OptimusConfig, llm_plan: ParallelPlan, balanced: bool) -> list[int]:
+    """The virtual stage counts a baseline can run at under ``llm_plan``'s DP, PP and TP: chunks of whole
+    layers (the LLM's for Megatron-LM, encoder plus LLM layers for balanced), and the interleaved
+    schedule (V > 1) only with PP > 1 and the microbatches a multiple of PP."""
+    layers = config.llm.num_layers + (sum(e.num_layers for e in config.encoders) if balanced else 0)
+    microbatches = config.num_microbatches_total // llm_plan.dp
+    vs = []
+    for v in range(1, MAX_BASELINE_V + 1):
+        if llm_plan.pp * v > layers or (v > 1 and (llm_plan.pp == 1 or microbatches % llm_plan.pp)):
+            continue
+        if not balanced and config.llm.num_layers % (llm_plan.pp * v):
+            continue
+        vs.append(v)
+    return vs
+
 
 def run_setup(name: str, config: OptimusConfig, profile: dict[tuple, float] | None = None) -> Row:
     """Plan, schedule and simulate the baselines; on the roofline, or with the measured ``profile``."""
     planned = plan(config)
+    llm_plan = planned.llm_plan
     cost = CostModel(config.cluster, config.cost_model, profile)
     started = time.perf_counter()
     fine = optimus(config, planned, cost)
     runtime = time.perf_counter() - started
     coarse = optimus(config, planned, cost, fine=False)
-    megatron = megatron_lm_baseline(config, planned.llm_plan, cost)
-    balanced = None
+    at_v = {v: replace(llm_plan, vp=v) for v in range(1, MAX_BASELINE_V + 1)}
+    megatron_by_v = {v: megatron_lm_baseline(config, at_v[v], cost).iteration_us / 1e6
+                     for v in baseline_vs(config, llm_plan, balanced=False)}
+    balanced_by_v = {}
     if len(config.encoders) == 1:
-        balanced = megatron_lm_balanced_baseline(config, planned.llm_plan, cost,
-                                                 PAPER_V.get(planned.llm_plan.pp, planned.llm_plan.vp))
+        balanced_by_v = {v: megatron_lm_balanced_baseline(config, llm_plan, cost, v).iteration_us / 1e6
+                         for v in baseline_vs(config, llm_plan, balanced=True)}
     best = fine.best
     breakdown = bubble_breakdown(best.timeline)
+    megatron_s, balanced_s = megatron_by_v[llm_plan.vp], balanced_by_v.get(llm_plan.vp)
     return Row(
         name=name, gpus=config.cluster.num_gpus, microbatches=planned.num_microbatches,
-        llm_plan=str(planned.llm_plan), encoder_plan=str(best.encoder_plan),
-        llm_alone_s=fine.llm_alone_us / 1e6, megatron_s=megatron.iteration_us / 1e6,
-        balanced_s=balanced.iteration_us / 1e6 if balanced else None,
+        llm_plan=str(llm_plan), encoder_plan=str(best.encoder_plan),
+        llm_alone_s=fine.llm_alone_us / 1e6, megatron_s=megatron_s, balanced_s=balanced_s,
+        megatron_by_v=megatron_by_v, balanced_by_v=balanced_by_v,
         optimus_s=best.iteration_us / 1e6, coarse_s=coarse.best.iteration_us / 1e6,
         eff_coarse=scheduling_efficiency(coarse.best), eff_fine=scheduling_efficiency(best), runtime_s=runtime,
-        mfu_megatron=mfu(config, megatron.iteration_us),
-        mfu_balanced=mfu(config, balanced.iteration_us) if balanced else None,
+        mfu_megatron=mfu(config, megatron_s * 1e6),
+        mfu_balanced=mfu(config, balanced_s * 1e6) if balanced_s else None,
         mfu_optimus=mfu(config, best.iteration_us),
         bubbles={k: breakdown.share(k) for k in BUBBLE_KINDS},
     )
@@ -139,15 +181,19 @@ def print_tables(rows: dict[str, Row], heavy: dict[str, Row]) -> None:
             print(f"{r.gpus:>5}-GPU    {r.microbatches:>2} | {mb:<2}  {_pct(r.eff_coarse):>7} | {pc:>5.1f}%  "
                   f"{_pct(r.eff_fine):>7} | {pf:>5.1f}%  {r.runtime_s:>7.2f} | {pt:>7.1f}")
         print()
-        print("Table 5: iteration time in s and MFU, batch 1536 (ours | paper)")
-        print(f"{'GPUs':>5}  {'Megatron-LM':>16}  {'balanced':>16}  {'Optimus':>16}  {'MFU Meg':>15}  "
-              f"{'MFU bal':>15}  {'MFU Opt':>15}  {'speedup':>7}")
+        print("Table 5: iteration time in s, batch 1536 (ours | paper); each baseline at Optimus's V (the "
+              "planner's) and at its own best V")
+        print(f"{'GPUs':>5}  {'Megatron-LM @V | paper':>21}  {'best V':>11}  {'balanced @V':>13}  "
+              f"{'best V | paper':>19}  {'Optimus | paper':>16}  {'MFU Opt | paper':>15}  {'vs equal V':>10}  "
+              f"{'vs best | paper':>16}")
         for n in strong:
             r, p = rows[n], PAPER_TABLE5[n]
-            print(f"{r.gpus:>5}  {r.megatron_s:>7.3f} | {p[0]:>5.2f}  {_s(r.balanced_s):>7} | {p[1]:>5.2f}  "
-                  f"{r.optimus_s:>7.3f} | {p[2]:>5.2f}  {_pct(r.mfu_megatron):>6} | {p[3]:>5.1f}%  "
-                  f"{_pct(r.mfu_balanced):>6} | {p[4]:>5.1f}%  {_pct(r.mfu_optimus):>6} | {p[5]:>5.1f}%  "
-                  f"{r.speedup:>6.2f}x")
+            print(f"{r.gpus:>5}  {_at(r.megatron_s, r.llm_v)} | {p[0]:>5.2f}  {_best(r.megatron_by_v):>11}  "
+                  f"{_at(r.balanced_s, r.llm_v)}  {_best(r.balanced_by_v):>11} | {p[1]:>5.2f}  "
+                  f"{r.optimus_s:>7.3f} | {p[2]:>5.2f}  {_pct(r.mfu_optimus):>6} | {p[5]:>5.1f}%  "
+                  f"{r.speedup_equal_v:>9.2f}x  {r.speedup_best:>6.2f}x | {min(p[0], p[1]) / p[2]:>5.2f}x")
+        print("  vs equal V: the faster baseline at Optimus's V over Optimus; vs best: the fastest baseline at any "
+              f"V (1-{MAX_BASELINE_V}) over Optimus (paper: its faster baseline over Optimus)")
         print()
     others = [n for n in rows if n not in PAPER_TABLE7]
     if others:
@@ -159,18 +205,31 @@ def print_tables(rows: dict[str, Row], heavy: dict[str, Row]) -> None:
 
 
 def _print_rows(rows: dict[str, Row], paper: bool) -> None:
-    print(f"{'setup':<24}{'GPUs':>5}  {'LLM plan':<18}{'encoder plan':<16}{'LLM alone':>10}{'Megatron':>10}"
-          f"{'balanced':>10}{'Optimus':>10}{'coarse':>10}{'Eff_c':>8}{'Eff_f':>8}{'vs Meg':>8}{'vs bal':>8}"
-          + ("    paper" if paper else ""))
+    print(f"{'setup':<24}{'GPUs':>5}  {'LLM plan':<18}{'encoder plan':<16}{'LLM alone':>10}{'Meg @V':>10}"
+          f"{'Meg best':>14}{'bal @V':>10}{'bal best':>14}{'Optimus':>10}{'coarse':>10}{'Eff_c':>8}{'Eff_f':>8}"
+          f"{'vs eq V':>9}{'vs best':>9}" + ("    paper" if paper else ""))
     for n, r in rows.items():
-        bal = f"{r.speedup_balanced:.2f}x" if r.speedup_balanced else "-"
         line = (f"{n:<24}{r.gpus:>5}  {r.llm_plan:<18}{r.encoder_plan:<16}{r.llm_alone_s:>10.3f}{r.megatron_s:>10.3f}"
-                f"{_s(r.balanced_s):>10}{r.optimus_s:>10.3f}{r.coarse_s:>10.3f}{_pct(r.eff_coarse):>8}"
-                f"{_pct(r.eff_fine):>8}{r.speedup:>7.2f}x{bal:>8}")
+                f"{_best(r.megatron_by_v):>14}{_s(r.balanced_s):>10}{_best(r.balanced_by_v):>14}{r.optimus_s:>10.3f}"
+                f"{r.coarse_s:>10.3f}{_pct(r.eff_coarse):>8}{_pct(r.eff_fine):>8}{r.speedup_equal_v:>8.2f}x"
+                f"{r.speedup_best:>8.2f}x")
         if paper:
             line += f"    {PAPER_SPEEDUP[n]}x" if n in PAPER_SPEEDUP else "    -"
         print(line)
+    print("  @V: at Optimus's V (the LLM plan's); best: the fastest V (1-16) for that baseline; vs eq V / vs best: "
+          "the faster baseline at Optimus's V / the fastest at any V, over Optimus")
     print()
+
+
+def _at(seconds: float | None, v: int) -> str:
+    return f"{'-':>7} (V{v:<2})" if seconds is None else f"{seconds:>7.3f} (V{v:<2})"
+
+
+def _best(by_v: dict[int, float]) -> str:
+    if not by_v:
+        return "-"
+    v = min(by_v, key=by_v.get)
+    return f"{by_v[v]:.3f} (V{v})"
 
 
 @dataclass
@@ -219,7 +278,9 @@ def print_profile_changes(rows: dict[str, Row], measured: dict[str, Measured | N
 
 
 def _row_json(r: Row) -> dict:
-    return {**vars(r), "speedup": r.speedup}
+    name, v, seconds = r.best_baseline
+    return {**vars(r), "speedup": r.speedup, "speedup_equal_v": r.speedup_equal_v, "speedup_best": r.speedup_best,
+            "best_baseline": {"name": name, "v": v, "seconds": seconds}}
 
 
 def main(argv: list[str] | None = None) -> int:

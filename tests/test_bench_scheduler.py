@@ -20,6 +20,13 @@ def test_bench_scheduler_runs_and_writes_json(tmp_path):
     for row in rows.values():
         assert row["optimus_s"] <= row["megatron_s"]
         assert all(-1e-9 <= row[k] <= 1 + 1e-9 for k in ("eff_coarse", "eff_fine"))
+        # each baseline at Optimus's V, and its best V among those it can run at
+        v = int(row["llm_plan"].rsplit(" V", 1)[1])
+        assert row["megatron_by_v"][str(v)] == row["megatron_s"] and row["balanced_by_v"][str(v)] == row["balanced_s"]
+        best = row["best_baseline"]
+        assert best["seconds"] == min([*row["megatron_by_v"].values(), *row["balanced_by_v"].values()])
+        assert row["speedup_best"] == best["seconds"] / row["optimus_s"] <= row["speedup_equal_v"]
+    assert "vs equal V" in proc.stdout and "vs best" in proc.stdout
 
 
 def _slow_encoder_profile(path, config_file, factor: float) -> None:
