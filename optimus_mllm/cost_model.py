@@ -25,7 +25,11 @@ KernelClass = Literal["gemm", "attention", "memory", "comm"]
 Collective = Literal["all_gather", "reduce_scatter", "all_reduce", "p2p"]
 
 PROFILE_FORMAT = "optimus-kernel-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+# The kernels the runtime runs, so the ones a profile must have timed: megatron-core's local layers with
+# torch's scaled_dot_product_attention as the core attention (runtime/llm.py) and the encoder's own steps,
+# SDPA too (runtime/vit.py). transformer-engine and flash-attn layers are not run yet.
+KERNEL_SET = "torch-sdpa"
 
 
 @dataclass(frozen=True)
@@ -267,6 +271,9 @@ class MeasuredKernel:
 def read_profile(path: str | Path, what: str = "cost_model.profile:") -> list[MeasuredKernel]:
     """Every entry of a kernel profile file; ``what`` starts the error messages."""
     data = read_versioned_json(path, what, PROFILE_FORMAT, PROFILE_VERSION, "run optimus-profile to create it")
+    if data.get("kernel_set") != KERNEL_SET:
+        raise OptimusError(f"{what} {path} timed the kernel set {str(data.get('kernel_set'))[:40]!r}, but the "
+                           f"runtime runs {KERNEL_SET!r}; re-run optimus-profile with this release")
     measured = []
     for i, entry in enumerate(data.get("kernels", [])):
         try:

@@ -7,8 +7,8 @@ LLM's TP (where the baselines run the encoder). They are found by running the sc
 functions against a recording cost model, so kernel names cannot drift from what it looks up.
 
 Each kernel is rebuilt in torch at its TP shard shape (GEMMs as ``F.linear`` with the sharded dims,
-the attention core with transformer-engine or flash-attn when importable, else torch SDPA, norms and
-activations as the runtime runs them) and timed after warm-up as the median of repeats; a backward
+the attention core with torch SDPA, norms and activations: the kernel set the runtime runs,
+``cost_model.KERNEL_SET``, recorded in the profile) and timed after warm-up as the median of repeats; a backward
 kernel is timed as ``torch.autograd.grad`` through a retained forward graph, so only the backward
 runs. Communication kernels (TP all-gather / reduce-scatter / all-reduce, P2P, DP) need several GPUs
 and are not measured: the cost model keeps its bandwidth model for them, as for any key missing
@@ -17,7 +17,6 @@ from a profile.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import time
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 from optimus_mllm.config import OptimusConfig, TransformerSpec, tp_divisibility_problem
 from optimus_mllm.cost_model import (
+    KERNEL_SET,
     PROFILE_FORMAT,
     PROFILE_VERSION,
     CostModel,
@@ -204,16 +204,6 @@ def check_flops(entry: ProfileEntry, op: KernelOp) -> None:
                            f"counts {entry.work.flops:.4g}; the profiler's shapes are out of date")
 
 
-def attention_backend(device: str, dtype: torch.dtype) -> str:
-    """transformer-engine, else flash-attn (both CUDA, 16-bit only), else torch SDPA."""
-    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return "sdpa"
-    for module, backend in (("transformer_engine", "transformer_engine"), ("flash_attn", "flash_attn")):
-        if importlib.util.find_spec(module) is not None:
-            return backend
-    return "sdpa"
-
-
 def _forward(op: KernelOp, device: str, dtype: torch.dtype) -> tuple[Callable[..., torch.Tensor],
                                                                        list[torch.Tensor]]:
     """The op as a function of its inputs, with random inputs that require grad where it has gradients."""
@@ -250,18 +240,6 @@ def _forward(op: KernelOp, device: str, dtype: torch.dtype) -> tuple[Callable[..
 def _attention(op: KernelOp, device: str, dtype: torch.dtype,
                rand: Callable[..., torch.Tensor]) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor]]:
     b, heads, groups, s, d = op.dims
-    backend = attention_backend(device, dtype)
-    if backend == "transformer_engine":
-        import transformer_engine.pytorch as te
-
-        core = te.DotProductAttention(heads, d, num_gqa_groups=groups, attention_dropout=0.0, qkv_format="bshd",
-                                      attn_mask_type="causal" if op.causal else "no_mask")
-        return core, [rand(b, s, heads, d), rand(b, s, groups, d), rand(b, s, groups, d)]
-    if backend == "flash_attn":
-        from flash_attn import flash_attn_func
-
-        return (lambda q, k, v: flash_attn_func(q, k, v, causal=op.causal),
-                [rand(b, s, heads, d), rand(b, s, groups, d), rand(b, s, groups, d)])
     # SDPA: grouped K/V expanded to every head beforehand, as runtime/vit.py does
     return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=op.causal),
             [rand(b, heads, s, d), rand(b, heads, s, d), rand(b, heads, s, d)])
@@ -343,7 +321,7 @@ def profile_kernels(config: OptimusConfig, *, warmup: int = 5, repeats: int = 20
         "config": config.name,
         "device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device,
         "dtype": str(dtype).removeprefix("torch."),
-        "attention_backend": attention_backend(device, dtype),
+        "kernel_set": KERNEL_SET,
         "torch": torch.__version__,
         "warmup": warmup,
         "repeats": repeats,

@@ -32,7 +32,7 @@ def test_bench_scheduler_runs_and_writes_json(tmp_path):
 def _slow_encoder_profile(path, config_file, factor: float) -> None:
     """A synthetic profile: the roofline's own times, the encoder's compute kernels ``factor`` slower."""
     from optimus_mllm.config import load_config
-    from optimus_mllm.cost_model import PROFILE_FORMAT, PROFILE_VERSION, CostModel
+    from optimus_mllm.cost_model import KERNEL_SET, PROFILE_FORMAT, PROFILE_VERSION, CostModel
     from optimus_mllm.profiler import profile_entries
     from optimus_mllm.scheduler.llm_costs import LLM
 
@@ -43,7 +43,8 @@ def _slow_encoder_profile(path, config_file, factor: float) -> None:
         us = roofline.compute_us(e.work, e.module, e.tp) * (1 if e.module == LLM else factor)
         kernels.append({"module": e.module, "kernel": e.work.name, "phase": e.work.phase, "tp": e.tp,
                         "time_us": us, "flops": e.work.flops, "bytes": e.work.bytes})
-    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernels": kernels}))
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernel_set": KERNEL_SET,
+                                "kernels": kernels}))
 
 
 def test_bench_scheduler_reports_how_a_measured_profile_moves_the_figures(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 
 from optimus_mllm.config import ClusterConfig, CostModelConfig, TransformerSpec
 from optimus_mllm.cost_model import (
+    KERNEL_SET,
     PROFILE_FORMAT,
     PROFILE_VERSION,
     CostModel,
@@ -88,7 +89,8 @@ def test_roofline_durations():
 
 
 def _profile(tmp_path, entries, **header):
-    data = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernels": entries, **header}
+    data = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernel_set": KERNEL_SET, "kernels": entries,
+            **header}
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(data))
     return path
@@ -110,8 +112,11 @@ def test_measured_profile_overrides_roofline(tmp_path):
     ("{not json", "not valid JSON"),
     (json.dumps({"format": "other"}), f"is not an {PROFILE_FORMAT} file"),
     (json.dumps({"format": PROFILE_FORMAT, "version": 99}), "version 99"),
-    (json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernels": [{"module": "llm"}]}),
-     "kernels[0]"),
+    (json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernel_set": KERNEL_SET,
+                 "kernels": [{"module": "llm"}]}), "kernels[0]"),
+    (json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernel_set": "transformer_engine",
+                 "kernels": []}), "timed the kernel set 'transformer_engine', but the runtime runs 'torch-sdpa'"),
+    (json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernels": []}), "timed the kernel set 'None'"),
 ])
 def test_bad_profile_is_a_clear_error(tmp_path, content, message):
     path = tmp_path / "profile.json"

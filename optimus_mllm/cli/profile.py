@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_profile(profile: dict[str, Any], out: str) -> str:
     """The measured kernels against the roofline, one row each."""
-    lines = [(f"config {profile['config']} on {profile['device']}, {profile['dtype']}, attention "
-              f"{profile['attention_backend']}; median of {profile['repeats']} after {profile['warmup']} warm-up"),
+    lines = [(f"config {profile['config']} on {profile['device']}, {profile['dtype']}, kernel set "
+              f"{profile['kernel_set']}; median of {profile['repeats']} after {profile['warmup']} warm-up"),
              f"{'module':<12}{'kernel':<24}{'phase':<6}{'tp':>3}{'measured us':>13}{'roofline us':>13}{'ratio':>7}"]
     for k in profile["kernels"]:
         ratio = k["time_us"] / k["roofline_us"] if k["roofline_us"] else float("nan")
