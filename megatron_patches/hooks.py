@@ -10,6 +10,13 @@ modules): ``tp_ar_embed`` / ``tp_rs_embed`` for the vocabulary-parallel embeddin
 ``tp_rs_attn`` for the attention's output projection, ``tp_ar_mlp`` / ``tp_rs_mlp`` for the MLP's second
 linear -- the cost model's kernel names -- and None for a reduction outside those modules. Everything
 is put back on exit. Unlike the CPU patches it applies on GPU too.
+
+A row-parallel layer that does not reduce through those functions (transformer-engine's
+``TERowParallelLinear`` reduces inside its own forward) is hooked by module instead: "before" when its
+forward starts and "after" when it returns, so its hook points survive a transformer-engine layer spec;
+encoder work hooked "before" such a reduction is then launched before the layer's GEMM rather than
+between the GEMM and the reduction. ``by_module=True`` hooks every layer that way (tests compare it
+with the function hooks on megatron-core's local spec).
 """
 
 from __future__ import annotations
@@ -27,20 +34,27 @@ _REDUCTIONS = {"reduce_from_tensor_model_parallel_region": "ar", "reduce_scatter
 
 
 def _role(name: str, module: torch.nn.Module) -> str | None:
-    """Which collective of the cost model a module's reduction is, by megatron-core's submodule names."""
-    from megatron.core.tensor_parallel.layers import RowParallelLinear, VocabParallelEmbedding
+    """Which collective of the cost model a module's reduction is, by megatron-core's submodule names
+    (the same in the local and the transformer-engine layer specs)."""
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
     if isinstance(module, VocabParallelEmbedding):
         return "embed"
-    if isinstance(module, RowParallelLinear):
-        leaf = name.rsplit(".", 1)[-1]
-        return {"linear_proj": "attn", "linear_fc2": "mlp"}.get(leaf)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("linear_proj", "linear_fc2") and any(True for _ in module.parameters(recurse=False)):
+        return {"linear_proj": "attn", "linear_fc2": "mlp"}[leaf]
     return None
 
 
+def _reduces_through_functions(module: torch.nn.Module) -> bool:
+    from megatron.core.tensor_parallel.layers import RowParallelLinear, VocabParallelEmbedding
+
+    return isinstance(module, (RowParallelLinear, VocabParallelEmbedding))
+
+
 @contextlib.contextmanager
-def tp_collective_hook(callback: Callable[[str, str | None], None],
-                       modules: list[torch.nn.Module] = ()) -> Iterator[None]:
+def tp_collective_hook(callback: Callable[[str, str | None], None], modules: list[torch.nn.Module] = (),
+                       by_module: bool = False) -> Iterator[None]:
     from megatron.core.tensor_parallel import layers
 
     originals = {}
@@ -54,18 +68,37 @@ def tp_collective_hook(callback: Callable[[str, str | None], None],
     for root in modules:
         for name, module in root.named_modules():
             role = _role(name, module)
-            if role is not None:
+            if role is None:
+                continue
+            if by_module or not _reduces_through_functions(module):
+                collective = f"tp_{'rs' if _sequence_parallel(module) else 'ar'}_{role}"
+                handles.append(module.register_forward_pre_hook(partial(_edge, callback, "before", collective)))
+                handles.append(module.register_forward_hook(partial(_edge, callback, "after", collective)))
+            else:
                 handles.append(module.register_forward_pre_hook(partial(_enter, running, role)))
                 handles.append(module.register_forward_hook(partial(_leave, running)))
     try:
-        for name, original in originals.items():
-            setattr(layers, name, _wrapped(original, _REDUCTIONS[name], running, callback))
+        if not by_module:
+            for name, original in originals.items():
+                setattr(layers, name, _wrapped(original, _REDUCTIONS[name], running, callback))
         yield
     finally:
         for name, original in originals.items():
             setattr(layers, name, original)
         for handle in handles:
             handle.remove()
+
+
+def _sequence_parallel(module: torch.nn.Module) -> bool:
+    """Whether the layer reduce-scatters (sequence parallelism) rather than all-reduces its output: the
+    attributes megatron-core's and transformer-engine's layers decide it by."""
+    if hasattr(module, "reduce_scatter_embeddings"):  # VocabParallelEmbedding
+        return bool(module.reduce_scatter_embeddings)
+    return bool(getattr(module, "sequence_parallel", False))
+
+
+def _edge(callback: Callable[[str, str | None], None], edge: str, collective: str, *_: Any) -> None:
+    callback(edge, collective)  # returns None: a forward hook's return value would replace the output
 
 
 def _enter(running: list[str], role: str, *_: Any) -> None:

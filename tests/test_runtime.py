@@ -22,10 +22,20 @@ TINY = str(CONFIGS / "tiny.yaml")
 EIGHT_RANKS = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={dp: 2, pp: 2, tp: 2, vp: 2}"]
 
 
-def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | None, steps: int = STEPS) -> dict:
+def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | None, steps: int = STEPS,
+           by_module: bool = False) -> dict:
     """One rank: train, then report losses, grad norms, (weight, gradient) pairs (encoder ones whole, by
-    plan-independent name), log."""
+    plan-independent name), log. ``by_module``: TP hook points from module hooks, as a transformer-engine
+    layer would give them, instead of megatron-core's reduction functions."""
+    from functools import partial
+
     from megatron.core import parallel_state
+
+    if by_module:
+        from megatron_patches import hooks
+        from optimus_mllm.runtime import trainer as trainer_module
+
+        trainer_module.tp_collective_hook = partial(hooks.tp_collective_hook, by_module=True)
 
     from optimus_mllm.config import load_config
     from optimus_mllm.planner import plan
@@ -109,9 +119,11 @@ def test_wrong_predictions_change_nothing_but_timing(baseline4):
     _assert_same(_run(4, [], "optimus", scaled), baseline4)
 
 
-def test_encoder_ops_run_at_the_artifacts_hook_points():
+@pytest.mark.parametrize("by_module", [False, True], ids=["function-hooks", "module-hooks"])
+def test_encoder_ops_run_at_the_artifacts_hook_points(baseline4, by_module):
     artifact = _artifact([], {"pp": 2, "tp": 1})
-    results = _run(4, [], "optimus", artifact)
+    results = run_distributed(_train, 4, TINY, [], "optimus", artifact, STEPS, by_module, timeout=240)
+    _assert_same(results, baseline4)
     inside = 0
     for rank, r in enumerate(results):
         ran = [(ran_at, phase, k, index) for ran_at, _, phase, k, index in r["record"]]
