@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
 from optimus_mllm.errors import OptimusError  # noqa: E402
+from optimus_mllm.gpu_status import warn_unverified  # noqa: E402
 from optimus_mllm.cost_model import CostModel, load_profile  # noqa: E402
 from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
 from optimus_mllm.planner import plan  # noqa: E402
@@ -408,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: no CUDA GPU is visible; run it on a machine with an NVIDIA GPU "
               "(nothing is measured or printed without one)", file=sys.stderr)
         return 2
+    warn_unverified("scripts/bench_gpu.py")
     try:
         config = load_config(args.config)
         if config.cluster.num_gpus != 1:

@@ -13,6 +13,7 @@ from typing import Any
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, run
 from optimus_mllm.config import load_config
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.gpu_status import warn_unverified
 
 PROG = "optimus-profile"
 NO_GPU = ("no CUDA GPU is visible; run it on a GPU machine (the cost model uses its roofline without a "
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             raise OptimusError(NO_GPU)
+        warn_unverified("optimus-profile")
         if not Path(args.out).resolve().parent.is_dir():  # fail before minutes of measuring, not after
             raise OptimusError(f"--out {args.out}: directory {Path(args.out).parent} does not exist; create it first")
         from optimus_mllm.profiler import profile_kernels, write_profile

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import torch
 
+from optimus_mllm.gpu_status import warn_unverified
+
 
 class EncoderStream(Protocol):
     """The executor's view of where encoder ops run (see the module docstring)."""
@@ -71,6 +73,7 @@ class SideStream:
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
+        warn_unverified("the CUDA side stream for encoder ops")
         self.side = torch.cuda.Stream(self.device)
         self.main = torch.cuda.current_stream(self.device)
 
@@ -112,6 +115,7 @@ def training_device() -> torch.device:
         return torch.device("cpu")
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(index)
+    warn_unverified("training on a GPU")
     return torch.device("cuda", index)
 
 
