@@ -246,3 +246,46 @@ def test_low_precision_trains_like_the_baseline(precision):
         assert o["norms"] == pytest.approx(b["norms"], rel=1e-2)
         if b["losses"][0] is not None:
             assert o["losses"] == pytest.approx(b["losses"], abs=5e-3)
+
+
+TWO_RANKS = ["cluster.num_gpus=2", "cluster.gpus_per_node=2", "parallel.llm={dp: 1, pp: 2, tp: 1, vp: 2}"]
+
+
+def _inside_a_megatron_job(job_tp: int, job_pp: int, job_vp: int | None) -> dict:
+    """A trainer on its own, then one inside a job whose parallel state initialize_megatron set up."""
+    import megatron_patches
+    from megatron.core import parallel_state
+
+    from optimus_mllm.config import load_config
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime.trainer import Trainer
+
+    config = load_config(TINY, TWO_RANKS)
+    alone = Trainer(config, plan(config).llm_plan, "baseline")
+    loss_alone = alone.train_step(0).loss
+    alone.close()
+    assert not parallel_state.model_parallel_is_initialized() and not megatron_patches.is_applied()
+    megatron_patches.apply()  # the job's own setup
+    parallel_state.initialize_model_parallel(job_tp, job_pp, virtual_pipeline_model_parallel_size=job_vp)
+    try:
+        joined = Trainer(config, plan(config).llm_plan, "baseline")
+    except OptimusError as exc:
+        return {"error": str(exc)}
+    loss = joined.train_step(0).loss
+    joined.close()
+    return {"alone": loss_alone, "joined": loss, "kept": parallel_state.model_parallel_is_initialized()
+            and megatron_patches.is_applied()}
+
+
+def test_a_trainer_joins_the_parallel_state_of_a_megatron_job():
+    results = run_distributed(_inside_a_megatron_job, 2, 1, 2, 2, timeout=120)
+    assert all(r["kept"] for r in results), "the job's parallel state and patches are left in place"
+    assert results[1]["joined"] is not None and [r["joined"] for r in results] == [r["alone"] for r in results]
+
+
+def test_a_megatron_job_initialised_for_another_plan_is_refused():
+    for r in run_distributed(_inside_a_megatron_job, 2, 2, 1, None, timeout=120):
+        assert r["error"] == ("megatron-core's parallel state is already initialised for LLM DP1 PP1 TP2, but this "
+                              "job's LLM plan is DP1 PP2 TP1 V2; give Megatron the plan's --tensor-model-parallel-size, "
+                              "--pipeline-model-parallel-size and virtual stages, or re-run optimus-plan")

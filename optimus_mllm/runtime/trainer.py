@@ -90,10 +90,9 @@ class Trainer:
         self.data = microbatch_source(config)
         self.device = training_device()  # before megatron-core places parameters on the current GPU
         self.stream = make_encoder_stream(self.device, side_stream)
+        self._owns_patches = not megatron_patches.is_applied()
         megatron_patches.apply()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=llm_plan.tp, pipeline_model_parallel_size=llm_plan.pp,
-            virtual_pipeline_model_parallel_size=llm_plan.vp if llm_plan.vp > 1 else None)
+        self._owns_parallel_state = join_model_parallel(llm_plan)
         torch.manual_seed(config.training.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
         self.tconfig = transformer_config(config, llm_plan)
@@ -288,8 +287,30 @@ class Trainer:
             gather_main_grads(model)
 
     def close(self) -> None:
-        parallel_state.destroy_model_parallel()
-        megatron_patches.remove()
+        """Undo what this trainer set up; a job's own parallel state and patches stay."""
+        if self._owns_parallel_state:
+            parallel_state.destroy_model_parallel()
+        if self._owns_patches:
+            megatron_patches.remove()
+
+
+def join_model_parallel(plan: ParallelPlan) -> bool:
+    """megatron-core's ``parallel_state`` for the LLM plan: initialised here (True), or the job's own when
+    ``initialize_megatron`` has already set it up for the same plan (False)."""
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
+            virtual_pipeline_model_parallel_size=plan.vp if plan.vp > 1 else None)
+        return True
+    have = ParallelPlan(parallel_state.get_data_parallel_world_size(),
+                        parallel_state.get_pipeline_model_parallel_world_size(),
+                        parallel_state.get_tensor_model_parallel_world_size(),
+                        parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+    if have != plan:
+        raise OptimusError(f"megatron-core's parallel state is already initialised for LLM {have}, but this job's "
+                           f"LLM plan is {plan}; give Megatron the plan's --tensor-model-parallel-size, "
+                           "--pipeline-model-parallel-size and virtual stages, or re-run optimus-plan")
+    return False
 
 
 def _text_on(mb: Microbatch, device: torch.device) -> Microbatch:
