@@ -142,11 +142,19 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
         value = getattr(args, refused.dest, refused.default)
         if not refused.allows(value):
             raise OptimusError(f"{refused.flag} {_shown(value)}: {refused.why}")
+    for flag in _DIVISORS:  # the arithmetic below divides by these
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None and value < 1:
+            raise OptimusError(f"{flag} {value}: must be a positive integer")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise OptimusError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not "
                            f"divide the world size {world_size}; launch a multiple of {tp * pp} processes")
     per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_chunk and args.num_layers % (pp * per_chunk):
+        raise OptimusError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
+                           f"{args.num_layers / pp:g} layers of a pipeline stage (--num-layers {args.num_layers} / "
+                           f"--pipeline-model-parallel-size {pp})")
     vp = args.num_layers // (pp * per_chunk) if per_chunk else 1
     if args.img_h % args.patch_dim or args.img_w % args.patch_dim:
         raise OptimusError(f"--img-h {args.img_h} and --img-w {args.img_w} must be multiples of --patch-dim "
@@ -176,7 +184,35 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
                      **{name: getattr(args, name) for name in _OPTIMIZER_ARGS}},
         "parallel": {"llm": {"dp": world_size // (tp * pp), "pp": pp, "tp": tp, "vp": vp}},
     }
-    return config_from_dict(raw)
+    try:
+        return config_from_dict(raw)
+    except OptimusError as exc:  # name the flag the user gave, not the config field it became
+        field = str(exc).split(":", 1)[0]
+        flag = _FIELD_FLAGS.get(field.replace("encoders[0]", "encoders"))
+        if flag is None:
+            raise
+        raise OptimusError(f"{flag}: {exc}") from None
+
+
+# flags the arithmetic divides by, checked first
+_DIVISORS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers", "--patch-dim",
+             "--img-h", "--img-w", "--num-layers-per-virtual-pipeline-stage")
+# config fields -> the Megatron-LM flag they come from, for errors
+_FIELD_FLAGS = {
+    "model.llm.num_layers": "--num-layers", "model.encoders.num_layers": "--encoder-num-layers",
+    **{f"model.{part}.{field}": flag for part in ("llm", "encoders") for field, flag in (
+        ("hidden_size", "--hidden-size"), ("num_attention_heads", "--num-attention-heads"),
+        ("ffn_hidden_size", "--ffn-hidden-size"), ("kv_channels", "--kv-channels"),
+        ("num_query_groups", "--num-query-groups"), ("hidden_dropout", "--hidden-dropout"),
+        ("attention_dropout", "--attention-dropout"))},
+    "model.llm.seq_length": "--seq-length / --dataloader-seq-length (text tokens) plus the image tokens",
+    "model.llm.vocab_size": "--vocab-size",
+    "model.encoders.seq_length": "--img-h / --img-w / --patch-dim (the image tokens)",
+    "model.encoders.in_channels": "--num-channels",
+    "training.global_batch_size": "--global-batch-size", "training.micro_batch_size": "--micro-batch-size",
+    "training.train_iters": "--train-iters", "training.seed": "--seed",
+    **{f"training.{name}": "--" + name.replace("_", "-") for name in _OPTIMIZER_ARGS},
+}
 
 
 def _layer_shape(args: argparse.Namespace) -> dict[str, Any]:

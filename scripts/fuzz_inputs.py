@@ -1,12 +1,13 @@
 """Seeded fuzzing of the inputs a user hands the project: configs, --override values, schedule artifacts,
-checkpoint folders and datasets.
+checkpoint folders, datasets and Megatron-LM flags.
 
     python scripts/fuzz_inputs.py --cases N [--seed S] [--limit SEC (10)] [--json OUT]
 
 Each case takes a valid input, damages it one way (a value, a key, the file's bytes) and hands it to
 what reads it before any rank connects: ``load_config`` and the planner (``optimus-plan``, and every
 rank of ``optimus-train``), ``load_job_artifact`` (``--schedule``), ``latest_checkpoint`` (``--resume``),
-``check_dataset`` and the image decoder (``data.path``). Every outcome is one of
+``check_dataset`` and the image decoder (``data.path``), and ``config_from_megatron_args`` with the planner
+(a flag of ``scripts/pretrain_vlm_megatron.py``). Every outcome is one of
 
     ok        accepted, where the damage may leave a valid input
     refused   an OptimusError: the entry points print it as one line and exit 2
@@ -20,7 +21,9 @@ written first by a 1-rank ``optimus-train`` run (about 20 s).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import json
 import math
 import random
@@ -45,7 +48,8 @@ from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
 from optimus_mllm.yaml_input import parse_yaml  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.yaml"
-KINDS = ("config value", "config key", "config bytes", "override", "artifact", "checkpoint", "dataset")
+KINDS = ("config value", "config key", "config bytes", "override", "artifact", "checkpoint", "dataset",
+         "megatron args")
 # values no field takes; and values some field may
 INVALID_VALUES = [float("nan"), float("inf"), float("-inf"), {"nested": {"mapping": 1}}, [[["deep"]]]]
 MAYBE_VALUES = [0, -1, 1, 2, 3, 7, 64, 1e-9, 1e9, 2**31, 10**16, "", "x" * 300, True, False, None, "fp8", 0.5]
@@ -97,6 +101,12 @@ class Inputs:
         self.dataset = root / "dataset"
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_sample_dataset.py"), "--out", str(self.dataset),
                         "--num-samples", "8", "--size", "16"], check=True, capture_output=True)
+        sys.path.insert(0, str(REPO / "scripts"))
+        try:
+            from pretrain_vlm_megatron import parse_args
+        finally:
+            sys.path.pop(0)
+        self.megatron_parse_args = parse_args
         self.checkpoint = root / "checkpoint" if with_checkpoint else None
         if self.checkpoint is not None:
             one_rank = ["cluster.num_gpus=1", "cluster.gpus_per_node=1", "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}",
@@ -349,8 +359,66 @@ def _dataset(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[]
     return read, what, invalid
 
 
+MEGATRON_BASE = ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--disable-vision-class-token"]
+INT_TEXTS = ["0", "-1", "1", "2", "3", "7", "64", "1000000000", "10000000000000000"]
+FLOAT_TEXTS = ["nan", "inf", "-inf", "0", "-1", "1e-9", "1e9", "0.5", "1e400"]
+
+
+def _megatron_args(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[], Any], str, bool]:
+    """One flag of scripts/pretrain_vlm_megatron.py (Megatron-LM's names and defaults) set to a drawn value,
+    read by ``config_from_megatron_args`` and planned, as the script does before any rank connects."""
+    from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args
+    from optimus_mllm.planner import plan
+
+    actions = [a for a in _megatron_parser(inputs)._actions if a.option_strings and a.dest != "help"]
+    action = rng.choice(actions)
+    flag = action.option_strings[0]
+    invalid = False
+    if action.nargs == 0:  # store_true / store_false
+        argv, value = [flag], "(set)"
+    elif action.choices is not None:
+        value = rng.choice([*map(str, action.choices), "bogus"])
+        argv = [flag, value]
+    elif action.type is float:
+        value = rng.choice(FLOAT_TEXTS)
+        argv, invalid = [flag, value], value in ("nan", "inf", "-inf", "1e400")
+    else:
+        value = rng.choice(INT_TEXTS)
+        argv = [flag, value]
+
+    def read() -> None:
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):  # argparse's usage and error lines
+                args = inputs.megatron_parse_args(add_optimus_args, MEGATRON_BASE + argv)
+        except SystemExit as exc:  # argparse's own refusal (exit 2)
+            raise OptimusError(f"argparse exit {exc.code}") from None
+        plan(config_from_megatron_args(args, 4, 4))
+
+    return read, f"{flag} {value}", invalid
+
+
+def _megatron_parser(inputs: Inputs) -> argparse.ArgumentParser:
+    """The script's parser, captured by running its parse_args with an extra-args hook that keeps it."""
+    kept = []
+
+    def keep(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        kept.append(parser)
+        raise _Kept()
+
+    try:
+        inputs.megatron_parse_args(keep, [])
+    except _Kept:
+        pass
+    return kept[0]
+
+
+class _Kept(Exception):
+    pass
+
+
 GENERATORS = {"config value": _config_value, "config key": _config_key, "config bytes": _config_bytes,
-              "override": _override, "artifact": _artifact, "checkpoint": _checkpoint, "dataset": _dataset}
+              "override": _override, "artifact": _artifact, "checkpoint": _checkpoint, "dataset": _dataset,
+              "megatron args": _megatron_args}
 
 
 # -- running ---------------------------------------------------------------------------------------

@@ -210,3 +210,17 @@ def test_swiglu_gives_megatron_cores_llm_a_silu_gated_mlp():
         config = _config(*argv)
         tconfig = transformer_config(config, plan(config).llm_plan)
         assert (tconfig.activation_func, tconfig.gated_linear_unit) == (activation, bool(argv))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--patch-dim", "0"], "--patch-dim 0: must be a positive integer"),
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0: must be a positive integer"),
+    (["--num-layers-per-virtual-pipeline-stage", "3"], "--num-layers-per-virtual-pipeline-stage 3 does not divide the "
+                                                       "2 layers of a pipeline stage"),
+    (["--num-attention-heads", "3"], "--num-attention-heads: model.encoders[0].num_attention_heads: 3 does not divide"),
+    (["--adam-beta1", "2"], "--adam-beta1: training.adam_beta1: must be in [0, 1)"),
+])
+def test_a_bad_value_is_one_line_naming_the_megatron_flag(argv, expected):
+    with pytest.raises(OptimusError) as caught:
+        _config(*argv)
+    assert str(caught.value).startswith(expected) and "\n" not in str(caught.value), str(caught.value)
