@@ -78,7 +78,7 @@ class Job:
     micro_batch: int
     model: tuple[str, ...]  # plan-independent overrides: model shapes, encoders, training seed
     encoders: str  # "single", "dual", with "+frozen" if one encoder is frozen
-    llm: str  # "sp" (sequence parallel), "tied" (input and output embeddings), both joined by "+", or "-"
+    llm: str  # "sp" (sequence parallel), "tied" (embeddings), "rope", "silu", "rms" (RMSNorm) joined by "+", or "-"
     force_encoder_plan: bool  # one of the planner's plans instead of the scheduler's choice
     force_warmup: bool  # a reduced warm-up instead of the scheduler's, where V > 1 allows one
 
@@ -125,7 +125,8 @@ def draw_job(seed: int) -> Job:
     if rng.random() < 0.3:
         encoders[rng.randrange(len(encoders))]["frozen"] = True
         label += "+frozen"
-    model.append(f"model.encoders={json.dumps(encoders)}")
+    encoders_override = f"model.encoders={json.dumps(encoders)}"
+    model.append(encoders_override)
     micro_batch = rng.randint(1, 3)
     force_encoder_plan = rng.random() < 0.5
     force_warmup = vp > 1 and rng.random() < 0.4
@@ -137,6 +138,19 @@ def draw_job(seed: int) -> Job:
     if rng.random() < 0.5:
         model.append("model.llm.untie_embeddings_and_output_weights=false")
         llm.append("tied")
+    # drawn after the above, so earlier seeds keep their jobs: RoPE, SiLU MLPs (LLM and encoders), RMSNorm
+    if rng.random() < 0.3:
+        model.append("model.llm.position_embedding_type=rope")
+        llm.append("rope")
+    if rng.random() < 0.3:
+        model.append("model.llm.activation=silu")
+        for encoder in encoders:
+            encoder["activation"] = "silu"
+        model[model.index(encoders_override)] = f"model.encoders={json.dumps(encoders)}"
+        llm.append("silu")
+    if rng.random() < 0.2:
+        model.append("model.llm.normalization=RMSNorm")
+        llm.append("rms")
     return Job(seed=seed, dp=dp, pp=pp, tp=tp, vp=vp, num_microbatches=num_microbatches, micro_batch=micro_batch,
                model=tuple(model), encoders=label, llm="+".join(llm) or "-", force_encoder_plan=force_encoder_plan,
                force_warmup=force_warmup)
@@ -367,7 +381,7 @@ def _symptom(text: str, lines: int = 6) -> str:
 # -- table and command line --------------------------------------------------------------------
 
 _COLUMNS = (("seed", 5), ("world", 5), ("LLM D/P/T/V", 11), ("enc D/P/T", 9), ("#mb", 4), ("mbs", 3),
-            ("encoders", 13), ("llm", 7), ("warm-up", 12), ("kind", 8), ("|dloss|", 8), ("|dgrad|", 8), ("|dweight|", 9),
+            ("encoders", 13), ("llm", 16), ("warm-up", 12), ("kind", 8), ("|dloss|", 8), ("|dgrad|", 8), ("|dweight|", 9),
             ("sec", 6), ("status", 6))
 
 

@@ -16,9 +16,9 @@ WITHOUT_CHECKPOINT = tuple(kind for kind in KINDS if kind != "checkpoint")
 
 
 def test_no_input_breaks_the_one_line_promise(tmp_path: Path) -> None:
-    outcomes = fuzz(90, 11, limit=10.0, work=tmp_path, kinds=WITHOUT_CHECKPOINT)
+    outcomes = fuzz(70, 11, limit=10.0, work=tmp_path, kinds=WITHOUT_CHECKPOINT)
     assert {o.case.kind for o in outcomes} == set(WITHOUT_CHECKPOINT)
-    assert sum(o.result == "refused" for o in outcomes) > 45  # the cases do damage
+    assert sum(o.result == "refused" for o in outcomes) > 35  # the cases do damage
     assert [o for o in outcomes if o.result in FAILURES] == []
 
 

@@ -104,11 +104,14 @@ def baseline4() -> list[dict]:
 
 @pytest.mark.parametrize("encoder_plan", [None, {"pp": 2, "tp": 1}], ids=["scheduler-choice", "enc-DP2-PP2-TP1"])
 def test_optimus_equals_megatron_baseline_on_4_ranks(baseline4, encoder_plan):
-    """LLM PP2 TP2 V2; encoder (DP4, PP1, TP1) as the scheduler chooses it, or (DP2, PP2, TP1)."""
+    """LLM PP2 TP2 V2; encoder (DP4, PP1, TP1) as the scheduler chooses it, or (DP2, PP2, TP1), whose
+    encoder ops also run at the artifact's hook points."""
     artifact = _artifact([], encoder_plan)
+    results = _run(4, [], "optimus", artifact)
+    _assert_same(results, baseline4)
     if encoder_plan:
         assert (artifact["encoder_plan"]["pp"], artifact["encoder_plan"]["tp"]) == (2, 1)
-    _assert_same(_run(4, [], "optimus", artifact), baseline4)
+        _assert_ran_at_the_hook_points(results, artifact)
 
 
 def test_wrong_predictions_change_nothing_but_timing(baseline4):
@@ -119,11 +122,7 @@ def test_wrong_predictions_change_nothing_but_timing(baseline4):
     _assert_same(_run(4, [], "optimus", scaled), baseline4)
 
 
-@pytest.mark.parametrize("by_module", [False, True], ids=["function-hooks", "module-hooks"])
-def test_encoder_ops_run_at_the_artifacts_hook_points(baseline4, by_module):
-    artifact = _artifact([], {"pp": 2, "tp": 1})
-    results = run_distributed(_train, 4, TINY, [], "optimus", artifact, STEPS, by_module, timeout=240)
-    _assert_same(results, baseline4)
+def _assert_ran_at_the_hook_points(results: list[dict], artifact: dict) -> None:
     inside = 0
     for rank, r in enumerate(results):
         ran = [(ran_at, phase, k, index) for ran_at, _, phase, k, index in r["record"]]
@@ -137,6 +136,14 @@ def test_encoder_ops_run_at_the_artifacts_hook_points(baseline4, by_module):
     plan = build_hook_plan(artifact)
     assert plan.moved_microbatches == ()  # so the plan is the artifact's placement
     assert all(op.event == op.assigned for st in plan.stages for op in st.ops)
+
+
+def test_module_hooks_run_the_encoder_ops_at_the_artifacts_hook_points(baseline4):
+    """TP hook points from module hooks, as a transformer-engine layer gives them: the same execution."""
+    artifact = _artifact([], {"pp": 2, "tp": 1})
+    results = run_distributed(_train, 4, TINY, [], "optimus", artifact, STEPS, True, timeout=240)
+    _assert_same(results, baseline4)
+    _assert_ran_at_the_hook_points(results, artifact)
 
 
 SP_TIED = ["training.sequence_parallel=true", "model.llm.untie_embeddings_and_output_weights=false",
@@ -251,8 +258,9 @@ def test_low_precision_trains_like_the_baseline(precision):
 TWO_RANKS = ["cluster.num_gpus=2", "cluster.gpus_per_node=2", "parallel.llm={dp: 1, pp: 2, tp: 1, vp: 2}"]
 
 
-def _inside_a_megatron_job(job_tp: int, job_pp: int, job_vp: int | None) -> dict:
-    """A trainer on its own, then one inside a job whose parallel state initialize_megatron set up."""
+def _inside_a_megatron_job() -> dict:
+    """A trainer on its own; then inside a job whose parallel state initialize_megatron set up for another
+    plan (refused), and for this job's plan (joined)."""
     import megatron_patches
     from megatron.core import parallel_state
 
@@ -267,25 +275,26 @@ def _inside_a_megatron_job(job_tp: int, job_pp: int, job_vp: int | None) -> dict
     alone.close()
     assert not parallel_state.model_parallel_is_initialized() and not megatron_patches.is_applied()
     megatron_patches.apply()  # the job's own setup
-    parallel_state.initialize_model_parallel(job_tp, job_pp, virtual_pipeline_model_parallel_size=job_vp)
+    parallel_state.initialize_model_parallel(2, 1)
     try:
-        joined = Trainer(config, plan(config).llm_plan, "baseline")
+        Trainer(config, plan(config).llm_plan, "baseline")
+        error = None
     except OptimusError as exc:
-        return {"error": str(exc)}
+        error = str(exc)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 2, virtual_pipeline_model_parallel_size=2)
+    joined = Trainer(config, plan(config).llm_plan, "baseline")
     loss = joined.train_step(0).loss
     joined.close()
-    return {"alone": loss_alone, "joined": loss, "kept": parallel_state.model_parallel_is_initialized()
-            and megatron_patches.is_applied()}
+    return {"alone": loss_alone, "joined": loss, "error": error,
+            "kept": parallel_state.model_parallel_is_initialized() and megatron_patches.is_applied()}
 
 
-def test_a_trainer_joins_the_parallel_state_of_a_megatron_job():
-    results = run_distributed(_inside_a_megatron_job, 2, 1, 2, 2, timeout=120)
-    assert all(r["kept"] for r in results), "the job's parallel state and patches are left in place"
-    assert results[1]["joined"] is not None and [r["joined"] for r in results] == [r["alone"] for r in results]
-
-
-def test_a_megatron_job_initialised_for_another_plan_is_refused():
-    for r in run_distributed(_inside_a_megatron_job, 2, 2, 1, None, timeout=120):
-        assert r["error"] == ("megatron-core's parallel state is already initialised for LLM DP1 PP1 TP2, but this "
+def test_a_trainer_joins_the_parallel_state_of_a_megatron_job_for_its_plan():
+    results = run_distributed(_inside_a_megatron_job, 2, timeout=120)
+    assert all(r["error"] == ("megatron-core's parallel state is already initialised for LLM DP1 PP1 TP2, but this "
                               "job's LLM plan is DP1 PP2 TP1 V2; give Megatron the plan's --tensor-model-parallel-size, "
                               "--pipeline-model-parallel-size and virtual stages, or re-run optimus-plan")
+               for r in results)
+    assert all(r["kept"] for r in results), "the job's parallel state and patches are left in place"
+    assert results[1]["joined"] is not None and [r["joined"] for r in results] == [r["alone"] for r in results]
