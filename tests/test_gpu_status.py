@@ -13,9 +13,9 @@ def fresh(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
 
 
+@pytest.mark.skipif(gpu_status.VERIFIED_ON is not None,
+                    reason="VERIFIED_ON is set (a scripts/gpu_truth.sh run passed): the GPU paths do not warn")
 def test_an_unverified_gpu_path_warns_once(capsys):
-    if gpu_status.VERIFIED_ON is not None:  # set once a scripts/gpu_truth.sh run has passed
-        pytest.skip("the GPU paths are verified: nothing to warn about")
     gpu_status.warn_unverified("the CUDA side stream for encoder ops")
     gpu_status.warn_unverified("the CUDA side stream for encoder ops")
     gpu_status.warn_unverified("optimus-profile")
