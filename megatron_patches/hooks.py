@@ -41,7 +41,8 @@ def _role(name: str, module: torch.nn.Module) -> str | None:
     if isinstance(module, VocabParallelEmbedding):
         return "embed"
     leaf = name.rsplit(".", 1)[-1]
-    if leaf in ("linear_proj", "linear_fc2") and any(True for _ in module.parameters(recurse=False)):
+    # the layer itself, not a wrapper of the same name: it holds the weight
+    if leaf in ("linear_proj", "linear_fc2") and next(module.parameters(recurse=False), None) is not None:
         return {"linear_proj": "attn", "linear_fc2": "mlp"}[leaf]
     return None
 
