@@ -28,7 +28,7 @@ PROFILE_FORMAT = "optimus-kernel-profile"
 PROFILE_VERSION = 2
 # The kernels the runtime runs, so the ones a profile must have timed: megatron-core's local layers with
 # torch's scaled_dot_product_attention as the core attention (runtime/llm.py) and the encoder's own steps,
-# SDPA too (runtime/vit.py). transformer-engine and flash-attn layers are not run yet.
+# SDPA too (runtime/layer_ops.py). transformer-engine and flash-attn layers are not run yet.
 KERNEL_SET = "torch-sdpa"
 
 

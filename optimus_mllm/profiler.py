@@ -225,7 +225,7 @@ def _forward(op: KernelOp, device: str, dtype: torch.dtype) -> tuple[Callable[..
     if op.kind == "act":
         n, ffn = op.dims
         act = F.silu if op.silu else F.gelu
-        if op.gated:  # runtime/vit.py and megatron-core's GLU: act(gate) * up
+        if op.gated:  # runtime/layer_ops.py and megatron-core's GLU: act(gate) * up
             return lambda x: act(x[:, :ffn]) * x[:, ffn:], [rand(n, 2 * ffn)]
         return act, [rand(n, ffn)]
     if op.kind == "embedding":
@@ -240,7 +240,7 @@ def _forward(op: KernelOp, device: str, dtype: torch.dtype) -> tuple[Callable[..
 def _attention(op: KernelOp, device: str, dtype: torch.dtype,
                rand: Callable[..., torch.Tensor]) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor]]:
     b, heads, groups, s, d = op.dims
-    # SDPA: grouped K/V expanded to every head beforehand, as runtime/vit.py does
+    # SDPA: grouped K/V expanded to every head beforehand, as runtime/layer_ops.py does
     return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=op.causal),
             [rand(b, heads, s, d), rand(b, heads, s, d), rand(b, heads, s, d)])
 

@@ -135,12 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     megatron_patches.apply()  # Optimus: megatron-core's CUDA assumptions patched for CPU (no-op on GPU)
     from megatron.core import parallel_state
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
     from megatron.core.timers import Timers
 
     from optimus_mllm.runtime.trainer import Trainer
 
     timers = Timers(args.timing_log_level, args.timing_log_option)  # Megatron's; the runtime keeps them timing
-    trainer = Trainer(config, plan(config).llm_plan, mode, artifact, timers=timers)
+    # pretrain_vlm.py's vision layer for --transformer-impl local; Optimus splits it into its kernels
+    vision_layer_spec = get_vit_layer_with_local_spec()
+    trainer = Trainer(config, plan(config).llm_plan, mode, artifact, timers=timers,
+                      encoder_layer_specs={"vit": vision_layer_spec})
     reports_loss = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                     and parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_data_parallel_rank() == 0)

@@ -6,11 +6,11 @@ checkpoint loads into any plan, into either runtime and into a plain megatron-co
 - ``language_model.``: each LLM chunk's own ``GPTModel.sharded_state_dict`` (global layer numbers,
   TP shards, the tied output embedding as a replica of the input one);
 - ``vision_model.`` and ``vision_projection.`` for the encoder (prefixed by the encoder's name,
-  ``<name>.vision_model.``, when the config has several): its layers under the names of megatron-core's
-  ``TransformerLayer`` with the local spec, stacked over layers as megatron-core's
-  ``TransformerBlock`` saves them (``decoder.layers.self_attention.linear_qkv.weight`` holds every
-  layer, each rank writing its layers' slices; ``.mlp.linear_fc1``; the norms as
-  ``.self_attention.linear_qkv.layer_norm_weight``, the names megatron-core gives them), the
+  ``<name>.vision_model.``, when the config has several): its layers' own ``TransformerLayer.sharded_state_dict``,
+  stacked over layers as megatron-core's ``TransformerBlock`` saves them
+  (``decoder.layers.self_attention.linear_qkv.weight`` holds every layer, each rank writing its layers'
+  slices; ``.mlp.linear_fc1``; the norms as ``.self_attention.linear_qkv.layer_norm_weight``, the
+  names ``layer_ops.vision_layer_spec`` maps them to), the
   projector under ``MultimodalProjector``'s (``encoder.linear_fc1`` ...), and the patch embedding,
   which megatron-core's ``CLIPViTModel`` has no counterpart of (a Linear over flattened patches, not a
   Conv2d), as ``patch_embed.*``.
@@ -26,13 +26,12 @@ from typing import Any
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.utils import make_sharded_tensor_for_checkpoint
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.runtime.vit import EncoderStage, TransformerLayer, VisionStage
+from optimus_mllm.runtime.vit import EncoderStage, VisionStage
 
 
 LLM_PREFIX = "language_model."
@@ -95,30 +94,10 @@ def _vision_state(vision: VisionStage, prefix: str, groups: dict[str, ProcessGro
     for i, layer in enumerate(vision.layers):
         index = vision.first_layer + i
         # megatron-core's TransformerBlock: one tensor per parameter over all layers, each layer its slice
-        layer_state = _layer_state(layer, f"{layers}{index}.", ((0, index, vision.encoder.num_layers),), groups,
-                                   metadata)
+        layer_state = layer.sharded_state_dict(f"{layers}{index}.", ((0, index, vision.encoder.num_layers),),
+                                               metadata)
         replace_prefix_for_sharding(layer_state, f"{layers}{index}.", layers)
         state.update(layer_state)
-    return state
-
-
-def _layer_state(layer: TransformerLayer, prefix: str, offsets: tuple[tuple[int, int, int], ...],
-                 groups: dict[str, ProcessGroup], metadata: dict[str, Any]) -> ShardedStateDict:
-    """One layer under megatron-core's local-spec ``TransformerLayer`` names."""
-    state = {
-        # the norms under the names megatron-core saves its local spec's under (sharded_state_dict_keys_map):
-        # transformer-engine's, which fuses them into the following linear
-        **_replicated(layer.ln_attn, f"{prefix}self_attention.linear_qkv.layer_norm_", groups, offsets),
-        **layer.qkv.sharded_state_dict(f"{prefix}self_attention.linear_qkv.", offsets, metadata),
-        **layer.attn_proj.sharded_state_dict(f"{prefix}self_attention.linear_proj.", offsets, metadata),
-        **_replicated(layer.ln_mlp, f"{prefix}mlp.linear_fc1.layer_norm_", groups, offsets),
-        **layer.fc2.sharded_state_dict(f"{prefix}mlp.linear_fc2.", offsets, metadata),
-    }
-    fc1 = layer.fc1.sharded_state_dict(f"{prefix}mlp.linear_fc1.", offsets, metadata)
-    if layer.gated:  # [gate; up] per TP rank: megatron-core's MLP saves the two halves as separate shards
-        fc1 = {key: value if key.endswith("_extra_state") else apply_swiglu_sharded_factory(value, offsets)
-               for key, value in fc1.items()}
-    state.update(fc1)
     return state
 
 

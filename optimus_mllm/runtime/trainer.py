@@ -16,6 +16,7 @@ precision there; the encoder ops then run on a CUDA side stream (``streams``) un
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
@@ -26,6 +27,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 import megatron_patches
 from megatron_patches.ddp import gather_main_grads
@@ -78,13 +80,17 @@ class StepResult:
 
 class Trainer:
     def __init__(self, config: OptimusConfig, llm_plan: ParallelPlan, mode: Mode,
-                 artifact: dict[str, Any] | None = None, *, side_stream: bool = True, timers: Any = None):
+                 artifact: dict[str, Any] | None = None, *, side_stream: bool = True, timers: Any = None,
+                 encoder_layer_specs: Mapping[str, ModuleSpec] | None = None):
         """``timers``: the job's Megatron ``Timers`` (``megatron.core.timers``), which keep timing
         megatron-core's schedule (``forward-compute``, ``backward-compute``, the P2P calls) under the
-        hooks the runtime sets in ``config.timers``."""
+        hooks the runtime sets in ``config.timers``. ``encoder_layer_specs``: the job's megatron-core
+        layer spec per encoder name (e.g. ``get_vit_layer_with_local_spec()``), which both runtimes build
+        the encoder's layers from; by default ``layer_ops.vision_layer_spec()``."""
         if mode == "optimus" and artifact is None:
             raise OptimusError("the Optimus runtime needs a schedule artifact (optimus-plan --artifact)")
         self.config, self.plan, self.mode, self.artifact = config, llm_plan, mode, artifact
+        self.encoder_layer_specs = encoder_layer_specs
         self.timers = timers
         self.rank = dist.get_rank()
         self.data = microbatch_source(config)
@@ -112,7 +118,8 @@ class Trainer:
         if mode == "optimus":
             self._build_optimus_encoder()
         elif self.stage == 0:
-            self.encoder = EncoderStage(config, 0, 1, parallel_state.get_tensor_model_parallel_group())
+            self.encoder = EncoderStage(config, 0, 1, parallel_state.get_tensor_model_parallel_group(),
+                                        layer_specs=encoder_layer_specs)
         if self.encoder is not None:
             init_plan_independent_(self.encoder, config.training.seed)
         # megatron-core leaves some parts (torch norm, position embedding) on the CPU and in fp32: every part
@@ -175,7 +182,8 @@ class Trainer:
         self.m = encoder_pipelines_per_llm_pipeline(self.plan, enc_plan)
         layout = build_encoder_rank_layout(self.plan, enc_plan)
         self.groups = build_encoder_process_groups(layout, self.rank)
-        self.encoder = EncoderStage(self.config, self.groups.coords.pp, enc_plan.pp, self.groups.tp_group)
+        self.encoder = EncoderStage(self.config, self.groups.coords.pp, enc_plan.pp, self.groups.tp_group,
+                                    layer_specs=self.encoder_layer_specs)
         self.ops = build_stage_ops(self.encoder.blocks(), self.config.training.recompute)
         hook_plan = build_hook_plan(a)
         self.stage_plan = hook_plan.for_gpu(layout.coords[self.rank].gpu)

@@ -1,0 +1,332 @@
+"""A megatron-core ``TransformerLayer`` as kernel-level steps, from the layer's own submodules.
+
+``layer_steps`` walks a layer built from a ``ModuleSpec`` (input norm, ``SelfAttention``'s
+``linear_qkv`` / ``core_attention`` / ``linear_proj``, pre-MLP norm, ``MLP``'s ``linear_fc1`` /
+activation / ``linear_fc2``) and returns the chain the cost model schedules (``cost_model.layer_kernels``:
+``ln_attn, qkv, attn_core, attn_proj, ln_mlp, fc1, act, fc2`` and the TP collectives), each step
+applying that submodule's own weights, norm module, softmax scale, mask type and activation. The layer's
+``forward`` is never called: its TP collectives are steps of their own, so that each can be placed
+and hooked. A layer this cannot reproduce exactly (transformer-engine modules, QK norms, MoE,
+cross-attention, other masks) is refused in one line naming the submodule.
+
+TP collectives (explicit adjoints, so a backward collective is an op of its own):
+- without sequence parallelism a half-layer's input is copied into the TP region (its adjoint, the
+  all-reduce of the partial input gradient, runs right after the qkv/fc1 backward) and its output is
+  all-reduced (``tp_ar_*``, adjoint the identity);
+- with sequence parallelism (TP > 1) the residual stream holds 1/TP of the tokens: all-gather before
+  qkv/fc1 (adjoint reduce-scatter), reduce-scatter after linear_proj/fc2 (adjoint all-gather). The
+  layer is built with megatron-core's ``sequence_parallel`` off (the steps, not its forward, gather and
+  scatter), and the parameters applied to a rank's own tokens are marked by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import init_method_normal
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from optimus_mllm.config import TransformerSpec
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.runtime.dropout import dropout, site_seed
+from optimus_mllm.runtime.dtypes import ACTIVATIONS
+from optimus_mllm.runtime.encoder_ops import Step
+
+Tensor = torch.Tensor
+
+# torch 2.13 renames the single-tensor collectives; older releases have only the old names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# the masks a layer applies with no mask tensor passed, as megatron-core's local attention does
+_BIDIRECTIONAL, _CAUSAL = AttnMaskType.no_mask, AttnMaskType.causal
+
+
+# ---------------------------------------------------------------------------------------------
+# The encoder's layers as megatron-core builds them
+
+
+def vision_layer_spec() -> ModuleSpec:
+    """megatron-core's local ViT layer with bidirectional attention.
+
+    ``get_vit_layer_with_local_spec`` asks for a causal mask (its transformer-engine twin for none) and
+    keeps the norms under their module names; this takes no mask, as a ViT attends, and saves the norms
+    under the fused names megatron-core's GPT local spec and LLaVA's transformer-engine ViT use
+    (``self_attention.linear_qkv.layer_norm_weight``), so checkpoints match Megatron-LM's."""
+    spec = get_vit_layer_with_local_spec()
+    attention = spec.submodules.self_attention
+    attention = replace(attention, params={**attention.params, "attn_mask_type": _BIDIRECTIONAL})
+    keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    return replace(spec, submodules=replace(spec.submodules, self_attention=attention,
+                                            sharded_state_dict_keys_map=keys))
+
+
+def vision_transformer_config(spec: TransformerSpec, tp: int, params_dtype: torch.dtype,
+                              init_std: float) -> TransformerConfig:
+    """megatron-core's config for an encoder's layers on a TP group of ``tp`` ranks.
+
+    Sequence parallelism stays off: the steps do the gathers and scatters. Every matrix starts as
+    normal(0, ``init_std``), the output layers unscaled."""
+    init = init_method_normal(init_std)
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.query_groups, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
+        gated_linear_unit=spec.gated_linear_unit, activation_func=ACTIVATIONS[spec.activation],
+        normalization=spec.normalization, layernorm_epsilon=1e-5, add_bias_linear=spec.add_bias_linear,
+        hidden_dropout=spec.hidden_dropout, attention_dropout=spec.attention_dropout,
+        tensor_model_parallel_size=tp, params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        init_method_std=init_std, init_method=init, output_layer_init_method=init,
+        use_cpu_initialization=True, perform_initialization=True, gradient_accumulation_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False,
+        # megatron-core's own default, "full", is deprecated for [] (the same: the whole layer) and warns
+        **({"cuda_graph_scope": []} if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__ else {}),
+    )
+
+
+def build_layer(spec: ModuleSpec, config: TransformerConfig, group: ProcessGroup, layer_index: int) -> nn.Module:
+    """One layer of ``spec`` on the TP group ``group`` (not megatron-core's ``parallel_state``: the encoder
+    has its own plan); ``layer_index`` is global, so its ``layer_number`` is the whole model's."""
+    groups = ProcessGroupCollection(tp=group, cp=None, pp=None)
+    return build_module(spec, config=config, layer_number=layer_index + 1, pg_collection=groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives over the layer's TP group (dim 0 is the sequence)
+
+
+def all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
+    out = x.clone()  # x may still be saved for another op's backward
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def all_gather(x: Tensor, group: ProcessGroup) -> Tensor:
+    out = x.new_empty((group.size() * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter(x: Tensor, group: ProcessGroup) -> Tensor:
+    out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
+    _reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+def collective(forward: Callable[[Tensor], Tensor], adjoint: Callable[[Tensor], Tensor],
+               fwd_kernel: str | None, bwd_kernel: str | None) -> Step:
+    return Step(forward=lambda x: (forward(x),), adjoint=lambda g: (adjoint(g),),
+                fwd_kernel=fwd_kernel, bwd_kernel=bwd_kernel)
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def tp_entry(group: ProcessGroup, sequence_parallel: bool, half: str) -> Step:
+    """Into a column-parallel GEMM: gather the tokens (SP), or copy (backward: all-reduce)."""
+    if sequence_parallel:
+        return collective(lambda x: all_gather(x, group), lambda g: reduce_scatter(g, group),
+                          f"tp_ag_{half}", f"tp_rs_{half}")
+    return collective(_identity, lambda g: all_reduce(g, group), None, f"tp_ar_{half}")
+
+
+def tp_exit(group: ProcessGroup, sequence_parallel: bool, half: str) -> Step:
+    """Out of a row-parallel GEMM: reduce-scatter (SP) or all-reduce the partial sums."""
+    if sequence_parallel:
+        return collective(lambda x: reduce_scatter(x, group), lambda g: all_gather(g, group),
+                          f"tp_rs_{half}", f"tp_ag_{half}")
+    return collective(lambda x: all_reduce(x, group), _identity, f"tp_ar_{half}", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute steps
+
+
+def compute(kernel: str, fn: Callable[[Tensor], Tensor], *params: Tensor | None) -> Step:
+    return Step(forward=lambda x: (fn(x),), fwd_kernel=kernel, bwd_kernel=kernel, trainable=_wants_grad(*params))
+
+
+def _wants_grad(*params: Tensor | None) -> bool:
+    return any(p is not None and p.requires_grad for p in params)
+
+
+def _norm_step(norm: nn.Module, kernel: str) -> Step:
+    """Normalise, and keep the input as the residual of the half-layer."""
+    return Step(forward=lambda h: (norm(h), h), fwd_kernel=kernel, bwd_kernel=kernel,
+                writes=("hidden", "residual"), trainable=_wants_grad(*norm.parameters()))
+
+
+def _residual_add_step(bias: Tensor | None, p: float, site: str, group: ProcessGroup,
+                       sequence_parallel: bool) -> Step:
+    """The row-parallel bias, hidden dropout and the residual, after the reduction (megatron-core's
+    bias-dropout-add): no kernel of its own. Under sequence parallelism ``x`` holds this rank's tokens,
+    otherwise all of them, the same on every TP rank."""
+    parts, part = (group.size(), group.rank()) if sequence_parallel else (1, 0)
+
+    def forward(seed: int, x: Tensor, residual: Tensor) -> tuple[Tensor]:
+        x = x if bias is None else x + bias
+        x = dropout(x, p, site_seed(seed, site), (x.shape[0] * parts, *x.shape[1:]), 0, parts, part)
+        return (x + residual,)
+
+    return Step(forward=forward, fwd_kernel=None, bwd_kernel=None, reads=("hidden", "residual"),
+                trainable=_wants_grad(bias), seeded=True)
+
+
+def _linear(module: nn.Module, with_bias: bool = True) -> Callable[[Tensor], Tensor]:
+    return lambda x: F.linear(x, module.weight, module.bias if with_bias else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+
+
+def layer_steps(layer: nn.Module, group: ProcessGroup, sequence_parallel: bool, site: str) -> tuple[Step, ...]:
+    """The steps of a megatron-core ``TransformerLayer`` on TP group ``group``.
+
+    Args:
+        layer: built with TP size ``group.size()`` from a local-spec ``ModuleSpec``.
+        group: the layer's TP group.
+        sequence_parallel: the residual stream holds this rank's 1/TP of the tokens.
+        site: ``encoder:global layer``, which names the layer's dropout masks.
+
+    Raises:
+        OptimusError: a submodule these steps cannot reproduce, named.
+    """
+    check_decomposable(layer, site)
+    attention, mlp, config = layer.self_attention, layer.mlp, layer.config
+    qkv, proj, fc1, fc2 = attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
+    core = attention.core_attention
+    causal = core.attn_mask_type == _CAUSAL
+    heads, groups = attention.num_attention_heads_per_partition, attention.num_query_groups_per_partition
+    head_dim, scale = attention.hidden_size_per_attention_head, core.softmax_scale
+    p_attn = config.attention_dropout
+
+    def attend(seed: int, x: Tensor) -> tuple[Tensor]:
+        return (_attention(x, heads, groups, head_dim, scale, causal, p_attn, group,
+                           site_seed(seed, f"{site}:attn_core")),)
+
+    def activation(x: Tensor) -> Tensor:
+        if config.gated_linear_unit:  # megatron-core's MLP: [gate; up] per rank
+            gate, up = x.chunk(2, dim=-1)
+            return config.activation_func(gate) * up
+        return config.activation_func(x)
+
+    attention_steps = [
+        compute("qkv", _linear(qkv), qkv.weight, qkv.bias),
+        Step(forward=attend, fwd_kernel="attn_core", bwd_kernel="attn_core", seeded=True),
+        compute("attn_proj", _linear(proj, with_bias=False), proj.weight),  # its bias: after the reduction
+    ]
+    mlp_steps = [
+        compute("fc1", _linear(fc1), fc1.weight, fc1.bias),
+        compute("act", activation),
+        compute("fc2", _linear(fc2, with_bias=False), fc2.weight),
+    ]
+    if group.size() > 1:
+        sp = sequence_parallel
+        attention_steps = [tp_entry(group, sp, "attn"), *attention_steps, tp_exit(group, sp, "attn")]
+        mlp_steps = [tp_entry(group, sp, "mlp"), *mlp_steps, tp_exit(group, sp, "mlp")]
+    p = layer.hidden_dropout
+    return (
+        _norm_step(layer.input_layernorm, "ln_attn"), *attention_steps,
+        _residual_add_step(proj.bias, p, f"{site}:attn", group, sequence_parallel),
+        _norm_step(layer.pre_mlp_layernorm, "ln_mlp"), *mlp_steps,
+        _residual_add_step(fc2.bias, p, f"{site}:mlp", group, sequence_parallel),
+    )
+
+
+def _attention(qkv: Tensor, heads: int, groups: int, head_dim: int, scale: float, causal: bool, p: float,
+               group: ProcessGroup, seed: int) -> Tensor:
+    """Softmax attention over this rank's heads; QKV grouped per query group (megatron-core's layout,
+    so TP shards split whole groups). With attention dropout the probabilities are materialised (as in
+    megatron-core's local attention): their mask is cut from the one of all heads."""
+    s, b, _ = qkv.shape
+    per_group = heads // groups
+    x = qkv.view(s, b, groups, per_group + 2, head_dim)
+    q = x[:, :, :, :per_group].reshape(s, b, heads, head_dim)
+    k, v = x[:, :, :, per_group], x[:, :, :, per_group + 1]
+    q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [batch, heads, seq, head_dim]
+    if per_group > 1:
+        k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
+    if p == 0.0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    else:
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        tp = group.size()
+        probs = dropout(probs, p, seed, (b, heads * tp, s, s), 1, tp, group.rank())
+        out = torch.matmul(probs, v)
+    return out.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
+
+
+def _core_attention_classes() -> tuple[type, ...]:
+    from optimus_mllm.runtime.llm import SdpaCoreAttention  # the LLM's GPU core attention, same math
+
+    return DotProductAttention, SdpaCoreAttention
+
+
+def check_decomposable(layer: nn.Module, where: str) -> None:
+    """Refuse, naming the submodule, a layer whose forward the steps would not reproduce exactly."""
+
+    def refuse(name: str, module: object, what: str) -> OptimusError:
+        kind = type(module).__name__
+        return OptimusError(f"{where}: {name} is {kind}; Optimus splits only {what} (build the layer from "
+                            "megatron-core's local spec, e.g. get_vit_layer_with_local_spec)")
+
+    def exactly(name: str, module: object, *classes: type) -> None:
+        if type(module) not in classes:
+            raise refuse(name, module, " or ".join(c.__name__ for c in classes))
+
+    exactly("the layer", layer, TransformerLayer)
+    config = layer.config
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        norm = getattr(layer, name)
+        if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
+            raise refuse(name, norm, "torch LayerNorm or RMSNorm (megatron-core's WrappedTorchNorm); a norm "
+                         "fused into the next linear is transformer-engine's")
+    exactly("self_attention", layer.self_attention, SelfAttention)
+    attention = layer.self_attention
+    exactly("self_attention.linear_qkv", attention.linear_qkv, ColumnParallelLinear)
+    exactly("self_attention.core_attention", attention.core_attention, *_core_attention_classes())
+    exactly("self_attention.linear_proj", attention.linear_proj, RowParallelLinear)
+    for name in ("q_layernorm", "k_layernorm"):
+        norm = getattr(attention, name, None)
+        if norm is not None and type(norm) is not IdentityOp:
+            raise refuse(f"self_attention.{name}", norm, "layers without QK norms (--qk-layernorm)")
+    mask = attention.core_attention.attn_mask_type
+    if mask not in (_BIDIRECTIONAL, _CAUSAL):
+        raise OptimusError(f"{where}: self_attention has attn_mask_type {mask.name}; Optimus splits only "
+                           "attention without a mask tensor (no_mask or causal)")
+    for name in ("pre_cross_attn_layernorm", "cross_attention"):
+        exactly(name, getattr(layer, name), IdentityOp)
+    exactly("cross_attn_bda", layer.cross_attn_bda, IdentityFuncOp)
+    exactly("mlp", layer.mlp, MLP)
+    exactly("mlp.linear_fc1", layer.mlp.linear_fc1, ColumnParallelLinear)
+    exactly("mlp.linear_fc2", layer.mlp.linear_fc2, RowParallelLinear)
+    settings = {
+        "apply_residual_connection_post_layernorm": False, "fp32_residual_connection": False,
+        "apply_query_key_layer_scaling": False, "context_parallel_size": 1,
+    }
+    for field, wanted in settings.items():
+        if getattr(config, field) != wanted:
+            raise OptimusError(f"{where}: TransformerConfig.{field} is {getattr(config, field)}; Optimus splits "
+                               f"only layers with {field}={wanted}")

@@ -1,0 +1,177 @@
+"""A megatron-core TransformerLayer split into steps computes what the layer's own forward computes.
+
+The reference is megatron-core itself: ``TransformerLayer.forward`` (its local attention, norms,
+bias-dropout-add and, at TP 2, its own column/row-parallel linears and collectives) on the same
+module, against ``layer_ops.layer_steps`` run as ops. Layers the steps cannot reproduce are refused
+naming the submodule."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+from distributed_utils import run_distributed
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+import megatron_patches
+from optimus_mllm.config import EncoderConfig, config_from_dict
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.runtime.encoder_ops import Block, MicrobatchRun, build_stage_ops
+from optimus_mllm.runtime.layer_ops import build_layer, layer_steps, vision_layer_spec, vision_transformer_config
+from optimus_mllm.runtime.vit import EncoderStage
+from tests.conftest import CONFIGS
+
+SEQ, BATCH = 6, 2
+TOL = 2e-5
+VARIANTS = {
+    "vit": {},
+    "gated-gqa-rms-nobias": {"gated_linear_unit": True, "activation": "silu", "num_query_groups": 2,
+                             "kv_channels": 12, "normalization": "RMSNorm", "add_bias_linear": False},
+}
+
+
+def _encoder(**fields: Any) -> EncoderConfig:
+    base = {"name": "vit", "num_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "ffn_hidden_size": 24,
+            "seq_length": SEQ, "patch_size": 2, "in_channels": 3}
+    return EncoderConfig(**{**base, **fields})
+
+
+def _causal(spec: Any) -> Any:
+    attention = spec.submodules.self_attention
+    attention = replace(attention, params={**attention.params, "attn_mask_type": AttnMaskType.causal})
+    return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
+
+
+def _compare(variant: str, causal: bool, group: dist.ProcessGroup) -> dict[str, float]:
+    """Largest differences of output, input gradient and parameter gradients, steps vs forward."""
+    encoder = _encoder(**VARIANTS[variant])
+    spec = _causal(vision_layer_spec()) if causal else vision_layer_spec()
+    torch.manual_seed(0)  # megatron-core's CPU init draws the whole matrix on every rank: shards agree
+    layer = build_layer(spec, vision_transformer_config(encoder, group.size(), torch.float32, 0.2), group, 1)
+    with torch.no_grad():  # nonzero biases and norm weights, the same on every rank
+        for p in layer.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(SEQ, BATCH, encoder.hidden_size, generator=gen)
+    g = torch.randn(SEQ, BATCH, encoder.hidden_size, generator=gen)
+
+    leaf = x.clone().requires_grad_(True)
+    # megatron-core makes its default causal mask on the GPU: pass it (True: masked out)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None] if causal else None
+    out, _ = layer(leaf, attention_mask=mask)
+    out.backward(g)
+    expected = {"output": out.detach(), "input grad": leaf.grad}
+    expected |= {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+
+    ops = build_stage_ops([Block("vit", 1, layer_steps(layer, group, False, "vit:1"), True)])
+    run = MicrobatchRun(ops, {"vit": x}, seed=0)
+    for k in range(len(ops.fwd)):
+        run.run_forward(k)
+    run.set_output_grad({"vit": g})
+    for k in range(len(ops.bwd)):
+        run.run_backward(k)
+    got = {"output": run.output["vit"], "input grad": run.input_grad["vit"]}
+    got |= {name: p.grad for name, p in layer.named_parameters()}
+    return {key: (got[key] - value).abs().max().item() for key, value in expected.items()}
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[dist.ProcessGroup]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with megatron_patches.patched():
+        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        yield dist.group.WORLD
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_steps_compute_the_layers_own_forward(one_rank: dist.ProcessGroup, variant: str, causal: bool) -> None:
+    errors = _compare(variant, causal, one_rank)
+    assert max(errors.values()) <= TOL, errors
+
+
+def _tp2_rank() -> dict[str, dict[str, float]]:
+    with megatron_patches.patched():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        group = parallel_state.get_tensor_model_parallel_group()
+        try:
+            return {variant: _compare(variant, False, group) for variant in VARIANTS}
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+def test_tp2_steps_compute_the_layers_own_forward() -> None:
+    for rank, errors in enumerate(run_distributed(_tp2_rank, 2, timeout=120.0)):
+        for variant, errs in errors.items():
+            assert max(errs.values()) <= TOL, (rank, variant, errs)
+
+
+def test_megatron_gpt_local_layer_is_split_too(one_rank: dist.ProcessGroup) -> None:
+    layer = build_layer(get_gpt_layer_local_spec(), vision_transformer_config(_encoder(), 1, torch.float32, 0.02),
+                        one_rank, 0)
+    kernels = [step.fwd_kernel for step in layer_steps(layer, one_rank, False, "vit:0") if step.fwd_kernel]
+    assert kernels == ["ln_attn", "qkv", "attn_core", "attn_proj", "ln_mlp", "fc1", "act", "fc2"]
+
+
+def _with_submodule(spec: Any, path: str, module: Any) -> Any:
+    owner, name = path.split(".") if "." in path else (None, path)
+    if owner is None:
+        return replace(spec, submodules=replace(spec.submodules, **{name: module}))
+    inner = getattr(spec.submodules, owner)
+    inner = replace(inner, submodules=replace(inner.submodules, **{name: module}))
+    return replace(spec, submodules=replace(spec.submodules, **{owner: inner}))
+
+
+class _OwnLinear(torch.nn.Module):
+    """A user's own column-parallel stand-in: a forward the steps know nothing of."""
+
+    def __init__(self, input_size: int, output_size: int, **_: Any) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(output_size, input_size))
+        self.bias = None
+
+
+@pytest.mark.parametrize("path, module, message", [
+    ("self_attention.q_layernorm", WrappedTorchNorm, "self_attention.q_layernorm is LayerNorm"),
+    ("mlp.linear_fc1", _OwnLinear, "mlp.linear_fc1 is _OwnLinear; Optimus splits only ColumnParallelLinear"),
+])
+def test_a_layer_the_steps_cannot_reproduce_is_refused_naming_the_submodule(
+        one_rank: dist.ProcessGroup, path: str, module: Any, message: str) -> None:
+    spec = _with_submodule(vision_layer_spec(), path, module)
+    layer = build_layer(spec, vision_transformer_config(_encoder(), 1, torch.float32, 0.02), one_rank, 0)
+    with pytest.raises(OptimusError, match=f"^vit:0: {message}"):
+        layer_steps(layer, one_rank, False, "vit:0")
+
+
+def test_a_padding_mask_is_refused(one_rank: dist.ProcessGroup) -> None:
+    spec = vision_layer_spec()
+    attention = spec.submodules.self_attention
+    attention = replace(attention, params={**attention.params, "attn_mask_type": AttnMaskType.padding})
+    spec = replace(spec, submodules=replace(spec.submodules, self_attention=attention))
+    layer = build_layer(spec, vision_transformer_config(_encoder(), 1, torch.float32, 0.02), one_rank, 0)
+    with pytest.raises(OptimusError, match="attn_mask_type padding"):
+        layer_steps(layer, one_rank, False, "vit:0")
+
+
+def test_an_encoder_stage_is_built_from_the_jobs_layer_spec(one_rank: dist.ProcessGroup) -> None:
+    config = config_from_dict(yaml.safe_load((CONFIGS / "tiny.yaml").read_text()))
+    own = EncoderStage(config, 0, 1, one_rank, layer_specs={"vit": get_vit_layer_with_local_spec()})
+    default = EncoderStage(config, 0, 1, one_rank)
+    masks = {stage: {layer.self_attention.core_attention.attn_mask_type for layer in stage.encoders["vit"].layers}
+             for stage in (own, default)}
+    assert masks == {own: {AttnMaskType.causal}, default: {AttnMaskType.no_mask}}  # megatron-core's ViT is causal
