@@ -268,6 +268,12 @@ def _patch_tied_embedding_setup() -> Patch:
     return Patch(module, "setup_embeddings_and_output_layer", _within(_cuda_stays_on_cpu, original))
 
 
+def _patch_clip_vit_setup() -> Patch:
+    # CLIPViTModel puts its position ids on the GPU with .cuda() in its constructor
+    model = _require(_module("megatron.core.models.vision.clip_vit_model"), "CLIPViTModel")
+    return Patch(model, "__init__", _within(_cuda_stays_on_cpu, _require(model, "__init__")))
+
+
 def _cpu_load_scaler_state(self: Any, state_dict: dict[str, Any]) -> None:
     """DynamicGradScaler.load_state_dict without its ``.cuda()``: the scale stays on the CPU."""
     self._scale = state_dict["scale"].cpu()
@@ -321,5 +327,6 @@ def cpu_patches() -> list[Patch]:
         _patch_rng_tracker_fork(),
         _patch_rng_state("_get_cuda_rng_state", _cpu_get_rng_state),
         _patch_rng_state("_set_cuda_rng_state", _cpu_set_rng_state),
+        _patch_clip_vit_setup(),
         *training_patches(),
     ]

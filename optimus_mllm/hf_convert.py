@@ -9,8 +9,8 @@ any plan. The mapping is of names and layouts only:
   which megatron-core's ``linear_qkv`` holds per head ([q; k; v] of head 0, then head 1 ...).
   ``lm_head`` becomes the output layer when the config unties the embeddings.
 - ViT (``ViTModel``: ``embeddings.patch_embeddings.projection`` ...). The Conv2d patch embedding
-  becomes a Linear over patches flattened channel-last (``runtime.data.image_patches``); the class
-  token, its position embedding and the final ``layernorm`` are dropped (this encoder has none).
+  becomes megatron-core ``CLIPViTModel``'s ``conv1``; the class token, its position embedding and the
+  final ``layernorm`` are dropped (this encoder has none).
   Separate ``query`` / ``key`` / ``value`` weights are interleaved per head as above. A LLaVA
   ``multi_modal_projector.linear_1`` / ``linear_2`` in the same state dict becomes the projector;
   without one the projector starts from scratch.
@@ -110,11 +110,10 @@ def vit_entries(state: Mapping[str, Tensor], encoder: EncoderConfig, prefix: str
     if position.shape[0] != encoder.seq_length + 1:
         raise OptimusError(f"ViT: {position.shape[0] - 1} patch positions, model.encoders[{encoder.name}].seq_length "
                            f"is {encoder.seq_length}")
-    entries: list[Entry] = [
-        # [hidden, C, p, p] -> [hidden, p * p * C]: patches are flattened channel-last
-        (f"{out}patch_embed.weight", conv.permute(0, 2, 3, 1).reshape(conv.shape[0], -1), None),
-        (f"{out}patch_embed.bias", _take(state, "embeddings.patch_embeddings.projection.bias", source), None),
-        (f"{out}patch_embed.position", position[1:], None),  # without the class token's
+    entries: list[Entry] = [  # megatron-core CLIPViTModel's names
+        (f"{out}conv1.weight", conv, None),
+        (f"{out}conv1.bias", _take(state, "embeddings.patch_embeddings.projection.bias", source), None),
+        (f"{out}position_embeddings.weight", position[1:], None),  # without the class token's
     ]
     heads = encoder.num_attention_heads
     for i in range(encoder.num_layers):

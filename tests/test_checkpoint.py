@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed_utils import run_distributed
-from tests.train_utils import TINY, assert_one_error_everywhere, ranks, step_numbers, torchrun
+from tests.train_utils import TINY, assert_one_error_everywhere, plain_vision_model, ranks, step_numbers, torchrun
 
 SIX = "training.train_iters=6"
 # warm-up, then cosine decay: the resumed steps' learning rates come from the restored schedule; dropout:
@@ -332,9 +332,10 @@ def test_the_optimizer_state_survives_exactly(tmp_path):
 
 
 def _plain_megatron_weights(save: str) -> dict:
-    """A plain megatron-core script: build the tiny LLM as a GPTModel on one rank and load it from the
-    checkpoint with dist_checkpointing (the CPU shims are what any megatron-core job on CPU needs); beside
-    it, the same checkpoint loaded by the baseline runtime on one rank."""
+    """A plain megatron-core script: build the tiny LLM as a GPTModel and the encoder as a CLIPViTModel
+    and MultimodalProjector on one rank, and load them from the checkpoint with dist_checkpointing (the
+    CPU shims are what any megatron-core job on CPU needs); beside it, the same checkpoint loaded by the
+    baseline runtime on one rank."""
     import megatron_patches
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -352,30 +353,47 @@ def _plain_megatron_weights(save: str) -> dict:
                                apply_rope_fusion=False)
     gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=64,
                    share_embeddings_and_output_weights=False)
+    clip, projector = plain_vision_model(config)
+    parts = {"language_model.": gpt, "vision_model.": clip, "vision_projection.": projector}
     folder = checkpoint_meta.latest_checkpoint(save).path
-    state = dist_checkpointing.load({"model": gpt.sharded_state_dict(prefix="language_model.")}, str(folder))
-    gpt.load_state_dict({key.removeprefix("language_model."): value for key, value in state["model"].items()})
-    plain = {name: p.detach().numpy().copy() for name, p in gpt.named_parameters()}
+    state = dist_checkpointing.load({"model": {key: value for prefix, module in parts.items()
+                                               for key, value in module.sharded_state_dict(prefix=prefix).items()}},
+                                    str(folder))
+    plain = {}
+    for prefix, module in parts.items():
+        module.load_state_dict({key.removeprefix(prefix): value for key, value in state["model"].items()
+                                if key.startswith(prefix)})
+        plain.update({prefix + name: p.detach().numpy().copy() for name, p in module.named_parameters()})
     parallel_state.destroy_model_parallel()
     megatron_patches.remove()
 
     ours = _trainer(["cluster.num_gpus=1", "cluster.gpus_per_node=1",
                      "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}"], "baseline")
-    initial = {name: p.detach().numpy().copy() for name, p in ours.chunks[0].named_parameters()}
+
+    def weights() -> dict:  # ours under the plain job's names
+        named = {f"language_model.{name}": p for name, p in ours.chunks[0].named_parameters()}
+        for name, p in ours.encoder.encoders["vit"].named_parameters():
+            name = name.replace("patch_embed.", "vision_model.").replace("layers.", "vision_model.decoder.layers.")
+            named[name.replace("projector.projection.", "vision_projection.")] = p
+        return {name: p.detach().numpy().copy() for name, p in named.items()}
+
+    initial = weights()
     checkpoint.load_checkpoint(ours, checkpoint_meta.latest_checkpoint(save), load_optimizer=False)
-    loaded = {name: p.detach().numpy().copy() for name, p in ours.chunks[0].named_parameters()}
+    loaded = weights()
     ours.close()
     return {"plain": plain, "initial": initial, "ours": loaded}
 
 
-def test_a_plain_megatron_core_script_loads_the_llm(first_half):
-    """The checkpoint (written by 4 ranks: TP2 PP2 V2) is megatron-core's layout: dist_checkpointing.load
-    into a plain GPTModel on one rank gives the weights this project's loader gives."""
+def test_a_plain_megatron_core_script_loads_the_llm_and_the_encoder(first_half):
+    """The checkpoint (written by 4 ranks: LLM TP2 PP2 V2, the encoder under its own plan) is
+    megatron-core's layout: dist_checkpointing.load into a plain GPTModel, CLIPViTModel and
+    MultimodalProjector on one rank gives the weights this project's loader gives."""
     [result] = run_distributed(_plain_megatron_weights, 1, str(first_half), timeout=240)
     assert result["plain"].keys() == result["ours"].keys()
+    assert any(name.startswith("vision_model.conv1") for name in result["plain"])
     for name, weight in result["plain"].items():
         assert (weight == result["ours"][name]).all(), name
-        assert not (weight == result["initial"][name]).all() or weight.dim() < 2, name
+        assert not (weight == result["initial"][name]).all() or weight.ndim < 2, name
 
 
 def _received(name: str, args: tuple) -> int:

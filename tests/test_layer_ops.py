@@ -1,9 +1,12 @@
-"""A megatron-core TransformerLayer split into steps computes what the layer's own forward computes.
+"""A megatron-core TransformerLayer split into steps computes what the layer's own forward computes, and
+a whole encoder stage what megatron-core's CLIPViTModel and MultimodalProjector compute.
 
 The reference is megatron-core itself: ``TransformerLayer.forward`` (its local attention, norms,
 bias-dropout-add and, at TP 2, its own column/row-parallel linears and collectives) on the same
-module, against ``layer_ops.layer_steps`` run as ops. Layers the steps cannot reproduce are refused
-naming the submodule."""
+module, against ``layer_ops.layer_steps`` run as ops; ``CLIPViTModel`` (its ``internvit`` subtype
+without a class token: conv1 with a bias, position embeddings, no norms around the layers) and
+LLaVA's ``MultimodalProjector`` holding the stage's weights. Layers the steps cannot reproduce are
+refused naming the submodule."""
 
 from __future__ import annotations
 
@@ -18,8 +21,13 @@ import yaml
 from distributed_utils import run_distributed
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 import megatron_patches
@@ -110,12 +118,13 @@ def _tp2_rank() -> dict[str, dict[str, float]]:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         group = parallel_state.get_tensor_model_parallel_group()
         try:
-            return {variant: _compare(variant, False, group) for variant in VARIANTS}
+            errors = {variant: _compare(variant, False, group) for variant in VARIANTS}
+            return {**errors, "clip vit + projector": _clip_comparison(group)}
         finally:
             parallel_state.destroy_model_parallel()
 
 
-def test_tp2_steps_compute_the_layers_own_forward() -> None:
+def test_tp2_steps_compute_megatron_cores_forward() -> None:
     for rank, errors in enumerate(run_distributed(_tp2_rank, 2, timeout=120.0)):
         for variant, errs in errors.items():
             assert max(errs.values()) <= TOL, (rank, variant, errs)
@@ -175,3 +184,74 @@ def test_an_encoder_stage_is_built_from_the_jobs_layer_spec(one_rank: dist.Proce
     masks = {stage: {layer.self_attention.core_attention.attn_mask_type for layer in stage.encoders["vit"].layers}
              for stage in (own, default)}
     assert masks == {own: {AttnMaskType.causal}, default: {AttnMaskType.no_mask}}  # megatron-core's ViT is causal
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole encoder stage against megatron-core's CLIPViTModel and MultimodalProjector
+
+
+def _megatron_reference(stage: EncoderStage, config: Any, group: dist.ProcessGroup) -> tuple[Any, Any]:
+    """megatron-core's vision model and projector for the stage's encoder, holding the stage's weights."""
+    vision = stage.encoders["vit"]
+    enc = config.encoders[0]
+    layer = vision.layers[0]
+    side = int(enc.seq_length**0.5) * enc.patch_size
+    clip = CLIPViTModel(layer.config, vision_layer_spec(), add_class_token=False, class_token_len=0,
+                        patch_dim=enc.patch_size, img_h=side, img_w=side, model_subtype="internvit",
+                        pg_collection=ProcessGroupCollection(tp=group, cp=None, pp=None))
+    projector = MultimodalProjector(vision.projector.projection.config,
+                                    MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                                    "mlp", enc.hidden_size, tp_group=group)
+    ours = dict(vision.named_parameters())
+    with torch.no_grad():
+        for name, p in clip.named_parameters():
+            p.copy_(ours[name.replace("decoder.layers.", "layers.") if name.startswith("decoder.")
+                         else f"patch_embed.{name}"])
+        for name, p in projector.named_parameters():
+            p.copy_(ours[f"projector.projection.{name}"])
+    return clip, projector
+
+
+def _clip_comparison(group: dist.ProcessGroup) -> dict[str, float]:
+    """Largest differences of the projected features and every gradient, stage ops vs megatron-core."""
+    config = config_from_dict(yaml.safe_load((CONFIGS / "tiny.yaml").read_text()))
+    enc = config.encoders[0]
+    torch.manual_seed(0)
+    stage = EncoderStage(config, 0, 1, group, init_std=0.2)
+    with torch.no_grad():  # nonzero biases and norm weights, the same on every rank
+        for name, p in stage.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    clip, projector = _megatron_reference(stage, config, group)
+    grid, p = int(enc.seq_length**0.5), enc.patch_size
+    gen = torch.Generator().manual_seed(2)
+    images = torch.randn(BATCH, enc.in_channels, grid * p, grid * p, generator=gen)
+    grad = torch.randn(enc.seq_length, BATCH, config.llm.hidden_size, generator=gen)
+
+    out = projector(clip(images).permute(1, 0, 2))  # LLaVA: [b, s, h] -> [s, b, h] into the projector
+    out.backward(grad)
+    expected = {"output": out.detach()}
+    expected |= {f"clip.{n}": q.grad for n, q in clip.named_parameters()}
+    expected |= {f"projector.{n}": q.grad for n, q in projector.named_parameters()}
+
+    # the data's layout (runtime.data.image_patches): row-major patches, each flattened channel-last
+    patches = images.view(BATCH, enc.in_channels, grid, p, grid, p).permute(0, 2, 4, 3, 5, 1)
+    ops = build_stage_ops(stage.blocks())
+    run = MicrobatchRun(ops, {"vit": patches.reshape(BATCH, grid * grid, -1)}, seed=0)
+    for k in range(len(ops.fwd)):
+        run.run_forward(k)
+    run.set_output_grad({"vit": grad})
+    for k in range(len(ops.bwd)):
+        run.run_backward(k)
+    ours = dict(stage.encoders["vit"].named_parameters())
+    got = {"output": run.output["vit"]}
+    got |= {f"clip.{n}": ours[n.replace("decoder.layers.", "layers.") if n.startswith("decoder.")
+                              else f"patch_embed.{n}"].grad for n, _ in clip.named_parameters()}
+    got |= {f"projector.{n}": ours[f"projector.projection.{n}"].grad for n, _ in projector.named_parameters()}
+    return {key: (got[key] - value).abs().max().item() / max(1.0, value.abs().max().item())
+            for key, value in expected.items()}
+
+
+def test_an_encoder_stage_computes_megatron_cores_clip_vit_and_projector(one_rank: dist.ProcessGroup) -> None:
+    errors = _clip_comparison(one_rank)
+    assert len(errors) > 10 and max(errors.values()) <= TOL, errors

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed_utils import run_distributed
-from tests.train_utils import REPO, TINY, assert_one_error_everywhere, ranks, torchrun
+from tests.train_utils import REPO, TINY, assert_one_error_everywhere, plain_vision_model, ranks, torchrun
 
 ONE_RANK = ["cluster.num_gpus=1", "cluster.gpus_per_node=1", "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}"]
 H, HEADS, LAYERS, VOCAB, SEQ = 64, 4, 4, 256, 64  # configs/tiny.yaml's LLM
@@ -202,6 +202,54 @@ def _plain_gpt_then_ours(folder: str) -> dict:
 def test_a_megatron_core_gpt_checkpoint_starts_the_llm(tmp_path):
     [result] = run_distributed(_plain_gpt_then_ours, 1, str(tmp_path / "gpt"), timeout=240)
     assert result["note"] == f"llm: pretrained weights from {tmp_path / 'gpt'}"
+    assert result["saved"].keys() == result["loaded"].keys()
+    for name, weight in result["saved"].items():
+        assert (weight == result["loaded"][name]).all(), name
+
+
+def _plain_vision_then_ours(folder: str) -> dict:
+    """A megatron-core CLIPViTModel and MultimodalProjector saved by a plain script under LLaVA's keys,
+    then loaded as this job's encoder."""
+    import megatron_patches
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core.transformer import TransformerConfig
+
+    from optimus_mllm.config import load_config
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime.checkpoint import load_pretrained
+    from optimus_mllm.runtime.trainer import Trainer
+
+    megatron_patches.apply()
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=4 * H,
+                               use_cpu_initialization=True, bias_activation_fusion=False,
+                               masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+                               apply_rope_fusion=False)
+    clip, projector = plain_vision_model(config)
+    parts = {"vision_model.": clip, "vision_projection.": projector}
+    Path(folder).mkdir()
+    dist_checkpointing.save({"model": {key: value for prefix, module in parts.items()
+                                       for key, value in module.sharded_state_dict(prefix=prefix).items()}}, folder)
+    saved = {prefix + name: p.detach().numpy().copy() for prefix, module in parts.items()
+             for name, p in module.named_parameters()}
+    parallel_state.destroy_model_parallel()
+    megatron_patches.remove()
+
+    ours = load_config(TINY, ONE_RANK)
+    trainer = Trainer(ours, plan(ours).llm_plan, "baseline")
+    note = load_pretrained(trainer, "vit", Path(folder), "--pretrained-encoder")
+    loaded = {}
+    for name, p in trainer.encoder.encoders["vit"].named_parameters():  # under the plain job's names
+        name = name.replace("patch_embed.", "vision_model.").replace("layers.", "vision_model.decoder.layers.")
+        loaded[name.replace("projector.projection.", "vision_projection.")] = p.detach().numpy().copy()
+    trainer.close()
+    return {"saved": saved, "loaded": loaded, "note": note}
+
+
+def test_a_megatron_core_vision_checkpoint_starts_the_encoder(tmp_path):
+    [result] = run_distributed(_plain_vision_then_ours, 1, str(tmp_path / "clip"), timeout=240)
+    assert result["note"] == f"vit: pretrained weights from {tmp_path / 'clip'}"
     assert result["saved"].keys() == result["loaded"].keys()
     for name, weight in result["saved"].items():
         assert (weight == result["loaded"][name]).all(), name

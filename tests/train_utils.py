@@ -68,3 +68,27 @@ def assert_one_error_everywhere(results: list[subprocess.CompletedProcess], expe
     assert len(errors) == 1 and expected in errors[0], errors
     assert results[0].stderr.splitlines() == errors, results[0].stderr
     assert all(r.stderr == "" for r in results[1:]), [r.stderr for r in results[1:]]
+
+
+def plain_vision_model(config: object) -> tuple[object, object]:
+    """The tiny encoder as a plain megatron-core job builds it: ``CLIPViTModel`` (its ``internvit``
+    subtype without a class token) over the local ViT layer, with the norms saved under the fused names
+    megatron-core's GPT local spec uses, and LLaVA's ``MultimodalProjector``."""
+    from dataclasses import replace
+
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+    from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    spec = get_vit_layer_with_local_spec()
+    spec = replace(spec, submodules=replace(spec.submodules, sharded_state_dict_keys_map={
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))
+    vit = replace(config, num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, kv_channels=8)
+    clip = CLIPViTModel(vit, spec, add_class_token=False, class_token_len=0, patch_dim=4, img_h=16, img_w=16,
+                        model_subtype="internvit")
+    projection = replace(config, ffn_hidden_size=config.hidden_size, kv_channels=16)
+    projector = MultimodalProjector(projection, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                              linear_fc2=RowParallelLinear), "mlp", 32)
+    return clip, projector

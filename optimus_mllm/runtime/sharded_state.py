@@ -6,14 +6,13 @@ checkpoint loads into any plan, into either runtime and into a plain megatron-co
 - ``language_model.``: each LLM chunk's own ``GPTModel.sharded_state_dict`` (global layer numbers,
   TP shards, the tied output embedding as a replica of the input one);
 - ``vision_model.`` and ``vision_projection.`` for the encoder (prefixed by the encoder's name,
-  ``<name>.vision_model.``, when the config has several): its layers' own ``TransformerLayer.sharded_state_dict``,
-  stacked over layers as megatron-core's ``TransformerBlock`` saves them
-  (``decoder.layers.self_attention.linear_qkv.weight`` holds every layer, each rank writing its layers'
-  slices; ``.mlp.linear_fc1``; the norms as ``.self_attention.linear_qkv.layer_norm_weight``, the
-  names ``layer_ops.vision_layer_spec`` maps them to), the
-  projector under ``MultimodalProjector``'s (``encoder.linear_fc1`` ...), and the patch embedding,
-  which megatron-core's ``CLIPViTModel`` has no counterpart of (a Linear over flattened patches, not a
-  Conv2d), as ``patch_embed.*``.
+  ``<name>.vision_model.``, when the config has several), under megatron-core's own modules' keys:
+  the patch embedding as ``CLIPViTModel``'s (``conv1.*``, ``position_embeddings.weight``); the layers'
+  own ``TransformerLayer.sharded_state_dict``, stacked over layers as megatron-core's
+  ``TransformerBlock`` saves them (``decoder.layers.self_attention.linear_qkv.weight`` holds every
+  layer, each rank writing its layers' slices; with ``layer_ops.vision_layer_spec`` the norms go as
+  ``.self_attention.linear_qkv.layer_norm_weight``); the projector as ``MultimodalProjector``'s
+  (``encoder.linear_fc1`` ...; the ``linear`` projector's one GEMM as ``encoder.weight``).
 
 Each tensor is a ``ShardedTensor`` holding the parameter itself (so the optimizer's state maps onto
 it) with its TP shard and its replica id over the encoder's own groups: in Optimus mode the encoder
@@ -76,12 +75,11 @@ def encoder_sharded_state_dict(config: OptimusConfig, stage: EncoderStage,
     for name, vision in stage.encoders.items():
         prefix = encoder_prefix(config, name)
         state.update(_vision_state(vision, f"{prefix}vision_model.", groups, metadata))
-        if vision.projector is not None:
-            projector = vision.projector
-            linears = {"linear_fc1": projector.fc1, "linear_fc2": projector.fc2} if projector.mlp else {"": projector.fc1}
-            for sub, linear in linears.items():
-                key = f"{prefix}vision_projection.encoder.{sub + '.' if sub else ''}"
-                state.update(linear.sharded_state_dict(key, (), metadata))
+        projector = vision.projector
+        if projector is not None and projector.mlp:  # megatron-core's MultimodalProjector, its own keys
+            state.update(projector.projection.sharded_state_dict(f"{prefix}vision_projection.", (), metadata))
+        elif projector is not None:
+            state.update(projector.linear.sharded_state_dict(f"{prefix}vision_projection.encoder.", (), metadata))
     return state
 
 
@@ -89,7 +87,7 @@ def _vision_state(vision: VisionStage, prefix: str, groups: dict[str, ProcessGro
                   metadata: dict[str, Any]) -> ShardedStateDict:
     state: ShardedStateDict = {}
     if vision.patch_embed is not None:
-        state.update(_replicated(vision.patch_embed, f"{prefix}patch_embed.", groups, ()))
+        state.update(_replicated(vision.patch_embed, prefix, groups, ()))  # CLIPViTModel's conv1, position_embeddings
     layers = f"{prefix}decoder.layers."
     for i, layer in enumerate(vision.layers):
         index = vision.first_layer + i

@@ -27,15 +27,17 @@ backward collective before the GEMMs whose gradients they reduce, and has no pro
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import ModelParallelConfig
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.utils import init_method_normal
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -67,51 +69,61 @@ def _bias_step(bias: Tensor | None) -> Step:
 
 
 class PatchEmbedding(nn.Module):
-    """Flattened patches -> hidden, plus a learned position embedding; replicated over TP."""
+    """Patches -> hidden plus a learned position embedding, replicated over TP: megatron-core's
+    ``CLIPViTModel`` embedding (``conv1``, a patch-sized stride-``patch`` Conv2d with a bias, and
+    ``position_embeddings``) for its ``internvit`` subtype without a class token, under its names."""
 
     def __init__(self, encoder: EncoderConfig, init_method: InitMethod, dtype: torch.dtype):
         super().__init__()
-        patch_dim = encoder.in_channels * encoder.patch_size**2
-        self.weight = nn.Parameter(torch.empty(encoder.hidden_size, patch_dim, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(encoder.hidden_size, dtype=dtype))
-        self.position = nn.Parameter(torch.empty(encoder.seq_length, encoder.hidden_size, dtype=dtype))
-        init_method(self.weight)
-        init_method(self.position)
+        self.conv1 = nn.Conv2d(encoder.in_channels, encoder.hidden_size, encoder.patch_size, encoder.patch_size,
+                               bias=True, dtype=dtype)
+        self.position_embeddings = nn.Embedding(encoder.seq_length, encoder.hidden_size, dtype=dtype)
+        init_method(self.conv1.weight)
+        nn.init.zeros_(self.conv1.bias)
+        init_method(self.position_embeddings.weight)
 
     def step(self, tokens: slice) -> Step:
-        """Embed the patches of ``tokens`` (a rank's own share under sequence parallelism)."""
+        """Embed the patches of ``tokens`` (a rank's own share under sequence parallelism). The data
+        gives each patch flattened channel-last, so the convolution is one GEMM over it."""
+        conv, position = self.conv1, self.position_embeddings.weight
 
         def forward(patches: Tensor) -> Tensor:
+            weight = conv.weight.permute(0, 2, 3, 1).reshape(conv.out_channels, -1)
             # pixels arrive in fp32 (the data loader's); the weights are in the training precision
-            x = F.linear(patches[:, tokens].to(self.weight.dtype), self.weight, self.bias) + self.position[tokens]
+            x = F.linear(patches[:, tokens].to(weight.dtype), weight, conv.bias) + position[tokens]
             return x.transpose(0, 1).contiguous()
 
-        return compute("patch_embed", forward, self.weight, self.bias, self.position)
+        return compute("patch_embed", forward, conv.weight, conv.bias, position)
 
 
 class Projector(nn.Module):
     """Encoder features -> the LLM's hidden size, TP-sharded with one all-reduce at the end.
 
-    ``mlp``: column-parallel fc1, GELU, row-parallel fc2. ``linear``: one row-parallel GEMM over
-    this rank's slice of the features (its input gradient is gathered: ``tp_ag_projector``).
+    ``mlp``: megatron-core's ``MultimodalProjector`` (LLaVA's: column-parallel fc1, GELU, row-parallel
+    fc2), applied by steps over its weights. ``linear``: one row-parallel GEMM over this rank's slice of
+    the features (its input gradient is gathered: ``tp_ag_projector``); megatron-core's ``affine``
+    projector gathers its output instead, which this runtime does not run.
     """
 
-    def __init__(self, encoder: EncoderConfig, llm_hidden_size: int, config: ModelParallelConfig,
-                 group: ProcessGroup, init_method: InitMethod):
+    def __init__(self, encoder: EncoderConfig, llm_hidden_size: int, layer_config: TransformerConfig,
+                 group: ProcessGroup):
         super().__init__()
         self.mlp = encoder.projector.type == "mlp"
-        dims = {"config": config, "init_method": init_method, "bias": True, "skip_bias_add": False, "tp_group": group}
         if self.mlp:
-            self.fc1 = ColumnParallelLinear(encoder.hidden_size, llm_hidden_size, gather_output=False, **dims)
-            self.fc2 = RowParallelLinear(llm_hidden_size, llm_hidden_size, input_is_parallel=True, **dims)
+            config = replace(layer_config, hidden_size=llm_hidden_size, ffn_hidden_size=llm_hidden_size,
+                             gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True)
+            self.projection = MultimodalProjector(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                        linear_fc2=RowParallelLinear),
+                                                  "mlp", encoder.hidden_size, tp_group=group)
         else:
-            self.fc1 = RowParallelLinear(encoder.hidden_size, llm_hidden_size, input_is_parallel=True, **dims)
+            self.linear = RowParallelLinear(encoder.hidden_size, llm_hidden_size, config=layer_config,
+                                            init_method=layer_config.init_method, bias=True, skip_bias_add=False,
+                                            input_is_parallel=True, tp_group=group)
 
     def steps(self, group: ProcessGroup, sequence_parallel: bool) -> tuple[Step, ...]:
         tp = group.size() > 1
-        fc1 = self.fc1
         if self.mlp:
-            fc2 = self.fc2
+            fc1, fc2 = self.projection.encoder.linear_fc1, self.projection.encoder.linear_fc2
             head = [tp_entry(group, sequence_parallel, "projector")] if tp else []
             gemms = [
                 compute("projector_fc1", lambda x: F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc1.weight, fc1.bias),
@@ -119,15 +131,16 @@ class Projector(nn.Module):
             ]
             bias = fc2.bias
         else:
+            linear = self.linear
             head = []
             if sequence_parallel:  # replicated downstream: the adjoint keeps this rank's tokens
                 head.append(collective(lambda x: all_gather(x, group), lambda g: _own_chunk(g, group, 0),
-                                        "tp_ag_projector", None))
+                                       "tp_ag_projector", None))
             if tp:
                 head.append(collective(lambda x: _own_chunk(x, group, -1), lambda g: _all_gather_last_dim(g, group),
-                                        None, "tp_ag_projector"))
-            gemms = [compute("projector_fc1", lambda x: F.linear(x, fc1.weight), fc1.weight)]
-            bias = fc1.bias
+                                       None, "tp_ag_projector"))
+            gemms = [compute("projector_fc1", lambda x: F.linear(x, linear.weight), linear.weight)]
+            bias = linear.bias
         tail = [tp_exit(group, False, "projector")] if tp else []  # whole output on every rank, SP or not
         return (*head, *gemms, *tail, _bias_step(bias))
 
@@ -149,16 +162,13 @@ class VisionStage(nn.Module):
         self.sequence_parallel = sequence_parallel and tp > 1
         _check_tp(encoder, llm_hidden_size, tp, self.sequence_parallel)
         self.first_layer, last_layer = stage_layer_bounds(encoder.num_layers, num_stages)[stage]
-        config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                                     perform_initialization=True, params_dtype=params_dtype)
-        init_method = init_method_normal(init_std)
-        self.patch_embed = PatchEmbedding(encoder, init_method, params_dtype) if stage == 0 else None
         layer_config = vision_transformer_config(encoder, tp, params_dtype, init_std)
+        self.patch_embed = PatchEmbedding(encoder, layer_config.init_method, params_dtype) if stage == 0 else None
         spec = layer_spec if layer_spec is not None else vision_layer_spec()
         self.layers = nn.ModuleList(build_layer(spec, layer_config, tp_group, index)
                                     for index in range(self.first_layer, last_layer))
         last = stage == num_stages - 1
-        self.projector = Projector(encoder, llm_hidden_size, config, tp_group, init_method) if last else None
+        self.projector = Projector(encoder, llm_hidden_size, layer_config, tp_group) if last else None
         for name, param in self.named_parameters():
             if encoder.frozen and not name.startswith("projector."):
                 param.requires_grad_(False)
