@@ -532,6 +532,20 @@ def tp_divisibility_problem(spec: TransformerSpec, tp: int) -> str | None:
     return None
 
 
+def encoder_tp_problem(enc: EncoderConfig, llm_hidden_size: int, sequence_parallel: bool, tp: int) -> str | None:
+    """Why tensor parallel size ``tp`` cannot split encoder ``enc`` and its projector as the runtime
+    shards them, or None if it can: its layers; the projector's TP-split width (the LLM's hidden size for
+    ``mlp``, the encoder's for ``linear``); its tokens under sequence parallelism."""
+    problem = tp_divisibility_problem(enc, tp)
+    if problem is None and enc.projector.type == "mlp" and llm_hidden_size % tp:
+        problem = f"projector.type=mlp splits model.llm.hidden_size={llm_hidden_size}, not divisible by tp={tp}"
+    if problem is None and enc.projector.type == "linear" and enc.hidden_size % tp:
+        problem = f"hidden_size={enc.hidden_size} (split by its linear projector) is not divisible by tp={tp}"
+    if problem is None and sequence_parallel and tp > 1 and enc.seq_length % tp:
+        problem = f"seq_length={enc.seq_length} is not divisible by tp={tp} (training.sequence_parallel splits it)"
+    return problem
+
+
 def validate_llm_plan(config: OptimusConfig, plan: LLMPlanConfig, where: str) -> None:
     """Check a fixed LLM plan against the cluster, model and batch."""
     n, llm, t = config.cluster.num_gpus, config.llm, config.training
@@ -579,7 +593,7 @@ def validate_encoder_plan(config: OptimusConfig, plan: EncoderPlanConfig, llm_pl
         raise ConfigError(f"{where}.tp", f"{plan.tp} does not divide the LLM's tp={llm_plan.tp}; use one of "
                           f"{_divisors_text(llm_plan.tp)}")
     for i, enc in enumerate(config.encoders):
-        problem = tp_divisibility_problem(enc, plan.tp)
+        problem = encoder_tp_problem(enc, config.llm.hidden_size, config.training.sequence_parallel, plan.tp)
         if problem:
             raise ConfigError(f"{where}.tp", f"model.encoders[{i}].{problem}")
         if enc.num_layers < plan.pp:

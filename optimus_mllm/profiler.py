@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from optimus_mllm.config import OptimusConfig, TransformerSpec, tp_divisibility_problem
+from optimus_mllm.config import OptimusConfig, TransformerSpec, encoder_tp_problem
 from optimus_mllm.cost_model import (
     KERNEL_SET,
     PROFILE_FORMAT,
@@ -98,7 +98,9 @@ def _encoder_plans(config: OptimusConfig, planned: PlannerResult) -> list[Parall
     """
     llm_plan = planned.llm_plan
     by_tp = {c.plan.tp: c.plan for c in planned.candidates}
-    if llm_plan.tp not in by_tp and not any(tp_divisibility_problem(e, llm_plan.tp) for e in config.encoders):
+    if llm_plan.tp not in by_tp and not any(
+            encoder_tp_problem(e, config.llm.hidden_size, config.training.sequence_parallel, llm_plan.tp)
+            for e in config.encoders):
         by_tp[llm_plan.tp] = ParallelPlan(llm_plan.dp, 1, llm_plan.tp)
     return [by_tp[tp] for tp in sorted(by_tp)]
 

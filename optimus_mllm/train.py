@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, quiet_library_warnings
-from optimus_mllm.config import OptimusConfig, load_config
+from optimus_mllm.config import OptimusConfig, encoder_tp_problem, load_config
 from optimus_mllm.errors import AgreedError, OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
@@ -134,6 +134,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
     parts = _pretrained_parts(args, config)
     check_dataset(config)
     planned = plan(config)
+    if args.baseline:
+        _check_baseline_encoders(config, planned.llm_plan.tp)
     resume = _resume_point(args.save, config) if args.resume else None
     artifact, notes = _job_artifact(args, config, planned, world_size, resume)
     if resume is not None and resume.passed_over:
@@ -146,6 +148,15 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
                                "add --no-load-optim to start the optimizer state afresh")
     return Job(config, planned.llm_plan, artifact, resume, notes, load_optimizer=not args.no_load_optim,
                pretrained=parts)
+
+
+def _check_baseline_encoders(config: OptimusConfig, tp: int) -> None:
+    """The Megatron-style baseline runs the encoders in the LLM's first stage, at the LLM's TP."""
+    for i, enc in enumerate(config.encoders):
+        problem = encoder_tp_problem(enc, config.llm.hidden_size, config.training.sequence_parallel, tp)
+        if problem:
+            raise OptimusError(f"--baseline runs model.encoders[{i}] at the LLM's tp={tp}, but its {problem}; "
+                               "run it without --baseline or pick another parallel.llm.tp")
 
 
 def _pretrained_parts(args: argparse.Namespace, config: OptimusConfig) -> tuple[tuple[str, Path, str], ...]:

@@ -20,7 +20,6 @@ written first by a 1-rank ``optimus-train`` run (about 20 s).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import io
@@ -103,10 +102,11 @@ class Inputs:
                         "--num-samples", "8", "--size", "16"], check=True, capture_output=True)
         sys.path.insert(0, str(REPO / "scripts"))
         try:
-            from pretrain_vlm_megatron import parse_args
+            from pretrain_vlm_megatron import build_parser, parse_args
         finally:
             sys.path.pop(0)
         self.megatron_parse_args = parse_args
+        self.megatron_parser = build_parser
         self.checkpoint = root / "checkpoint" if with_checkpoint else None
         if self.checkpoint is not None:
             one_rank = ["cluster.num_gpus=1", "cluster.gpus_per_node=1", "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}",
@@ -370,7 +370,7 @@ def _megatron_args(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Calla
     from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args
     from optimus_mllm.planner import plan
 
-    actions = [a for a in _megatron_parser(inputs)._actions if a.option_strings and a.dest != "help"]
+    actions = [a for a in inputs.megatron_parser()._actions if a.option_strings and a.dest != "help"]
     action = rng.choice(actions)
     flag = action.option_strings[0]
     invalid = False
@@ -395,25 +395,6 @@ def _megatron_args(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Calla
         plan(config_from_megatron_args(args, 4, 4))
 
     return read, f"{flag} {value}", invalid
-
-
-def _megatron_parser(inputs: Inputs) -> argparse.ArgumentParser:
-    """The script's parser, captured by running its parse_args with an extra-args hook that keeps it."""
-    kept = []
-
-    def keep(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        kept.append(parser)
-        raise _Kept()
-
-    try:
-        inputs.megatron_parse_args(keep, [])
-    except _Kept:
-        pass
-    return kept[0]
-
-
-class _Kept(Exception):
-    pass
 
 
 GENERATORS = {"config value": _config_value, "config key": _config_key, "config bytes": _config_bytes,

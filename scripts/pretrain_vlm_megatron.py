@@ -28,9 +28,17 @@ from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args, r
 from optimus_mllm.planner import ParallelPlan, plan
 
 
-def parse_args(extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def parse_args(extra_args_provider: ExtraArgsProvider | None = None,
                argv: list[str] | None = None) -> argparse.Namespace:
     """Megatron-LM's ``parse_args`` contract: its flags, plus whatever ``extra_args_provider`` adds."""
+    return build_parser(extra_args_provider).parse_args(argv)
+
+
+def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
+    """The script's flags: Megatron-LM's names and defaults."""
     parser = argparse.ArgumentParser(description="Megatron-style ViT + GPT pretraining", allow_abbrev=False)
     add = parser.add_argument
     add("--tensor-model-parallel-size", type=int, default=2)
@@ -118,7 +126,7 @@ def parse_args(extra_args_provider: Callable[[argparse.ArgumentParser], argparse
     add("--sequence-parallel", action="store_true")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -255,3 +255,10 @@ def _clip_comparison(group: dist.ProcessGroup) -> dict[str, float]:
 def test_an_encoder_stage_computes_megatron_cores_clip_vit_and_projector(one_rank: dist.ProcessGroup) -> None:
     errors = _clip_comparison(one_rank)
     assert len(errors) > 10 and max(errors.values()) <= TOL, errors
+
+
+def test_an_encoder_stage_refuses_a_spec_it_cannot_split_when_built(one_rank: dist.ProcessGroup) -> None:
+    config = config_from_dict(yaml.safe_load((CONFIGS / "tiny.yaml").read_text()))
+    spec = _with_submodule(vision_layer_spec(), "self_attention.q_layernorm", WrappedTorchNorm)
+    with pytest.raises(OptimusError, match=r"^vit:0: self_attention.q_layernorm is LayerNorm"):
+        EncoderStage(config, 0, 1, one_rank, layer_specs={"vit": spec})

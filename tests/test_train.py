@@ -125,3 +125,25 @@ def test_tensorboard_dir_without_tensorboard_is_a_one_line_error(monkeypatch):
     args = build_parser().parse_args(["--config", TINY, "--tensorboard-dir", "tb"])
     with pytest.raises(OptimusError, match=r"^--tensorboard-dir needs the tensorboard package; pip install"):
         prepare(args, 4)
+
+
+ODD_TOKENS = ("training.sequence_parallel=true", "model.encoders=[{name: vit, num_layers: 2, hidden_size: 32, "
+              "num_attention_heads: 4, ffn_hidden_size: 64, seq_length: 9, patch_size: 4, in_channels: 3}]")
+
+
+def test_an_encoder_the_llms_tp_cannot_split_is_refused_for_the_baseline_only():
+    """9 image tokens under sequence parallelism: the encoder cannot run at the LLM's TP 2, which the
+    Megatron-style baseline needs; Optimus plans it at TP 1."""
+    from optimus_mllm.config import load_config
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.planner import plan
+    from optimus_mllm.train import build_parser, prepare
+
+    args = build_parser().parse_args(["--config", TINY, "--baseline", "--override", *ODD_TOKENS])
+    with pytest.raises(OptimusError, match=r"^--baseline runs model.encoders\[0\] at the LLM's tp=2, but its "
+                                           r"seq_length=9 is not divisible by tp=2"):
+        prepare(args, 4)
+    job = prepare(build_parser().parse_args(["--config", TINY, "--override", *ODD_TOKENS]), 4)
+    assert job.artifact["encoder_plan"]["tp"] == 1
+    pruned = plan(load_config(TINY, list(ODD_TOKENS))).pruned
+    assert {p.plan.tp for p in pruned if "seq_length=9 is not divisible by tp=2" in p.reason} == {2}

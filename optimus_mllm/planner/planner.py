@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimus_mllm.config import MAX_MICROBATCHES_PER_PIPELINE, OptimusConfig, divisors, tp_divisibility_problem
+from optimus_mllm.config import (MAX_MICROBATCHES_PER_PIPELINE, OptimusConfig, divisors, encoder_tp_problem,
+                                 tp_divisibility_problem)
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.memory_model import (
     GIB,
@@ -218,7 +219,7 @@ def enumerate_encoder_plans(config: OptimusConfig,
 
 def _structural_problem(config: OptimusConfig, enc: ParallelPlan, m: int, n_mb: int) -> str | None:
     for enc_cfg in config.encoders:
-        problem = tp_divisibility_problem(enc_cfg, enc.tp)
+        problem = encoder_tp_problem(enc_cfg, config.llm.hidden_size, config.training.sequence_parallel, enc.tp)
         if problem:
             return f"encoder '{enc_cfg.name}': {problem}"
         if enc_cfg.num_layers < enc.pp:

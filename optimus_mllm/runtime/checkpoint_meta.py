@@ -12,7 +12,7 @@ import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
@@ -99,7 +99,8 @@ def _iterations(root: Path) -> list[int]:
     return [int(name) for name in names if name.isascii() and name.isdigit()]
 
 
-_MODES = ("optimus", "baseline")
+Mode = Literal["optimus", "baseline"]  # the runtimes: Optimus's schedule, or the Megatron-style baseline
+_MODES: tuple[Mode, ...] = get_args(Mode)
 _META_FIELDS = {"iteration": int, "world_size": int, "llm_plan": dict, "mode": str, "model": dict,
                 "optimizer_layout": dict}
 

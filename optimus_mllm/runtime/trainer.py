@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
+from optimus_mllm.runtime.checkpoint_meta import Mode
 from optimus_mllm.runtime.data import Microbatch, microbatch_source
 from optimus_mllm.runtime.dropout import llm_chunk_index, microbatch_seed, seed_llm_dropout
 from optimus_mllm.runtime.dtypes import DTYPES
@@ -56,8 +57,6 @@ from optimus_mllm.runtime.streams import make_encoder_stream, to_device, trainin
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
 from optimus_mllm.scheduler.llm_timeline import default_warmup, pipeline_producer, rank_op_order
-
-Mode = Literal["optimus", "baseline"]
 
 
 @dataclass

@@ -41,11 +41,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from optimus_mllm.config import EncoderConfig, OptimusConfig
+from optimus_mllm.config import EncoderConfig, OptimusConfig, encoder_tp_problem
 from optimus_mllm.params import stage_layer_bounds
 from optimus_mllm.runtime.encoder_ops import Block, Step, run_steps
-from optimus_mllm.runtime.layer_ops import (all_gather, build_layer, collective, compute, layer_steps, tp_entry,
-                                            tp_exit, vision_layer_spec, vision_transformer_config)
+from optimus_mllm.runtime.layer_ops import (all_gather, build_layer, check_decomposable, collective, compute,
+                                            layer_steps, tp_entry, tp_exit, vision_layer_spec,
+                                            vision_transformer_config)
 
 Tensor = torch.Tensor
 InitMethod = Callable[[Tensor], Any]
@@ -160,13 +161,17 @@ class VisionStage(nn.Module):
         self.encoder = encoder
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp > 1
-        _check_tp(encoder, llm_hidden_size, tp, self.sequence_parallel)
+        problem = encoder_tp_problem(encoder, llm_hidden_size, self.sequence_parallel, tp)
+        if problem:  # the planner and the config checks keep such plans out
+            raise ValueError(f"encoder {encoder.name}: {problem}")
         self.first_layer, last_layer = stage_layer_bounds(encoder.num_layers, num_stages)[stage]
         layer_config = vision_transformer_config(encoder, tp, params_dtype, init_std)
         self.patch_embed = PatchEmbedding(encoder, layer_config.init_method, params_dtype) if stage == 0 else None
         spec = layer_spec if layer_spec is not None else vision_layer_spec()
         self.layers = nn.ModuleList(build_layer(spec, layer_config, tp_group, index)
                                     for index in range(self.first_layer, last_layer))
+        for index, layer in enumerate(self.layers, self.first_layer):  # refused when built, not when first run
+            check_decomposable(layer, f"{encoder.name}:{index}")
         last = stage == num_stages - 1
         self.projector = Projector(encoder, llm_hidden_size, layer_config, tp_group) if last else None
         for name, param in self.named_parameters():
@@ -238,18 +243,3 @@ class EncoderStage(nn.Module):
         dist.all_reduce(flat, group=self.tp_group)
         for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(reduced.view_as(g))
-
-
-def _check_tp(encoder: EncoderConfig, llm_hidden_size: int, tp: int, sequence_parallel: bool) -> None:
-    sizes = {
-        "num_attention_heads": encoder.num_attention_heads,
-        "num_query_groups": encoder.query_groups,
-        "ffn_hidden_size": encoder.ffn_hidden_size,
-        "hidden_size": encoder.hidden_size,
-        "llm.hidden_size": llm_hidden_size,
-    }
-    if sequence_parallel:
-        sizes["seq_length"] = encoder.seq_length
-    for field, size in sizes.items():
-        if size % tp:
-            raise ValueError(f"encoder {encoder.name}: {field} = {size} is not divisible by its TP size {tp}")

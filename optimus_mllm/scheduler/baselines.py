@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from optimus_mllm.config import EncoderConfig, LLMConfig, OptimusConfig, tp_divisibility_problem
+from optimus_mllm.config import EncoderConfig, LLMConfig, OptimusConfig, encoder_tp_problem
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.params import (
@@ -140,7 +140,7 @@ def _check_balanced_plan(config: OptimusConfig, plan: ParallelPlan, num_layers: 
 def _encoder_layers(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel) -> list[_Layer]:
     """Every encoder's layers at the LLM's TP: the patch embedding joins the first, the projector the last."""
     for enc in config.encoders:
-        problem = tp_divisibility_problem(enc, llm_plan.tp)
+        problem = encoder_tp_problem(enc, config.llm.hidden_size, config.training.sequence_parallel, llm_plan.tp)
         if problem:
             raise OptimusError(f"Megatron-LM baselines run encoder '{enc.name}' with the LLM's tp={llm_plan.tp}, "
                                f"but its {problem}")
