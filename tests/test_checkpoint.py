@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed_utils import run_distributed
-from tests.train_utils import TINY, assert_one_error_everywhere, plain_vision_model, ranks, step_numbers, torchrun
+from tests.train_utils import (TINY, assert_one_error_everywhere, encoder_under_megatron_names, plain_vision_model,
+                               ranks, step_numbers, torchrun)
 
 SIX = "training.train_iters=6"
 # warm-up, then cosine decay: the resumed steps' learning rates come from the restored schedule; dropout:
@@ -372,9 +373,7 @@ def _plain_megatron_weights(save: str) -> dict:
 
     def weights() -> dict:  # ours under the plain job's names
         named = {f"language_model.{name}": p for name, p in ours.chunks[0].named_parameters()}
-        for name, p in ours.encoder.encoders["vit"].named_parameters():
-            name = name.replace("patch_embed.", "vision_model.").replace("layers.", "vision_model.decoder.layers.")
-            named[name.replace("projector.projection.", "vision_projection.")] = p
+        named.update(encoder_under_megatron_names(ours.encoder, "vit"))
         return {name: p.detach().numpy().copy() for name, p in named.items()}
 
     initial = weights()

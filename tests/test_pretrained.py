@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.distributed_utils import run_distributed
-from tests.train_utils import REPO, TINY, assert_one_error_everywhere, plain_vision_model, ranks, torchrun
+from tests.train_utils import (REPO, TINY, assert_one_error_everywhere, encoder_under_megatron_names,
+                               plain_vision_model, ranks, torchrun)
 
 ONE_RANK = ["cluster.num_gpus=1", "cluster.gpus_per_node=1", "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}"]
 H, HEADS, LAYERS, VOCAB, SEQ = 64, 4, 4, 256, 64  # configs/tiny.yaml's LLM
@@ -163,8 +164,10 @@ def test_converted_gpt2_and_vit_compute_what_their_hugging_face_layouts_do(tmp_p
         (torch.from_numpy(result["features"]) - expected).abs().max()
 
 
-def _plain_gpt_then_ours(folder: str) -> dict:
-    """A megatron-core GPTModel saved by itself (bare keys), then loaded as this job's LLM."""
+def _plain_megatron_then_ours(folder: str, part: str) -> dict:
+    """A plain megatron-core job saves a model part by itself: the LLM as a GPTModel (bare keys), or the
+    encoder as a CLIPViTModel and MultimodalProjector (LLaVA's keys); then this job starts that part
+    from it."""
     import megatron_patches
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -183,73 +186,35 @@ def _plain_gpt_then_ours(folder: str) -> dict:
                                use_cpu_initialization=True, bias_activation_fusion=False,
                                masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
                                apply_rope_fusion=False)
-    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                   share_embeddings_and_output_weights=False)
+    if part == "llm":
+        modules = {"": GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                                share_embeddings_and_output_weights=False)}
+    else:
+        clip, projector = plain_vision_model(config)
+        modules = {"vision_model.": clip, "vision_projection.": projector}
     Path(folder).mkdir()
-    dist_checkpointing.save({"model": gpt.sharded_state_dict()}, folder)
-    saved = {name: p.detach().numpy().copy() for name, p in gpt.named_parameters()}
-    parallel_state.destroy_model_parallel()
-    megatron_patches.remove()
-
-    ours = load_config(TINY, ONE_RANK)
-    trainer = Trainer(ours, plan(ours).llm_plan, "baseline")
-    note = load_pretrained(trainer, "llm", Path(folder), "--pretrained-llm")
-    loaded = {name: p.detach().numpy().copy() for name, p in trainer.chunks[0].named_parameters()}
-    trainer.close()
-    return {"saved": saved, "loaded": loaded, "note": note}
-
-
-def test_a_megatron_core_gpt_checkpoint_starts_the_llm(tmp_path):
-    [result] = run_distributed(_plain_gpt_then_ours, 1, str(tmp_path / "gpt"), timeout=240)
-    assert result["note"] == f"llm: pretrained weights from {tmp_path / 'gpt'}"
-    assert result["saved"].keys() == result["loaded"].keys()
-    for name, weight in result["saved"].items():
-        assert (weight == result["loaded"][name]).all(), name
-
-
-def _plain_vision_then_ours(folder: str) -> dict:
-    """A megatron-core CLIPViTModel and MultimodalProjector saved by a plain script under LLaVA's keys,
-    then loaded as this job's encoder."""
-    import megatron_patches
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-    from megatron.core.transformer import TransformerConfig
-
-    from optimus_mllm.config import load_config
-    from optimus_mllm.planner import plan
-    from optimus_mllm.runtime.checkpoint import load_pretrained
-    from optimus_mllm.runtime.trainer import Trainer
-
-    megatron_patches.apply()
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(7)
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=4 * H,
-                               use_cpu_initialization=True, bias_activation_fusion=False,
-                               masked_softmax_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
-                               apply_rope_fusion=False)
-    clip, projector = plain_vision_model(config)
-    parts = {"vision_model.": clip, "vision_projection.": projector}
-    Path(folder).mkdir()
-    dist_checkpointing.save({"model": {key: value for prefix, module in parts.items()
+    dist_checkpointing.save({"model": {key: value for prefix, module in modules.items()
                                        for key, value in module.sharded_state_dict(prefix=prefix).items()}}, folder)
-    saved = {prefix + name: p.detach().numpy().copy() for prefix, module in parts.items()
+    saved = {prefix + name: p.detach().numpy().copy() for prefix, module in modules.items()
              for name, p in module.named_parameters()}
     parallel_state.destroy_model_parallel()
     megatron_patches.remove()
 
     ours = load_config(TINY, ONE_RANK)
     trainer = Trainer(ours, plan(ours).llm_plan, "baseline")
-    note = load_pretrained(trainer, "vit", Path(folder), "--pretrained-encoder")
-    loaded = {}
-    for name, p in trainer.encoder.encoders["vit"].named_parameters():  # under the plain job's names
-        name = name.replace("patch_embed.", "vision_model.").replace("layers.", "vision_model.decoder.layers.")
-        loaded[name.replace("projector.projection.", "vision_projection.")] = p.detach().numpy().copy()
+    note = load_pretrained(trainer, part, Path(folder), "--pretrained-llm" if part == "llm" else "--pretrained-encoder")
+    named = (dict(trainer.chunks[0].named_parameters()) if part == "llm"
+             else encoder_under_megatron_names(trainer.encoder, part))
+    loaded = {name: p.detach().numpy().copy() for name, p in named.items()}
     trainer.close()
     return {"saved": saved, "loaded": loaded, "note": note}
 
 
-def test_a_megatron_core_vision_checkpoint_starts_the_encoder(tmp_path):
-    [result] = run_distributed(_plain_vision_then_ours, 1, str(tmp_path / "clip"), timeout=240)
-    assert result["note"] == f"vit: pretrained weights from {tmp_path / 'clip'}"
+@pytest.mark.parametrize("part", ["llm", "vit"])
+def test_a_plain_megatron_core_checkpoint_starts_a_model_part(tmp_path, part):
+    """The LLM from a GPTModel's checkpoint, the encoder from a CLIPViTModel and MultimodalProjector's."""
+    [result] = run_distributed(_plain_megatron_then_ours, 1, str(tmp_path / part), part, timeout=240)
+    assert result["note"] == f"{part}: pretrained weights from {tmp_path / part}"
     assert result["saved"].keys() == result["loaded"].keys()
     for name, weight in result["saved"].items():
         assert (weight == result["loaded"][name]).all(), name

@@ -92,3 +92,13 @@ def plain_vision_model(config: object) -> tuple[object, object]:
     projector = MultimodalProjector(projection, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                               linear_fc2=RowParallelLinear), "mlp", 32)
     return clip, projector
+
+
+def encoder_under_megatron_names(stage: object, name: str) -> dict:
+    """An encoder's parameters (of an ``EncoderStage`` holding all its layers) keyed as LLaVA's
+    ``vision_model.`` (CLIPViTModel) and ``vision_projection.`` (MultimodalProjector) name them."""
+    named = {}
+    for key, param in stage.encoders[name].named_parameters():
+        key = key.replace("patch_embed.", "vision_model.").replace("layers.", "vision_model.decoder.layers.")
+        named[key.replace("projector.projection.", "vision_projection.")] = param
+    return named
