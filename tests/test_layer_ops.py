@@ -23,7 +23,6 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
@@ -179,11 +178,11 @@ def test_a_padding_mask_is_refused(one_rank: dist.ProcessGroup) -> None:
 
 def test_an_encoder_stage_is_built_from_the_jobs_layer_spec(one_rank: dist.ProcessGroup) -> None:
     config = config_from_dict(yaml.safe_load((CONFIGS / "tiny.yaml").read_text()))
-    own = EncoderStage(config, 0, 1, one_rank, layer_specs={"vit": get_vit_layer_with_local_spec()})
+    own = EncoderStage(config, 0, 1, one_rank, layer_specs={"vit": _causal(vision_layer_spec())})
     default = EncoderStage(config, 0, 1, one_rank)
     masks = {stage: {layer.self_attention.core_attention.attn_mask_type for layer in stage.encoders["vit"].layers}
              for stage in (own, default)}
-    assert masks == {own: {AttnMaskType.causal}, default: {AttnMaskType.no_mask}}  # megatron-core's ViT is causal
+    assert masks == {own: {AttnMaskType.causal}, default: {AttnMaskType.no_mask}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,9 +65,10 @@ _BIDIRECTIONAL, _CAUSAL = AttnMaskType.no_mask, AttnMaskType.causal
 def vision_layer_spec() -> ModuleSpec:
     """megatron-core's local ViT layer with bidirectional attention.
 
-    ``get_vit_layer_with_local_spec`` asks for a causal mask (its transformer-engine twin for none) and
-    keeps the norms under their module names; this takes no mask, as a ViT attends, and saves the norms
-    under the fused names megatron-core's GPT local spec and LLaVA's transformer-engine ViT use
+    ``get_vit_layer_with_local_spec`` asks for a causal mask in megatron-core 0.16 (for none in the
+    current Megatron-LM source, as its transformer-engine twin does) and keeps the norms under their
+    module names; this takes no mask, as a ViT attends, and saves the norms under the fused names
+    megatron-core's GPT local spec and LLaVA's transformer-engine ViT use
     (``self_attention.linear_qkv.layer_norm_weight``), so checkpoints match Megatron-LM's."""
     spec = get_vit_layer_with_local_spec()
     attention = spec.submodules.self_attention
