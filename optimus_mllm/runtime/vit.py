@@ -1,11 +1,11 @@
 """A ViT encoder stage and its projector, tensor-parallel, written as kernel-sized steps.
 
-Megatron-core's layout: activations are [sequence, batch, hidden]. The layers are megatron-core
-``TransformerLayer``s built from ``layer_ops.vision_layer_spec`` (its local ViT layer) and run as the
-steps ``layer_ops.layer_steps`` derives from their submodules; the projector's shards are held and
-initialised by megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear``, applied by steps of its
-own. So every TP collective is a step of its own. The encoder has its own plan, so its TP group is
-always passed in; megatron-core's ``parallel_state`` is never read.
+Megatron-core's layout and modules: activations are [sequence, batch, hidden]; the patch embedding
+holds ``CLIPViTModel``'s parameters, the layers are megatron-core ``TransformerLayer``s built from a
+layer spec (``layer_ops.vision_layer_spec`` by default) and the ``mlp`` projector is a
+``MultimodalProjector``. None of their forwards runs: steps apply their weights (the layers' steps
+come from ``layer_ops.layer_steps``), so that every TP collective is a step of its own. The encoder
+has its own plan, so its TP group is always passed in; megatron-core's ``parallel_state`` is never read.
 
 Under sequence parallelism (TP > 1) the parameters applied to a rank's own tokens (norms, row-parallel
 biases, patch and position embedding) get partial gradients: they carry megatron-core's
