@@ -40,6 +40,7 @@ Normalization = Literal["LayerNorm", "RMSNorm"]
 Activation = Literal["gelu", "silu"]
 PositionEmbedding = Literal["learned_absolute", "rope", "none"]
 ProjectorType = Literal["mlp", "linear"]
+VisionSubtype = Literal["internvit", "clip"]  # megatron-core CLIPViTModel's model_subtype
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class EncoderConfig(TransformerSpec):
     name: str = "vit"
     patch_size: int = 14
     in_channels: int = 3
+    # megatron-core CLIPViTModel's embedding: internvit a patch conv with a bias; clip one without, and a
+    # norm (ln_pre) before the first layer, as Megatron-LM's pretrain_vlm.py builds it
+    model_subtype: VisionSubtype = "internvit"
     frozen: bool = False  # frozen encoders run forward only; their backward is never scheduled
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
 

@@ -102,6 +102,9 @@ def vit_entries(state: Mapping[str, Tensor], encoder: EncoderConfig, prefix: str
     projector's from LLaVA's ``multi_modal_projector`` when present; ``prefix``: the encoder's key
     prefix (``sharded_state.encoder_prefix``)."""
     _check_layers(encoder, f"model.encoders[{encoder.name}]")
+    if encoder.model_subtype != "internvit":  # a biased patch conv and no norm before the layers
+        raise OptimusError(f"model.encoders[{encoder.name}].model_subtype is {encoder.model_subtype}; Hugging Face "
+                           "ViT's embedding is internvit's")
     source = "ViT"
     state = {key.removeprefix("vit."): value for key, value in state.items()}
     out = f"{prefix}vision_model."

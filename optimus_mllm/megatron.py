@@ -168,9 +168,10 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
         "name": "megatron-args",
         "cluster": {"num_gpus": world_size, "gpus_per_node": min(gpus_per_node, world_size)},
         "model": {
+            # pretrain_vlm.py's vision model: CLIPViTModel with vision_model_type "clip"
             "encoders": [{"name": "vit", **layers, "num_layers": args.encoder_num_layers, "seq_length": image_tokens,
                           "patch_size": args.patch_dim, "in_channels": getattr(args, "num_channels", 3),
-                          "frozen": getattr(args, "freeze_ViT", False)}],
+                          "frozen": getattr(args, "freeze_ViT", False), "model_subtype": "clip"}],
             "llm": {**layers, "num_layers": args.num_layers, "seq_length": text_tokens + image_tokens,
                     "vocab_size": args.vocab_size, "position_embedding_type": getattr(
                         args, "position_embedding_type", "learned_absolute"),

@@ -33,9 +33,11 @@ def encoder_params(enc: EncoderConfig) -> int:
     """The ViT alone (patch embedding, position embedding, layers), without projector. Like the
     runtime's ViT (and the cost model's encoder kernels) it has no final norm: the last layer's output
     goes to the projector."""
-    patch_embed = enc.in_channels * enc.patch_size**2 * enc.hidden_size + enc.hidden_size
+    clip = enc.model_subtype == "clip"  # a conv without a bias, and ln_pre
+    patch_embed = enc.in_channels * enc.patch_size**2 * enc.hidden_size + (0 if clip else enc.hidden_size)
     pos_embed = enc.seq_length * enc.hidden_size
-    return patch_embed + pos_embed + enc.num_layers * layer_params(enc)
+    ln_pre = norm_params(enc) if clip else 0
+    return patch_embed + pos_embed + ln_pre + enc.num_layers * layer_params(enc)
 
 
 def projector_params(enc: EncoderConfig, llm: LLMConfig) -> int:

@@ -163,7 +163,8 @@ def kernel_op(config: OptimusConfig, entry: ProfileEntry) -> KernelOp:
         h_enc, h_llm = enc.hidden_size, config.llm.hidden_size
         if name == "patch_embed":
             local = tokens // t if config.training.sequence_parallel and t > 1 else tokens
-            return KernelOp("linear", (local, enc.in_channels * enc.patch_size**2, h_enc), bias=True)
+            return KernelOp("linear", (local, enc.in_channels * enc.patch_size**2, h_enc),
+                            bias=enc.model_subtype != "clip")
         if name == "projector_fc1":
             if enc.projector.type == "mlp":  # column-parallel, GELU fused (runtime/vit.py)
                 return KernelOp("linear", (tokens, h_enc, h_llm // t), bias=True, gelu=True)

@@ -45,6 +45,7 @@ CASES = {
     "dual-frozen": {"dual": True},
     "dual-frozen-full": {"dual": True, "recompute": "full"},
     "gated-gqa": {"encoder": GATED_GQA},
+    "clip": {"encoder": {"model_subtype": "clip"}},  # ln_pre: under sequence parallelism on a rank's own tokens
     # a recomputed layer draws the forward's masks; under TP they are cut from the unsharded stage's
     "dropout-full": {"encoder": DROPOUT, "recompute": "full"},
 }

@@ -32,6 +32,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 import megatron_patches
 from optimus_mllm.config import EncoderConfig, config_from_dict
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.params import encoder_params, projector_params
 from optimus_mllm.runtime.encoder_ops import Block, MicrobatchRun, build_stage_ops
 from optimus_mllm.runtime.layer_ops import build_layer, layer_steps, vision_layer_spec, vision_transformer_config
 from optimus_mllm.runtime.vit import EncoderStage
@@ -39,11 +40,10 @@ from tests.conftest import CONFIGS
 
 SEQ, BATCH = 6, 2
 TOL = 2e-5
-VARIANTS = {
-    "vit": {},
-    "gated-gqa-rms-nobias": {"gated_linear_unit": True, "activation": "silu", "num_query_groups": 2,
-                             "kv_channels": 12, "normalization": "RMSNorm", "add_bias_linear": False},
-}
+GATED_GQA_RMS = {"gated_linear_unit": True, "activation": "silu", "num_query_groups": 2, "kv_channels": 12,
+                 "normalization": "RMSNorm", "add_bias_linear": False}
+VARIANTS = {"vit": {}, "gated-gqa-rms-nobias": GATED_GQA_RMS}
+SUBTYPES = ["internvit", "clip"]  # CLIPViTModel's: a biased patch conv; one without and ln_pre
 
 
 def _encoder(**fields: Any) -> EncoderConfig:
@@ -118,7 +118,8 @@ def _tp2_rank() -> dict[str, dict[str, float]]:
         group = parallel_state.get_tensor_model_parallel_group()
         try:
             errors = {variant: _compare(variant, False, group) for variant in VARIANTS}
-            return {**errors, "clip vit + projector": _clip_comparison(group)}
+            return {**errors, **{f"{subtype} vision model + projector": _clip_comparison(group, subtype)
+                                 for subtype in SUBTYPES}}
         finally:
             parallel_state.destroy_model_parallel()
 
@@ -177,7 +178,7 @@ def test_a_padding_mask_is_refused(one_rank: dist.ProcessGroup) -> None:
 
 
 def test_an_encoder_stage_is_built_from_the_jobs_layer_spec(one_rank: dist.ProcessGroup) -> None:
-    config = config_from_dict(yaml.safe_load((CONFIGS / "tiny.yaml").read_text()))
+    config = _tiny()
     own = EncoderStage(config, 0, 1, one_rank, layer_specs={"vit": _causal(vision_layer_spec())})
     default = EncoderStage(config, 0, 1, one_rank)
     masks = {stage: {layer.self_attention.core_attention.attn_mask_type for layer in stage.encoders["vit"].layers}
@@ -195,9 +196,9 @@ def _megatron_reference(stage: EncoderStage, config: Any, group: dist.ProcessGro
     enc = config.encoders[0]
     layer = vision.layers[0]
     side = int(enc.seq_length**0.5) * enc.patch_size
-    clip = CLIPViTModel(layer.config, vision_layer_spec(), add_class_token=False, class_token_len=0,
-                        patch_dim=enc.patch_size, img_h=side, img_w=side, model_subtype="internvit",
-                        pg_collection=ProcessGroupCollection(tp=group, cp=None, pp=None))
+    clip = CLIPViTModel(layer.config, vision_layer_spec(), ln_pre_impl=WrappedTorchNorm, add_class_token=False,
+                        class_token_len=0, patch_dim=enc.patch_size, img_h=side, img_w=side,
+                        model_subtype=enc.model_subtype, pg_collection=ProcessGroupCollection(tp=group, cp=None, pp=None))
     projector = MultimodalProjector(vision.projector.projection.config,
                                     MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
                                     "mlp", enc.hidden_size, tp_group=group)
@@ -211,9 +212,15 @@ def _megatron_reference(stage: EncoderStage, config: Any, group: dist.ProcessGro
     return clip, projector
 
 
-def _clip_comparison(group: dist.ProcessGroup) -> dict[str, float]:
+def _tiny(**encoder: Any) -> Any:
+    raw = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    raw["model"]["encoders"][0].update(encoder)
+    return config_from_dict(raw)
+
+
+def _clip_comparison(group: dist.ProcessGroup, subtype: str) -> dict[str, float]:
     """Largest differences of the projected features and every gradient, stage ops vs megatron-core."""
-    config = config_from_dict(yaml.safe_load((CONFIGS / "tiny.yaml").read_text()))
+    config = _tiny(model_subtype=subtype)
     enc = config.encoders[0]
     torch.manual_seed(0)
     stage = EncoderStage(config, 0, 1, group, init_std=0.2)
@@ -251,13 +258,23 @@ def _clip_comparison(group: dist.ProcessGroup) -> dict[str, float]:
             for key, value in expected.items()}
 
 
-def test_an_encoder_stage_computes_megatron_cores_clip_vit_and_projector(one_rank: dist.ProcessGroup) -> None:
-    errors = _clip_comparison(one_rank)
+@pytest.mark.parametrize("subtype", SUBTYPES)
+def test_an_encoder_stage_computes_megatron_cores_clip_vit_and_projector(one_rank: dist.ProcessGroup,
+                                                                         subtype: str) -> None:
+    errors = _clip_comparison(one_rank, subtype)
     assert len(errors) > 10 and max(errors.values()) <= TOL, errors
 
 
+@pytest.mark.parametrize("encoder", [{}, {"model_subtype": "clip"}, GATED_GQA_RMS], ids=["internvit", "clip", "gated"])
+def test_the_parameter_count_is_the_planners(one_rank: dist.ProcessGroup, encoder: dict[str, Any]) -> None:
+    config = _tiny(**encoder)
+    stage = EncoderStage(config, 0, 1, one_rank)
+    enc = config.encoders[0]
+    assert sum(p.numel() for p in stage.parameters()) == encoder_params(enc) + projector_params(enc, config.llm)
+
+
 def test_an_encoder_stage_refuses_a_spec_it_cannot_split_when_built(one_rank: dist.ProcessGroup) -> None:
-    config = config_from_dict(yaml.safe_load((CONFIGS / "tiny.yaml").read_text()))
+    config = _tiny()
     spec = _with_submodule(vision_layer_spec(), "self_attention.q_layernorm", WrappedTorchNorm)
     with pytest.raises(OptimusError, match=r"^vit:0: self_attention.q_layernorm is LayerNorm"):
         EncoderStage(config, 0, 1, one_rank, layer_specs={"vit": spec})

@@ -254,3 +254,15 @@ def test_converting_into_layers_that_are_not_gpt2s_is_refused(field, value):
     llm = replace(load_config(TINY).llm, **{field: value})
     with pytest.raises(OptimusError, match=f"model.llm.{field} is {value}; Hugging Face GPT-2 and ViT layers"):
         gpt2_entries(_gpt2_state(), llm)
+
+
+def test_converting_a_vit_into_a_clip_embedding_is_refused():
+    from dataclasses import replace
+
+    from optimus_mllm.config import load_config
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.hf_convert import vit_entries
+
+    encoder = replace(load_config(TINY).encoders[0], model_subtype="clip")
+    with pytest.raises(OptimusError, match=r"model.encoders\[vit\].model_subtype is clip; Hugging Face ViT's"):
+        vit_entries(_vit_state(True), encoder, "")

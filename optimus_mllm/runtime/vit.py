@@ -71,30 +71,36 @@ def _bias_step(bias: Tensor | None) -> Step:
 
 class PatchEmbedding(nn.Module):
     """Patches -> hidden plus a learned position embedding, replicated over TP: megatron-core's
-    ``CLIPViTModel`` embedding (``conv1``, a patch-sized stride-``patch`` Conv2d with a bias, and
-    ``position_embeddings``) for its ``internvit`` subtype without a class token, under its names."""
+    ``CLIPViTModel`` embedding without a class token, under its names: ``conv1``, a patch-sized
+    stride-``patch`` Conv2d (with a bias for the ``internvit`` subtype, without for ``clip``),
+    ``position_embeddings`` and, for ``clip``, the norm ``ln_pre``."""
 
     def __init__(self, encoder: EncoderConfig, init_method: InitMethod, dtype: torch.dtype):
         super().__init__()
+        clip = encoder.model_subtype == "clip"
         self.conv1 = nn.Conv2d(encoder.in_channels, encoder.hidden_size, encoder.patch_size, encoder.patch_size,
-                               bias=True, dtype=dtype)
+                               bias=not clip, dtype=dtype)
         self.position_embeddings = nn.Embedding(encoder.seq_length, encoder.hidden_size, dtype=dtype)
+        norm = nn.RMSNorm if encoder.normalization == "RMSNorm" else nn.LayerNorm
+        self.ln_pre = norm(encoder.hidden_size, eps=1e-5, dtype=dtype) if clip else None
         init_method(self.conv1.weight)
-        nn.init.zeros_(self.conv1.bias)
+        if self.conv1.bias is not None:
+            nn.init.zeros_(self.conv1.bias)
         init_method(self.position_embeddings.weight)
 
     def step(self, tokens: slice) -> Step:
         """Embed the patches of ``tokens`` (a rank's own share under sequence parallelism). The data
         gives each patch flattened channel-last, so the convolution is one GEMM over it."""
-        conv, position = self.conv1, self.position_embeddings.weight
+        conv, position, ln_pre = self.conv1, self.position_embeddings.weight, self.ln_pre
 
         def forward(patches: Tensor) -> Tensor:
             weight = conv.weight.permute(0, 2, 3, 1).reshape(conv.out_channels, -1)
             # pixels arrive in fp32 (the data loader's); the weights are in the training precision
             x = F.linear(patches[:, tokens].to(weight.dtype), weight, conv.bias) + position[tokens]
+            x = x if ln_pre is None else ln_pre(x)
             return x.transpose(0, 1).contiguous()
 
-        return compute("patch_embed", forward, conv.weight, conv.bias, position)
+        return compute("patch_embed", forward, *self.parameters())
 
 
 class Projector(nn.Module):
