@@ -77,7 +77,7 @@ class Job:
     num_microbatches: int  # per LLM pipeline
     micro_batch: int
     model: tuple[str, ...]  # plan-independent overrides: model shapes, encoders, training seed
-    encoders: str  # "single", "dual", with "+frozen" if one encoder is frozen
+    encoders: str  # "single", "dual", with "+frozen" if one encoder is frozen, "+clip" for a clip embedding
     llm: str  # "sp" (sequence parallel), "tied" (embeddings), "rope", "silu", "rms" (RMSNorm) joined by "+", or "-"
     force_encoder_plan: bool  # one of the planner's plans instead of the scheduler's choice
     force_warmup: bool  # a reduced warm-up instead of the scheduler's, where V > 1 allows one
@@ -125,8 +125,8 @@ def draw_job(seed: int) -> Job:
     if rng.random() < 0.3:
         encoders[rng.randrange(len(encoders))]["frozen"] = True
         label += "+frozen"
-    encoders_override = f"model.encoders={json.dumps(encoders)}"
-    model.append(encoders_override)
+    encoders_at = len(model)  # later draws rewrite this override
+    model.append(f"model.encoders={json.dumps(encoders)}")
     micro_batch = rng.randint(1, 3)
     force_encoder_plan = rng.random() < 0.5
     force_warmup = vp > 1 and rng.random() < 0.4
@@ -146,11 +146,15 @@ def draw_job(seed: int) -> Job:
         model.append("model.llm.activation=silu")
         for encoder in encoders:
             encoder["activation"] = "silu"
-        model[model.index(encoders_override)] = f"model.encoders={json.dumps(encoders)}"
+        model[encoders_at] = f"model.encoders={json.dumps(encoders)}"
         llm.append("silu")
     if rng.random() < 0.2:
         model.append("model.llm.normalization=RMSNorm")
         llm.append("rms")
+    if rng.random() < 0.3:  # CLIPViTModel's clip embedding (ln_pre) for the first encoder
+        encoders[0]["model_subtype"] = "clip"
+        model[encoders_at] = f"model.encoders={json.dumps(encoders)}"
+        label += "+clip"
     return Job(seed=seed, dp=dp, pp=pp, tp=tp, vp=vp, num_microbatches=num_microbatches, micro_batch=micro_batch,
                model=tuple(model), encoders=label, llm="+".join(llm) or "-", force_encoder_plan=force_encoder_plan,
                force_warmup=force_warmup)

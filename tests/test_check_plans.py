@@ -1,10 +1,10 @@
 """scripts/check_plans.py: a few seeds of the randomized plan-equivalence check, and the check failing.
 
 The seeds are chosen so that together they cover an LLM PP4 job with the scheduler's adjusted warm-up
-(seed 44, two encoders), a frozen encoder split over 4 encoder stages with a forced warm-up and SiLU MLPs
-(seed 37, which found stages without a backward never finishing), and a PP2 V1 job whose 5 microbatches
-are not a multiple of PP (seed 179). test_runtime.py forces reduced warm-ups too. Each test first asserts that its
-seed still draws what it is here for.
+(seed 44, two encoders, the first with CLIP's embedding), a frozen encoder split over 4 encoder stages
+with a forced warm-up and SiLU MLPs (seed 37, which found stages without a backward never finishing),
+and a PP2 V1 job whose 5 microbatches are not a multiple of PP (seed 179). test_runtime.py forces
+reduced warm-ups too. Each test first asserts that its seed still draws what it is here for.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ TIMEOUT = 240.0
 
 
 @pytest.mark.parametrize("seed, expected", [
-    (44, {"pp": 4, "vp": 2, "warmup_kind": "adjusted", "encoders": "dual"}),
+    (44, {"pp": 4, "vp": 2, "warmup_kind": "adjusted", "encoders": "dual+clip"}),
     # a frozen encoder over 4 encoder stages: only the last (projector) stage runs a backward
     (37, {"pp": 4, "vp": 3, "warmup_kind": "forced", "encoders": "single+frozen"}),
 ], ids=["PP4-adjusted-dual", "PP4-V3-frozen-encoder-PP4"])
