@@ -47,6 +47,7 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.runtime.dropout import dropout, site_seed
 from optimus_mllm.runtime.dtypes import ACTIVATIONS
 from optimus_mllm.runtime.encoder_ops import Step
+from optimus_mllm.runtime.llm import SdpaCoreAttention, unfused_settings
 
 Tensor = torch.Tensor
 
@@ -95,10 +96,7 @@ def vision_transformer_config(spec: TransformerSpec, tp: int, params_dtype: torc
         tensor_model_parallel_size=tp, params_dtype=params_dtype, pipeline_dtype=params_dtype,
         init_method_std=init_std, init_method=init, output_layer_init_method=init,
         use_cpu_initialization=True, perform_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False,
-        # megatron-core's own default, "full", is deprecated for [] (the same: the whole layer) and warns
-        **({"cuda_graph_scope": []} if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__ else {}),
+        **unfused_settings(),
     )
 
 
@@ -162,17 +160,17 @@ def tp_exit(group: ProcessGroup, sequence_parallel: bool, half: str) -> Step:
 
 
 def compute(kernel: str, fn: Callable[[Tensor], Tensor], *params: Tensor | None) -> Step:
-    return Step(forward=lambda x: (fn(x),), fwd_kernel=kernel, bwd_kernel=kernel, trainable=_wants_grad(*params))
+    return Step(forward=lambda x: (fn(x),), fwd_kernel=kernel, bwd_kernel=kernel, trainable=wants_grad(*params))
 
 
-def _wants_grad(*params: Tensor | None) -> bool:
+def wants_grad(*params: Tensor | None) -> bool:
     return any(p is not None and p.requires_grad for p in params)
 
 
 def _norm_step(norm: nn.Module, kernel: str) -> Step:
     """Normalise, and keep the input as the residual of the half-layer."""
     return Step(forward=lambda h: (norm(h), h), fwd_kernel=kernel, bwd_kernel=kernel,
-                writes=("hidden", "residual"), trainable=_wants_grad(*norm.parameters()))
+                writes=("hidden", "residual"), trainable=wants_grad(*norm.parameters()))
 
 
 def _residual_add_step(bias: Tensor | None, p: float, site: str, group: ProcessGroup,
@@ -188,7 +186,7 @@ def _residual_add_step(bias: Tensor | None, p: float, site: str, group: ProcessG
         return (x + residual,)
 
     return Step(forward=forward, fwd_kernel=None, bwd_kernel=None, reads=("hidden", "residual"),
-                trainable=_wants_grad(bias), seeded=True)
+                trainable=wants_grad(bias), seeded=True)
 
 
 def _linear(module: nn.Module, with_bias: bool = True) -> Callable[[Tensor], Tensor]:
@@ -279,12 +277,6 @@ def _attention(qkv: Tensor, heads: int, groups: int, head_dim: int, scale: float
     return out.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
 
 
-def _core_attention_classes() -> tuple[type, ...]:
-    from optimus_mllm.runtime.llm import SdpaCoreAttention  # the LLM's GPU core attention, same math
-
-    return DotProductAttention, SdpaCoreAttention
-
-
 def check_decomposable(layer: nn.Module, where: str) -> None:
     """Refuse, naming the submodule, a layer whose forward the steps would not reproduce exactly."""
 
@@ -307,7 +299,8 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
     exactly("self_attention", layer.self_attention, SelfAttention)
     attention = layer.self_attention
     exactly("self_attention.linear_qkv", attention.linear_qkv, ColumnParallelLinear)
-    exactly("self_attention.core_attention", attention.core_attention, *_core_attention_classes())
+    # SdpaCoreAttention: the LLM's GPU core attention, the same math
+    exactly("self_attention.core_attention", attention.core_attention, DotProductAttention, SdpaCoreAttention)
     exactly("self_attention.linear_proj", attention.linear_proj, RowParallelLinear)
     for name in ("q_layernorm", "k_layernorm"):
         norm = getattr(attention, name, None)

@@ -32,6 +32,17 @@ from optimus_mllm.runtime.data import Microbatch
 from optimus_mllm.runtime.dtypes import ACTIVATIONS, DTYPES
 
 
+def unfused_settings() -> dict[str, Any]:
+    """TransformerConfig settings every model here shares: the fusions that need CUDA (or apex) off, and
+    in place of megatron-core's own cuda_graph_scope default, "full", which is deprecated and warns, []
+    (the same: the whole layer; a fresh list per config)."""
+    return {
+        "bias_activation_fusion": False, "masked_softmax_fusion": False, "bias_dropout_fusion": False,
+        "persist_layer_norm": False, "apply_rope_fusion": False,
+        **({"cuda_graph_scope": []} if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__ else {}),
+    }
+
+
 def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> TransformerConfig:
     """megatron-core's config for the LLM under ``plan``, with fusions that need CUDA turned off."""
     llm, t = config.llm, config.training
@@ -46,16 +57,12 @@ def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Transformer
         sequence_parallel=t.sequence_parallel and plan.tp > 1, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=t.precision == "bf16", fp16=t.precision == "fp16",
         hidden_dropout=llm.hidden_dropout, attention_dropout=llm.attention_dropout,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(), **unfused_settings(),
         # megatron-core pairs interleaved PP=2 sends wrongly when batched (NVIDIA/Megatron-LM#750)
         batch_p2p_comm=False,
         # Megatron-LM's --recompute-granularity; full recomputes every layer (--recompute-method uniform,
         # --recompute-num-layers 1), as the memory model assumes
         recompute_granularity=None if t.recompute == "none" else t.recompute,
-        # megatron-core's own default, "full", is deprecated for [] (the same: the whole layer) and warns
-        **({"cuda_graph_scope": []} if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__ else {}),
         **({"recompute_method": "uniform", "recompute_num_layers": 1} if t.recompute == "full" else {}),
     )
 

@@ -46,7 +46,7 @@ from optimus_mllm.params import stage_layer_bounds
 from optimus_mllm.runtime.encoder_ops import Block, Step, run_steps
 from optimus_mllm.runtime.layer_ops import (all_gather, build_layer, check_decomposable, collective, compute,
                                             layer_steps, tp_entry, tp_exit, vision_layer_spec,
-                                            vision_transformer_config)
+                                            vision_transformer_config, wants_grad)
 
 Tensor = torch.Tensor
 InitMethod = Callable[[Tensor], Any]
@@ -62,7 +62,7 @@ def _own_chunk(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
 
 def _bias_step(bias: Tensor | None) -> Step:
     return Step(forward=lambda x: (x if bias is None else x + bias,), fwd_kernel=None, bwd_kernel=None,
-                trainable=bias is not None and bias.requires_grad)
+                trainable=wants_grad(bias))
 
 
 # ---------------------------------------------------------------------------------------------
