@@ -100,16 +100,39 @@ def _modelled_elements(config_path: str, overrides: list[str], artifact: dict) -
 SLACK = 0.15
 
 
-@pytest.mark.parametrize("config_path, overrides, distributed_optimizer", [
-    (TINY, [], True), (TINY, EIGHT_RANKS, True), (TINY, LLM_DP2_ON_4, False), (FIG5_SMALL, [], True),
-], ids=["tiny-LLM-DP1-encoder-DP4", "LLM-DP2-TP2", "LLM-DP2-no-distributed-optimizer", "fig5-small"])
-def test_dp_collectives_are_the_timelines(config_path, overrides, distributed_optimizer):
-    overrides = [*overrides, f"training.distributed_optimizer={str(distributed_optimizer).lower()}"]
-    artifact = artifact_for(config_path, overrides)
+CASES = {"tiny-LLM-DP1-encoder-DP4": (TINY, [], True), "LLM-DP2-TP2": (TINY, EIGHT_RANKS, True),
+         "LLM-DP2-no-distributed-optimizer": (TINY, LLM_DP2_ON_4, False), "fig5-small": (FIG5_SMALL, [], True)}
+
+
+def _rank_cases(cases: dict[str, tuple[str, list[str], dict]]) -> dict[str, dict]:
+    """One rank of several cases in one launch (starting the ranks is most of a case's time)."""
+    return {name: _recorded_steps(*case) for name, case in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict:
+    """Every case's artifact, and its ranks' records, the cases of one world size run in one launch."""
+    prepared, by_world = {}, {}
+    for name, (config_path, overrides, distributed_optimizer) in CASES.items():
+        overrides = [*overrides, f"training.distributed_optimizer={str(distributed_optimizer).lower()}"]
+        artifact = artifact_for(config_path, overrides)
+        world = artifact["llm_plan"]["dp"] * artifact["llm_plan"]["pp"] * artifact["llm_plan"]["tp"]
+        prepared[name] = (config_path, overrides, artifact)
+        by_world.setdefault(world, {})[name] = prepared[name]
+    records = {}
+    for world, cases in by_world.items():
+        per_rank = run_distributed(_rank_cases, world, cases, timeout=600)
+        records.update({name: [rank[name] for rank in per_rank] for name in cases})
+    return {"prepared": prepared, "records": records}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dp_collectives_are_the_timelines(launches, case):
+    config_path, overrides, artifact = launches["prepared"][case]
+    distributed_optimizer = CASES[case][2]
     llm_model, encoder_model = _modelled_elements(config_path, overrides, artifact)
-    world = artifact["llm_plan"]["dp"] * artifact["llm_plan"]["pp"] * artifact["llm_plan"]["tp"]
     seen_groups = set()
-    for rank, r in enumerate(run_distributed(_recorded_steps, world, config_path, overrides, artifact, timeout=400)):
+    for rank, r in enumerate(launches["records"][case]):
         for group, modelled in ((r["llm_dp"], llm_model[r["stage"]]), (r["encoder_dp"], encoder_model[r["encoder_stage"]])):
             calls = [(kind, n, phase) for kind, ranks, n, phase in r["records"] if ranks == group]
             if len(group) == 1:

@@ -52,13 +52,25 @@ def _shuffled_hooks(artifact: dict) -> dict:
     return artifact
 
 
-@pytest.mark.parametrize("overrides, shuffle", [([], False), (ENC_PP2, True), (PP4_V2, False)],
-                         ids=["tiny", "encoder-PP2-reordered", "PP4-V2-adjusted"])
-def test_runtime_messages_follow_nccl_matching_rules(overrides, shuffle):
-    artifact = artifact_for(TINY, overrides)
-    if shuffle:
-        artifact = _shuffled_hooks(artifact)
-    per_rank = run_distributed(_recorded_step, 4, overrides, artifact, timeout=240)
-    records = [r for rank in per_rank for r in rank]
+CASES = {"tiny": ([], False), "encoder-PP2-reordered": (ENC_PP2, True), "PP4-V2-adjusted": (PP4_V2, False)}
+
+
+def _recorded_steps(cases: dict[str, tuple[list[str], dict]]) -> dict[str, list[tuple]]:
+    """One rank of every case, one launch: each case's step, recorded on its own."""
+    return {name: _recorded_step(overrides, artifact) for name, (overrides, artifact) in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def recorded() -> list[dict[str, list[tuple]]]:
+    cases = {}
+    for name, (overrides, shuffle) in CASES.items():
+        artifact = artifact_for(TINY, overrides)
+        cases[name] = (overrides, _shuffled_hooks(artifact) if shuffle else artifact)
+    return run_distributed(_recorded_steps, 4, cases, timeout=400)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_runtime_messages_follow_nccl_matching_rules(recorded, case):
+    records = [r for rank in recorded for r in rank[case]]
     assert any(op in ("isend", "send") for op, *_ in records), "no P2P recorded: the check saw nothing"
     assert nccl_violations(records) == []

@@ -19,7 +19,7 @@ from tests.distributed_utils import run_distributed
 
 STEPS = 2  # the second step runs from the first one's update; more steps only cost CI time
 TINY = str(CONFIGS / "tiny.yaml")
-EIGHT_RANKS = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={dp: 2, pp: 2, tp: 2, vp: 2}"]
+LLM_DP2 = ["parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}"]
 
 
 def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | None, steps: int = STEPS) -> dict:
@@ -60,8 +60,18 @@ def _artifact(overrides: list[str], encoder_plan: dict | None = None, cost_overr
     return artifact_for(TINY, overrides + extra + list(cost_overrides))
 
 
-def _run(world: int, overrides: list[str], mode: str, artifact: dict | None) -> list[dict]:
-    return run_distributed(_train, world, TINY, overrides, mode, artifact, timeout=240)
+def _train_runs(config_path: str, runs: list[tuple[list[str], str, dict | None, int]]) -> list[dict]:
+    """One rank: each (overrides, mode, artifact, steps) run in turn, a trainer each, closed before the next
+    (one launch of the ranks for several runs: starting them is most of a small test's time)."""
+    return [_train(config_path, overrides, mode, artifact, steps) for overrides, mode, artifact, steps in runs]
+
+
+def _both(world: int, overrides: list[str], artifact: dict, steps: int = STEPS, config: str = TINY,
+          timeout: int = 300) -> tuple[list[dict], list[dict]]:
+    """(Optimus, baseline) results by rank: the artifact's schedule, then the Megatron-style baseline."""
+    runs = [(overrides, "optimus", artifact, steps), (overrides, "baseline", None, steps)]
+    per_rank = run_distributed(_train_runs, world, config, runs, timeout=timeout)
+    return [r[0] for r in per_rank], [r[1] for r in per_rank]
 
 
 def _assert_same(optimus: list[dict], baseline: list[dict]) -> None:
@@ -87,27 +97,45 @@ def _assert_tensors_equal(got: dict, expected: dict, where: str) -> None:
             assert abs(got[name][1] - grad).max() <= 1e-5, f"{where}: gradient {name}"
 
 
+def _displaced(artifact: dict) -> tuple[dict, tuple[str, int, int]]:
+    """The artifact with one op hooked before its chain's predecessor, and that op."""
+    artifact = copy.deepcopy(artifact)
+    stage = next(s for s in artifact["encoder_stages"]
+                 if any(op["hook"]["at"] == "llm_kernel" and op["kernel_index"] > 0 for op in s["ops"]))
+    op = next(op for op in stage["ops"] if op["hook"]["at"] == "llm_kernel" and op["kernel_index"] > 0)
+    op["hook"] = {"at": "before_first_compute"}
+    return artifact, (op["phase"], op["local_microbatch"], op["kernel_index"])
+
+
 @pytest.fixture(scope="module")
-def baseline4() -> list[dict]:
-    return _run(4, [], "baseline", None)
+def tiny4() -> dict:
+    """configs/tiny.yaml on 4 ranks (LLM PP2 TP2 V2), one launch: the baseline, then the Optimus runtime
+    with the scheduler's encoder plan (DP4 PP1 TP1), with encoder DP2 PP2 TP1, with that artifact's hook
+    points from shuffled predictions, and with one of its ops displaced."""
+    pp2 = _artifact([], {"pp": 2, "tp": 1})
+    displaced, op = _displaced(pp2)
+    artifacts = {"scheduler-choice": _artifact([]), "enc-DP2-PP2-TP1": pp2,
+                 "shuffled": shuffled_hooks(pp2, seed=1), "displaced": displaced}
+    runs = [([], "baseline", None, STEPS)] + [([], "optimus", a, STEPS) for a in artifacts.values()]
+    per_rank = run_distributed(_train_runs, 4, TINY, runs, timeout=400)
+    results = {name: [r[i + 1] for r in per_rank] for i, name in enumerate(artifacts)}
+    return {"baseline": [r[0] for r in per_rank], **results, "artifacts": artifacts, "displaced_op": op}
 
 
-@pytest.mark.parametrize("encoder_plan", [None, {"pp": 2, "tp": 1}], ids=["scheduler-choice", "enc-DP2-PP2-TP1"])
-def test_optimus_equals_megatron_baseline_on_4_ranks(baseline4, encoder_plan):
+@pytest.mark.parametrize("encoder_plan", ["scheduler-choice", "enc-DP2-PP2-TP1"])
+def test_optimus_equals_megatron_baseline_on_4_ranks(tiny4, encoder_plan):
     """LLM PP2 TP2 V2; encoder (DP4, PP1, TP1) as the scheduler chooses it, or (DP2, PP2, TP1), whose
     encoder ops also run at the artifact's hook points."""
-    artifact = _artifact([], encoder_plan)
-    results = _run(4, [], "optimus", artifact)
-    _assert_same(results, baseline4)
-    if encoder_plan:
+    _assert_same(tiny4[encoder_plan], tiny4["baseline"])
+    if encoder_plan == "enc-DP2-PP2-TP1":
+        artifact = tiny4["artifacts"][encoder_plan]
         assert (artifact["encoder_plan"]["pp"], artifact["encoder_plan"]["tp"]) == (2, 1)
-        _assert_ran_at_the_hook_points(results, artifact)
+        _assert_ran_at_the_hook_points(tiny4[encoder_plan], artifact)
 
 
-def test_wrong_predictions_change_nothing_but_timing(baseline4):
+def test_wrong_predictions_change_nothing_but_timing(tiny4):
     """Hook points from shuffled predictions: same numbers."""
-    shuffled = shuffled_hooks(_artifact([], {"pp": 2, "tp": 1}), seed=1)
-    _assert_same(_run(4, [], "optimus", shuffled), baseline4)
+    _assert_same(tiny4["shuffled"], tiny4["baseline"])
 
 
 def _assert_ran_at_the_hook_points(results: list[dict], artifact: dict) -> None:
@@ -134,23 +162,20 @@ def test_sequence_parallel_and_tied_embeddings_train_like_the_baseline():
     """LLM PP2 TP2 V2 with sequence parallelism (image tokens spliced, then scattered), the output layer
     tied to the input embedding across the pipeline (megatron-core's embedding-group gradient sum) and
     full recompute of every LLM layer."""
-    artifact = _artifact(SP_TIED)
-    _assert_same(_run(4, SP_TIED, "optimus", artifact), _run(4, SP_TIED, "baseline", None))
+    _assert_same(*_both(4, SP_TIED, _artifact(SP_TIED)))
 
 
 def test_the_paper_figure_5_twin_trains_like_the_baseline():
     """configs/paper/small/fig5_8gpu.yaml: the paper's Figure 5 plan (PP4 TP2, two chunks per rank) with
     sequence parallelism, selective recompute, tied embeddings and the distributed optimizer."""
     config = str(CONFIGS / "paper" / "small" / "fig5_8gpu.yaml")
-    artifact = artifact_for(config)
-    optimus = run_distributed(_train, 8, config, [], "optimus", artifact, 2, timeout=400)
-    _assert_same(optimus, run_distributed(_train, 8, config, [], "baseline", None, 2, timeout=400))
+    _assert_same(*_both(8, [], artifact_for(config), config=config, timeout=500))
 
 
-def test_optimus_equals_megatron_baseline_on_8_ranks():
-    """LLM DP2 PP2 TP2 V2 on 8 ranks with the scheduler's encoder plan."""
-    artifact = _artifact(EIGHT_RANKS)
-    _assert_same(_run(8, EIGHT_RANKS, "optimus", artifact), _run(8, EIGHT_RANKS, "baseline", None))
+def test_optimus_equals_megatron_baseline_with_two_llm_replicas():
+    """LLM DP2 PP2 TP1 V2 with the scheduler's encoder plan: each LLM replica's microbatches, and the
+    gradients averaged over both."""
+    _assert_same(*_both(4, LLM_DP2, _artifact(LLM_DP2)))
 
 
 PP4_V2 = ["model.llm.num_layers=8", "parallel.llm={dp: 1, pp: 4, tp: 1, vp: 2}"]
@@ -175,7 +200,7 @@ def test_adjusted_warmups_train_like_the_baseline(overrides, warmup):
         assert artifact["warmup"] != artifact["default_warmup"], "the scheduler adjusted nothing here"
     else:
         artifact = _with_warmup(artifact, warmup)
-    _assert_same(_run(4, overrides, "optimus", artifact), _run(4, overrides, "baseline", None))
+    _assert_same(*_both(4, overrides, artifact))
 
 
 DROPOUT = [f"model.{part}.{name}=0.1" for part in ("llm", "encoders.0")
@@ -189,21 +214,16 @@ def test_dropout_draws_the_baselines_masks_under_an_adjusted_warmup():
     overrides = DROPOUT + SP_TIED
     artifact = _with_warmup(_artifact(overrides), [3, 2])
     assert artifact["encoder_plan"]["tp"] != 2, "the encoder plan is the baseline's (TP2 in the first stage)"
-    _assert_same(_run(4, overrides, "optimus", artifact), _run(4, overrides, "baseline", None))
+    _assert_same(*_both(4, overrides, artifact))
 
 
-def test_a_displaced_op_is_counted_as_moved():
+def test_a_displaced_op_is_counted_as_moved(tiny4):
     """An op hooked before its chain's predecessor cannot run there: the record says where it ran."""
-    artifact = copy.deepcopy(_artifact([], {"pp": 2, "tp": 1}))
-    stage = next(s for s in artifact["encoder_stages"]
-                 if any(op["hook"]["at"] == "llm_kernel" and op["kernel_index"] > 0 for op in s["ops"]))
-    op = next(op for op in stage["ops"] if op["hook"]["at"] == "llm_kernel" and op["kernel_index"] > 0)
-    op["hook"] = {"at": "before_first_compute"}
-    results = _run(4, [], "optimus", artifact)
-    moved = [(rank, r) for rank, r in enumerate(results) for r in r["record"] if r[0] != r[1]]
+    moved = [(rank, r) for rank, r in enumerate(tiny4["displaced"]) for r in r["record"] if r[0] != r[1]]
     displaced = [(r[2], r[3], r[4]) for _, r in moved]
-    assert displaced and set(displaced) == {(op["phase"], op["local_microbatch"], op["kernel_index"])}, moved
+    assert displaced and set(displaced) == {tiny4["displaced_op"]}, moved
     assert all(r[1] == ("pre",) and r[0] != ("pre",) for _, r in moved)
+    _assert_same(tiny4["displaced"], tiny4["baseline"])
 
 
 def test_five_steps_of_adamw_with_warmup_and_cosine_decay():
@@ -211,23 +231,31 @@ def test_five_steps_of_adamw_with_warmup_and_cosine_decay():
     cosine decay; encoder DP2 PP2, so its gradients are averaged over the LLM's one replica, not its two."""
     overrides = ["training.lr=1e-3", "training.min_lr=1e-4", "training.lr_warmup_iters=1",
                  "training.lr_decay_style=cosine", "training.train_iters=5"]
-    artifact = _artifact(overrides, {"pp": 2, "tp": 1})
-    optimus = run_distributed(_train, 4, TINY, overrides, "optimus", artifact, 5, timeout=300)
-    _assert_same(optimus, run_distributed(_train, 4, TINY, overrides, "baseline", None, 5, timeout=300))
+    optimus, baseline = _both(4, overrides, _artifact(overrides, {"pp": 2, "tp": 1}), steps=5)
+    _assert_same(optimus, baseline)
     # megatron-core's schedule: 0 in the warm-up step, then min + (max - min) * (1 + cos(pi * done)) / 2
     expected = [0.0] + [1e-4 + 0.9e-3 * (1 + math.cos(math.pi * (k - 1) / 4)) / 2 for k in range(1, 5)]
     assert optimus[0]["lrs"] == pytest.approx(expected)
     assert any(norm > 1.0 for norm in optimus[0]["norms"]), "clipping at 1.0 had nothing to clip"
 
 
+@pytest.fixture(scope="module")
+def low_precision() -> dict:
+    """bf16 and fp16, each under both runtimes, in one launch of 4 ranks."""
+    runs, names = [], []
+    for precision in ("bf16", "fp16"):
+        overrides = [f"training.precision={precision}", "training.initial_loss_scale=1024"]
+        runs += [(overrides, "optimus", _artifact(overrides), STEPS), (overrides, "baseline", None, STEPS)]
+        names += [(precision, "optimus"), (precision, "baseline")]
+    per_rank = run_distributed(_train_runs, 4, TINY, runs, timeout=400)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_low_precision_trains_like_the_baseline(precision):
+def test_low_precision_trains_like_the_baseline(low_precision, precision):
     """bf16 / fp16 weights with megatron-core's fp32 main weights (and, for fp16, dynamic loss scaling from a
     scale low enough that no step is skipped): both runtimes agree to the precision's resolution."""
-    overrides = [f"training.precision={precision}", "training.initial_loss_scale=1024"]
-    artifact = _artifact(overrides)
-    optimus, baseline = (run_distributed(_train, 4, TINY, overrides, mode, a, 2, timeout=240)
-                         for mode, a in (("optimus", artifact), ("baseline", None)))
+    optimus, baseline = low_precision[precision, "optimus"], low_precision[precision, "baseline"]
     for o, b in zip(optimus, baseline):
         assert None not in o["norms"] and None not in b["norms"], "a step was skipped"
         assert o["norms"] == pytest.approx(b["norms"], rel=1e-2)
