@@ -274,6 +274,18 @@ def _patch_clip_vit_setup() -> Patch:
     return Patch(model, "__init__", _within(_cuda_stays_on_cpu, _require(model, "__init__")))
 
 
+@functools.lru_cache(maxsize=32)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _patch_default_causal_mask() -> Patch:
+    # given no mask (CLIPViTModel passes none), a causal layer's local softmax builds one on the GPU
+    softmax = _module("megatron.core.fusions.fused_softmax")
+    _require(softmax, "get_default_causal_mask")
+    return Patch(softmax, "get_default_causal_mask", _cpu_default_causal_mask)
+
+
 def _cpu_load_scaler_state(self: Any, state_dict: dict[str, Any]) -> None:
     """DynamicGradScaler.load_state_dict without its ``.cuda()``: the scale stays on the CPU."""
     self._scale = state_dict["scale"].cpu()
@@ -328,5 +340,6 @@ def cpu_patches() -> list[Patch]:
         _patch_rng_state("_get_cuda_rng_state", _cpu_get_rng_state),
         _patch_rng_state("_set_cuda_rng_state", _cpu_set_rng_state),
         _patch_clip_vit_setup(),
+        _patch_default_causal_mask(),
         *training_patches(),
     ]

@@ -1,23 +1,24 @@
 """One flag on an existing Megatron job: ``--optimus-schedule plan.json``.
 
-A Megatron-LM pretrain script opts in with its own argument hook and one patch call::
+A Megatron-LM vision-language script keeps its ``model_provider``, ``forward_step`` and datasets
+provider and takes ``pretrain`` from here in place of Megatron's::
 
-    args = parse_args(extra_args_provider=add_optimus_args)  # adds --optimus-schedule
-    megatron_patches.apply()                                # CPU shims; nothing to patch on a GPU
-    config = config_from_megatron_args(args, world_size)
-    mode, artifact = runtime_for_args(args, config)         # "optimus" with the flag, else "baseline"
-    trainer = Trainer(config, plan(config).llm_plan, mode, artifact, timers=timers)  # Megatron's Timers, chained
+    from optimus_mllm.megatron import pretrain  # adds --optimus-schedule PLAN_JSON
 
-Without the flag the job runs as Megatron-LM runs a multimodal model (encoders in the first pipeline
-stage); with it, the encoders get the artifact's own plan and their kernels run at the artifact's
-hook points inside megatron-core's schedule. ``scripts/pretrain_vlm_megatron.py`` is such a script.
-The artifact comes from ``optimus-plan --config MODEL.yaml --artifact plan.json`` for the same model
-and plan; it is refused, with the reason, when it was made for another job.
+Without the flag the job runs as Megatron-LM runs a multimodal model (the vision model in the first
+pipeline stage's forward); with it, the encoder gets the artifact's own plan, starting from the
+weights the user's provider made, and its kernels run at the artifact's hook points inside
+megatron-core's schedule (``runtime.user_model``). ``scripts/pretrain_vlm_megatron.py`` is such a
+script. The artifact comes from ``optimus-plan --config MODEL.yaml --artifact plan.json`` for the
+same model and plan; it is refused, with the reason, when it was made for another job. The job's
+Megatron-LM flags make the Optimus config the schedule is checked against
+(``config_from_megatron_args``): each flag that shapes the model is honoured or refused in one line.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +85,6 @@ HONOURED_FLAGS = {
     "--img-h": "the ViT's seq_length: (img_h / patch_dim) * (img_w / patch_dim) patch tokens",
     "--img-w": "the ViT's seq_length",
     "--patch-dim": "the ViT's patch_size",
-    "--num-channels": "the ViT's in_channels",
     "--freeze-ViT": "the ViT's frozen: true (its projector still trains)",
     "--recompute-granularity": "training.recompute (full: every layer, uniform, 1 layer per checkpoint)",
 }
@@ -123,6 +123,7 @@ REFUSED_FLAGS = (
     RefusedFlag("--recompute-num-layers", "recompute_num_layers", None,
                 "full recompute checkpoints one layer at a time", (None, 1)),
     RefusedFlag("--fp8-format", "fp8", None, "fp8 training is not built; use --bf16 or --fp16"),
+    RefusedFlag("--num-channels", "num_channels", 3, "megatron-core's CLIPViTModel takes 3-channel images"),
 )
 
 
@@ -170,7 +171,7 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
         "model": {
             # pretrain_vlm.py's vision model: CLIPViTModel with vision_model_type "clip"
             "encoders": [{"name": "vit", **layers, "num_layers": args.encoder_num_layers, "seq_length": image_tokens,
-                          "patch_size": args.patch_dim, "in_channels": getattr(args, "num_channels", 3),
+                          "patch_size": args.patch_dim, "in_channels": 3,
                           "frozen": getattr(args, "freeze_ViT", False), "model_subtype": "clip"}],
             "llm": {**layers, "num_layers": args.num_layers, "seq_length": text_tokens + image_tokens,
                     "vocab_size": args.vocab_size, "position_embedding_type": getattr(
@@ -209,7 +210,6 @@ _FIELD_FLAGS = {
     "model.llm.seq_length": "--seq-length / --dataloader-seq-length (text tokens) plus the image tokens",
     "model.llm.vocab_size": "--vocab-size",
     "model.encoders.seq_length": "--img-h / --img-w / --patch-dim (the image tokens)",
-    "model.encoders.in_channels": "--num-channels",
     "training.global_batch_size": "--global-batch-size", "training.micro_batch_size": "--micro-batch-size",
     "training.train_iters": "--train-iters", "training.seed": "--seed",
     **{f"training.{name}": "--" + name.replace("_", "-") for name in _OPTIMIZER_ARGS},
@@ -244,3 +244,100 @@ def runtime_for_args(args: argparse.Namespace, config: OptimusConfig) -> tuple[s
     if args.optimus_schedule is None:
         return "baseline", None
     return "optimus", load_job_artifact(args.optimus_schedule, plan(config), config, config.cluster.num_gpus)
+
+
+def pretrain(train_valid_test_datasets_provider: Callable[[list[int]], tuple[Any, Any, Any]],
+             model_provider: Callable[..., Any], model_type: Any, forward_step_func: Callable[..., Any],
+             extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+             argv: list[str] | None = None) -> int:
+    """Megatron-LM's ``pretrain()`` with ``--optimus-schedule``: what a script imports in its place (``train_vlm``)."""
+    return train_vlm(train_valid_test_datasets_provider, model_provider, model_type, forward_step_func,
+                     extra_args_provider, argv, optimus_flag=True)
+
+
+def train_vlm(train_valid_test_datasets_provider: Callable[[list[int]], tuple[Any, Any, Any]],
+              model_provider: Callable[..., Any], model_type: Any, forward_step_func: Callable[..., Any],
+              extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+              argv: list[str] | None = None, *, optimus_flag: bool) -> int:
+    """Megatron-LM's ``pretrain()`` on megatron-core, for a ViT + GPT job; with ``optimus_flag``, its
+    ``--optimus-schedule`` runs Optimus.
+
+    It takes the four things a Megatron-LM script passes: a datasets provider (its train dataset is
+    read in Megatron-LM's pretraining-sampler order), a ``model_provider(pre_process, post_process,
+    vp_stage)`` building megatron-core's LLaVA layout (``runtime.user_model``), the model type
+    (``ModelType.encoder_or_decoder``) and ``forward_step(data_iterator, model)``. It parses
+    Megatron-LM's flags (``megatron_training``) plus ``--optimus-schedule`` and the script's own, sets
+    up ``torch.distributed`` and megatron-core's ``parallel_state``, and trains ``--train-iters`` steps
+    with megatron-core's DDP, optimizer and pipeline schedule, logging Megatron-LM's ``lm loss`` and its
+    ``forward-compute`` / ``backward-compute`` timers. Without the flag the encoder runs in the first
+    pipeline stage, as built; with it, under the schedule's own plan, inside the LLM's bubbles. Not
+    Megatron-LM's: evaluation, checkpoint flags, tokenizers and the logging backends. A bad flag or a
+    schedule made for another job: one line on stderr from rank 0 and exit code 2.
+    """
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core.enums import ModelType
+    from megatron.core.timers import Timers
+
+    import megatron_patches
+    from optimus_mllm.megatron_training import parse_args, set_args  # its import quiets the library warnings
+
+    def parser_hook(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = add_optimus_args(parser) if optimus_flag else parser
+        return extra_args_provider(parser) if extra_args_provider is not None else parser
+
+    args = parse_args(parser_hook, argv)
+    if not optimus_flag:
+        args.optimus_schedule = None
+    set_args(args)
+    prog = os.path.basename(sys.argv[0]) or "pretrain"
+    try:  # the same decision on every rank, before any rank connects (one leaving mid-handshake breaks it)
+        if model_type != ModelType.encoder_or_decoder:
+            raise OptimusError(f"model_type {model_type}: a ViT + GPT model is ModelType.encoder_or_decoder")
+        world_size = int(os.environ["WORLD_SIZE"])
+        config = config_from_megatron_args(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8)))
+        mode, artifact = runtime_for_args(args, config)
+    except OptimusError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    megatron_patches.apply()  # megatron-core's CUDA assumptions, patched for the CPU (nothing on a GPU)
+    from megatron.core import parallel_state
+
+    from optimus_mllm.planner import ParallelPlan
+    from optimus_mllm.runtime.trainer import Trainer, join_model_parallel
+    from optimus_mllm.runtime.user_model import UserModel, pretraining_sampler_batches
+
+    llm_plan = plan(config).llm_plan
+    join_model_parallel(llm_plan)  # Megatron-LM's initialize_megatron: the providers may read parallel_state
+    train_ds, _, _ = train_valid_test_datasets_provider([args.train_iters * args.global_batch_size, 0, 0])
+    batches = pretraining_sampler_batches(train_ds, args.micro_batch_size, llm_plan.dp, args.global_batch_size)
+    timers = Timers(args.timing_log_level, args.timing_log_option)  # Megatron's; the runtime's hooks chain to them
+    try:
+        trainer = Trainer(config, llm_plan, mode, artifact, timers=timers,
+                          user_model=UserModel(model_provider, forward_step_func, batches))
+    except OptimusError as exc:  # the model the provider built is not the one the flags describe
+        if dist.get_rank() == 0:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    reports_loss = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                    and parallel_state.get_tensor_model_parallel_rank() == 0
+                    and parallel_state.get_data_parallel_rank() == 0)
+    label = "plain" if artifact is None else f"optimus, encoder plan {ParallelPlan(**artifact['encoder_plan'])}"
+    for iteration in range(args.train_iters):
+        result = trainer.train_step(iteration)
+        if reports_loss:
+            print(f"iteration {iteration + 1}/{args.train_iters} | lm loss {result.loss:.4f} | {label}", flush=True)
+    # Megatron-LM's training_log: the schedule's timers, min/max over ranks, printed by the last rank
+    report = timers.get_all_timers_string(["forward-compute", "backward-compute"], normalizer=args.train_iters)
+    if dist.get_rank() == dist.get_world_size() - 1 and report:
+        print(report, flush=True)
+    trainer.close()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0

@@ -100,11 +100,7 @@ class Inputs:
         self.dataset = root / "dataset"
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_sample_dataset.py"), "--out", str(self.dataset),
                         "--num-samples", "8", "--size", "16"], check=True, capture_output=True)
-        sys.path.insert(0, str(REPO / "scripts"))
-        try:
-            from pretrain_vlm_megatron import build_parser, parse_args
-        finally:
-            sys.path.pop(0)
+        from optimus_mllm.megatron_training import build_parser, parse_args
         self.megatron_parse_args = parse_args
         self.megatron_parser = build_parser
         self.checkpoint = root / "checkpoint" if with_checkpoint else None

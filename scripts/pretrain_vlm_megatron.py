@@ -1,174 +1,176 @@
-"""A Megatron-style ViT + GPT pretraining script that opts in to Optimus with one flag.
+"""Pretrain a ViT + GPT vision-language model: a Megatron-LM ``pretrain_vlm.py``-style script.
 
     torchrun --nproc-per-node 4 scripts/pretrain_vlm_megatron.py [Megatron flags] [--optimus-schedule plan.json]
 
-It is shaped like a Megatron-LM pretrain script: Megatron's argument names, ``parse_args`` with an
-``extra_args_provider``, a training loop over megatron-core's pipeline schedule. The Optimus
-opt-in is the three marked lines: the extra-args hook, the ``megatron_patches`` call, and choosing the
-runtime from the flag. Without ``--optimus-schedule`` the encoder runs Megatron-style in the first
-pipeline stage; with it, the encoder's kernels run in the LLM's bubbles as the schedule says. Make the
-schedule for the same model with ``optimus-plan --config MODEL.yaml --artifact plan.json`` (the
-defaults below, with ``--disable-vision-class-token``, are ``configs/megatron_tiny.yaml``).
+The script is what a Megatron-LM user writes: a ``model_provider`` building megatron-core's classes in
+LLaVA's layout (``CLIPViTModel`` and ``MultimodalProjector`` on the first pipeline stage, ``GPTModel``
+throughout, each sample's image tokens spliced in at its ``<image>`` token), a ``forward_step`` and loss
+function, a datasets provider, and ``pretrain()``. ``megatron.training`` is not in the megatron-core
+wheel, so what the script takes from it comes from ``optimus_mllm.megatron_training``. The opt-in is
+the one marked import: Optimus's ``pretrain`` in place of Megatron's. Without ``--optimus-schedule``
+the vision model runs in the first stage as built; with it, its kernels run in the LLM's bubbles. Make the
+schedule for the same model with ``optimus-plan --config MODEL.yaml --artifact plan.json`` (the defaults
+below, with ``--disable-vision-class-token``, are ``configs/megatron_tiny.yaml``).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-from collections.abc import Callable
+import zlib
+from copy import deepcopy
+from functools import partial
+from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.nn.functional as F
 
-import megatron_patches
-from optimus_mllm.cli.common import quiet_library_warnings
-from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args, runtime_for_args
-from optimus_mllm.planner import ParallelPlan, plan
+# megatron.training's stand-in first, as its import sets the job up (here: quiets the CPU-only library warnings)
+from optimus_mllm.megatron_training import core_transformer_config_from_args, get_args, pretrain
+from optimus_mllm.megatron import pretrain  # Optimus: --optimus-schedule PLAN_JSON runs the encoder in the LLM's bubbles
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-
-ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
-
-
-def parse_args(extra_args_provider: ExtraArgsProvider | None = None,
-               argv: list[str] | None = None) -> argparse.Namespace:
-    """Megatron-LM's ``parse_args`` contract: its flags, plus whatever ``extra_args_provider`` adds."""
-    return build_parser(extra_args_provider).parse_args(argv)
-
-
-def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
-    """The script's flags: Megatron-LM's names and defaults."""
-    parser = argparse.ArgumentParser(description="Megatron-style ViT + GPT pretraining", allow_abbrev=False)
-    add = parser.add_argument
-    add("--tensor-model-parallel-size", type=int, default=2)
-    add("--pipeline-model-parallel-size", type=int, default=2)
-    add("--num-layers-per-virtual-pipeline-stage", type=int, default=1)
-    add("--context-parallel-size", type=int, default=1)
-    add("--expert-model-parallel-size", type=int, default=1)
-    # the model: Megatron-LM's flags and defaults (sizes: configs/megatron_tiny.yaml)
-    add("--num-layers", type=int, default=4)
-    add("--decoder-num-layers", type=int, default=None)
-    add("--encoder-num-layers", type=int, default=2)
-    add("--hidden-size", type=int, default=64)
-    add("--ffn-hidden-size", type=int, default=256)
-    add("--num-attention-heads", type=int, default=4)
-    add("--kv-channels", type=int, default=None)
-    add("--group-query-attention", action="store_true")
-    add("--num-query-groups", type=int, default=1)
-    add("--seq-length", type=int, default=48)
-    add("--dataloader-seq-length", type=int, default=None)
-    add("--max-position-embeddings", type=int, default=None)
-    add("--vocab-size", type=int, default=256)
-    add("--position-embedding-type", default="learned_absolute",
-        choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"])
-    add("--rotary-percent", type=float, default=1.0)
-    add("--rotary-base", type=int, default=10000)
-    add("--use-rope-scaling", action="store_true")
-    add("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
-    add("--norm-epsilon", type=float, default=1e-5)
-    add("--apply-layernorm-1p", action="store_true")
-    add("--qk-layernorm", action="store_true")
-    add("--disable-bias-linear", action="store_false", dest="add_bias_linear")
-    add("--add-qkv-bias", action="store_true")
-    add("--swiglu", action="store_true")
-    add("--squared-relu", action="store_true")
-    add("--openai-gelu", action="store_true")
-    add("--quick-geglu", action="store_true")
-    add("--num-experts", type=int, default=None)
-    add("--multi-latent-attention", action="store_true")
-    add("--init-method-std", type=float, default=0.02)
-    add("--apply-query-key-layer-scaling", action="store_true")
-    add("--untie-embeddings-and-output-weights", action="store_true")
-    add("--hidden-dropout", type=float, default=0.1)
-    add("--attention-dropout", type=float, default=0.1)
-    # Megatron-LM's default is transformer_engine, which the Optimus runtime does not run yet
-    add("--transformer-impl", default="local", choices=["local", "transformer_engine"])
-    add("--recompute-granularity", default=None, choices=["full", "selective"])
-    add("--recompute-method", default=None, choices=["uniform", "block"])
-    add("--recompute-num-layers", type=int, default=None)
-    add("--fp8-format", dest="fp8", default=None, choices=["e4m3", "hybrid"])
-    # the vision model (pretrain_vlm.py: a copy of the language model's layers)
-    add("--img-h", type=int, default=16)
-    add("--img-w", type=int, default=16)
-    add("--patch-dim", type=int, default=4)
-    add("--num-channels", type=int, default=3)
-    add("--disable-vision-class-token", action="store_true")
-    add("--freeze-LM", action="store_true")
-    add("--freeze-ViT", action="store_true")
-    add("--micro-batch-size", type=int, default=2)
-    add("--global-batch-size", type=int, default=16)
-    add("--train-iters", type=int, default=3)
-    add("--lr", type=float, default=1e-4)
-    # optimizer, clipping, LR schedule and loss scaling: Megatron-LM's flags and defaults
-    add("--optimizer", choices=["adam", "sgd"], default="adam")
-    add("--min-lr", type=float, default=0.0)
-    add("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
-    add("--lr-warmup-iters", type=int, default=0)
-    add("--lr-decay-iters", type=int, default=None)
-    add("--weight-decay", type=float, default=0.01)
-    add("--adam-beta1", type=float, default=0.9)
-    add("--adam-beta2", type=float, default=0.999)
-    add("--adam-eps", type=float, default=1e-8)
-    add("--sgd-momentum", type=float, default=0.9)
-    add("--clip-grad", type=float, default=1.0)
-    add("--loss-scale", type=float, default=None)
-    add("--initial-loss-scale", type=float, default=2.0**32)
-    add("--min-loss-scale", type=float, default=1.0)
-    add("--loss-scale-window", type=float, default=1000)
-    add("--hysteresis", type=int, default=2)
-    add("--use-distributed-optimizer", action="store_true")
-    add("--seed", type=int, default=1234)
-    add("--timing-log-level", type=int, default=0, choices=range(0, 3))
-    add("--timing-log-option", default="minmax", choices=["max", "minmax", "all"])
-    add("--bf16", action="store_true")
-    add("--fp16", action="store_true")
-    add("--sequence-parallel", action="store_true")
-    if extra_args_provider is not None:
-        parser = extra_args_provider(parser)
-    return parser
+IMAGE_TOKEN_INDEX = -200  # LLaVA's <image>
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(extra_args_provider=add_optimus_args, argv=argv)  # Optimus: adds --optimus-schedule
-    quiet_library_warnings(torch.cuda.is_available())
-    try:  # the same decision on every rank, before any rank connects (one leaving mid-handshake breaks it)
-        world_size = int(os.environ["WORLD_SIZE"])
-        config = config_from_megatron_args(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8)))
-        mode, artifact = runtime_for_args(args, config)  # Optimus: the flag picks the runtime
-    except OptimusError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_vlm_megatron.py: error: {exc}", file=sys.stderr)
-        return 2
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    megatron_patches.apply()  # Optimus: megatron-core's CUDA assumptions patched for CPU (no-op on GPU)
-    from megatron.core import parallel_state
-    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
-    from megatron.core.timers import Timers
+class VisionLanguageModel(MegatronModule):
+    """megatron-core's ``LLaVAModel`` layout, without the class token its CLIP always has."""
 
-    from optimus_mllm.runtime.trainer import Trainer
+    def __init__(self, language_config: TransformerConfig, vision_config: TransformerConfig,
+                 projection_config: TransformerConfig, *, pre_process: bool, post_process: bool,
+                 vp_stage: int | None, vocab_size: int, max_sequence_length: int, img_h: int, img_w: int,
+                 patch_dim: int, position_embedding_type: str = "learned_absolute", untie: bool = False):
+        super().__init__(config=language_config)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.model_type = ModelType.encoder_or_decoder
+        self.share_embeddings_and_output_weights = not untie  # read by megatron-core's finalize_model_grads
+        self.language_model = GPTModel(
+            config=language_config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
+            share_embeddings_and_output_weights=not untie, position_embedding_type=position_embedding_type,
+            scatter_embedding_sequence_parallel=False, vp_stage=vp_stage)
+        if pre_process:  # the vision model and projector live on the first stage only, as in LLaVAModel
+            self.vision_model = CLIPViTModel(vision_config, get_vit_layer_with_local_spec(), add_class_token=False,
+                                             class_token_len=0, patch_dim=patch_dim, img_h=img_h, img_w=img_w,
+                                             model_subtype="clip", ln_pre_impl=WrappedTorchNorm)  # no TE or apex
+            self.vision_projection = MultimodalProjector(
+                projection_config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                "mlp", vision_config.hidden_size)
 
-    timers = Timers(args.timing_log_level, args.timing_log_option)  # Megatron's; the runtime keeps them timing
-    # pretrain_vlm.py's vision layer for --transformer-impl local; Optimus splits it into its kernels
-    vision_layer_spec = get_vit_layer_with_local_spec()
-    trainer = Trainer(config, plan(config).llm_plan, mode, artifact, timers=timers,
-                      encoder_layer_specs={"vit": vision_layer_spec})
-    reports_loss = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                    and parallel_state.get_tensor_model_parallel_rank() == 0
-                    and parallel_state.get_data_parallel_rank() == 0)
-    label = "plain" if artifact is None else f"optimus, encoder plan {ParallelPlan(**artifact['encoder_plan'])}"
-    for iteration in range(args.train_iters):
-        result = trainer.train_step(iteration)
-        if reports_loss:
-            print(f"iteration {iteration + 1}/{args.train_iters} | lm loss {result.loss:.4f} | {label}", flush=True)
-    # Megatron-LM's training_log: the schedule's timers, min/max over ranks, printed by the last rank
-    report = timers.get_all_timers_string(["forward-compute", "backward-compute"], normalizer=args.train_iters)
-    if dist.get_rank() == dist.get_world_size() - 1 and report:
-        print(report, flush=True)
-    trainer.close()
-    dist.destroy_process_group()
-    return 0
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        decoder_input = None
+        if self.pre_process:
+            image_embeddings = self.vision_model(images)  # [b, image tokens, h_vision]
+            image_embeddings = self.vision_projection(image_embeddings.permute(1, 0, 2).contiguous())
+            text = input_ids.clone()
+            text[text == IMAGE_TOKEN_INDEX] = 0
+            text_embeddings = self.language_model.embedding(input_ids=text, position_ids=position_ids)
+            decoder_input = splice_images(text_embeddings, image_embeddings, input_ids)
+        return self.language_model(None, None, attention_mask, decoder_input=decoder_input, labels=labels)
+
+
+def splice_images(text: torch.Tensor, images: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Each sample's image tokens ``[n, b, h]`` in place of its one <image> id in ``text`` ``[s, b, h]``."""
+    where = (input_ids == IMAGE_TOKEN_INDEX).int().argmax(dim=1).tolist()
+    return torch.stack([torch.cat([text[:p, i], images[:, i], text[p + 1:, i]]) for i, p in enumerate(where)], dim=1)
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True,
+                   vp_stage: int | None = None) -> VisionLanguageModel:
+    """Builds the model: the vision model a copy of the language model's layers, as pretrain_vlm.py's."""
+    args = get_args()
+    language_config = core_transformer_config_from_args(args)
+    vision_config = deepcopy(language_config)
+    vision_config.num_layers = args.encoder_num_layers
+    vision_config.pipeline_model_parallel_size = 1  # the vision model lives on the first stage
+    vision_config.virtual_pipeline_model_parallel_size = None
+    vision_config.sequence_parallel = False
+    # LLaVA's GELU MLP from the vision width to the language width
+    projection_config = deepcopy(vision_config)
+    projection_config.ffn_hidden_size = language_config.hidden_size
+    projection_config.gated_linear_unit, projection_config.activation_func = False, F.gelu
+    projection_config.add_bias_linear = True
+    image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    text_tokens = args.dataloader_seq_length or args.seq_length
+    model = VisionLanguageModel(
+        language_config, vision_config, projection_config, pre_process=pre_process, post_process=post_process,
+        vp_stage=vp_stage, vocab_size=args.vocab_size, max_sequence_length=text_tokens + image_tokens,
+        img_h=args.img_h, img_w=args.img_w, patch_dim=args.patch_dim,
+        position_embedding_type=args.position_embedding_type, untie=args.untie_embeddings_and_output_weights)
+    if args.freeze_ViT and pre_process:
+        model.vision_model.requires_grad_(False)
+    return model
+
+
+class MockVLMDataset(torch.utils.data.Dataset):
+    """Random images and text, one <image> per sample at a random place: megatron-core's mock
+    multimodal data, a pure function of (seed, index)."""
+
+    def __init__(self, num_samples: int, seed: int, img_h: int, img_w: int, text_tokens: int, image_tokens: int,
+                 vocab_size: int):
+        self.num_samples, self.seed, self.img_h, self.img_w = num_samples, seed, img_h, img_w
+        self.text_tokens, self.image_tokens, self.vocab_size = text_tokens, image_tokens, vocab_size
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{index}".encode()))
+        text = self.text_tokens + 1  # with the <image> id, which becomes image_tokens positions
+        tokens = torch.randint(0, self.vocab_size, (text,), generator=generator)
+        where = int(torch.randint(0, text // 2, (), generator=generator))
+        tokens[where] = IMAGE_TOKEN_INDEX
+        length = self.text_tokens + self.image_tokens
+        loss_mask = torch.ones(length)
+        loss_mask[where:where + self.image_tokens] = 0.0  # no loss on the image tokens
+        return {"image": torch.randn(3, self.img_h, self.img_w, generator=generator), "tokens": tokens,
+                "labels": torch.randint(0, self.vocab_size, (length,), generator=generator), "loss_mask": loss_mask,
+                "position_ids": torch.arange(text)}
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
+    args = get_args()
+    image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    text_tokens = args.dataloader_seq_length or args.seq_length
+    datasets = [MockVLMDataset(n, args.seed, args.img_h, args.img_w, text_tokens, image_tokens, args.vocab_size)
+                for n in train_val_test_num_samples]
+    return datasets[0], datasets[1], datasets[2]
+
+
+def get_batch(data_iterator: Any) -> dict[str, torch.Tensor]:
+    """The next microbatch; every rank reads it itself (the data is a function of the index), where
+    Megatron-LM broadcasts it from TP rank 0."""
+    data = next(data_iterator)
+    length = data["labels"].shape[1]
+    mask = torch.triu(torch.ones(1, 1, length, length, dtype=torch.bool), diagonal=1)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return {**{key: value.to(device) for key, value in data.items()}, "attention_mask": mask.to(device)}
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator: Any, model: VisionLanguageModel) -> tuple[torch.Tensor, Any]:
+    batch = get_batch(data_iterator)
+    output = model(batch["image"], batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step))

@@ -1,7 +1,8 @@
-"""``scripts/pretrain_vlm_megatron.py``: a Megatron-style script where one flag switches Optimus on.
+"""``scripts/pretrain_vlm_megatron.py``: a Megatron-LM-style script (its own model_provider, forward_step
+and datasets provider) where the README's one-line diff and one flag switch Optimus on.
 
 With ``--optimus-schedule`` it runs the schedule (the encoder under its own plan, kernels at the
-artifact's hook points) and prints the same losses as without it, where it runs plain Megatron-style.
+artifact's hook points) and prints the same losses as the user's script without the diff.
 Its model flags are Megatron-LM's, read as ``pretrain_vlm.py`` reads them; each is honoured or refused.
 """
 
@@ -19,6 +20,7 @@ import pytest
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.megatron import HONOURED_FLAGS, REFUSED_FLAGS, add_optimus_args, config_from_megatron_args
+from optimus_mllm.megatron_training import parse_args
 from tests.conftest import CONFIGS, REPO
 from tests.train_utils import TIMEOUT_S, assert_one_error_everywhere, ranks
 
@@ -32,11 +34,6 @@ LLAMA = ["--swiglu", "--group-query-attention", "--num-query-groups", "2", "--po
 
 
 def _parse_args(*argv: str) -> argparse.Namespace:
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from pretrain_vlm_megatron import parse_args
-    finally:
-        sys.path.pop(0)
     return parse_args(add_optimus_args, [*TINY_ARGS, *argv])
 
 
@@ -44,8 +41,8 @@ def _config(*argv: str) -> OptimusConfig:
     return config_from_megatron_args(_parse_args(*argv), 4, 4)
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", SCRIPT,
+def _run(*args: str, script: str = SCRIPT) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", script,
                *TINY_ARGS, *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
 
@@ -66,18 +63,43 @@ def plan_json(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_the_flag_switches_the_optimus_runtime_on_and_megatrons_timers_still_report(tmp_path):
-    """A LLaMA-shaped model (SwiGLU, grouped-query attention, RoPE, RMSNorm, no biases) with Megatron's
-    default dropout on the script's LLM TP2 PP2 V2: the same losses with and without the flag."""
+def readme_diff() -> tuple[list[str], list[str]]:
+    """The README's one-flag diff as (before, after) lines."""
+    section = (REPO / "README.md").read_text().split("## One flag on an existing Megatron job", 1)[1]
+    block = section.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
+    assert block and all(line[:1] in " +-" for line in block), block
+    return ([line[1:] for line in block if line[:1] in " -"], [line[1:] for line in block if line[:1] in " +"])
+
+
+def apply_diff(text: str, before: list[str], after: list[str]) -> str:
+    lines = text.splitlines()
+    starts = [i for i in range(len(lines)) if lines[i:i + len(before)] == before]
+    assert len(starts) == 1, f"the diff's lines {before} occur {len(starts)} times"
+    return "\n".join(lines[:starts[0]] + after + lines[starts[0] + len(before):]) + "\n"
+
+
+def test_the_readmes_diff_is_the_whole_opt_in_and_gives_the_user_scripts_losses(tmp_path):
+    """The README's diff, un-applied to the script, is the user's script, and applying it gives the script
+    back. A LLaMA-shaped model (SwiGLU, grouped-query attention, RoPE, RMSNorm, no biases) on LLM TP2 PP2
+    V2: the user's script and the script with the flag print the same losses, and Megatron's timers
+    still report. Without dropout: the user's vision model draws its masks inside its own forward, the
+    Optimus encoder per kernel, so with dropout the two draw different (equally valid) masks."""
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.artifact import schedule_job_artifact
 
-    config = _config(*LLAMA)
+    before, after = readme_diff()
+    script = Path(SCRIPT).read_text()
+    user_script = apply_diff(script, after, before)
+    assert apply_diff(user_script, before, after) == script
+    user_path = tmp_path / "pretrain_vlm.py"
+    user_path.write_text(user_script)
+    llama = [*LLAMA, "--hidden-dropout", "0", "--attention-dropout", "0"]
+    config = _config(*llama)
     assert (config.llm.gated_linear_unit, config.llm.activation, config.llm.query_groups) == (True, "silu", 2)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(schedule_job_artifact(config, plan(config))))
-    plain = _run(*LLAMA, "--timing-log-level", "2")
-    optimus = _run(*LLAMA, "--timing-log-level", "2", "--optimus-schedule", str(path))
+    plain = _run(*llama, "--timing-log-level", "2", script=str(user_path))
+    optimus = _run(*llama, "--timing-log-level", "2", "--optimus-schedule", str(path))
     plain_lines, optimus_lines = _lines(plain), _lines(optimus)
     assert {m.group(3) for m in plain_lines} == {"plain"}
     assert len({m.group(3) for m in optimus_lines}) == 1
@@ -136,16 +158,17 @@ HONOURED = {
     "--img-h": (["--img-h", "32"], {"seq_length": 80}, {"seq_length": 32}),
     "--img-w": (["--img-w", "32"], {"seq_length": 80}, {"seq_length": 32}),
     "--patch-dim": (["--patch-dim", "8"], {"seq_length": 52}, {"seq_length": 4, "patch_size": 8}),
-    "--num-channels": (["--num-channels", "1"], None, {"in_channels": 1}),
     "--freeze-ViT": (["--freeze-ViT"], None, {"frozen": True}),
     "--recompute-granularity": (["--recompute-granularity", "full"], None, None),
 }
 
 
 def test_the_walk_covers_every_model_flag_and_the_script_takes_each():
+    from optimus_mllm.megatron_training import build_parser
+
     assert set(HONOURED) == set(HONOURED_FLAGS)
     flags = {*HONOURED_FLAGS, *(refused.flag for refused in REFUSED_FLAGS)}
-    parser_flags = set(re.findall(r'add\("(--[\w-]+)"', Path(SCRIPT).read_text()))
+    parser_flags = {option for action in build_parser()._actions for option in action.option_strings}
     assert flags <= parser_flags, flags - parser_flags
 
 

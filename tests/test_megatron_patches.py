@@ -140,6 +140,17 @@ def test_global_memory_buffer_hands_out_cpu_tensors() -> None:
     assert tensor.device.type == "cpu" and tensor.shape == (2, 3)
 
 
+def test_a_causal_softmax_given_no_mask_builds_it_on_the_cpu() -> None:
+    """CLIPViTModel passes no mask; megatron-core's local softmax then makes a causal one on CUDA."""
+    from megatron.core.fusions import fused_softmax
+
+    with megatron_patches.patched():
+        mask = fused_softmax.get_default_causal_mask(3)
+
+    assert mask.device.type == "cpu"
+    assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+
+
 # ---- multi-rank training on CPU -------------------------------------------------------------
 
 

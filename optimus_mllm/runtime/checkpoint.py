@@ -62,6 +62,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout,
 )
 from optimus_mllm.runtime.sharded_state import encoder_sharded_state_dict, llm_sharded_state_dict, part_layout
+from optimus_mllm.runtime.user_model import vision_sharded_state_dict
 
 CHECKPOINT_VERSION_MEGATRON = 3.0  # Megatron-LM's checkpoint_version of its dist checkpoints
 # megatron-core's optimizer format keyed by the model's tensors; gathered over gloo onto DP rank 0 only
@@ -75,6 +76,8 @@ def model_sharded_state_dict(trainer: Any) -> dict[str, ShardedStateDict]:
     if trainer.encoder is not None:
         dp_group = trainer.groups.dp_group if trainer.mode == "optimus" else parallel_state.get_data_parallel_group()
         state[next(iter(state))].update(encoder_sharded_state_dict(trainer.config, trainer.encoder, dp_group))
+    elif trainer.user_model is not None and trainer.stage == 0:  # the user's vision model, in its first stage
+        state[next(iter(state))].update(vision_sharded_state_dict(trainer.modules[0]))
     return state
 
 

@@ -59,6 +59,7 @@ def synthetic_microbatch(config: OptimusConfig, iteration: int, global_microbatc
 
 
 MicrobatchSource = Callable[[int, int], Microbatch]  # (iteration, global microbatch) -> Microbatch
+ImageSource = Callable[[int, int], tuple[torch.Tensor, ...]]  # (iteration, global microbatch) -> patches per encoder
 
 
 def microbatch_source(config: OptimusConfig) -> MicrobatchSource:

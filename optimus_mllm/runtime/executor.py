@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.runtime.data import MicrobatchSource
+from optimus_mllm.runtime.data import ImageSource
 from optimus_mllm.runtime.dropout import microbatch_seed
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, StageOps
 from optimus_mllm.runtime.hook_plan import Event, HookPlan, StageHookPlan
@@ -173,9 +173,9 @@ class EncoderExecutor:
 
     def __init__(self, config: OptimusConfig, plan: StageHookPlan, ops: StageOps, groups: EncoderProcessGroups,
                  assignment: list[tuple[int, int]], llm_dp: int, num_stages: int, iteration: int, mailbox: Mailbox,
-                 data: MicrobatchSource, messenger: Messenger):
+                 images: ImageSource, messenger: Messenger):
         self.config, self.plan, self.ops, self.groups, self.messenger = config, plan, ops, groups, messenger
-        self.iteration, self.mailbox, self.data = iteration, mailbox, data
+        self.iteration, self.mailbox, self.images = iteration, mailbox, images
         self.stream = mailbox.stream
         self.llm_microbatch = {tuple(a): i for i, a in enumerate(assignment)}
         self.llm_dp = llm_dp
@@ -231,9 +231,9 @@ class EncoderExecutor:
 
     def _forward_input(self, k: int) -> dict[str, torch.Tensor]:
         if self.first:
-            mb = self.data(self.iteration, self._global_microbatch(k))
+            images = self.images(self.iteration, self._global_microbatch(k))
             device = self.stream.device
-            return {enc.name: to_device(image, device) for enc, image in zip(self.config.encoders, mb.images)}
+            return {enc.name: to_device(image, device) for enc, image in zip(self.config.encoders, images)}
         return {e.name: self.messenger.recv("activation", self.groups.prev_stage_rank, (k, i))
                 for i, e in enumerate(self.config.encoders)}
 

@@ -71,10 +71,8 @@ def build_llm_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: Transfo
     """This rank's model chunks (one per virtual stage); needs megatron's parallel_state initialised."""
     llm = config.llm
     chunks = []
-    for vp_stage in range(plan.vp):
+    for vp_stage, (pre, post) in enumerate(pre_post_process(plan)):
         kwargs = {"vp_stage": vp_stage} if plan.vp > 1 else {}
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, **kwargs)
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, **kwargs)
         chunks.append(GPTModel(
             config=tconfig, transformer_layer_spec=decoder_spec(tconfig, llm.num_layers // (plan.pp * plan.vp)),
             vocab_size=llm.vocab_size,
@@ -84,6 +82,16 @@ def build_llm_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: Transfo
             scatter_embedding_sequence_parallel=False,
             position_embedding_type=llm.position_embedding_type, **kwargs))
     return chunks
+
+
+def pre_post_process(plan: ParallelPlan) -> list[tuple[bool, bool]]:
+    """(pre_process, post_process) of this rank's chunk per virtual stage, from megatron's parallel_state."""
+    flags = []
+    for vp_stage in range(plan.vp):
+        kwargs = {"vp_stage": vp_stage} if plan.vp > 1 else {}
+        flags.append((parallel_state.is_pipeline_first_stage(ignore_virtual=False, **kwargs),
+                      parallel_state.is_pipeline_last_stage(ignore_virtual=False, **kwargs)))
+    return flags
 
 
 def decoder_spec(tconfig: TransformerConfig, layers: int) -> TransformerBlockSubmodules:

@@ -17,19 +17,27 @@ checkpoint loads into any plan, into either runtime and into a plain megatron-co
 Each tensor is a ``ShardedTensor`` holding the parameter itself (so the optimizer's state maps onto
 it) with its TP shard and its replica id over the encoder's own groups: in Optimus mode the encoder
 plan's TP and DP groups, in the Megatron-style baseline the LLM's.
+
+``copy_sharded_state`` moves tensors between two such layouts in memory (one plan's shards into
+another's), as a save under one and a load under the other would.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+import torch
+import torch.distributed as dist
+
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.utils import make_sharded_tensor_for_checkpoint
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from optimus_mllm.config import OptimusConfig
+from optimus_mllm.errors import OptimusError
 from optimus_mllm.runtime.vit import EncoderStage, VisionStage
 
 
@@ -104,3 +112,53 @@ def _replicated(module: nn.Module, prefix: str, groups: dict[str, ProcessGroup],
     """A module whose parameters every TP rank holds whole (norms, the patch embedding)."""
     return {f"{prefix}{name}": make_sharded_tensor_for_checkpoint(param, f"{prefix}{name}", offsets, **groups)
             for name, param in module.named_parameters()}
+
+
+def whole_tensors(state: ShardedStateDict, shapes: dict[str, tuple[int, ...]], what: str) -> dict[str, Tensor]:
+    """Each key of ``shapes`` as its whole (global) tensor on every rank, fp32, assembled from the main
+    replicas of ``state``'s pieces wherever they are. Collective over the world; a key no rank holds,
+    or held with another global shape, is an ``OptimusError`` naming it, raised on every rank alike."""
+    have = _pieces(state)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {k: tuple(p[0].global_shape) for k, p in have.items()})
+    held = {k: v for rank_held in gathered for k, v in rank_held.items()}
+    for key in sorted(shapes):
+        if key not in held:
+            raise OptimusError(f"{what}: the source has no {key}")
+        if held[key] != tuple(shapes[key]):
+            raise OptimusError(f"{what}: {key} is {held[key]} in the source but {tuple(shapes[key])} here")
+    whole = {}
+    for key in sorted(shapes):
+        tensor = torch.zeros(shapes[key], dtype=torch.float32)
+        for piece in have.get(key, []):
+            if is_main_replica(piece.replica_id):
+                tensor[piece.global_slice()] = piece.data.detach().float().reshape(piece.local_shape)
+        dist.all_reduce(tensor)  # every element comes from exactly one main replica
+        whole[key] = tensor
+    return whole
+
+
+def copy_sharded_state(source: ShardedStateDict, target: ShardedStateDict, what: str) -> None:
+    """Every tensor of ``target`` takes its slice of the tensor with its key in ``source``.
+
+    Collective over the world: each rank holds any part of either side (``ShardedTensor``s, each
+    placing its data in the global tensor), so one plan's shards become another's, as a
+    ``dist_checkpointing`` save and load would, without the files.
+    """
+    want = _pieces(target)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {k: tuple(p[0].global_shape) for k, p in want.items()})
+    whole = whole_tensors(source, {k: v for rank_wants in gathered for k, v in rank_wants.items()}, what)
+    with torch.no_grad():
+        for key, pieces in want.items():
+            for piece in pieces:
+                piece.data.copy_(whole[key][piece.global_slice()].reshape(piece.data.shape))
+
+
+def _pieces(state: ShardedStateDict) -> dict[str, list[ShardedTensor]]:
+    apply_factories(state)
+    pieces: dict[str, list[ShardedTensor]] = {}
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor):
+            pieces.setdefault(value.key, []).append(value)
+    return pieces

@@ -28,6 +28,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_model_config
 
 import megatron_patches
 from megatron_patches.ddp import gather_main_grads
@@ -44,16 +45,32 @@ from optimus_mllm.runtime.encoder_ops import build_stage_ops
 from optimus_mllm.runtime.executor import EncoderExecutor, ExecutedOp, HookDriver, Mailbox, incoming_messages
 from optimus_mllm.runtime.hook_plan import POST, PRE, build_hook_plan, planned_collectives
 from optimus_mllm.runtime.messages import Messenger
+from optimus_mllm.runtime.layer_ops import vision_transformer_config
 from optimus_mllm.runtime.optimizer import build_optimizer, build_scheduler, encoder_process_groups, wrap_ddp
 from optimus_mllm.runtime.llm import (
     build_llm_chunks,
     causal_mask,
     decoder_input_with_images,
     masked_lm_loss,
+    pre_post_process,
     transformer_config,
 )
 from optimus_mllm.runtime.process_groups import build_encoder_process_groups, build_encoder_rank_layout
+from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
+from optimus_mllm.runtime.user_model import (
+    ImageEmbeddingsInput,
+    UserModel,
+    build_user_chunks,
+    config_problem,
+    language_model,
+    take_vision,
+    user_images,
+    user_vision_problem,
+    vision_layer_spec,
+    vision_modules,
+    vision_sharded_state_dict,
+)
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
 from optimus_mllm.scheduler.llm_timeline import default_warmup, pipeline_producer, rank_op_order
@@ -80,19 +97,28 @@ class StepResult:
 class Trainer:
     def __init__(self, config: OptimusConfig, llm_plan: ParallelPlan, mode: Mode,
                  artifact: dict[str, Any] | None = None, *, side_stream: bool = True, timers: Any = None,
-                 encoder_layer_specs: Mapping[str, ModuleSpec] | None = None):
+                 encoder_layer_specs: Mapping[str, ModuleSpec] | None = None, user_model: UserModel | None = None):
         """``timers``: the job's Megatron ``Timers`` (``megatron.core.timers``), which keep timing
         megatron-core's schedule (``forward-compute``, ``backward-compute``, the P2P calls) under the
         hooks the runtime sets in ``config.timers``. ``encoder_layer_specs``: the job's megatron-core
         layer spec per encoder name (e.g. ``get_vit_layer_with_local_spec()``), which both runtimes build
-        the encoder's layers from; by default ``layer_ops.vision_layer_spec()``."""
+        the encoder's layers from; by default ``layer_ops.vision_layer_spec()``. ``user_model``: the job's
+        own ``model_provider``, ``forward_step`` and batches (``user_model``), run in place of this
+        project's model and data; its single encoder is ``config.encoders[0]``."""
         if mode == "optimus" and artifact is None:
             raise OptimusError("the Optimus runtime needs a schedule artifact (optimus-plan --artifact)")
+        if user_model is not None and len(config.encoders) != 1:
+            raise OptimusError("model.encoders: a model_provider's model has one vision_model; give one encoder")
         self.config, self.plan, self.mode, self.artifact = config, llm_plan, mode, artifact
         self.encoder_layer_specs = encoder_layer_specs
+        self.user_model = user_model
         self.timers = timers
         self.rank = dist.get_rank()
-        self.data = microbatch_source(config)
+        if user_model is None:
+            self.data = microbatch_source(config)
+            self.images = lambda iteration, microbatch: self.data(iteration, microbatch).images
+        else:
+            self.images = user_images(config, user_model)
         self.device = training_device()  # before megatron-core places parameters on the current GPU
         self.stream = make_encoder_stream(self.device, side_stream)
         self._owns_patches = not megatron_patches.is_applied()
@@ -100,9 +126,20 @@ class Trainer:
         self._owns_parallel_state = join_model_parallel(llm_plan)
         torch.manual_seed(config.training.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
-        self.tconfig = transformer_config(config, llm_plan)
-        self.chunks = build_llm_chunks(config, llm_plan, self.tconfig)
-        init_llm_plan_independent_(self.chunks, config.training.seed, parallel_state.get_tensor_model_parallel_group())
+        if user_model is None:
+            self.tconfig = transformer_config(config, llm_plan)
+            self.chunks = build_llm_chunks(config, llm_plan, self.tconfig)
+            init_llm_plan_independent_(self.chunks, config.training.seed,
+                                       parallel_state.get_tensor_model_parallel_group())
+            self.modules = list(self.chunks)  # what DDP wraps and the schedule runs
+        else:  # the user's modules and initialisation, as Megatron-LM's get_model builds them
+            self.modules = build_user_chunks(user_model.model_provider, pre_post_process(llm_plan))
+            self.chunks = [language_model(chunk) for chunk in self.modules]
+            problem = config_problem("language model", "model.llm", transformer_config(config, llm_plan),
+                                     self.chunks[0].config)
+            if problem:  # every rank builds the same model, so every rank refuses
+                raise OptimusError(problem)
+            self.tconfig = get_model_config(self.modules[0])  # the config megatron-core's schedule reads
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.llm_dp = parallel_state.get_data_parallel_rank()
         self.num_microbatches = config.num_microbatches_total // llm_plan.dp
@@ -114,24 +151,27 @@ class Trainer:
         self.op_order = rank_op_order(self.num_microbatches, llm_plan.vp, self.warmup[self.stage], llm_plan.pp)
         self.collectives = {} if artifact is None else planned_collectives(artifact, self.stage, self.op_order)
         self.encoder: EncoderStage | None = None
-        if mode == "optimus":
+        self.image_input: ImageEmbeddingsInput | None = None
+        if user_model is not None:
+            self._adopt_user_vision()
+        elif mode == "optimus":
             self._build_optimus_encoder()
         elif self.stage == 0:
             self.encoder = EncoderStage(config, 0, 1, parallel_state.get_tensor_model_parallel_group(),
                                         layer_specs=encoder_layer_specs)
-        if self.encoder is not None:
+        if self.encoder is not None and user_model is None:
             init_plan_independent_(self.encoder, config.training.seed)
         # megatron-core leaves some parts (torch norm, position embedding) on the CPU and in fp32: every part
         # in the training precision, on the training device (megatron-core's DDP then keeps fp32 main copies)
         dtype = DTYPES[config.training.precision]
-        for module in [*self.chunks, *([self.encoder] if self.encoder is not None else [])]:
+        for module in [*self.modules, *([self.encoder] if self.encoder is not None else [])]:
             module.to(self.device, dtype)
         self.communicator = self._pipeline_communicator() if mode == "optimus" else None
         self._build_training_stack()
 
     def _build_training_stack(self) -> None:
         """megatron-core's DDP around every model part, one optimizer and the LR schedule over them."""
-        self.models = [wrap_ddp(self.config, self.tconfig, chunk) for chunk in self.chunks]
+        self.models = [wrap_ddp(self.config, self.tconfig, module) for module in self.modules]
         self.encoder_ddp = None
         encoder_groups = encoder_process_groups(self.groups) if self.mode == "optimus" else None
         if self.encoder is not None:
@@ -174,6 +214,37 @@ class Trainer:
                 pipeline_producer(self.stage, chunk, phase, self.plan.pp, self.plan.vp) is not None:
             self.communicator.wait_for_input("prev" if phase == "fwd" else "next")
 
+    def _adopt_user_vision(self) -> None:
+        """The user's vision model: left in the first stage for the baseline; with the flag, its weights
+        moved into the encoder stage under the encoder plan and ``ImageEmbeddingsInput`` in its place.
+        The first stage checks it and every rank hears the verdict, so all refuse or none does."""
+        first = self.modules[0] if self.stage == 0 else None
+        report = None
+        encoder = self.config.encoders[0]
+        if first is not None:
+            try:
+                vision, _ = vision_modules(first)
+                # the encoder stage's layer config (its TP and init std are not among the fields compared)
+                expected = vision_transformer_config(encoder, 1, DTYPES[self.config.training.precision], 0.02)
+                report = (vision_layer_spec(vision),
+                          user_vision_problem(encoder, expected, vision) if self.mode == "optimus" else None)
+            except OptimusError as exc:
+                report = (None, str(exc))
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, report)
+        spec, problem = next(r for r in seen if r is not None)
+        if problem:
+            raise OptimusError(problem)
+        if self.mode == "baseline":
+            return
+        self.encoder_layer_specs = {encoder.name: spec}
+        self._build_optimus_encoder()
+        source = {} if first is None else vision_sharded_state_dict(first)
+        copy_sharded_state(source, encoder_sharded_state_dict(self.config, self.encoder, self.groups.dp_group),
+                           "model_provider's vision model -> the Optimus encoder")
+        if first is not None:
+            self.image_input = take_vision(first)
+
     def _build_optimus_encoder(self) -> None:
         a = self.artifact
         enc_plan = ParallelPlan(**a["encoder_plan"])
@@ -200,7 +271,8 @@ class Trainer:
         executor = None
         if self.mode == "optimus":
             executor = EncoderExecutor(self.config, self.stage_plan, self.ops, self.groups, self.assignment,
-                                       self.llm_dp, self.enc_plan.pp, iteration, mailbox, self.data, self.messenger)
+                                       self.llm_dp, self.enc_plan.pp, iteration, mailbox, self.images,
+                                       self.messenger)
         leaves: dict[int, torch.Tensor] = {}
         driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox), self._wait_for_input,
                             self.collectives)
@@ -208,12 +280,14 @@ class Trainer:
         for model in self.ddp_models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        forward_step = partial(self._forward_step, driver, iteration, leaves, mailbox)
+        step = self._forward_step if self.user_model is None else self._user_forward_step
+        forward_step = partial(step, driver, iteration, leaves, mailbox)
+        iterators = self._data_iterators(iteration)
         driver.fire(PRE)
         with tp_collective_hook(driver.on_reduction, self.chunks), warmup_override(lambda s: self.warmup[s]):
             outputs = get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=[None] * self.plan.vp if self.plan.vp > 1 else None,
+                data_iterator=iterators if self.plan.vp > 1 else iterators[0],
                 model=self.models if self.plan.vp > 1 else self.models[0],
                 num_microbatches=self.num_microbatches, seq_length=self.config.llm.seq_length,
                 micro_batch_size=self.config.training.micro_batch_size, forward_only=False,
@@ -229,19 +303,14 @@ class Trainer:
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
-        loss = None
-        if outputs:
-            loss = float(torch.stack([o["lm loss"] for o in outputs]).mean())
+        loss = mean_lm_loss(outputs) if outputs else None
         scaler = self.optimizer.loss_scaler
         return StepResult(loss, grad_norm if updated else None, lr, None if scaler is None else scaler.scale.item(),
                           executor.record if executor is not None else [], len(driver.unplanned))
 
     def _forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
                       data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-        microbatch, chunk, _ = driver.current
-        global_microbatch = self.llm_dp * self.num_microbatches + microbatch
-        seed = microbatch_seed(self.config.training.seed, iteration, global_microbatch)
-        seed_llm_dropout(seed, llm_chunk_index(chunk))
+        microbatch, chunk, global_microbatch, seed = self._microbatch_in_flight(driver, iteration)
         mb = _text_on(self.data(iteration, global_microbatch), self.device)
         mask = causal_mask(self.config.llm.seq_length, self.device)
         decoder_input = None
@@ -253,6 +322,33 @@ class Trainer:
             decoder_input = decoder_input_with_images(self.chunks[chunk], mb, images)
         output = model(mb.tokens, mb.position_ids, mask, decoder_input=decoder_input, labels=mb.labels)
         return output, partial(masked_lm_loss, loss_mask=mb.loss_mask)
+
+    def _microbatch_in_flight(self, driver: HookDriver, iteration: int) -> tuple[int, int, int, int]:
+        """(microbatch, chunk, global microbatch, seed) of the LLM op starting now; its LLM dropout seeded."""
+        microbatch, chunk, _ = driver.current
+        global_microbatch = self.llm_dp * self.num_microbatches + microbatch
+        seed = microbatch_seed(self.config.training.seed, iteration, global_microbatch)
+        seed_llm_dropout(seed, llm_chunk_index(chunk))
+        return microbatch, chunk, global_microbatch, seed
+
+    def _data_iterators(self, iteration: int) -> list[Any]:
+        """Per virtual stage, what megatron-core's schedule hands the forward step: nothing for this
+        project's model (the step reads its own source), for a user's model its batches in order."""
+        if self.user_model is None:
+            return [None] * self.plan.vp
+        first = self.llm_dp * self.num_microbatches
+        return [(self.user_model.batch(iteration, first + k) for k in range(self.num_microbatches))
+                for _ in range(self.plan.vp)]
+
+    def _user_forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
+                           data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        """The user's forward step; under Optimus with A_i handed to its model in its vision model's place."""
+        microbatch, chunk, _, seed = self._microbatch_in_flight(driver, iteration)
+        if self.image_input is not None and chunk == 0:
+            images = self._image_embeddings(microbatch, None, mailbox, seed).detach().requires_grad_(True)
+            leaves[microbatch] = images  # its .grad after the backward is G_i
+            self.image_input.embeddings = images
+        return self.user_model.forward_step(data_iterator, model)
 
     def _image_embeddings(self, microbatch: int, mb: Any, mailbox: Mailbox, seed: int) -> torch.Tensor:
         """A_i: [image tokens, batch, hidden], from the encoder pipeline the global ordering assigns."""
@@ -318,6 +414,15 @@ def join_model_parallel(plan: ParallelPlan) -> bool:
                            f"LLM plan is {plan}; give Megatron the plan's --tensor-model-parallel-size, "
                            "--pipeline-model-parallel-size and virtual stages, or re-run optimus-plan")
     return False
+
+
+def mean_lm_loss(outputs: list[dict[str, torch.Tensor]]) -> float:
+    """The step's LM loss from the loss functions' reports: Megatron-LM's ``"lm loss"``, either a mean per
+    microbatch or a ``[loss sum, tokens]`` pair (its per-token form)."""
+    reports = torch.stack([o["lm loss"].float().reshape(-1) for o in outputs])
+    if reports.shape[1] == 2:
+        return float(reports[:, 0].sum() / reports[:, 1].sum())
+    return float(reports.mean())
 
 
 def _text_on(mb: Microbatch, device: torch.device) -> Microbatch:
