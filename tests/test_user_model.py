@@ -111,14 +111,64 @@ PLANS = {
 }
 
 
-def _rank_runs() -> dict:
-    """One rank of every run here, in one launch: each plan under both runtimes, then the refusals."""
-    return {**{name: _both_runtimes(overrides) for name, overrides in PLANS.items()}, "refusals": _refusals()}
+def _rank_runs(folder: str) -> dict:
+    """One rank of every run here, in one launch: each plan under both runtimes, checkpoints across the
+    runtimes (written under ``folder``), then the refusals."""
+    return {**{name: _both_runtimes(overrides) for name, overrides in PLANS.items()},
+            "resumed": _resumed_across_runtimes(folder), "refusals": _refusals()}
 
 
 @pytest.fixture(scope="module")
-def user_runs() -> list[dict]:
-    return run_distributed(_rank_runs, 4, timeout=500)
+def user_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_distributed(_rank_runs, 4, str(tmp_path_factory.mktemp("checkpoints")), timeout=600)
+
+
+def _resumed_across_runtimes(folder: str) -> dict:
+    """The baseline trains 3 steps, saving after the first; the Optimus runtime loads that and trains step 2,
+    saving after it; the baseline loads Optimus's and trains step 3: (loss, grad norm) of each."""
+    from optimus_mllm.config import load_config
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime import checkpoint, checkpoint_meta
+    from optimus_mllm.runtime.trainer import Trainer
+    from optimus_mllm.scheduler.artifact import schedule_job_artifact
+
+    config = load_config(CONFIG, ["training.train_iters=3"])
+    planned = plan(config)
+
+    def trainer(mode: str) -> Any:
+        artifact = schedule_job_artifact(config, planned) if mode == "optimus" else None
+        return Trainer(config, planned.llm_plan, mode, artifact, user_model=_user_model(config, planned.llm_plan))
+
+    def numbers(step: Any) -> tuple:
+        return step.loss, step.grad_norm
+
+    first = trainer("baseline")
+    first.train_step(0)
+    checkpoint.save_checkpoint(first, folder, 1)
+    uninterrupted = [numbers(first.train_step(i)) for i in (1, 2)]
+    first.close()
+    second = trainer("optimus")
+    checkpoint.load_checkpoint(second, checkpoint_meta.latest_checkpoint(folder))
+    resumed = [numbers(second.train_step(1))]
+    checkpoint.save_checkpoint(second, folder, 2)
+    second.close()
+    third = trainer("baseline")
+    checkpoint.load_checkpoint(third, checkpoint_meta.latest_checkpoint(folder))
+    resumed.append(numbers(third.train_step(2)))
+    third.close()
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+def test_a_users_model_resumes_across_the_runtimes(user_runs: list[dict]) -> None:
+    """Checkpoints of the user's model hold its vision model under LLaVA's keys, whichever runtime wrote
+    them: Optimus resumes the baseline's, the baseline Optimus's, with the uninterrupted numbers."""
+    for rank, runs in enumerate(user_runs):
+        uninterrupted, resumed = runs["resumed"]["uninterrupted"], runs["resumed"]["resumed"]
+        for (u_loss, u_norm), (r_loss, r_norm) in zip(uninterrupted, resumed):
+            assert (u_loss is None) == (r_loss is None), rank
+            assert u_loss is None or r_loss == pytest.approx(u_loss, rel=1e-5), (rank, uninterrupted, resumed)
+            assert r_norm == pytest.approx(u_norm, rel=1e-5), (rank, uninterrupted, resumed)
+    assert any(runs["resumed"]["resumed"][0][0] is not None for runs in user_runs)
 
 
 @pytest.mark.parametrize("plans, in_bubbles", [("planned", True), ("llm-dp2-encoder-pp2", False)])
