@@ -16,13 +16,22 @@ CONFIG = str(REPO / "configs" / "megatron_tiny.yaml")
 STEPS = 2
 
 
-def _user_model(config: Any, llm_plan: Any, **changes: Any) -> Any:
+def _user_model(config: Any, llm_plan: Any, without_vision: bool = False, **changes: Any) -> Any:
     from optimus_mllm.runtime.user_model import UserModel
     from tests import user_vlm
 
     provider = partial(user_vlm.model_provider, tp=llm_plan.tp, pp=llm_plan.pp,
                        vp=llm_plan.vp if llm_plan.vp > 1 else None, **changes)
+    if without_vision:  # a first stage whose model lacks LLaVA's vision_model
+        provider = partial(_without_vision, provider)
     return UserModel(provider, user_vlm.forward_step, user_vlm.batches(llm_plan.dp, STEPS))
+
+
+def _without_vision(provider: Any, *args: Any, **kwargs: Any) -> Any:
+    model = provider(*args, **kwargs)
+    if hasattr(model, "vision_model"):
+        del model.vision_model
+    return model
 
 
 def _vision_grads(trainer: Any) -> dict:
@@ -193,7 +202,7 @@ def test_a_users_model_trains_the_same_with_and_without_the_flag(user_runs: list
 
 
 def _refusals() -> list[str]:
-    """Every rank's error for user models the encoder config does not describe."""
+    """Every rank's error for user models the config does not describe, or without LLaVA's layout."""
     from megatron.core import parallel_state
 
     from optimus_mllm.config import load_config
@@ -207,7 +216,7 @@ def _refusals() -> list[str]:
     artifact = schedule_job_artifact(config, planned)
     errors = []
     for changes in ({"vision_changes": {"ffn_hidden_size": 128}}, {"vision_changes": {"hidden_dropout": 0.1}},
-                    {"language_changes": {"num_attention_heads": 8}}):
+                    {"language_changes": {"num_attention_heads": 8}}, {"without_vision": True}):
         try:
             Trainer(config, planned.llm_plan, "optimus", artifact, user_model=_user_model(config, planned.llm_plan,
                                                                                           **changes))
@@ -221,12 +230,14 @@ def _refusals() -> list[str]:
 def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(user_runs: list[dict]) -> None:
     reports = [runs["refusals"] for runs in user_runs]
     assert all(report == reports[0] for report in reports)
-    ffn, dropout, heads = reports[0]
+    ffn, dropout, heads, no_vision = reports[0]
     assert ffn == ("model_provider: the vision model's TransformerConfig.ffn_hidden_size is 128, but "
                    "model.encoders[0] describes 256; make the two agree")
     assert "TransformerConfig.hidden_dropout is 0.1" in dropout and "\n" not in dropout
     assert heads.startswith("model_provider: the language model's TransformerConfig.num_attention_heads is 8, "
                             "but model.llm describes 4")
+    # seen by the first stage's ranks alone, refused by every rank
+    assert no_vision.startswith("model_provider: the first pipeline stage's VisionLanguageModel lacks vision_model")
 
 
 def test_batches_follow_megatrons_pretraining_sampler() -> None:
