@@ -148,8 +148,16 @@ def image_patches(image: Image.Image, patch_size: int, grid: int) -> torch.Tenso
     resized = image.resize((side, side), Image.BICUBIC)
     channels = len(resized.getbands())
     pixels = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8).view(side, side, channels)
-    patches = pixels.view(grid, patch_size, grid, patch_size, channels).permute(0, 2, 1, 3, 4)
-    return (patches.reshape(grid * grid, -1).float() / 255 - 0.5) / 0.5
+    return (patchify(pixels.permute(2, 0, 1).unsqueeze(0), patch_size)[0].float() / 255 - 0.5) / 0.5
+
+
+def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """``[batch, channels, h, w]`` images as the encoder takes them, ``[batch, patches, patch_dim]``: the
+    patches row-major, each flattened channel-last."""
+    b, c, h, w = images.shape
+    grid_h, grid_w = h // patch_size, w // patch_size
+    patches = images.reshape(b, c, grid_h, patch_size, grid_w, patch_size).permute(0, 2, 4, 3, 5, 1)
+    return patches.reshape(b, grid_h * grid_w, patch_size * patch_size * c)
 
 
 def text_sequence(text: bytes, image_tokens: int, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:

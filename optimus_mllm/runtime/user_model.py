@@ -28,6 +28,7 @@ from torch.utils.data import default_collate
 
 from optimus_mllm.config import EncoderConfig, OptimusConfig
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.runtime.data import patchify
 
 
 ModelProvider = Callable[..., nn.Module]  # Megatron-LM's model_provider(pre_process, post_process, vp_stage)
@@ -171,15 +172,6 @@ def take_vision(chunk: nn.Module) -> ImageEmbeddingsInput:
     chunk.vision_model = stand_in
     chunk.vision_projection = nn.Identity()
     return stand_in
-
-
-def patchify(images: Tensor, patch_size: int) -> Tensor:
-    """``[batch, channels, h, w]`` images as the encoder stage takes them: ``[batch, patches, patch_dim]``,
-    patches row-major, each flattened channel-last (``data.image_patches``' layout)."""
-    b, c, h, w = images.shape
-    grid_h, grid_w = h // patch_size, w // patch_size
-    patches = images.reshape(b, c, grid_h, patch_size, grid_w, patch_size).permute(0, 2, 4, 3, 5, 1)
-    return patches.reshape(b, grid_h * grid_w, patch_size * patch_size * c)
 
 
 def user_images(config: OptimusConfig, user: UserModel) -> Callable[[int, int], tuple[Tensor, ...]]:
