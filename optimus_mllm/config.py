@@ -86,9 +86,17 @@ class TransformerSpec:
 
 @dataclass(frozen=True)
 class ProjectorConfig:
-    """Maps encoder features into the LLM's hidden space (LLaVA's ``mlp2x_gelu`` is ``mlp``)."""
+    """Maps encoder features into the LLM's hidden space (LLaVA's ``mlp2x_gelu`` is ``mlp``).
+
+    ``spatial_merge`` > 1 first merges each group of ``spatial_merge**2`` neighbouring patch tokens into
+    one token of ``spatial_merge**2`` times the width (Qwen2-VL's patch merger, InternVL's pixel
+    shuffle), so the encoder sees all its patches while the LLM gets ``spatial_merge**2`` times fewer
+    image tokens. The data orders patches so that each group is contiguous (as Qwen2-VL's processor
+    does), which makes the merge a reshape of consecutive tokens.
+    """
 
     type: ProjectorType = "mlp"
+    spatial_merge: int = 1
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,20 @@ class EncoderConfig(TransformerSpec):
     model_subtype: VisionSubtype = "internvit"
     frozen: bool = False  # frozen encoders run forward only; their backward is never scheduled
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+
+    @property
+    def merged_tokens(self) -> int:
+        """Patch tokens merged into one LLM token by the projector."""
+        return self.projector.spatial_merge**2
+
+    @property
+    def image_tokens(self) -> int:
+        """Tokens this encoder gives the LLM per image (``seq_length`` patches, merged by the projector)."""
+        return self.seq_length // self.merged_tokens
+
+    @property
+    def projector_input_size(self) -> int:
+        return self.hidden_size * self.merged_tokens
 
 
 @dataclass(frozen=True)
@@ -432,10 +454,11 @@ def validate(config: OptimusConfig) -> None:
         _validate_transformer(enc, f"model.encoders[{i}]")
         _positive(enc.patch_size, f"model.encoders[{i}].patch_size")
         _positive(enc.in_channels, f"model.encoders[{i}].in_channels")
+        _validate_spatial_merge(enc, f"model.encoders[{i}].projector.spatial_merge")
     _validate_transformer(config.llm, "model.llm")
     _positive(config.llm.vocab_size, "model.llm.vocab_size")
     _at_most(config.llm.vocab_size, 1 << 24, "model.llm.vocab_size")
-    image_tokens = sum(e.seq_length for e in config.encoders)
+    image_tokens = sum(e.image_tokens for e in config.encoders)
     if image_tokens >= config.llm.seq_length:
         raise ConfigError("model.llm.seq_length", f"{config.llm.seq_length} leaves no room for text after "
                           f"{image_tokens} image tokens; use more than {image_tokens}")
@@ -504,6 +527,16 @@ def _at_most(value: int, limit: int, path: str, what: str = "") -> None:
         raise ConfigError(path, f"{what + ' ' if what else ''}{value} is above the {limit} this tool plans for")
 
 
+def _validate_spatial_merge(enc: EncoderConfig, where: str) -> None:
+    merge = enc.projector.spatial_merge
+    _positive(merge, where)
+    _at_most(merge, 64, where)
+    if enc.seq_length % enc.merged_tokens:
+        raise ConfigError(where, f"{merge} merges groups of {merge}x{merge} = {enc.merged_tokens} patch tokens, "
+                          f"which do not divide seq_length={enc.seq_length}; use a spatial_merge whose square "
+                          f"divides {enc.seq_length}, or 1")
+
+
 def _validate_transformer(spec: TransformerSpec, where: str) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
         _positive(getattr(spec, name), f"{where}.{name}")
@@ -547,6 +580,10 @@ def encoder_tp_problem(enc: EncoderConfig, llm_hidden_size: int, sequence_parall
         problem = f"hidden_size={enc.hidden_size} (split by its linear projector) is not divisible by tp={tp}"
     if problem is None and sequence_parallel and tp > 1 and enc.seq_length % tp:
         problem = f"seq_length={enc.seq_length} is not divisible by tp={tp} (training.sequence_parallel splits it)"
+    if problem is None and sequence_parallel and tp > 1 and (enc.seq_length // tp) % enc.merged_tokens:
+        problem = (f"seq_length={enc.seq_length} split by tp={tp} (training.sequence_parallel) leaves "
+                   f"{enc.seq_length // tp} tokens per rank, not whole groups of projector.spatial_merge**2="
+                   f"{enc.merged_tokens}")
     return problem
 
 

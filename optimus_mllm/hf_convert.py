@@ -140,6 +140,10 @@ def vit_entries(state: Mapping[str, Tensor], encoder: EncoderConfig, prefix: str
             (f"{out}decoder.layers.mlp.linear_fc2.bias", _take(state, f"{h}output.dense.bias", source), layer),
         ]
     if "multi_modal_projector.linear_1.weight" in state:
+        if encoder.projector.spatial_merge != 1:
+            raise OptimusError(f"ViT: LLaVA's projector merges no tokens, model.encoders[{encoder.name}].projector."
+                               f"spatial_merge is {encoder.projector.spatial_merge}; set it to 1, or drop "
+                               "multi_modal_projector from the checkpoint to train a new projector")
         if encoder.projector.type != "mlp":
             raise OptimusError(f"ViT: LLaVA's projector is an MLP, model.encoders[{encoder.name}].projector.type is "
                                f"{encoder.projector.type}")

@@ -41,8 +41,8 @@ def encoder_params(enc: EncoderConfig) -> int:
 
 
 def projector_params(enc: EncoderConfig, llm: LLMConfig) -> int:
-    """LLaVA-style projector from the encoder's width into the LLM's."""
-    first = enc.hidden_size * llm.hidden_size + llm.hidden_size
+    """LLaVA-style projector from the encoder's (merged) width into the LLM's."""
+    first = enc.projector_input_size * llm.hidden_size + llm.hidden_size
     if enc.projector.type == "linear":
         return first
     return first + llm.hidden_size * llm.hidden_size + llm.hidden_size

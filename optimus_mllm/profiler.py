@@ -165,12 +165,13 @@ def kernel_op(config: OptimusConfig, entry: ProfileEntry) -> KernelOp:
             local = tokens // t if config.training.sequence_parallel and t > 1 else tokens
             return KernelOp("linear", (local, enc.in_channels * enc.patch_size**2, h_enc),
                             bias=enc.model_subtype != "clip")
+        merged, h_in = enc.image_tokens * mbs, enc.projector_input_size  # the projector's spatial merge
         if name == "projector_fc1":
             if enc.projector.type == "mlp":  # column-parallel, GELU fused (runtime/vit.py)
-                return KernelOp("linear", (tokens, h_enc, h_llm // t), bias=True, gelu=True)
-            return KernelOp("linear", (tokens, h_enc // t, h_llm))  # row-parallel, bias after the reduce
+                return KernelOp("linear", (merged, h_in, h_llm // t), bias=True, gelu=True)
+            return KernelOp("linear", (merged, h_in // t, h_llm))  # row-parallel, bias after the reduce
         if name == "projector_fc2":
-            return KernelOp("linear", (tokens, h_llm // t, h_llm))
+            return KernelOp("linear", (merged, h_llm // t, h_llm))
     return _layer_op(spec, name, t, mbs, config.training.sequence_parallel, causal=entry.module == LLM)
 
 

@@ -71,7 +71,7 @@ def test_microbatch_shapes_and_dtypes(sample):
         assert tensor.shape == (2, 64) and tensor.dtype == torch.int64
     assert mb.loss_mask.shape == (2, 64) and mb.loss_mask.dtype == torch.float32
     assert torch.equal(mb.position_ids[1], torch.arange(64))
-    assert mb.num_image_tokens == IMAGE_TOKENS
+    assert sum(image.shape[1] for image in mb.images) == IMAGE_TOKENS
 
 
 def test_deterministic_and_varied(sample):

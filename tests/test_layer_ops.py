@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from torch.utils.flop_counter import FlopCounterMode
 from distributed_utils import run_distributed
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -33,7 +34,9 @@ import megatron_patches
 from optimus_mllm.config import EncoderConfig, config_from_dict
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.params import encoder_params, projector_params
-from optimus_mllm.runtime.encoder_ops import Block, MicrobatchRun, build_stage_ops
+from optimus_mllm.runtime.data import patchify
+from optimus_mllm.profiler import profile_entries
+from optimus_mllm.runtime.encoder_ops import Block, MicrobatchRun, build_stage_ops, run_steps
 from optimus_mllm.runtime.layer_ops import build_layer, layer_steps, vision_layer_spec, vision_transformer_config
 from optimus_mllm.runtime.vit import EncoderStage
 from tests.conftest import CONFIGS
@@ -201,15 +204,33 @@ def _megatron_reference(stage: EncoderStage, config: Any, group: dist.ProcessGro
                         model_subtype=enc.model_subtype, pg_collection=ProcessGroupCollection(tp=group, cp=None, pp=None))
     projector = MultimodalProjector(vision.projector.projection.config,
                                     MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                                    "mlp", enc.hidden_size, tp_group=group)
+                                    "mlp", enc.hidden_size * enc.projector.spatial_merge**2, tp_group=group)
     ours = dict(vision.named_parameters())
+    order = _merge_order(int(enc.seq_length**0.5), enc.projector.spatial_merge)
     with torch.no_grad():
         for name, p in clip.named_parameters():
             p.copy_(ours[name.replace("decoder.layers.", "layers.") if name.startswith("decoder.")
                          else f"patch_embed.{name}"])
+        clip.position_embeddings.weight[order] = ours["patch_embed.position_embeddings.weight"]
         for name, p in projector.named_parameters():
             p.copy_(ours[f"projector.projection.{name}"])
     return clip, projector
+
+
+def _merge_order(grid: int, merge: int) -> torch.Tensor:
+    """Row-major patch index of each of our tokens: blocks of merge x merge patches, row-major, and
+    row-major inside each block (Qwen2-VL's order; plain row-major for merge 1)."""
+    return torch.tensor([(block_row * merge + row) * grid + block_col * merge + col
+                         for block_row in range(grid // merge) for block_col in range(grid // merge)
+                         for row in range(merge) for col in range(merge)])
+
+
+def _pixel_shuffle(x: torch.Tensor, grid: int, merge: int) -> torch.Tensor:
+    """[b, grid*grid, h] row-major -> [b, tokens / merge**2, merge**2 * h]: each merge x merge block of
+    neighbours concatenated, row-major inside it (Qwen2-VL's PatchMerger input)."""
+    b, _, h = x.shape
+    blocks = x.view(b, grid // merge, merge, grid // merge, merge, h).permute(0, 1, 3, 2, 4, 5)
+    return blocks.reshape(b, (grid // merge) ** 2, merge * merge * h)
 
 
 def _tiny(**encoder: Any) -> Any:
@@ -218,9 +239,10 @@ def _tiny(**encoder: Any) -> Any:
     return config_from_dict(raw)
 
 
-def _clip_comparison(group: dist.ProcessGroup, subtype: str) -> dict[str, float]:
-    """Largest differences of the projected features and every gradient, stage ops vs megatron-core."""
-    config = _tiny(model_subtype=subtype)
+def _clip_comparison(group: dist.ProcessGroup, subtype: str, merge: int = 1) -> dict[str, float]:
+    """Largest differences of the projected features and every gradient, stage ops vs megatron-core
+    (with ``merge``: its CLIP output pixel-shuffled into the projector)."""
+    config = _tiny(model_subtype=subtype, projector={"spatial_merge": merge})
     enc = config.encoders[0]
     torch.manual_seed(0)
     stage = EncoderStage(config, 0, 1, group, init_std=0.2)
@@ -232,18 +254,21 @@ def _clip_comparison(group: dist.ProcessGroup, subtype: str) -> dict[str, float]
     grid, p = int(enc.seq_length**0.5), enc.patch_size
     gen = torch.Generator().manual_seed(2)
     images = torch.randn(BATCH, enc.in_channels, grid * p, grid * p, generator=gen)
-    grad = torch.randn(enc.seq_length, BATCH, config.llm.hidden_size, generator=gen)
+    grad = torch.randn(enc.seq_length // merge**2, BATCH, config.llm.hidden_size, generator=gen)
 
-    out = projector(clip(images).permute(1, 0, 2))  # LLaVA: [b, s, h] -> [s, b, h] into the projector
+    features = _pixel_shuffle(clip(images), grid, merge)
+    out = projector(features.permute(1, 0, 2))  # LLaVA: [b, s, h] -> [s, b, h] into the projector
     out.backward(grad)
     expected = {"output": out.detach()}
     expected |= {f"clip.{n}": q.grad for n, q in clip.named_parameters()}
     expected |= {f"projector.{n}": q.grad for n, q in projector.named_parameters()}
 
-    # the data's layout (runtime.data.image_patches): row-major patches, each flattened channel-last
+    # the data's layout (runtime.data.patchify): each patch flattened channel-last, in the merge order
     patches = images.view(BATCH, enc.in_channels, grid, p, grid, p).permute(0, 2, 4, 3, 5, 1)
+    patches = patches.reshape(BATCH, grid * grid, -1)[:, _merge_order(grid, merge)]
+    assert torch.equal(patchify(images, p, merge), patches)
     ops = build_stage_ops(stage.blocks())
-    run = MicrobatchRun(ops, {"vit": patches.reshape(BATCH, grid * grid, -1)}, seed=0)
+    run = MicrobatchRun(ops, {"vit": patches}, seed=0)
     for k in range(len(ops.fwd)):
         run.run_forward(k)
     run.set_output_grad({"vit": grad})
@@ -254,6 +279,9 @@ def _clip_comparison(group: dist.ProcessGroup, subtype: str) -> dict[str, float]
     got |= {f"clip.{n}": ours[n.replace("decoder.layers.", "layers.") if n.startswith("decoder.")
                               else f"patch_embed.{n}"].grad for n, _ in clip.named_parameters()}
     got |= {f"projector.{n}": ours[f"projector.projection.{n}"].grad for n, _ in projector.named_parameters()}
+    position = got["clip.position_embeddings.weight"]
+    got["clip.position_embeddings.weight"] = torch.empty_like(position).index_copy_(
+        0, _merge_order(grid, merge), position)  # our token order -> CLIP's row-major one
     return {key: (got[key] - value).abs().max().item() / max(1.0, value.abs().max().item())
             for key, value in expected.items()}
 
@@ -265,7 +293,36 @@ def test_an_encoder_stage_computes_megatron_cores_clip_vit_and_projector(one_ran
     assert len(errors) > 10 and max(errors.values()) <= TOL, errors
 
 
-@pytest.mark.parametrize("encoder", [{}, {"model_subtype": "clip"}, GATED_GQA_RMS], ids=["internvit", "clip", "gated"])
+def test_the_spatial_merge_is_a_pixel_shuffle_of_megatron_cores_clip_output(one_rank: dist.ProcessGroup) -> None:
+    """projector.spatial_merge=2: the patches in Qwen2-VL's order, merged 2x2 before the projector, give
+    megatron-core's CLIP (row-major patches) with its output pixel-shuffled into a 4x wider projector."""
+    errors = _clip_comparison(one_rank, "clip", merge=2)
+    assert len(errors) > 10 and max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.parametrize("projector", [{"spatial_merge": 2}, {"type": "linear", "spatial_merge": 2}, {}],
+                         ids=["mlp-merge2", "linear-merge2", "mlp"])
+def test_the_projectors_flops_are_the_cost_models(one_rank: dist.ProcessGroup, projector: dict[str, Any]) -> None:
+    """torch's FLOP counter over the runtime's projector steps (merge, GEMMs, bias), forward and
+    backward, against the FLOPs the cost model gives its kernels."""
+    config = _tiny(projector=projector)
+    enc = config.encoders[0]
+    stage = EncoderStage(config, 0, 1, one_rank)
+    steps = stage.encoders["vit"].projector.steps(one_rank, False)
+    x = torch.randn(enc.seq_length, BATCH, enc.hidden_size, requires_grad=True)
+    with FlopCounterMode(display=False) as forward:
+        out = run_steps(steps, x, seed=0)
+    with FlopCounterMode(display=False) as backward:
+        out.backward(torch.randn_like(out))
+    costed = {e.key[1:3]: e.work.flops for e in profile_entries(config) if e.key[0] == "vit" and e.key[3] == 1}
+    assert out.shape == (enc.image_tokens, BATCH, config.llm.hidden_size)
+    for phase, counter in (("fwd", forward), ("bwd", backward)):
+        assert counter.get_total_flops() == sum(f for (name, p), f in costed.items()
+                                                if p == phase and name.startswith("projector_")), phase
+
+
+@pytest.mark.parametrize("encoder", [{}, {"model_subtype": "clip"}, GATED_GQA_RMS, {"projector": {"spatial_merge": 2}}],
+                         ids=["internvit", "clip", "gated", "merge"])
 def test_the_parameter_count_is_the_planners(one_rank: dist.ProcessGroup, encoder: dict[str, Any]) -> None:
     config = _tiny(**encoder)
     stage = EncoderStage(config, 0, 1, one_rank)

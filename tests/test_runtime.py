@@ -158,11 +158,23 @@ SP_TIED = ["training.sequence_parallel=true", "model.llm.untie_embeddings_and_ou
            "training.recompute=full"]
 
 
+MERGE = SP_TIED + ["model.encoders.0.projector.spatial_merge=2"]
+
+
 def test_sequence_parallel_and_tied_embeddings_train_like_the_baseline():
     """LLM PP2 TP2 V2 with sequence parallelism (image tokens spliced, then scattered), the output layer
     tied to the input embedding across the pipeline (megatron-core's embedding-group gradient sum) and
-    full recompute of every LLM layer."""
-    _assert_same(*_both(4, SP_TIED, _artifact(SP_TIED)))
+    full recompute of every LLM layer; then the same with a 2x2 spatial merge before the projector (16
+    patches, 4 image tokens), the encoder on one GPU per image under Optimus (the merge of whole images)
+    and sequence-parallel over the LLM's TP2 in the baseline (each rank merging its own 8 patches)."""
+    runs = [(SP_TIED, "optimus", _artifact(SP_TIED), STEPS), (SP_TIED, "baseline", None, STEPS),
+            (MERGE, "optimus", _artifact(MERGE, {"pp": 1, "tp": 1}), STEPS), (MERGE, "baseline", None, STEPS)]
+    per_rank = run_distributed(_train_runs, 4, TINY, runs, timeout=400)
+    _assert_same([r[0] for r in per_rank], [r[1] for r in per_rank])
+    merged, baseline = [r[2] for r in per_rank], [r[3] for r in per_rank]
+    _assert_same(merged, baseline)
+    projector = {n: w.shape for r in baseline for n, (w, _) in r["encoder"].items() if n.endswith("projection.encoder.linear_fc1.weight")}
+    assert list(projector.values()) == [(64, 4 * 32)], projector  # LLM hidden x 2*2 merged ViT widths
 
 
 def test_the_paper_figure_5_twin_trains_like_the_baseline():

@@ -260,3 +260,18 @@ def test_the_step_loss_reads_either_form_of_megatrons_lm_loss() -> None:
     # the per-token form: [loss sum, tokens] per microbatch, averaged over all tokens
     # (6 + 2) / (2 + 4) tokens, not the mean of 6 / 2 and 2 / 4
     assert mean_lm_loss([{"lm loss": torch.tensor([6.0, 2.0])}, {"lm loss": torch.tensor([2.0, 4.0])}]) == pytest.approx(8 / 6)
+
+
+def test_a_spatial_merge_is_refused_for_a_users_llava_model() -> None:
+    """LLaVA's layout feeds every vision token to its projector; a config that merges them does not
+    describe it, so it is refused before the model is looked at."""
+    import dataclasses
+
+    from optimus_mllm.config import ProjectorConfig, load_config
+    from optimus_mllm.runtime.user_model import user_vision_problem
+
+    encoder = load_config(REPO / "configs" / "megatron_tiny.yaml").encoders[0]
+    merged = dataclasses.replace(encoder, projector=ProjectorConfig(spatial_merge=2))
+    assert user_vision_problem(merged, None, None) == (
+        "model.encoders[0].projector.spatial_merge is 2, but a user's model (LLaVA's layout) merges no tokens "
+        "before its projector; set it to 1")

@@ -35,13 +35,10 @@ class Microbatch:
     loss_mask: torch.Tensor  # [micro_batch, llm_seq]: 1 on text positions whose label is text
     position_ids: torch.Tensor  # [micro_batch, llm_seq]
 
-    @property
-    def num_image_tokens(self) -> int:
-        return sum(image.shape[1] for image in self.images)
-
 
 def image_token_count(config: OptimusConfig) -> int:
-    return sum(e.seq_length for e in config.encoders)
+    """The LLM's image positions per sample (after each projector's spatial merge)."""
+    return sum(e.image_tokens for e in config.encoders)
 
 
 def synthetic_microbatch(config: OptimusConfig, iteration: int, global_microbatch: int) -> Microbatch:
@@ -128,7 +125,8 @@ class ImageTextDataset:
         try:
             with Image.open(caption.image) as image:
                 return tuple(image_patches(image.convert(_IMAGE_MODES[e.in_channels]), e.patch_size,
-                                           math.isqrt(e.seq_length)) for e in self.config.encoders)
+                                           math.isqrt(e.seq_length), e.projector.spatial_merge)
+                             for e in self.config.encoders)
         except Image.DecompressionBombError:
             raise ConfigError("data.path", f"{CAPTIONS} line {caption.line}: {caption.image} has more than "
                               f"{2 * Image.MAX_IMAGE_PIXELS} pixels (Pillow's decompression-bomb limit); resize it "
@@ -138,25 +136,28 @@ class ImageTextDataset:
                               f"image ({exc.__class__.__name__}); replace the file or drop the line") from None
 
 
-def image_patches(image: Image.Image, patch_size: int, grid: int) -> torch.Tensor:
-    """``image`` resized to ``grid * patch_size`` pixels square, in [-1, 1], as ``[grid**2, patch_dim]``.
-
-    Patches are in row-major order, each flattened channel-last. Any fixed order works: the patch
-    embedding is a learned linear map, so it learns whichever layout it is fed.
+def image_patches(image: Image.Image, patch_size: int, grid: int, spatial_merge: int = 1) -> torch.Tensor:
+    """``image`` resized to ``grid * patch_size`` pixels square, in [-1, 1], as ``[grid**2, patch_dim]``
+    in ``patchify``'s order. Any fixed order works for the ViT (its patch and position embeddings are
+    learned); the order only matters to the projector's spatial merge.
     """
     side = grid * patch_size
     resized = image.resize((side, side), Image.BICUBIC)
     channels = len(resized.getbands())
     pixels = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8).view(side, side, channels)
-    return (patchify(pixels.permute(2, 0, 1).unsqueeze(0), patch_size)[0].float() / 255 - 0.5) / 0.5
+    patches = patchify(pixels.permute(2, 0, 1).unsqueeze(0), patch_size, spatial_merge)
+    return (patches[0].float() / 255 - 0.5) / 0.5
 
 
-def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """``[batch, channels, h, w]`` images as the encoder takes them, ``[batch, patches, patch_dim]``: the
-    patches row-major, each flattened channel-last."""
+def patchify(images: torch.Tensor, patch_size: int, spatial_merge: int = 1) -> torch.Tensor:
+    """``[batch, channels, h, w]`` images as the encoder takes them, ``[batch, patches, patch_dim]``, each
+    patch flattened channel-last. The patches are row-major over ``spatial_merge`` x ``spatial_merge``
+    blocks and row-major inside each, so the projector's merge groups are consecutive tokens (Qwen2-VL's
+    order); ``spatial_merge`` 1 is plain row-major."""
     b, c, h, w = images.shape
-    grid_h, grid_w = h // patch_size, w // patch_size
-    patches = images.reshape(b, c, grid_h, patch_size, grid_w, patch_size).permute(0, 2, 4, 3, 5, 1)
+    m, grid_h, grid_w = spatial_merge, h // patch_size, w // patch_size
+    patches = images.reshape(b, c, grid_h // m, m, patch_size, grid_w // m, m, patch_size)
+    patches = patches.permute(0, 2, 5, 3, 6, 4, 7, 1)  # block row, block column, row, column, pixels, channel
     return patches.reshape(b, grid_h * grid_w, patch_size * patch_size * c)
 
 
@@ -196,6 +197,10 @@ def _check_model(config: OptimusConfig) -> None:
             raise ConfigError(f"model.encoders[{i}].seq_length", f"{enc.seq_length} is not a square number, "
                               f"so images (data.path) cannot be cut into a square grid of patches; use e.g. "
                               f"{grid * grid} or {(grid + 1) ** 2}")
+        if grid % enc.projector.spatial_merge:
+            raise ConfigError(f"model.encoders[{i}].projector.spatial_merge", f"{enc.projector.spatial_merge} "
+                              f"does not divide the {grid}x{grid} patch grid of data.path's images, so the merge "
+                              f"groups are not whole blocks; use a divisor of {grid}")
         if enc.in_channels not in _IMAGE_MODES:
             raise ConfigError(f"model.encoders[{i}].in_channels", f"{enc.in_channels} has no image format for "
                               "data.path; use 3 (RGB) or 1 (grayscale)")

@@ -261,7 +261,7 @@ class EncoderExecutor:
         else:
             grad = self.messenger.recv("embeddings_grad", link.llm_rank, (i, 0))
         return dict(zip((e.name for e in self.config.encoders),
-                        grad.split([e.seq_length for e in self.config.encoders], dim=0)))
+                        grad.split([e.image_tokens for e in self.config.encoders], dim=0)))
 
     def _send_input_grad(self, k: int, run: MicrobatchRun) -> None:
         if self.first:
@@ -274,7 +274,7 @@ class EncoderExecutor:
 
 def embeddings_shape(config: OptimusConfig) -> tuple[int, int, int]:
     """A_i and G_i: [image tokens, micro batch, LLM hidden]."""
-    return (sum(e.seq_length for e in config.encoders), config.training.micro_batch_size, config.llm.hidden_size)
+    return (sum(e.image_tokens for e in config.encoders), config.training.micro_batch_size, config.llm.hidden_size)
 
 
 def hidden_shape(config: OptimusConfig, encoder: int, tp: int) -> tuple[int, int, int]:

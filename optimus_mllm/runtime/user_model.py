@@ -127,6 +127,9 @@ def config_problem(part: str, section: str, expected: TransformerConfig, theirs:
 
 def user_vision_problem(encoder: EncoderConfig, expected: TransformerConfig, vision: nn.Module) -> str | None:
     """Why the encoder config does not describe the user's vision model (one line naming the field), or None."""
+    if encoder.projector.spatial_merge != 1:
+        return (f"model.encoders[0].projector.spatial_merge is {encoder.projector.spatial_merge}, but a user's model "
+                "(LLaVA's layout) merges no tokens before its projector; set it to 1")
     problem = config_problem("vision model", "model.encoders[0]", expected, vision.config)
     if problem:
         return problem

@@ -13,7 +13,8 @@ biases, patch and position embedding) get partial gradients: they carry megatron
 TP group.
 
 Stage 0 embeds patches given as [batch, seq, in_channels * patch_size**2]; the last stage's projector
-(``mlp``: Linear, GELU, Linear; ``linear``: one Linear) returns [seq, batch, llm_hidden], whole on
+(``mlp``: Linear, GELU, Linear; ``linear``: one Linear; each after the optional spatial merge of
+``projector.spatial_merge``) returns [image tokens, batch, llm_hidden], whole on
 every TP rank (one all-reduce, ``tp_ar_projector``); under sequence parallelism it first gathers
 the tokens (``tp_ag_projector``). Its backward collective follows its first GEMM's backward:
 ``tp_ar_projector`` (mlp), ``tp_rs_projector`` (mlp, sequence parallel) or ``tp_ag_projector``
@@ -58,6 +59,19 @@ def _all_gather_last_dim(x: Tensor, group: ProcessGroup) -> Tensor:
 
 def _own_chunk(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
     return x.chunk(group.size(), dim=dim)[group.rank()].clone()  # a view would pin the whole tensor
+
+
+def spatial_merge(x: Tensor, merged_tokens: int) -> Tensor:
+    """[seq, batch, hidden] -> [seq / n, batch, n * hidden]: each n consecutive tokens (one spatial group
+    of the data's patch order) side by side, as Qwen2-VL's patch merger concatenates them."""
+    s, b, h = x.shape
+    return x.view(s // merged_tokens, merged_tokens, b, h).transpose(1, 2).reshape(s // merged_tokens, b, -1)
+
+
+def _merge_step(merged_tokens: int) -> Step:
+    # A rank's sequence-parallel share is whole groups (config.encoder_tp_problem), so it merges locally.
+    return Step(forward=lambda x: (spatial_merge(x, merged_tokens),), fwd_kernel=None, bwd_kernel=None,
+                trainable=False)
 
 
 def _bias_step(bias: Tensor | None) -> Step:
@@ -116,14 +130,15 @@ class Projector(nn.Module):
                  group: ProcessGroup):
         super().__init__()
         self.mlp = encoder.projector.type == "mlp"
+        self.merged_tokens = encoder.merged_tokens
         if self.mlp:
             config = replace(layer_config, hidden_size=llm_hidden_size, ffn_hidden_size=llm_hidden_size,
                              gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True)
             self.projection = MultimodalProjector(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                                         linear_fc2=RowParallelLinear),
-                                                  "mlp", encoder.hidden_size, tp_group=group)
+                                                  "mlp", encoder.projector_input_size, tp_group=group)
         else:
-            self.linear = RowParallelLinear(encoder.hidden_size, llm_hidden_size, config=layer_config,
+            self.linear = RowParallelLinear(encoder.projector_input_size, llm_hidden_size, config=layer_config,
                                             init_method=layer_config.init_method, bias=True, skip_bias_add=False,
                                             input_is_parallel=True, tp_group=group)
 
@@ -149,7 +164,8 @@ class Projector(nn.Module):
             gemms = [compute("projector_fc1", lambda x: F.linear(x, linear.weight), linear.weight)]
             bias = linear.bias
         tail = [tp_exit(group, False, "projector")] if tp else []  # whole output on every rank, SP or not
-        return (*head, *gemms, *tail, _bias_step(bias))
+        merge = [_merge_step(self.merged_tokens)] if self.merged_tokens > 1 else []
+        return (*merge, *head, *gemms, *tail, _bias_step(bias))
 
 
 class VisionStage(nn.Module):

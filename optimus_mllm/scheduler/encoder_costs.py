@@ -130,6 +130,8 @@ def _projector(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: i
     """Projector kernels as the runtime runs them (``runtime/vit.py``).
 
     ``mlp``: column-parallel fc1 (GELU fused), row-parallel fc2; ``linear``: one row-parallel GEMM.
+    They run on the spatially merged tokens (``projector.spatial_merge``: fewer, wider), the merge
+    itself being a reshape of each rank's tokens.
     Forward: with sequence parallelism the tokens are gathered first; the output is all-reduced so
     every TP rank holds it whole. Backward: the GEMMs in reverse, then the collective that forms the
     encoder features' gradient (none when the encoder is frozen): the input copy's all-reduce, its
@@ -137,9 +139,9 @@ def _projector(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: i
     slices (``linear``).
     """
     t = config.training
-    tokens = enc.seq_length * t.micro_batch_size
+    tokens = enc.image_tokens * t.micro_batch_size  # after the spatial merge (a reshape, no kernel)
     dtype = activation_dtype_bytes(config)
-    h_enc, h_llm = enc.hidden_size, config.llm.hidden_size
+    h_enc, h_llm = enc.projector_input_size, config.llm.hidden_size
     bw = tp_bandwidth(config, tp)
     sp = t.sequence_parallel and tp > 1
     mlp = enc.projector.type == "mlp"
@@ -184,7 +186,7 @@ def _to_llm_us(config: OptimusConfig, llm_plan: ParallelPlan, llm_stage: int, co
     """Send the projected image tokens (and later their gradient) to/from the first LLM stage."""
     if llm_stage == 0:
         return 0.0  # colocated on the first LLM stage: a local copy
-    tokens = sum(e.seq_length for e in config.encoders) * config.training.micro_batch_size
+    tokens = sum(e.image_tokens for e in config.encoders) * config.training.micro_batch_size
     nbytes = tokens * config.llm.hidden_size * activation_dtype_bytes(config) / llm_plan.tp
     work = KernelWork("encoder_to_llm", "fwd", "comm", 0.0, nbytes, "p2p", 2)
     stride = llm_stage * llm_plan.tp * llm_plan.dp
