@@ -7,9 +7,10 @@ two Megatron-LM baselines with the same cost model, each at Optimus's V (the LLM
 footing) and at every V up to 16 (its fastest labelled; speedups are quoted against both), then prints:
 - Table 7: Eff_coarse, Eff_fine and scheduler runtime at 1536/2048/3072 GPUs;
 - Table 5: iteration time and MFU of Megatron-LM, Megatron-LM balanced and Optimus;
-- weak scaling (Models A-D), the dual-encoder models, and Appendix C's 8-GPU model;
-- a sensitivity row: the strong-scaling setups with 1536 image tokens per image instead of our
-  assumed 256 (the paper does not state the image size), to show a heavier encoder.
+- weak scaling (Models A-D), the dual-encoder models, and Appendix C's 8-GPU model.
+The strong-scaling setups (Tables 1, 5, 7) run in two readings of the paper, which states no image
+size: its configs' (2048-token ViT inputs merged 2x2 into 512 LLM tokens, written in the configs) and
+256-token images (224 px in 14 px patches, ViT-22B's own, no merge); Tables 1, 7 and 5 print for each.
 Absolute times come from our roofline cost model (efficiencies in configs, not tuned per row); the
 paper measured a production cluster, so compare shapes and ratios, not seconds.
 
@@ -55,7 +56,10 @@ PAPER_SPEEDUP = {"model_a": "up to 1.22", "model_b": "up to 1.22", "model_c": "u
 PAPER_TABLE1 = {"dp_all_gather": 3.3, "dp_reduce_scatter": 8.9, "pp_warmup": 5.0, "pp_cooldown": 9.2,
                 "pp_other": 8.7, "tp": 11.2}  # % of a 5.12 s step, >3000 GPUs, production
 MAX_BASELINE_V = 16  # the baselines are tried at every V up to this (the paper's balanced runs use 6 and 12)
-HEAVY_TOKENS = 1536  # 6x our 256; leaves 512 text tokens of the LLM's 2048
+# The strong-scaling setups' second reading, and the suffix of its rows' names.
+SHORT_READING = ("256-token images (224 px, ViT-22B's own), no merge",
+                 ["model.encoders.0.seq_length=256", "model.encoders.0.projector.spatial_merge=1"])
+SHORT_SUFFIX = "_256tok"
 
 
 @dataclass
@@ -165,57 +169,69 @@ def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def print_tables(rows: dict[str, Row], heavy: dict[str, Row]) -> None:
+def print_tables(rows: dict[str, Row], short: dict[str, Row], configs: dict[str, OptimusConfig]) -> None:
     strong = [n for n in PAPER_TABLE7 if n in rows]
     if strong:
-        print("Table 1: LLM bubbles, % of the LLM-alone iteration (ours per setup | paper, production >3000 GPUs)")
-        print(f"{'bubble':<20}" + "".join(f"{rows[n].gpus:>8}-GPU" for n in strong) + f"{'paper':>10}")
-        for kind in BUBBLE_KINDS:
-            print(f"{kind:<20}" + "".join(f"{_pct(rows[n].bubbles[kind]):>12}" for n in strong)
-                  + f"{PAPER_TABLE1[kind]:>9.1f}%")
-        print()
-        print("Table 7: scheduling efficiency and scheduler runtime (ours | paper)")
-        print(f"{'setting':<13}{'#mb':>7}  {'Eff_coarse':>17}  {'Eff_fine':>17}  {'runtime s':>17}")
-        for n in strong:
-            r, (mb, pc, pf, pt) = rows[n], PAPER_TABLE7[n]
-            print(f"{r.gpus:>5}-GPU    {r.microbatches:>2} | {mb:<2}  {_pct(r.eff_coarse):>7} | {pc:>5.1f}%  "
-                  f"{_pct(r.eff_fine):>7} | {pf:>5.1f}%  {r.runtime_s:>7.2f} | {pt:>7.1f}")
-        print()
-        print("Table 5: iteration time in s, batch 1536 (ours | paper); each baseline at Optimus's V (the "
-              "planner's) and at its own best V")
-        print(f"{'GPUs':>5}  {'Megatron-LM @V | paper':>21}  {'best V':>11}  {'balanced @V':>13}  "
-              f"{'best V | paper':>19}  {'Optimus | paper':>16}  {'MFU Opt | paper':>15}  {'vs equal V':>10}  "
-              f"{'vs best | paper':>16}")
-        for n in strong:
-            r, p = rows[n], PAPER_TABLE5[n]
-            print(f"{r.gpus:>5}  {_at(r.megatron_s, r.llm_v)} | {p[0]:>5.2f}  {_best(r.megatron_by_v):>11}  "
-                  f"{_at(r.balanced_s, r.llm_v)}  {_best(r.balanced_by_v):>11} | {p[1]:>5.2f}  "
-                  f"{r.optimus_s:>7.3f} | {p[2]:>5.2f}  {_pct(r.mfu_optimus):>6} | {p[5]:>5.1f}%  "
-                  f"{r.speedup_equal_v:>9.2f}x  {r.speedup_best:>6.2f}x | {min(p[0], p[1]) / p[2]:>5.2f}x")
-        print("  vs equal V: the faster baseline at Optimus's V over Optimus; vs best: the fastest baseline at any "
-              f"V (1-{MAX_BASELINE_V}) over Optimus (paper: its faster baseline over Optimus)")
-        print()
+        print(f"== Strong scaling, the configs' reading: {_reading(configs[strong[0]])}")
+        print_strong_scaling({n: rows[n] for n in strong})
+    if short:
+        print(f"== Strong scaling, the other reading: {SHORT_READING[0]}")
+        print_strong_scaling({n.removesuffix(SHORT_SUFFIX): r for n, r in short.items()})
     others = [n for n in rows if n not in PAPER_TABLE7]
     if others:
         print("Other setups: iteration time in s (speedup of Optimus over Megatron-LM: ours | paper)")
-        _print_rows({n: rows[n] for n in others}, paper=True)
-    if heavy:
-        print(f"Sensitivity: strong scaling with {HEAVY_TOKENS} image tokens per image (ours assume 256)")
-        _print_rows(heavy, paper=False)
+        _print_rows({n: rows[n] for n in others})
 
 
-def _print_rows(rows: dict[str, Row], paper: bool) -> None:
+def _reading(config: OptimusConfig) -> str:
+    enc = config.encoders[0]
+    merge = enc.projector.spatial_merge
+    return (f"{enc.seq_length}-token ViT inputs, " + (f"merged {merge}x{merge} into " if merge > 1 else "") +
+            f"{enc.image_tokens} LLM image tokens")
+
+
+def print_strong_scaling(rows: dict[str, Row]) -> None:
+    """Tables 1, 7 and 5 for the strong-scaling setups, named as in PAPER_TABLE7."""
+    strong = list(rows)
+    print("Table 1: LLM bubbles, % of the LLM-alone iteration (ours per setup | paper, production >3000 GPUs)")
+    print(f"{'bubble':<20}" + "".join(f"{rows[n].gpus:>8}-GPU" for n in strong) + f"{'paper':>10}")
+    for kind in BUBBLE_KINDS:
+        print(f"{kind:<20}" + "".join(f"{_pct(rows[n].bubbles[kind]):>12}" for n in strong)
+              + f"{PAPER_TABLE1[kind]:>9.1f}%")
+    print()
+    print("Table 7: scheduling efficiency and scheduler runtime (ours | paper)")
+    print(f"{'setting':<13}{'#mb':>7}  {'Eff_coarse':>17}  {'Eff_fine':>17}  {'runtime s':>17}")
+    for n in strong:
+        r, (mb, pc, pf, pt) = rows[n], PAPER_TABLE7[n]
+        print(f"{r.gpus:>5}-GPU    {r.microbatches:>2} | {mb:<2}  {_pct(r.eff_coarse):>7} | {pc:>5.1f}%  "
+              f"{_pct(r.eff_fine):>7} | {pf:>5.1f}%  {r.runtime_s:>7.2f} | {pt:>7.1f}")
+    print()
+    print("Table 5: iteration time in s, batch 1536 (ours | paper); each baseline at Optimus's V (the "
+          "planner's) and at its own best V")
+    print(f"{'GPUs':>5}  {'Megatron-LM @V | paper':>21}  {'best V':>11}  {'balanced @V':>13}  "
+          f"{'best V | paper':>19}  {'Optimus | paper':>16}  {'MFU Opt | paper':>15}  {'vs equal V':>10}  "
+          f"{'vs best | paper':>16}")
+    for n in strong:
+        r, p = rows[n], PAPER_TABLE5[n]
+        print(f"{r.gpus:>5}  {_at(r.megatron_s, r.llm_v)} | {p[0]:>5.2f}  {_best(r.megatron_by_v):>11}  "
+              f"{_at(r.balanced_s, r.llm_v)}  {_best(r.balanced_by_v):>11} | {p[1]:>5.2f}  "
+              f"{r.optimus_s:>7.3f} | {p[2]:>5.2f}  {_pct(r.mfu_optimus):>6} | {p[5]:>5.1f}%  "
+              f"{r.speedup_equal_v:>9.2f}x  {r.speedup_best:>6.2f}x | {min(p[0], p[1]) / p[2]:>5.2f}x")
+    print("  vs equal V: the faster baseline at Optimus's V over Optimus; vs best: the fastest baseline at any "
+          f"V (1-{MAX_BASELINE_V}) over Optimus (paper: its faster baseline over Optimus)")
+    print()
+
+
+def _print_rows(rows: dict[str, Row]) -> None:
     print(f"{'setup':<24}{'GPUs':>5}  {'LLM plan':<18}{'encoder plan':<16}{'LLM alone':>10}{'Meg @V':>10}"
           f"{'Meg best':>14}{'bal @V':>10}{'bal best':>14}{'Optimus':>10}{'coarse':>10}{'Eff_c':>8}{'Eff_f':>8}"
-          f"{'vs eq V':>9}{'vs best':>9}" + ("    paper" if paper else ""))
+          f"{'vs eq V':>9}{'vs best':>9}    paper")
     for n, r in rows.items():
         line = (f"{n:<24}{r.gpus:>5}  {r.llm_plan:<18}{r.encoder_plan:<16}{r.llm_alone_s:>10.3f}{r.megatron_s:>10.3f}"
                 f"{_best(r.megatron_by_v):>14}{_s(r.balanced_s):>10}{_best(r.balanced_by_v):>14}{r.optimus_s:>10.3f}"
                 f"{r.coarse_s:>10.3f}{_pct(r.eff_coarse):>8}{_pct(r.eff_fine):>8}{r.speedup_equal_v:>8.2f}x"
                 f"{r.speedup_best:>8.2f}x")
-        if paper:
-            line += f"    {PAPER_SPEEDUP[n]}x" if n in PAPER_SPEEDUP else "    -"
-        print(line)
+        print(line + (f"    {PAPER_SPEEDUP[n]}x" if n in PAPER_SPEEDUP else "    -"))
     print("  @V: at Optimus's V (the LLM plan's); best: the fastest V (1-16) for that baseline; vs eq V / vs best: "
           "the faster baseline at Optimus's V / the fastest at any V, over Optimus")
     print()
@@ -290,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measured kernel profile(s) (optimus-profile): also run every setup with them and "
                              "compare against the roofline")
     parser.add_argument("--only", nargs="*", metavar="NAME", help="setups to run, e.g. strong_3072 model_a")
-    parser.add_argument("--no-sensitivity", action="store_true", help="skip the heavier-encoder rows")
+    parser.add_argument("--one-reading", action="store_true",
+                        help=f"strong scaling in the configs' reading only (skip the {SHORT_SUFFIX[1:]} rows)")
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -307,21 +324,22 @@ def _run(args: argparse.Namespace) -> int:
     names = [n for n in names if not args.only or n in args.only]
     ordered = [n for n in PAPER_TABLE7 if n in names] + [n for n in names if n not in PAPER_TABLE7]
     configs = {n: load_config(REPO / "configs" / "paper" / f"{n}.yaml") for n in ordered}
-    heavy_configs = {}
-    if not args.no_sensitivity:
+    short_configs = {}
+    if not args.one_reading:
         for n in (n for n in PAPER_TABLE7 if n in names):
-            heavy_configs[f"{n}_{HEAVY_TOKENS}tok"] = load_config(
-                REPO / "configs" / "paper" / f"{n}.yaml", [f"model.encoders.0.seq_length={HEAVY_TOKENS}"])
+            short_configs[f"{n}{SHORT_SUFFIX}"] = load_config(REPO / "configs" / "paper" / f"{n}.yaml", SHORT_READING[1])
     rows = {n: run_setup(n, c) for n, c in configs.items()}
-    heavy = {n: run_setup(n.removesuffix(f"_{HEAVY_TOKENS}tok"), c) for n, c in heavy_configs.items()}
-    print_tables(rows, heavy)
+    short = {n: run_setup(n, c) for n, c in short_configs.items()}
+    print_tables(rows, short, configs)
     measured = {}
     if args.profile:
-        measured = {n: run_measured(n, c, profiles) for n, c in {**configs, **heavy_configs}.items()}
-        print_profile_changes({**rows, **heavy}, measured)
+        measured = {n: run_measured(n, c, profiles) for n, c in {**configs, **short_configs}.items()}
+        print_profile_changes({**rows, **short}, measured)
     if args.json:
         payload = {"cost_model": "roofline",
-                   "rows": {n: _row_json(r) for n, r in {**rows, **heavy}.items()},
+                   "readings": {"configs": {n: _reading(c) for n, c in configs.items() if n in PAPER_TABLE7},
+                                SHORT_SUFFIX[1:]: SHORT_READING[0]},
+                   "rows": {n: _row_json(r) for n, r in {**rows, **short}.items()},
                    "paper": {"table7": PAPER_TABLE7, "table5": PAPER_TABLE5, "speedup": PAPER_SPEEDUP}}
         if args.profile:
             payload["profile"] = {

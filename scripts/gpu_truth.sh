@@ -34,7 +34,7 @@ step environment sh -c 'nvidia-smi --query-gpu=name,driver_version,memory.total 
 step gpu-tests python3 -m pytest -q -p no:warnings -rs tests/test_streams.py tests/test_profiler.py tests/test_bench_gpu.py
 step profile-gpu-single python3 -m optimus_mllm.cli.profile --config configs/gpu_single.yaml --out "$out/profile_gpu_single.json"
 step profile-fig5 python3 -m optimus_mllm.cli.profile --config configs/paper/fig5_8gpu.yaml --out "$out/profile_fig5.json"
-step bench-scheduler python3 scripts/bench_scheduler.py --only fig5_8gpu --no-sensitivity \
+step bench-scheduler python3 scripts/bench_scheduler.py --only fig5_8gpu --one-reading \
   --profile "$out/profile_fig5.json" --json "$out/bench_scheduler.json"
 step bench-gpu python3 scripts/bench_gpu.py --json "$out/bench_gpu.json"
 exit "$status"

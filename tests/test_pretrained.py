@@ -266,3 +266,16 @@ def test_converting_a_vit_into_a_clip_embedding_is_refused():
     encoder = replace(load_config(TINY).encoders[0], model_subtype="clip")
     with pytest.raises(OptimusError, match=r"model.encoders\[vit\].model_subtype is clip; Hugging Face ViT's"):
         vit_entries(_vit_state(True), encoder, "")
+
+
+def test_loading_llavas_projector_into_a_merging_one_is_refused():
+    from dataclasses import replace
+
+    from optimus_mllm.config import ProjectorConfig, load_config
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.hf_convert import vit_entries
+
+    encoder = replace(load_config(TINY).encoders[0], projector=ProjectorConfig(spatial_merge=2))
+    with pytest.raises(OptimusError, match=r"model.encoders\[vit\].projector.spatial_merge is 2; set it to 1"):
+        vit_entries(_vit_state(True), encoder, "")
+    assert vit_entries(_vit_state(False), encoder, "")  # without LLaVA's projector the ViT still converts
