@@ -34,24 +34,39 @@ class FreeIntervals:
 
     def earliest_fit(self, t: float, duration: float, limit: float) -> float | None:
         """Earliest start >= t of a [start, start + duration) inside one free interval, ending by ``limit``."""
-        i = bisect_right(self.ends, t)
-        while i < len(self.starts):
-            start = max(self.starts[i], t)
+        starts, ends = self.starts, self.ends
+        i = bisect_right(ends, t)
+        if i < len(starts):  # the interval that holds or follows t: the only one where t can be the start
+            start = starts[i] if starts[i] > t else t
             if start + duration > limit:
                 return None
-            if start + duration <= self.ends[i]:
+            if start + duration <= ends[i]:
                 return start
             i += 1
+        for i in range(i, len(starts)):  # later intervals start after t
+            start = starts[i]
+            if start + duration > limit:
+                return None
+            if start + duration <= ends[i]:
+                return start
         return None
 
     def occupy(self, start: float, end: float) -> None:
         """Remove [start, end), which must lie inside one free interval."""
-        i = bisect_right(self.starts, start) - 1
-        a, b = self.starts[i], self.ends[i]
+        starts, ends = self.starts, self.ends
+        i = bisect_right(starts, start) - 1
+        a, b = starts[i], ends[i]
         assert a <= start and end <= b + 1e-9, (a, b, start, end)
-        pieces = [(x, y) for x, y in ((a, start), (end, b)) if y > x]
-        self.starts[i:i + 1] = [x for x, _ in pieces]
-        self.ends[i:i + 1] = [y for _, y in pieces]
+        if start > a and b > end:  # a gap on either side: split the interval
+            ends[i] = start
+            starts.insert(i + 1, end)
+            ends.insert(i + 1, b)
+        elif start > a:
+            ends[i] = start
+        elif b > end:
+            starts[i] = end
+        else:
+            del starts[i], ends[i]
 
     def total(self) -> float:
         return sum(b - a for a, b in zip(self.starts, self.ends))
