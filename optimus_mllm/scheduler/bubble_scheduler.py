@@ -96,6 +96,34 @@ class _Resource:
     comm: FreeIntervals
 
 
+@dataclass(frozen=True)
+class _PreWindow:
+    """One encoder pipeline's coarse forwards before the LLM: GPipe-style from the end of the encoder's
+    all-gather (iteration time). The first n microbatches of the pipeline run there, so every layout
+    that ``evaluate`` needs is a prefix of this one, laid out once."""
+
+    starts: list[list[float]]  # per microbatch k: its start on each stage
+    ef: list[tuple[float, int, int]]  # per microbatch k: (EF, j, k)
+    required: list[float]  # per n: the t0 that microbatches 0..n of the window need
+
+    @classmethod
+    def of(cls, w: EncoderWork, j: int, n: int, first: list[float]) -> _PreWindow:
+        starts, ef, required = [], [], []
+        cursor = [w.dp_all_gather_us] * len(w.fwd)
+        for k in range(n):
+            ready, per_stage = w.dp_all_gather_us, []
+            for e, chain in enumerate(w.fwd):
+                start = max(cursor[e], ready)
+                end = start + chain.duration_us
+                per_stage.append(start)
+                cursor[e] = end
+                ready = end + w.p2p_us
+            starts.append(per_stage)
+            ef.append((end + w.to_llm_us[j], j, k))
+            required.append(max(c - f for c, f in zip(cursor, first)))
+        return cls(starts, ef, required)
+
+
 @dataclass
 class _Evaluation:
     t0: float
@@ -103,7 +131,6 @@ class _Evaluation:
     ef: list[float]
     eb: list[float]
     latency: float
-    pre: dict[tuple[int, int], list[tuple[int, float]]]  # (j, e) -> [(k, start)]
     post: dict[tuple[int, int], list[tuple[int, float]]]  # (j, e) -> [(k, start tau)]
     pre_required_t0: dict[int, float]  # per pipeline: the t0 its pre-window work needs
     end_by_resource: dict[tuple[int, int], tuple[float, bool]]  # (j, e) -> (end tau, encoder-bound)
@@ -123,6 +150,8 @@ class _PartitionScheduler:
         self.fine_fwd: dict[tuple[int, int], list[list[float]]] = {}  # (j, k) -> per stage kernel starts (tau)
         self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
         self.has_backward = any(chain.kernels for chain in work.bwd)
+        self.pre = [_PreWindow.of(work, j, partition[j], [self.first(j, e) for e in range(self.pp_enc)])
+                    for j in range(work.num_pipelines)]
         self.evaluation = self.evaluate()
 
     # -- resources ---------------------------------------------------------------------------
@@ -147,23 +176,13 @@ class _PartitionScheduler:
         """Lay out the coarse windows around the fine chains; None if dependencies cannot hold."""
         w, tl = self.work, self.timeline
         a_enc = w.dp_all_gather_us
-        # pre: GPipe-style forwards from the end of the encoder's all-gather (iteration time)
-        pre: dict[tuple[int, int], list[tuple[int, float]]] = {}
         pre_ef: list[tuple[float, int, int]] = []
         required: dict[int, float] = {}
-        for j in range(w.num_pipelines):
-            cursor = [a_enc] * self.pp_enc
-            for k in range(self.n_coarse_fwd[j]):
-                ready = a_enc
-                for e in range(self.pp_enc):
-                    start = max(cursor[e], ready)
-                    end = start + w.fwd[e].duration_us
-                    pre.setdefault((j, e), []).append((k, start))
-                    cursor[e] = end
-                    ready = end + w.p2p_us
-                pre_ef.append((end + w.to_llm_us[j], j, k))
-            if self.n_coarse_fwd[j]:
-                required[j] = max(cursor[e] - self.first(j, e) for e in range(self.pp_enc))
+        for j, window in enumerate(self.pre):
+            n = self.n_coarse_fwd[j]
+            pre_ef.extend(window.ef[:n])
+            if n:
+                required[j] = window.required[n - 1]
         fine_ef = [(starts[-1][-1] + w.fwd[-1].kernels[-1].duration_us + w.to_llm_us[j], j, k)
                    for (j, k), starts in self.fine_fwd.items()]
         t_low = max([a_enc + ag - st.first_compute_us for st, ag in zip(tl.stages, tl.dp_all_gather_us)]
@@ -216,7 +235,7 @@ class _PartitionScheduler:
                 end = network_fifo_end(reduces)
                 end_by_resource[(j, e)] = (end, end > llm_only + EPS_US)
                 tail = max(tail, end)
-        evaluation = _Evaluation(t0, assignment, ef, eb, t0 + tail, pre, post, required, end_by_resource)
+        evaluation = _Evaluation(t0, assignment, ef, eb, t0 + tail, post, required, end_by_resource)
         if not check_enc_llm_dep(ef, eb, [f + t0 for f in self.dep.forward], [b + t0 for b in self.dep.backward]):
             return None
         return evaluation
@@ -247,19 +266,38 @@ class _PartitionScheduler:
         """First-fit the chain's kernels in order into the stage's bubbles; None if they do not fit."""
         r = self.resource(j, e)
         starts, t = [], ready
+        # Per stream (compute, comm): the free interval of its last kernel. A kernel that fits in it from t
+        # starts at t, which is what first-fit returns, without searching.
+        current = {False: (0.0, -1.0), True: (0.0, -1.0)}
         for k in chain.kernels:
-            free = r.comm if k.is_comm else r.compute
-            start = free.earliest_fit(t, k.duration_us, limit)
-            if start is None:
-                return None
+            d = k.duration_us
+            lo, hi = current[k.is_comm]
+            if lo <= t < hi and t + d <= hi and t + d <= limit:
+                start = t
+            else:
+                fit = (r.comm if k.is_comm else r.compute).earliest_fit(t, d, limit)
+                if fit is None:
+                    return None
+                start, lo, hi = fit
+                current[k.is_comm] = (lo, hi)
             starts.append(start)
-            t = start + k.duration_us
+            t = start + d
         return starts
 
     def commit_chain(self, j: int, e: int, chain: StageChain, starts: list[float]) -> None:
+        """Occupy the placed kernels; back-to-back kernels of one stream as one span."""
         r = self.resource(j, e)
+        pending: dict[bool, tuple[float, float]] = {}
         for k, start in zip(chain.kernels, starts):
-            (r.comm if k.is_comm else r.compute).occupy(start, start + k.duration_us)
+            span = pending.get(k.is_comm)
+            if span is not None and span[1] == start:
+                pending[k.is_comm] = (span[0], start + k.duration_us)
+                continue
+            if span is not None:
+                (r.comm if k.is_comm else r.compute).occupy(*span)
+            pending[k.is_comm] = (start, start + k.duration_us)
+        for is_comm, span in pending.items():
+            (r.comm if is_comm else r.compute).occupy(*span)
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,9 +493,10 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
     ev, w = state.evaluation, state.work
     t0 = ev.t0
     chains = []
-    for (j, e), items in ev.pre.items():
-        for k, start in items:
-            chains.append(ChainPlacement(j, e, k, "fwd", "pre", _block(start, w.fwd[e])))
+    for j, window in enumerate(state.pre):
+        for k in range(state.n_coarse_fwd[j]):
+            for e, start in enumerate(window.starts[k]):
+                chains.append(ChainPlacement(j, e, k, "fwd", "pre", _block(start, w.fwd[e])))
     for (j, k), per_stage in state.fine_fwd.items():
         for e, starts in enumerate(per_stage):
             chains.append(ChainPlacement(j, e, k, "fwd", "llm", tuple(s + t0 for s in starts)))

@@ -32,8 +32,9 @@ class FreeIntervals:
         new.starts, new.ends = list(self.starts), list(self.ends)
         return new
 
-    def earliest_fit(self, t: float, duration: float, limit: float) -> float | None:
-        """Earliest start >= t of a [start, start + duration) inside one free interval, ending by ``limit``."""
+    def earliest_fit(self, t: float, duration: float, limit: float) -> tuple[float, float, float] | None:
+        """Earliest start >= t of a [start, start + duration) inside one free interval, ending by ``limit``:
+        (start, and the free interval's bounds), or None."""
         starts, ends = self.starts, self.ends
         i = bisect_right(ends, t)
         if i < len(starts):  # the interval that holds or follows t: the only one where t can be the start
@@ -41,14 +42,14 @@ class FreeIntervals:
             if start + duration > limit:
                 return None
             if start + duration <= ends[i]:
-                return start
+                return start, starts[i], ends[i]
             i += 1
         for i in range(i, len(starts)):  # later intervals start after t
             start = starts[i]
             if start + duration > limit:
                 return None
             if start + duration <= ends[i]:
-                return start
+                return start, start, ends[i]
         return None
 
     def occupy(self, start: float, end: float) -> None:
