@@ -1,6 +1,7 @@
 """Paper-scale benchmark of the bubble scheduler, side by side with the Optimus paper's figures.
 
     python scripts/bench_scheduler.py [--json OUT] [--profile kernel_profile.json] [--only NAME ...]
+    python scripts/bench_scheduler.py --scaling [GPUS ...] [--json OUT]
 
 For every setup in configs/paper/ it plans, schedules (Algorithm 1, on one core), and simulates the
 two Megatron-LM baselines with the same cost model, each at Optimus's V (the LLM plan's, for an equal
@@ -11,6 +12,9 @@ footing) and at every V up to 16 (its fastest labelled; speedups are quoted agai
 The strong-scaling setups (Tables 1, 5, 7) run in two readings of the paper, which states no image
 size: its configs' (2048-token ViT inputs merged 2x2 into 512 LLM tokens, written in the configs) and
 256-token images (224 px in 14 px patches, ViT-22B's own, no merge); Tables 1, 7 and 5 print for each.
+``--scaling`` instead times the scheduler itself as the job grows: strong_3072's model on 1536, 6144
+and 12288 GPUs (LLM TP8 PP8) with 32, 64 and 128 microbatches per pipeline, on 192 GiB GPUs so that
+memory prunes no encoder plan.
 Absolute times come from our roofline cost model (efficiencies in configs, not tuned per row); the
 paper measured a production cluster, so compare shapes and ratios, not seconds.
 
@@ -60,6 +64,7 @@ MAX_BASELINE_V = 16  # the baselines are tried at every V up to this (the paper'
 SHORT_READING = ("256-token images (224 px, ViT-22B's own), no merge",
                  ["model.encoders.0.seq_length=256", "model.encoders.0.projector.spatial_merge=1"])
 SHORT_SUFFIX = "_256tok"
+SCALING = {1536: 32, 6144: 64, 12288: 128}  # GPUs: microbatches per LLM pipeline
 
 
 @dataclass
@@ -159,6 +164,52 @@ def run_setup(name: str, config: OptimusConfig, profile: dict[tuple, float] | No
         mfu_optimus=mfu(config, best.iteration_us),
         bubbles={k: breakdown.share(k) for k in BUBBLE_KINDS},
     )
+
+
+@dataclass
+class ScalingRow:
+    gpus: int
+    microbatches: int
+    llm_plan: str
+    encoder_plan: str
+    plans_scheduled: int
+    plans_bounded: int
+    partitions_searched: int
+    scheduler_s: float
+    optimus_s: float
+
+
+def scaling_config(gpus: int, microbatches: int) -> OptimusConfig:
+    """strong_3072's model on ``gpus`` GPUs (LLM DP*8*8) with ``microbatches`` per pipeline, 192 GiB each."""
+    base = load_config(REPO / "configs" / "paper" / "strong_3072.yaml")
+    dp = gpus // 64
+    return load_config(REPO / "configs" / "paper" / "strong_3072.yaml", [
+        f"cluster.num_gpus={gpus}", "cluster.gpu_memory_gib=192", f"parallel.llm={{dp: {dp}, pp: 8, tp: 8}}",
+        f"training.global_batch_size={microbatches * dp * base.training.micro_batch_size}"])
+
+
+def run_scaling(gpus: int, microbatches: int) -> ScalingRow:
+    config = scaling_config(gpus, microbatches)
+    planned = plan(config)
+    started = time.perf_counter()
+    result = optimus(config, planned, CostModel(config.cluster, config.cost_model))
+    seconds = time.perf_counter() - started
+    return ScalingRow(gpus, planned.num_microbatches, str(planned.llm_plan), str(result.best.encoder_plan),
+                      sum(o.status == "scheduled" for o in result.outcomes),
+                      sum(o.status == "bounded" for o in result.outcomes),
+                      sum(o.stats.partitions_searched for o in result.outcomes), seconds, result.best.iteration_us / 1e6)
+
+
+def print_scaling(rows: list[ScalingRow]) -> None:
+    print("Scheduler runtime as the job grows (strong_3072's model, 2048-token ViT inputs, 192 GiB GPUs, one core)")
+    print(f"{'GPUs':>6}{'#mb':>6}  {'LLM plan':<18}{'encoder plan':<16}{'plans sched/bounded':>20}"
+          f"{'partitions':>12}{'scheduler s':>13}{'Optimus s':>11}")
+    for r in rows:
+        print(f"{r.gpus:>6}{r.microbatches:>6}  {r.llm_plan:<18}{r.encoder_plan:<16}"
+              f"{f'{r.plans_scheduled}/{r.plans_bounded}':>20}{r.partitions_searched:>12}{r.scheduler_s:>13.1f}"
+              f"{r.optimus_s:>11.3f}")
+    print("  #mb: microbatches per LLM pipeline; partitions: microbatch partitions scheduled over all encoder plans")
+    print()
 
 
 def _pct(x: float | None) -> str:
@@ -306,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measured kernel profile(s) (optimus-profile): also run every setup with them and "
                              "compare against the roofline")
     parser.add_argument("--only", nargs="*", metavar="NAME", help="setups to run, e.g. strong_3072 model_a")
+    parser.add_argument("--scaling", nargs="*", type=int, metavar="GPUS",
+                        help=f"time the scheduler on {', '.join(map(str, SCALING))} GPUs (or those given) instead")
     parser.add_argument("--one-reading", action="store_true",
                         help=f"strong scaling in the configs' reading only (skip the {SHORT_SUFFIX[1:]} rows)")
     args = parser.parse_args(argv)
@@ -317,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.scaling is not None:
+        return _run_scaling(args)
     profiles: list[MeasuredKernel] = []
     if args.profile:  # read them first: a bad file fails before minutes of scheduling
         profiles = [m for path in args.profile for m in read_profile(path, "profile")]
@@ -349,6 +404,17 @@ def _run(args: argparse.Namespace) -> int:
                          for n, m in measured.items()},
             }
         atomic_write_text(args.json, json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def _run_scaling(args: argparse.Namespace) -> int:
+    unknown = [g for g in args.scaling if g not in SCALING]
+    if unknown:
+        raise OptimusError(f"--scaling: no size for {unknown[0]} GPUs; use some of {', '.join(map(str, SCALING))}")
+    rows = [run_scaling(g, SCALING[g]) for g in (args.scaling or SCALING)]
+    print_scaling(rows)
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"scaling": [vars(r) for r in rows]}, indent=2) + "\n")
     return 0
 
 

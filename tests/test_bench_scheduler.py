@@ -70,3 +70,17 @@ def test_bench_scheduler_reports_how_a_measured_profile_moves_the_figures(tmp_pa
     assert measured["mfu_optimus"] < roof["mfu_optimus"]
     row = next(line for line in proc.stdout.splitlines() if line.startswith(setup) and "->" in line)
     assert f"{roof['megatron_s']:7.3f} -> {measured['megatron_s']:7.3f}" in row
+
+
+def test_bench_scheduler_times_the_scheduler_as_the_job_grows(tmp_path):
+    out = tmp_path / "scaling.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--scaling", "1536",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    [row] = json.loads(out.read_text())["scaling"]
+    assert (row["gpus"], row["microbatches"], row["llm_plan"]) == (1536, 32, "DP24 PP8 TP8 V12")
+    assert row["plans_scheduled"] >= 1 and row["partitions_searched"] >= row["plans_scheduled"]
+    assert "Scheduler runtime as the job grows" in proc.stdout
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--scaling", "100"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--scaling: no size for 100 GPUs" in bad.stderr
