@@ -104,7 +104,7 @@ class _PreWindow:
 
     starts: list[list[float]]  # per microbatch k: its start on each stage
     ef: list[tuple[float, int, int]]  # per microbatch k: (EF, j, k)
-    required: list[float]  # per n: the t0 that microbatches 0..n of the window need
+    required: list[float]  # [n - 1]: the t0 that the first n microbatches need
 
     @classmethod
     def of(cls, w: EncoderWork, j: int, n: int, first: list[float]) -> _PreWindow:
