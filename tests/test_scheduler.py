@@ -17,11 +17,17 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import ParallelPlan, plan
 from optimus_mllm.scheduler.artifact import load_artifact, schedule_to_artifact, write_artifact
 from optimus_mllm.scheduler.bubble_scheduler import (
+    BWD,
+    FWD,
     ChainPlacement,
     LLMBubbles,
     bubble_scheduler,
+    init_schedule,
+    optimize_schedule,
     optimus,
+    partition_lower_bound,
 )
+from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline
 from optimus_mllm.scheduler.llm_timeline import (
@@ -153,6 +159,17 @@ def _random_config(seed: int) -> dict:
     }
 
 
+def _heavy_random_config(seed: int) -> dict:
+    """``_random_config(seed)`` with wider, deeper encoders on more tokens (often heavier than the LLM)."""
+    raw = _random_config(seed)
+    rng = random.Random(1000 + seed)
+    for enc in raw["model"]["encoders"]:
+        heads = rng.choice([4, 8, 16])
+        enc.update(num_layers=rng.choice([2, 4, 8]), hidden_size=64 * heads, num_attention_heads=heads,
+                   ffn_hidden_size=256 * heads, seq_length=rng.choice([128, 256]))
+    return raw
+
+
 def _all_plan_schedules(config):
     """The best schedule of every encoder plan (no pruning across plans)."""
     planned = plan(config)
@@ -175,6 +192,27 @@ def test_random_configs_give_valid_schedules(seed):
         assert 0.0 <= scheduling_efficiency(schedule) <= 1.0 + 1e-9
         ef = schedule.encoder_forward_end_us
         assert list(ef) == sorted(ef), "global ordering feeds microbatches in order of encoder completion"
+
+
+@pytest.mark.parametrize("heavy", [False, True], ids=["random", "heavy-encoders"])
+@pytest.mark.parametrize("seed", range(30))
+def test_no_partition_schedules_faster_than_its_lower_bound(seed, heavy):
+    """The bound that skips partitions and plans never exceeds what scheduling the partition gives, coarse
+    or fine, so pruning by it drops no better schedule."""
+    config = config_from_dict((_heavy_random_config if heavy else _random_config)(seed))
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    for candidate in planned.candidates:
+        work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
+        for partition in candidate.partitions.partitions[:3]:
+            bound = partition_lower_bound(work, bubbles.dep, partition, bubbles.busy_us)
+            coarse = init_schedule(work, bubbles, partition)
+            if coarse is None:
+                continue
+            assert coarse.evaluation.latency >= bound - 1e-6, (candidate.plan, partition, "coarse")
+            fine = optimize_schedule(optimize_schedule(coarse, FWD), BWD)
+            assert fine.evaluation.latency >= bound - 1e-6, (candidate.plan, partition, "fine")
 
 
 @pytest.mark.parametrize("name", ["tiny", "fig5_8gpu", "strong_3072", "dualenc_22b_5b", "model_a"])
