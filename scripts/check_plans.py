@@ -5,9 +5,9 @@
 Each seed draws a small job from configs/tiny.yaml (``draw_job``): an LLM plan (PP 1/2/4, V 1/2/3,
 TP 1/2, DP 1/2, at most 8 ranks), a microbatch count per pipeline that is or is not a multiple of PP
 (a multiple with V > 1, as megatron-core's interleaved schedule needs), micro batch 1-3, one or two
-encoders, maybe one frozen, model shapes that divide the plan (sometimes grouped-query attention
-or a gated linear unit), and sometimes LLM sequence parallelism (TP 2) or tied input and output
-embeddings. ``schedule_job`` plans and schedules it: the encoder plan is the
+encoders, maybe one frozen, maybe a 2x2 spatial merge before a projector, model shapes that divide
+the plan (sometimes grouped-query attention or a gated linear unit), and sometimes LLM sequence
+parallelism (TP 2) or tied input and output embeddings. ``schedule_job`` plans and schedules it: the encoder plan is the
 scheduler's choice or one of the planner's other plans, forced through ``parallel.encoder``; the
 warm-up is the scheduler's (adjusted where it differs from megatron-core's default) or, for some
 interleaved jobs, a reduced one that ``llm_timeline.simulate`` runs without deadlock, forced into
@@ -155,6 +155,10 @@ def draw_job(seed: int) -> Job:
         encoders[0]["model_subtype"] = "clip"
         model[encoders_at] = f"model.encoders={json.dumps(encoders)}"
         label += "+clip"
+    if rng.random() < 0.3:  # a 2x2 spatial merge before the first encoder's projector (16 patches, 4 tokens)
+        encoders[0]["projector"] = {**encoders[0]["projector"], "spatial_merge": 2}
+        model[encoders_at] = f"model.encoders={json.dumps(encoders)}"
+        label += "+merge"
     return Job(seed=seed, dp=dp, pp=pp, tp=tp, vp=vp, num_microbatches=num_microbatches, micro_batch=micro_batch,
                model=tuple(model), encoders=label, llm="+".join(llm) or "-", force_encoder_plan=force_encoder_plan,
                force_warmup=force_warmup)
