@@ -173,7 +173,8 @@ def test_sequence_parallel_and_tied_embeddings_train_like_the_baseline():
     _assert_same([r[0] for r in per_rank], [r[1] for r in per_rank])
     merged, baseline = [r[2] for r in per_rank], [r[3] for r in per_rank]
     _assert_same(merged, baseline)
-    projector = {n: w.shape for r in baseline for n, (w, _) in r["encoder"].items() if n.endswith("projection.encoder.linear_fc1.weight")}
+    projector = {n: w.shape for r in baseline for n, (w, _) in r["encoder"].items()
+                 if n.endswith("projection.encoder.linear_fc1.weight")}
     assert list(projector.values()) == [(64, 4 * 32)], projector  # LLM hidden x 2*2 merged ViT widths
 
 
