@@ -347,6 +347,12 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         raise ConfigError(key, f"the --override value {value[:40]!r} {exc}; write it as YAML, e.g. {key}=2") from None
 
 
+def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    """A ``model`` section as written out (e.g. in a checkpoint's meta.json): fields it lacks, added to
+    the schema since, take their defaults. ConfigError on keys or values this schema does not know."""
+    return _build(ModelConfig, data, "model")
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
     label = where or "config"

@@ -217,3 +217,28 @@ def test_bytes_damaged_in_place_stop_every_rank_with_one_line(two_checkpoints, t
     assert_one_error_everywhere(results, f"loading {save / 'iter_0000002'} failed on rank")
     assert "the checkpoint is damaged: move it away" in results[0].stderr
     assert not any("resumed from" in r.stdout or "step " in r.stdout for r in results)
+
+
+def test_a_checkpoint_written_before_a_model_field_existed_resumes_at_its_default():
+    """meta.json from before projector.spatial_merge existed is the model with merge 1; a different
+    saved value, or a field this version does not know, is still refused by name."""
+    import copy
+
+    from optimus_mllm.config import load_config
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.planner import ParallelPlan
+    from optimus_mllm.runtime.checkpoint_meta import CheckpointInfo, check_resumable, model_json
+
+    config = load_config(TINY)
+    older = model_json(config)
+    del older["encoders"][0]["projector"]["spatial_merge"]
+
+    def info(model: dict) -> CheckpointInfo:
+        return CheckpointInfo(Path("ckpt"), 1, 4, ParallelPlan(1, 2, 2, 2), "optimus", model, {})
+
+    check_resumable(info(older), config)
+    for field, value in (("projector", {"type": "mlp", "spatial_merge": 2}), ("a_later_field", 3)):
+        saved = copy.deepcopy(older)
+        saved["encoders"][0][field] = value
+        with pytest.raises(OptimusError, match=rf"--resume: model.encoders\[0\].{field}"):
+            check_resumable(info(saved), config)

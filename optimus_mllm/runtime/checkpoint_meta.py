@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from optimus_mllm.config import OptimusConfig
-from optimus_mllm.errors import OptimusError
+from optimus_mllm.config import ModelConfig, OptimusConfig, model_config_from_dict
+from optimus_mllm.errors import ConfigError, OptimusError
 from optimus_mllm.io_utils import read_versioned_json
 from optimus_mllm.planner.plans import ParallelPlan
 
@@ -188,7 +188,7 @@ def dist_checkpoint_folder(path: str | Path, flag: str) -> Path:
 def check_resumable(info: CheckpointInfo, config: OptimusConfig) -> None:
     """Refuse a checkpoint whose weights cannot load into this job (same answer on every rank); its
     plans and runtime may differ from this job's."""
-    changed = _first_difference(info.model, model_json(config), "model")
+    changed = _first_difference(_saved_model(info.model), model_json(config), "model")
     if changed:
         raise OptimusError(f"--resume: {changed} differs from the checkpoint in {info.path}; resume with the "
                            "model config it was written with")
@@ -209,11 +209,25 @@ def optimizer_layout_change(info: CheckpointInfo, layout: dict[str, Any]) -> str
 def model_json(config: OptimusConfig) -> dict[str, Any]:
     """The model config as meta.json stores it (tuples become lists), so saved and current compare equal;
     without dropout, which a resumed job may change (the weights are the same model's)."""
-    model = json.loads(json.dumps(dataclasses.asdict(config.model)))
+    return _model_json(config.model)
+
+
+def _model_json(model_config: ModelConfig) -> dict[str, Any]:
+    model = json.loads(json.dumps(dataclasses.asdict(model_config)))
     for spec in (model["llm"], *model["encoders"]):
         for name in ("hidden_dropout", "attention_dropout"):
             del spec[name]
     return model
+
+
+def _saved_model(saved: dict[str, Any]) -> Any:
+    """The saved model config with the fields added to the schema since it was written at their defaults
+    (e.g. ``projector.spatial_merge``: 1 is the model that had none); as saved if this schema cannot read
+    it, so that the comparison names what differs."""
+    try:
+        return _model_json(model_config_from_dict(saved))
+    except ConfigError:
+        return saved
 
 
 def _first_difference(saved: Any, current: Any, where: str) -> str | None:
