@@ -357,7 +357,7 @@ def test_planner_and_scheduler_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def _never_slower_than_the_baselines(config) -> None:
+def _never_slower_than_the_baselines(config, balanced: bool = True) -> None:
     """Optimus against both Megatron-LM baselines at the LLM plan's V (balanced: single-encoder models
     whose microbatches the interleaved schedule can take)."""
     from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
@@ -366,7 +366,8 @@ def _never_slower_than_the_baselines(config) -> None:
     cost = CostModel.from_config(config)
     result = optimus(config, planned, cost)
     baselines = [megatron_lm_baseline(config, planned.llm_plan, cost)]
-    if len(config.encoders) == 1 and (planned.llm_plan.vp == 1 or planned.num_microbatches % planned.llm_plan.pp == 0):
+    interleavable = planned.llm_plan.vp == 1 or planned.num_microbatches % planned.llm_plan.pp == 0
+    if balanced and len(config.encoders) == 1 and interleavable:
         baselines.append(megatron_lm_balanced_baseline(config, planned.llm_plan, cost))
     for baseline in baselines:
         assert result.best.iteration_us <= baseline.iteration_us + 1e-6, (
@@ -381,3 +382,11 @@ def test_optimus_never_slower_than_the_baselines_on_paper_setups(name):
 @pytest.mark.parametrize("seed", range(30))
 def test_optimus_never_slower_than_the_baselines_on_random_configs(seed):
     _never_slower_than_the_baselines(config_from_dict(_random_config(seed)))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_optimus_never_slower_than_megatron_lm_on_heavy_encoder_configs(seed):
+    """Only Megatron-LM here: balanced beats Optimus on some heavy encoders (seed 9: 2754 against 2938 us,
+    the encoder plan's DP4 gradient reduce-scatter crossing 5 GB/s links where balanced keeps the encoder
+    on the LLM's DP2 inside a node)."""
+    _never_slower_than_the_baselines(config_from_dict(_heavy_random_config(seed)), balanced=False)
