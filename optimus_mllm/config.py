@@ -253,6 +253,11 @@ class OptimusConfig:
         return self.model.llm
 
     @property
+    def image_tokens(self) -> int:
+        """The LLM's image positions per sample: every encoder's, after its projector's spatial merge."""
+        return sum(e.image_tokens for e in self.encoders)
+
+    @property
     def num_microbatches_total(self) -> int:
         """Microbatches per iteration over all LLM data-parallel replicas."""
         return self.training.global_batch_size // self.training.micro_batch_size
@@ -464,10 +469,9 @@ def validate(config: OptimusConfig) -> None:
     _validate_transformer(config.llm, "model.llm")
     _positive(config.llm.vocab_size, "model.llm.vocab_size")
     _at_most(config.llm.vocab_size, 1 << 24, "model.llm.vocab_size")
-    image_tokens = sum(e.image_tokens for e in config.encoders)
-    if image_tokens >= config.llm.seq_length:
+    if config.image_tokens >= config.llm.seq_length:
         raise ConfigError("model.llm.seq_length", f"{config.llm.seq_length} leaves no room for text after "
-                          f"{image_tokens} image tokens; use more than {image_tokens}")
+                          f"{config.image_tokens} image tokens; use more than {config.image_tokens}")
 
     _positive(t.global_batch_size, "training.global_batch_size")
     _positive(t.micro_batch_size, "training.micro_batch_size")

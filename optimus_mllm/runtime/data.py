@@ -36,11 +36,6 @@ class Microbatch:
     position_ids: torch.Tensor  # [micro_batch, llm_seq]
 
 
-def image_token_count(config: OptimusConfig) -> int:
-    """The LLM's image positions per sample (after each projector's spatial merge)."""
-    return sum(e.image_tokens for e in config.encoders)
-
-
 def synthetic_microbatch(config: OptimusConfig, iteration: int, global_microbatch: int) -> Microbatch:
     """Microbatch ``global_microbatch`` (counted over all data-parallel replicas) of ``iteration``."""
     t, llm = config.training, config.llm
@@ -49,7 +44,7 @@ def synthetic_microbatch(config: OptimusConfig, iteration: int, global_microbatc
                                generator=generator) for e in config.encoders)
     sequence = torch.randint(0, llm.vocab_size, (t.micro_batch_size, llm.seq_length + 1), generator=generator)
     loss_mask = torch.ones(t.micro_batch_size, llm.seq_length)
-    loss_mask[:, : image_token_count(config)] = 0.0
+    loss_mask[:, : config.image_tokens] = 0.0
     positions = torch.arange(llm.seq_length).unsqueeze(0).expand(t.micro_batch_size, -1)
     return Microbatch(images, sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous(), loss_mask,
                       positions.contiguous())
@@ -113,7 +108,7 @@ class ImageTextDataset:
         first = (iteration * self.config.num_microbatches_total + global_microbatch) * t.micro_batch_size
         indices = [(first + j) % len(self.captions) for j in range(t.micro_batch_size)]
         images = tuple(torch.stack(per_encoder) for per_encoder in zip(*map(self._sample_images, indices)))
-        texts = [text_sequence(self.captions[i].text, image_token_count(self.config), llm.seq_length)
+        texts = [text_sequence(self.captions[i].text, self.config.image_tokens, llm.seq_length)
                  for i in indices]
         sequence, loss_mask = (torch.stack(parts) for parts in zip(*texts))
         positions = torch.arange(llm.seq_length).unsqueeze(0).expand(t.micro_batch_size, -1)

@@ -274,7 +274,7 @@ class EncoderExecutor:
 
 def embeddings_shape(config: OptimusConfig) -> tuple[int, int, int]:
     """A_i and G_i: [image tokens, micro batch, LLM hidden]."""
-    return (sum(e.image_tokens for e in config.encoders), config.training.micro_batch_size, config.llm.hidden_size)
+    return (config.image_tokens, config.training.micro_batch_size, config.llm.hidden_size)
 
 
 def hidden_shape(config: OptimusConfig, encoder: int, tp: int) -> tuple[int, int, int]:

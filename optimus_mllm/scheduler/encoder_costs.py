@@ -186,7 +186,7 @@ def _to_llm_us(config: OptimusConfig, llm_plan: ParallelPlan, llm_stage: int, co
     """Send the projected image tokens (and later their gradient) to/from the first LLM stage."""
     if llm_stage == 0:
         return 0.0  # colocated on the first LLM stage: a local copy
-    tokens = sum(e.image_tokens for e in config.encoders) * config.training.micro_batch_size
+    tokens = config.image_tokens * config.training.micro_batch_size
     nbytes = tokens * config.llm.hidden_size * activation_dtype_bytes(config) / llm_plan.tp
     work = KernelWork("encoder_to_llm", "fwd", "comm", 0.0, nbytes, "p2p", 2)
     stride = llm_stage * llm_plan.tp * llm_plan.dp
