@@ -38,9 +38,8 @@ def _vision_grads(trainer: Any) -> dict:
     """The vision model's and projector's whole gradients under LLaVA's keys, wherever they live."""
     import dataclasses
 
-    import torch.distributed as dist
-
-    from optimus_mllm.runtime.sharded_state import encoder_sharded_state_dict, whole_tensors
+    from optimus_mllm.runtime.sharded_state import (encoder_sharded_state_dict, global_shapes, sharded_tensors,
+                                                    whole_tensors)
     from optimus_mllm.runtime.user_model import vision_sharded_state_dict
 
     trainer.gather_gradients()
@@ -48,21 +47,9 @@ def _vision_grads(trainer: Any) -> dict:
         state = encoder_sharded_state_dict(trainer.config, trainer.encoder, trainer.groups.dp_group)
     else:
         state = vision_sharded_state_dict(trainer.modules[0]) if trainer.stage == 0 else {}
-    grads = {key: dataclasses.replace(piece, data=piece.data.main_grad) for key, piece in _flat(state).items()}
-    keys: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, {piece.key: tuple(piece.global_shape) for piece in grads.values()})
-    return whole_tensors(grads, {k: v for rank in keys for k, v in rank.items()}, "test")
-
-
-def _flat(state: dict) -> dict:
-    """Every ShardedTensor of ``state`` by its place in it."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    apply_factories(state)
-    found = {}
-    dict_list_map_inplace(lambda t: found.setdefault(len(found), t) if isinstance(t, ShardedTensor) else t, state)
-    return found
+    grads = {f"{key}#{i}": dataclasses.replace(piece, data=piece.data.main_grad)
+             for key, pieces in sharded_tensors(state).items() for i, piece in enumerate(pieces)}
+    return whole_tensors(grads, global_shapes(grads), "test")
 
 
 def _both_runtimes(overrides: list[str]) -> dict:

@@ -118,10 +118,8 @@ def whole_tensors(state: ShardedStateDict, shapes: dict[str, tuple[int, ...]], w
     """Each key of ``shapes`` as its whole (global) tensor on every rank, fp32, assembled from the main
     replicas of ``state``'s pieces wherever they are. Collective over the world; a key no rank holds,
     or held with another global shape, is an ``OptimusError`` naming it, raised on every rank alike."""
-    have = _pieces(state)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {k: tuple(p[0].global_shape) for k, p in have.items()})
-    held = {k: v for rank_held in gathered for k, v in rank_held.items()}
+    have = sharded_tensors(state)
+    held = global_shapes(state)
     for key in sorted(shapes):
         if key not in held:
             raise OptimusError(f"{what}: the source has no {key}")
@@ -145,17 +143,23 @@ def copy_sharded_state(source: ShardedStateDict, target: ShardedStateDict, what:
     placing its data in the global tensor), so one plan's shards become another's, as a
     ``dist_checkpointing`` save and load would, without the files.
     """
-    want = _pieces(target)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {k: tuple(p[0].global_shape) for k, p in want.items()})
-    whole = whole_tensors(source, {k: v for rank_wants in gathered for k, v in rank_wants.items()}, what)
+    want = sharded_tensors(target)
+    whole = whole_tensors(source, global_shapes(target), what)
     with torch.no_grad():
         for key, pieces in want.items():
             for piece in pieces:
                 piece.data.copy_(whole[key][piece.global_slice()].reshape(piece.data.shape))
 
 
-def _pieces(state: ShardedStateDict) -> dict[str, list[ShardedTensor]]:
+def global_shapes(state: ShardedStateDict) -> dict[str, tuple[int, ...]]:
+    """The global shape of every key that any rank's ``state`` holds. Collective over the world."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {k: tuple(p[0].global_shape) for k, p in sharded_tensors(state).items()})
+    return {k: v for rank_held in gathered for k, v in rank_held.items()}
+
+
+def sharded_tensors(state: ShardedStateDict) -> dict[str, list[ShardedTensor]]:
+    """This rank's ``ShardedTensor`` pieces of ``state`` by key (factories applied in place)."""
     apply_factories(state)
     pieces: dict[str, list[ShardedTensor]] = {}
     for value in nested_values(state):
