@@ -20,6 +20,7 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     BWD,
     FWD,
     ChainPlacement,
+    ForwardMoves,
     LLMBubbles,
     bubble_scheduler,
     init_schedule,
@@ -213,6 +214,44 @@ def test_no_partition_schedules_faster_than_its_lower_bound(seed, heavy):
             assert coarse.evaluation.latency >= bound - 1e-6, (candidate.plan, partition, "coarse")
             fine = optimize_schedule(optimize_schedule(coarse, FWD), BWD)
             assert fine.evaluation.latency >= bound - 1e-6, (candidate.plan, partition, "fine")
+
+
+def _shared_moves_config(case: str):
+    kind, _, seed = case.partition("-")
+    if kind == "paper":
+        return load_config(CONFIGS / "paper" / f"{seed}.yaml")
+    return config_from_dict((_heavy_random_config if kind == "heavy" else _random_config)(int(seed)))
+
+
+class _SnapshotEveryMove(ForwardMoves):
+    SNAPSHOT_EVERY = 1  # the bubbles after every move are kept, none rebuilt
+
+
+@pytest.mark.parametrize("case", [f"random-{s}" for s in range(0, 30, 3)] + [f"heavy-{s}" for s in range(0, 30, 3)]
+                         + ["paper-strong_1536", "paper-fig5_8gpu"])
+def test_partitions_sharing_forward_moves_schedule_as_each_alone(case):
+    """A plan's partitions share one layout of each encoder pipeline's forward moves into the bubbles
+    (ForwardMoves), and rebuild the bubbles left after them from periodic copies. Taken in an order unlike
+    the scheduler's, every partition still gets exactly the schedule it gets from bubbles of its own,
+    copied after every move: the same fine chains, t0, assignment, EF/EB and latency. (That the moves
+    themselves are placed right, the validity checks on every schedule above say.)"""
+    config = _shared_moves_config(case)
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    for candidate in planned.candidates:
+        work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
+        shared = ForwardMoves.of_pipelines(work, bubbles)
+        for partition in reversed(candidate.partitions.partitions[:6]):
+            alone = init_schedule(work, bubbles, partition, _SnapshotEveryMove.of_pipelines(work, bubbles))
+            together = init_schedule(work, bubbles, partition, shared)
+            assert (alone is None) == (together is None)
+            if alone is None:
+                continue
+            alone, together = (optimize_schedule(optimize_schedule(s, FWD), BWD) for s in (alone, together))
+            assert together.fine_fwd == alone.fine_fwd, (candidate.plan, partition)
+            assert together.fine_bwd == alone.fine_bwd, (candidate.plan, partition)
+            assert together.evaluation == alone.evaluation, (candidate.plan, partition)
 
 
 @pytest.mark.parametrize("name", ["tiny", "fig5_8gpu", "strong_3072", "dualenc_22b_5b", "model_a"])

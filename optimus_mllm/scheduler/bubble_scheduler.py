@@ -95,6 +95,103 @@ class _Resource:
     compute: FreeIntervals
     comm: FreeIntervals
 
+    def copy(self) -> _Resource:
+        return _Resource(self.llm_stage, self.compute.copy(), self.comm.copy())
+
+    def place_chain(self, chain: StageChain, ready: float, limit: float) -> list[float] | None:
+        """First-fit the chain's kernels in order into the bubbles; None if they do not fit."""
+        starts, t = [], ready
+        # Per stream (compute, comm): the free interval of its last kernel. A kernel that fits in it from t
+        # starts at t, which is what first-fit returns, without searching.
+        current = {False: (0.0, -1.0), True: (0.0, -1.0)}
+        for k in chain.kernels:
+            d = k.duration_us
+            lo, hi = current[k.is_comm]
+            if lo <= t < hi and t + d <= hi and t + d <= limit:
+                start = t
+            else:
+                fit = (self.comm if k.is_comm else self.compute).earliest_fit(t, d, limit)
+                if fit is None:
+                    return None
+                start, lo, hi = fit
+                current[k.is_comm] = (lo, hi)
+            starts.append(start)
+            t = start + d
+        return starts
+
+    def commit_chain(self, chain: StageChain, starts: list[float]) -> None:
+        """Occupy the placed kernels; back-to-back kernels of one stream as one span."""
+        pending: dict[bool, tuple[float, float]] = {}
+        for k, start in zip(chain.kernels, starts):
+            span = pending.get(k.is_comm)
+            if span is not None and span[1] == start:
+                pending[k.is_comm] = (span[0], start + k.duration_us)
+                continue
+            if span is not None:
+                (self.comm if k.is_comm else self.compute).occupy(*span)
+            pending[k.is_comm] = (start, start + k.duration_us)
+        for is_comm, span in pending.items():
+            (self.comm if is_comm else self.compute).occupy(*span)
+
+
+class ForwardMoves:
+    """One encoder pipeline's forward microbatches moved into the LLM's bubbles, in move order, shared
+    by all partitions of a plan.
+
+    OptimizeSchedule's forward pass moves pipeline j's microbatches one at a time, each from the
+    pipeline's first LLM computation up to the same limit, into bubbles that only j's earlier forward
+    moves have taken, and ends at the first move it rejects. So j's t-th move lands at the same times
+    whatever the partition, and is placed here once. The bubbles left after t moves are rebuilt from
+    a copy taken every ``SNAPSHOT_EVERY`` moves plus the moves since.
+    """
+
+    SNAPSHOT_EVERY = 8
+
+    def __init__(self, work: EncoderWork, dep: EncLLMDep, stage_gaps: list[tuple[FreeIntervals, FreeIntervals]],
+                 j: int):
+        self.work = work
+        stages = [work.llm_stage(j, e) for e in range(len(work.fwd))]
+        self.first = [dep.timeline.stages[s].first_compute_us for s in stages]
+        # the LLM's last forward dependency point bounds every encoder forward's end
+        self.limit = max(dep.forward) - work.to_llm_us[j]
+        self.builder = [_Resource(s, stage_gaps[s][0].copy(), stage_gaps[s][1].copy()) for s in stages]
+        self.moves: list[list[list[float]]] = []  # t -> per stage kernel starts (tau)
+        self.exhausted = False  # move len(moves) does not fit
+        self.snapshots = {0: [r.copy() for r in self.builder]}
+
+    @classmethod
+    def of_pipelines(cls, work: EncoderWork, bubbles: LLMBubbles) -> list[ForwardMoves]:
+        """One per encoder pipeline, to share among a plan's partitions."""
+        return [cls(work, bubbles.dep, bubbles.gaps, j) for j in range(work.num_pipelines)]
+
+    def move(self, t: int) -> list[list[float]] | None:
+        """Per stage kernel starts of the pipeline's t-th forward move (from 0); None if it does not fit."""
+        w = self.work
+        while len(self.moves) <= t and not self.exhausted:
+            starts_by_stage, ready = [], self.first[0]
+            for e, r in enumerate(self.builder):
+                starts = r.place_chain(w.fwd[e], max(ready, self.first[e]), self.limit)
+                if starts is None:
+                    self.exhausted = True
+                    return None
+                starts_by_stage.append(starts)
+                ready = starts[-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
+            for e, r in enumerate(self.builder):
+                r.commit_chain(w.fwd[e], starts_by_stage[e])
+            self.moves.append(starts_by_stage)
+            if len(self.moves) % self.SNAPSHOT_EVERY == 0:
+                self.snapshots[len(self.moves)] = [r.copy() for r in self.builder]
+        return self.moves[t] if t < len(self.moves) else None
+
+    def resources_after(self, t: int) -> list[_Resource]:
+        """Per stage: the bubbles left after the first t moves, as fresh copies."""
+        base = t - t % self.SNAPSHOT_EVERY
+        resources = [r.copy() for r in self.snapshots[base]]
+        for starts_by_stage in self.moves[base:t]:
+            for e, r in enumerate(resources):
+                r.commit_chain(self.work.fwd[e], starts_by_stage[e])
+        return resources
+
 
 @dataclass(frozen=True)
 class _PreWindow:
@@ -131,7 +228,7 @@ class _Evaluation:
     ef: list[float]
     eb: list[float]
     latency: float
-    post: dict[tuple[int, int], list[tuple[int, float]]]  # (j, e) -> [(k, start tau)]
+    post: dict[int, tuple[tuple[float, int], ...]]  # j -> its coarse backwards: (gradient ready tau, k), in order
     pre_required_t0: dict[int, float]  # per pipeline: the t0 its pre-window work needs
     end_by_resource: dict[tuple[int, int], tuple[float, bool]]  # (j, e) -> (end tau, encoder-bound)
 
@@ -140,16 +237,20 @@ class _PartitionScheduler:
     """Scheduling state for one microbatch partition (one element of InitSchedule's output)."""
 
     def __init__(self, work: EncoderWork, dep: EncLLMDep, partition: tuple[int, ...],
-                 stage_gaps: list[tuple[FreeIntervals, FreeIntervals]]):
+                 forward_moves: list[ForwardMoves]):
         self.work, self.dep, self.partition = work, dep, partition
         self.timeline = dep.timeline
         self.pp_enc = len(work.fwd)
-        self.stage_gaps = stage_gaps
+        self.forward_moves = forward_moves
         self.resources: dict[tuple[int, int], _Resource] = {}
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
         self.fine_fwd: dict[tuple[int, int], list[list[float]]] = {}  # (j, k) -> per stage kernel starts (tau)
         self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
         self.has_backward = any(chain.kernels for chain in work.bwd)
+        # (j, its coarse backwards) -> (start on the last stage per (j, k), end per stage): a move changes
+        # one pipeline's coarse backwards at most, unless it reorders the LLM's microbatches
+        self._post_layouts: dict[tuple[int, tuple[tuple[float, int], ...]],
+                                 tuple[dict[tuple[int, int], float], list[float]]] = {}
         self.pre = [_PreWindow.of(work, j, partition[j], [self.first(j, e) for e in range(self.pp_enc)])
                     for j in range(work.num_pipelines)]
         self.evaluation = self.evaluate()
@@ -157,18 +258,23 @@ class _PartitionScheduler:
     # -- resources ---------------------------------------------------------------------------
 
     def resource(self, j: int, e: int) -> _Resource:
-        key = (j, e)
-        if key not in self.resources:
-            s = self.work.llm_stage(j, e)
-            compute, comm = self.stage_gaps[s]
-            self.resources[key] = _Resource(s, compute.copy(), comm.copy())
-        return self.resources[key]
+        """Stage e of pipeline j's bubbles, taken by j's forward moves so far (the forward pass runs
+        before any backward placement) and by this partition's backward moves."""
+        if (j, e) not in self.resources:
+            moved = self.partition[j] - self.n_coarse_fwd[j]
+            for stage, r in enumerate(self.forward_moves[j].resources_after(moved)):
+                self.resources[(j, stage)] = r
+        return self.resources[(j, e)]
 
     def first(self, j: int, e: int) -> float:
         return self.timeline.stages[self.work.llm_stage(j, e)].first_compute_us
 
     def last(self, j: int, e: int) -> float:
         return self.timeline.stages[self.work.llm_stage(j, e)].last_compute_us
+
+    def post_origin(self, j: int) -> list[float]:
+        """Per stage of pipeline j: where its post window starts, the LLM stage's last computation."""
+        return [self.last(j, e) for e in range(self.pp_enc)]
 
     # -- evaluation: windows, t0, global ordering, latency ------------------------------------
 
@@ -192,11 +298,13 @@ class _PartitionScheduler:
             return None
         merged = pre_ef + [(ef + t0, j, k) for ef, j, k in fine_ef]
         assignment = global_order(merged)
-        ef_of = {(j, k): ef for ef, j, k in merged}
-        ef = [ef_of[a] for a in assignment]
+        ef = sorted(ef for ef, _, _ in merged)
         # post: backwards after the LLM's last computation, in order of gradient arrival (tau)
-        grad_ready = {a: self.dep.backward[i] + w.to_llm_us[a[0]] for i, a in enumerate(assignment)}
-        post: dict[tuple[int, int], list[tuple[int, float]]] = {}
+        arrivals: list[list[tuple[float, int]]] = [[] for _ in range(w.num_pipelines)]
+        for b, (j, k) in zip(self.dep.backward, assignment):
+            if (j, k) not in self.fine_bwd:
+                arrivals[j].append((b + w.to_llm_us[j], k))
+        post: dict[int, tuple[tuple[float, int], ...]] = {}
         bwd_end: dict[tuple[int, int], float] = {}
         first_bwd_start: dict[tuple[int, int], float] = {}
         for (j, k), starts in self.fine_bwd.items():
@@ -206,20 +314,19 @@ class _PartitionScheduler:
                 end = starts[e][-1] + chain.kernels[-1].duration_us if chain.kernels else starts[e][0]
                 bwd_end[(j, e)] = max(bwd_end.get((j, e), float("-inf")), end)
         if self.has_backward:
-            for j in range(w.num_pipelines):
-                coarse = sorted((grad_ready[(j, k)], k) for k in range(self.partition[j]) if (j, k) not in self.fine_bwd)
-                cursor = [self.last(j, e) for e in range(self.pp_enc)]
-                for ready, k in coarse:
-                    for e in reversed(range(self.pp_enc)):
-                        start = max(cursor[e], ready)
-                        end = start + w.bwd[e].duration_us
-                        post.setdefault((j, e), []).append((k, start))
-                        if e == self.pp_enc - 1:
-                            first_bwd_start[(j, k)] = start
-                        cursor[e] = end
-                        ready = end + w.p2p_us
-                    for e in range(self.pp_enc):
-                        bwd_end[(j, e)] = max(bwd_end.get((j, e), float("-inf")), cursor[e])
+            for j, arrived in enumerate(arrivals):
+                coarse = tuple(sorted(arrived))
+                if not coarse:
+                    continue
+                post[j] = coarse
+                layout = self._post_layouts.get((j, coarse))
+                if layout is None:
+                    rows, ends = coarse_backward([ready for ready, _ in coarse], self.post_origin(j), w)
+                    layout = {(j, k): row[-1] for (_, k), row in zip(coarse, rows)}, ends
+                    self._post_layouts[(j, coarse)] = layout
+                first_bwd_start.update(layout[0])
+                for e, end in enumerate(layout[1]):
+                    bwd_end[(j, e)] = max(bwd_end.get((j, e), float("-inf")), end)
             eb = [first_bwd_start[a] + t0 for a in assignment]
         else:
             eb = [b + t0 for b in self.dep.backward]  # nothing to order against
@@ -260,58 +367,21 @@ class _PartitionScheduler:
             lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
         return hi
 
-    # -- kernel placement --------------------------------------------------------------------
-
-    def place_chain(self, j: int, e: int, chain: StageChain, ready: float, limit: float) -> list[float] | None:
-        """First-fit the chain's kernels in order into the stage's bubbles; None if they do not fit."""
-        r = self.resource(j, e)
-        starts, t = [], ready
-        # Per stream (compute, comm): the free interval of its last kernel. A kernel that fits in it from t
-        # starts at t, which is what first-fit returns, without searching.
-        current = {False: (0.0, -1.0), True: (0.0, -1.0)}
-        for k in chain.kernels:
-            d = k.duration_us
-            lo, hi = current[k.is_comm]
-            if lo <= t < hi and t + d <= hi and t + d <= limit:
-                start = t
-            else:
-                fit = (r.comm if k.is_comm else r.compute).earliest_fit(t, d, limit)
-                if fit is None:
-                    return None
-                start, lo, hi = fit
-                current[k.is_comm] = (lo, hi)
-            starts.append(start)
-            t = start + d
-        return starts
-
-    def commit_chain(self, j: int, e: int, chain: StageChain, starts: list[float]) -> None:
-        """Occupy the placed kernels; back-to-back kernels of one stream as one span."""
-        r = self.resource(j, e)
-        pending: dict[bool, tuple[float, float]] = {}
-        for k, start in zip(chain.kernels, starts):
-            span = pending.get(k.is_comm)
-            if span is not None and span[1] == start:
-                pending[k.is_comm] = (span[0], start + k.duration_us)
-                continue
-            if span is not None:
-                (r.comm if k.is_comm else r.compute).occupy(*span)
-            pending[k.is_comm] = (start, start + k.duration_us)
-        for is_comm, span in pending.items():
-            (r.comm if is_comm else r.compute).occupy(*span)
-
 
 # --------------------------------------------------------------------------------------------
 # Algorithm 2
 
 
-def init_schedule(work: EncoderWork, bubbles: LLMBubbles, partition: tuple[int, ...]) -> _PartitionScheduler | None:
+def init_schedule(work: EncoderWork, bubbles: LLMBubbles, partition: tuple[int, ...],
+                  forward_moves: list[ForwardMoves] | None = None) -> _PartitionScheduler | None:
     """InitSchedule for one microbatch partition: every encoder forward before the LLM's computation,
     every backward after it (coarse-grained). None if the dependencies cannot be met.
 
     The paper builds these for all partitions up front; ``bubble_scheduler`` builds them one at a time
     so that its lower bound can skip partitions that cannot win.
     """
-    state = _PartitionScheduler(work, bubbles.dep, partition, bubbles.gaps)
+    forward_moves = forward_moves or ForwardMoves.of_pipelines(work, bubbles)
+    state = _PartitionScheduler(work, bubbles.dep, partition, forward_moves)
     return state if state.evaluation is not None else None
 
 
@@ -350,14 +420,9 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
         if state.n_coarse_fwd[j] == 0:
             return False
         k = state.n_coarse_fwd[j] - 1
-        limit = max(dep.forward) - w.to_llm_us[j]
-        starts_by_stage, ready = [], state.first(j, 0)
-        for e in range(state.pp_enc):
-            starts = state.place_chain(j, e, w.fwd[e], max(ready, state.first(j, e)), limit)
-            if starts is None:
-                return False
-            starts_by_stage.append(starts)
-            ready = starts[-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
+        starts_by_stage = state.forward_moves[j].move(state.partition[j] - 1 - k)
+        if starts_by_stage is None:
+            return False
         state.n_coarse_fwd[j] -= 1
         state.fine_fwd[(j, k)] = starts_by_stage
         after = state.evaluate()
@@ -365,8 +430,6 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
             state.n_coarse_fwd[j] += 1
             del state.fine_fwd[(j, k)]
             return False
-        for e, starts in enumerate(starts_by_stage):
-            state.commit_chain(j, e, w.fwd[e], starts)
     else:
         index = {a: i for i, a in enumerate(before.assignment)}
         coarse = [k for k in range(state.partition[j]) if (j, k) not in state.fine_bwd]
@@ -376,7 +439,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
         ready = dep.backward[index[(j, k)]] + w.to_llm_us[j]
         starts_by_stage: list[list[float]] = [[] for _ in range(state.pp_enc)]
         for e in reversed(range(state.pp_enc)):
-            starts = state.place_chain(j, e, w.bwd[e], ready, state.last(j, e))
+            starts = state.resource(j, e).place_chain(w.bwd[e], ready, state.last(j, e))
             if starts is None:
                 return False
             starts_by_stage[e] = starts or [ready]
@@ -388,7 +451,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
             return False
         for e, starts in enumerate(starts_by_stage):
             if w.bwd[e].kernels:
-                state.commit_chain(j, e, w.bwd[e], starts)
+                state.resource(j, e).commit_chain(w.bwd[e], starts)
     state.evaluation = after
     return True
 
@@ -439,13 +502,14 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
     stats = SchedulerStats(partitions_total=len(candidate.partitions.partitions))
     dep, busy = bubbles.dep, bubbles.busy_us
     bounds = {p: partition_lower_bound(work, dep, p, busy) for p in candidate.partitions.partitions}
+    forward_moves = ForwardMoves.of_pipelines(work, bubbles)
     best: Schedule | None = None
     for partition in sorted(bounds, key=bounds.get):
         if bounds[partition] >= min(bound_us, best.iteration_us if best else bound_us) - EPS_US:
             stats.partitions_pruned += 1
             continue
         stats.partitions_searched += 1
-        state = init_schedule(work, bubbles, partition)
+        state = init_schedule(work, bubbles, partition, forward_moves)
         if state is None:
             continue
         coarse_us = state.evaluation.latency
@@ -504,16 +568,37 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
         for e, starts in enumerate(per_stage):
             if w.bwd[e].kernels:
                 chains.append(ChainPlacement(j, e, k, "bwd", "llm", tuple(s + t0 for s in starts)))
-    for (j, e), items in ev.post.items():
-        for k, start in items:
+    for j, coarse in ev.post.items():
+        rows, _ = coarse_backward([ready for ready, _ in coarse], state.post_origin(j), w)
+        for e in reversed(range(state.pp_enc)):
             if w.bwd[e].kernels:
-                chains.append(ChainPlacement(j, e, k, "bwd", "post", _block(start + t0, w.bwd[e])))
+                chains.extend(ChainPlacement(j, e, k, "bwd", "post", _block(row[e] + t0, w.bwd[e]))
+                              for (_, k), row in zip(coarse, rows))
     return Schedule(
         llm_plan=llm_plan, encoder_plan=enc_plan, partition=state.partition, dep=state.dep, work=w,
         llm_origin_us=t0, assignment=tuple(ev.assignment), encoder_forward_end_us=tuple(ev.ef),
         encoder_backward_start_us=tuple(ev.eb), chains=tuple(chains), iteration_us=ev.latency,
         coarse_iteration_us=coarse_us,
     )
+
+
+def coarse_backward(ready: list[float], origin: list[float], work: EncoderWork) -> tuple[list[list[float]], list[float]]:
+    """Backwards in a post window: GPipe-style from the last encoder stage to the first, each stage's
+    chain as one block, microbatches in the given order with their gradients ready at ``ready``, each
+    stage free from ``origin``. Returns every microbatch's start per stage, and each stage's end."""
+    cursor = list(origin)
+    durations = [chain.duration_us for chain in work.bwd]
+    stages = range(len(cursor) - 1, -1, -1)
+    rows = []
+    for t in ready:
+        row = [0.0] * len(cursor)
+        for e in stages:
+            start = cursor[e] if cursor[e] > t else t
+            row[e] = start
+            cursor[e] = start + durations[e]
+            t = cursor[e] + work.p2p_us
+        rows.append(row)
+    return rows, cursor
 
 
 def network_fifo_end(transfers: list[tuple[float, float]]) -> float:
