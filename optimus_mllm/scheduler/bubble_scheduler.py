@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
@@ -184,13 +185,16 @@ class ForwardMoves:
         return self.moves[t] if t < len(self.moves) else None
 
     def resources_after(self, t: int) -> list[_Resource]:
-        """Per stage: the bubbles left after the first t moves, as fresh copies."""
-        base = t - t % self.SNAPSHOT_EVERY
-        resources = [r.copy() for r in self.snapshots[base]]
-        for starts_by_stage in self.moves[base:t]:
-            for e, r in enumerate(resources):
-                r.commit_chain(self.work.fwd[e], starts_by_stage[e])
-        return resources
+        """Per stage: the bubbles left after the first t moves, as fresh copies. Partitions often end
+        their forward pass after the same number of moves, so that state is kept too."""
+        if t not in self.snapshots:
+            base = t - t % self.SNAPSHOT_EVERY
+            resources = [r.copy() for r in self.snapshots[base]]
+            for starts_by_stage in self.moves[base:t]:
+                for e, r in enumerate(resources):
+                    r.commit_chain(self.work.fwd[e], starts_by_stage[e])
+            self.snapshots[t] = resources
+        return [r.copy() for r in self.snapshots[t]]
 
 
 @dataclass(frozen=True)
@@ -247,10 +251,9 @@ class _PartitionScheduler:
         self.fine_fwd: dict[tuple[int, int], list[list[float]]] = {}  # (j, k) -> per stage kernel starts (tau)
         self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
         self.has_backward = any(chain.kernels for chain in work.bwd)
-        # (j, its coarse backwards) -> (start on the last stage per (j, k), end per stage): a move changes
-        # one pipeline's coarse backwards at most, unless it reorders the LLM's microbatches
-        self._post_layouts: dict[tuple[int, tuple[tuple[float, int], ...]],
-                                 tuple[dict[tuple[int, int], float], list[float]]] = {}
+        # (j, its coarse backwards' gradient arrivals) -> (each one's start on the last stage, each stage's
+        # end): a move changes one pipeline's arrivals at most, unless it reorders the LLM's microbatches
+        self._post_layouts: dict[tuple[int, tuple[float, ...]], tuple[list[float], list[float]]] = {}
         self.pre = [_PreWindow.of(work, j, partition[j], [self.first(j, e) for e in range(self.pp_enc)])
                     for j in range(work.num_pipelines)]
         self.evaluation = self.evaluate()
@@ -319,12 +322,13 @@ class _PartitionScheduler:
                 if not coarse:
                     continue
                 post[j] = coarse
-                layout = self._post_layouts.get((j, coarse))
+                ready = tuple(ready for ready, _ in coarse)
+                layout = self._post_layouts.get((j, ready))
                 if layout is None:
-                    rows, ends = coarse_backward([ready for ready, _ in coarse], self.post_origin(j), w)
-                    layout = {(j, k): row[-1] for (_, k), row in zip(coarse, rows)}, ends
-                    self._post_layouts[(j, coarse)] = layout
-                first_bwd_start.update(layout[0])
+                    rows, ends = coarse_backward(ready, self.post_origin(j), w)
+                    layout = [row[-1] for row in rows], ends
+                    self._post_layouts[(j, ready)] = layout
+                first_bwd_start.update(zip([(j, k) for _, k in coarse], layout[0]))
                 for e, end in enumerate(layout[1]):
                     bwd_end[(j, e)] = max(bwd_end.get((j, e), float("-inf")), end)
             eb = [first_bwd_start[a] + t0 for a in assignment]
@@ -582,7 +586,7 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
     )
 
 
-def coarse_backward(ready: list[float], origin: list[float], work: EncoderWork) -> tuple[list[list[float]], list[float]]:
+def coarse_backward(ready: Sequence[float], origin: list[float], work: EncoderWork) -> tuple[list[list[float]], list[float]]:
     """Backwards in a post window: GPipe-style from the last encoder stage to the first, each stage's
     chain as one block, microbatches in the given order with their gradients ready at ``ready``, each
     stage free from ``origin``. Returns every microbatch's start per stage, and each stage's end."""
