@@ -322,12 +322,12 @@ class _PartitionScheduler:
                 if not coarse:
                     continue
                 post[j] = coarse
-                ready = tuple(ready for ready, _ in coarse)
-                layout = self._post_layouts.get((j, ready))
+                arrival_times = tuple(ready for ready, _ in coarse)
+                layout = self._post_layouts.get((j, arrival_times))
                 if layout is None:
-                    rows, ends = coarse_backward(ready, self.post_origin(j), w)
+                    rows, ends = coarse_backward(arrival_times, self.post_origin(j), w)
                     layout = [row[-1] for row in rows], ends
-                    self._post_layouts[(j, ready)] = layout
+                    self._post_layouts[(j, arrival_times)] = layout
                 first_bwd_start.update(zip([(j, k) for _, k in coarse], layout[0]))
                 for e, end in enumerate(layout[1]):
                     bwd_end[(j, e)] = max(bwd_end.get((j, e), float("-inf")), end)
@@ -586,7 +586,8 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
     )
 
 
-def coarse_backward(ready: Sequence[float], origin: list[float], work: EncoderWork) -> tuple[list[list[float]], list[float]]:
+def coarse_backward(ready: Sequence[float], origin: list[float],
+                    work: EncoderWork) -> tuple[list[list[float]], list[float]]:
     """Backwards in a post window: GPipe-style from the last encoder stage to the first, each stage's
     chain as one block, microbatches in the given order with their gradients ready at ``ready``, each
     stage free from ``origin``. Returns every microbatch's start per stage, and each stage's end."""
