@@ -202,10 +202,10 @@ def run_scaling(gpus: int, microbatches: int) -> ScalingRow:
 
 def print_scaling(rows: list[ScalingRow]) -> None:
     print("Scheduler runtime as the job grows (strong_3072's model, 2048-token ViT inputs, 192 GiB GPUs, one core)")
-    print(f"{'GPUs':>6}{'#mb':>6}  {'LLM plan':<18}{'encoder plan':<16}{'plans sched/bounded':>20}"
+    print(f"{'GPUs':>6}{'#mb':>6}  {'LLM plan':<19}{'encoder plan':<16}{'plans sched/bounded':>20}"
           f"{'partitions':>12}{'scheduler s':>13}{'Optimus s':>11}")
     for r in rows:
-        print(f"{r.gpus:>6}{r.microbatches:>6}  {r.llm_plan:<18}{r.encoder_plan:<16}"
+        print(f"{r.gpus:>6}{r.microbatches:>6}  {r.llm_plan:<19}{r.encoder_plan:<16}"
               f"{f'{r.plans_scheduled}/{r.plans_bounded}':>20}{r.partitions_searched:>12}{r.scheduler_s:>13.1f}"
               f"{r.optimus_s:>11.3f}")
     print("  #mb: microbatches per LLM pipeline; partitions: microbatch partitions scheduled over all encoder plans")
