@@ -396,7 +396,7 @@ def test_planner_and_scheduler_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def _never_slower_than_the_baselines(config, balanced: bool = True) -> None:
+def _never_slower_than_the_baselines(config) -> None:
     """Optimus against both Megatron-LM baselines at the LLM plan's V (balanced: single-encoder models
     whose microbatches the interleaved schedule can take)."""
     from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
@@ -406,7 +406,7 @@ def _never_slower_than_the_baselines(config, balanced: bool = True) -> None:
     result = optimus(config, planned, cost)
     baselines = [megatron_lm_baseline(config, planned.llm_plan, cost)]
     interleavable = planned.llm_plan.vp == 1 or planned.num_microbatches % planned.llm_plan.pp == 0
-    if balanced and len(config.encoders) == 1 and interleavable:
+    if len(config.encoders) == 1 and interleavable:
         baselines.append(megatron_lm_balanced_baseline(config, planned.llm_plan, cost))
     for baseline in baselines:
         assert result.best.iteration_us <= baseline.iteration_us + 1e-6, (
@@ -423,9 +423,13 @@ def test_optimus_never_slower_than_the_baselines_on_random_configs(seed):
     _never_slower_than_the_baselines(config_from_dict(_random_config(seed)))
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_optimus_never_slower_than_megatron_lm_on_heavy_encoder_configs(seed):
-    """Only Megatron-LM here: balanced beats Optimus on some heavy encoders (seed 9: 2754 against 2938 us,
-    the encoder plan's DP4 gradient reduce-scatter crossing 5 GB/s links where balanced keeps the encoder
-    on the LLM's DP2 inside a node)."""
-    _never_slower_than_the_baselines(config_from_dict(_heavy_random_config(seed)), balanced=False)
+_BALANCED_WINS = pytest.mark.xfail(strict=True, reason=(
+    "balanced 2754 us against Optimus 2938 us: each LLM stage fills one 4-GPU node, so every encoder plan's "
+    "DP4 gradient reduce-scatter crosses 5 GB/s links, where balanced keeps the encoder on the LLM's DP2 "
+    "inside a node; no colocated encoder plan has DP2 (2 encoder layers cannot span PP4)"))
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=_BALANCED_WINS) if s == 9 else s for s in range(30)])
+def test_optimus_never_slower_than_the_baselines_on_heavy_encoder_configs(seed):
+    """Encoders 4-16x wider than the random configs'. One seed is known to lose to balanced (marked)."""
+    _never_slower_than_the_baselines(config_from_dict(_heavy_random_config(seed)))
