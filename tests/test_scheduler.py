@@ -20,7 +20,7 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     BWD,
     FWD,
     ChainPlacement,
-    ForwardMoves,
+    PipelineMoves,
     LLMBubbles,
     bubble_scheduler,
     init_schedule,
@@ -223,17 +223,18 @@ def _shared_moves_config(case: str):
     return config_from_dict((_heavy_random_config if kind == "heavy" else _random_config)(int(seed)))
 
 
-class _SnapshotEveryMove(ForwardMoves):
+class _SnapshotEveryMove(PipelineMoves):
     SNAPSHOT_EVERY = 1  # the bubbles after every move are kept, none rebuilt
 
 
 @pytest.mark.parametrize("case", [f"random-{s}" for s in range(0, 30, 3)] + [f"heavy-{s}" for s in range(0, 30, 3)]
                          + ["paper-strong_1536", "paper-fig5_8gpu"])
-def test_partitions_sharing_forward_moves_schedule_as_each_alone(case):
-    """A plan's partitions share one layout of each encoder pipeline's forward moves into the bubbles
-    (ForwardMoves), and rebuild the bubbles left after them from periodic copies. Taken in an order unlike
-    the scheduler's, every partition still gets exactly the schedule it gets from bubbles of its own,
-    copied after every move: the same fine chains, t0, assignment, EF/EB and latency. (That the moves
+def test_partitions_sharing_their_moves_schedule_as_each_alone(case):
+    """A plan's partitions share each encoder pipeline's moves into the bubbles (PipelineMoves): forward
+    moves laid out once, the bubbles left after them rebuilt from periodic copies, and backward moves
+    reused by partitions that moved the same microbatches before. Taken in an order unlike the
+    scheduler's, every partition still gets exactly the schedule it gets alone, from bubbles copied
+    after every move: the same fine chains, t0, assignment, EF/EB and latency. (That the moves
     themselves are placed right, the validity checks on every schedule above say.)"""
     config = _shared_moves_config(case)
     planned = plan(config)
@@ -241,7 +242,7 @@ def test_partitions_sharing_forward_moves_schedule_as_each_alone(case):
     bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
     for candidate in planned.candidates:
         work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
-        shared = ForwardMoves.of_pipelines(work, bubbles)
+        shared = PipelineMoves.of_pipelines(work, bubbles)
         for partition in reversed(candidate.partitions.partitions[:6]):
             alone = init_schedule(work, bubbles, partition, _SnapshotEveryMove.of_pipelines(work, bubbles))
             together = init_schedule(work, bubbles, partition, shared)

@@ -135,15 +135,18 @@ class _Resource:
             (self.comm if is_comm else self.compute).occupy(*span)
 
 
-class ForwardMoves:
-    """One encoder pipeline's forward microbatches moved into the LLM's bubbles, in move order, shared
-    by all partitions of a plan.
+class PipelineMoves:
+    """One encoder pipeline's microbatches moved into the LLM's bubbles, shared by all partitions of a plan.
 
     OptimizeSchedule's forward pass moves pipeline j's microbatches one at a time, each from the
     pipeline's first LLM computation up to the same limit, into bubbles that only j's earlier forward
     moves have taken, and ends at the first move it rejects. So j's t-th move lands at the same times
     whatever the partition, and is placed here once. The bubbles left after t moves are rebuilt from
     a copy taken every ``SNAPSHOT_EVERY`` moves plus the moves since.
+
+    A backward move of LLM microbatch i's encoder work lands where the bubbles left by j's t forward
+    moves and its earlier backward moves put it, so its placement is kept by (t, the LLM microbatches
+    moved before, i) too: partitions that move the same microbatches in the same order reuse it.
     """
 
     SNAPSHOT_EVERY = 8
@@ -159,9 +162,10 @@ class ForwardMoves:
         self.moves: list[list[list[float]]] = []  # t -> per stage kernel starts (tau)
         self.exhausted = False  # move len(moves) does not fit
         self.snapshots = {0: [r.copy() for r in self.builder]}
+        self.backward: dict[tuple[int, tuple[int, ...], int], list[list[float]] | None] = {}
 
     @classmethod
-    def of_pipelines(cls, work: EncoderWork, bubbles: LLMBubbles) -> list[ForwardMoves]:
+    def of_pipelines(cls, work: EncoderWork, bubbles: LLMBubbles) -> list[PipelineMoves]:
         """One per encoder pipeline, to share among a plan's partitions."""
         return [cls(work, bubbles.dep, bubbles.gaps, j) for j in range(work.num_pipelines)]
 
@@ -241,12 +245,14 @@ class _PartitionScheduler:
     """Scheduling state for one microbatch partition (one element of InitSchedule's output)."""
 
     def __init__(self, work: EncoderWork, dep: EncLLMDep, partition: tuple[int, ...],
-                 forward_moves: list[ForwardMoves]):
+                 moves: list[PipelineMoves]):
         self.work, self.dep, self.partition = work, dep, partition
         self.timeline = dep.timeline
         self.pp_enc = len(work.fwd)
-        self.forward_moves = forward_moves
+        self.moves = moves
         self.resources: dict[tuple[int, int], _Resource] = {}
+        self.moved_backward: list[list[int]] = [[] for _ in partition]  # per pipeline: LLM microbatches, in order
+        self.uncommitted: list[list[list[list[float]]]] = [[] for _ in partition]  # backward moves not yet in resources
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
         self.fine_fwd: dict[tuple[int, int], list[list[float]]] = {}  # (j, k) -> per stage kernel starts (tau)
         self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
@@ -264,10 +270,47 @@ class _PartitionScheduler:
         """Stage e of pipeline j's bubbles, taken by j's forward moves so far (the forward pass runs
         before any backward placement) and by this partition's backward moves."""
         if (j, e) not in self.resources:
-            moved = self.partition[j] - self.n_coarse_fwd[j]
-            for stage, r in enumerate(self.forward_moves[j].resources_after(moved)):
+            for stage, r in enumerate(self.moves[j].resources_after(self.moved_forward(j))):
+                for starts_by_stage in self.uncommitted[j]:
+                    if self.work.bwd[stage].kernels:
+                        r.commit_chain(self.work.bwd[stage], starts_by_stage[stage])
                 self.resources[(j, stage)] = r
+            self.uncommitted[j] = []
         return self.resources[(j, e)]
+
+    def moved_forward(self, j: int) -> int:
+        return self.partition[j] - self.n_coarse_fwd[j]
+
+    def place_backward(self, j: int, i: int) -> list[list[float]] | None:
+        """Per stage kernel starts of LLM microbatch i's encoder backward on pipeline j, from the last
+        stage to the first as its gradient arrives; None if it does not fit before the LLM's end."""
+        key = (self.moved_forward(j), tuple(self.moved_backward[j]), i)
+        shared = self.moves[j].backward
+        if key not in shared:
+            shared[key] = self._first_fit_backward(j, i)
+        return shared[key]
+
+    def _first_fit_backward(self, j: int, i: int) -> list[list[float]] | None:
+        w = self.work
+        ready = self.dep.backward[i] + w.to_llm_us[j]
+        starts_by_stage: list[list[float]] = [[] for _ in range(self.pp_enc)]
+        for e in reversed(range(self.pp_enc)):
+            starts = self.resource(j, e).place_chain(w.bwd[e], ready, self.last(j, e))
+            if starts is None:
+                return None
+            starts_by_stage[e] = starts or [ready]
+            ready = (starts[-1] + w.bwd[e].kernels[-1].duration_us if starts else ready) + w.p2p_us
+        return starts_by_stage
+
+    def commit_backward(self, j: int, i: int, starts_by_stage: list[list[float]]) -> None:
+        """Take the bubbles of an accepted backward move; into pipeline j's resources once they exist."""
+        self.moved_backward[j].append(i)
+        if (j, 0) not in self.resources:
+            self.uncommitted[j].append(starts_by_stage)
+            return
+        for e, starts in enumerate(starts_by_stage):
+            if self.work.bwd[e].kernels:
+                self.resources[(j, e)].commit_chain(self.work.bwd[e], starts)
 
     def first(self, j: int, e: int) -> float:
         return self.timeline.stages[self.work.llm_stage(j, e)].first_compute_us
@@ -377,15 +420,14 @@ class _PartitionScheduler:
 
 
 def init_schedule(work: EncoderWork, bubbles: LLMBubbles, partition: tuple[int, ...],
-                  forward_moves: list[ForwardMoves] | None = None) -> _PartitionScheduler | None:
+                  moves: list[PipelineMoves] | None = None) -> _PartitionScheduler | None:
     """InitSchedule for one microbatch partition: every encoder forward before the LLM's computation,
     every backward after it (coarse-grained). None if the dependencies cannot be met.
 
     The paper builds these for all partitions up front; ``bubble_scheduler`` builds them one at a time
     so that its lower bound can skip partitions that cannot win.
     """
-    forward_moves = forward_moves or ForwardMoves.of_pipelines(work, bubbles)
-    state = _PartitionScheduler(work, bubbles.dep, partition, forward_moves)
+    state = _PartitionScheduler(work, bubbles.dep, partition, moves or PipelineMoves.of_pipelines(work, bubbles))
     return state if state.evaluation is not None else None
 
 
@@ -418,13 +460,13 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
     coarse microbatch whose gradient arrives first, from downstream to upstream. Kept only if the
     dependencies still hold (checkEncLLMDep) and the iteration gets no longer.
     """
-    w, dep = state.work, state.dep
+    dep = state.dep
     before = state.evaluation
     if mode == FWD:
         if state.n_coarse_fwd[j] == 0:
             return False
         k = state.n_coarse_fwd[j] - 1
-        starts_by_stage = state.forward_moves[j].move(state.partition[j] - 1 - k)
+        starts_by_stage = state.moves[j].move(state.moved_forward(j))
         if starts_by_stage is None:
             return False
         state.n_coarse_fwd[j] -= 1
@@ -440,22 +482,15 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
         if not coarse:
             return False
         k = min(coarse, key=lambda k: dep.backward[index[(j, k)]])
-        ready = dep.backward[index[(j, k)]] + w.to_llm_us[j]
-        starts_by_stage: list[list[float]] = [[] for _ in range(state.pp_enc)]
-        for e in reversed(range(state.pp_enc)):
-            starts = state.resource(j, e).place_chain(w.bwd[e], ready, state.last(j, e))
-            if starts is None:
-                return False
-            starts_by_stage[e] = starts or [ready]
-            ready = (starts[-1] + w.bwd[e].kernels[-1].duration_us if starts else ready) + w.p2p_us
+        starts_by_stage = state.place_backward(j, index[(j, k)])
+        if starts_by_stage is None:
+            return False
         state.fine_bwd[(j, k)] = starts_by_stage
         after = state.evaluate()
         if after is None or after.latency > before.latency + EPS_US:
             del state.fine_bwd[(j, k)]
             return False
-        for e, starts in enumerate(starts_by_stage):
-            if w.bwd[e].kernels:
-                state.resource(j, e).commit_chain(w.bwd[e], starts)
+        state.commit_backward(j, index[(j, k)], starts_by_stage)
     state.evaluation = after
     return True
 
@@ -506,14 +541,14 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
     stats = SchedulerStats(partitions_total=len(candidate.partitions.partitions))
     dep, busy = bubbles.dep, bubbles.busy_us
     bounds = {p: partition_lower_bound(work, dep, p, busy) for p in candidate.partitions.partitions}
-    forward_moves = ForwardMoves.of_pipelines(work, bubbles)
+    moves = PipelineMoves.of_pipelines(work, bubbles)
     best: Schedule | None = None
     for partition in sorted(bounds, key=bounds.get):
         if bounds[partition] >= min(bound_us, best.iteration_us if best else bound_us) - EPS_US:
             stats.partitions_pruned += 1
             continue
         stats.partitions_searched += 1
-        state = init_schedule(work, bubbles, partition, forward_moves)
+        state = init_schedule(work, bubbles, partition, moves)
         if state is None:
             continue
         coarse_us = state.evaluation.latency
