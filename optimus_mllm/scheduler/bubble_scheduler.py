@@ -19,8 +19,8 @@ moves one microbatch at a time of the critical encoder pipeline into ``llm``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
@@ -135,6 +135,13 @@ class _Resource:
             (self.comm if is_comm else self.compute).occupy(*span)
 
 
+def _commit_move(resources: list[_Resource], chains: tuple[StageChain, ...],
+                 starts_by_stage: list[list[float]]) -> None:
+    """Occupy one microbatch's chain on every stage (a stage without kernels takes nothing)."""
+    for r, chain, starts in zip(resources, chains, starts_by_stage):
+        r.commit_chain(chain, starts)
+
+
 class PipelineMoves:
     """One encoder pipeline's microbatches moved into the LLM's bubbles, shared by all partitions of a plan.
 
@@ -181,8 +188,7 @@ class PipelineMoves:
                     return None
                 starts_by_stage.append(starts)
                 ready = starts[-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
-            for e, r in enumerate(self.builder):
-                r.commit_chain(w.fwd[e], starts_by_stage[e])
+            _commit_move(self.builder, w.fwd, starts_by_stage)
             self.moves.append(starts_by_stage)
             if len(self.moves) % self.SNAPSHOT_EVERY == 0:
                 self.snapshots[len(self.moves)] = [r.copy() for r in self.builder]
@@ -195,8 +201,7 @@ class PipelineMoves:
             base = t - t % self.SNAPSHOT_EVERY
             resources = [r.copy() for r in self.snapshots[base]]
             for starts_by_stage in self.moves[base:t]:
-                for e, r in enumerate(resources):
-                    r.commit_chain(self.work.fwd[e], starts_by_stage[e])
+                _commit_move(resources, self.work.fwd, starts_by_stage)
             self.snapshots[t] = resources
         return [r.copy() for r in self.snapshots[t]]
 
@@ -270,12 +275,11 @@ class _PartitionScheduler:
         """Stage e of pipeline j's bubbles, taken by j's forward moves so far (the forward pass runs
         before any backward placement) and by this partition's backward moves."""
         if (j, e) not in self.resources:
-            for stage, r in enumerate(self.moves[j].resources_after(self.moved_forward(j))):
-                for starts_by_stage in self.uncommitted[j]:
-                    if self.work.bwd[stage].kernels:
-                        r.commit_chain(self.work.bwd[stage], starts_by_stage[stage])
-                self.resources[(j, stage)] = r
+            resources = self.moves[j].resources_after(self.moved_forward(j))
+            for starts_by_stage in self.uncommitted[j]:
+                _commit_move(resources, self.work.bwd, starts_by_stage)
             self.uncommitted[j] = []
+            self.resources.update(((j, stage), r) for stage, r in enumerate(resources))
         return self.resources[(j, e)]
 
     def moved_forward(self, j: int) -> int:
@@ -305,12 +309,10 @@ class _PartitionScheduler:
     def commit_backward(self, j: int, i: int, starts_by_stage: list[list[float]]) -> None:
         """Take the bubbles of an accepted backward move; into pipeline j's resources once they exist."""
         self.moved_backward[j].append(i)
-        if (j, 0) not in self.resources:
+        if (j, 0) in self.resources:
+            _commit_move([self.resources[(j, e)] for e in range(self.pp_enc)], self.work.bwd, starts_by_stage)
+        else:
             self.uncommitted[j].append(starts_by_stage)
-            return
-        for e, starts in enumerate(starts_by_stage):
-            if self.work.bwd[e].kernels:
-                self.resources[(j, e)].commit_chain(self.work.bwd[e], starts)
 
     def first(self, j: int, e: int) -> float:
         return self.timeline.stages[self.work.llm_stage(j, e)].first_compute_us
@@ -342,9 +344,9 @@ class _PartitionScheduler:
         t0 = self._earliest_feasible_t0(t_low, pre_ef, fine_ef)
         if t0 is None:
             return None
-        merged = pre_ef + [(ef + t0, j, k) for ef, j, k in fine_ef]
+        merged = sorted(pre_ef + [(ef + t0, j, k) for ef, j, k in fine_ef])
         assignment = global_order(merged)
-        ef = sorted(ef for ef, _, _ in merged)
+        ef = [ef for ef, _, _ in merged]
         # post: backwards after the LLM's last computation, in order of gradient arrival (tau)
         arrivals: list[list[tuple[float, int]]] = [[] for _ in range(w.num_pipelines)]
         for b, (j, k) in zip(self.dep.backward, assignment):
