@@ -197,7 +197,8 @@ def run_scaling(gpus: int, microbatches: int) -> ScalingRow:
     return ScalingRow(gpus, planned.num_microbatches, str(planned.llm_plan), str(result.best.encoder_plan),
                       sum(o.status == "scheduled" for o in result.outcomes),
                       sum(o.status == "bounded" for o in result.outcomes),
-                      sum(o.stats.partitions_searched for o in result.outcomes), seconds, result.best.iteration_us / 1e6)
+                      sum(o.stats.partitions_searched for o in result.outcomes), seconds,
+                      result.best.iteration_us / 1e6)
 
 
 def print_scaling(rows: list[ScalingRow]) -> None:
@@ -382,7 +383,8 @@ def _run(args: argparse.Namespace) -> int:
     short_configs = {}
     if not args.one_reading:
         for n in (n for n in PAPER_TABLE7 if n in names):
-            short_configs[f"{n}{SHORT_SUFFIX}"] = load_config(REPO / "configs" / "paper" / f"{n}.yaml", SHORT_READING[1])
+            short_configs[f"{n}{SHORT_SUFFIX}"] = load_config(REPO / "configs" / "paper" / f"{n}.yaml",
+                                                              SHORT_READING[1])
     rows = {n: run_setup(n, c) for n, c in configs.items()}
     short = {n: run_setup(n, c) for n, c in short_configs.items()}
     print_tables(rows, short, configs)

@@ -7,8 +7,9 @@ TP 1/2, DP 1/2, at most 8 ranks), a microbatch count per pipeline that is or is 
 (a multiple with V > 1, as megatron-core's interleaved schedule needs), micro batch 1-3, one or two
 encoders, maybe one frozen, maybe a 2x2 spatial merge before a projector, model shapes that divide
 the plan (sometimes grouped-query attention or a gated linear unit), and sometimes LLM sequence
-parallelism (TP 2) or tied input and output embeddings. ``schedule_job`` plans and schedules it: the encoder plan is the
-scheduler's choice or one of the planner's other plans, forced through ``parallel.encoder``; the
+parallelism (TP 2) or tied input and output embeddings. ``schedule_job`` plans and schedules it: the
+encoder plan is the scheduler's choice or one of the planner's other plans, forced through
+``parallel.encoder``; the
 warm-up is the scheduler's (adjusted where it differs from megatron-core's default) or, for some
 interleaved jobs, a reduced one that ``llm_timeline.simulate`` runs without deadlock, forced into
 the artifact. The Optimus runtime then trains ``--steps`` steps on ``world`` gloo ranks, and the
