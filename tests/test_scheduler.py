@@ -22,11 +22,15 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     ChainPlacement,
     PipelineMoves,
     LLMBubbles,
+    _PostWindow,
     bubble_scheduler,
+    coarse_backward,
+    find_critical,
     init_schedule,
     optimize_schedule,
     optimus,
     partition_lower_bound,
+    schedule_kernels,
 )
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
@@ -253,6 +257,54 @@ def test_partitions_sharing_their_moves_schedule_as_each_alone(case):
             assert together.fine_fwd == alone.fine_fwd, (candidate.plan, partition)
             assert together.fine_bwd == alone.fine_bwd, (candidate.plan, partition)
             assert together.evaluation == alone.evaluation, (candidate.plan, partition)
+
+
+def test_evaluation_after_each_move_equals_a_full_reevaluation():
+    """A backward move re-evaluates only its own pipeline: t0, the assignment and the other pipelines'
+    backwards are taken from the evaluation before it. After every move of both passes, that evaluation
+    equals the one computed from the state alone."""
+    with_backward_moves = 0
+    for case in [f"{kind}-{s}" for kind in ("random", "heavy") for s in range(1, 30, 2)] + ["paper-fig5_8gpu"]:
+        config = _shared_moves_config(case)
+        planned = plan(config)
+        cost = CostModel.from_config(config)
+        bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+        moved = 0
+        for candidate in planned.candidates:
+            work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
+            moves = PipelineMoves.of_pipelines(work, bubbles)
+            for partition in candidate.partitions.partitions[:4]:
+                state = init_schedule(work, bubbles, partition, moves)
+                if state is None:
+                    continue
+                for mode in (FWD, BWD):
+                    while (j := find_critical(state, mode)) is not None and schedule_kernels(state, j, mode):
+                        assert state.evaluation == state.evaluate(), (case, candidate.plan, partition, mode, j)
+                        moved += mode == BWD
+        with_backward_moves += moved > 0
+    assert with_backward_moves >= 5, with_backward_moves
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_post_window_lays_out_backwards_as_coarse_backward(seed):
+    """A pipeline's coarse backwards come from one layout in which every gradient is already there, up to
+    the first that comes later than that layout reaches it. Gradients arriving early and late, in any
+    number, give exactly the starts and stage ends of ``coarse_backward``."""
+    config = config_from_dict(_heavy_random_config(seed))
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    rng = random.Random(seed)
+    for candidate in planned.candidates:
+        work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
+        origin = [rng.uniform(0.0, 100.0) for _ in work.bwd]
+        window = _PostWindow(origin, work)
+        span = sum(chain.duration_us for chain in work.bwd) + work.p2p_us
+        for _ in range(50):
+            n = rng.randint(1, 16)
+            late = rng.choice([0.0, 0.5, 2.0])  # none, some or most gradients later than the queue reaches them
+            ready = tuple(sorted(origin[-1] + rng.uniform(-span, late * span * n) for _ in range(n)))
+            rows, ends = coarse_backward(ready, origin, work)
+            assert window.layout(ready) == ([row[-1] for row in rows], ends), (candidate.plan, ready)
 
 
 @pytest.mark.parametrize("name", ["tiny", "fig5_8gpu", "strong_3072", "dualenc_22b_5b", "model_a"])

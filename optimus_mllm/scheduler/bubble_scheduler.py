@@ -154,22 +154,28 @@ class PipelineMoves:
     A backward move of LLM microbatch i's encoder work lands where the bubbles left by j's t forward
     moves and its earlier backward moves put it, so its placement is kept by (t, the LLM microbatches
     moved before, i) too: partitions that move the same microbatches in the same order reuse it.
+
+    The pipeline's coarse windows do not depend on the partition either: every layout a partition
+    needs is a prefix of one pre window and, mostly, of one post window (see ``_PostWindow``).
     """
 
     SNAPSHOT_EVERY = 8
 
     def __init__(self, work: EncoderWork, dep: EncLLMDep, stage_gaps: list[tuple[FreeIntervals, FreeIntervals]],
                  j: int):
-        self.work = work
+        self.work, self.j = work, j
         stages = [work.llm_stage(j, e) for e in range(len(work.fwd))]
         self.first = [dep.timeline.stages[s].first_compute_us for s in stages]
         # the LLM's last forward dependency point bounds every encoder forward's end
         self.limit = max(dep.forward) - work.to_llm_us[j]
         self.builder = [_Resource(s, stage_gaps[s][0].copy(), stage_gaps[s][1].copy()) for s in stages]
         self.moves: list[list[list[float]]] = []  # t -> per stage kernel starts (tau)
+        self.forward_ends: list[float] = []  # t -> its EF (tau): when its output reaches the first LLM stage
         self.exhausted = False  # move len(moves) does not fit
         self.snapshots = {0: [r.copy() for r in self.builder]}
         self.backward: dict[tuple[int, tuple[int, ...], int], list[list[float]] | None] = {}
+        self.pre = _PreWindow.of(work, j, len(dep.forward), self.first)  # no partition gives j more
+        self.post = _PostWindow([dep.timeline.stages[s].last_compute_us for s in stages], work)
 
     @classmethod
     def of_pipelines(cls, work: EncoderWork, bubbles: LLMBubbles) -> list[PipelineMoves]:
@@ -190,6 +196,7 @@ class PipelineMoves:
                 ready = starts[-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
             _commit_move(self.builder, w.fwd, starts_by_stage)
             self.moves.append(starts_by_stage)
+            self.forward_ends.append(starts_by_stage[-1][-1] + w.fwd[-1].kernels[-1].duration_us + w.to_llm_us[self.j])
             if len(self.moves) % self.SNAPSHOT_EVERY == 0:
                 self.snapshots[len(self.moves)] = [r.copy() for r in self.builder]
         return self.moves[t] if t < len(self.moves) else None
@@ -234,6 +241,33 @@ class _PreWindow:
         return cls(starts, ef, required)
 
 
+class _PostWindow:
+    """One encoder pipeline's coarse backwards after the LLM (``coarse_backward`` from the LLM stages'
+    last computation), laid out once as if every gradient were already there: each microbatch starts on
+    the last stage as soon as that stage is free. Gradients arrive during the LLM's span, so they are
+    there by then almost always; a layout is this one's prefix up to the first microbatch whose gradient
+    comes later, and is laid out from there on from the state the prefix leaves."""
+
+    def __init__(self, origin: list[float], work: EncoderWork):
+        self.work = work
+        self.last_stage_starts: list[float] = []  # [k]: microbatch k's start on the last stage
+        self.ends: list[list[float]] = [list(origin)]  # [k]: each stage's end after microbatches 0..k-1
+
+    def layout(self, ready: tuple[float, ...]) -> tuple[list[float], list[float]]:
+        """``coarse_backward(ready, origin)``: each microbatch's start on the last stage, each stage's end."""
+        n = len(ready)
+        while len(self.last_stage_starts) < n:
+            (row,), ends = coarse_backward([float("-inf")], self.ends[-1], self.work)
+            self.last_stage_starts.append(row[-1])
+            self.ends.append(ends)
+        # ready[k] no later than the last stage's end of k-1 (or its origin): k starts at that end, as queued
+        k = next((k for k, (r, free) in enumerate(zip(ready, self.ends)) if r > free[-1]), n)
+        if k == n:
+            return self.last_stage_starts[:n], self.ends[n]
+        rows, ends = coarse_backward(ready[k:], self.ends[k], self.work)
+        return self.last_stage_starts[:k] + [row[-1] for row in rows], ends
+
+
 @dataclass
 class _Evaluation:
     t0: float
@@ -244,6 +278,8 @@ class _Evaluation:
     post: dict[int, tuple[tuple[float, int], ...]]  # j -> its coarse backwards: (gradient ready tau, k), in order
     pre_required_t0: dict[int, float]  # per pipeline: the t0 its pre-window work needs
     end_by_resource: dict[tuple[int, int], tuple[float, bool]]  # (j, e) -> (end tau, encoder-bound)
+    backward_start: dict[tuple[int, int], float]  # (j, k) -> its backward's start on the last stage (tau)
+    backward_end: dict[tuple[int, int], float]  # (j, e) -> end of the stage's last backward (tau)
 
 
 class _PartitionScheduler:
@@ -262,11 +298,10 @@ class _PartitionScheduler:
         self.fine_fwd: dict[tuple[int, int], list[list[float]]] = {}  # (j, k) -> per stage kernel starts (tau)
         self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
         self.has_backward = any(chain.kernels for chain in work.bwd)
-        # (j, its coarse backwards' gradient arrivals) -> (each one's start on the last stage, each stage's
-        # end): a move changes one pipeline's arrivals at most, unless it reorders the LLM's microbatches
-        self._post_layouts: dict[tuple[int, tuple[float, ...]], tuple[list[float], list[float]]] = {}
-        self.pre = [_PreWindow.of(work, j, partition[j], [self.first(j, e) for e in range(self.pp_enc)])
-                    for j in range(work.num_pipelines)]
+        self.pre = [m.pre for m in moves]
+        # the t0 that the encoder's and the LLM's all-gathers need before each LLM stage's first computation
+        self.t0_low = max([work.dp_all_gather_us + ag - st.first_compute_us
+                           for st, ag in zip(self.timeline.stages, self.timeline.dp_all_gather_us)] + [0.0])
         self.evaluation = self.evaluate()
 
     # -- resources ---------------------------------------------------------------------------
@@ -276,10 +311,12 @@ class _PartitionScheduler:
         before any backward placement) and by this partition's backward moves."""
         if (j, e) not in self.resources:
             resources = self.moves[j].resources_after(self.moved_forward(j))
+            self.resources.update(((j, stage), r) for stage, r in enumerate(resources))
+        if self.uncommitted[j]:
+            resources = [self.resources[(j, stage)] for stage in range(self.pp_enc)]
             for starts_by_stage in self.uncommitted[j]:
                 _commit_move(resources, self.work.bwd, starts_by_stage)
             self.uncommitted[j] = []
-            self.resources.update(((j, stage), r) for stage, r in enumerate(resources))
         return self.resources[(j, e)]
 
     def moved_forward(self, j: int) -> int:
@@ -307,15 +344,9 @@ class _PartitionScheduler:
         return starts_by_stage
 
     def commit_backward(self, j: int, i: int, starts_by_stage: list[list[float]]) -> None:
-        """Take the bubbles of an accepted backward move; into pipeline j's resources once they exist."""
+        """Take the bubbles of an accepted backward move, once a later placement must search them."""
         self.moved_backward[j].append(i)
-        if (j, 0) in self.resources:
-            _commit_move([self.resources[(j, e)] for e in range(self.pp_enc)], self.work.bwd, starts_by_stage)
-        else:
-            self.uncommitted[j].append(starts_by_stage)
-
-    def first(self, j: int, e: int) -> float:
-        return self.timeline.stages[self.work.llm_stage(j, e)].first_compute_us
+        self.uncommitted[j].append(starts_by_stage)
 
     def last(self, j: int, e: int) -> float:
         return self.timeline.stages[self.work.llm_stage(j, e)].last_compute_us
@@ -326,57 +357,53 @@ class _PartitionScheduler:
 
     # -- evaluation: windows, t0, global ordering, latency ------------------------------------
 
-    def evaluate(self) -> _Evaluation | None:
-        """Lay out the coarse windows around the fine chains; None if dependencies cannot hold."""
+    def evaluate(self, before: _Evaluation | None = None, pipeline: int = -1) -> _Evaluation | None:
+        """Lay out the coarse windows around the fine chains; None if dependencies cannot hold.
+
+        ``before``: the evaluation before a backward move of ``pipeline``, which changes that pipeline's
+        backwards only; t0, the assignment and the other pipelines' backwards are taken from it.
+        """
         w, tl = self.work, self.timeline
-        a_enc = w.dp_all_gather_us
-        pre_ef: list[tuple[float, int, int]] = []
-        required: dict[int, float] = {}
-        for j, window in enumerate(self.pre):
-            n = self.n_coarse_fwd[j]
-            pre_ef.extend(window.ef[:n])
-            if n:
-                required[j] = window.required[n - 1]
-        fine_ef = [(starts[-1][-1] + w.fwd[-1].kernels[-1].duration_us + w.to_llm_us[j], j, k)
-                   for (j, k), starts in self.fine_fwd.items()]
-        t_low = max([a_enc + ag - st.first_compute_us for st, ag in zip(tl.stages, tl.dp_all_gather_us)]
-                    + list(required.values()) + [0.0])
-        t0 = self._earliest_feasible_t0(t_low, pre_ef, fine_ef)
-        if t0 is None:
-            return None
-        merged = sorted(pre_ef + [(ef + t0, j, k) for ef, j, k in fine_ef])
-        assignment = global_order(merged)
-        ef = [ef for ef, _, _ in merged]
-        # post: backwards after the LLM's last computation, in order of gradient arrival (tau)
-        arrivals: list[list[tuple[float, int]]] = [[] for _ in range(w.num_pipelines)]
-        for b, (j, k) in zip(self.dep.backward, assignment):
-            if (j, k) not in self.fine_bwd:
-                arrivals[j].append((b + w.to_llm_us[j], k))
-        post: dict[int, tuple[tuple[float, int], ...]] = {}
-        bwd_end: dict[tuple[int, int], float] = {}
-        first_bwd_start: dict[tuple[int, int], float] = {}
+        if before is None:
+            forward = self._forward_side()
+            if forward is None:
+                return None
+            t0, assignment, ef, required = forward
+            changed: Sequence[int] = range(w.num_pipelines)
+            arrivals: dict[int, list[tuple[float, int]]] = {j: [] for j in changed}
+            for b, (j, k) in zip(self.dep.backward, assignment):
+                if (j, k) not in self.fine_bwd:
+                    arrivals[j].append((b + w.to_llm_us[j], k))
+            post: dict[int, tuple[tuple[float, int], ...]] = {}
+            backward_start: dict[tuple[int, int], float] = {}
+            backward_end: dict[tuple[int, int], float] = {}
+        else:
+            t0, assignment, ef, required = before.t0, before.assignment, before.ef, before.pre_required_t0
+            changed = (pipeline,)
+            arrivals = {pipeline: [a for a in before.post.get(pipeline, ()) if (pipeline, a[1]) not in self.fine_bwd]}
+            post = {j: coarse for j, coarse in before.post.items() if j != pipeline}
+            backward_start = dict(before.backward_start)
+            backward_end = {key: end for key, end in before.backward_end.items() if key[0] != pipeline}
         for (j, k), starts in self.fine_bwd.items():
-            first_bwd_start[(j, k)] = starts[-1][0]
+            if j not in changed:
+                continue
+            backward_start[(j, k)] = starts[-1][0]
             for e in range(self.pp_enc):
                 chain = w.bwd[e]
                 end = starts[e][-1] + chain.kernels[-1].duration_us if chain.kernels else starts[e][0]
-                bwd_end[(j, e)] = max(bwd_end.get((j, e), float("-inf")), end)
+                backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), end)
         if self.has_backward:
-            for j, arrived in enumerate(arrivals):
-                coarse = tuple(sorted(arrived))
+            # post: backwards after the LLM's last computation, in order of gradient arrival (tau)
+            for j in changed:
+                coarse = tuple(sorted(arrivals[j]))
                 if not coarse:
                     continue
                 post[j] = coarse
-                arrival_times = tuple(ready for ready, _ in coarse)
-                layout = self._post_layouts.get((j, arrival_times))
-                if layout is None:
-                    rows, ends = coarse_backward(arrival_times, self.post_origin(j), w)
-                    layout = [row[-1] for row in rows], ends
-                    self._post_layouts[(j, arrival_times)] = layout
-                first_bwd_start.update(zip([(j, k) for _, k in coarse], layout[0]))
-                for e, end in enumerate(layout[1]):
-                    bwd_end[(j, e)] = max(bwd_end.get((j, e), float("-inf")), end)
-            eb = [first_bwd_start[a] + t0 for a in assignment]
+                starts, ends = self.moves[j].post.layout(tuple(ready for ready, _ in coarse))
+                backward_start.update(zip([(j, k) for _, k in coarse], starts))
+                for e, end in enumerate(ends):
+                    backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), end)
+            eb = [backward_start[a] + t0 for a in assignment]
         else:
             eb = [b + t0 for b in self.dep.backward]  # nothing to order against
         end_by_resource = {}
@@ -386,35 +413,64 @@ class _PartitionScheduler:
                 s = w.llm_stage(j, e)
                 llm_only = tl.stages[s].last_compute_us + tl.dp_reduce_scatter_us[s]
                 reduces = [(tl.stages[s].last_compute_us, tl.dp_reduce_scatter_us[s])]
-                if (j, e) in bwd_end:
-                    reduces.append((bwd_end[(j, e)], w.dp_reduce_scatter_us))
+                if (j, e) in backward_end:
+                    reduces.append((backward_end[(j, e)], w.dp_reduce_scatter_us))
                 end = network_fifo_end(reduces)
                 end_by_resource[(j, e)] = (end, end > llm_only + EPS_US)
                 tail = max(tail, end)
-        evaluation = _Evaluation(t0, assignment, ef, eb, t0 + tail, post, required, end_by_resource)
         if not check_enc_llm_dep(ef, eb, [f + t0 for f in self.dep.forward], [b + t0 for b in self.dep.backward]):
             return None
-        return evaluation
+        return _Evaluation(t0, assignment, ef, eb, t0 + tail, post, required, end_by_resource, backward_start,
+                           backward_end)
 
-    def _earliest_feasible_t0(self, t_low: float, pre_ef: list[tuple[float, int, int]],
+    def _forward_side(self) -> tuple[float, list[tuple[int, int]], list[float], dict[int, float]] | None:
+        """t0, the global ordering of the encoder forwards and their EF, and the t0 each pipeline's pre
+        window needs; None if no t0 lets every EF_i come by F_i."""
+        pre_ef: list[tuple[float, int, int]] = []
+        required: dict[int, float] = {}
+        for j, window in enumerate(self.pre):
+            n = self.n_coarse_fwd[j]
+            pre_ef.extend(window.ef[:n])
+            if n:
+                required[j] = window.required[n - 1]
+        # the t-th forward move of pipeline j carries its microbatch partition[j] - 1 - t
+        fine_ef = [(ef, j, self.partition[j] - 1 - t)
+                   for j, m in enumerate(self.moves) for t, ef in enumerate(m.forward_ends[:self.moved_forward(j)])]
+        t0 = max([self.t0_low] + list(required.values()))
+        merged = _merged_forward_ends(pre_ef, fine_ef, t0)
+        if not self._forward_feasible(merged, t0):
+            t0 = self._earliest_feasible_t0(t0, pre_ef, fine_ef)
+            if t0 is None:
+                return None
+            merged = _merged_forward_ends(pre_ef, fine_ef, t0)
+        return t0, global_order(merged), [ef for ef, _, _ in merged], required
+
+    def _forward_feasible(self, merged: list[tuple[float, int, int]], t0: float) -> bool:
+        """The forward half of checkEncLLMDep: the i-th earliest EF_i <= F_i + t0."""
+        return all(ef <= f + t0 + EPS_US for (ef, _, _), f in zip(merged, self.dep.forward))
+
+    def _earliest_feasible_t0(self, infeasible: float, pre_ef: list[tuple[float, int, int]],
                               fine_ef: list[tuple[float, int, int]]) -> float | None:
-        """Smallest t0 >= t_low with the i-th earliest EF_i <= F_i + t0 (monotone in t0)."""
-        forward = self.dep.forward
+        """Smallest feasible t0 above ``infeasible`` (feasibility is monotone in t0), to 0.01 us."""
 
         def feasible(t0: float) -> bool:
-            merged = sorted([ef for ef, _, _ in pre_ef] + [ef + t0 for ef, _, _ in fine_ef])
-            return all(ef <= f + t0 + EPS_US for ef, f in zip(merged, forward))
+            return self._forward_feasible(_merged_forward_ends(pre_ef, fine_ef, t0), t0)
 
-        if feasible(t_low):
-            return t_low
-        hi = t_low + max([ef for ef, _, _ in pre_ef] + [0.0]) + 1.0
+        hi = infeasible + max([ef for ef, _, _ in pre_ef] + [0.0]) + 1.0
         if not feasible(hi):
             return None
-        lo = t_low
+        lo = infeasible
         while hi - lo > 0.01:
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
         return hi
+
+
+def _merged_forward_ends(pre_ef: list[tuple[float, int, int]], fine_ef: list[tuple[float, int, int]],
+                         t0: float) -> list[tuple[float, int, int]]:
+    """Every encoder forward's (EF, j, k) in iteration time, earliest first: pre EFs are in iteration
+    time already, fine ones in tau."""
+    return sorted(pre_ef + [(ef + t0, j, k) for ef, j, k in fine_ef])
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,7 +544,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
         if starts_by_stage is None:
             return False
         state.fine_bwd[(j, k)] = starts_by_stage
-        after = state.evaluate()
+        after = state.evaluate(before, j)
         if after is None or after.latency > before.latency + EPS_US:
             del state.fine_bwd[(j, k)]
             return False
