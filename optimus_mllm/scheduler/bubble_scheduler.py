@@ -21,13 +21,21 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import gt
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.scheduler.dependencies import EPS_US, EncLLMDep, check_enc_llm_dep, get_enc_llm_dep, global_order
+from optimus_mllm.scheduler.dependencies import (
+    EPS_US,
+    EncLLMDep,
+    check_enc_llm_dep_backward,
+    check_enc_llm_dep_forward,
+    get_enc_llm_dep,
+    global_order,
+)
 from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain, build_encoder_work
 from optimus_mllm.scheduler.intervals import FreeIntervals
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
@@ -120,26 +128,40 @@ class _Resource:
             t = start + d
         return starts
 
-    def commit_chain(self, chain: StageChain, starts: list[float]) -> None:
-        """Occupy the placed kernels; back-to-back kernels of one stream as one span."""
-        pending: dict[bool, tuple[float, float]] = {}
-        for k, start in zip(chain.kernels, starts):
-            span = pending.get(k.is_comm)
-            if span is not None and span[1] == start:
-                pending[k.is_comm] = (span[0], start + k.duration_us)
-                continue
-            if span is not None:
-                (self.comm if k.is_comm else self.compute).occupy(*span)
-            pending[k.is_comm] = (start, start + k.duration_us)
-        for is_comm, span in pending.items():
-            (self.comm if is_comm else self.compute).occupy(*span)
+
+@dataclass(frozen=True)
+class _Move:
+    """One microbatch's chains as placed on every stage of an encoder pipeline: the kernels' starts (tau)
+    and, per stage, the spans they take from the compute and the comm stream. Moves are shared by a
+    plan's partitions, and each partition takes the same spans from its own copy of the bubbles."""
+
+    starts: list[list[float]]
+    busy: list[tuple[list[tuple[float, float]], list[tuple[float, float]]]]  # per stage: (compute, comm)
+
+    @classmethod
+    def of(cls, chains: tuple[StageChain, ...], starts_by_stage: list[list[float]]) -> _Move:
+        return cls(starts_by_stage, [_busy_spans(chain, starts) for chain, starts in zip(chains, starts_by_stage)])
+
+    def take(self, resources: list[_Resource]) -> None:
+        """Occupy the move's spans in a pipeline's bubbles (a stage without kernels takes nothing)."""
+        for r, (compute, comm) in zip(resources, self.busy):
+            for span in compute:
+                r.compute.occupy(*span)
+            for span in comm:
+                r.comm.occupy(*span)
 
 
-def _commit_move(resources: list[_Resource], chains: tuple[StageChain, ...],
-                 starts_by_stage: list[list[float]]) -> None:
-    """Occupy one microbatch's chain on every stage (a stage without kernels takes nothing)."""
-    for r, chain, starts in zip(resources, chains, starts_by_stage):
-        r.commit_chain(chain, starts)
+def _busy_spans(chain: StageChain,
+                starts: list[float]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The compute and comm time the placed kernels take; back-to-back kernels of one stream as one span."""
+    spans: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for k, start in zip(chain.kernels, starts):
+        stream = spans[k.is_comm]
+        if stream and stream[-1][1] == start:
+            stream[-1] = (stream[-1][0], start + k.duration_us)
+        else:
+            stream.append((start, start + k.duration_us))
+    return spans[False], spans[True]
 
 
 class PipelineMoves:
@@ -169,11 +191,11 @@ class PipelineMoves:
         # the LLM's last forward dependency point bounds every encoder forward's end
         self.limit = max(dep.forward) - work.to_llm_us[j]
         self.builder = [_Resource(s, stage_gaps[s][0].copy(), stage_gaps[s][1].copy()) for s in stages]
-        self.moves: list[list[list[float]]] = []  # t -> per stage kernel starts (tau)
+        self.moves: list[_Move] = []  # t -> the t-th forward move
         self.forward_ends: list[float] = []  # t -> its EF (tau): when its output reaches the first LLM stage
         self.exhausted = False  # move len(moves) does not fit
         self.snapshots = {0: [r.copy() for r in self.builder]}
-        self.backward: dict[tuple[int, tuple[int, ...], int], list[list[float]] | None] = {}
+        self.backward: dict[tuple[int, tuple[int, ...], int], _Move | None] = {}
         self.pre = _PreWindow.of(work, j, len(dep.forward), self.first)  # no partition gives j more
         self.post = _PostWindow([dep.timeline.stages[s].last_compute_us for s in stages], work)
 
@@ -194,12 +216,13 @@ class PipelineMoves:
                     return None
                 starts_by_stage.append(starts)
                 ready = starts[-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
-            _commit_move(self.builder, w.fwd, starts_by_stage)
-            self.moves.append(starts_by_stage)
+            move = _Move.of(w.fwd, starts_by_stage)
+            move.take(self.builder)
+            self.moves.append(move)
             self.forward_ends.append(starts_by_stage[-1][-1] + w.fwd[-1].kernels[-1].duration_us + w.to_llm_us[self.j])
             if len(self.moves) % self.SNAPSHOT_EVERY == 0:
                 self.snapshots[len(self.moves)] = [r.copy() for r in self.builder]
-        return self.moves[t] if t < len(self.moves) else None
+        return self.moves[t].starts if t < len(self.moves) else None
 
     def resources_after(self, t: int) -> list[_Resource]:
         """Per stage: the bubbles left after the first t moves, as fresh copies. Partitions often end
@@ -207,8 +230,8 @@ class PipelineMoves:
         if t not in self.snapshots:
             base = t - t % self.SNAPSHOT_EVERY
             resources = [r.copy() for r in self.snapshots[base]]
-            for starts_by_stage in self.moves[base:t]:
-                _commit_move(resources, self.work.fwd, starts_by_stage)
+            for move in self.moves[base:t]:
+                move.take(resources)
             self.snapshots[t] = resources
         return [r.copy() for r in self.snapshots[t]]
 
@@ -252,6 +275,7 @@ class _PostWindow:
         self.work = work
         self.last_stage_starts: list[float] = []  # [k]: microbatch k's start on the last stage
         self.ends: list[list[float]] = [list(origin)]  # [k]: each stage's end after microbatches 0..k-1
+        self.free = [origin[-1]]  # [k]: when the last stage is free for microbatch k
 
     def layout(self, ready: tuple[float, ...]) -> tuple[list[float], list[float]]:
         """``coarse_backward(ready, origin)``: each microbatch's start on the last stage, each stage's end."""
@@ -260,10 +284,11 @@ class _PostWindow:
             (row,), ends = coarse_backward([float("-inf")], self.ends[-1], self.work)
             self.last_stage_starts.append(row[-1])
             self.ends.append(ends)
-        # ready[k] no later than the last stage's end of k-1 (or its origin): k starts at that end, as queued
-        k = next((k for k, (r, free) in enumerate(zip(ready, self.ends)) if r > free[-1]), n)
-        if k == n:
+            self.free.append(ends[-1])
+        # a gradient there by the time the last stage is free: it starts then, as queued
+        if not any(map(gt, ready, self.free)):
             return self.last_stage_starts[:n], self.ends[n]
+        k = next(k for k, (r, free) in enumerate(zip(ready, self.free)) if r > free)
         rows, ends = coarse_backward(ready[k:], self.ends[k], self.work)
         return self.last_stage_starts[:k] + [row[-1] for row in rows], ends
 
@@ -293,7 +318,7 @@ class _PartitionScheduler:
         self.moves = moves
         self.resources: dict[tuple[int, int], _Resource] = {}
         self.moved_backward: list[list[int]] = [[] for _ in partition]  # per pipeline: LLM microbatches, in order
-        self.uncommitted: list[list[list[list[float]]]] = [[] for _ in partition]  # backward moves not yet in resources
+        self.uncommitted: list[list[_Move]] = [[] for _ in partition]  # backward moves not yet in resources
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
         self.fine_fwd: dict[tuple[int, int], list[list[float]]] = {}  # (j, k) -> per stage kernel starts (tau)
         self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
@@ -314,8 +339,8 @@ class _PartitionScheduler:
             self.resources.update(((j, stage), r) for stage, r in enumerate(resources))
         if self.uncommitted[j]:
             resources = [self.resources[(j, stage)] for stage in range(self.pp_enc)]
-            for starts_by_stage in self.uncommitted[j]:
-                _commit_move(resources, self.work.bwd, starts_by_stage)
+            for move in self.uncommitted[j]:
+                move.take(resources)
             self.uncommitted[j] = []
         return self.resources[(j, e)]
 
@@ -325,13 +350,17 @@ class _PartitionScheduler:
     def place_backward(self, j: int, i: int) -> list[list[float]] | None:
         """Per stage kernel starts of LLM microbatch i's encoder backward on pipeline j, from the last
         stage to the first as its gradient arrives; None if it does not fit before the LLM's end."""
-        key = (self.moved_forward(j), tuple(self.moved_backward[j]), i)
+        key = self._backward_key(j, i)
         shared = self.moves[j].backward
         if key not in shared:
             shared[key] = self._first_fit_backward(j, i)
-        return shared[key]
+        move = shared[key]
+        return move.starts if move is not None else None
 
-    def _first_fit_backward(self, j: int, i: int) -> list[list[float]] | None:
+    def _backward_key(self, j: int, i: int) -> tuple[int, tuple[int, ...], int]:
+        return self.moved_forward(j), tuple(self.moved_backward[j]), i
+
+    def _first_fit_backward(self, j: int, i: int) -> _Move | None:
         w = self.work
         ready = self.dep.backward[i] + w.to_llm_us[j]
         starts_by_stage: list[list[float]] = [[] for _ in range(self.pp_enc)]
@@ -341,12 +370,12 @@ class _PartitionScheduler:
                 return None
             starts_by_stage[e] = starts or [ready]
             ready = (starts[-1] + w.bwd[e].kernels[-1].duration_us if starts else ready) + w.p2p_us
-        return starts_by_stage
+        return _Move.of(w.bwd, starts_by_stage)
 
-    def commit_backward(self, j: int, i: int, starts_by_stage: list[list[float]]) -> None:
-        """Take the bubbles of an accepted backward move, once a later placement must search them."""
+    def commit_backward(self, j: int, i: int) -> None:
+        """Take the bubbles of the backward move just placed, once a later placement must search them."""
+        self.uncommitted[j].append(self.moves[j].backward[self._backward_key(j, i)])
         self.moved_backward[j].append(i)
-        self.uncommitted[j].append(starts_by_stage)
 
     def last(self, j: int, e: int) -> float:
         return self.timeline.stages[self.work.llm_stage(j, e)].last_compute_us
@@ -418,7 +447,8 @@ class _PartitionScheduler:
                 end = network_fifo_end(reduces)
                 end_by_resource[(j, e)] = (end, end > llm_only + EPS_US)
                 tail = max(tail, end)
-        if not check_enc_llm_dep(ef, eb, [f + t0 for f in self.dep.forward], [b + t0 for b in self.dep.backward]):
+        # checkEncLLMDep: its forward half is how _forward_side chose t0
+        if not check_enc_llm_dep_backward(eb, [b + t0 for b in self.dep.backward]):
             return None
         return _Evaluation(t0, assignment, ef, eb, t0 + tail, post, required, end_by_resource, backward_start,
                            backward_end)
@@ -447,7 +477,7 @@ class _PartitionScheduler:
 
     def _forward_feasible(self, merged: list[tuple[float, int, int]], t0: float) -> bool:
         """The forward half of checkEncLLMDep: the i-th earliest EF_i <= F_i + t0."""
-        return all(ef <= f + t0 + EPS_US for (ef, _, _), f in zip(merged, self.dep.forward))
+        return check_enc_llm_dep_forward([ef for ef, _, _ in merged], [f + t0 for f in self.dep.forward])
 
     def _earliest_feasible_t0(self, infeasible: float, pre_ef: list[tuple[float, int, int]],
                               fine_ef: list[tuple[float, int, int]]) -> float | None:
@@ -548,7 +578,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
         if after is None or after.latency > before.latency + EPS_US:
             del state.fine_bwd[(j, k)]
             return False
-        state.commit_backward(j, index[(j, k)], starts_by_stage)
+        state.commit_backward(j, index[(j, k)])
     state.evaluation = after
     return True
 
@@ -600,9 +630,9 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
     dep, busy = bubbles.dep, bubbles.busy_us
     bounds = {p: partition_lower_bound(work, dep, p, busy) for p in candidate.partitions.partitions}
     moves = PipelineMoves.of_pipelines(work, bubbles)
-    best: Schedule | None = None
+    best: tuple[_PartitionScheduler, float] | None = None  # the fastest state and its coarse latency
     for partition in sorted(bounds, key=bounds.get):
-        if bounds[partition] >= min(bound_us, best.iteration_us if best else bound_us) - EPS_US:
+        if bounds[partition] >= min(bound_us, best[0].evaluation.latency if best else bound_us) - EPS_US:
             stats.partitions_pruned += 1
             continue
         stats.partitions_searched += 1
@@ -613,9 +643,9 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
         if fine:
             state = optimize_schedule(state, FWD)
             state = optimize_schedule(state, BWD)
-        if best is None or state.evaluation.latency < best.iteration_us - EPS_US:
-            best = _to_schedule(state, llm_plan, candidate.plan, coarse_us)
-    return best, stats
+        if best is None or state.evaluation.latency < best[0].evaluation.latency - EPS_US:
+            best = state, coarse_us
+    return (_to_schedule(best[0], llm_plan, candidate.plan, best[1]) if best else None), stats
 
 
 def partition_lower_bound(work: EncoderWork, dep: EncLLMDep, partition: tuple[int, ...], busy: list[float]) -> float:

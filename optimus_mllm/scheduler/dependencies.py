@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from optimus_mllm.config import OptimusConfig
@@ -75,8 +75,11 @@ def global_order(encoder_forward_ends: list[tuple[float, int, int]]) -> list[tup
     return [(j, k) for _, j, k in sorted(encoder_forward_ends)]
 
 
-def check_enc_llm_dep(forward_ends: list[float], backward_starts: list[float], dep_forward: list[float],
-                      dep_backward: list[float]) -> bool:
-    """checkEncLLMDep: EF_i <= F_i and EB_i >= B_i for every LLM microbatch i (same time base)."""
-    return (all(ef <= f + EPS_US for ef, f in zip(forward_ends, dep_forward))
-            and all(eb >= b - EPS_US for eb, b in zip(backward_starts, dep_backward)))
+def check_enc_llm_dep_forward(forward_ends: Sequence[float], dep_forward: Sequence[float]) -> bool:
+    """checkEncLLMDep, forward half: EF_i <= F_i for every LLM microbatch i (same time base)."""
+    return all(ef <= f + EPS_US for ef, f in zip(forward_ends, dep_forward))
+
+
+def check_enc_llm_dep_backward(backward_starts: Sequence[float], dep_backward: Sequence[float]) -> bool:
+    """checkEncLLMDep, backward half: EB_i >= B_i for every LLM microbatch i (same time base)."""
+    return all(eb >= b - EPS_US for eb, b in zip(backward_starts, dep_backward))
