@@ -21,7 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import gt
+from itertools import repeat
+from operator import add, gt, itemgetter
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
@@ -295,16 +296,19 @@ class _PostWindow:
 
 @dataclass
 class _Evaluation:
+    """A partition's state laid out. A forward move's evaluation may leave out the coarse backwards'
+    layout (``eb`` to ``backward_end`` None) when they cannot change the tail: see ``queued_tail``."""
+
     t0: float
     assignment: list[tuple[int, int]]
     ef: list[float]
-    eb: list[float]
     latency: float
-    post: dict[int, tuple[tuple[float, int], ...]]  # j -> its coarse backwards: (gradient ready tau, k), in order
     pre_required_t0: dict[int, float]  # per pipeline: the t0 its pre-window work needs
     end_by_resource: dict[tuple[int, int], tuple[float, bool]]  # (j, e) -> (end tau, encoder-bound)
-    backward_start: dict[tuple[int, int], float]  # (j, k) -> its backward's start on the last stage (tau)
-    backward_end: dict[tuple[int, int], float]  # (j, e) -> end of the stage's last backward (tau)
+    eb: list[float] | None = None
+    post: dict[int, tuple[tuple[float, int], ...]] | None = None  # j -> (gradient ready tau, k) of its coarse
+    backward_start: dict[tuple[int, int], float] | None = None  # (j, k) -> start on the last stage (tau)
+    backward_end: dict[tuple[int, int], float] | None = None  # (j, e) -> end of the stage's last backward (tau)
 
 
 class _PartitionScheduler:
@@ -327,6 +331,7 @@ class _PartitionScheduler:
         # the t0 that the encoder's and the LLM's all-gathers need before each LLM stage's first computation
         self.t0_low = max([work.dp_all_gather_us + ag - st.first_compute_us
                            for st, ag in zip(self.timeline.stages, self.timeline.dp_all_gather_us)] + [0.0])
+        self.queued_tail = self._queued_tail()
         self.evaluation = self.evaluate()
 
     # -- resources ---------------------------------------------------------------------------
@@ -392,7 +397,7 @@ class _PartitionScheduler:
         ``before``: the evaluation before a backward move of ``pipeline``, which changes that pipeline's
         backwards only; t0, the assignment and the other pipelines' backwards are taken from it.
         """
-        w, tl = self.work, self.timeline
+        w = self.work
         if before is None:
             forward = self._forward_side()
             if forward is None:
@@ -428,13 +433,58 @@ class _PartitionScheduler:
                 if not coarse:
                     continue
                 post[j] = coarse
-                starts, ends = self.moves[j].post.layout(tuple(ready for ready, _ in coarse))
-                backward_start.update(zip([(j, k) for _, k in coarse], starts))
+                ready, coarse_ks = zip(*coarse)
+                starts, ends = self.moves[j].post.layout(ready)
+                backward_start.update(zip(zip(repeat(j), coarse_ks), starts))
                 for e, end in enumerate(ends):
                     backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), end)
-            eb = [backward_start[a] + t0 for a in assignment]
+            eb = list(map(add, map(backward_start.__getitem__, assignment), repeat(t0)))
         else:
-            eb = [b + t0 for b in self.dep.backward]  # nothing to order against
+            eb = list(map(add, self.dep.backward, repeat(t0)))  # nothing to order against
+        end_by_resource, tail = self._tail(backward_end)
+        # checkEncLLMDep: its forward half is how _forward_side chose t0
+        if not check_enc_llm_dep_backward(eb, map(add, self.dep.backward, repeat(t0))):
+            return None
+        return _Evaluation(t0, assignment, ef, t0 + tail, required, end_by_resource, eb, post, backward_start,
+                           backward_end)
+
+    def evaluate_forward_move(self) -> _Evaluation | None:
+        """``evaluate`` after a forward move, without the coarse backwards' layout where it cannot change
+        the tail (see ``queued_tail``); ``optimize_schedule`` lays it out when the forward pass ends. Each
+        of those backwards starts after its gradient arrives, so checkEncLLMDep's backward half holds."""
+        if self.queued_tail is None or self.fine_bwd:
+            return self.evaluate()
+        forward = self._forward_side()
+        if forward is None:
+            return None
+        t0, assignment, ef, required = forward
+        end_by_resource, tail = self.queued_tail
+        return _Evaluation(t0, assignment, ef, t0 + tail, required, end_by_resource)
+
+    def _queued_tail(self) -> tuple[dict[tuple[int, int], tuple[float, bool]], float] | None:
+        """The tail (end by resource, and the latest) while no backward has moved, if every coarse
+        backward then waits for its stage however the LLM's microbatches are assigned: the post windows
+        are then prefixes of the queued layout, so they and the tail do not depend on the assignment.
+        None where a gradient could come after the stage is free for it."""
+        latest = sorted(self.dep.backward)
+        backward_end: dict[tuple[int, int], float] = {}
+        for j, n in enumerate(self.partition):
+            if not (n and self.has_backward):
+                continue
+            # pipeline j's k-th earliest gradient comes no later than the (N - n + k)-th of all N
+            ready = tuple(b + self.work.to_llm_us[j] for b in latest[len(latest) - n:])
+            window = self.moves[j].post
+            _, ends = window.layout(ready)
+            if any(map(gt, ready, window.free)):
+                return None
+            backward_end.update(((j, e), end) for e, end in enumerate(ends))
+        return self._tail(backward_end)
+
+    def _tail(self, backward_end: dict[tuple[int, int], float]
+              ) -> tuple[dict[tuple[int, int], tuple[float, bool]], float]:
+        """Per encoder stage: when its GPUs' gradient reduce-scatters end (tau) and whether the encoder's
+        delays them; and the latest of these."""
+        w, tl = self.work, self.timeline
         end_by_resource = {}
         tail = 0.0
         for j in range(w.num_pipelines):
@@ -447,11 +497,7 @@ class _PartitionScheduler:
                 end = network_fifo_end(reduces)
                 end_by_resource[(j, e)] = (end, end > llm_only + EPS_US)
                 tail = max(tail, end)
-        # checkEncLLMDep: its forward half is how _forward_side chose t0
-        if not check_enc_llm_dep_backward(eb, [b + t0 for b in self.dep.backward]):
-            return None
-        return _Evaluation(t0, assignment, ef, eb, t0 + tail, post, required, end_by_resource, backward_start,
-                           backward_end)
+        return end_by_resource, tail
 
     def _forward_side(self) -> tuple[float, list[tuple[int, int]], list[float], dict[int, float]] | None:
         """t0, the global ordering of the encoder forwards and their EF, and the t0 each pipeline's pre
@@ -463,28 +509,30 @@ class _PartitionScheduler:
             pre_ef.extend(window.ef[:n])
             if n:
                 required[j] = window.required[n - 1]
-        # the t-th forward move of pipeline j carries its microbatch partition[j] - 1 - t
-        fine_ef = [(ef, j, self.partition[j] - 1 - t)
-                   for j, m in enumerate(self.moves) for t, ef in enumerate(m.forward_ends[:self.moved_forward(j)])]
+        # pipeline j's t-th forward move carries its microbatch partition[j] - 1 - t: (EFs in tau, j, ks)
+        fine: list[_FineForwards] = []
+        for j, (m, p) in enumerate(zip(self.moves, self.partition)):
+            t = self.moved_forward(j)
+            fine.append((m.forward_ends[:t], j, range(p - 1, p - 1 - t, -1)))
         t0 = max([self.t0_low] + list(required.values()))
-        merged = _merged_forward_ends(pre_ef, fine_ef, t0)
+        merged = _merged_forward_ends(pre_ef, fine, t0)
         if not self._forward_feasible(merged, t0):
-            t0 = self._earliest_feasible_t0(t0, pre_ef, fine_ef)
+            t0 = self._earliest_feasible_t0(t0, pre_ef, fine)
             if t0 is None:
                 return None
-            merged = _merged_forward_ends(pre_ef, fine_ef, t0)
-        return t0, global_order(merged), [ef for ef, _, _ in merged], required
+            merged = _merged_forward_ends(pre_ef, fine, t0)
+        return t0, global_order(merged), list(map(itemgetter(0), merged)), required
 
     def _forward_feasible(self, merged: list[tuple[float, int, int]], t0: float) -> bool:
         """The forward half of checkEncLLMDep: the i-th earliest EF_i <= F_i + t0."""
-        return check_enc_llm_dep_forward([ef for ef, _, _ in merged], [f + t0 for f in self.dep.forward])
+        return check_enc_llm_dep_forward(map(itemgetter(0), merged), map(add, self.dep.forward, repeat(t0)))
 
     def _earliest_feasible_t0(self, infeasible: float, pre_ef: list[tuple[float, int, int]],
-                              fine_ef: list[tuple[float, int, int]]) -> float | None:
+                              fine: list[_FineForwards]) -> float | None:
         """Smallest feasible t0 above ``infeasible`` (feasibility is monotone in t0), to 0.01 us."""
 
         def feasible(t0: float) -> bool:
-            return self._forward_feasible(_merged_forward_ends(pre_ef, fine_ef, t0), t0)
+            return self._forward_feasible(_merged_forward_ends(pre_ef, fine, t0), t0)
 
         hi = infeasible + max([ef for ef, _, _ in pre_ef] + [0.0]) + 1.0
         if not feasible(hi):
@@ -496,11 +544,18 @@ class _PartitionScheduler:
         return hi
 
 
-def _merged_forward_ends(pre_ef: list[tuple[float, int, int]], fine_ef: list[tuple[float, int, int]],
+_FineForwards = tuple[list[float], int, range]  # one pipeline's fine forwards: EFs (tau), j, their ks
+
+
+def _merged_forward_ends(pre_ef: list[tuple[float, int, int]], fine: list[_FineForwards],
                          t0: float) -> list[tuple[float, int, int]]:
     """Every encoder forward's (EF, j, k) in iteration time, earliest first: pre EFs are in iteration
     time already, fine ones in tau."""
-    return sorted(pre_ef + [(ef + t0, j, k) for ef, j, k in fine_ef])
+    merged = list(pre_ef)
+    for efs, j, ks in fine:
+        merged.extend(zip(map(add, efs, repeat(t0)), repeat(j), ks))
+    merged.sort()
+    return merged
 
 
 # --------------------------------------------------------------------------------------------
@@ -559,7 +614,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
             return False
         state.n_coarse_fwd[j] -= 1
         state.fine_fwd[(j, k)] = starts_by_stage
-        after = state.evaluate()
+        after = state.evaluate_forward_move()
         if after is None or after.latency > before.latency + EPS_US:
             state.n_coarse_fwd[j] += 1
             del state.fine_fwd[(j, k)]
@@ -590,6 +645,8 @@ def optimize_schedule(state: _PartitionScheduler, mode: Mode) -> _PartitionSched
     while True:
         j = find_critical(state, mode)
         if j is None or not schedule_kernels(state, j, mode):
+            if state.evaluation.post is None:  # left out by the forward moves
+                state.evaluation = state.evaluate()
             return state
 
 

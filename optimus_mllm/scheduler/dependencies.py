@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, ge, itemgetter, le, sub
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel
@@ -72,14 +74,16 @@ def global_order(encoder_forward_ends: list[tuple[float, int, int]]) -> list[tup
 
     Takes (EF, pipeline, local microbatch) and returns (pipeline, local microbatch) per LLM microbatch.
     """
-    return [(j, k) for _, j, k in sorted(encoder_forward_ends)]
+    return list(map(itemgetter(1, 2), sorted(encoder_forward_ends)))
 
 
-def check_enc_llm_dep_forward(forward_ends: Sequence[float], dep_forward: Sequence[float]) -> bool:
+# The bubble scheduler checks these once per move it tries, so they loop in C (map), not in Python.
+
+def check_enc_llm_dep_forward(forward_ends: Iterable[float], dep_forward: Iterable[float]) -> bool:
     """checkEncLLMDep, forward half: EF_i <= F_i for every LLM microbatch i (same time base)."""
-    return all(ef <= f + EPS_US for ef, f in zip(forward_ends, dep_forward))
+    return all(map(le, forward_ends, map(add, dep_forward, repeat(EPS_US))))
 
 
-def check_enc_llm_dep_backward(backward_starts: Sequence[float], dep_backward: Sequence[float]) -> bool:
+def check_enc_llm_dep_backward(backward_starts: Iterable[float], dep_backward: Iterable[float]) -> bool:
     """checkEncLLMDep, backward half: EB_i >= B_i for every LLM microbatch i (same time base)."""
-    return all(eb >= b - EPS_US for eb, b in zip(backward_starts, dep_backward))
+    return all(map(ge, backward_starts, map(sub, dep_backward, repeat(EPS_US))))
