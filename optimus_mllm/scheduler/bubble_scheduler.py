@@ -19,6 +19,7 @@ moves one microbatch at a time of the critical encoder pipeline into ``llm``.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -137,7 +138,7 @@ class _Move:
     plan's partitions, and each partition takes the same spans from its own copy of the bubbles."""
 
     starts: list[list[float]]
-    busy: list[tuple[list[tuple[float, float]], list[tuple[float, float]]]]  # per stage: (compute, comm)
+    busy: list[tuple[array, array]]  # per stage: (compute, comm) spans as flat start, end, start, end, ...
 
     @classmethod
     def of(cls, chains: tuple[StageChain, ...], starts_by_stage: list[list[float]]) -> _Move:
@@ -146,22 +147,22 @@ class _Move:
     def take(self, resources: list[_Resource]) -> None:
         """Occupy the move's spans in a pipeline's bubbles (a stage without kernels takes nothing)."""
         for r, (compute, comm) in zip(resources, self.busy):
-            for span in compute:
-                r.compute.occupy(*span)
-            for span in comm:
-                r.comm.occupy(*span)
+            for free, spans in ((r.compute, compute), (r.comm, comm)):
+                pairs = iter(spans)
+                for start, end in zip(pairs, pairs):
+                    free.occupy(start, end)
 
 
-def _busy_spans(chain: StageChain,
-                starts: list[float]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """The compute and comm time the placed kernels take; back-to-back kernels of one stream as one span."""
-    spans: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+def _busy_spans(chain: StageChain, starts: list[float]) -> tuple[array, array]:
+    """The compute and comm time the placed kernels take; back-to-back kernels of one stream as one span.
+    Flat arrays: a plan keeps every move it placed."""
+    spans = {False: array("d"), True: array("d")}
     for k, start in zip(chain.kernels, starts):
         stream = spans[k.is_comm]
-        if stream and stream[-1][1] == start:
-            stream[-1] = (stream[-1][0], start + k.duration_us)
+        if stream and stream[-1] == start:
+            stream[-1] = start + k.duration_us
         else:
-            stream.append((start, start + k.duration_us))
+            stream.extend((start, start + k.duration_us))
     return spans[False], spans[True]
 
 
