@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import random
@@ -313,6 +314,18 @@ def test_post_window_lays_out_backwards_as_coarse_backward(seed):
             ready = tuple(sorted(origin[-1] + rng.uniform(-span, late * span * n) for _ in range(n)))
             rows, ends = coarse_backward(ready, origin, work)
             assert window.layout(ready) == ([row[-1] for row in rows], ends), (candidate.plan, ready)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_scheduler_leaves_the_cyclic_gc_as_it_found_it(enabled):
+    """The search pauses Python's cyclic collector (it makes no cycles) and restores the caller's setting."""
+    config = load_config(CONFIGS / "tiny.yaml")
+    (gc.enable if enabled else gc.disable)()
+    try:
+        assert optimus(config, plan(config), CostModel.from_config(config)).best is not None
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("name", ["tiny", "fig5_8gpu", "strong_3072", "dualenc_22b_5b", "model_a"])
