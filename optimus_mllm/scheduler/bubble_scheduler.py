@@ -116,18 +116,18 @@ class _Resource:
         starts, t = [], ready
         # Per stream (compute, comm): the free interval of its last kernel. A kernel that fits in it from t
         # starts at t, which is what first-fit returns, without searching.
-        current = {False: (0.0, -1.0), True: (0.0, -1.0)}
-        for k in chain.kernels:
-            d = k.duration_us
-            lo, hi = current[k.is_comm]
-            if lo <= t < hi and t + d <= hi and t + d <= limit:
+        free, current = (self.compute, self.comm), [(0.0, -1.0), (0.0, -1.0)]
+        for d, is_comm in chain.steps:
+            lo, hi = current[is_comm]
+            end = t + d
+            if lo <= t < hi and end <= hi and end <= limit:
                 start = t
             else:
-                fit = (self.comm if k.is_comm else self.compute).earliest_fit(t, d, limit)
+                fit = free[is_comm].earliest_fit(t, d, limit)
                 if fit is None:
                     return None
                 start, lo, hi = fit
-                current[k.is_comm] = (lo, hi)
+                current[is_comm] = (lo, hi)
             starts.append(start)
             t = start + d
         return starts
@@ -158,14 +158,14 @@ class _Move:
 def _busy_spans(chain: StageChain, starts: list[float]) -> tuple[array, array]:
     """The compute and comm time the placed kernels take; back-to-back kernels of one stream as one span.
     Flat arrays: a plan keeps every move it placed."""
-    spans = {False: array("d"), True: array("d")}
-    for k, start in zip(chain.kernels, starts):
-        stream = spans[k.is_comm]
+    spans = (array("d"), array("d"))  # compute, comm
+    for (d, is_comm), start in zip(chain.steps, starts):
+        stream = spans[is_comm]
         if stream and stream[-1] == start:
-            stream[-1] = start + k.duration_us
+            stream[-1] = start + d
         else:
-            stream.extend((start, start + k.duration_us))
-    return spans[False], spans[True]
+            stream.extend((start, start + d))
+    return spans
 
 
 class PipelineMoves:

@@ -42,6 +42,11 @@ class StageChain:
     def compute_us(self) -> float:
         return sum(k.duration_us for k in self.kernels if not k.is_comm)
 
+    @cached_property
+    def steps(self) -> tuple[tuple[float, bool], ...]:
+        """(duration, is_comm) of each kernel: what the bubble scheduler's inner loops read."""
+        return tuple((k.duration_us, k.is_comm) for k in self.kernels)
+
 
 @dataclass(frozen=True)
 class EncoderWork:
