@@ -685,15 +685,40 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
     could have won. Returns this plan's best schedule found, or None if no partition was feasible or
     searched.
     """
+    best, stats = _search_partitions(config, llm_plan, candidate, bubbles, cost, bound_us, fine)
+    return (best.schedule() if best else None), stats
+
+
+@dataclass(frozen=True)
+class _PlanBest:
+    """A plan's fastest partition, as searched: laid out as a Schedule only if it is wanted."""
+
+    state: _PartitionScheduler
+    llm_plan: ParallelPlan
+    encoder_plan: ParallelPlan
+    coarse_us: float  # InitSchedule's latency for the partition
+
+    @property
+    def iteration_us(self) -> float:
+        return self.state.evaluation.latency
+
+    def schedule(self) -> Schedule:
+        return _to_schedule(self.state, self.llm_plan, self.encoder_plan, self.coarse_us)
+
+
+def _search_partitions(config: OptimusConfig, llm_plan: ParallelPlan, candidate: EncoderPlanCandidate,
+                       bubbles: LLMBubbles, cost: CostModel, bound_us: float,
+                       fine: bool) -> tuple[_PlanBest | None, SchedulerStats]:
+    """``bubble_scheduler`` up to its fastest partition."""
     work = build_encoder_work(config, llm_plan, candidate.plan, cost)
     stats = SchedulerStats(partitions_total=len(candidate.partitions.partitions))
     dep, busy = bubbles.dep, bubbles.busy_us
     bounds = {p: partition_lower_bound(work, dep, p, busy) for p in candidate.partitions.partitions}
     with _cyclic_gc_paused():
         moves = PipelineMoves.of_pipelines(work, bubbles)
-        best: tuple[_PartitionScheduler, float] | None = None  # the fastest state and its coarse latency
+        best: _PlanBest | None = None
         for partition in sorted(bounds, key=bounds.get):
-            if bounds[partition] >= min(bound_us, best[0].evaluation.latency if best else bound_us) - EPS_US:
+            if bounds[partition] >= min(bound_us, best.iteration_us if best else bound_us) - EPS_US:
                 stats.partitions_pruned += 1
                 continue
             stats.partitions_searched += 1
@@ -704,9 +729,9 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
             if fine:
                 state = optimize_schedule(state, FWD)
                 state = optimize_schedule(state, BWD)
-            if best is None or state.evaluation.latency < best[0].evaluation.latency - EPS_US:
-                best = state, coarse_us
-        return (_to_schedule(best[0], llm_plan, candidate.plan, best[1]) if best else None), stats
+            if best is None or state.evaluation.latency < best.iteration_us - EPS_US:
+                best = _PlanBest(state, llm_plan, candidate.plan, coarse_us)
+    return best, stats
 
 
 @contextmanager
@@ -868,18 +893,20 @@ def optimus(config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine
             work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
             bounds[candidate.plan] = min((partition_lower_bound(work, bubbles.dep, p, bubbles.busy_us)
                                           for p in candidate.partitions.partitions), default=float("inf"))
+        best: _PlanBest | None = None
         for candidate in sorted(planned.candidates, key=lambda c: bounds[c.plan]):
-            bound = result.best.iteration_us if result.best else float("inf")
-            schedule, stats = bubble_scheduler(config, planned.llm_plan, candidate, bubbles, cost, bound, fine)
-            if schedule is not None:
-                outcome = PlanOutcome(candidate.plan, "scheduled", schedule.iteration_us, bounds[candidate.plan],
+            bound = best.iteration_us if best else float("inf")
+            plan_best, stats = _search_partitions(config, planned.llm_plan, candidate, bubbles, cost, bound, fine)
+            if plan_best is not None:
+                outcome = PlanOutcome(candidate.plan, "scheduled", plan_best.iteration_us, bounds[candidate.plan],
                                       stats)
-                if result.best is None or schedule.iteration_us < result.best.iteration_us:
-                    result.best = schedule
+                if best is None or plan_best.iteration_us < best.iteration_us:
+                    best = plan_best
             elif stats.partitions_searched == 0:
                 outcome = PlanOutcome(candidate.plan, "bounded", None, bounds[candidate.plan], stats)
             else:
                 outcome = PlanOutcome(candidate.plan, "infeasible", None, bounds[candidate.plan], stats)
             result.outcomes.append(outcome)
+        result.best = best.schedule() if best else None
     result.runtime_s = time.perf_counter() - started
     return result
