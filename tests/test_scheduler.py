@@ -284,8 +284,8 @@ def test_evaluation_after_each_move_equals_a_full_reevaluation():
                         full = state.evaluate()
                         if state.evaluation.post is None:
                             with_layout_left_out += 1
-                            full = dataclasses.replace(full, eb=None, post=None, backward_start=None,
-                                                       backward_end=None)
+                            full = dataclasses.replace(full, assignment=None, ef=None, eb=None, post=None,
+                                                       backward_start=None, backward_end=None)
                         assert state.evaluation == full, (case, candidate.plan, partition, mode, j)
                         moved += mode == BWD
                     optimize_schedule(state, mode)  # the pass ends: nothing left out

@@ -299,15 +299,16 @@ class _PostWindow:
 
 @dataclass
 class _Evaluation:
-    """A partition's state laid out. A forward move's evaluation may leave out the coarse backwards'
-    layout (``eb`` to ``backward_end`` None) when they cannot change the tail: see ``queued_tail``."""
+    """A partition's state laid out. A forward move's evaluation may leave out the global ordering and
+    the coarse backwards' layout (``assignment`` to ``backward_end`` None) when they cannot change the
+    latency: see ``queued_tail``."""
 
     t0: float
-    assignment: list[tuple[int, int]]
-    ef: list[float]
     latency: float
     pre_required_t0: dict[int, float]  # per pipeline: the t0 its pre-window work needs
     end_by_resource: dict[tuple[int, int], tuple[float, bool]]  # (j, e) -> (end tau, encoder-bound)
+    assignment: list[tuple[int, int]] | None = None
+    ef: list[float] | None = None
     eb: list[float] | None = None
     post: dict[int, tuple[tuple[float, int], ...]] | None = None  # j -> (gradient ready tau, k) of its coarse
     backward_start: dict[tuple[int, int], float] | None = None  # (j, k) -> start on the last stage (tau)
@@ -405,7 +406,8 @@ class _PartitionScheduler:
             forward = self._forward_side()
             if forward is None:
                 return None
-            t0, assignment, ef, required = forward
+            t0, merged, required = forward
+            assignment, ef = global_order(merged), list(map(itemgetter(0), merged))
             changed: Sequence[int] = range(w.num_pipelines)
             arrivals: dict[int, list[tuple[float, int]]] = {j: [] for j in changed}
             for b, (j, k) in zip(self.dep.backward, assignment):
@@ -448,7 +450,7 @@ class _PartitionScheduler:
         # checkEncLLMDep: its forward half is how _forward_side chose t0
         if not check_enc_llm_dep_backward(eb, map(add, self.dep.backward, repeat(t0))):
             return None
-        return _Evaluation(t0, assignment, ef, t0 + tail, required, end_by_resource, eb, post, backward_start,
+        return _Evaluation(t0, t0 + tail, required, end_by_resource, assignment, ef, eb, post, backward_start,
                            backward_end)
 
     def evaluate_forward_move(self) -> _Evaluation | None:
@@ -460,9 +462,9 @@ class _PartitionScheduler:
         forward = self._forward_side()
         if forward is None:
             return None
-        t0, assignment, ef, required = forward
+        t0, _, required = forward
         end_by_resource, tail = self.queued_tail
-        return _Evaluation(t0, assignment, ef, t0 + tail, required, end_by_resource)
+        return _Evaluation(t0, t0 + tail, required, end_by_resource)
 
     def _queued_tail(self) -> tuple[dict[tuple[int, int], tuple[float, bool]], float] | None:
         """The tail (end by resource, and the latest) while no backward has moved, if every coarse
@@ -502,9 +504,9 @@ class _PartitionScheduler:
                 tail = max(tail, end)
         return end_by_resource, tail
 
-    def _forward_side(self) -> tuple[float, list[tuple[int, int]], list[float], dict[int, float]] | None:
-        """t0, the global ordering of the encoder forwards and their EF, and the t0 each pipeline's pre
-        window needs; None if no t0 lets every EF_i come by F_i."""
+    def _forward_side(self) -> tuple[float, list[tuple[float, int, int]], dict[int, float]] | None:
+        """t0, every encoder forward's (EF, j, k) earliest first, and the t0 each pipeline's pre window
+        needs; None if no t0 lets every EF_i come by F_i."""
         pre_ef: list[tuple[float, int, int]] = []
         required: dict[int, float] = {}
         for j, window in enumerate(self.pre):
@@ -524,7 +526,7 @@ class _PartitionScheduler:
             if t0 is None:
                 return None
             merged = _merged_forward_ends(pre_ef, fine, t0)
-        return t0, global_order(merged), list(map(itemgetter(0), merged)), required
+        return t0, merged, required
 
     def _forward_feasible(self, merged: list[tuple[float, int, int]], t0: float) -> bool:
         """The forward half of checkEncLLMDep: the i-th earliest EF_i <= F_i + t0."""
