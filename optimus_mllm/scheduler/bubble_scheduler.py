@@ -248,6 +248,7 @@ class _PreWindow:
 
     starts: list[list[float]]  # per microbatch k: its start on each stage
     ef: list[tuple[float, int, int]]  # per microbatch k: (EF, j, k)
+    ef_times: list[float]  # per microbatch k: its EF
     required: list[float]  # [n - 1]: the t0 that the first n microbatches need
 
     @classmethod
@@ -265,7 +266,7 @@ class _PreWindow:
             starts.append(per_stage)
             ef.append((end + w.to_llm_us[j], j, k))
             required.append(max(c - f for c, f in zip(cursor, first)))
-        return cls(starts, ef, required)
+        return cls(starts, ef, [e for e, _, _ in ef], required)
 
 
 class _PostWindow:
@@ -459,7 +460,7 @@ class _PartitionScheduler:
         of those backwards starts after its gradient arrives, so checkEncLLMDep's backward half holds."""
         if self.queued_tail is None or self.fine_bwd:
             return self.evaluate()
-        forward = self._forward_side()
+        forward = self._forward_side(ordered=False)
         if forward is None:
             return None
         t0, _, required = forward
@@ -504,22 +505,33 @@ class _PartitionScheduler:
                 tail = max(tail, end)
         return end_by_resource, tail
 
-    def _forward_side(self) -> tuple[float, list[tuple[float, int, int]], dict[int, float]] | None:
+    def _forward_side(self, ordered: bool = True
+                      ) -> tuple[float, list[tuple[float, int, int]] | None, dict[int, float]] | None:
         """t0, every encoder forward's (EF, j, k) earliest first, and the t0 each pipeline's pre window
-        needs; None if no t0 lets every EF_i come by F_i."""
-        pre_ef: list[tuple[float, int, int]] = []
+        needs; None if no t0 lets every EF_i come by F_i. Not ``ordered``: the EFs are only checked
+        against the dependency points, unless t0 has to be searched for."""
         required: dict[int, float] = {}
         for j, window in enumerate(self.pre):
             n = self.n_coarse_fwd[j]
-            pre_ef.extend(window.ef[:n])
             if n:
                 required[j] = window.required[n - 1]
+        t0 = max([self.t0_low] + list(required.values()))
+        if not ordered:
+            times: list[float] = []
+            for j, (window, m) in enumerate(zip(self.pre, self.moves)):
+                times.extend(window.ef_times[:self.n_coarse_fwd[j]])
+                times.extend(map(add, m.forward_ends[:self.moved_forward(j)], repeat(t0)))
+            times.sort()
+            if check_enc_llm_dep_forward(times, map(add, self.dep.forward, repeat(t0))):
+                return t0, None, required
+        pre_ef: list[tuple[float, int, int]] = []
+        for j, window in enumerate(self.pre):
+            pre_ef.extend(window.ef[:self.n_coarse_fwd[j]])
         # pipeline j's t-th forward move carries its microbatch partition[j] - 1 - t: (EFs in tau, j, ks)
         fine: list[_FineForwards] = []
         for j, (m, p) in enumerate(zip(self.moves, self.partition)):
             t = self.moved_forward(j)
             fine.append((m.forward_ends[:t], j, range(p - 1, p - 1 - t, -1)))
-        t0 = max([self.t0_low] + list(required.values()))
         merged = _merged_forward_ends(pre_ef, fine, t0)
         if not self._forward_feasible(merged, t0):
             t0 = self._earliest_feasible_t0(t0, pre_ef, fine)
