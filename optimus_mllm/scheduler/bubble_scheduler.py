@@ -620,7 +620,6 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
     coarse microbatch whose gradient arrives first, from downstream to upstream. Kept only if the
     dependencies still hold (checkEncLLMDep) and the iteration gets no longer.
     """
-    dep = state.dep
     before = state.evaluation
     if mode == FWD:
         if state.n_coarse_fwd[j] == 0:
@@ -637,12 +636,12 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
             del state.fine_fwd[(j, k)]
             return False
     else:
-        index = {a: i for i, a in enumerate(before.assignment)}
-        coarse = [k for k in range(state.partition[j]) if (j, k) not in state.fine_bwd]
+        coarse = before.post.get(j)  # (gradient ready, k), earliest first
         if not coarse:
             return False
-        k = min(coarse, key=lambda k: dep.backward[index[(j, k)]])
-        starts_by_stage = state.place_backward(j, index[(j, k)])
+        k = coarse[0][1]
+        i = before.assignment.index((j, k))
+        starts_by_stage = state.place_backward(j, i)
         if starts_by_stage is None:
             return False
         state.fine_bwd[(j, k)] = starts_by_stage
@@ -650,7 +649,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
         if after is None or after.latency > before.latency + EPS_US:
             del state.fine_bwd[(j, k)]
             return False
-        state.commit_backward(j, index[(j, k)])
+        state.commit_backward(j, i)
     state.evaluation = after
     return True
 
