@@ -302,7 +302,7 @@ class _PostWindow:
 class _Evaluation:
     """A partition's state laid out. A forward move's evaluation may leave out the global ordering and
     the coarse backwards' layout (``assignment`` to ``backward_end`` None) when they cannot change the
-    latency: see ``queued_tail``."""
+    latency: see ``_queued_tail``."""
 
     t0: float
     latency: float
@@ -455,9 +455,10 @@ class _PartitionScheduler:
                            backward_end)
 
     def evaluate_forward_move(self) -> _Evaluation | None:
-        """``evaluate`` after a forward move, without the coarse backwards' layout where it cannot change
-        the tail (see ``queued_tail``); ``optimize_schedule`` lays it out when the forward pass ends. Each
-        of those backwards starts after its gradient arrives, so checkEncLLMDep's backward half holds."""
+        """``evaluate`` after a forward move, without the global ordering and the coarse backwards' layout
+        where they cannot change the latency (see ``_queued_tail``); ``optimize_schedule`` lays them out
+        when the forward pass ends. Each of those backwards starts after its gradient arrives, so
+        checkEncLLMDep's backward half holds."""
         if self.queued_tail is None or self.fine_bwd:
             return self.evaluate()
         forward = self._forward_side(ordered=False)
