@@ -262,9 +262,10 @@ def test_partitions_sharing_their_moves_schedule_as_each_alone(case):
 
 def test_evaluation_after_each_move_equals_a_full_reevaluation():
     """A backward move re-evaluates only its own pipeline: t0, the assignment and the other pipelines'
-    backwards are taken from the evaluation before it. A forward move leaves the coarse backwards'
-    layout out where it cannot change the tail. After every move of both passes, that evaluation equals
-    the one computed from the state alone (on what it lays out), and each pass ends fully laid out."""
+    backwards are taken from the evaluation before it. A forward move leaves the global ordering and the
+    coarse backwards' layout out where they cannot change the latency. After every move of both passes,
+    that evaluation equals the one computed from the state alone (on what it lays out), and each pass
+    ends fully laid out."""
     with_backward_moves = with_layout_left_out = 0
     for case in [f"{kind}-{s}" for kind in ("random", "heavy") for s in range(1, 30, 2)] + ["paper-fig5_8gpu"]:
         config = _shared_moves_config(case)
