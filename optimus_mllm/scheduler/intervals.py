@@ -51,17 +51,19 @@ class FreeIntervals:
         starts, ends = self.starts[block], self.ends[block]
         i = bisect_right(ends, t)  # the interval that holds or follows t: the only one where t can be the start
         start = starts[i] if starts[i] > t else t
-        if start + duration > limit:
+        end = start + duration
+        if end > limit:
             return None
-        if start + duration <= ends[i]:
+        if end <= ends[i]:
             return start, starts[i], ends[i]
         i += 1
         while True:  # later intervals start after t
             for i in range(i, len(starts)):
                 start = starts[i]
-                if start + duration > limit:
+                end = start + duration
+                if end > limit:
                     return None
-                if start + duration <= ends[i]:
+                if end <= ends[i]:
                     return start, start, ends[i]
             block += 1
             if block == len(self.starts):
