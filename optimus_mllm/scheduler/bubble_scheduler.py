@@ -277,21 +277,25 @@ class _PostWindow:
     comes later, and is laid out from there on from the state the prefix leaves."""
 
     def __init__(self, origin: list[float], work: EncoderWork):
-        self.work = work
+        self.origin, self.work = origin, work
         self.last_stage_starts: list[float] = []  # [k]: microbatch k's start on the last stage
         self.ends: list[list[float]] = [list(origin)]  # [k]: each stage's end after microbatches 0..k-1
         self.free = [origin[-1]]  # [k]: when the last stage is free for microbatch k
 
-    def layout(self, ready: tuple[float, ...]) -> tuple[list[float], list[float]]:
-        """``coarse_backward(ready, origin)``: each microbatch's start on the last stage, each stage's end."""
-        n = len(ready)
-        while len(self.last_stage_starts) < n:
+    def queued(self, ready: Sequence[float]) -> bool:
+        """Each gradient is there by the time the last stage is free for it: the layout is this one's
+        prefix, whose stage ends are ``ends[len(ready)]``."""
+        while len(self.last_stage_starts) < len(ready):
             (row,), ends = coarse_backward([float("-inf")], self.ends[-1], self.work)
             self.last_stage_starts.append(row[-1])
             self.ends.append(ends)
             self.free.append(ends[-1])
-        # a gradient there by the time the last stage is free: it starts then, as queued
-        if not any(map(gt, ready, self.free)):
+        return not any(map(gt, ready, self.free))
+
+    def layout(self, ready: tuple[float, ...]) -> tuple[list[float], list[float]]:
+        """``coarse_backward(ready, origin)``: each microbatch's start on the last stage, each stage's end."""
+        n = len(ready)
+        if self.queued(ready):
             return self.last_stage_starts[:n], self.ends[n]
         k = next(k for k, (r, free) in enumerate(zip(ready, self.free)) if r > free)
         rows, ends = coarse_backward(ready[k:], self.ends[k], self.work)
@@ -390,10 +394,6 @@ class _PartitionScheduler:
     def last(self, j: int, e: int) -> float:
         return self.timeline.stages[self.work.llm_stage(j, e)].last_compute_us
 
-    def post_origin(self, j: int) -> list[float]:
-        """Per stage of pipeline j: where its post window starts, the LLM stage's last computation."""
-        return [self.last(j, e) for e in range(self.pp_enc)]
-
     # -- evaluation: windows, t0, global ordering, latency ------------------------------------
 
     def evaluate(self, before: _Evaluation | None = None, pipeline: int = -1) -> _Evaluation | None:
@@ -481,10 +481,9 @@ class _PartitionScheduler:
             # pipeline j's k-th earliest gradient comes no later than the (N - n + k)-th of all N
             ready = tuple(b + self.work.to_llm_us[j] for b in latest[len(latest) - n:])
             window = self.moves[j].post
-            _, ends = window.layout(ready)
-            if any(map(gt, ready, window.free)):
+            if not window.queued(ready):
                 return None
-            backward_end.update(((j, e), end) for e, end in enumerate(ends))
+            backward_end.update(((j, e), end) for e, end in enumerate(window.ends[n]))
         return self._tail(backward_end)
 
     def _tail(self, backward_end: dict[tuple[int, int], float]
@@ -810,7 +809,7 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
             if w.bwd[e].kernels:
                 chains.append(ChainPlacement(j, e, k, "bwd", "llm", tuple(s + t0 for s in starts)))
     for j, coarse in ev.post.items():
-        rows, _ = coarse_backward([ready for ready, _ in coarse], state.post_origin(j), w)
+        rows, _ = coarse_backward([ready for ready, _ in coarse], state.moves[j].post.origin, w)
         for e in reversed(range(state.pp_enc)):
             if w.bwd[e].kernels:
                 chains.extend(ChainPlacement(j, e, k, "bwd", "post", _block(row[e] + t0, w.bwd[e]))
