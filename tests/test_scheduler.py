@@ -30,7 +30,6 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     init_schedule,
     optimize_schedule,
     optimus,
-    partition_lower_bound,
     schedule_kernels,
 )
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work
@@ -198,27 +197,6 @@ def test_random_configs_give_valid_schedules(seed):
         assert 0.0 <= scheduling_efficiency(schedule) <= 1.0 + 1e-9
         ef = schedule.encoder_forward_end_us
         assert list(ef) == sorted(ef), "global ordering feeds microbatches in order of encoder completion"
-
-
-@pytest.mark.parametrize("heavy", [False, True], ids=["random", "heavy-encoders"])
-@pytest.mark.parametrize("seed", range(30))
-def test_no_partition_schedules_faster_than_its_lower_bound(seed, heavy):
-    """The bound that skips partitions and plans never exceeds what scheduling the partition gives, coarse
-    or fine, so pruning by it drops no better schedule."""
-    config = config_from_dict((_heavy_random_config if heavy else _random_config)(seed))
-    planned = plan(config)
-    cost = CostModel.from_config(config)
-    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
-    for candidate in planned.candidates:
-        work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
-        for partition in candidate.partitions.partitions[:3]:
-            bound = partition_lower_bound(work, bubbles.dep, partition, bubbles.busy_us)
-            coarse = init_schedule(work, bubbles, partition)
-            if coarse is None:
-                continue
-            assert coarse.evaluation.latency >= bound - 1e-6, (candidate.plan, partition, "coarse")
-            fine = optimize_schedule(optimize_schedule(coarse, FWD), BWD)
-            assert fine.evaluation.latency >= bound - 1e-6, (candidate.plan, partition, "fine")
 
 
 def _shared_moves_config(case: str):

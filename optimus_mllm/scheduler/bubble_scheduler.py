@@ -42,6 +42,7 @@ from optimus_mllm.scheduler.dependencies import (
 )
 from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain, build_encoder_work
 from optimus_mllm.scheduler.intervals import FreeIntervals
+from optimus_mllm.scheduler.lower_bound import Lengths, PartitionBound, network_fifo_end
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
 
 Window = Literal["pre", "llm", "post"]
@@ -679,13 +680,12 @@ class LLMBubbles:
 
     dep: EncLLMDep
     gaps: list[tuple[FreeIntervals, FreeIntervals]]  # per stage: (idle compute, no-TP-collective) time
-    busy_us: list[float]  # per stage: LLM compute time inside its span
+    lengths: list[Lengths]  # per stage: its idle compute time by bubble length, for the lower bound
 
     @classmethod
     def of(cls, dep: EncLLMDep) -> LLMBubbles:
         gaps = stage_gaps(dep.timeline)
-        busy = [st.last_compute_us - st.first_compute_us - g.total() for st, (g, _) in zip(dep.timeline.stages, gaps)]
-        return cls(dep, gaps, busy)
+        return cls(dep, gaps, [Lengths.of_gaps(compute) for compute, _ in gaps])
 
 
 def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: EncoderPlanCandidate,
@@ -693,7 +693,7 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
                      fine: bool = True) -> tuple[Schedule | None, SchedulerStats]:
     """BubbleScheduler (Algorithm 2): coarse schedules for every partition, refined, the fastest kept.
 
-    Partitions whose lower bound (see ``partition_lower_bound``) cannot beat ``bound_us`` (the best
+    Partitions whose lower bound (``PartitionBound``) cannot beat ``bound_us`` (the best
     schedule of other plans) or this plan's best so far are skipped; this never drops a schedule that
     could have won. Returns this plan's best schedule found, or None if no partition was feasible or
     searched.
@@ -725,8 +725,8 @@ def _search_partitions(config: OptimusConfig, llm_plan: ParallelPlan, candidate:
     """``bubble_scheduler`` up to its fastest partition."""
     work = build_encoder_work(config, llm_plan, candidate.plan, cost)
     stats = SchedulerStats(partitions_total=len(candidate.partitions.partitions))
-    dep, busy = bubbles.dep, bubbles.busy_us
-    bounds = {p: partition_lower_bound(work, dep, p, busy) for p in candidate.partitions.partitions}
+    bound = PartitionBound(work, bubbles.dep, bubbles.lengths)
+    bounds = {p: bound(p) for p in candidate.partitions.partitions}
     with _cyclic_gc_paused():
         moves = PipelineMoves.of_pipelines(work, bubbles)
         best: _PlanBest | None = None
@@ -759,37 +759,6 @@ def _cyclic_gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def partition_lower_bound(work: EncoderWork, dep: EncLLMDep, partition: tuple[int, ...], busy: list[float]) -> float:
-    """No schedule of this partition can be faster than this.
-
-    Every iteration contains the encoder's and the LLM's all-gathers before the LLM starts and the
-    LLM's reduce-scatters after it ends; the encoder's reduce-scatter follows the backward of the last
-    LLM microbatch through a whole encoder pipeline; and each encoder stage's GPUs must fit that
-    stage's encoder compute, after the encoder's all-gather, into time their LLM stage is not computing.
-    """
-    tl = dep.timeline
-    t0_min = max(0.0, max(work.dp_all_gather_us + ag - st.first_compute_us
-                          for st, ag in zip(tl.stages, tl.dp_all_gather_us)))
-    bound = t0_min + tl.tail_us
-    if any(chain.kernels for chain in work.bwd):
-        # The last LLM microbatch's gradient leaves the LLM at B_last; some encoder pipeline must then
-        # run its whole backward before its first stage's GPUs can reduce-scatter the encoder's gradients.
-        chain = sum(c.duration_us for c in work.bwd) + (len(work.bwd) - 1) * work.p2p_us
-        tails = []
-        for j in range(work.num_pipelines):
-            s = work.llm_stage(j, 0)
-            encoder_done = dep.backward[-1] + work.to_llm_us[j] + chain
-            tails.append(network_fifo_end([(tl.stages[s].last_compute_us, tl.dp_reduce_scatter_us[s]),
-                                           (encoder_done, work.dp_reduce_scatter_us)]))
-        bound = max(bound, t0_min + min(tails))
-    for j, n in enumerate(partition):
-        for e in range(len(work.fwd)):
-            s = work.llm_stage(j, e)
-            encoder = n * (work.fwd[e].compute_us + work.bwd[e].compute_us)
-            bound = max(bound, work.dp_all_gather_us + busy[s] + encoder)
-    return bound
 
 
 def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: ParallelPlan,
@@ -842,18 +811,6 @@ def coarse_backward(ready: Sequence[float], origin: list[float],
     return rows, cursor
 
 
-def network_fifo_end(transfers: list[tuple[float, float]]) -> float:
-    """End of (ready, duration) transfers sharing one GPU's network link, served in ready order.
-
-    The encoder's gradient reduce-scatter starts as soon as its last backward is done, under the
-    LLM's computation if that is still running; the LLM's own starts after its last backward.
-    """
-    t = 0.0
-    for ready, duration in sorted(transfers):
-        t = max(t, ready) + duration
-    return t
-
-
 def _block(start: float, chain: StageChain) -> tuple[float, ...]:
     starts, t = [], start
     for k in chain.kernels:
@@ -903,9 +860,9 @@ def optimus(config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine
         result = OptimusResult(best=None, llm_alone_us=bubbles.dep.timeline.iteration_us)
         bounds = {}
         for candidate in planned.candidates:
-            work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
-            bounds[candidate.plan] = min((partition_lower_bound(work, bubbles.dep, p, bubbles.busy_us)
-                                          for p in candidate.partitions.partitions), default=float("inf"))
+            bound = PartitionBound(build_encoder_work(config, planned.llm_plan, candidate.plan, cost), bubbles.dep,
+                                   bubbles.lengths)
+            bounds[candidate.plan] = min(map(bound, candidate.partitions.partitions), default=float("inf"))
         best: _PlanBest | None = None
         for candidate in sorted(planned.candidates, key=lambda c: bounds[c.plan]):
             bound = best.iteration_us if best else float("inf")

@@ -131,7 +131,8 @@ def _patch_embed(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp:
     return EncoderKernel(enc.name, -1, "patch_embed", phase, False, cost.compute_us(work, enc.name, tp))
 
 
-def _projector(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase) -> list[EncoderKernel]:
+def _projector(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int,
+               phase: Phase) -> list[EncoderKernel]:
     """Projector kernels as the runtime runs them (``runtime/vit.py``).
 
     ``mlp``: column-parallel fc1 (GELU fused), row-parallel fc2; ``linear``: one row-parallel GEMM.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Iterator
 
 
 class FreeIntervals:
@@ -99,5 +100,9 @@ class FreeIntervals:
                 return
         self.first_starts[block], self.last_ends[block] = starts[0], ends[-1]
 
+    def intervals(self) -> Iterator[tuple[float, float]]:
+        for starts, ends in zip(self.starts, self.ends):
+            yield from zip(starts, ends)
+
     def total(self) -> float:
-        return sum(b - a for starts, ends in zip(self.starts, self.ends) for a, b in zip(starts, ends))
+        return sum(b - a for a, b in self.intervals())
