@@ -101,6 +101,11 @@ class Schedule:
 # --------------------------------------------------------------------------------------------
 
 
+# A chain as first-fit placed it: its kernels' starts, and the (compute, comm) time they take as flat
+# start, end, ... arrays, back-to-back kernels of one stream as one span (a plan keeps every move it placed)
+_Placement = tuple[list[float], tuple[array, array]]
+
+
 @dataclass
 class _Resource:
     """The GPUs of one encoder stage: their LLM stage's free compute time and comm-allowed time (tau)."""
@@ -112,9 +117,10 @@ class _Resource:
     def copy(self) -> _Resource:
         return _Resource(self.llm_stage, self.compute.copy(), self.comm.copy())
 
-    def place_chain(self, chain: StageChain, ready: float, limit: float) -> list[float] | None:
+    def place_chain(self, chain: StageChain, ready: float, limit: float) -> _Placement | None:
         """First-fit the chain's kernels in order into the bubbles; None if they do not fit."""
         starts, t = [], ready
+        spans = (array("d"), array("d"))  # compute, comm
         # Per stream (compute, comm): the free interval of its last kernel. A kernel that fits in it from t
         # starts at t, which is what first-fit returns, without searching.
         free, current = (self.compute, self.comm), [(0.0, -1.0), (0.0, -1.0)]
@@ -129,9 +135,15 @@ class _Resource:
                     return None
                 start, lo, hi = fit
                 current[is_comm] = (lo, hi)
+                end = start + d
             starts.append(start)
-            t = start + d
-        return starts
+            stream = spans[is_comm]
+            if stream and stream[-1] == start:  # back to back on its stream: one span
+                stream[-1] = end
+            else:
+                stream.extend((start, end))
+            t = end
+        return starts, spans
 
 
 @dataclass(frozen=True)
@@ -144,8 +156,8 @@ class _Move:
     busy: list[tuple[array, array]]  # per stage: (compute, comm) spans as flat start, end, start, end, ...
 
     @classmethod
-    def of(cls, chains: tuple[StageChain, ...], starts_by_stage: list[list[float]]) -> _Move:
-        return cls(starts_by_stage, [_busy_spans(chain, starts) for chain, starts in zip(chains, starts_by_stage)])
+    def of(cls, placements: list[_Placement]) -> _Move:
+        return cls([starts for starts, _ in placements], [spans for _, spans in placements])
 
     def take(self, resources: list[_Resource]) -> None:
         """Occupy the move's spans in a pipeline's bubbles (a stage without kernels takes nothing)."""
@@ -154,19 +166,6 @@ class _Move:
                 pairs = iter(spans)
                 for start, end in zip(pairs, pairs):
                     free.occupy(start, end)
-
-
-def _busy_spans(chain: StageChain, starts: list[float]) -> tuple[array, array]:
-    """The compute and comm time the placed kernels take; back-to-back kernels of one stream as one span.
-    Flat arrays: a plan keeps every move it placed."""
-    spans = (array("d"), array("d"))  # compute, comm
-    for (d, is_comm), start in zip(chain.steps, starts):
-        stream = spans[is_comm]
-        if stream and stream[-1] == start:
-            stream[-1] = start + d
-        else:
-            stream.extend((start, start + d))
-    return spans
 
 
 class PipelineMoves:
@@ -213,18 +212,18 @@ class PipelineMoves:
         """Per stage kernel starts of the pipeline's t-th forward move (from 0); None if it does not fit."""
         w = self.work
         while len(self.moves) <= t and not self.exhausted:
-            starts_by_stage, ready = [], self.first[0]
+            placements, ready = [], self.first[0]
             for e, r in enumerate(self.builder):
-                starts = r.place_chain(w.fwd[e], max(ready, self.first[e]), self.limit)
-                if starts is None:
+                placement = r.place_chain(w.fwd[e], max(ready, self.first[e]), self.limit)
+                if placement is None:
                     self.exhausted = True
                     return None
-                starts_by_stage.append(starts)
-                ready = starts[-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
-            move = _Move.of(w.fwd, starts_by_stage)
+                placements.append(placement)
+                ready = placement[0][-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
+            move = _Move.of(placements)
             move.take(self.builder)
             self.moves.append(move)
-            self.forward_ends.append(starts_by_stage[-1][-1] + w.fwd[-1].kernels[-1].duration_us + w.to_llm_us[self.j])
+            self.forward_ends.append(move.starts[-1][-1] + w.fwd[-1].kernels[-1].duration_us + w.to_llm_us[self.j])
             if len(self.moves) % self.SNAPSHOT_EVERY == 0:
                 self.snapshots[len(self.moves)] = [r.copy() for r in self.builder]
         return self.moves[t].starts if t < len(self.moves) else None
@@ -378,14 +377,15 @@ class _PartitionScheduler:
     def _first_fit_backward(self, j: int, i: int) -> _Move | None:
         w = self.work
         ready = self.dep.backward[i] + w.to_llm_us[j]
-        starts_by_stage: list[list[float]] = [[] for _ in range(self.pp_enc)]
+        placements: list[_Placement] = []  # from the last stage to the first
         for e in reversed(range(self.pp_enc)):
-            starts = self.resource(j, e).place_chain(w.bwd[e], ready, self.last(j, e))
-            if starts is None:
+            placement = self.resource(j, e).place_chain(w.bwd[e], ready, self.last(j, e))
+            if placement is None:
                 return None
-            starts_by_stage[e] = starts or [ready]
+            starts, spans = placement
+            placements.append((starts or [ready], spans))  # a frozen stage passes the gradient on at once
             ready = (starts[-1] + w.bwd[e].kernels[-1].duration_us if starts else ready) + w.p2p_us
-        return _Move.of(w.bwd, starts_by_stage)
+        return _Move.of(placements[::-1])
 
     def commit_backward(self, j: int, i: int) -> None:
         """Take the bubbles of the backward move just placed, once a later placement must search them."""
