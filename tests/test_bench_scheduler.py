@@ -75,12 +75,16 @@ def test_bench_scheduler_reports_how_a_measured_profile_moves_the_figures(tmp_pa
 def test_bench_scheduler_times_the_scheduler_as_the_job_grows(tmp_path):
     out = tmp_path / "scaling.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--scaling", "1536",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+                           "--repeat", "2", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     [row] = json.loads(out.read_text())["scaling"]
     assert (row["gpus"], row["microbatches"], row["llm_plan"]) == (1536, 32, "DP24 PP8 TP8 V12")
     assert row["plans_scheduled"] >= 1 and row["partitions_searched"] >= row["plans_scheduled"]
-    assert "Scheduler runtime as the job grows" in proc.stdout
+    assert len(row["scheduler_runs_s"]) == 2 and row["scheduler_s"] == min(row["scheduler_runs_s"])
+    assert "Scheduler runtime as the job grows" in proc.stdout and "the fastest of 2 runs" in proc.stdout
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--scaling", "100"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--scaling: no size for 100 GPUs" in bad.stderr
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--scaling", "1536",
+                          "--repeat", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--repeat: must be at least 1" in bad.stderr
