@@ -1,0 +1,152 @@
+"""What-if: encoder kernels split to fit short bubbles. What would it buy the bubble scheduler?
+
+    python scripts/whatif_kernel_split.py [--pieces US ...] [--only CASE ...] [--json OUT]
+
+Every encoder compute kernel longer than a piece size is split, along its tokens, into the fewest
+equal pieces no longer than it; collectives stay whole. Each piece pays the cost model's launch
+overhead (``cost_model.kernel_overhead_us``), as the roofline charges every kernel; the rows marked
+``free`` drop that overhead, the most any split could buy. Optimus (Algorithm 1, fine and coarse)
+then schedules the split encoder; the Megatron-LM baselines keep whole kernels at the LLM plan's V.
+
+This measures the scheduler only: the runtime does not execute split kernels. Cases:
+- ``fig5_heavy``: the paper's Figure 5 shape (8 GPUs, LLM DP1 PP4 TP2) with a 4096-wide ViT on
+  1024 tokens and the LLM at V10, where Optimus loses to balanced (scheduler-fidelity issue);
+- the strong-scaling setups in the configs' reading (2048-token ViT inputs): ``strong_1536`` ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
+from optimus_mllm.cost_model import CostModel  # noqa: E402
+from optimus_mllm.errors import OptimusError  # noqa: E402
+from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
+from optimus_mllm.planner import plan  # noqa: E402
+from optimus_mllm.scheduler import bubble_scheduler  # noqa: E402
+from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline  # noqa: E402
+from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain  # noqa: E402
+
+CASES: dict[str, tuple[str, list[str]]] = {
+    "fig5_heavy": ("fig5_8gpu.yaml", [
+        "model.encoders.0.hidden_size=4096", "model.encoders.0.num_attention_heads=32",
+        "model.encoders.0.ffn_hidden_size=16384", "model.encoders.0.seq_length=1024",
+        "parallel.llm={dp: 1, pp: 4, tp: 2, vp: 10}"]),
+    "strong_1536": ("strong_1536.yaml", []),
+    "strong_2048": ("strong_2048.yaml", []),
+    "strong_3072": ("strong_3072.yaml", []),
+}
+PIECES_US = (100.0, 40.0, 15.0)
+
+
+def split_chain(chain: StageChain, piece_us: float, overhead_us: float) -> StageChain:
+    """Each compute kernel longer than ``piece_us`` as ceil(d / piece_us) equal pieces, each paying
+    ``overhead_us`` (the whole kernel paid it once)."""
+    kernels = []
+    for k in chain.kernels:
+        n = 1 if k.is_comm else math.ceil(k.duration_us / piece_us)
+        if n == 1:
+            kernels.append(k)
+            continue
+        d = (k.duration_us - overhead_us) / n + overhead_us
+        kernels += [dataclasses.replace(k, name=f"{k.name}.{i}", duration_us=d) for i in range(n)]
+    return StageChain(tuple(kernels))
+
+
+def split_work(build: Callable[..., EncoderWork], piece_us: float, overhead_us: float) -> Callable[..., EncoderWork]:
+    def build_split(*args, **kwargs) -> EncoderWork:
+        work = build(*args, **kwargs)
+        return dataclasses.replace(work, fwd=tuple(split_chain(c, piece_us, overhead_us) for c in work.fwd),
+                                   bwd=tuple(split_chain(c, piece_us, overhead_us) for c in work.bwd))
+    return build_split
+
+
+def run_case(config: OptimusConfig, pieces: list[tuple[float, bool]]) -> dict:
+    """Optimus with whole kernels, then with each (piece size, overhead charged), and both baselines."""
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    balanced = None
+    if len(config.encoders) == 1:
+        balanced = megatron_lm_balanced_baseline(config, planned.llm_plan, cost).iteration_us / 1e6
+    out = {"llm_plan": str(planned.llm_plan), "megatron_s": megatron_lm_baseline(config, planned.llm_plan, cost)
+           .iteration_us / 1e6, "balanced_s": balanced, "rows": []}
+    overhead = config.cost_model.kernel_overhead_us
+    for piece, charged in [(None, True), *pieces]:
+        build = bubble_scheduler.build_encoder_work
+        if piece is not None:
+            build = split_work(build, piece, overhead if charged else 0.0)
+        with mock.patch.object(bubble_scheduler, "build_encoder_work", build):
+            fine = bubble_scheduler.optimus(config, planned, cost)
+            coarse = bubble_scheduler.optimus(config, planned, cost, fine=False)
+        out["rows"].append({"piece_us": piece, "overhead": charged, "optimus_s": fine.best.iteration_us / 1e6,
+                            "coarse_s": coarse.best.iteration_us / 1e6,
+                            "encoder_plan": str(fine.best.encoder_plan)})
+        if piece is None:
+            out["encoder_ms"], out["bubbles_ms"] = encoder_and_bubbles_ms(fine.best)
+    return out
+
+
+def encoder_and_bubbles_ms(schedule: bubble_scheduler.Schedule) -> tuple[float, float]:
+    """On the GPUs with the most of each: the schedule's encoder compute per iteration, and the LLM's idle
+    compute time between its first and last computation (its bubbles)."""
+    w = schedule.work
+    encoder = max(n * (w.fwd[e].compute_us + w.bwd[e].compute_us)
+                  for n in schedule.partition for e in range(len(w.fwd)))
+    bubbles = max(gaps.total() for gaps, _ in bubble_scheduler.stage_gaps(schedule.timeline))
+    return encoder / 1e3, bubbles / 1e3
+
+
+def print_case(name: str, case: dict) -> None:
+    balanced = "-" if case["balanced_s"] is None else f"{case['balanced_s']:.4f}"
+    print(f"== {name}: LLM {case['llm_plan']}; Megatron-LM {case['megatron_s']:.4f} s, balanced {balanced} s; "
+          f"per GPU per iteration, at most {case['encoder_ms']:.1f} ms of encoder compute (whole kernels' plan) "
+          f"and {case['bubbles_ms']:.1f} ms of LLM bubbles")
+    print(f"{'kernels':<22}{'encoder plan':<16}{'coarse s':>10}{'Optimus s':>11}{'vs whole':>10}")
+    whole = case["rows"][0]["optimus_s"]
+    for row in case["rows"]:
+        label = "whole" if row["piece_us"] is None else \
+            f"pieces <= {row['piece_us']:g} us" + ("" if row["overhead"] else " free")
+        print(f"{label:<22}{row['encoder_plan']:<16}{row['coarse_s']:>10.4f}{row['optimus_s']:>11.4f}"
+              f"{100 * (row['optimus_s'] / whole - 1):>+9.2f}%")
+    print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pieces", nargs="+", type=float, default=list(PIECES_US), metavar="US",
+                        help=f"piece sizes in us (default {' '.join(f'{p:g}' for p in PIECES_US)}); each runs "
+                             "with the launch overhead charged and free")
+    parser.add_argument("--only", nargs="+", choices=sorted(CASES), metavar="CASE",
+                        help=f"cases to run (default all: {', '.join(CASES)})")
+    parser.add_argument("--json", metavar="OUT", help="write every figure as JSON")
+    args = parser.parse_args(argv)
+    if any(p <= 0 for p in args.pieces):
+        print("whatif_kernel_split: error: --pieces: piece sizes must be positive (us)", file=sys.stderr)
+        return 2
+    pieces = [(p, charged) for p in args.pieces for charged in (True, False)]
+    results = {}
+    try:
+        for name in args.only or CASES:
+            path, overrides = CASES[name]
+            results[name] = run_case(load_config(REPO / "configs" / "paper" / path, overrides), pieces)
+            print_case(name, results[name])
+    except OptimusError as exc:
+        print(f"whatif_kernel_split: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

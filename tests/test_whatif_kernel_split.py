@@ -1,0 +1,38 @@
+"""scripts/whatif_kernel_split.py: the split it models, and that it runs end to end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+from whatif_kernel_split import split_chain  # noqa: E402
+
+
+def test_split_chain_cuts_long_compute_kernels_into_equal_pieces_that_each_pay_the_launch():
+    chain = StageChain((EncoderKernel("vit", 0, "fc1", "fwd", False, 102.0),
+                        EncoderKernel("vit", 0, "tp_ag_mlp", "fwd", True, 300.0),
+                        EncoderKernel("vit", 0, "act", "fwd", False, 12.0)))
+    split = split_chain(chain, 40.0, 2.0)
+    assert [k.name for k in split.kernels] == ["fc1.0", "fc1.1", "fc1.2", "tp_ag_mlp", "act"]
+    assert [k.duration_us for k in split.kernels[:3]] == pytest.approx([(102.0 - 2.0) / 3 + 2.0] * 3)
+    assert split.duration_us == pytest.approx(chain.duration_us + 2 * 2.0)  # two more launches
+    assert split_chain(chain, 40.0, 0.0).duration_us == pytest.approx(chain.duration_us)
+
+
+def test_whatif_kernel_split_prints_and_writes_each_piece_size(tmp_path):
+    out = tmp_path / "whatif.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "whatif_kernel_split.py"), "--only", "fig5_heavy",
+                           "--pieces", "40", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    case = json.loads(out.read_text())["fig5_heavy"]
+    assert [(r["piece_us"], r["overhead"]) for r in case["rows"]] == [(None, True), (40.0, True), (40.0, False)]
+    assert case["llm_plan"] == "DP1 PP4 TP2 V10" and case["balanced_s"] < case["megatron_s"]
+    assert "pieces <= 40 us free" in proc.stdout
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "whatif_kernel_split.py"), "--pieces", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--pieces" in bad.stderr
