@@ -36,6 +36,7 @@ from optimus_mllm.planner import plan  # noqa: E402
 from optimus_mllm.scheduler import bubble_scheduler  # noqa: E402
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline  # noqa: E402
 from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain  # noqa: E402
+from optimus_mllm.scheduler.fine import stage_gaps  # noqa: E402
 
 CASES: dict[str, tuple[str, list[str]]] = {
     "fig5_heavy": ("fig5_8gpu.yaml", [
@@ -102,7 +103,7 @@ def encoder_and_bubbles_ms(schedule: bubble_scheduler.Schedule) -> tuple[float, 
     w = schedule.work
     encoder = max(n * (w.fwd[e].compute_us + w.bwd[e].compute_us)
                   for n in schedule.partition for e in range(len(w.fwd)))
-    bubbles = max(gaps.total() for gaps, _ in bubble_scheduler.stage_gaps(schedule.timeline))
+    bubbles = max(gaps.total() for gaps, _ in stage_gaps(schedule.timeline))
     return encoder / 1e3, bubbles / 1e3
 
 

@@ -8,9 +8,10 @@ from optimus_mllm.config import config_from_dict
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler import bubble_scheduler
-from optimus_mllm.scheduler.bubble_scheduler import BWD, FWD, LLMBubbles, init_schedule, optimize_schedule, optimus
+from optimus_mllm.scheduler.bubble_scheduler import BWD, FWD, init_schedule, optimize_schedule, optimus
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, build_encoder_work
+from optimus_mllm.scheduler.fine import LLMBubbles
 from optimus_mllm.scheduler.lower_bound import Lengths, PartitionBound, stage_demand, stage_excess_us
 from tests.test_scheduler import _heavy_random_config, _random_config
 

@@ -21,18 +21,16 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     BWD,
     FWD,
     ChainPlacement,
-    PipelineMoves,
-    LLMBubbles,
-    _PostWindow,
     bubble_scheduler,
-    coarse_backward,
     find_critical,
     init_schedule,
     optimize_schedule,
     optimus,
     schedule_kernels,
 )
+from optimus_mllm.scheduler.coarse import PostWindow, coarse_backward
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work
+from optimus_mllm.scheduler.fine import LLMBubbles, PipelineMoves
 from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline
 from optimus_mllm.scheduler.llm_timeline import (
@@ -285,7 +283,7 @@ def test_post_window_lays_out_backwards_as_coarse_backward(seed):
     for candidate in planned.candidates:
         work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
         origin = [rng.uniform(0.0, 100.0) for _ in work.bwd]
-        window = _PostWindow(origin, work)
+        window = PostWindow(origin, work)
         span = sum(chain.duration_us for chain in work.bwd) + work.p2p_us
         for _ in range(50):
             n = rng.randint(1, 16)
@@ -372,12 +370,14 @@ def test_validity_checker_catches_broken_schedules():
     a, _ = max(compute, key=lambda ab: ab[1] - ab[0])
     shift = a + schedule.llm_origin_us - fine.starts_us[0]
     moved = dataclasses.replace(fine, starts_us=tuple(s + shift for s in fine.starts_us))
-    assert any("overlaps" in p for p in schedule_violations(dataclasses.replace(schedule, chains=tuple(others) + (moved,))))
+    overlapping = dataclasses.replace(schedule, chains=tuple(others) + (moved,))
+    assert any("overlaps" in p for p in schedule_violations(overlapping))
 
     # a last-stage forward that finishes after its F_i
     last = len(schedule.work.fwd) - 1
     j, k = schedule.assignment[0]
-    late_key = next(c for c in schedule.chains if (c.pipeline, c.stage, c.local_microbatch, c.phase) == (j, last, k, "fwd"))
+    late_key = next(c for c in schedule.chains
+                    if (c.pipeline, c.stage, c.local_microbatch, c.phase) == (j, last, k, "fwd"))
     late = ChainPlacement(j, last, k, "fwd", late_key.window, tuple(s + 1e9 for s in late_key.starts_us))
     chains = tuple(c for c in schedule.chains if c is not late_key) + (late,)
     assert any("after F_0" in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains)))

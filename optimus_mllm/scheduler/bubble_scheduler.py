@@ -13,19 +13,20 @@ kernels, in one of three windows of the stage's GPUs:
   time with no LLM TP collective (so mostly under LLM compute, paper Fig. 7);
 - ``post``: coarse, after the LLM's last computation (PP cool-down and DP reduce-scatter bubbles).
 ``InitSchedule`` puts every forward in ``pre`` and every backward in ``post``; ``OptimizeSchedule``
-moves one microbatch at a time of the critical encoder pipeline into ``llm``.
+moves one microbatch at a time of the critical encoder pipeline into ``llm``. The windows are laid
+out in ``coarse``, the kernels placed into bubbles in ``fine``, and ``lower_bound`` lets the search
+skip partitions and plans.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import add, gt, itemgetter
+from operator import add, itemgetter
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
@@ -41,8 +42,9 @@ from optimus_mllm.scheduler.dependencies import (
     global_order,
 )
 from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain, build_encoder_work
-from optimus_mllm.scheduler.intervals import FreeIntervals
-from optimus_mllm.scheduler.lower_bound import Lengths, PartitionBound, network_fifo_end
+from optimus_mllm.scheduler.coarse import chain_block, coarse_backward
+from optimus_mllm.scheduler.fine import LLMBubbles, Move, PipelineMoves, Placement, Resource
+from optimus_mllm.scheduler.lower_bound import PartitionBound, network_fifo_end
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
 
 Window = Literal["pre", "llm", "post"]
@@ -98,210 +100,6 @@ class Schedule:
         return (self.work.fwd if chain.phase == "fwd" else self.work.bwd)[chain.stage]
 
 
-# --------------------------------------------------------------------------------------------
-
-
-# A chain as first-fit placed it: its kernels' starts, and the (compute, comm) time they take as flat
-# start, end, ... arrays, back-to-back kernels of one stream as one span (a plan keeps every move it placed)
-_Placement = tuple[list[float], tuple[array, array]]
-
-
-@dataclass
-class _Resource:
-    """The GPUs of one encoder stage: their LLM stage's free compute time and comm-allowed time (tau)."""
-
-    llm_stage: int
-    compute: FreeIntervals
-    comm: FreeIntervals
-
-    def copy(self) -> _Resource:
-        return _Resource(self.llm_stage, self.compute.copy(), self.comm.copy())
-
-    def place_chain(self, chain: StageChain, ready: float, limit: float) -> _Placement | None:
-        """First-fit the chain's kernels in order into the bubbles; None if they do not fit."""
-        starts, t = [], ready
-        spans = (array("d"), array("d"))  # compute, comm
-        # Per stream (compute, comm): the free interval of its last kernel. A kernel that fits in it from t
-        # starts at t, which is what first-fit returns, without searching.
-        free, current = (self.compute, self.comm), [(0.0, -1.0), (0.0, -1.0)]
-        for d, is_comm in chain.steps:
-            lo, hi = current[is_comm]
-            end = t + d
-            if lo <= t < hi and end <= hi and end <= limit:
-                start = t
-            else:
-                fit = free[is_comm].earliest_fit(t, d, limit)
-                if fit is None:
-                    return None
-                start, lo, hi = fit
-                current[is_comm] = (lo, hi)
-                end = start + d
-            starts.append(start)
-            stream = spans[is_comm]
-            if stream and stream[-1] == start:  # back to back on its stream: one span
-                stream[-1] = end
-            else:
-                stream.extend((start, end))
-            t = end
-        return starts, spans
-
-
-@dataclass(frozen=True)
-class _Move:
-    """One microbatch's chains as placed on every stage of an encoder pipeline: the kernels' starts (tau)
-    and, per stage, the spans they take from the compute and the comm stream. Moves are shared by a
-    plan's partitions, and each partition takes the same spans from its own copy of the bubbles."""
-
-    starts: list[list[float]]
-    busy: list[tuple[array, array]]  # per stage: (compute, comm) spans as flat start, end, start, end, ...
-
-    @classmethod
-    def of(cls, placements: list[_Placement]) -> _Move:
-        return cls([starts for starts, _ in placements], [spans for _, spans in placements])
-
-    def take(self, resources: list[_Resource]) -> None:
-        """Occupy the move's spans in a pipeline's bubbles (a stage without kernels takes nothing)."""
-        for r, (compute, comm) in zip(resources, self.busy):
-            for free, spans in ((r.compute, compute), (r.comm, comm)):
-                pairs = iter(spans)
-                for start, end in zip(pairs, pairs):
-                    free.occupy(start, end)
-
-
-class PipelineMoves:
-    """One encoder pipeline's microbatches moved into the LLM's bubbles, shared by all partitions of a plan.
-
-    OptimizeSchedule's forward pass moves pipeline j's microbatches one at a time, each from the
-    pipeline's first LLM computation up to the same limit, into bubbles that only j's earlier forward
-    moves have taken, and ends at the first move it rejects. So j's t-th move lands at the same times
-    whatever the partition, and is placed here once. The bubbles left after t moves are rebuilt from
-    a copy taken every ``SNAPSHOT_EVERY`` moves plus the moves since.
-
-    A backward move of LLM microbatch i's encoder work lands where the bubbles left by j's t forward
-    moves and its earlier backward moves put it, so its placement is kept by (t, the LLM microbatches
-    moved before, i) too: partitions that move the same microbatches in the same order reuse it.
-
-    The pipeline's coarse windows do not depend on the partition either: every layout a partition
-    needs is a prefix of one pre window and, mostly, of one post window (see ``_PostWindow``).
-    """
-
-    SNAPSHOT_EVERY = 8
-
-    def __init__(self, work: EncoderWork, dep: EncLLMDep, stage_gaps: list[tuple[FreeIntervals, FreeIntervals]],
-                 j: int):
-        self.work, self.j = work, j
-        stages = [work.llm_stage(j, e) for e in range(len(work.fwd))]
-        self.first = [dep.timeline.stages[s].first_compute_us for s in stages]
-        # the LLM's last forward dependency point bounds every encoder forward's end
-        self.limit = max(dep.forward) - work.to_llm_us[j]
-        self.builder = [_Resource(s, stage_gaps[s][0].copy(), stage_gaps[s][1].copy()) for s in stages]
-        self.moves: list[_Move] = []  # t -> the t-th forward move
-        self.forward_ends: list[float] = []  # t -> its EF (tau): when its output reaches the first LLM stage
-        self.exhausted = False  # move len(moves) does not fit
-        self.snapshots = {0: [r.copy() for r in self.builder]}
-        self.backward: dict[tuple[int, tuple[int, ...], int], _Move | None] = {}
-        self.pre = _PreWindow.of(work, j, len(dep.forward), self.first)  # no partition gives j more
-        self.post = _PostWindow([dep.timeline.stages[s].last_compute_us for s in stages], work)
-
-    @classmethod
-    def of_pipelines(cls, work: EncoderWork, bubbles: LLMBubbles) -> list[PipelineMoves]:
-        """One per encoder pipeline, to share among a plan's partitions."""
-        return [cls(work, bubbles.dep, bubbles.gaps, j) for j in range(work.num_pipelines)]
-
-    def move(self, t: int) -> list[list[float]] | None:
-        """Per stage kernel starts of the pipeline's t-th forward move (from 0); None if it does not fit."""
-        w = self.work
-        while len(self.moves) <= t and not self.exhausted:
-            placements, ready = [], self.first[0]
-            for e, r in enumerate(self.builder):
-                placement = r.place_chain(w.fwd[e], max(ready, self.first[e]), self.limit)
-                if placement is None:
-                    self.exhausted = True
-                    return None
-                placements.append(placement)
-                ready = placement[0][-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
-            move = _Move.of(placements)
-            move.take(self.builder)
-            self.moves.append(move)
-            self.forward_ends.append(move.starts[-1][-1] + w.fwd[-1].kernels[-1].duration_us + w.to_llm_us[self.j])
-            if len(self.moves) % self.SNAPSHOT_EVERY == 0:
-                self.snapshots[len(self.moves)] = [r.copy() for r in self.builder]
-        return self.moves[t].starts if t < len(self.moves) else None
-
-    def resources_after(self, t: int) -> list[_Resource]:
-        """Per stage: the bubbles left after the first t moves, as fresh copies. Partitions often end
-        their forward pass after the same number of moves, so that state is kept too."""
-        if t not in self.snapshots:
-            base = t - t % self.SNAPSHOT_EVERY
-            resources = [r.copy() for r in self.snapshots[base]]
-            for move in self.moves[base:t]:
-                move.take(resources)
-            self.snapshots[t] = resources
-        return [r.copy() for r in self.snapshots[t]]
-
-
-@dataclass(frozen=True)
-class _PreWindow:
-    """One encoder pipeline's coarse forwards before the LLM: GPipe-style from the end of the encoder's
-    all-gather (iteration time). The first n microbatches of the pipeline run there, so every layout
-    that ``evaluate`` needs is a prefix of this one, laid out once."""
-
-    starts: list[list[float]]  # per microbatch k: its start on each stage
-    ef: list[tuple[float, int, int]]  # per microbatch k: (EF, j, k)
-    ef_times: list[float]  # per microbatch k: its EF
-    required: list[float]  # [n - 1]: the t0 that the first n microbatches need
-
-    @classmethod
-    def of(cls, w: EncoderWork, j: int, n: int, first: list[float]) -> _PreWindow:
-        starts, ef, required = [], [], []
-        cursor = [w.dp_all_gather_us] * len(w.fwd)
-        for k in range(n):
-            ready, per_stage = w.dp_all_gather_us, []
-            for e, chain in enumerate(w.fwd):
-                start = max(cursor[e], ready)
-                end = start + chain.duration_us
-                per_stage.append(start)
-                cursor[e] = end
-                ready = end + w.p2p_us
-            starts.append(per_stage)
-            ef.append((end + w.to_llm_us[j], j, k))
-            required.append(max(c - f for c, f in zip(cursor, first)))
-        return cls(starts, ef, [e for e, _, _ in ef], required)
-
-
-class _PostWindow:
-    """One encoder pipeline's coarse backwards after the LLM (``coarse_backward`` from the LLM stages'
-    last computation), laid out once as if every gradient were already there: each microbatch starts on
-    the last stage as soon as that stage is free. Gradients arrive during the LLM's span, so they are
-    there by then almost always; a layout is this one's prefix up to the first microbatch whose gradient
-    comes later, and is laid out from there on from the state the prefix leaves."""
-
-    def __init__(self, origin: list[float], work: EncoderWork):
-        self.origin, self.work = origin, work
-        self.last_stage_starts: list[float] = []  # [k]: microbatch k's start on the last stage
-        self.ends: list[list[float]] = [list(origin)]  # [k]: each stage's end after microbatches 0..k-1
-        self.free = [origin[-1]]  # [k]: when the last stage is free for microbatch k
-
-    def queued(self, ready: Sequence[float]) -> bool:
-        """Each gradient is there by the time the last stage is free for it: the layout is this one's
-        prefix, whose stage ends are ``ends[len(ready)]``."""
-        while len(self.last_stage_starts) < len(ready):
-            (row,), ends = coarse_backward([float("-inf")], self.ends[-1], self.work)
-            self.last_stage_starts.append(row[-1])
-            self.ends.append(ends)
-            self.free.append(ends[-1])
-        return not any(map(gt, ready, self.free))
-
-    def layout(self, ready: tuple[float, ...]) -> tuple[list[float], list[float]]:
-        """``coarse_backward(ready, origin)``: each microbatch's start on the last stage, each stage's end."""
-        n = len(ready)
-        if self.queued(ready):
-            return self.last_stage_starts[:n], self.ends[n]
-        k = next(k for k, (r, free) in enumerate(zip(ready, self.free)) if r > free)
-        rows, ends = coarse_backward(ready[k:], self.ends[k], self.work)
-        return self.last_stage_starts[:k] + [row[-1] for row in rows], ends
-
-
 @dataclass
 class _Evaluation:
     """A partition's state laid out. A forward move's evaluation may leave out the global ordering and
@@ -329,9 +127,9 @@ class _PartitionScheduler:
         self.timeline = dep.timeline
         self.pp_enc = len(work.fwd)
         self.moves = moves
-        self.resources: dict[tuple[int, int], _Resource] = {}
+        self.resources: dict[tuple[int, int], Resource] = {}
         self.moved_backward: list[list[int]] = [[] for _ in partition]  # per pipeline: LLM microbatches, in order
-        self.uncommitted: list[list[_Move]] = [[] for _ in partition]  # backward moves not yet in resources
+        self.uncommitted: list[list[Move]] = [[] for _ in partition]  # backward moves not yet in resources
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
         self.fine_fwd: dict[tuple[int, int], list[list[float]]] = {}  # (j, k) -> per stage kernel starts (tau)
         self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
@@ -345,7 +143,7 @@ class _PartitionScheduler:
 
     # -- resources ---------------------------------------------------------------------------
 
-    def resource(self, j: int, e: int) -> _Resource:
+    def resource(self, j: int, e: int) -> Resource:
         """Stage e of pipeline j's bubbles, taken by j's forward moves so far (the forward pass runs
         before any backward placement) and by this partition's backward moves."""
         if (j, e) not in self.resources:
@@ -374,10 +172,10 @@ class _PartitionScheduler:
     def _backward_key(self, j: int, i: int) -> tuple[int, tuple[int, ...], int]:
         return self.moved_forward(j), tuple(self.moved_backward[j]), i
 
-    def _first_fit_backward(self, j: int, i: int) -> _Move | None:
+    def _first_fit_backward(self, j: int, i: int) -> Move | None:
         w = self.work
         ready = self.dep.backward[i] + w.to_llm_us[j]
-        placements: list[_Placement] = []  # from the last stage to the first
+        placements: list[Placement] = []  # from the last stage to the first
         for e in reversed(range(self.pp_enc)):
             placement = self.resource(j, e).place_chain(w.bwd[e], ready, self.last(j, e))
             if placement is None:
@@ -385,7 +183,7 @@ class _PartitionScheduler:
             starts, spans = placement
             placements.append((starts or [ready], spans))  # a frozen stage passes the gradient on at once
             ready = (starts[-1] + w.bwd[e].kernels[-1].duration_us if starts else ready) + w.p2p_us
-        return _Move.of(placements[::-1])
+        return Move.of(placements[::-1])
 
     def commit_backward(self, j: int, i: int) -> None:
         """Take the bubbles of the backward move just placed, once a later placement must search them."""
@@ -592,16 +390,6 @@ def init_schedule(work: EncoderWork, bubbles: LLMBubbles, partition: tuple[int, 
     return state if state.evaluation is not None else None
 
 
-def stage_gaps(timeline: LLMTimeline) -> list[tuple[FreeIntervals, FreeIntervals]]:
-    """Per LLM stage: (idle compute-stream time, time without an LLM TP collective) inside its span."""
-    gaps = []
-    for s, stage in enumerate(timeline.stages):
-        compute, comm = timeline.kernel_intervals(s)
-        lo, hi = stage.first_compute_us, stage.last_compute_us
-        gaps.append((FreeIntervals.complement(compute, lo, hi), FreeIntervals.complement(comm, lo, hi)))
-    return gaps
-
-
 def find_critical(state: _PartitionScheduler, mode: Mode) -> int | None:
     """findCritical: the encoder pipeline on the critical path, or None if the LLM itself is."""
     ev = state.evaluation
@@ -672,20 +460,6 @@ class SchedulerStats:
     partitions_total: int = 0
     partitions_searched: int = 0
     partitions_pruned: int = 0  # skipped by the lower bound
-
-
-@dataclass(frozen=True)
-class LLMBubbles:
-    """What every encoder plan's scheduling shares: dependency points and the LLM's bubbles per stage."""
-
-    dep: EncLLMDep
-    gaps: list[tuple[FreeIntervals, FreeIntervals]]  # per stage: (idle compute, no-TP-collective) time
-    lengths: list[Lengths]  # per stage: its idle compute time by bubble length, for the lower bound
-
-    @classmethod
-    def of(cls, dep: EncLLMDep) -> LLMBubbles:
-        gaps = stage_gaps(dep.timeline)
-        return cls(dep, gaps, [Lengths.of_gaps(compute) for compute, _ in gaps])
 
 
 def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: EncoderPlanCandidate,
@@ -769,7 +543,7 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
     for j, window in enumerate(state.pre):
         for k in range(state.n_coarse_fwd[j]):
             for e, start in enumerate(window.starts[k]):
-                chains.append(ChainPlacement(j, e, k, "fwd", "pre", _block(start, w.fwd[e])))
+                chains.append(ChainPlacement(j, e, k, "fwd", "pre", chain_block(start, w.fwd[e])))
     for (j, k), per_stage in state.fine_fwd.items():
         for e, starts in enumerate(per_stage):
             chains.append(ChainPlacement(j, e, k, "fwd", "llm", tuple(s + t0 for s in starts)))
@@ -781,7 +555,7 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
         rows, _ = coarse_backward([ready for ready, _ in coarse], state.moves[j].post.origin, w)
         for e in reversed(range(state.pp_enc)):
             if w.bwd[e].kernels:
-                chains.extend(ChainPlacement(j, e, k, "bwd", "post", _block(row[e] + t0, w.bwd[e]))
+                chains.extend(ChainPlacement(j, e, k, "bwd", "post", chain_block(row[e] + t0, w.bwd[e]))
                               for (_, k), row in zip(coarse, rows))
     return Schedule(
         llm_plan=llm_plan, encoder_plan=enc_plan, partition=state.partition, dep=state.dep, work=w,
@@ -789,34 +563,6 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
         encoder_backward_start_us=tuple(ev.eb), chains=tuple(chains), iteration_us=ev.latency,
         coarse_iteration_us=coarse_us,
     )
-
-
-def coarse_backward(ready: Sequence[float], origin: list[float],
-                    work: EncoderWork) -> tuple[list[list[float]], list[float]]:
-    """Backwards in a post window: GPipe-style from the last encoder stage to the first, each stage's
-    chain as one block, microbatches in the given order with their gradients ready at ``ready``, each
-    stage free from ``origin``. Returns every microbatch's start per stage, and each stage's end."""
-    cursor = list(origin)
-    durations = [chain.duration_us for chain in work.bwd]
-    stages = range(len(cursor) - 1, -1, -1)
-    rows = []
-    for t in ready:
-        row = [0.0] * len(cursor)
-        for e in stages:
-            start = cursor[e] if cursor[e] > t else t
-            row[e] = start
-            cursor[e] = start + durations[e]
-            t = cursor[e] + work.p2p_us
-        rows.append(row)
-    return rows, cursor
-
-
-def _block(start: float, chain: StageChain) -> tuple[float, ...]:
-    starts, t = [], start
-    for k in chain.kernels:
-        starts.append(t)
-        t += k.duration_us
-    return tuple(starts)
 
 
 # --------------------------------------------------------------------------------------------
