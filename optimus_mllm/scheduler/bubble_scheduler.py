@@ -33,6 +33,7 @@ from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.scheduler.coarse import chain_block, coarse_backward
 from optimus_mllm.scheduler.dependencies import (
     EPS_US,
     EncLLMDep,
@@ -42,10 +43,9 @@ from optimus_mllm.scheduler.dependencies import (
     global_order,
 )
 from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain, build_encoder_work
-from optimus_mllm.scheduler.coarse import chain_block, coarse_backward
 from optimus_mllm.scheduler.fine import LLMBubbles, Move, PipelineMoves, Placement, Resource
-from optimus_mllm.scheduler.lower_bound import PartitionBound, network_fifo_end
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
+from optimus_mllm.scheduler.lower_bound import PartitionBound, network_fifo_end
 
 Window = Literal["pre", "llm", "post"]
 Mode = Literal["fwd", "bwd"]
@@ -98,6 +98,10 @@ class Schedule:
 
     def chain_kernels(self, chain: ChainPlacement) -> StageChain:
         return (self.work.fwd if chain.phase == "fwd" else self.work.bwd)[chain.stage]
+
+
+# --------------------------------------------------------------------------------------------
+# One partition's scheduling state
 
 
 @dataclass

@@ -129,14 +129,13 @@ class PipelineMoves:
 
     SNAPSHOT_EVERY = 8
 
-    def __init__(self, work: EncoderWork, dep: EncLLMDep, stage_gaps: list[tuple[FreeIntervals, FreeIntervals]],
-                 j: int):
+    def __init__(self, work: EncoderWork, dep: EncLLMDep, gaps: list[tuple[FreeIntervals, FreeIntervals]], j: int):
         self.work, self.j = work, j
         stages = [work.llm_stage(j, e) for e in range(len(work.fwd))]
         self.first = [dep.timeline.stages[s].first_compute_us for s in stages]
         # the LLM's last forward dependency point bounds every encoder forward's end
         self.limit = max(dep.forward) - work.to_llm_us[j]
-        self.builder = [Resource(s, stage_gaps[s][0].copy(), stage_gaps[s][1].copy()) for s in stages]
+        self.builder = [Resource(s, gaps[s][0].copy(), gaps[s][1].copy()) for s in stages]
         self.moves: list[Move] = []  # t -> the t-th forward move
         self.forward_ends: list[float] = []  # t -> its EF (tau): when its output reaches the first LLM stage
         self.exhausted = False  # move len(moves) does not fit

@@ -72,8 +72,8 @@ def stage_excess_us(demand: Demand, n: int) -> tuple[float, float, float]:
 
 
 class PartitionBound:
-    """No schedule of a partition can be faster than ``bound(partition)``: for one encoder plan's
-    partitions (``bubbles``: per LLM stage, its idle compute time by length).
+    """``bound(partition)``: no schedule of that partition of one encoder plan is faster (``bubbles``: per
+    LLM stage, its idle compute time by length).
 
     t0 is at least what the all-gathers need and what each stage's forwards left out of the bubbles
     need before the stage's first computation. Then every iteration contains the LLM's span and
