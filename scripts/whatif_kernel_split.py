@@ -131,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"cases to run (default all: {', '.join(CASES)})")
     parser.add_argument("--json", metavar="OUT", help="write every figure as JSON")
     args = parser.parse_args(argv)
-    if any(p <= 0 for p in args.pieces):
-        print("whatif_kernel_split: error: --pieces: piece sizes must be positive (us)", file=sys.stderr)
+    if not all(math.isfinite(p) and p > 0 for p in args.pieces):
+        print("whatif_kernel_split: error: --pieces: piece sizes must be positive numbers of us", file=sys.stderr)
+        return 2
+    if args.json and not Path(args.json).parent.is_dir():  # before minutes of scheduling, not after
+        print(f"whatif_kernel_split: error: --json: directory {Path(args.json).parent} does not exist; create it "
+              "first", file=sys.stderr)
         return 2
     pieces = [(p, charged) for p in args.pieces for charged in (True, False)]
     results = {}
@@ -141,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             path, overrides = CASES[name]
             results[name] = run_case(load_config(REPO / "configs" / "paper" / path, overrides), pieces)
             print_case(name, results[name])
+        if args.json:
+            atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
     except OptimusError as exc:
         print(f"whatif_kernel_split: error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
     return 0
 
 

@@ -33,6 +33,9 @@ def test_whatif_kernel_split_prints_and_writes_each_piece_size(tmp_path):
     assert [(r["piece_us"], r["overhead"]) for r in case["rows"]] == [(None, True), (40.0, True), (40.0, False)]
     assert case["llm_plan"] == "DP1 PP4 TP2 V10" and case["balanced_s"] < case["megatron_s"]
     assert "pieces <= 40 us free" in proc.stdout
-    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "whatif_kernel_split.py"), "--pieces", "0"],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--pieces" in bad.stderr
+    for args in (["--pieces", "0"], ["--pieces", "-5"], ["--pieces", "nan"], ["--pieces", "inf"],
+                 ["--json", str(tmp_path / "missing" / "out.json")]):
+        bad = subprocess.run([sys.executable, str(REPO / "scripts" / "whatif_kernel_split.py"), *args],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and args[0] in bad.stderr, (args, bad.stderr)
+    assert not (tmp_path / "missing").exists()
