@@ -476,8 +476,29 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
     could have won. Returns this plan's best schedule found, or None if no partition was feasible or
     searched.
     """
-    best, stats = _search_partitions(config, llm_plan, candidate, bubbles, cost, bound_us, fine)
+    plan = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
+    best, stats = _search_partitions(plan, llm_plan, bubbles, bound_us, fine)
     return (best.schedule() if best else None), stats
+
+
+@dataclass(frozen=True)
+class _PlanInput:
+    """One encoder plan as the search takes it: its encoder work and each partition's lower bound."""
+
+    candidate: EncoderPlanCandidate
+    work: EncoderWork
+    bounds: dict[tuple[int, ...], float]
+
+    @classmethod
+    def of(cls, config: OptimusConfig, llm_plan: ParallelPlan, candidate: EncoderPlanCandidate,
+           bubbles: LLMBubbles, cost: CostModel) -> _PlanInput:
+        work = build_encoder_work(config, llm_plan, candidate.plan, cost)
+        bound = PartitionBound(work, bubbles.dep, bubbles.lengths)
+        return cls(candidate, work, {p: bound(p) for p in candidate.partitions.partitions})
+
+    @property
+    def lower_bound_us(self) -> float:
+        return min(self.bounds.values(), default=float("inf"))
 
 
 @dataclass(frozen=True)
@@ -497,14 +518,11 @@ class _PlanBest:
         return _to_schedule(self.state, self.llm_plan, self.encoder_plan, self.coarse_us)
 
 
-def _search_partitions(config: OptimusConfig, llm_plan: ParallelPlan, candidate: EncoderPlanCandidate,
-                       bubbles: LLMBubbles, cost: CostModel, bound_us: float,
+def _search_partitions(plan: _PlanInput, llm_plan: ParallelPlan, bubbles: LLMBubbles, bound_us: float,
                        fine: bool) -> tuple[_PlanBest | None, SchedulerStats]:
     """``bubble_scheduler`` up to its fastest partition."""
-    work = build_encoder_work(config, llm_plan, candidate.plan, cost)
-    stats = SchedulerStats(partitions_total=len(candidate.partitions.partitions))
-    bound = PartitionBound(work, bubbles.dep, bubbles.lengths)
-    bounds = {p: bound(p) for p in candidate.partitions.partitions}
+    work, bounds = plan.work, plan.bounds
+    stats = SchedulerStats(partitions_total=len(bounds))
     with _cyclic_gc_paused():
         moves = PipelineMoves.of_pipelines(work, bubbles)
         best: _PlanBest | None = None
@@ -521,7 +539,7 @@ def _search_partitions(config: OptimusConfig, llm_plan: ParallelPlan, candidate:
                 state = optimize_schedule(state, FWD)
                 state = optimize_schedule(state, BWD)
             if best is None or state.evaluation.latency < best.iteration_us - EPS_US:
-                best = _PlanBest(state, llm_plan, candidate.plan, coarse_us)
+                best = _PlanBest(state, llm_plan, plan.candidate.plan, coarse_us)
     return best, stats
 
 
@@ -608,24 +626,20 @@ def optimus(config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine
     with _cyclic_gc_paused():
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
         result = OptimusResult(best=None, llm_alone_us=bubbles.dep.timeline.iteration_us)
-        bounds = {}
-        for candidate in planned.candidates:
-            bound = PartitionBound(build_encoder_work(config, planned.llm_plan, candidate.plan, cost), bubbles.dep,
-                                   bubbles.lengths)
-            bounds[candidate.plan] = min(map(bound, candidate.partitions.partitions), default=float("inf"))
+        plans = [_PlanInput.of(config, planned.llm_plan, c, bubbles, cost) for c in planned.candidates]
         best: _PlanBest | None = None
-        for candidate in sorted(planned.candidates, key=lambda c: bounds[c.plan]):
+        for plan in sorted(plans, key=lambda p: p.lower_bound_us):
             bound = best.iteration_us if best else float("inf")
-            plan_best, stats = _search_partitions(config, planned.llm_plan, candidate, bubbles, cost, bound, fine)
+            plan_best, stats = _search_partitions(plan, planned.llm_plan, bubbles, bound, fine)
+            enc_plan, lower_bound = plan.candidate.plan, plan.lower_bound_us
             if plan_best is not None:
-                outcome = PlanOutcome(candidate.plan, "scheduled", plan_best.iteration_us, bounds[candidate.plan],
-                                      stats)
+                outcome = PlanOutcome(enc_plan, "scheduled", plan_best.iteration_us, lower_bound, stats)
                 if best is None or plan_best.iteration_us < best.iteration_us:
                     best = plan_best
             elif stats.partitions_searched == 0:
-                outcome = PlanOutcome(candidate.plan, "bounded", None, bounds[candidate.plan], stats)
+                outcome = PlanOutcome(enc_plan, "bounded", None, lower_bound, stats)
             else:
-                outcome = PlanOutcome(candidate.plan, "infeasible", None, bounds[candidate.plan], stats)
+                outcome = PlanOutcome(enc_plan, "infeasible", None, lower_bound, stats)
             result.outcomes.append(outcome)
         result.best = best.schedule() if best else None
     result.runtime_s = time.perf_counter() - started
