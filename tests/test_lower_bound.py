@@ -38,7 +38,7 @@ def test_stage_excess_counts_long_kernels_against_long_bubbles_only():
     Forward and backward kernels of 20 us or more (120 us) against 50 us of such bubbles: 70 us at least
     run before or after it. All 130 us against the 70 us of bubbles would leave only 60."""
     bubbles = Lengths.of([10.0, 10.0, 50.0])
-    demand = stage_demand(_chain(20.0, 5.0), _chain(40.0), bubbles)
+    demand = stage_demand(Lengths.of_compute(_chain(20.0, 5.0)), Lengths.of_compute(_chain(40.0)), bubbles)
     assert stage_excess_us(demand, 2) == pytest.approx((0.0, 30.0, 70.0))
     assert stage_excess_us(demand, 1) == pytest.approx((0.0, 0.0, 10.0))
 

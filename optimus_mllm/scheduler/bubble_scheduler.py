@@ -45,7 +45,7 @@ from optimus_mllm.scheduler.dependencies import (
 from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain, build_encoder_work
 from optimus_mllm.scheduler.fine import LLMBubbles, Move, PipelineMoves, Placement, Resource
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
-from optimus_mllm.scheduler.lower_bound import PartitionBound, network_fifo_end
+from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
 
 Window = Literal["pre", "llm", "post"]
 Mode = Literal["fwd", "bwd"]
@@ -139,9 +139,7 @@ class _PartitionScheduler:
         self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
         self.has_backward = any(chain.kernels for chain in work.bwd)
         self.pre = [m.pre for m in moves]
-        # the t0 that the encoder's and the LLM's all-gathers need before each LLM stage's first computation
-        self.t0_low = max([work.dp_all_gather_us + ag - st.first_compute_us
-                           for st, ag in zip(self.timeline.stages, self.timeline.dp_all_gather_us)] + [0.0])
+        self.t0_low = all_gather_t0(work, self.timeline)
         self.queued_tail = self._queued_tail()
         self.evaluation = self.evaluate()
 
@@ -300,10 +298,7 @@ class _PartitionScheduler:
             for e in range(self.pp_enc):
                 s = w.llm_stage(j, e)
                 llm_only = tl.stages[s].last_compute_us + tl.dp_reduce_scatter_us[s]
-                reduces = [(tl.stages[s].last_compute_us, tl.dp_reduce_scatter_us[s])]
-                if (j, e) in backward_end:
-                    reduces.append((backward_end[(j, e)], w.dp_reduce_scatter_us))
-                end = network_fifo_end(reduces)
+                end = reduce_scatters_end(tl, s, w.dp_reduce_scatter_us, backward_end.get((j, e)))
                 end_by_resource[(j, e)] = (end, end > llm_only + EPS_US)
                 tail = max(tail, end)
         return end_by_resource, tail

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from optimus_mllm.scheduler.dependencies import EncLLMDep
 from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain
 from optimus_mllm.scheduler.intervals import FreeIntervals
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,12 @@ class Lengths:
 Demand = list[tuple[float, float, float]]  # per kernel length d: forward, backward compute in kernels >= d, room
 
 
-def stage_demand(fwd: StageChain, bwd: StageChain, bubbles: Lengths) -> Demand:
-    """For each length d of the stage's compute kernels: one microbatch's forward and backward compute in
-    kernels at least d long, and the LLM stage's idle time in bubbles at least d long."""
-    f, b = Lengths.of_compute(fwd), Lengths.of_compute(bwd)
-    return [(f.at_least(d), b.at_least(d), bubbles.at_least(d)) for d in sorted(set(f.values) | set(b.values))]
+def stage_demand(fwd: Lengths, bwd: Lengths, bubbles: Lengths) -> Demand:
+    """For each length d of the stage's compute kernels (``fwd``, ``bwd``: one microbatch's): its forward
+    and backward compute in kernels at least d long, and the LLM stage's idle time in bubbles at least d
+    long."""
+    return [(fwd.at_least(d), bwd.at_least(d), bubbles.at_least(d))
+            for d in sorted(set(fwd.values) | set(bwd.values))]
 
 
 def stage_excess_us(demand: Demand, n: int) -> tuple[float, float, float]:
@@ -86,21 +88,18 @@ class PartitionBound:
         self.work, self.dep = work, dep
         tl = dep.timeline
         self.first = [st.first_compute_us for st in tl.stages]
-        self.t0_low = max([0.0] + [work.dp_all_gather_us + ag - f for f, ag in zip(self.first, tl.dp_all_gather_us)])
+        self.t0_low = all_gather_t0(work, tl)
         self.tail = 0.0  # the encoder's reduce-scatter after the last LLM microbatch's backward (tau)
         if any(chain.kernels for chain in work.bwd):
             # The last LLM microbatch's gradient leaves the LLM at B_last; some encoder pipeline must then
             # run its whole backward before its first stage's GPUs can reduce-scatter the encoder's gradients.
             chain = sum(c.duration_us for c in work.bwd) + (len(work.bwd) - 1) * work.p2p_us
-            tails = []
-            for j in range(work.num_pipelines):
-                s = work.llm_stage(j, 0)
-                encoder_done = dep.backward[-1] + work.to_llm_us[j] + chain
-                tails.append(network_fifo_end([(tl.stages[s].last_compute_us, tl.dp_reduce_scatter_us[s]),
-                                               (encoder_done, work.dp_reduce_scatter_us)]))
-            self.tail = min(tails)
+            self.tail = min(reduce_scatters_end(tl, work.llm_stage(j, 0), work.dp_reduce_scatter_us,
+                                                dep.backward[-1] + work.to_llm_us[j] + chain)
+                            for j in range(work.num_pipelines))
         self.stages = [[work.llm_stage(j, e) for e in range(len(work.fwd))] for j in range(work.num_pipelines)]
-        self.demand = {(e, s): stage_demand(work.fwd[e], work.bwd[e], bubbles[s])
+        fwd, bwd = [Lengths.of_compute(c) for c in work.fwd], [Lengths.of_compute(c) for c in work.bwd]
+        self.demand = {(e, s): stage_demand(fwd[e], bwd[e], bubbles[s])
                        for stages in self.stages for e, s in enumerate(stages)}
         self.excess: dict[tuple[int, int, int], tuple[float, float, float]] = {}  # (e, s, n) -> stage_excess_us
 
@@ -118,10 +117,27 @@ class PartitionBound:
             before = t0 + self.first[s] - work.dp_all_gather_us  # the stage's time before its LLM stage starts
             after = max(backward, both - before)  # the least compute after its LLM stage's last computation
             if after > 0:
-                last = t0 + tl.stages[s].last_compute_us
-                bound = max(bound, network_fifo_end([(last, tl.dp_reduce_scatter_us[s]),
-                                                     (last + after, work.dp_reduce_scatter_us)]))
+                encoder_done = tl.stages[s].last_compute_us + after
+                bound = max(bound, t0 + reduce_scatters_end(tl, s, work.dp_reduce_scatter_us, encoder_done))
         return bound
+
+
+def all_gather_t0(work: EncoderWork, timeline: LLMTimeline) -> float:
+    """The least t0 (the LLM's origin): the encoder's all-gather, then each LLM stage's own, before the
+    stage's first computation."""
+    return max([0.0] + [work.dp_all_gather_us + ag - st.first_compute_us
+                        for st, ag in zip(timeline.stages, timeline.dp_all_gather_us)])
+
+
+def reduce_scatters_end(timeline: LLMTimeline, stage: int, encoder_rs_us: float,
+                        encoder_done: float | None) -> float:
+    """When the GPUs of LLM stage ``stage`` finish their gradient reduce-scatters (tau): the LLM's after
+    its last computation, and the encoder's (``encoder_rs_us``) after its last backward there
+    (``encoder_done``; None where these GPUs hold no encoder gradients)."""
+    transfers = [(timeline.stages[stage].last_compute_us, timeline.dp_reduce_scatter_us[stage])]
+    if encoder_done is not None:
+        transfers.append((encoder_done, encoder_rs_us))
+    return network_fifo_end(transfers)
 
 
 def network_fifo_end(transfers: list[tuple[float, float]]) -> float:
