@@ -1,7 +1,8 @@
 """``optimus-train``: train the ViT + projector + GPT model on every rank of a ``torchrun`` job.
 
     torchrun --nproc-per-node N -m optimus_mllm.train --config FILE.yaml [--override KEY=VALUE ...]
-             [--schedule ARTIFACT.json] [--baseline] [--save DIR [--save-interval N] [--resume [--no-load-optim]]]
+             [--schedule ARTIFACT.json] [--baseline [megatron-lm|balanced]]
+             [--save DIR [--save-interval N] [--resume [--no-load-optim]]]
              [--pretrained-checkpoint DIR] [--pretrained-llm DIR] [--pretrained-encoder NAME=DIR ...]
              [--tensorboard-dir DIR]
 
@@ -38,6 +39,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout,
     optimizer_layout_change,
 )
+from optimus_mllm.runtime.balanced import balanced_problem
 from optimus_mllm.runtime.data import check_dataset
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_job_artifact
 
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from optimus_mllm.runtime.trainer import StepResult
 
 PROG = "optimus-train"
+BASELINES = ("megatron-lm", "balanced")  # the paper's two Megatron-LM baselines (Trainer modes baseline, balanced)
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -66,8 +69,10 @@ def build_parser() -> ArgumentParser:
     add_config_arguments(parser, "configs/tiny.yaml")
     parser.add_argument("--schedule", metavar="ARTIFACT",
                         help="schedule artifact from optimus-plan --artifact (default: schedule here)")
-    parser.add_argument("--baseline", action="store_true",
-                        help="Megatron-style: encoders whole in the first pipeline stage, no bubble schedule")
+    parser.add_argument("--baseline", nargs="?", const="megatron-lm", choices=BASELINES,
+                        help="no bubble schedule: megatron-lm (the default), the encoders whole in the first "
+                             "pipeline stage; balanced, encoder and LLM layers split together over the virtual "
+                             "stages (the paper's Megatron-LM balanced)")
     parser.add_argument("--save", metavar="DIR", help="checkpoint folder: written at the end of training "
                         "and every --save-interval steps")
     parser.add_argument("--save-interval", metavar="N", type=_positive_int,
@@ -101,6 +106,7 @@ class Job:
     config: OptimusConfig
     llm_plan: ParallelPlan
     artifact: dict[str, Any] | None  # None in baseline mode
+    baseline: str | None = None  # which of BASELINES runs, None under Optimus
     resume: CheckpointInfo | None = None
     notes: tuple[str, ...] = ()  # what rank 0 says before the first step
     load_optimizer: bool = True  # with ``resume``: the checkpoint's optimizer state too
@@ -135,7 +141,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
     check_dataset(config)
     planned = plan(config)
     if args.baseline:
-        _check_baseline_encoders(config, planned.llm_plan.tp)
+        _check_baseline(args.baseline, config, planned.llm_plan)
     resume = _resume_point(args.save, config) if args.resume else None
     artifact, notes = _job_artifact(args, config, planned, world_size, resume)
     if resume is not None and resume.passed_over:
@@ -146,17 +152,21 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
             raise OptimusError(f"--resume: the checkpoint's {changed} differs from this job's, so its optimizer "
                                "state does not fit; resume with the optimizer settings it was written with, or "
                                "add --no-load-optim to start the optimizer state afresh")
-    return Job(config, planned.llm_plan, artifact, resume, notes, load_optimizer=not args.no_load_optim,
-               pretrained=parts)
+    return Job(config, planned.llm_plan, artifact, args.baseline, resume, notes,
+               load_optimizer=not args.no_load_optim, pretrained=parts)
 
 
-def _check_baseline_encoders(config: OptimusConfig, tp: int) -> None:
-    """The Megatron-style baseline runs the encoders in the LLM's first stage, at the LLM's TP."""
+def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan) -> None:
+    """Both baselines run the encoders at the LLM's TP; the balanced one as ``runtime.balanced`` can."""
+    tp = llm_plan.tp
     for i, enc in enumerate(config.encoders):
         problem = encoder_tp_problem(enc, config.llm.hidden_size, config.training.sequence_parallel, tp)
         if problem:
             raise OptimusError(f"--baseline runs model.encoders[{i}] at the LLM's tp={tp}, but its {problem}; "
                                "run it without --baseline or pick another parallel.llm.tp")
+    problem = balanced_problem(config, llm_plan) if baseline == "balanced" else None
+    if problem:
+        raise OptimusError(f"--baseline balanced: {problem}")
 
 
 def _pretrained_parts(args: argparse.Namespace, config: OptimusConfig) -> tuple[tuple[str, Path, str], ...]:
@@ -242,7 +252,8 @@ def train(job: Job, save: str | None = None, save_interval: int | None = None,
     from optimus_mllm.runtime.trainer import Trainer
 
     config, iters = job.config, job.config.training.train_iters
-    trainer = Trainer(config, job.llm_plan, "baseline" if job.artifact is None else "optimus", job.artifact)
+    mode = {None: "optimus", "megatron-lm": "baseline", "balanced": "balanced"}[job.baseline]
+    trainer = Trainer(config, job.llm_plan, mode, job.artifact)
     first = 0
     for part, folder, flag in job.pretrained:
         _say(load_pretrained(trainer, part, folder, flag))
@@ -267,7 +278,7 @@ def train(job: Job, save: str | None = None, save_interval: int | None = None,
             _say(f"step {i + 1}/{iters} | loss {loss:.4f} | grad norm {norm} | lr {result.lr:.3e} | {scale}"
                  f"{times[-1] * 1e3:.1f} ms | "
                  f"{tokens / times[-1]:.0f} tokens/s | "
-                 + ("baseline" if share is None else
+                 + ({"megatron-lm": "baseline", "balanced": "balanced baseline"}[job.baseline] if share is None else
                     f"encoder ops inside LLM span {share:.1%} | ops moved from their hook {moved}"))
             if board is not None:
                 _log_scalars(board, i + 1, loss, result, times[-1], tokens, share)

@@ -301,6 +301,43 @@ def test_resume_onto_other_plans_and_runtimes(tmp_path):
         assert abs(loss - want_loss) < 1e-5 and abs(norm - want_norm) < 1e-5 and lr == want_lr
 
 
+def _resumed_through_balanced(save: str) -> dict:
+    """The baseline trains 2 steps, saves, trains 2 more; the balanced baseline (encoder and LLM layers split
+    together over TP2 PP2 V2) loads that, trains step 3, saves, trains step 4; Optimus loads the balanced
+    one's checkpoint and trains step 4."""
+    from optimus_mllm.runtime import checkpoint, checkpoint_meta
+
+    def numbers(result):
+        return result.loss, result.grad_norm, result.lr
+
+    first = _trainer([], "baseline")
+    for i in (0, 1):
+        first.train_step(i)
+    checkpoint.save_checkpoint(first, save, 2)
+    uninterrupted = [numbers(first.train_step(i)) for i in (2, 3)]
+    first.close()
+    second = _trainer([], "balanced")
+    checkpoint.load_checkpoint(second, checkpoint_meta.latest_checkpoint(save))
+    balanced = [numbers(second.train_step(2))]
+    checkpoint.save_checkpoint(second, save, 3)
+    balanced.append(numbers(second.train_step(3)))
+    second.close()
+    third = _trainer([], "optimus")
+    checkpoint.load_checkpoint(third, checkpoint_meta.latest_checkpoint(save))
+    optimus = [numbers(third.train_step(3))]
+    third.close()
+    return {"uninterrupted": uninterrupted, "balanced": balanced, "optimus": optimus}
+
+
+def test_the_balanced_baseline_saves_and_resumes_with_the_other_runtimes(tmp_path):
+    results = run_distributed(_resumed_through_balanced, 4, str(tmp_path / "run"), timeout=300)
+    uninterrupted = _step_values(results, "uninterrupted")
+    resumed = _step_values(results, "balanced") + _step_values(results, "optimus")
+    for (loss, norm, lr), (want_loss, want_norm, want_lr) in zip(resumed, [*uninterrupted, uninterrupted[1]],
+                                                                  strict=True):
+        assert abs(loss - want_loss) < 1e-5 and abs(norm - want_norm) < 1e-5 and lr == want_lr
+
+
 def _state_after_resuming(save: str) -> dict:
     """The same plans (the distributed optimizer sharded over two replicas): the optimizer's state saved
     and loaded, and the steps after it with and without the interruption."""

@@ -40,9 +40,9 @@ def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | N
     llm = {n: (w.float().numpy(), g.float().numpy()) for n, (w, g) in whole_parameters(
         llm_global_parameter_names(trainer.chunks), parallel_state.get_tensor_model_parallel_group()).items()}
     encoder = {}
-    if trainer.encoder is not None:
-        encoder = {n: (w.float().numpy(), None if g is None else g.float().numpy()) for n, (w, g) in whole_parameters(
-            global_parameter_names(trainer.encoder), trainer.encoder.tp_group).items()}
+    for stage in trainer.encoder_stages:
+        encoder.update({n: (w.float().numpy(), None if g is None else g.float().numpy()) for n, (w, g) in
+                        whole_parameters(global_parameter_names(stage), stage.tp_group).items()})
     planned = []
     if mode == "optimus":
         planned = [(op.event, op.phase, op.local_microbatch, op.kernel_index) for op in trainer.stage_plan.ops]
@@ -322,3 +322,49 @@ def test_a_trainer_joins_the_parallel_state_of_a_megatron_job_for_its_plan():
                for r in results)
     assert all(r["kept"] for r in results), "the job's parallel state and patches are left in place"
     assert results[1]["joined"] is not None and [r["joined"] for r in results] == [r["alone"] for r in results]
+
+
+# The balanced baseline's splits of tiny.yaml (2 encoder + 4 LLM layers): at V2 the encoder's layers on
+# virtual stages 0 and 1 (encoder hidden states, then image embeddings cross a boundary), at V1 one
+# stage with both encoder layers and the first LLM layer, the other with three LLM layers.
+BALANCED = {"tp2-vp2": [], "tp2-vp2-sp": ["training.sequence_parallel=true"],
+            "tp2-vp1": ["parallel.llm={dp: 1, pp: 2, tp: 2, vp: 1}"], "dp2-vp2": LLM_DP2}
+
+
+@pytest.fixture(scope="module")
+def balanced() -> dict:
+    """The balanced baseline and the Megatron-style baseline under each of ``BALANCED``'s plans, one launch."""
+    runs = [(overrides, mode, None, STEPS) for overrides in BALANCED.values() for mode in ("baseline", "balanced")]
+    per_rank = run_distributed(_train_runs, 4, TINY, runs, timeout=400)
+    return {name: ([r[2 * i] for r in per_rank], [r[2 * i + 1] for r in per_rank]) for i, name in enumerate(BALANCED)}
+
+
+def test_balanced_splits_cover_every_kind_of_boundary():
+    from optimus_mllm.config import load_config
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime.balanced import balanced_layer_ranges, llm_layout, split_ranges
+
+    def parts(overrides):
+        config = load_config(TINY, overrides)
+        return split_ranges(balanced_layer_ranges(config, plan(config).llm_plan), config.encoders[0].num_layers)
+
+    assert parts(BALANCED["tp2-vp2"]) == [((0, 1), None), ((1, 2), None), (None, (0, 2)), (None, (2, 4))]
+    assert parts(BALANCED["tp2-vp1"]) == [((0, 2), (0, 1)), (None, (1, 4))]
+    assert llm_layout(parts(BALANCED["tp2-vp1"]), 4) == [["embedding", "decoder"],
+                                                        ["decoder", "decoder", "decoder", "loss"]]
+
+
+@pytest.mark.parametrize("name", BALANCED)
+def test_balanced_baseline_trains_like_the_megatron_baseline(balanced, name):
+    """Layers moved between pipeline ranks, the LLM's unevenly: the same losses, gradient norms, and
+    every weight and gradient by global name."""
+    baseline, ours = balanced[name]
+    for rank, (b, o) in enumerate(zip(baseline, ours)):
+        assert o["losses"] == pytest.approx(b["losses"], abs=1e-5), f"rank {rank}"
+        assert o["norms"] == pytest.approx(b["norms"], abs=1e-5), f"rank {rank}: gradient norms"
+    for part in ("llm", "encoder"):
+        got = {n: t for r in ours for n, t in r[part].items()}
+        expected = {n: t for r in baseline for n, t in r[part].items()}
+        assert expected
+        _assert_tensors_equal(got, expected, part)
+    assert any(l is not None for r in ours for l in r["losses"])

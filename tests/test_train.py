@@ -127,6 +127,32 @@ def test_tensorboard_dir_without_tensorboard_is_a_one_line_error(monkeypatch):
         prepare(args, 4)
 
 
+def test_the_balanced_baseline_trains_like_the_baseline(baseline):
+    """--baseline balanced: encoder and LLM layers split together over the virtual stages, same losses."""
+    lines = _torchrun("--baseline", "balanced")
+    assert all(STEP.match(line).group(4) == "balanced baseline" for line in lines[:3])
+    assert _losses(lines) == _losses(baseline)
+
+
+_VIT = "num_layers: 2, hidden_size: 32, num_attention_heads: 4, ffn_hidden_size: 64, seq_length: 16, patch_size: 4"
+TWO_ENCODERS = f"model.encoders=[{{name: a, {_VIT}}}, {{name: b, {_VIT}}}]"
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--override", "model.llm.untie_embeddings_and_output_weights=false"],
+     r"^--baseline balanced: the balanced baseline places the word embedding .* set "
+     r"model.llm.untie_embeddings_and_output_weights: true$"),
+    (["--override", TWO_ENCODERS], r"^--baseline balanced: the balanced baseline splits one encoder's layers"),
+])
+def test_what_the_balanced_baseline_cannot_run_is_refused_before_training(flags, error):
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.train import build_parser, prepare
+
+    args = build_parser().parse_args(["--config", TINY, "--baseline", "balanced", *flags])
+    with pytest.raises(OptimusError, match=error):
+        prepare(args, 4)
+
+
 ODD_TOKENS = ("training.sequence_parallel=true", "model.encoders=[{name: vit, num_layers: 2, hidden_size: 32, "
               "num_attention_heads: 4, ffn_hidden_size: 64, seq_length: 9, patch_size: 4, in_channels: 3}]")
 

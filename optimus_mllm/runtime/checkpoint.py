@@ -61,7 +61,13 @@ from optimus_mllm.runtime.checkpoint_meta import (
     model_json,
     optimizer_layout,
 )
-from optimus_mllm.runtime.sharded_state import encoder_sharded_state_dict, llm_sharded_state_dict, part_layout
+from optimus_mllm.runtime.sharded_state import (
+    LLM_PREFIX,
+    encoder_sharded_state_dict,
+    llm_sharded_state_dict,
+    model_entries,
+    part_layout,
+)
 from optimus_mllm.runtime.user_model import vision_sharded_state_dict
 
 CHECKPOINT_VERSION_MEGATRON = 3.0  # Megatron-LM's checkpoint_version of its dist checkpoints
@@ -71,7 +77,14 @@ OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
 
 
 def model_sharded_state_dict(trainer: Any) -> dict[str, ShardedStateDict]:
-    """This rank's LLM chunks and encoder stage as Megatron-LM's ``model`` / ``model<i>`` entries."""
+    """This rank's LLM chunks and encoder stage as Megatron-LM's ``model`` / ``model<i>`` entries; in the
+    balanced baseline each virtual stage's entry holds its LLM and its encoder layers alike."""
+    if trainer.mode == "balanced":
+        dp_group = parallel_state.get_data_parallel_group()
+        return {key: {**({} if chunk.llm is None else chunk.llm.sharded_state_dict(prefix=LLM_PREFIX)),
+                      **({} if chunk.encoder_stage is None else
+                         encoder_sharded_state_dict(trainer.config, chunk.encoder_stage, dp_group))}
+                for key, chunk in zip(model_entries(len(trainer.modules)), trainer.modules)}
     state = llm_sharded_state_dict(trainer.chunks)
     if trainer.encoder is not None:
         dp_group = trainer.groups.dp_group if trainer.mode == "optimus" else parallel_state.get_data_parallel_group()

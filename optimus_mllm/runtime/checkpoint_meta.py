@@ -99,7 +99,8 @@ def _iterations(root: Path) -> list[int]:
     return [int(name) for name in names if name.isascii() and name.isdigit()]
 
 
-Mode = Literal["optimus", "baseline"]  # the runtimes: Optimus's schedule, or the Megatron-style baseline
+# the runtimes: Optimus's schedule, the Megatron-style baseline, the paper's Megatron-LM balanced baseline
+Mode = Literal["optimus", "baseline", "balanced"]
 _MODES: tuple[Mode, ...] = get_args(Mode)
 _META_FIELDS = {"iteration": int, "world_size": int, "llm_plan": dict, "mode": str, "model": dict,
                 "optimizer_layout": dict}

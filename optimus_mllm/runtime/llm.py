@@ -43,8 +43,11 @@ def unfused_settings() -> dict[str, Any]:
     }
 
 
-def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> TransformerConfig:
-    """megatron-core's config for the LLM under ``plan``, with fusions that need CUDA turned off."""
+def transformer_config(config: OptimusConfig, plan: ParallelPlan,
+                       layout: list[list[str]] | None = None) -> TransformerConfig:
+    """megatron-core's config for the LLM under ``plan``, with fusions that need CUDA turned off;
+    ``layout``: megatron-core's ``pipeline_model_parallel_layout`` (LLM layers per virtual stage),
+    else even stages."""
     llm, t = config.llm, config.training
     dtype = DTYPES[t.precision]
     return TransformerConfig(
@@ -54,6 +57,7 @@ def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Transformer
         normalization=llm.normalization, activation_func=ACTIVATIONS[llm.activation],
         tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
         virtual_pipeline_model_parallel_size=plan.vp if plan.vp > 1 else None,
+        pipeline_model_parallel_layout=layout,
         sequence_parallel=t.sequence_parallel and plan.tp > 1, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=t.precision == "bf16", fp16=t.precision == "fp16",
         hidden_dropout=llm.hidden_dropout, attention_dropout=llm.attention_dropout,
@@ -69,19 +73,22 @@ def transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Transformer
 
 def build_llm_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerConfig) -> list[GPTModel]:
     """This rank's model chunks (one per virtual stage); needs megatron's parallel_state initialised."""
+    layers = config.llm.num_layers // (plan.pp * plan.vp)
+    return [gpt_chunk(config, plan, tconfig, layers, pre, post, vp_stage)
+            for vp_stage, (pre, post) in enumerate(pre_post_process(plan))]
+
+
+def gpt_chunk(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerConfig, layers: int, pre_process: bool,
+              post_process: bool, vp_stage: int) -> GPTModel:
+    """One model chunk of ``layers`` LLM layers; megatron-core numbers them from ``tconfig`` and ``vp_stage``."""
     llm = config.llm
-    chunks = []
-    for vp_stage, (pre, post) in enumerate(pre_post_process(plan)):
-        kwargs = {"vp_stage": vp_stage} if plan.vp > 1 else {}
-        chunks.append(GPTModel(
-            config=tconfig, transformer_layer_spec=decoder_spec(tconfig, llm.num_layers // (plan.pp * plan.vp)),
-            vocab_size=llm.vocab_size,
-            max_sequence_length=llm.seq_length, pre_process=pre, post_process=post,
-            share_embeddings_and_output_weights=not llm.untie_embeddings_and_output_weights,
-            # the image tokens are spliced into the whole sequence first (decoder_input_with_images)
-            scatter_embedding_sequence_parallel=False,
-            position_embedding_type=llm.position_embedding_type, **kwargs))
-    return chunks
+    return GPTModel(
+        config=tconfig, transformer_layer_spec=decoder_spec(tconfig, layers), vocab_size=llm.vocab_size,
+        max_sequence_length=llm.seq_length, pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=not llm.untie_embeddings_and_output_weights,
+        # the image tokens are spliced into the whole sequence first (decoder_input_with_images)
+        scatter_embedding_sequence_parallel=False,
+        position_embedding_type=llm.position_embedding_type, **({"vp_stage": vp_stage} if plan.vp > 1 else {}))
 
 
 def pre_post_process(plan: ParallelPlan) -> list[tuple[bool, bool]]:

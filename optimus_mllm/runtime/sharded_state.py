@@ -46,11 +46,14 @@ LLM_ROOTS = ("embedding.", "decoder.", "output_layer.")  # a megatron-core GPTMo
 ENCODER_ROOTS = ("vision_model.", "vision_projection.")
 
 
+def model_entries(chunks: int) -> list[str]:
+    """Megatron-LM's ``model`` (one chunk) or ``model0``, ``model1``... (virtual stages) entry names."""
+    return ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
+
+
 def llm_sharded_state_dict(chunks: list[Any]) -> dict[str, ShardedStateDict]:
-    """Megatron-LM's ``model`` (one chunk) or ``model0``, ``model1``... (virtual stages) entries."""
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict(prefix=LLM_PREFIX)}
-    return {f"model{i}": chunk.sharded_state_dict(prefix=LLM_PREFIX) for i, chunk in enumerate(chunks)}
+    """The LLM chunks' ``model`` / ``model<i>`` entries."""
+    return {key: chunk.sharded_state_dict(prefix=LLM_PREFIX) for key, chunk in zip(model_entries(len(chunks)), chunks)}
 
 
 def encoder_prefix(config: OptimusConfig, name: str) -> str:

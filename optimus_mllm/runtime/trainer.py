@@ -5,7 +5,9 @@ and an encoder stage under the encoder plan (its own process groups); the encode
 run at the hook points that the schedule artifact names, and the image tokens reach the LLM by P2P.
 ``baseline``: the encoders run whole in the first pipeline stage's pre-process, tensor-parallel
 with the LLM, as Megatron-LM does for multimodal models; the same weights, data and LLM plan.
-Both train with megatron-core's own stack (``runtime/optimizer.py``: DDP, the distributed optimizer,
+``balanced``: the paper's Megatron-LM balanced baseline (``balanced``): encoder and LLM layers split
+together into the LLM plan's virtual stages, tensor-parallel with the LLM.
+All three train with megatron-core's own stack (``runtime/optimizer.py``: DDP, the distributed optimizer,
 AdamW, clipping by one norm over LLM and encoder, the LR schedule), so their losses, gradient norms
 and weights can be compared number for number.
 
@@ -37,6 +39,7 @@ from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
+from optimus_mllm.runtime.balanced import balanced_transformer_config, build_balanced_chunks, packed_shape
 from optimus_mllm.runtime.checkpoint_meta import Mode
 from optimus_mllm.runtime.data import Microbatch, microbatch_source
 from optimus_mllm.runtime.dropout import llm_chunk_index, microbatch_seed, seed_llm_dropout
@@ -107,6 +110,9 @@ class Trainer:
         project's model and data; its single encoder is ``config.encoders[0]``."""
         if mode == "optimus" and artifact is None:
             raise OptimusError("the Optimus runtime needs a schedule artifact (optimus-plan --artifact)")
+        if user_model is not None and mode == "balanced":
+            raise OptimusError("the balanced baseline runs this project's ViT and GPT; a model_provider's model "
+                               "runs under the Optimus schedule or the Megatron-style baseline")
         if user_model is not None and len(config.encoders) != 1:
             raise OptimusError("model.encoders: a model_provider's model has one vision_model; give one encoder")
         self.config, self.plan, self.mode, self.artifact = config, llm_plan, mode, artifact
@@ -126,7 +132,13 @@ class Trainer:
         self._owns_parallel_state = join_model_parallel(llm_plan)
         torch.manual_seed(config.training.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
-        if user_model is None:
+        if mode == "balanced":
+            self.tconfig = balanced_transformer_config(config, llm_plan)
+            self.modules = build_balanced_chunks(config, llm_plan, self.tconfig, encoder_layer_specs)
+            self.chunks = [chunk.llm for chunk in self.modules if chunk.llm is not None]
+            init_llm_plan_independent_(self.chunks, config.training.seed,
+                                       parallel_state.get_tensor_model_parallel_group())
+        elif user_model is None:
             self.tconfig = transformer_config(config, llm_plan)
             self.chunks = build_llm_chunks(config, llm_plan, self.tconfig)
             init_llm_plan_independent_(self.chunks, config.training.seed,
@@ -156,11 +168,12 @@ class Trainer:
             self._adopt_user_vision()
         elif mode == "optimus":
             self._build_optimus_encoder()
-        elif self.stage == 0:
+        elif mode == "baseline" and self.stage == 0:
             self.encoder = EncoderStage(config, 0, 1, parallel_state.get_tensor_model_parallel_group(),
                                         layer_specs=encoder_layer_specs)
-        if self.encoder is not None and user_model is None:
-            init_plan_independent_(self.encoder, config.training.seed)
+        if user_model is None:
+            for stage in self.encoder_stages:
+                init_plan_independent_(stage, config.training.seed)
         # megatron-core leaves some parts (torch norm, position embedding) on the CPU and in fp32: every part
         # in the training precision, on the training device (megatron-core's DDP then keeps fp32 main copies)
         dtype = DTYPES[config.training.precision]
@@ -181,6 +194,13 @@ class Trainer:
                                          self.groups.dp_group_gloo if self.mode == "optimus" else None)
         self.scheduler = build_scheduler(self.config, self.optimizer)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
+
+    @property
+    def encoder_stages(self) -> list[EncoderStage]:
+        """This rank's encoder layers: its encoder stage, or in the balanced baseline its virtual stages' parts."""
+        if self.mode == "balanced":
+            return [chunk.encoder_stage for chunk in self.modules if chunk.encoder_stage is not None]
+        return [self.encoder] if self.encoder is not None else []
 
     @property
     def ddp_models(self) -> list[Any]:
@@ -280,7 +300,8 @@ class Trainer:
         for model in self.ddp_models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        step = self._forward_step if self.user_model is None else self._user_forward_step
+        step = {"balanced": self._balanced_forward_step}.get(self.mode, self._forward_step)
+        step = self._user_forward_step if self.user_model is not None else step
         forward_step = partial(step, driver, iteration, leaves, mailbox)
         iterators = self._data_iterators(iteration)
         driver.fire(PRE)
@@ -289,7 +310,7 @@ class Trainer:
                 forward_step_func=forward_step,
                 data_iterator=iterators if self.plan.vp > 1 else iterators[0],
                 model=self.models if self.plan.vp > 1 else self.models[0],
-                num_microbatches=self.num_microbatches, seq_length=self.config.llm.seq_length,
+                num_microbatches=self.num_microbatches, seq_length=self._p2p_seq_length(),
                 micro_batch_size=self.config.training.micro_batch_size, forward_only=False,
                 **self._schedule_groups())
         driver.fire(POST)
@@ -322,6 +343,21 @@ class Trainer:
             decoder_input = decoder_input_with_images(self.chunks[chunk], mb, images)
         output = model(mb.tokens, mb.position_ids, mask, decoder_input=decoder_input, labels=mb.labels)
         return output, partial(masked_lm_loss, loss_mask=mb.loss_mask)
+
+    def _balanced_forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
+                               data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+        microbatch, chunk, global_microbatch, seed = self._microbatch_in_flight(driver, iteration)
+        mb = _text_on(self.data(iteration, global_microbatch), self.device)
+        images = to_device(mb.images[0], self.device) if self.modules[chunk].first else None
+        return model(mb, images, seed), partial(masked_lm_loss, loss_mask=mb.loss_mask)
+
+    def _p2p_seq_length(self) -> int:
+        """The ``seq_length`` megatron-core's schedule sizes its P2P tensors by: the LLM's, or in the balanced
+        baseline the packed boundary buffer's (whole over TP under sequence parallelism)."""
+        if self.mode != "balanced":
+            return self.config.llm.seq_length
+        sp = self.tconfig.sequence_parallel
+        return packed_shape(self.config, self.plan)[0] * (self.plan.tp if sp else 1)
 
     def _microbatch_in_flight(self, driver: HookDriver, iteration: int) -> tuple[int, int, int, int]:
         """(microbatch, chunk, global microbatch, seed) of the LLM op starting now; its LLM dropout seeded."""

@@ -169,12 +169,12 @@ class Projector(nn.Module):
 
 
 class VisionStage(nn.Module):
-    """One encoder's layers on one encoder pipeline stage: patch embedding on the first stage,
-    projector on the last; ``frozen`` freezes everything but the projector. The layers are built from
+    """One encoder's global layers ``layers`` = [lo, hi): with the patch embedding if lo is 0, with
+    the projector if hi is the last; ``frozen`` freezes everything but the projector. The layers are built from
     ``layer_spec`` (a megatron-core ``TransformerLayer`` spec; default ``vision_layer_spec()``) with the
     encoder's sizes and TP, and split into steps by ``layer_ops.layer_steps``."""
 
-    def __init__(self, encoder: EncoderConfig, llm_hidden_size: int, stage: int, num_stages: int,
+    def __init__(self, encoder: EncoderConfig, llm_hidden_size: int, layers: tuple[int, int],
                  tp_group: ProcessGroup, *, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, init_std: float = 0.02,
                  layer_spec: ModuleSpec | None = None):
@@ -186,15 +186,16 @@ class VisionStage(nn.Module):
         problem = encoder_tp_problem(encoder, llm_hidden_size, self.sequence_parallel, tp)
         if problem:  # the planner and the config checks keep such plans out
             raise ValueError(f"encoder {encoder.name}: {problem}")
-        self.first_layer, last_layer = stage_layer_bounds(encoder.num_layers, num_stages)[stage]
+        self.first_layer, last_layer = layers
         layer_config = vision_transformer_config(encoder, tp, params_dtype, init_std)
-        self.patch_embed = PatchEmbedding(encoder, layer_config.init_method, params_dtype) if stage == 0 else None
+        first = self.first_layer == 0
+        self.patch_embed = PatchEmbedding(encoder, layer_config.init_method, params_dtype) if first else None
         spec = layer_spec if layer_spec is not None else vision_layer_spec()
         self.layers = nn.ModuleList(build_layer(spec, layer_config, tp_group, index)
                                     for index in range(self.first_layer, last_layer))
         for index, layer in enumerate(self.layers, self.first_layer):  # refused when built, not when first run
             check_decomposable(layer, f"{encoder.name}:{index}")
-        last = stage == num_stages - 1
+        last = last_layer == encoder.num_layers
         self.projector = Projector(encoder, llm_hidden_size, layer_config, tp_group) if last else None
         for name, param in self.named_parameters():
             if encoder.frozen and not name.startswith("projector."):
@@ -234,13 +235,18 @@ class EncoderStage(nn.Module):
 
     def __init__(self, config: OptimusConfig, stage: int, num_stages: int, tp_group: ProcessGroup, *,
                  params_dtype: torch.dtype = torch.float32, init_std: float = 0.02,
-                 layer_specs: Mapping[str, ModuleSpec] | None = None):
-        """``layer_specs``: a megatron-core layer spec per encoder name (the others get ``vision_layer_spec()``)."""
+                 layer_specs: Mapping[str, ModuleSpec] | None = None,
+                 layers: Mapping[str, tuple[int, int]] | None = None):
+        """``layer_specs``: a megatron-core layer spec per encoder name (the others get ``vision_layer_spec()``).
+        ``layers``: each encoder's [lo, hi) layers, in place of stage ``stage``'s even share of
+        ``num_stages`` (the balanced baseline's uneven virtual stages)."""
         super().__init__()
         self.tp_group = tp_group
         specs = layer_specs or {}
+        if layers is None:
+            layers = {enc.name: stage_layer_bounds(enc.num_layers, num_stages)[stage] for enc in config.encoders}
         self.encoders = nn.ModuleDict({
-            enc.name: VisionStage(enc, config.llm.hidden_size, stage, num_stages, tp_group,
+            enc.name: VisionStage(enc, config.llm.hidden_size, layers[enc.name], tp_group,
                                   sequence_parallel=config.training.sequence_parallel,
                                   params_dtype=params_dtype, init_std=init_std, layer_spec=specs.get(enc.name))
             for enc in config.encoders

@@ -1,0 +1,183 @@
+"""The paper's Megatron-LM balanced baseline as a runtime: encoder and LLM layers form one sequence,
+split into V*PP contiguous virtual stages, run by megatron-core's own interleaved 1F1B schedule.
+
+The split is the one ``scheduler.baselines.megatron_lm_balanced_baseline`` simulates (Appendix B's
+dynamic program over the cost model's layer times), so the runtime runs the plan the benchmark
+prices. A virtual stage is a ``BalancedChunk``: its encoder layers (an ``EncoderStage`` over a layer
+range, at the LLM's TP, with the patch embedding if it holds the first layer and the projector if it
+holds the last) and its LLM layers (a megatron-core ``GPTModel`` that a
+``pipeline_model_parallel_layout`` gives its global layer numbers; the word embedding with the first
+LLM layer, the output layer with the last).
+
+A stage boundary carries encoder hidden states, image embeddings or LLM hidden states, while
+megatron-core's schedule sends one tensor shape: each boundary tensor travels packed flat into a
+buffer of the largest one's size (``packed_shape``), the padding costing P2P bytes only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.runtime.data import Microbatch
+from optimus_mllm.runtime.llm import causal_mask, decoder_input_with_images, gpt_chunk, transformer_config
+from optimus_mllm.runtime.vit import EncoderStage
+from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline
+
+Range = tuple[int, int]
+
+
+def balanced_layer_ranges(config: OptimusConfig, plan: ParallelPlan) -> tuple[Range, ...]:
+    """[lo, hi) of every virtual stage (``chunk * PP + stage``) over encoder layers, then LLM layers."""
+    return megatron_lm_balanced_baseline(config, plan, CostModel.from_config(config)).layer_ranges
+
+
+def split_ranges(ranges: tuple[Range, ...], encoder_layers: int) -> list[tuple[Range | None, Range | None]]:
+    """Per virtual stage: its encoder layers and its LLM layers (LLM numbering), None where it has none."""
+    parts = []
+    for lo, hi in ranges:
+        encoder = (lo, min(hi, encoder_layers)) if lo < encoder_layers else None
+        llm = (max(lo, encoder_layers) - encoder_layers, hi - encoder_layers) if hi > encoder_layers else None
+        parts.append((encoder, llm))
+    return parts
+
+
+def llm_layout(parts: list[tuple[Range | None, Range | None]], num_llm_layers: int) -> list[list[str]]:
+    """megatron-core's ``pipeline_model_parallel_layout``: each virtual stage's LLM layers, the embedding
+    before the first and the loss after the last."""
+    layout = []
+    for _, llm in parts:
+        entries = [] if llm is None else ["decoder"] * (llm[1] - llm[0])
+        if llm is not None and llm[0] == 0:
+            entries.insert(0, "embedding")
+        if llm is not None and llm[1] == num_llm_layers:
+            entries.append("loss")
+        layout.append(entries)
+    return layout
+
+
+def balanced_problem(config: OptimusConfig, plan: ParallelPlan) -> str | None:
+    """Why this runtime cannot run the balanced baseline for ``config`` under ``plan``, or None."""
+    if len(config.encoders) != 1:
+        return "the balanced baseline splits one encoder's layers with the LLM's; give a single encoder"
+    if plan.pp > 1 and not config.llm.untie_embeddings_and_output_weights:
+        return ("the balanced baseline places the word embedding on whichever pipeline rank holds the first LLM "
+                "layer, where megatron-core's tied-embedding group expects the first; set "
+                "model.llm.untie_embeddings_and_output_weights: true")
+    try:
+        balanced_layer_ranges(config, plan)
+    except OptimusError as exc:  # the split's own conditions (enough layers, microbatches per pipeline)
+        return str(exc)
+    return None
+
+
+def packed_shape(config: OptimusConfig, plan: ParallelPlan) -> tuple[int, int, int]:
+    """The one [sequence, batch, LLM hidden] shape every boundary tensor travels in, on one TP rank:
+    room for the encoder's hidden states (a TP rank's tokens under sequence parallelism), the image
+    embeddings (whole on every rank) and the LLM's hidden states. Its sequence length, times TP under
+    sequence parallelism, is what megatron-core's schedule takes as ``seq_length``."""
+    enc, llm, b = config.encoders[0], config.llm, config.training.micro_batch_size
+    shard = plan.tp if config.training.sequence_parallel and plan.tp > 1 else 1
+    largest = max(enc.seq_length // shard * enc.hidden_size, enc.image_tokens * llm.hidden_size,
+                  llm.seq_length // shard * llm.hidden_size)
+    return math.ceil(largest / llm.hidden_size), b, llm.hidden_size
+
+
+def pack(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    flat = x.reshape(-1)
+    return torch.cat([flat, flat.new_zeros(math.prod(shape) - flat.numel())]).view(shape)
+
+
+def unpack(buffer: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return buffer.reshape(-1)[:math.prod(shape)].view(shape)
+
+
+class BalancedChunk(MegatronModule):
+    """One virtual stage: encoder layers, then LLM layers, either possibly absent."""
+
+    def __init__(self, config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerConfig,
+                 encoder: EncoderStage | None, llm: GPTModel | None, first: bool, last: bool):
+        super().__init__(config=tconfig)  # megatron-core's schedule reads the first chunk's config
+        self.model_type = ModelType.encoder_or_decoder  # and its model type: one stack
+        self.encoder_stage, self.llm = encoder, llm
+        self.first, self.last = first, last  # the whole pipeline's first and last virtual stage
+        # what megatron-core's finalize_model_grads asks a first or last chunk: no word embedding is
+        # shared across stages (balanced_problem)
+        self.pre_process, self.share_embeddings_and_output_weights = first, False
+        self.shape = packed_shape(config, plan)
+        enc = config.encoders[0]
+        self.encoder_name = enc.name
+        shard = plan.tp if config.training.sequence_parallel and plan.tp > 1 else 1
+        b = config.training.micro_batch_size
+        self.encoder_hidden = (enc.seq_length // shard, b, enc.hidden_size)
+        self.images = (enc.image_tokens, b, config.llm.hidden_size)
+        self.llm_hidden = (config.llm.seq_length // shard, b, config.llm.hidden_size)
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """megatron-core's schedule hands the received boundary tensor (a one-element list) here."""
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def forward(self, mb: Microbatch, images: torch.Tensor | None, seed: int) -> torch.Tensor:
+        """The first virtual stage takes ``images`` (the encoder's patches), the others the received
+        buffer; the last returns the LLM's per-token loss, the others the packed boundary tensor."""
+        x = images
+        if not self.first:
+            has_encoder = self.encoder_stage is not None
+            if has_encoder or self.llm.pre_process:
+                shape = self.encoder_hidden if has_encoder else self.images
+            else:
+                shape = self.llm_hidden
+            x = unpack(self.input_tensor, shape)
+        if self.encoder_stage is not None:
+            x = self.encoder_stage({self.encoder_name: x}, seed)[self.encoder_name]
+        if self.llm is not None:
+            mask = causal_mask(mb.tokens.shape[1], mb.tokens.device)
+            if self.llm.pre_process:
+                x = self.llm(mb.tokens, mb.position_ids, mask, decoder_input=decoder_input_with_images(self.llm, mb, x),
+                             labels=mb.labels)
+            else:
+                self.llm.set_input_tensor(x)
+                x = self.llm(mb.tokens, mb.position_ids, mask, labels=mb.labels)
+        return x if self.last else pack(x, self.shape)
+
+
+def balanced_transformer_config(config: OptimusConfig, plan: ParallelPlan) -> TransformerConfig:
+    """The LLM's megatron-core config with the balanced split's layout."""
+    problem = balanced_problem(config, plan)
+    if problem:
+        raise OptimusError(problem)
+    parts = split_ranges(balanced_layer_ranges(config, plan), config.encoders[0].num_layers)
+    return transformer_config(config, plan, llm_layout(parts, config.llm.num_layers))
+
+
+def build_balanced_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerConfig,
+                          layer_specs: Mapping[str, ModuleSpec] | None = None) -> list[BalancedChunk]:
+    """This pipeline rank's virtual stages; needs megatron's parallel_state initialised."""
+    enc, llm_layers = config.encoders[0], config.llm.num_layers
+    parts = split_ranges(balanced_layer_ranges(config, plan), enc.num_layers)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    chunks = []
+    for vp_stage in range(plan.vp):
+        v = vp_stage * plan.pp + stage
+        encoder_layers, llm = parts[v]
+        encoder = None if encoder_layers is None else EncoderStage(config, 0, 1, tp_group, layer_specs=layer_specs,
+                                                                   layers={enc.name: encoder_layers})
+        gpt = None if llm is None else gpt_chunk(config, plan, tconfig, llm[1] - llm[0], llm[0] == 0,
+                                                 llm[1] == llm_layers, vp_stage)
+        chunks.append(BalancedChunk(config, plan, tconfig, encoder, gpt, v == 0, v == len(parts) - 1))
+    return chunks
