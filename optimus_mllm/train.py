@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, quiet_library_warnings
 from optimus_mllm.config import OptimusConfig, encoder_tp_problem, load_config
+from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import AgreedError, OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
@@ -39,9 +40,10 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout,
     optimizer_layout_change,
 )
-from optimus_mllm.runtime.balanced import balanced_problem
 from optimus_mllm.runtime.data import check_dataset
-from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_job_artifact
+from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
+from optimus_mllm.scheduler.baselines import balanced_problem
+from optimus_mllm.scheduler.bubble_scheduler import optimus
 
 if TYPE_CHECKING:
     from optimus_mllm.runtime.trainer import StepResult
@@ -143,7 +145,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
     if args.baseline:
         _check_baseline(args.baseline, config, planned.llm_plan)
     resume = _resume_point(args.save, config) if args.resume else None
-    artifact, notes = _job_artifact(args, config, planned, world_size, resume)
+    artifact, baseline, notes = _job_artifact(args, config, planned, world_size, resume)
     if resume is not None and resume.passed_over:
         notes = (resume.passed_over, *notes)
     if resume is not None and not args.no_load_optim:
@@ -152,7 +154,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
             raise OptimusError(f"--resume: the checkpoint's {changed} differs from this job's, so its optimizer "
                                "state does not fit; resume with the optimizer settings it was written with, or "
                                "add --no-load-optim to start the optimizer state afresh")
-    return Job(config, planned.llm_plan, artifact, args.baseline, resume, notes,
+    return Job(config, planned.llm_plan, artifact, baseline, resume, notes,
                load_optimizer=not args.no_load_optim, pretrained=parts)
 
 
@@ -192,25 +194,41 @@ def _pretrained_parts(args: argparse.Namespace, config: OptimusConfig) -> tuple[
 
 
 def _job_artifact(args: argparse.Namespace, config: OptimusConfig, planned: PlannerResult, world_size: int,
-                  resume: CheckpointInfo | None) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
-    """The schedule the job runs (None in baseline mode) and what to say about where it came from:
-    ``--schedule``, else the checkpoint's when it fits this job, else scheduled now."""
+                  resume: CheckpointInfo | None) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
+    """The schedule the job runs (None for a baseline), the baseline it runs (None under Optimus), and what
+    to say about where they came from: ``--baseline``, ``--schedule``, else the checkpoint's schedule when it
+    fits this job, else scheduled now (a baseline placement if it beats every Optimus schedule)."""
     if args.baseline:
-        return None, ()
+        return None, args.baseline, ()
     if args.schedule:
-        return load_job_artifact(args.schedule, planned, config, world_size), ()
+        return load_job_artifact(args.schedule, planned, config, world_size), None, ()
     if resume is None or not resume.schedule_path.is_file():
-        return schedule_job_artifact(config, planned), ()
+        return _schedule_now(config, planned, ())
     if resume.world_size != world_size:
         note = (f"the checkpoint was written by {resume.world_size} ranks, this job has {world_size}: "
                 "re-planned the encoder schedule")
-        return schedule_job_artifact(config, planned), (note,)
+        return _schedule_now(config, planned, (note,))
     try:
-        return (load_job_artifact(str(resume.schedule_path), planned, config, world_size),
+        return (load_job_artifact(str(resume.schedule_path), planned, config, world_size), None,
                 ("schedule: the one saved with the checkpoint",))
     except OptimusError as exc:  # e.g. the config now fixes another encoder plan
         note = f"the checkpoint's schedule does not fit this job ({exc}): re-planned the encoder schedule"
-        return schedule_job_artifact(config, planned), (note,)
+        return _schedule_now(config, planned, (note,))
+
+
+def _schedule_now(config: OptimusConfig, planned: PlannerResult, notes: tuple[str, ...]
+                  ) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
+    """Optimus's fastest schedule, or the baseline placement that beats it (the scheduler's result)."""
+    result = optimus(config, planned, CostModel.from_config(config))
+    if result.baseline is None:
+        if result.best is None:
+            raise OptimusError("no encoder plan could be scheduled (see optimus-plan); try --baseline")
+        return schedule_to_artifact(result.best, config), None, notes
+    b = result.baseline
+    optimus_s = "none" if result.best is None else f"{result.best.iteration_us / 1e6:.4f} s"
+    note = (f"the {b.name} baseline ({b.iteration_us / 1e6:.4f} s per iteration predicted) beats every Optimus "
+            f"schedule (best {optimus_s}): running it, as --baseline {b.runtime} would")
+    return None, b.runtime, (*notes, note)
 
 
 def _resume_point(save: str, config: OptimusConfig) -> CheckpointInfo:

@@ -250,10 +250,10 @@ def _optimizer_tensors(trainer) -> list:
 PP4 = ["parallel.llm={dp: 1, pp: 4, tp: 1, vp: 1}", "parallel.encoder={pp: 2, tp: 1}"]
 
 
-def _resumed_elsewhere(save: str) -> dict:
+def _resumed_through(save: str, second: tuple[list[str], str], third: tuple[list[str], str]) -> dict:
     """A chain of jobs over one checkpoint folder. The Megatron-style baseline (TP2 PP2 V2) trains 2
-    steps, saves, and trains 2 more: the uninterrupted numbers. Optimus on other plans (LLM PP4, encoder
-    PP2) loads that, trains step 3, saves, trains step 4; the baseline loads Optimus's and trains step 4."""
+    steps, saves, and trains 2 more: the uninterrupted numbers. ``second`` (overrides, runtime) loads that,
+    trains step 3, saves, trains step 4; ``third`` loads the second's checkpoint and trains step 4."""
     from optimus_mllm.runtime import checkpoint, checkpoint_meta
 
     def numbers(result):
@@ -265,17 +265,17 @@ def _resumed_elsewhere(save: str) -> dict:
     checkpoint.save_checkpoint(first, save, 2)
     uninterrupted = [numbers(first.train_step(i)) for i in (2, 3)]
     first.close()
-    second = _trainer(PP4, "optimus")
-    checkpoint.load_checkpoint(second, checkpoint_meta.latest_checkpoint(save))
-    optimus = [numbers(second.train_step(2))]
-    checkpoint.save_checkpoint(second, save, 3)
-    optimus.append(numbers(second.train_step(3)))
-    second.close()
-    third = _trainer([], "baseline")
-    checkpoint.load_checkpoint(third, checkpoint_meta.latest_checkpoint(save))
-    baseline = [numbers(third.train_step(3))]
-    third.close()
-    return {"uninterrupted": uninterrupted, "optimus": optimus, "baseline": baseline}
+    job = _trainer(*second)
+    checkpoint.load_checkpoint(job, checkpoint_meta.latest_checkpoint(save))
+    resumed = [numbers(job.train_step(2))]
+    checkpoint.save_checkpoint(job, save, 3)
+    resumed.append(numbers(job.train_step(3)))
+    job.close()
+    job = _trainer(*third)
+    checkpoint.load_checkpoint(job, checkpoint_meta.latest_checkpoint(save))
+    resumed.append(numbers(job.train_step(3)))
+    job.close()
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
 
 
 def _step_values(results: list[dict], run: str) -> list[tuple[float, float, float]]:
@@ -290,51 +290,16 @@ def _step_values(results: list[dict], run: str) -> list[tuple[float, float, floa
     return values
 
 
-def test_resume_onto_other_plans_and_runtimes(tmp_path):
-    """Baseline -> Optimus with the LLM from TP2 PP2 V2 to PP4 and the encoder from TP2 in the first
-    stage to its own PP2 plan -> baseline: every resumed step within 1e-5 of the uninterrupted one."""
-    results = run_distributed(_resumed_elsewhere, 4, str(tmp_path / "run"), timeout=300)
+@pytest.mark.parametrize("second, third", [((PP4, "optimus"), ([], "baseline")), (([], "balanced"), ([], "optimus"))],
+                         ids=["optimus-pp4-then-baseline", "balanced-then-optimus"])
+def test_resume_onto_other_plans_and_runtimes(tmp_path, second, third):
+    """Baseline -> Optimus with the LLM from TP2 PP2 V2 to PP4 and the encoder from TP2 in the first stage
+    to its own PP2 plan -> baseline; and baseline -> the balanced baseline (encoder and LLM layers split
+    together over TP2 PP2 V2) -> Optimus: every resumed step within 1e-5 of the uninterrupted one."""
+    results = run_distributed(_resumed_through, 4, str(tmp_path / "run"), second, third, timeout=300)
     uninterrupted = _step_values(results, "uninterrupted")
-    resumed = _step_values(results, "optimus") + _step_values(results, "baseline")
-    for (loss, norm, lr), (want_loss, want_norm, want_lr) in zip(resumed, [*uninterrupted, uninterrupted[1]],
-                                                                  strict=True):
-        assert abs(loss - want_loss) < 1e-5 and abs(norm - want_norm) < 1e-5 and lr == want_lr
-
-
-def _resumed_through_balanced(save: str) -> dict:
-    """The baseline trains 2 steps, saves, trains 2 more; the balanced baseline (encoder and LLM layers split
-    together over TP2 PP2 V2) loads that, trains step 3, saves, trains step 4; Optimus loads the balanced
-    one's checkpoint and trains step 4."""
-    from optimus_mllm.runtime import checkpoint, checkpoint_meta
-
-    def numbers(result):
-        return result.loss, result.grad_norm, result.lr
-
-    first = _trainer([], "baseline")
-    for i in (0, 1):
-        first.train_step(i)
-    checkpoint.save_checkpoint(first, save, 2)
-    uninterrupted = [numbers(first.train_step(i)) for i in (2, 3)]
-    first.close()
-    second = _trainer([], "balanced")
-    checkpoint.load_checkpoint(second, checkpoint_meta.latest_checkpoint(save))
-    balanced = [numbers(second.train_step(2))]
-    checkpoint.save_checkpoint(second, save, 3)
-    balanced.append(numbers(second.train_step(3)))
-    second.close()
-    third = _trainer([], "optimus")
-    checkpoint.load_checkpoint(third, checkpoint_meta.latest_checkpoint(save))
-    optimus = [numbers(third.train_step(3))]
-    third.close()
-    return {"uninterrupted": uninterrupted, "balanced": balanced, "optimus": optimus}
-
-
-def test_the_balanced_baseline_saves_and_resumes_with_the_other_runtimes(tmp_path):
-    results = run_distributed(_resumed_through_balanced, 4, str(tmp_path / "run"), timeout=300)
-    uninterrupted = _step_values(results, "uninterrupted")
-    resumed = _step_values(results, "balanced") + _step_values(results, "optimus")
-    for (loss, norm, lr), (want_loss, want_norm, want_lr) in zip(resumed, [*uninterrupted, uninterrupted[1]],
-                                                                  strict=True):
+    for (loss, norm, lr), (want_loss, want_norm, want_lr) in zip(_step_values(results, "resumed"),
+                                                                  [*uninterrupted, uninterrupted[1]], strict=True):
         assert abs(loss - want_loss) < 1e-5 and abs(norm - want_norm) < 1e-5 and lr == want_lr
 
 

@@ -98,7 +98,8 @@ def format_result(config: OptimusConfig, result: PlannerResult, scheduled: Optim
         lines += [f"  {str(p.plan):<16}{p.reason}" for p in result.pruned]
     lines.append("")
     if best is None:
-        lines.append("chosen: none: no encoder plan could be scheduled; see the reasons above")
+        lines.append("chosen: none: no encoder plan could be scheduled" +
+                     ("" if scheduled.baseline else "; see the reasons above"))
     else:
         lines += [
             f"chosen: LLM {result.llm_plan} | encoder {best.encoder_plan} | partition {list(best.partition)}",
@@ -108,6 +109,10 @@ def format_result(config: OptimusConfig, result: PlannerResult, scheduled: Optim
             f"  warm-up per stage {list(best.dep.warmup)} (megatron-core default {list(best.dep.default_warmup)}); "
             f"scheduler runtime {scheduled.runtime_s:.2f} s",
         ]
+    if scheduled.baseline is not None:
+        b = scheduled.baseline
+        lines += [f"but the {b.name} baseline is faster: iteration {_seconds(b.iteration_us)} s; optimus-train runs "
+                  f"it (--baseline {b.runtime}) unless given this schedule (--schedule)"]
     return "\n".join(lines) + "\n"
 
 
@@ -169,6 +174,11 @@ def result_to_dict(result: PlannerResult, scheduled: OptimusResult) -> dict[str,
             "coarse_iteration_us": best.coarse_iteration_us,
             "warmup": list(best.dep.warmup),
             "scheduler_runtime_s": scheduled.runtime_s,
+        },
+        # a baseline placement faster than every Optimus schedule, which optimus-train then runs
+        "faster_baseline": None if scheduled.baseline is None else {
+            "name": scheduled.baseline.name, "runtime": scheduled.baseline.runtime,
+            "iteration_us": scheduled.baseline.iteration_us,
         },
     }
 

@@ -21,9 +21,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -35,7 +37,11 @@ from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.data import Microbatch
 from optimus_mllm.runtime.llm import causal_mask, decoder_input_with_images, gpt_chunk, transformer_config
 from optimus_mllm.runtime.vit import EncoderStage
-from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline
+from optimus_mllm.scheduler.baselines import (
+    balanced_problem,
+    embedding_stage,
+    megatron_lm_balanced_baseline,
+)
 
 Range = tuple[int, int]
 
@@ -69,21 +75,6 @@ def llm_layout(parts: list[tuple[Range | None, Range | None]], num_llm_layers: i
     return layout
 
 
-def balanced_problem(config: OptimusConfig, plan: ParallelPlan) -> str | None:
-    """Why this runtime cannot run the balanced baseline for ``config`` under ``plan``, or None."""
-    if len(config.encoders) != 1:
-        return "the balanced baseline splits one encoder's layers with the LLM's; give a single encoder"
-    if plan.pp > 1 and not config.llm.untie_embeddings_and_output_weights:
-        return ("the balanced baseline places the word embedding on whichever pipeline rank holds the first LLM "
-                "layer, where megatron-core's tied-embedding group expects the first; set "
-                "model.llm.untie_embeddings_and_output_weights: true")
-    try:
-        balanced_layer_ranges(config, plan)
-    except OptimusError as exc:  # the split's own conditions (enough layers, microbatches per pipeline)
-        return str(exc)
-    return None
-
-
 def packed_shape(config: OptimusConfig, plan: ParallelPlan) -> tuple[int, int, int]:
     """The one [sequence, batch, LLM hidden] shape every boundary tensor travels in, on one TP rank:
     room for the encoder's hidden states (a TP rank's tokens under sequence parallelism), the image
@@ -114,9 +105,10 @@ class BalancedChunk(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder  # and its model type: one stack
         self.encoder_stage, self.llm = encoder, llm
         self.first, self.last = first, last  # the whole pipeline's first and last virtual stage
-        # what megatron-core's finalize_model_grads asks a first or last chunk: no word embedding is
-        # shared across stages (balanced_problem)
+        # what megatron-core's finalize_model_grads asks of a rank's first or last chunk: whether the rank
+        # holds a copy of a word embedding tied across pipeline ranks (build_balanced_chunks), and which
         self.pre_process, self.share_embeddings_and_output_weights = first, False
+        self._tied_copy: list[torch.nn.Parameter] = []  # a list: not registered as this module's parameter
         self.shape = packed_shape(config, plan)
         enc = config.encoders[0]
         self.encoder_name = enc.name
@@ -126,6 +118,10 @@ class BalancedChunk(MegatronModule):
         self.images = (enc.image_tokens, b, config.llm.hidden_size)
         self.llm_hidden = (config.llm.seq_length // shard, b, config.llm.hidden_size)
         self.input_tensor: torch.Tensor | None = None
+
+    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter:
+        """This rank's copy of the tied word embedding, whichever of its chunks holds it."""
+        return self._tied_copy[0]
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         """megatron-core's schedule hands the received boundary tensor (a one-element list) here."""
@@ -164,13 +160,40 @@ def balanced_transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Tr
     return transformer_config(config, plan, llm_layout(parts, config.llm.num_layers))
 
 
+def tied_embedding_group(config: OptimusConfig, plan: ParallelPlan) -> dist.ProcessGroup | None:
+    """The group that sums the gradients of a word embedding tied across pipeline ranks: per LLM pipeline,
+    the ranks holding the balanced split's first LLM layer and its output layer, in megatron-core's place
+    for the first and last pipeline ranks. None on a rank that holds no copy, or when no embedding is tied
+    across ranks. Collective."""
+    if config.llm.untie_embeddings_and_output_weights or plan.pp == 1:
+        return None
+    ranges = balanced_layer_ranges(config, plan)
+    first = embedding_stage(ranges, config.encoders[0].num_layers) % plan.pp
+    pipelines: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(pipelines, dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()))
+    mine = None
+    for ranks in sorted({tuple(p) for p in pipelines}):
+        holders = [ranks[first], ranks[-1]]
+        group = dist.new_group(holders)  # every rank creates every group, in one order
+        mine = group if dist.get_rank() in holders else mine
+    return mine
+
+
 def build_balanced_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerConfig,
-                          layer_specs: Mapping[str, ModuleSpec] | None = None) -> list[BalancedChunk]:
-    """This pipeline rank's virtual stages; needs megatron's parallel_state initialised."""
+                          layer_specs: Mapping[str, ModuleSpec] | None = None,
+                          tied: bool = False) -> list[BalancedChunk]:
+    """This pipeline rank's virtual stages; needs megatron's parallel_state initialised. ``tied``: the word
+    embedding is tied across pipeline ranks (``tied_embedding_group``); megatron-core's own group, which
+    its GPTModel would otherwise initialise the output layer's copy over, is then left out (the weights are
+    drawn alike anyway, ``init_llm_plan_independent_``)."""
     enc, llm_layers = config.encoders[0], config.llm.num_layers
     parts = split_ranges(balanced_layer_ranges(config, plan), enc.num_layers)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    groups = None
+    if tied:
+        groups = ProcessGroupCollection.use_mpu_process_groups()
+        groups.embd = None
     chunks = []
     for vp_stage in range(plan.vp):
         v = vp_stage * plan.pp + stage
@@ -178,6 +201,10 @@ def build_balanced_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: Tr
         encoder = None if encoder_layers is None else EncoderStage(config, 0, 1, tp_group, layer_specs=layer_specs,
                                                                    layers={enc.name: encoder_layers})
         gpt = None if llm is None else gpt_chunk(config, plan, tconfig, llm[1] - llm[0], llm[0] == 0,
-                                                 llm[1] == llm_layers, vp_stage)
+                                                 llm[1] == llm_layers, vp_stage, groups)
         chunks.append(BalancedChunk(config, plan, tconfig, encoder, gpt, v == 0, v == len(parts) - 1))
+    copies = [c.llm.shared_embedding_or_output_weight() for c in chunks
+              if tied and c.llm is not None and (c.llm.pre_process or c.llm.post_process)]
+    for chunk in chunks:
+        chunk.share_embeddings_and_output_weights, chunk._tied_copy = bool(copies), copies
     return chunks

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -79,8 +80,9 @@ def build_llm_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: Transfo
 
 
 def gpt_chunk(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerConfig, layers: int, pre_process: bool,
-              post_process: bool, vp_stage: int) -> GPTModel:
-    """One model chunk of ``layers`` LLM layers; megatron-core numbers them from ``tconfig`` and ``vp_stage``."""
+              post_process: bool, vp_stage: int, pg_collection: ProcessGroupCollection | None = None) -> GPTModel:
+    """One model chunk of ``layers`` LLM layers; megatron-core numbers them from ``tconfig`` and ``vp_stage``.
+    ``pg_collection``: its process groups, by default megatron-core's ``parallel_state``."""
     llm = config.llm
     return GPTModel(
         config=tconfig, transformer_layer_spec=decoder_spec(tconfig, layers), vocab_size=llm.vocab_size,
@@ -88,7 +90,8 @@ def gpt_chunk(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerCon
         share_embeddings_and_output_weights=not llm.untie_embeddings_and_output_weights,
         # the image tokens are spliced into the whole sequence first (decoder_input_with_images)
         scatter_embedding_sequence_parallel=False,
-        position_embedding_type=llm.position_embedding_type, **({"vp_stage": vp_stage} if plan.vp > 1 else {}))
+        position_embedding_type=llm.position_embedding_type, pg_collection=pg_collection,
+        **({"vp_stage": vp_stage} if plan.vp > 1 else {}))
 
 
 def pre_post_process(plan: ParallelPlan) -> list[tuple[bool, bool]]:

@@ -39,7 +39,12 @@ from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
-from optimus_mllm.runtime.balanced import balanced_transformer_config, build_balanced_chunks, packed_shape
+from optimus_mllm.runtime.balanced import (
+    balanced_transformer_config,
+    build_balanced_chunks,
+    packed_shape,
+    tied_embedding_group,
+)
 from optimus_mllm.runtime.checkpoint_meta import Mode
 from optimus_mllm.runtime.data import Microbatch, microbatch_source
 from optimus_mllm.runtime.dropout import llm_chunk_index, microbatch_seed, seed_llm_dropout
@@ -132,9 +137,12 @@ class Trainer:
         self._owns_parallel_state = join_model_parallel(llm_plan)
         torch.manual_seed(config.training.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
+        self.embedding_group = None  # the balanced baseline's, for a word embedding tied across pipeline ranks
         if mode == "balanced":
             self.tconfig = balanced_transformer_config(config, llm_plan)
-            self.modules = build_balanced_chunks(config, llm_plan, self.tconfig, encoder_layer_specs)
+            self.embedding_group = tied_embedding_group(config, llm_plan)
+            self.modules = build_balanced_chunks(config, llm_plan, self.tconfig, encoder_layer_specs,
+                                                 tied=self.embedding_group is not None)
             self.chunks = [chunk.llm for chunk in self.modules if chunk.llm is not None]
             init_llm_plan_independent_(self.chunks, config.training.seed,
                                        parallel_state.get_tensor_model_parallel_group())
@@ -414,7 +422,11 @@ class Trainer:
     def _finalize_gradients(self) -> None:
         """megatron-core's gradient reductions, once every op of the step (encoder ops included) ran: no
         rank then waits in a collective for a peer that still has a P2P message to send it."""
-        finalize_model_grads(self.models)
+        groups = None
+        if self.embedding_group is not None:
+            groups = ProcessGroupCollection.use_mpu_process_groups(["tp", "pos_embd", "pp", "dp_cp"])
+            groups.embd = self.embedding_group
+        finalize_model_grads(self.models, pg_collection=groups)
         if self.encoder_ddp is None:
             return
         self.encoder.reduce_sequence_parallel_grads()  # under either plan; DDP then reduces over DP

@@ -9,6 +9,9 @@
 
 Both reuse the LLM's pipeline simulator. Every stage boundary costs the LLM's P2P time (the LLM's
 hidden states), also where the balanced split cuts inside the encoder.
+
+Both are also placements the runtime runs (``optimus-train --baseline megatron-lm | balanced``), so the
+scheduler takes them as candidates beside its own schedules (``runnable_baselines``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ PATCH_EMBED = "patch_embed"  # encoder_costs' name for the patch embedding kerne
 @dataclass(frozen=True)
 class BaselineResult:
     name: str
+    runtime: str  # the optimus-train --baseline that runs it
     iteration_us: float
     timeline: LLMTimeline
     layer_ranges: tuple[tuple[int, int], ...] | None = None  # balanced: [lo, hi) per virtual stage
@@ -66,7 +70,7 @@ def megatron_lm_baseline(config: OptimusConfig, llm_plan: ParallelPlan, cost: Co
     stage_params = [float(p) for p in llm_params_per_stage(config.llm, llm_plan.pp)]
     stage_params[0] += sum(layer.params for layer in encoder)
     timeline = timeline_from_work(config, llm_plan, cost, work, stage_params=stage_params)
-    return BaselineResult("Megatron-LM", timeline.iteration_us, timeline)
+    return BaselineResult("Megatron-LM", "megatron-lm", timeline.iteration_us, timeline)
 
 
 def megatron_lm_balanced_baseline(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel,
@@ -89,7 +93,73 @@ def megatron_lm_balanced_baseline(config: OptimusConfig, llm_plan: ParallelPlan,
         work[(stage, chunk, "bwd")] = OpWork.sequential(_flatten(layers[lo:hi][::-1], "bwd"))
         stage_params[stage] += sum(layer.params for layer in layers[lo:hi])
     timeline = timeline_from_work(config, plan, cost, work, stage_params=stage_params)
-    return BaselineResult("Megatron-LM balanced", timeline.iteration_us, timeline, tuple(ranges))
+    return BaselineResult("Megatron-LM balanced", "balanced", timeline.iteration_us, timeline, tuple(ranges))
+
+
+def runnable_baselines(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel) -> list[BaselineResult]:
+    """Both baselines under the LLM plan (its V), where the runtime can run them."""
+    found = []
+    if megatron_lm_problem(config, llm_plan) is None:
+        found.append(megatron_lm_baseline(config, llm_plan, cost))
+    if _balanced_split_problem(config, llm_plan) is None:
+        balanced = megatron_lm_balanced_baseline(config, llm_plan, cost)
+        if tied_embedding_problem(config, llm_plan, balanced.layer_ranges) is None:
+            found.append(balanced)
+    return found
+
+
+def megatron_lm_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
+    """Why the encoders cannot run at the LLM's TP, as both baselines run them, or None."""
+    for enc in config.encoders:
+        problem = encoder_tp_problem(enc, config.llm.hidden_size, config.training.sequence_parallel, llm_plan.tp)
+        if problem:
+            return f"Megatron-LM baselines run encoder '{enc.name}' with the LLM's tp={llm_plan.tp}, but its {problem}"
+    return None
+
+
+def balanced_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
+    """Why the runtime cannot run the balanced baseline under ``llm_plan`` (its split by the config's cost
+    model, as the runtime splits), or None."""
+    problem = _balanced_split_problem(config, llm_plan)
+    if problem:
+        return problem
+    ranges = megatron_lm_balanced_baseline(config, llm_plan, CostModel.from_config(config)).layer_ranges
+    return tied_embedding_problem(config, llm_plan, ranges)
+
+
+def _balanced_split_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
+    """Why the layers cannot be split, or their encoders not run, as the balanced baseline does; or None."""
+    problem = megatron_lm_problem(config, llm_plan)
+    if problem:
+        return problem
+    if len(config.encoders) != 1:
+        return "the balanced baseline splits one encoder's layers with the LLM's; give a single encoder"
+    try:
+        _check_balanced_plan(config, llm_plan, sum(e.num_layers for e in config.encoders) + config.llm.num_layers)
+    except OptimusError as exc:
+        return str(exc)
+    return None
+
+
+def embedding_stage(ranges: tuple[tuple[int, int], ...], encoder_layers: int) -> int:
+    """The balanced split's virtual stage that holds the first LLM layer (and so the word embedding)."""
+    return next(v for v, (_, hi) in enumerate(ranges) if hi > encoder_layers)
+
+
+def tied_embedding_problem(config: OptimusConfig, llm_plan: ParallelPlan,
+                           ranges: tuple[tuple[int, int], ...]) -> str | None:
+    """Why the balanced split's tied word embedding cannot be kept in sync, or None: the runtime sums its
+    two copies' gradients over the pipeline ranks holding them, which must differ unless one virtual stage
+    holds both."""
+    if config.llm.untie_embeddings_and_output_weights or llm_plan.pp == 1:
+        return None
+    first, last = embedding_stage(ranges, config.encoders[0].num_layers), len(ranges) - 1
+    if first != last and first % llm_plan.pp == last % llm_plan.pp:
+        return (f"the balanced split puts the tied word embedding (virtual stage {first}) and the output layer "
+                f"(virtual stage {last}) in two chunks of pipeline rank {last % llm_plan.pp}, whose copies this "
+                "runtime does not sync; set model.llm.untie_embeddings_and_output_weights: true or another "
+                "parallel.llm")
+    return None
 
 
 def balanced_partition(layer_times: list[float], num_stages: int) -> list[tuple[int, int]]:
@@ -139,11 +209,9 @@ def _check_balanced_plan(config: OptimusConfig, plan: ParallelPlan, num_layers: 
 
 def _encoder_layers(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel) -> list[_Layer]:
     """Every encoder's layers at the LLM's TP: the patch embedding joins the first, the projector the last."""
-    for enc in config.encoders:
-        problem = encoder_tp_problem(enc, config.llm.hidden_size, config.training.sequence_parallel, llm_plan.tp)
-        if problem:
-            raise OptimusError(f"Megatron-LM baselines run encoder '{enc.name}' with the LLM's tp={llm_plan.tp}, "
-                               f"but its {problem}")
+    problem = megatron_lm_problem(config, llm_plan)
+    if problem:
+        raise OptimusError(problem)
     # One encoder stage at the LLM's TP gives the whole chain, as the first LLM stage runs it.
     single_stage = ParallelPlan(llm_plan.dp, 1, llm_plan.tp)
     work = build_encoder_work(config, llm_plan, single_stage, cost)
