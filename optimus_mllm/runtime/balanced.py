@@ -7,7 +7,9 @@ prices. A virtual stage is a ``BalancedChunk``: its encoder layers (an ``Encoder
 range, at the LLM's TP, with the patch embedding if it holds the first layer and the projector if it
 holds the last) and its LLM layers (a megatron-core ``GPTModel`` that a
 ``pipeline_model_parallel_layout`` gives its global layer numbers; the word embedding with the first
-LLM layer, the output layer with the last).
+LLM layer, the output layer with the last). A word embedding tied to the output layer thus lives on
+whichever pipeline ranks the split gives them, not megatron-core's first and last: its two copies'
+gradients are summed over a group of those two ranks (``tied_embedding_group``).
 
 A stage boundary carries encoder hidden states, image embeddings or LLM hidden states, while
 megatron-core's schedule sends one tensor shape: each boundary tensor travels packed flat into a
