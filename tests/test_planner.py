@@ -13,7 +13,7 @@ from optimus_mllm.cli.plan import main
 from optimus_mllm.config import load_config
 from optimus_mllm.planner import ParallelPlan, encoder_stage_gpus, microbatch_partitions, plan, symmetry_groups
 from optimus_mllm.planner.planner import choose_virtual_stages
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, balanced_wins
 
 PAPER = sorted(p.stem for p in (CONFIGS / "paper").glob("*.yaml"))
 
@@ -162,6 +162,19 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys):
     first = data["encoder_plans"][0]
     assert set(first["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
     assert all("reason" in p for p in data["pruned"])
+    assert data["faster_baseline"] is None
+
+
+def test_cli_names_a_baseline_that_beats_every_schedule(tmp_path, capsys):
+    out_json = tmp_path / "plan.json"
+    assert main(["--config", str(balanced_wins(tmp_path)), "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: LLM DP1 PP2 TP1 V2 | encoder" in out  # Optimus's fastest schedule, still shown
+    assert out.rstrip().endswith("but the Megatron-LM balanced baseline is faster: iteration 0.0005 s; "
+                                 "optimus-train runs it (--baseline balanced) unless given this schedule (--schedule)")
+    data = json.loads(out_json.read_text())
+    assert data["faster_baseline"]["runtime"] == "balanced"
+    assert data["faster_baseline"]["iteration_us"] < data["chosen"]["iteration_us"]
 
 
 def test_cli_writes_artifact_trace_and_png(tmp_path, capsys):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import balanced_wins
 from tests.train_utils import STEP, SUMMARY, TINY, assert_one_error_everywhere, ranks, step_losses, torchrun
 
 
@@ -135,25 +136,10 @@ def test_the_balanced_baseline_trains_like_the_baseline(baseline):
 
 
 _VIT = "num_layers: 2, hidden_size: 32, num_attention_heads: 4, ffn_hidden_size: 64, seq_length: 16, patch_size: 4"
-# _heavy_random_config(174) of test_scheduler with untied embeddings and 2 steps: a ViT as wide as the LLM on
-# 2 GPUs, where the cost model prices the balanced baseline 546 us against Optimus's best 569 us.
-BALANCED_WINS = (
-    "name: balanced_wins\n"
-    "cluster: {num_gpus: 2, gpus_per_node: 4, gpu_memory_gib: 80, inter_node_bandwidth_gbps: 5.0}\n"
-    "model:\n"
-    "  encoders: [{name: enc0, num_layers: 4, hidden_size: 256, num_attention_heads: 4, ffn_hidden_size: 1024,\n"
-    "              seq_length: 256, patch_size: 4}]\n"
-    "  llm: {num_layers: 4, hidden_size: 256, num_attention_heads: 8, ffn_hidden_size: 1024, seq_length: 1024,\n"
-    "        vocab_size: 1024, untie_embeddings_and_output_weights: true}\n"
-    "training: {global_batch_size: 2, micro_batch_size: 1, recompute: selective, train_iters: 2}\n"
-    "parallel: {llm: {dp: 1, pp: 2, tp: 1, vp: 2}}\n")
-
-
 def test_a_baseline_faster_than_every_optimus_schedule_is_what_the_job_trains(tmp_path):
     """The scheduler's result is the best of its schedules and the baseline placements: here the balanced
     baseline, which optimus-train then runs (and says so), with the Megatron-style baseline's losses."""
-    config = tmp_path / "balanced_wins.yaml"
-    config.write_text(BALANCED_WINS)
+    config = balanced_wins(tmp_path)
     lines = torchrun("--config", str(config), nproc=2)
     assert lines[0].startswith("the Megatron-LM balanced baseline (0.0005 s per iteration predicted) beats every "
                                "Optimus schedule (best 0.0006 s): running it, as --baseline balanced would"), lines
