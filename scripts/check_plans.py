@@ -1,6 +1,7 @@
 """Randomized plan equivalence: the Optimus runtime trains every plan to a single rank's numbers.
 
-    python scripts/check_plans.py --seeds N [--start S] [--steps K (5)] [--json OUT] [--timeout SEC]
+    python scripts/check_plans.py --seeds N [--start S] [--steps K (5)] [--runtime optimus|balanced]
+                                  [--json OUT] [--timeout SEC]
 
 Each seed draws a small job from configs/tiny.yaml (``draw_job``): an LLM plan (PP 1/2/4, V 1/2/3,
 TP 1/2, DP 1/2, at most 8 ranks), a microbatch count per pipeline that is or is not a multiple of PP
@@ -19,10 +20,15 @@ training stack (DDP, distributed optimizer, AdamW, clipping at 1.0, warm-up + co
 losses, gradient norms (relative to the norm where it exceeds 1), final weights and last-step gradients,
 whole and by global name, must agree within ``TOLERANCE``.
 
+``--runtime balanced`` runs the same jobs under the Megatron-LM balanced baseline instead (encoder
+and LLM layers split together over the LLM plan's virtual stages, as the scheduler may choose it),
+against the same one-rank reference; a job it cannot run (two encoders, a tied embedding whose copies
+the split puts on one rank) is a SKIP row that says why.
+
 Ranks run through tests/distributed_utils.py's ``run_distributed`` (imported, with the repository
 root on ``sys.path`` as the other scripts do), whose timeout turns a hang into a failure (HANG).
-One table row per seed, then ``N passed, M failed`` and the warm-ups covered; exit code 1 if any
-seed failed, 2 on bad arguments.
+One table row per seed, then ``N passed, M failed`` (and ``K skipped``) and the warm-ups covered; exit
+code 1 if any seed failed, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from optimus_mllm.cost_model import CostModel  # noqa: E402
 from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
 from optimus_mllm.planner import ParallelPlan, plan  # noqa: E402
 from optimus_mllm.scheduler.artifact import schedule_job_artifact  # noqa: E402
+from optimus_mllm.scheduler.baselines import balanced_problem  # noqa: E402
 from optimus_mllm.scheduler.llm_costs import llm_op_work, llm_p2p_us  # noqa: E402
 from optimus_mllm.scheduler.llm_timeline import PipelineDeadlock, simulate  # noqa: E402
 from tests.distributed_utils import run_distributed  # noqa: E402
@@ -59,7 +66,8 @@ SCHEDULE = ("training.lr=1e-3", "training.min_lr=1e-4", "training.lr_warmup_iter
             "training.lr_decay_style=cosine", "training.lr_decay_iters=5")
 MAX_WORLD = 8
 WarmupKind = Literal["default", "adjusted", "forced"]
-Status = Literal["PASS", "FAIL", "HANG"]
+Status = Literal["PASS", "FAIL", "HANG", "SKIP"]
+Runtime = Literal["optimus", "balanced"]
 
 # A second encoder, smaller than tiny's ViT, with a linear projector: image tokens 16 + 4 < 64.
 _SECOND_ENCODER = {"name": "vit2", "hidden_size": 16, "num_attention_heads": 2, "ffn_hidden_size": 32,
@@ -250,8 +258,8 @@ def train_rank(overrides: list[str], mode: str, artifact: dict[str, Any] | None,
     trainer.gather_gradients()
     tensors = whole_parameters(llm_global_parameter_names(trainer.chunks),
                                parallel_state.get_tensor_model_parallel_group())
-    if trainer.encoder is not None:
-        tensors.update(whole_parameters(global_parameter_names(trainer.encoder), trainer.encoder.tp_group))
+    for stage in trainer.encoder_stages:
+        tensors.update(whole_parameters(global_parameter_names(stage), stage.tp_group))
     trainer.close()
     # NumPy copies: tensors would travel back as shared-memory handles that die with the process
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "p2p": p2p,
@@ -273,13 +281,15 @@ class Diffs:
         return self.problem is None and max(self.loss, self.grad, self.weight) <= TOLERANCE
 
 
-def compare(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> Diffs:
-    """Largest differences of the Optimus ranks from the one-rank reference.
+def compare(ranks: list[dict[str, Any]], reference: dict[str, Any], audit_p2p: bool = True) -> Diffs:
+    """Largest differences of the ranks from the one-rank reference.
 
     The job's loss of a step is the mean over its last-stage ranks (each DP replica's mean over its
     microbatches, repeated on its TP ranks). Every rank's copy of a tensor is compared, so TP ranks
-    and DP replicas that disagree with each other fail too. The ranks' P2P calls must obey NCCL's
-    matching rules (``nccl_violations``): gloo forgives what NCCL would match wrongly.
+    and DP replicas that disagree with each other fail too. With ``audit_p2p`` (the Optimus runtime's
+    own P2P), the ranks' P2P calls must obey NCCL's matching rules (``nccl_violations``): gloo forgives
+    what NCCL would match wrongly. megatron-core's own P2P (the balanced baseline) keeps other rules:
+    both directions on the PP group, ordered by even and odd rank, one of them on the world group at PP2.
     """
     steps = len(reference["losses"])
     per_step = [[r["losses"][i] for r in ranks if r["losses"][i] is not None] for i in range(steps)]
@@ -307,7 +317,7 @@ def compare(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> Diffs:
             grad = max(grad, 0.0 if g is None else _max_abs(g, ref_g))
     missing = sorted(set(expected) - seen)
     problem = f"{len(missing)} reference tensors on no rank, e.g. {missing[0]}" if missing else None
-    violations = nccl_violations([record for r in ranks for record in r["p2p"]])
+    violations = nccl_violations([record for r in ranks for record in r["p2p"]]) if audit_p2p else []
     if violations and problem is None:
         problem = f"NCCL would mismatch: {violations[0]} ({len(violations)} in all)"
     return Diffs(loss, grad, weight, problem)
@@ -340,22 +350,31 @@ class Row:
     note: str  # why it failed: a mismatch, or the tail of a rank's traceback
 
 
-def check_seed(seed: int, steps: int, timeout: float) -> Row:
-    """Draw, schedule and run seed ``seed``'s job and its one-rank reference; never raises for the job."""
+def check_seed(seed: int, steps: int, timeout: float, runtime: Runtime = "optimus") -> Row:
+    """Draw, schedule and run seed ``seed``'s job (under ``runtime``) and its one-rank reference; never
+    raises for the job."""
     start = time.monotonic()
     job = draw_job(seed)
     setup = None
     try:
-        setup = schedule_job(job)
-        ranks = run_optimus(setup, steps, timeout)
-        diffs = compare(ranks, run_reference(job, steps, timeout))
+        if runtime == "balanced":
+            config = load_config(TINY, job.overrides())
+            problem = balanced_problem(config, plan(config).llm_plan)
+            if problem:
+                return _row(job, None, None, "SKIP", problem, time.monotonic() - start, runtime)
+            ranks = run_distributed(train_rank, job.world, job.overrides(), "balanced", None, steps, timeout=timeout)
+        else:
+            setup = schedule_job(job)
+            ranks = run_optimus(setup, steps, timeout)
+        diffs = compare(ranks, run_reference(job, steps, timeout), audit_p2p=runtime == "optimus")
     except TimeoutError as exc:
-        return _row(job, setup, None, "HANG", str(exc), time.monotonic() - start)
+        return _row(job, setup, None, "HANG", str(exc), time.monotonic() - start, runtime)
     except Exception as exc:  # noqa: BLE001 - a failing job is a row of the table, not a crash
-        return _row(job, setup, None, "FAIL", _symptom(f"{type(exc).__name__}: {exc}"), time.monotonic() - start)
+        return _row(job, setup, None, "FAIL", _symptom(f"{type(exc).__name__}: {exc}"), time.monotonic() - start,
+                    runtime)
     status: Status = "PASS" if diffs.passed else "FAIL"
     note = diffs.problem or ("" if diffs.passed else f"differences above {TOLERANCE:g}")
-    return _row(job, setup, diffs, status, note, time.monotonic() - start)
+    return _row(job, setup, diffs, status, note, time.monotonic() - start, runtime)
 
 
 def run_optimus(setup: Setup, steps: int, timeout: float) -> list[dict[str, Any]]:
@@ -368,9 +387,12 @@ def run_reference(job: Job, steps: int, timeout: float) -> dict[str, Any]:
     return result
 
 
-def _row(job: Job, setup: Setup | None, diffs: Diffs | None, status: Status, note: str, seconds: float) -> Row:
+def _row(job: Job, setup: Setup | None, diffs: Diffs | None, status: Status, note: str, seconds: float,
+         runtime: Runtime = "optimus") -> Row:
     encoder_plan, warmup, kind = "?", "?", "?"
-    if setup is not None:
+    if runtime == "balanced":  # no encoder plan: the encoder's layers are in the LLM's virtual stages
+        encoder_plan, warmup, kind = "balanced", "-", "default"
+    elif setup is not None:
         e = setup.artifact["encoder_plan"]
         encoder_plan = f"{e['dp']}/{e['pp']}/{e['tp']}" + ("*" if setup.encoder_plan_forced else "")
         warmup, kind = ",".join(map(str, setup.artifact["warmup"])), setup.warmup_kind
@@ -411,11 +433,13 @@ def _sci(value: float | None) -> str:
 
 
 def summary(rows: list[Row]) -> list[str]:
-    """``N passed, M failed`` on its own line, then the warm-ups the passing runs covered."""
+    """``N passed, M failed`` (and ``K skipped``) on its own line, then the warm-ups the passing runs covered."""
     passed = [r for r in rows if r.status == "PASS"]
+    skipped = sum(r.status == "SKIP" for r in rows)
     adjusted = sum(r.warmup_kind == "adjusted" for r in passed)
     forced = sum(r.warmup_kind == "forced" for r in passed)
-    return [f"{len(passed)} passed, {len(rows) - len(passed)} failed",
+    return [f"{len(passed)} passed, {len(rows) - len(passed) - skipped} failed"
+            + (f", {skipped} skipped" if skipped else ""),
             f"warm-ups covered by passing runs: {adjusted} adjusted by the scheduler, {forced} forced, "
             f"{len(passed) - adjusted - forced} megatron-core default"]
 
@@ -433,6 +457,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds one run may take before it counts as a hang (default 300)")
+    parser.add_argument("--runtime", choices=("optimus", "balanced"), default="optimus",
+                        help="the runtime under test: Optimus's schedule (default) or the balanced baseline")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
     for name, low in (("seeds", 1), ("start", 0), ("steps", 1)):
@@ -448,16 +474,16 @@ def main(argv: list[str] | None = None) -> int:
     print(header(), flush=True)
     rows = []
     for seed in range(args.start, args.start + args.seeds):
-        rows.append(check_seed(seed, args.steps, args.timeout))
+        rows.append(check_seed(seed, args.steps, args.timeout, args.runtime))
         print(format_row(rows[-1]), flush=True)
     for row in rows:
-        if row.status != "PASS":
+        if row.status not in ("PASS", "SKIP"):
             print(f"\nseed {row.seed} {row.status}: {row.note}")
     print("\n" + "\n".join(summary(rows)))
     if args.json:
         atomic_write_text(args.json, json.dumps({"tolerance": TOLERANCE, "steps": args.steps,
                                                  "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
-    return 0 if all(r.status == "PASS" for r in rows) else 1
+    return 0 if all(r.status in ("PASS", "SKIP") for r in rows) else 1
 
 
 if __name__ == "__main__":

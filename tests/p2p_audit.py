@@ -28,10 +28,13 @@ def recorded_p2p() -> Iterator[list[Record]]:
     me = dist.get_rank()
 
     def recording(op: str, original):
-        def call(tensor, peer=None, group=None, tag=0, **kwargs):
+        def call(*args, **kwargs):  # positional, or by torch's names (megatron-core's own P2P: tensor=, dst=/src=)
+            tensor = args[0] if args else kwargs["tensor"]
+            peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
+            group, tag = kwargs.get("group"), kwargs.get("tag", 0)
             name = "default" if group is None or group == dist.group.WORLD else group.group_name
             records.append((op, name, me, peer, tuple(tensor.shape), str(tensor.dtype), tag))
-            return original(tensor, peer, group=group, tag=tag, **kwargs)
+            return original(*args, **kwargs)
         return call
 
     originals = {op: getattr(dist, op) for op in P2P_OPS}

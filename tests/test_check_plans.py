@@ -44,6 +44,29 @@ def test_seed_trains_like_one_rank(seed, expected):
     assert row.status == "PASS", row
 
 
+@pytest.mark.parametrize("seed, expected", [
+    # a tied embedding on pipeline rank 0's second chunk, its output copy on rank 1, DP2: the copies' DP shards
+    # must line up (seed 47 found them summed unaligned)
+    (47, {"dp": 2, "pp": 2, "vp": 3, "llm": "tied"}),
+    # the whole LLM, embedding and output layer, in one chunk of the last pipeline rank (seed 39 found a
+    # group of one rank twice)
+    (39, {"dp": 2, "pp": 2, "vp": 1, "llm": "tied+rope"}),
+], ids=["DP2-V3-tied", "DP2-TP2-tied-one-chunk"])
+def test_balanced_seed_trains_like_one_rank(seed, expected):
+    job = draw_job(seed)
+    drawn = {k: getattr(job, k) for k in ("dp", "pp", "vp", "llm")}
+    assert drawn.items() >= expected.items(), f"seed {seed} no longer draws {expected}: {drawn}"
+    row = check_seed(seed, STEPS, TIMEOUT, "balanced")
+    assert row.status == "PASS", row
+    assert row.encoder_plan == "balanced"
+
+
+def test_a_job_the_balanced_baseline_cannot_run_is_skipped_with_the_reason():
+    row = check_seed(44, STEPS, TIMEOUT, "balanced")
+    assert (row.status, row.note) == ("SKIP", "the balanced baseline splits one encoder's layers with the LLM's; "
+                                              "give a single encoder")
+
+
 @pytest.fixture(scope="module")
 def non_multiple_run():
     """Seed 179's job, its Optimus ranks and its one-rank reference."""
@@ -97,6 +120,8 @@ def test_summary_line():
     lines = summary(rows)
     assert lines[0] == "1 passed, 1 failed"
     assert "1 adjusted" in lines[1] and "0 forced" in lines[1]
+    skipped = replace(rows[1], status="SKIP")
+    assert summary([rows[0], skipped])[0] == "1 passed, 0 failed, 1 skipped"
 
 
 @pytest.mark.parametrize("argv", [[], ["--seeds", "0"], ["--seeds", "2", "--timeout", "0"], ["--seeds", "x"]])

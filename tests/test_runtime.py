@@ -331,7 +331,8 @@ def test_a_trainer_joins_the_parallel_state_of_a_megatron_job_for_its_plan():
 TIED = "model.llm.untie_embeddings_and_output_weights=false"
 BALANCED = {"tp2-vp2": [], "tp2-vp2-sp": ["training.sequence_parallel=true"],
             "tp2-vp1": ["parallel.llm={dp: 1, pp: 2, tp: 2, vp: 1}"], "dp2-vp2": LLM_DP2,
-            "tp2-vp2-tied": [TIED], "pp4-tied": [TIED, "parallel.llm={dp: 1, pp: 4, tp: 1, vp: 1}"]}
+            "tp2-vp2-tied": [TIED], "dp2-vp2-tied": [TIED, *LLM_DP2],
+            "pp4-tied": [TIED, "parallel.llm={dp: 1, pp: 4, tp: 1, vp: 1}"]}
 
 
 @pytest.fixture(scope="module")

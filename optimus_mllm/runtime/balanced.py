@@ -162,15 +162,25 @@ def balanced_transformer_config(config: OptimusConfig, plan: ParallelPlan) -> Tr
     return transformer_config(config, plan, llm_layout(parts, config.llm.num_layers))
 
 
+def tied_across_pipeline(config: OptimusConfig, plan: ParallelPlan) -> bool:
+    """A word embedding tied to the output layer, with several pipeline ranks: megatron-core's GPTModel would
+    then initialise the output layer's copy over its own first/last-rank group, which the balanced split
+    does not keep to (``build_balanced_chunks`` leaves that group out)."""
+    return not config.llm.untie_embeddings_and_output_weights and plan.pp > 1
+
+
 def tied_embedding_group(config: OptimusConfig, plan: ParallelPlan) -> dist.ProcessGroup | None:
     """The group that sums the gradients of a word embedding tied across pipeline ranks: per LLM pipeline,
     the ranks holding the balanced split's first LLM layer and its output layer, in megatron-core's place
     for the first and last pipeline ranks. None on a rank that holds no copy, or when no embedding is tied
     across ranks. Collective."""
-    if config.llm.untie_embeddings_and_output_weights or plan.pp == 1:
+    if not tied_across_pipeline(config, plan):
         return None
     ranges = balanced_layer_ranges(config, plan)
-    first = embedding_stage(ranges, config.encoders[0].num_layers) % plan.pp
+    first_stage = embedding_stage(ranges, config.encoders[0].num_layers)
+    if first_stage == len(ranges) - 1:  # one chunk holds the embedding and the output layer: one parameter
+        return None
+    first = first_stage % plan.pp
     pipelines: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(pipelines, dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()))
     mine = None
@@ -183,17 +193,17 @@ def tied_embedding_group(config: OptimusConfig, plan: ParallelPlan) -> dist.Proc
 
 def build_balanced_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerConfig,
                           layer_specs: Mapping[str, ModuleSpec] | None = None,
-                          tied: bool = False) -> list[BalancedChunk]:
-    """This pipeline rank's virtual stages; needs megatron's parallel_state initialised. ``tied``: the word
-    embedding is tied across pipeline ranks (``tied_embedding_group``); megatron-core's own group, which
-    its GPTModel would otherwise initialise the output layer's copy over, is then left out (the weights are
-    drawn alike anyway, ``init_llm_plan_independent_``)."""
+                          synced_copy: bool = False) -> list[BalancedChunk]:
+    """This pipeline rank's virtual stages; needs megatron's parallel_state initialised. Under
+    ``tied_across_pipeline`` the GPTModels are built without megatron-core's embedding group (the copies
+    are drawn alike anyway, ``init_llm_plan_independent_``); ``synced_copy``: this rank holds a copy of the
+    word embedding that ``tied_embedding_group`` keeps in sync, and says so to ``finalize_model_grads``."""
     enc, llm_layers = config.encoders[0], config.llm.num_layers
     parts = split_ranges(balanced_layer_ranges(config, plan), enc.num_layers)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     groups = None
-    if tied:
+    if tied_across_pipeline(config, plan):
         groups = ProcessGroupCollection.use_mpu_process_groups()
         groups.embd = None
     chunks = []
@@ -206,7 +216,11 @@ def build_balanced_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: Tr
                                                  llm[1] == llm_layers, vp_stage, groups)
         chunks.append(BalancedChunk(config, plan, tconfig, encoder, gpt, v == 0, v == len(parts) - 1))
     copies = [c.llm.shared_embedding_or_output_weight() for c in chunks
-              if tied and c.llm is not None and (c.llm.pre_process or c.llm.post_process)]
+              if synced_copy and c.llm is not None and (c.llm.pre_process or c.llm.post_process)]
+    for copy in copies:
+        # a DDP bucket of its own, so that the distributed optimizer shards both copies alike over DP and their
+        # sum over the group adds reduced shards (megatron-core marks only a first-stage embedding so)
+        copy.shared_embedding = True
     for chunk in chunks:
         chunk.share_embeddings_and_output_weights, chunk._tied_copy = bool(copies), copies
     return chunks

@@ -142,7 +142,7 @@ class Trainer:
             self.tconfig = balanced_transformer_config(config, llm_plan)
             self.embedding_group = tied_embedding_group(config, llm_plan)
             self.modules = build_balanced_chunks(config, llm_plan, self.tconfig, encoder_layer_specs,
-                                                 tied=self.embedding_group is not None)
+                                                 synced_copy=self.embedding_group is not None)
             self.chunks = [chunk.llm for chunk in self.modules if chunk.llm is not None]
             init_llm_plan_independent_(self.chunks, config.training.seed,
                                        parallel_state.get_tensor_model_parallel_group())

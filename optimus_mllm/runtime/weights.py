@@ -85,7 +85,7 @@ def init_llm_plan_independent_(chunks: Sequence[GPTModel], seed: int, tp_group: 
             halves would be cut as one block, so the TP ranks would not hold the whole tensor's rows.
     """
     named = llm_global_parameter_names(chunks)
-    if tp_group.size() > 1 and chunks[0].config.gated_linear_unit:
+    if tp_group.size() > 1 and any(chunk.config.gated_linear_unit for chunk in chunks):
         for name, param in named.items():
             if name.endswith("mlp.linear_fc1.weight") and getattr(param, "partition_stride", 1) != 2:
                 raise OptimusError(f"{name}: this megatron-core does not mark the gated linear unit's fc1 as "
