@@ -5,8 +5,8 @@ and an encoder stage under the encoder plan (its own process groups); the encode
 run at the hook points that the schedule artifact names, and the image tokens reach the LLM by P2P.
 ``baseline``: the encoders run whole in the first pipeline stage's pre-process, tensor-parallel
 with the LLM, as Megatron-LM does for multimodal models; the same weights, data and LLM plan.
-``balanced``: the paper's Megatron-LM balanced baseline (``balanced``): encoder and LLM layers split
-together into the LLM plan's virtual stages, tensor-parallel with the LLM.
+``balanced``: the paper's Megatron-LM balanced baseline (``runtime/balanced.py``): encoder and LLM layers
+split together into the LLM plan's virtual stages, tensor-parallel with the LLM.
 All three train with megatron-core's own stack (``runtime/optimizer.py``: DDP, the distributed optimizer,
 AdamW, clipping by one norm over LLM and encoder, the LR schedule), so their losses, gradient norms
 and weights can be compared number for number.
@@ -308,8 +308,12 @@ class Trainer:
         for model in self.ddp_models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        step = {"balanced": self._balanced_forward_step}.get(self.mode, self._forward_step)
-        step = self._user_forward_step if self.user_model is not None else step
+        if self.user_model is not None:
+            step = self._user_forward_step
+        elif self.mode == "balanced":
+            step = self._balanced_forward_step
+        else:
+            step = self._forward_step
         forward_step = partial(step, driver, iteration, leaves, mailbox)
         iterators = self._data_iterators(iteration)
         driver.fire(PRE)
