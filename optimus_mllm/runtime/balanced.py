@@ -1,11 +1,11 @@
 """The paper's Megatron-LM balanced baseline as a runtime: encoder and LLM layers form one sequence,
 split into V*PP contiguous virtual stages, run by megatron-core's own interleaved 1F1B schedule.
 
-The split is the one ``scheduler.baselines.megatron_lm_balanced_baseline`` simulates (Appendix B's
-dynamic program over the cost model's layer times), so the runtime runs the plan the benchmark
-prices. A virtual stage is a ``BalancedChunk``: its encoder layers (an ``EncoderStage`` over a layer
-range, at the LLM's TP, with the patch embedding if it holds the first layer and the projector if it
-holds the last) and its LLM layers (a megatron-core ``GPTModel`` that a
+The split (``scheduler.baselines.balanced_layer_ranges``, given to each function here) is the one
+``megatron_lm_balanced_baseline`` simulates (Appendix B's dynamic program over the cost model's layer
+times), so the runtime runs the plan the benchmark prices. A virtual stage is a ``BalancedChunk``: its
+encoder layers (an ``EncoderStage`` over a layer range, at the LLM's TP, with the patch embedding if it
+holds the first layer and the projector if it holds the last) and its LLM layers (a megatron-core ``GPTModel`` that a
 ``pipeline_model_parallel_layout`` gives its global layer numbers; the word embedding with the first
 LLM layer, the output layer with the last). A word embedding tied to the output layer thus lives on
 whichever pipeline ranks the split gives them, not megatron-core's first and last: its two copies'
@@ -33,24 +33,20 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
-from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.data import Microbatch
-from optimus_mllm.runtime.llm import causal_mask, decoder_input_with_images, gpt_chunk, transformer_config
-from optimus_mllm.runtime.vit import EncoderStage
-from optimus_mllm.scheduler.baselines import (
-    balanced_problem,
-    embedding_stage,
-    megatron_lm_balanced_baseline,
+from optimus_mllm.runtime.llm import (
+    causal_mask,
+    decoder_input_with_images,
+    gpt_chunk,
+    llm_pipelines,
+    transformer_config,
 )
+from optimus_mllm.runtime.vit import EncoderStage
+from optimus_mllm.scheduler.baselines import embedding_stage
 
 Range = tuple[int, int]
-
-
-def balanced_layer_ranges(config: OptimusConfig, plan: ParallelPlan) -> tuple[Range, ...]:
-    """[lo, hi) of every virtual stage (``chunk * PP + stage``) over encoder layers, then LLM layers."""
-    return megatron_lm_balanced_baseline(config, plan, CostModel.from_config(config)).layer_ranges
+Shape = tuple[int, int, int]
 
 
 def split_ranges(ranges: tuple[Range, ...], encoder_layers: int) -> list[tuple[Range | None, Range | None]]:
@@ -77,19 +73,25 @@ def llm_layout(parts: list[tuple[Range | None, Range | None]], num_llm_layers: i
     return layout
 
 
-def packed_shape(config: OptimusConfig, plan: ParallelPlan) -> tuple[int, int, int]:
-    """The one [sequence, batch, LLM hidden] shape every boundary tensor travels in, on one TP rank:
-    room for the encoder's hidden states (a TP rank's tokens under sequence parallelism), the image
-    embeddings (whole on every rank) and the LLM's hidden states. Its sequence length, times TP under
-    sequence parallelism, is what megatron-core's schedule takes as ``seq_length``."""
+def boundary_shapes(config: OptimusConfig, plan: ParallelPlan) -> tuple[Shape, Shape, Shape]:
+    """What crosses a stage boundary, on one TP rank: the encoder's hidden states (its tokens under
+    sequence parallelism), the image embeddings (whole on every rank) and the LLM's hidden states."""
     enc, llm, b = config.encoders[0], config.llm, config.training.micro_batch_size
     shard = plan.tp if config.training.sequence_parallel and plan.tp > 1 else 1
-    largest = max(enc.seq_length // shard * enc.hidden_size, enc.image_tokens * llm.hidden_size,
-                  llm.seq_length // shard * llm.hidden_size)
-    return math.ceil(largest / llm.hidden_size), b, llm.hidden_size
+    return ((enc.seq_length // shard, b, enc.hidden_size), (enc.image_tokens, b, llm.hidden_size),
+            (llm.seq_length // shard, b, llm.hidden_size))
 
 
-def pack(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+def packed_shape(config: OptimusConfig, plan: ParallelPlan) -> Shape:
+    """The one [sequence, batch, LLM hidden] shape every boundary tensor travels in, with room for the
+    largest. Its sequence length, times TP under sequence parallelism, is what megatron-core's schedule
+    takes as ``seq_length``."""
+    b, hidden = config.training.micro_batch_size, config.llm.hidden_size
+    largest = max(math.prod(shape) for shape in boundary_shapes(config, plan))
+    return math.ceil(largest / (b * hidden)), b, hidden
+
+
+def pack(x: torch.Tensor, shape: Shape) -> torch.Tensor:
     flat = x.reshape(-1)
     return torch.cat([flat, flat.new_zeros(math.prod(shape) - flat.numel())]).view(shape)
 
@@ -112,13 +114,10 @@ class BalancedChunk(MegatronModule):
         self.pre_process, self.share_embeddings_and_output_weights = first, False
         self._tied_copy: list[torch.nn.Parameter] = []  # a list: not registered as this module's parameter
         self.shape = packed_shape(config, plan)
-        enc = config.encoders[0]
-        self.encoder_name = enc.name
-        shard = plan.tp if config.training.sequence_parallel and plan.tp > 1 else 1
-        b = config.training.micro_batch_size
-        self.encoder_hidden = (enc.seq_length // shard, b, enc.hidden_size)
-        self.images = (enc.image_tokens, b, config.llm.hidden_size)
-        self.llm_hidden = (config.llm.seq_length // shard, b, config.llm.hidden_size)
+        self.encoder_name = config.encoders[0].name
+        # what arrives packed: encoder hidden states, the projected image embeddings, or LLM hidden states
+        encoder_hidden, images, llm_hidden = boundary_shapes(config, plan)
+        self.input_shape = encoder_hidden if encoder is not None else images if llm.pre_process else llm_hidden
         self.input_tensor: torch.Tensor | None = None
 
     def shared_embedding_or_output_weight(self) -> torch.nn.Parameter:
@@ -132,14 +131,7 @@ class BalancedChunk(MegatronModule):
     def forward(self, mb: Microbatch, images: torch.Tensor | None, seed: int) -> torch.Tensor:
         """The first virtual stage takes ``images`` (the encoder's patches), the others the received
         buffer; the last returns the LLM's per-token loss, the others the packed boundary tensor."""
-        x = images
-        if not self.first:
-            has_encoder = self.encoder_stage is not None
-            if has_encoder or self.llm.pre_process:
-                shape = self.encoder_hidden if has_encoder else self.images
-            else:
-                shape = self.llm_hidden
-            x = unpack(self.input_tensor, shape)
+        x = images if self.first else unpack(self.input_tensor, self.input_shape)
         if self.encoder_stage is not None:
             x = self.encoder_stage({self.encoder_name: x}, seed)[self.encoder_name]
         if self.llm is not None:
@@ -153,12 +145,10 @@ class BalancedChunk(MegatronModule):
         return x if self.last else pack(x, self.shape)
 
 
-def balanced_transformer_config(config: OptimusConfig, plan: ParallelPlan) -> TransformerConfig:
+def balanced_transformer_config(config: OptimusConfig, plan: ParallelPlan,
+                                ranges: tuple[Range, ...]) -> TransformerConfig:
     """The LLM's megatron-core config with the balanced split's layout."""
-    problem = balanced_problem(config, plan)
-    if problem:
-        raise OptimusError(problem)
-    parts = split_ranges(balanced_layer_ranges(config, plan), config.encoders[0].num_layers)
+    parts = split_ranges(ranges, config.encoders[0].num_layers)
     return transformer_config(config, plan, llm_layout(parts, config.llm.num_layers))
 
 
@@ -169,22 +159,20 @@ def tied_across_pipeline(config: OptimusConfig, plan: ParallelPlan) -> bool:
     return not config.llm.untie_embeddings_and_output_weights and plan.pp > 1
 
 
-def tied_embedding_group(config: OptimusConfig, plan: ParallelPlan) -> dist.ProcessGroup | None:
+def tied_embedding_group(config: OptimusConfig, plan: ParallelPlan,
+                         ranges: tuple[Range, ...]) -> dist.ProcessGroup | None:
     """The group that sums the gradients of a word embedding tied across pipeline ranks: per LLM pipeline,
     the ranks holding the balanced split's first LLM layer and its output layer, in megatron-core's place
     for the first and last pipeline ranks. None on a rank that holds no copy, or when no embedding is tied
     across ranks. Collective."""
     if not tied_across_pipeline(config, plan):
         return None
-    ranges = balanced_layer_ranges(config, plan)
     first_stage = embedding_stage(ranges, config.encoders[0].num_layers)
     if first_stage == len(ranges) - 1:  # one chunk holds the embedding and the output layer: one parameter
         return None
     first = first_stage % plan.pp
-    pipelines: list[list[int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(pipelines, dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()))
     mine = None
-    for ranks in sorted({tuple(p) for p in pipelines}):
+    for ranks in llm_pipelines():
         holders = [ranks[first], ranks[-1]]
         group = dist.new_group(holders)  # every rank creates every group, in one order
         mine = group if dist.get_rank() in holders else mine
@@ -192,14 +180,14 @@ def tied_embedding_group(config: OptimusConfig, plan: ParallelPlan) -> dist.Proc
 
 
 def build_balanced_chunks(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerConfig,
-                          layer_specs: Mapping[str, ModuleSpec] | None = None,
+                          ranges: tuple[Range, ...], layer_specs: Mapping[str, ModuleSpec] | None = None,
                           synced_copy: bool = False) -> list[BalancedChunk]:
     """This pipeline rank's virtual stages; needs megatron's parallel_state initialised. Under
     ``tied_across_pipeline`` the GPTModels are built without megatron-core's embedding group (the copies
     are drawn alike anyway, ``init_llm_plan_independent_``); ``synced_copy``: this rank holds a copy of the
     word embedding that ``tied_embedding_group`` keeps in sync, and says so to ``finalize_model_grads``."""
     enc, llm_layers = config.encoders[0], config.llm.num_layers
-    parts = split_ranges(balanced_layer_ranges(config, plan), enc.num_layers)
+    parts = split_ranges(ranges, enc.num_layers)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     groups = None

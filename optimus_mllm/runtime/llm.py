@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
@@ -92,6 +93,14 @@ def gpt_chunk(config: OptimusConfig, plan: ParallelPlan, tconfig: TransformerCon
         scatter_embedding_sequence_parallel=False,
         position_embedding_type=llm.position_embedding_type, pg_collection=pg_collection,
         **({"vp_stage": vp_stage} if plan.vp > 1 else {}))
+
+
+def llm_pipelines() -> list[tuple[int, ...]]:
+    """Every LLM pipeline's ranks as megatron-core's ``parallel_state`` set them up, the same sorted list on
+    every rank (for groups that every rank must create in one order). Collective."""
+    gathered: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()))
+    return sorted({tuple(ranks) for ranks in gathered})
 
 
 def pre_post_process(plan: ParallelPlan) -> list[tuple[bool, bool]]:

@@ -59,6 +59,7 @@ from optimus_mllm.runtime.llm import (
     build_llm_chunks,
     causal_mask,
     decoder_input_with_images,
+    llm_pipelines,
     masked_lm_loss,
     pre_post_process,
     transformer_config,
@@ -81,6 +82,7 @@ from optimus_mllm.runtime.user_model import (
 )
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
+from optimus_mllm.scheduler.baselines import balanced_layer_ranges
 from optimus_mllm.scheduler.llm_timeline import default_warmup, pipeline_producer, rank_op_order
 
 
@@ -139,9 +141,10 @@ class Trainer:
         tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
         self.embedding_group = None  # the balanced baseline's, for a word embedding tied across pipeline ranks
         if mode == "balanced":
-            self.tconfig = balanced_transformer_config(config, llm_plan)
-            self.embedding_group = tied_embedding_group(config, llm_plan)
-            self.modules = build_balanced_chunks(config, llm_plan, self.tconfig, encoder_layer_specs,
+            ranges = balanced_layer_ranges(config, llm_plan)
+            self.tconfig = balanced_transformer_config(config, llm_plan, ranges)
+            self.embedding_group = tied_embedding_group(config, llm_plan, ranges)
+            self.modules = build_balanced_chunks(config, llm_plan, self.tconfig, ranges, encoder_layer_specs,
                                                  synced_copy=self.embedding_group is not None)
             self.chunks = [chunk.llm for chunk in self.modules if chunk.llm is not None]
             init_llm_plan_independent_(self.chunks, config.training.seed,
@@ -222,12 +225,8 @@ class Trainer:
         if self.plan.pp == 1:
             return None
         self.tconfig.overlap_p2p_comm = self.plan.vp > 1
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        gathered: list[list[int] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, dist.get_process_group_ranks(pp_group))
-        pipelines = sorted({tuple(ranks) for ranks in gathered})
-        channels = build_pipeline_channels([list(ranks) for ranks in pipelines], self.rank)
-        return ChannelP2PCommunicator(pp_group, self.tconfig, channels)
+        channels = build_pipeline_channels([list(ranks) for ranks in llm_pipelines()], self.rank)
+        return ChannelP2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), self.tconfig, channels)
 
     def _schedule_groups(self) -> dict[str, Any]:
         """The communicator and megatron-core's own groups for its schedule (it takes both or neither)."""

@@ -117,14 +117,29 @@ def megatron_lm_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | 
     return None
 
 
-def balanced_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
-    """Why the runtime cannot run the balanced baseline under ``llm_plan`` (its split by the config's cost
-    model, as the runtime splits), or None."""
+def balanced_layer_ranges(config: OptimusConfig, llm_plan: ParallelPlan) -> tuple[tuple[int, int], ...]:
+    """The balanced split the runtime runs: [lo, hi) of every virtual stage (``chunk * PP + stage``) over
+    encoder layers, then LLM layers, by the config's cost model.
+
+    Raises:
+        OptimusError: the runtime cannot run the balanced baseline under ``llm_plan`` (``balanced_problem``).
+    """
     problem = _balanced_split_problem(config, llm_plan)
+    if problem is None:
+        ranges = megatron_lm_balanced_baseline(config, llm_plan, CostModel.from_config(config)).layer_ranges
+        problem = tied_embedding_problem(config, llm_plan, ranges)
     if problem:
-        return problem
-    ranges = megatron_lm_balanced_baseline(config, llm_plan, CostModel.from_config(config)).layer_ranges
-    return tied_embedding_problem(config, llm_plan, ranges)
+        raise OptimusError(problem)
+    return ranges
+
+
+def balanced_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
+    """Why the runtime cannot run the balanced baseline under ``llm_plan``, or None."""
+    try:
+        balanced_layer_ranges(config, llm_plan)
+    except OptimusError as exc:
+        return str(exc)
+    return None
 
 
 def _balanced_split_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
