@@ -266,7 +266,7 @@ def _op_costs(encoder: Encoder, artifact: dict[str, Any], cost: Any) -> dict[tup
                               ParallelPlan(**artifact["encoder_plan"]), cost)
     costs = {}
     for phase, chain in (("fwd", work.fwd[0]), ("bwd", work.bwd[0])):
-        names = [(k.encoder, k.layer, k.name) for k in chain.kernels]
+        names = [(k.encoder, k.layer, k.name, k.splittable) for k in chain.kernels]
         if names != encoder.ops.chain(phase):
             raise OptimusError(f"the cost model's {phase} chain differs from the runtime's ops")
         costs.update({(phase, i): k.duration_us for i, k in enumerate(chain.kernels)})

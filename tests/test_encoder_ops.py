@@ -108,26 +108,41 @@ def _autograd(model: EncoderStage, inputs: dict[str, torch.Tensor], grads: dict[
             {name: leaf.grad for name, leaf in leaves.items()})
 
 
-def _advance(run: MicrobatchRun, grads: dict[str, torch.Tensor]) -> None:
-    if not run.forward_done:
-        run.run_forward(run.next_forward)
-    elif not run.output_grad_set:
+def _advance(run: MicrobatchRun, grads: dict[str, torch.Tensor], cut: dict[int, float] | None = None,
+             rng: random.Random | None = None) -> None:
+    """One op, or with ``cut`` (how far each run's split op has got) one piece of a splittable op: up to a
+    random point, often one that gives a piece no whole row."""
+    if run.forward_done and not run.output_grad_set:
         run.set_output_grad(grads)
-    else:
-        run.run_backward(run.next_backward)
+        return
+    forward = not run.forward_done
+    k = run.next_forward if forward else run.next_backward
+    execute = run.run_forward if forward else run.run_backward
+    op = (run.ops.fwd if forward else run.ops.bwd)[k]
+    if cut is None or not op.splittable:
+        execute(k)
+        return
+    lo = cut.pop(id(run), 0.0)
+    hi = rng.choice([1.0, 1.0, lo + (1.0 - lo) * rng.random(), lo + (1.0 - lo) * 1e-3])
+    execute(k, (lo, hi))
+    if hi < 1.0:
+        cut[id(run)] = hi
 
 
-def _run_ops(ops: StageOps, inputs: list[dict], grads: list[dict], rng: random.Random | None) -> list[MicrobatchRun]:
-    """Microbatches one after the other (``rng`` None), or interleaved op by op in a random order."""
+def _run_ops(ops: StageOps, inputs: list[dict], grads: list[dict], rng: random.Random | None,
+             split: bool = False) -> list[MicrobatchRun]:
+    """Microbatches one after the other (``rng`` None), or interleaved op by op in a random order;
+    ``split``: splittable ops in random pieces of their tokens, other microbatches' ops between them."""
     runs = [MicrobatchRun(ops, x, SEED + i) for i, x in enumerate(inputs)]
     if rng is None:
         for run, g in zip(runs, grads):
             while not run.backward_done:
                 _advance(run, g)
         return runs
+    cut: dict[int, float] | None = {} if split else None
     while not all(run.backward_done for run in runs):
         i = rng.choice([i for i, run in enumerate(runs) if not run.backward_done])
-        _advance(runs[i], grads[i])
+        _advance(runs[i], grads[i], cut, rng)
     return runs
 
 
@@ -211,14 +226,22 @@ def _stage_report(config: OptimusConfig, stage: int, num_stages: int, group: dis
     errors["interleaved parameter grads vs sequential"] = _max_error(_param_grads(model), sequential)
     errors["interleaved input grads vs sequential"] = max(
         _max_error(a.input_grad, b.input_grad) for a, b in zip(interleaved, one_by_one))
-    return {"errors": errors, "fwd": ops.chain("fwd"), "bwd": ops.chain("bwd")}
+    model.zero_grad(set_to_none=True)
+    split = _run_ops(ops, local_x, local_g, random.Random(SEED + 7 * stage), split=True)
+    # a GEMM's weight gradient sums its pieces' tokens in another order: relative to the values' size
+    errors["split parameter grads vs sequential"] = _max_error(_param_grads(model), sequential, True)
+    errors["split outputs vs sequential"] = max(_max_error(a.output, b.output, True) for a, b in zip(split, one_by_one))
+    errors["split input grads vs sequential"] = max(
+        _max_error(a.input_grad, b.input_grad, True) for a, b in zip(split, one_by_one))
+    return {"errors": errors, "fwd": ops.chain("fwd"), "bwd": ops.chain("bwd"),
+            "split": [op.name for op in ops.fwd + ops.bwd if op.splittable]}
 
 
 def _cost_chains(config: OptimusConfig, stage: int, num_stages: int, tp: int) -> dict[str, list]:
     llm = config.parallel.llm
     enc_plan = ParallelPlan(config.cluster.num_gpus // (num_stages * tp), num_stages, tp)
     work = build_encoder_work(config, ParallelPlan(llm.dp, llm.pp, llm.tp), enc_plan, CostModel.from_config(config))
-    return {phase: [(k.encoder, k.layer, k.name) for k in getattr(work, phase)[stage].kernels]
+    return {phase: [(k.encoder, k.layer, k.name, k.splittable) for k in getattr(work, phase)[stage].kernels]
             for phase in ("fwd", "bwd")}
 
 

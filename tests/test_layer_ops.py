@@ -61,8 +61,12 @@ def _causal(spec: Any) -> Any:
     return replace(spec, submodules=replace(spec.submodules, self_attention=attention))
 
 
-def _compare(variant: str, causal: bool, group: dist.ProcessGroup) -> dict[str, float]:
-    """Largest differences of output, input gradient and parameter gradients, steps vs forward."""
+PIECES = ((0.0, 0.34), (0.34, 0.5), (0.5, 1.0))  # of SEQ = 6 tokens: 2, 1 and 3 rows
+
+
+def _compare(variant: str, causal: bool, group: dist.ProcessGroup, pieces: bool = False) -> dict[str, float]:
+    """Largest differences of output, input gradient and parameter gradients, steps vs forward;
+    ``pieces``: every op of the layer run as ``PIECES`` of its tokens."""
     encoder = _encoder(**VARIANTS[variant])
     spec = _causal(vision_layer_spec()) if causal else vision_layer_spec()
     torch.manual_seed(0)  # megatron-core's CPU init draws the whole matrix on every rank: shards agree
@@ -86,11 +90,16 @@ def _compare(variant: str, causal: bool, group: dist.ProcessGroup) -> dict[str, 
 
     ops = build_stage_ops([Block("vit", 1, layer_steps(layer, group, False, "vit:1"), True)])
     run = MicrobatchRun(ops, {"vit": x}, seed=0)
-    for k in range(len(ops.fwd)):
-        run.run_forward(k)
+    for k, op in enumerate(ops.fwd):
+        for piece in PIECES if pieces and op.splittable else ((0.0, 1.0),):
+            run.run_forward(k, piece)
     run.set_output_grad({"vit": g})
-    for k in range(len(ops.bwd)):
-        run.run_backward(k)
+    for k, op in enumerate(ops.bwd):
+        for piece in PIECES if pieces and op.splittable else ((0.0, 1.0),):
+            run.run_backward(k, piece)
+    if pieces:
+        assert {op.name for op in ops.fwd + ops.bwd if op.splittable} == \
+            {"ln_attn", "qkv", "attn_core", "attn_proj", "ln_mlp", "fc1", "act", "fc2"}
     got = {"output": run.output["vit"], "input grad": run.input_grad["vit"]}
     got |= {name: p.grad for name, p in layer.named_parameters()}
     return {key: (got[key] - value).abs().max().item() for key, value in expected.items()}
@@ -107,10 +116,13 @@ def one_rank() -> Iterator[dist.ProcessGroup]:
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_steps_compute_the_layers_own_forward(one_rank: dist.ProcessGroup, variant: str, causal: bool) -> None:
-    errors = _compare(variant, causal, one_rank)
+def test_steps_compute_the_layers_own_forward(one_rank: dist.ProcessGroup, variant: str, causal: bool,
+                                              pieces: bool) -> None:
+    """Also with every op run as pieces of its tokens (attention: some queries, under the causal mask too)."""
+    errors = _compare(variant, causal, one_rank, pieces)
     assert max(errors.values()) <= TOL, errors
 
 
@@ -120,7 +132,8 @@ def _tp2_rank() -> dict[str, dict[str, float]]:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         group = parallel_state.get_tensor_model_parallel_group()
         try:
-            errors = {variant: _compare(variant, False, group) for variant in VARIANTS}
+            errors = {f"{variant}{' in pieces' * pieces}": _compare(variant, False, group, pieces)
+                      for variant in VARIANTS for pieces in (False, True)}
             return {**errors, **{f"{subtype} vision model + projector": _clip_comparison(group, subtype)
                                  for subtype in SUBTYPES}}
         finally:

@@ -81,7 +81,7 @@ def _both_runtimes(overrides: list[str]) -> dict:
     work = build_encoder_work(config, ParallelPlan(llm.dp, llm.pp, llm.tp), optimus.enc_plan,
                               CostModel.from_config(config))
     stage = optimus.groups.coords.pp
-    chains = {phase: ([(k.encoder, k.layer, k.name) for k in getattr(work, phase)[stage].kernels],
+    chains = {phase: ([(k.encoder, k.layer, k.name, k.splittable) for k in getattr(work, phase)[stage].kernels],
                       optimus.ops.chain(phase)) for phase in ("fwd", "bwd")}
     report = {
         "steps": {mode: run["steps"] for mode, run in runs.items()},

@@ -16,12 +16,20 @@ the op before it, then drops them. A collective step has an explicit adjoint and
 any prefix of a microbatch's ops can run now and the rest later, microbatches interleaved, and the
 gradients are those of ordinary autograd through the whole stage. With recomputation a layer's
 forward keeps only the state entering the recomputed part; the ``recompute_*`` ops rebuild it.
+
+Pieces: a splittable op (a transformer layer's compute kernels, without dropout) also runs as pieces of
+its tokens (rows of dim 0), each a ``Piece`` of fractions, in order from 0 to 1, so that a kernel can be
+cut to fit short bubbles. A piece of a forward op runs its steps on the piece's rows (attention: the
+piece's queries against every key) and keeps only the op's inputs. A piece of a backward op takes a
+GEMM's gradients directly from the saved input and recomputes any other step on the piece's rows, so
+the forward and backward of one microbatch may be cut differently; the gradients are autograd's, summed
+over the pieces.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -31,6 +39,8 @@ from optimus_mllm.config import Recompute
 Tensor = torch.Tensor
 OpKind = Literal["forward", "recompute", "backward"]
 HIDDEN = "hidden"  # the one state entry that enters and leaves every block
+Piece = tuple[float, float]  # [lo, hi): a share of an op's tokens, as fractions of its rows
+WHOLE: Piece = (0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,11 @@ class Step:
     ``adjoint(*grads of writes) -> grads of reads``; otherwise autograd differentiates ``forward``.
     ``seeded`` (dropout): ``forward(seed, *state[reads])`` with the microbatch's dropout seed, so
     that a recomputed forward draws the same masks.
+
+    Pieces of tokens (rows of dim 0): ``tokenwise``, each output row depends on the same rows of every
+    input only; ``query_rows(seed, rows, *whole inputs)`` gives the outputs' rows ``rows`` (attention:
+    those queries against every key); ``linear`` = (weight, bias) of a step that is ``F.linear`` of its
+    input, whose piece backward then takes the gradients directly instead of recomputing the piece.
     """
 
     forward: Callable[..., tuple[Tensor, ...]]
@@ -51,6 +66,9 @@ class Step:
     trainable: bool = False  # uses parameters that want gradients
     adjoint: Callable[..., tuple[Tensor, ...]] | None = None
     seeded: bool = False
+    tokenwise: bool = False
+    query_rows: Callable[..., tuple[Tensor, ...]] | None = None
+    linear: tuple[Tensor, Tensor | None] | None = None
 
     def run(self, seed: int, *inputs: Tensor) -> tuple[Tensor, ...]:
         return self.forward(seed, *inputs) if self.seeded else self.forward(*inputs)
@@ -95,6 +113,7 @@ class EncoderOp:
     block: int  # index of the block in the stage
     record: bool = True  # forward: keep what the backward needs (False: no backward, or recomputed)
     checkpoint: bool = False  # forward: keep the entering state; recompute: restart from it
+    splittable: bool = False  # runs as pieces of its tokens (a compute op, not a recomputation)
 
 
 @dataclass(frozen=True)
@@ -108,9 +127,9 @@ class StageOps:
     input_grad_encoders: frozenset[str]  # encoders whose stage input gets a gradient
     output_grad_encoders: frozenset[str]  # encoders whose stage output needs a gradient
 
-    def chain(self, phase: Literal["fwd", "bwd"]) -> list[tuple[str, int, str]]:
-        """(encoder, layer, kernel name) per op: comparable with a cost-model stage chain."""
-        return [(op.encoder, op.layer, op.name) for op in (self.fwd if phase == "fwd" else self.bwd)]
+    def chain(self, phase: Literal["fwd", "bwd"]) -> list[tuple[str, int, str, bool]]:
+        """(encoder, layer, kernel name, splittable) per op: comparable with a cost-model stage chain."""
+        return [(op.encoder, op.layer, op.name, op.splittable) for op in (self.fwd if phase == "fwd" else self.bwd)]
 
 
 def build_stage_ops(blocks: Sequence[Block], recompute: Recompute = "none") -> StageOps:
@@ -175,7 +194,15 @@ def _group(block: Block, index: int, kind: OpKind, items: list[tuple[int, Step]]
         pending = []
     if pending:
         raise ValueError(f"{block.encoder} layer {block.layer}: {kind} steps without any kernel")
-    return ops
+    steps = dict(items)
+    return [replace(op, splittable=_splittable(op, [steps[i] for i in op.steps])) for op in ops]
+
+
+def _splittable(op: EncoderOp, steps: list[Step]) -> bool:
+    """Pieces of tokens: every step tokenwise, or one attention step alone (its piece reads every row)."""
+    if op.is_comm:
+        return False
+    return all(step.tokenwise for step in steps) or (len(steps) == 1 and steps[0].query_rows is not None)
 
 
 def _with_recompute(block: Block, fwd: list[EncoderOp], bwd: list[EncoderOp],
@@ -186,7 +213,7 @@ def _with_recompute(block: Block, fwd: list[EncoderOp], bwd: list[EncoderOp],
     if block.layer < 0 or recompute == "none":
         return fwd, bwd
     if recompute == "full":
-        redo = [replace(op, kind="recompute", name="recompute_" + op.name, checkpoint=i == 0)
+        redo = [replace(op, kind="recompute", name="recompute_" + op.name, checkpoint=i == 0, splittable=False)
                 for i, op in enumerate(fwd)]
         return [replace(op, record=False, checkpoint=i == 0) for i, op in enumerate(fwd)], redo + bwd
     # selective (Korthikanti et al.): only the attention core, just before its backward
@@ -196,8 +223,45 @@ def _with_recompute(block: Block, fwd: list[EncoderOp], bwd: list[EncoderOp],
             continue
         out_fwd[i] = replace(op, record=False, checkpoint=True)
         at = next(j for j, b in enumerate(out_bwd) if set(b.steps) & set(op.steps))
-        out_bwd.insert(at, replace(op, kind="recompute", name="recompute_attn_core", checkpoint=True))
+        out_bwd.insert(at, replace(op, kind="recompute", name="recompute_attn_core", checkpoint=True,
+                                   splittable=False))
     return out_fwd, out_bwd
+
+
+@dataclass
+class _OpenOp:
+    """A split op part-way: the state entries (forward) or gradients (backward) it took, its outputs so
+    far (row blocks, or whole-shaped sums), and its steps' inputs so far (forward: row blocks, or the
+    whole input of an attention step)."""
+
+    entering: dict[str, Tensor]
+    rows: int
+    blocks: dict[str, list[Tensor]] = field(default_factory=dict)
+    sums: dict[str, Tensor] = field(default_factory=dict)
+    inputs: dict[int, list[list[Tensor]]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, entering: dict[str, Tensor]) -> _OpenOp:
+        sizes = {x.shape[0] for x in entering.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"a split op's inputs have {sorted(sizes)} rows; its pieces need one count")
+        return cls(entering, sizes.pop() if sizes else 0)
+
+    def slice(self, piece: Piece) -> slice:
+        return slice(round(piece[0] * self.rows), round(piece[1] * self.rows))
+
+
+def _taken(op: EncoderOp, steps: tuple[BoundStep, ...], kind: OpKind) -> list[str]:
+    """The entries an op takes: those its steps read (forward) or whose gradients they take (backward)
+    before one of its own steps makes them."""
+    made: set[str] = set()
+    taken: list[str] = []
+    for i in op.steps:
+        step = steps[i].step
+        takes, makes = (step.reads, step.writes) if kind == "forward" else (step.writes, step.reads)
+        taken += [key for key in takes if key not in made and key not in taken]
+        made.update(makes)
+    return taken
 
 
 class MicrobatchRun:
@@ -218,11 +282,14 @@ class MicrobatchRun:
         self.ops, self.seed = ops, seed
         self._state = {enc: {HIDDEN: inputs[enc].detach()} for enc in ops.encoders}
         self._grads: dict[str, dict[str, Tensor]] = {enc: {} for enc in ops.encoders}
-        self._saved: dict[int, tuple[list[Tensor], tuple[Tensor, ...]]] = {}
+        # per step: its inputs, and the outputs of its forward graph (None: it ran in pieces, without one)
+        self._saved: dict[int, tuple[list[Tensor], tuple[Tensor, ...] | None]] = {}
         self._checkpoints: dict[int, dict[str, Tensor]] = {}
         self._recompute: dict[str, dict[str, Tensor]] = {}
         self._next_fwd = 0
         self._next_bwd = 0
+        self._fwd_at = self._bwd_at = 0.0  # how far into its tokens the next op has run
+        self._open: _OpenOp | None = None  # the split op part-way
         self._has_output_grad = False
 
     @property
@@ -270,36 +337,148 @@ class MicrobatchRun:
         return {enc: self._grads[enc].get(HIDDEN) if enc in self.ops.input_grad_encoders else None
                 for enc in self.ops.encoders}
 
-    def run_forward(self, k: int) -> None:
-        """Run forward op ``k`` of the stage chain; ops run in order."""
-        if k != self._next_fwd:
-            raise ValueError(f"forward op {k} requested, op {self._next_fwd} is next")
-        op = self.ops.fwd[k]
+    def run_forward(self, k: int, piece: Piece = WHOLE) -> None:
+        """Run forward op ``k`` of the stage chain, or the piece ``piece`` of its tokens; ops run in order,
+        a split op's pieces from 0 to 1."""
+        op = self._check("forward", self.ops.fwd, k, self._next_fwd, self._fwd_at, piece)
         state = self._state[op.encoder]
-        if op.checkpoint:
+        if op.checkpoint and piece[0] == 0.0:
             self._checkpoints[op.block] = dict(state)
-        for i in op.steps:
-            self._forward_step(i, state, op.record)
-        self._next_fwd += 1
+        if piece == WHOLE:
+            for i in op.steps:
+                self._forward_step(i, state, op.record)
+        else:
+            self._forward_piece(op, state, piece)
+        self._fwd_at = 0.0 if piece[1] == 1.0 else piece[1]
+        self._next_fwd += piece[1] == 1.0
 
-    def run_backward(self, k: int) -> None:
-        """Run backward op ``k`` of the stage chain (recomputation included); ops run in order."""
+    def run_backward(self, k: int, piece: Piece = WHOLE) -> None:
+        """Run backward op ``k`` of the stage chain (recomputation included), or the piece ``piece`` of its
+        tokens; ops run in order, a split op's pieces from 0 to 1."""
         if not self._has_output_grad:
             raise RuntimeError("backward before set_output_grad")
-        if k != self._next_bwd:
-            raise ValueError(f"backward op {k} requested, op {self._next_bwd} is next")
-        op = self.ops.bwd[k]
+        op = self._check("backward", self.ops.bwd, k, self._next_bwd, self._bwd_at, piece)
         if op.kind == "recompute":
             if op.checkpoint:
                 self._recompute[op.encoder] = self._checkpoints.pop(op.block)
             for i in op.steps:
                 self._forward_step(i, self._recompute[op.encoder], True)
-        else:
+        elif piece == WHOLE and all(self._saved[i][1] is not None for i in op.steps if i in self._saved):
             for i in op.steps:
                 self._backward_step(i, self._grads[op.encoder])
-        self._next_bwd += 1
+        else:  # a piece, or a forward that ran in pieces and kept no graph
+            self._backward_piece(op, piece)
+        self._bwd_at = 0.0 if piece[1] == 1.0 else piece[1]
+        self._next_bwd += piece[1] == 1.0
         if self.backward_done:
             self._recompute.clear()
+
+    def _check(self, kind: str, chain: tuple[EncoderOp, ...], k: int, next_k: int, at: float,
+               piece: Piece) -> EncoderOp:
+        if k != next_k:
+            raise ValueError(f"{kind} op {k} requested, op {next_k} is next")
+        if piece[0] != at or not piece[0] < piece[1] <= 1.0:
+            raise ValueError(f"{kind} op {k}: piece {piece} requested, its tokens from {at} on are next")
+        op = chain[k]
+        if piece != WHOLE and not op.splittable:
+            raise ValueError(f"{kind} op {k} ({op.name}) does not run in pieces")
+        return op
+
+    def _forward_piece(self, op: EncoderOp, state: dict[str, Tensor], piece: Piece) -> None:
+        """Rows ``piece`` of a forward op, without autograd: its steps' inputs are kept for the backward."""
+        if piece[0] == 0.0:
+            self._open = _OpenOp.of({key: state.pop(key) for key in _taken(op, self.ops.steps, "forward")})
+        open_ = self._open
+        rows = open_.slice(piece)
+        local = {key: x[rows] for key, x in open_.entering.items()}
+        with torch.no_grad():
+            for i in op.steps if rows.start < rows.stop else ():  # a piece of no whole row runs nothing
+                bound = self.ops.steps[i]
+                step = bound.step
+                inputs = [local.pop(key) for key in step.reads]
+                if step.query_rows is not None:  # the op's only step: every row of its input
+                    inputs = [open_.entering[key] for key in step.reads]
+                    outputs = step.query_rows(self.seed, rows, *inputs)
+                else:
+                    outputs = step.run(self.seed, *inputs)
+                if op.record and bound.differentiated and not step.is_collective:
+                    kept = open_.inputs.setdefault(i, [[] for _ in step.reads])
+                    for parts, x in zip(kept, inputs):
+                        parts[:] = [x] if step.query_rows is not None else [*parts, x]
+                local.update(zip(step.writes, outputs))
+        if rows.start < rows.stop:
+            for key, x in local.items():
+                open_.blocks.setdefault(key, []).append(x)
+        if piece[1] == 1.0:
+            state.update((key, torch.cat(parts)) for key, parts in open_.blocks.items())
+            for i, kept in open_.inputs.items():
+                self._saved[i] = ([torch.cat(parts) for parts in kept], None)
+            self._open = None
+
+    def _backward_piece(self, op: EncoderOp, piece: Piece) -> None:
+        """Rows ``piece`` of a backward op: the gradients of the op's inputs, row by row (an attention
+        piece: summed over every row), and its parameters' gradients accumulated through autograd."""
+        grads = self._grads[op.encoder]
+        if piece[0] == 0.0:
+            taken = _taken(op, self.ops.steps, "backward")
+            self._open = _OpenOp.of({key: grads.pop(key) for key in taken if key in grads})
+        open_ = self._open
+        rows = open_.slice(piece)
+        local = {key: g[rows] for key, g in open_.entering.items()}
+        for i in op.steps if rows.start < rows.stop else ():
+            bound = self.ops.steps[i]
+            step = bound.step
+            out_grads = [local.pop(key, None) for key in step.writes]
+            if step.adjoint is not None:
+                with torch.no_grad():
+                    in_grads = step.adjoint(*out_grads)
+            else:
+                in_grads = self._step_backward_rows(i, rows, out_grads)
+            for key, g, flag in zip(step.reads, in_grads, bound.needs_grad):
+                if not flag or g is None:
+                    continue
+                if step.query_rows is not None:
+                    open_.sums[key] = open_.sums[key] + g if key in open_.sums else g
+                else:
+                    local[key] = g
+        if rows.start < rows.stop:
+            for key, g in local.items():
+                open_.blocks.setdefault(key, []).append(g)
+        if piece[1] == 1.0:
+            grads.update((key, torch.cat(parts)) for key, parts in open_.blocks.items())
+            grads.update(open_.sums)
+            for i in op.steps:
+                self._saved.pop(i, None)
+            self._open = None
+
+    def _step_backward_rows(self, index: int, rows: slice, out_grads: list[Tensor | None]) -> tuple:
+        """One step's backward on ``rows`` from its saved input: a GEMM's gradients directly, any other
+        step's by autograd through its forward recomputed on those rows."""
+        bound = self.ops.steps[index]
+        step = bound.step
+        inputs = [x.detach() for x in self._saved[index][0]]
+        if all(g is None for g in out_grads):
+            return tuple(None for _ in step.reads)
+        if step.linear is not None:  # y = x W^T + b
+            (x,), (g,) = inputs, out_grads
+            weight, bias = step.linear
+            x, g2 = x[rows].flatten(0, -2), g.flatten(0, -2)
+            with torch.no_grad():
+                roots = [(weight, g2.t() @ x)] if weight.requires_grad else []
+                if bias is not None and bias.requires_grad:
+                    roots.append((bias, g2.sum(0)))
+                input_grad = g @ weight if bound.needs_grad[0] else None
+            if roots:  # through autograd, so that the parameters' gradient hooks (DDP) run
+                torch.autograd.backward([p for p, _ in roots], [d for _, d in roots])
+            return (input_grad,)
+        whole = step.query_rows is not None
+        leaves = [(x if whole else x[rows]).requires_grad_(flag) for x, flag in zip(inputs, bound.needs_grad)]
+        with torch.enable_grad():
+            outputs = step.query_rows(self.seed, rows, *leaves) if whole else step.run(self.seed, *leaves)
+        roots = [(out, g) for out, g in zip(outputs, out_grads) if g is not None and out.requires_grad]
+        if roots:
+            torch.autograd.backward([out for out, _ in roots], [g for _, g in roots])
+        return tuple(leaf.grad for leaf in leaves)
 
     def _forward_step(self, index: int, state: dict[str, Tensor], record: bool) -> None:
         bound = self.ops.steps[index]

@@ -130,9 +130,9 @@ def reduce_scatter(x: Tensor, group: ProcessGroup) -> Tensor:
 
 
 def collective(forward: Callable[[Tensor], Tensor], adjoint: Callable[[Tensor], Tensor],
-               fwd_kernel: str | None, bwd_kernel: str | None) -> Step:
+               fwd_kernel: str | None, bwd_kernel: str | None, tokenwise: bool = False) -> Step:
     return Step(forward=lambda x: (forward(x),), adjoint=lambda g: (adjoint(g),),
-                fwd_kernel=fwd_kernel, bwd_kernel=bwd_kernel)
+                fwd_kernel=fwd_kernel, bwd_kernel=bwd_kernel, tokenwise=tokenwise)
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -144,7 +144,7 @@ def tp_entry(group: ProcessGroup, sequence_parallel: bool, half: str) -> Step:
     if sequence_parallel:
         return collective(lambda x: all_gather(x, group), lambda g: reduce_scatter(g, group),
                           f"tp_ag_{half}", f"tp_rs_{half}")
-    return collective(_identity, lambda g: all_reduce(g, group), None, f"tp_ar_{half}")
+    return collective(_identity, lambda g: all_reduce(g, group), None, f"tp_ar_{half}", tokenwise=True)
 
 
 def tp_exit(group: ProcessGroup, sequence_parallel: bool, half: str) -> Step:
@@ -152,29 +152,37 @@ def tp_exit(group: ProcessGroup, sequence_parallel: bool, half: str) -> Step:
     if sequence_parallel:
         return collective(lambda x: reduce_scatter(x, group), lambda g: all_gather(g, group),
                           f"tp_rs_{half}", f"tp_ag_{half}")
-    return collective(lambda x: all_reduce(x, group), _identity, f"tp_ar_{half}", None)
+    return collective(lambda x: all_reduce(x, group), _identity, f"tp_ar_{half}", None, tokenwise=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # Compute steps
 
 
-def compute(kernel: str, fn: Callable[[Tensor], Tensor], *params: Tensor | None) -> Step:
-    return Step(forward=lambda x: (fn(x),), fwd_kernel=kernel, bwd_kernel=kernel, trainable=wants_grad(*params))
+def compute(kernel: str, fn: Callable[[Tensor], Tensor], *params: Tensor | None, tokenwise: bool = False) -> Step:
+    return Step(forward=lambda x: (fn(x),), fwd_kernel=kernel, bwd_kernel=kernel, trainable=wants_grad(*params),
+                tokenwise=tokenwise)
+
+
+def linear(kernel: str, module: nn.Module, with_bias: bool = True, tokenwise: bool = True) -> Step:
+    """A GEMM with ``module``'s weight (and bias): pieces of its tokens take their gradients directly."""
+    weight, bias = module.weight, module.bias if with_bias else None
+    return Step(forward=lambda x: (F.linear(x, weight, bias),), fwd_kernel=kernel, bwd_kernel=kernel,
+                trainable=wants_grad(weight, bias), tokenwise=tokenwise, linear=(weight, bias))
 
 
 def wants_grad(*params: Tensor | None) -> bool:
     return any(p is not None and p.requires_grad for p in params)
 
 
-def _norm_step(norm: nn.Module, kernel: str) -> Step:
+def _norm_step(norm: nn.Module, kernel: str, tokenwise: bool) -> Step:
     """Normalise, and keep the input as the residual of the half-layer."""
     return Step(forward=lambda h: (norm(h), h), fwd_kernel=kernel, bwd_kernel=kernel,
-                writes=("hidden", "residual"), trainable=wants_grad(*norm.parameters()))
+                writes=("hidden", "residual"), trainable=wants_grad(*norm.parameters()), tokenwise=tokenwise)
 
 
 def _residual_add_step(bias: Tensor | None, p: float, site: str, group: ProcessGroup,
-                       sequence_parallel: bool) -> Step:
+                       sequence_parallel: bool, tokenwise: bool) -> Step:
     """The row-parallel bias, hidden dropout and the residual, after the reduction (megatron-core's
     bias-dropout-add): no kernel of its own. Under sequence parallelism ``x`` holds this rank's tokens,
     otherwise all of them, the same on every TP rank."""
@@ -186,11 +194,7 @@ def _residual_add_step(bias: Tensor | None, p: float, site: str, group: ProcessG
         return (x + residual,)
 
     return Step(forward=forward, fwd_kernel=None, bwd_kernel=None, reads=("hidden", "residual"),
-                trainable=wants_grad(bias), seeded=True)
-
-
-def _linear(module: nn.Module, with_bias: bool = True) -> Callable[[Tensor], Tensor]:
-    return lambda x: F.linear(x, module.weight, module.bias if with_bias else None)
+                trainable=wants_grad(bias), seeded=True, tokenwise=tokenwise)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,9 +222,14 @@ def layer_steps(layer: nn.Module, group: ProcessGroup, sequence_parallel: bool, 
     head_dim, scale = attention.hidden_size_per_attention_head, core.softmax_scale
     p_attn = config.attention_dropout
 
-    def attend(seed: int, x: Tensor) -> tuple[Tensor]:
+    def attend(seed: int, x: Tensor, rows: slice = slice(None)) -> tuple[Tensor]:
         return (_attention(x, heads, groups, head_dim, scale, causal, p_attn, group,
-                           site_seed(seed, f"{site}:attn_core")),)
+                           site_seed(seed, f"{site}:attn_core"), rows),)
+
+    # pieces of tokens (encoder_ops), not with dropout: its masks are drawn whole (``encoder_costs``
+    # splits the same layers)
+    pieces = p_attn == 0.0 and layer.hidden_dropout == 0.0
+    query_rows = (lambda seed, rows, x: attend(seed, x, rows)) if pieces else None
 
     def activation(x: Tensor) -> Tensor:
         if config.gated_linear_unit:  # megatron-core's MLP: [gate; up] per rank
@@ -229,14 +238,14 @@ def layer_steps(layer: nn.Module, group: ProcessGroup, sequence_parallel: bool, 
         return config.activation_func(x)
 
     attention_steps = [
-        compute("qkv", _linear(qkv), qkv.weight, qkv.bias),
-        Step(forward=attend, fwd_kernel="attn_core", bwd_kernel="attn_core", seeded=True),
-        compute("attn_proj", _linear(proj, with_bias=False), proj.weight),  # its bias: after the reduction
+        linear("qkv", qkv, tokenwise=pieces),
+        Step(forward=attend, fwd_kernel="attn_core", bwd_kernel="attn_core", seeded=True, query_rows=query_rows),
+        linear("attn_proj", proj, with_bias=False, tokenwise=pieces),  # its bias: after the reduction
     ]
     mlp_steps = [
-        compute("fc1", _linear(fc1), fc1.weight, fc1.bias),
-        compute("act", activation),
-        compute("fc2", _linear(fc2, with_bias=False), fc2.weight),
+        linear("fc1", fc1, tokenwise=pieces),
+        compute("act", activation, tokenwise=pieces),
+        linear("fc2", fc2, with_bias=False, tokenwise=pieces),
     ]
     if group.size() > 1:
         sp = sequence_parallel
@@ -244,27 +253,33 @@ def layer_steps(layer: nn.Module, group: ProcessGroup, sequence_parallel: bool, 
         mlp_steps = [tp_entry(group, sp, "mlp"), *mlp_steps, tp_exit(group, sp, "mlp")]
     p = layer.hidden_dropout
     return (
-        _norm_step(layer.input_layernorm, "ln_attn"), *attention_steps,
-        _residual_add_step(proj.bias, p, f"{site}:attn", group, sequence_parallel),
-        _norm_step(layer.pre_mlp_layernorm, "ln_mlp"), *mlp_steps,
-        _residual_add_step(fc2.bias, p, f"{site}:mlp", group, sequence_parallel),
+        _norm_step(layer.input_layernorm, "ln_attn", pieces), *attention_steps,
+        _residual_add_step(proj.bias, p, f"{site}:attn", group, sequence_parallel, pieces),
+        _norm_step(layer.pre_mlp_layernorm, "ln_mlp", pieces), *mlp_steps,
+        _residual_add_step(fc2.bias, p, f"{site}:mlp", group, sequence_parallel, pieces),
     )
 
 
 def _attention(qkv: Tensor, heads: int, groups: int, head_dim: int, scale: float, causal: bool, p: float,
-               group: ProcessGroup, seed: int) -> Tensor:
+               group: ProcessGroup, seed: int, rows: slice = slice(None)) -> Tensor:
     """Softmax attention over this rank's heads; QKV grouped per query group (megatron-core's layout,
     so TP shards split whole groups). With attention dropout the probabilities are materialised (as in
-    megatron-core's local attention): their mask is cut from the one of all heads."""
+    megatron-core's local attention): their mask is cut from the one of all heads. ``rows``: the
+    queries to attend for, each to every key (or under the causal mask, every key up to its own
+    position), without dropout."""
     s, b, _ = qkv.shape
     per_group = heads // groups
     x = qkv.view(s, b, groups, per_group + 2, head_dim)
-    q = x[:, :, :, :per_group].reshape(s, b, heads, head_dim)
+    q = x[rows, :, :, :per_group].reshape(-1, b, heads, head_dim)
     k, v = x[:, :, :, per_group], x[:, :, :, per_group + 1]
     q, k, v = (y.permute(1, 2, 0, 3) for y in (q, k, v))  # [batch, heads, seq, head_dim]
     if per_group > 1:
         k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
-    if p == 0.0:
+    first, _, _ = rows.indices(s)
+    if p == 0.0 and causal and q.shape[2] < s:  # some queries: key j is visible to query first + i if j <= first + i
+        visible = torch.ones(q.shape[2], s, dtype=torch.bool, device=qkv.device).tril(first)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    elif p == 0.0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     else:
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -274,7 +289,7 @@ def _attention(qkv: Tensor, heads: int, groups: int, head_dim: int, scale: float
         tp = group.size()
         probs = dropout(probs, p, seed, (b, heads * tp, s, s), 1, tp, group.rank())
         out = torch.matmul(probs, v)
-    return out.permute(2, 0, 1, 3).reshape(s, b, heads * head_dim)
+    return out.permute(2, 0, 1, 3).reshape(-1, b, heads * head_dim)
 
 
 def check_decomposable(layer: nn.Module, where: str) -> None:

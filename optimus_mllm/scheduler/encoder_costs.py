@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from optimus_mllm.config import EncoderConfig, OptimusConfig
-from optimus_mllm.cost_model import CostModel, KernelWork, LayerShape, group_bandwidth_gbps, p2p_work
+from optimus_mllm.cost_model import CostModel, Kernel, KernelWork, LayerShape, group_bandwidth_gbps, p2p_work
 from optimus_mllm.params import encoder_params_per_stage, projector_params, stage_layer_bounds
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
 from optimus_mllm.scheduler.llm_costs import activation_dtype_bytes, dp_comm_us, tp_bandwidth
@@ -26,6 +26,9 @@ class EncoderKernel:
     phase: Phase
     is_comm: bool
     duration_us: float
+    # can run as pieces of its tokens (``runtime/encoder_ops``): a transformer layer's compute kernel, not a
+    # recomputation, in an encoder without dropout (its masks are drawn whole)
+    splittable: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,13 +85,14 @@ def build_encoder_work(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: 
             if e == 0:
                 fwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "fwd"))
             for i in range(lo, hi):
-                fwd[e] += [EncoderKernel(enc.name, i, k.name, "fwd", k.is_comm, k.duration_us) for k in layer["fwd"]]
+                fwd[e] += [EncoderKernel(enc.name, i, k.name, "fwd", k.is_comm, k.duration_us, _splittable(enc, k))
+                           for k in layer["fwd"]]
             if e == enc_plan.pp - 1:
                 fwd[e] += _projector(config, enc, cost, enc_plan.tp, "fwd")
                 bwd[e] += _projector(config, enc, cost, enc_plan.tp, "bwd")
             if not enc.frozen:
                 for i in reversed(range(lo, hi)):
-                    bwd[e] += [EncoderKernel(enc.name, i, k.name, "bwd", k.is_comm, k.duration_us)
+                    bwd[e] += [EncoderKernel(enc.name, i, k.name, "bwd", k.is_comm, k.duration_us, _splittable(enc, k))
                                for k in layer["bwd"]]
                 if e == 0:
                     bwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "bwd"))
@@ -106,6 +110,10 @@ def build_encoder_work(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: 
         stage_gpus=tuple(tuple(tuple(g) for g in stages) for stages in layout),
         llm_tp=llm_plan.tp,
     )
+
+
+def _splittable(enc: EncoderConfig, kernel: Kernel) -> bool:
+    return not (kernel.is_comm or kernel.name.startswith("recompute_") or enc.hidden_dropout or enc.attention_dropout)
 
 
 def trainable_params_per_stage(config: OptimusConfig, pp: int) -> list[float]:
