@@ -247,11 +247,14 @@ def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3)
     roofline = _op_costs(encoder, artifact, CostModel.from_config(config))
     profiled = _op_costs(encoder, artifact, CostModel(config.cluster, config.cost_model, profile))
     events = {op.event for op in ops}
-    event = max(events, key=lambda e: sum(roofline[(op.phase, op.kernel_index)] for op in ops if op.event == e))
+    def share(costs: dict[tuple[str, int], float], op: Any) -> float:  # a piece: its share of the kernel
+        return costs[(op.phase, op.kernel_index)] * (op.piece[1] - op.piece[0])
+
+    event = max(events, key=lambda e: sum(share(roofline, op) for op in ops if op.event == e))
     group = [op for op in ops if op.event == event]
     measured = statistics.median(_time_group(encoder, group) for _ in range(repeats))
-    predicted = sum(roofline[(op.phase, op.kernel_index)] for op in group) / 1e3
-    predicted_profile = sum(profiled[(op.phase, op.kernel_index)] for op in group) / 1e3
+    predicted = sum(share(roofline, op) for op in group) / 1e3
+    predicted_profile = sum(share(profiled, op) for op in group) / 1e3
     tp = artifact["encoder_plan"]["tp"]
     covered = sum(1 for op in group if (op.encoder, op.kernel, op.phase, tp) in profile)
     return {"event": list(event), "ops": len(group), "microbatches": len({op.local_microbatch for op in group}),
@@ -287,11 +290,13 @@ def _time_group(encoder: Encoder, group: list) -> float:
             run.set_output_grad(encoder.grads)
             for k in range(op.kernel_index):
                 run.run_backward(k)
+        if op.piece[0] > 0:  # the kernel's earlier pieces
+            (run.run_forward if op.phase == "fwd" else run.run_backward)(op.kernel_index, (0.0, op.piece[0]))
 
     def body() -> None:
         for op in group:
             run = runs[op.local_microbatch]
-            (run.run_forward if op.phase == "fwd" else run.run_backward)(op.kernel_index)
+            (run.run_forward if op.phase == "fwd" else run.run_backward)(op.kernel_index, op.piece)
 
     encoder.zero_grad()
     torch.cuda.synchronize()

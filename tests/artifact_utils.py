@@ -32,3 +32,30 @@ def shuffled_hooks(artifact: dict, seed: int) -> dict:
                           "kernel_index": rng.randrange(len(artifact["llm_kernels"][key])),
                           "kernel": "?", "layer": 0, "after": rng.random() < 0.5}
     return artifact
+
+
+def split_kernels(artifact: dict, config_path: str | Path, cuts: Sequence[float], overrides: Sequence[str] = ()) -> dict:
+    """A copy whose every op of a kernel the job's encoder can split (``EncoderKernel.splittable``) runs as
+    pieces of its tokens cut at ``cuts``, each hooked where the whole op was, its predicted time shared out."""
+    from optimus_mllm.config import load_config
+    from optimus_mllm.cost_model import CostModel
+    from optimus_mllm.planner.plans import ParallelPlan
+    from optimus_mllm.scheduler.encoder_costs import build_encoder_work
+
+    config = load_config(str(config_path), list(overrides))
+    work = build_encoder_work(config, ParallelPlan(**artifact["llm_plan"]), ParallelPlan(**artifact["encoder_plan"]),
+                              CostModel.from_config(config))
+    bounds = [0.0, *cuts, 1.0]
+    artifact = copy.deepcopy(artifact)
+    for stage in artifact["encoder_stages"]:
+        chains = {"fwd": work.fwd[stage["encoder_stage"]], "bwd": work.bwd[stage["encoder_stage"]]}
+        ops = []
+        for op in stage["ops"]:
+            if not chains[op["phase"]].kernels[op["kernel_index"]].splittable:
+                ops.append(op)
+                continue
+            start, span = op["start_us"], op["end_us"] - op["start_us"]
+            ops += [{**copy.deepcopy(op), "piece": [lo, hi], "start_us": start + lo * span, "end_us": start + hi * span}
+                    for lo, hi in zip(bounds, bounds[1:])]
+        stage["ops"] = ops
+    return artifact

@@ -17,7 +17,7 @@ from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_job_artifact
 from optimus_mllm.scheduler.artifact_checks import validate_artifact
 from optimus_mllm.scheduler.fingerprint import schedule_fingerprint
-from tests.artifact_utils import shuffled_hooks
+from tests.artifact_utils import shuffled_hooks, split_kernels
 from tests.conftest import CONFIGS
 from tests.train_utils import TINY, assert_one_error_everywhere, ranks
 
@@ -169,8 +169,8 @@ def _infinite_op_start(a):
     (_warmup_out_of_bounds, "warmup[0]: 17 forwards, but a stage runs 16 (num_microbatches * vp)"),
     (_deadlocking_warmup, "warmup: [0, 0] deadlocks the LLM pipeline (pp=2, vp=2, 8 microbatches); megatron-core's "
                           "default is [4, 2]"),
-    (_duplicated_op, "encoder_stages[0].ops[{n}].kernel_index: 5 again in the fwd chain of local microbatch 0 "
-                     "(also ops[{dup}])"),
+    (_duplicated_op, "encoder_stages[0].ops[{n}].piece: [0.0, 1.0], but the pieces of kernel_index 5 in the fwd "
+                     "chain of local microbatch 0 must tile [0, 1]: the next starts at 1.0"),
     (_missing_last_op_of_a_chain, "encoder_stages[0].ops: no bwd op of local microbatch 1 with kernel_index {last}, "
                                   "but local microbatch 0 has one"),
     (_kernel_index_gap, "encoder_stages[0].ops[{gap}].kernel_index: 6, but the fwd chain of local microbatch 0 has "
@@ -201,11 +201,54 @@ def test_a_broken_artifact_names_the_field(tiny, tmp_path, edit, expected):
     assert message.endswith(f"; {REMEDY}")
 
 
+def test_pieces_of_the_kernels_the_job_splits_pass(tiny, tmp_path):
+    split = split_kernels(tiny, TINY, [0.25, 0.5])
+    assert len(_ops(split)) > len(_ops(tiny))
+    assert _load(split, tmp_path) == split
+
+
+def _first(ops: list[dict], **fields) -> dict:
+    return next(op for op in ops if all(op[k] == v for k, v in fields.items()))
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda ops: _first(ops, kernel="patch_embed", phase="fwd").update(piece=[0.0, 0.5]),
+     "encoder_stages[0].ops[{patch}].piece: the pieces of kernel_index 0 in the fwd chain of local microbatch 0 end "
+     "at 0.5, not 1"),
+    (lambda ops: _first(ops, kernel="fc1", phase="fwd", piece=[0.25, 0.5]).update(piece=[0.3, 0.5]),
+     "encoder_stages[0].ops[{fc1}].piece: [0.3, 0.5], but the pieces of kernel_index {fc1_index} in the fwd chain "
+     "of local microbatch 0 must tile [0, 1]: the next starts at 0.25"),
+    (lambda ops: _first(ops, kernel="fc1", phase="fwd", piece=[0.25, 0.5]).update(piece=[0.5, 0.25]),
+     "encoder_stages[0].ops[{fc1}].piece: [0.5, 0.25], but must have 0 <= lo < hi <= 1"),
+    (lambda ops: _first(ops, kernel="fc1", phase="fwd", piece=[0.25, 0.5]).update(piece=0.5),
+     "encoder_stages[0].ops[{fc1}].piece: expected [lo, hi], fractions of the kernel's tokens, got 0.5"),
+])
+def test_a_broken_piece_names_the_field(tiny, tmp_path, edit, expected):
+    split = split_kernels(tiny, TINY, [0.25, 0.5])
+    ops = _ops(split)
+    fc1 = ops.index(_first(ops, kernel="fc1", phase="fwd", piece=[0.25, 0.5], local_microbatch=0))
+    names = {"patch": ops.index(_first(ops, kernel="patch_embed", phase="fwd", local_microbatch=0)),
+             "fc1": fc1, "fc1_index": ops[fc1]["kernel_index"]}
+    edit([op for op in ops if op["local_microbatch"] == 0])
+    assert _refused(split, tmp_path) == f"schedule artifact {tmp_path / 'a.json'}: {expected.format(**names)}; {REMEDY}"
+
+
+def test_a_piece_of_a_kernel_the_job_runs_whole_is_refused(tiny, tmp_path):
+    """Pieces that tile [0, 1] of the patch embedding, which the runtime cannot split."""
+    artifact = copy.deepcopy(tiny)
+    ops = _ops(artifact)
+    n = ops.index(_first(ops, kernel="patch_embed", phase="fwd", local_microbatch=0))
+    ops[n:n + 1] = [{**ops[n], "piece": [0.0, 0.5]}, {**ops[n], "piece": [0.5, 1.0]}]
+    assert _refused(artifact, tmp_path) == (
+        f"schedule artifact {tmp_path / 'a.json'}: encoder_stages[0].ops[{n}].piece: [0.0, 0.5], but this job's "
+        f"encoder runs kernel 0 ('patch_embed') whole: only a layer's compute kernels without dropout split; {REMEDY}")
+
+
 def test_a_version_1_artifact_is_refused(tiny, tmp_path):
     old = {**copy.deepcopy(tiny), "version": 1}
     del old["fingerprint"]
     assert _refused(old, tmp_path) == (f"schedule artifact {tmp_path / 'a.json'} has version 1, this release reads "
-                                       "version 2; write one with optimus-plan --artifact")
+                                       "version 3; write one with optimus-plan --artifact")
 
 
 @pytest.mark.parametrize("content, expected", [

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from tests.artifact_utils import artifact_for, shuffled_hooks
+from tests.artifact_utils import artifact_for, shuffled_hooks, split_kernels
 from tests.conftest import CONFIGS
 from tests.distributed_utils import run_distributed
 
@@ -45,9 +45,10 @@ def _train(config_path: str, overrides: list[str], mode: str, artifact: dict | N
                         whole_parameters(global_parameter_names(stage), stage.tp_group).items()})
     planned = []
     if mode == "optimus":
-        planned = [(op.event, op.phase, op.local_microbatch, op.kernel_index) for op in trainer.stage_plan.ops]
+        planned = [(op.event, op.phase, op.local_microbatch, op.kernel_index, op.piece)
+                   for op in trainer.stage_plan.ops]
     trainer.close()
-    record = [(op.ran_at, op.scheduled_at, op.phase, op.local_microbatch, op.kernel_index)
+    record = [(op.ran_at, op.scheduled_at, op.phase, op.local_microbatch, op.kernel_index, op.piece)
               for op in results[-1].encoder_record]
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "lrs": [r.lr for r in results], "llm": llm,
@@ -113,11 +114,13 @@ def _displaced(artifact: dict) -> tuple[dict, tuple[str, int, int]]:
 def tiny4() -> dict:
     """configs/tiny.yaml on 4 ranks (LLM PP2 TP2 V2), one launch: the baseline, then the Optimus runtime
     with the scheduler's encoder plan (DP4 PP1 TP1), with encoder DP2 PP2 TP1, with that artifact's hook
-    points from shuffled predictions, and with one of its ops displaced."""
+    points from shuffled predictions, with one of its ops displaced, and with its layers' kernels run as
+    pieces of their tokens."""
     pp2 = _artifact([], {"pp": 2, "tp": 1})
     displaced, op = _displaced(pp2)
     artifacts = {"scheduler-choice": _artifact([]), "enc-DP2-PP2-TP1": pp2,
-                 "shuffled": shuffled_hooks(pp2, seed=1), "displaced": displaced}
+                 "shuffled": shuffled_hooks(pp2, seed=1), "displaced": displaced,
+                 "pieces": split_kernels(pp2, TINY, [0.3, 0.55])}
     runs = [([], "baseline", None, STEPS)] + [([], "optimus", a, STEPS) for a in artifacts.values()]
     per_rank = run_distributed(_train_runs, 4, TINY, runs, timeout=400)
     results = {name: [r[i + 1] for r in per_rank] for i, name in enumerate(artifacts)}
@@ -135,6 +138,14 @@ def test_optimus_equals_megatron_baseline_on_4_ranks(tiny4, encoder_plan):
         _assert_ran_at_the_hook_points(tiny4[encoder_plan], artifact)
 
 
+def test_kernels_run_as_pieces_of_their_tokens_train_like_the_baseline(tiny4):
+    """Every layer kernel of the DP2 PP2 TP1 artifact in three pieces, at its hook points: same numbers."""
+    artifact = tiny4["artifacts"]["pieces"]
+    _assert_same(tiny4["pieces"], tiny4["baseline"])
+    _assert_ran_at_the_hook_points(tiny4["pieces"], artifact)
+    assert any(piece != (0.0, 1.0) for r in tiny4["pieces"] for *_, piece in r["record"])
+
+
 def test_wrong_predictions_change_nothing_but_timing(tiny4):
     """Hook points from shuffled predictions: same numbers."""
     _assert_same(tiny4["shuffled"], tiny4["baseline"])
@@ -143,7 +154,7 @@ def test_wrong_predictions_change_nothing_but_timing(tiny4):
 def _assert_ran_at_the_hook_points(results: list[dict], artifact: dict) -> None:
     inside = 0
     for rank, r in enumerate(results):
-        ran = [(ran_at, phase, k, index) for ran_at, _, phase, k, index in r["record"]]
+        ran = [(ran_at, phase, k, index, piece) for ran_at, _, phase, k, index, piece in r["record"]]
         assert ran == r["planned"], f"rank {rank}: execution differs from the plan"
         assert all(ran_at == scheduled for ran_at, scheduled, *_ in r["record"]), f"rank {rank}: ops moved"
         assert r["unplanned"] == [0] * STEPS, f"rank {rank}: megatron-core ran TP collectives the plan lacks"

@@ -26,7 +26,7 @@ import torch
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.runtime.data import ImageSource
 from optimus_mllm.runtime.dropout import microbatch_seed
-from optimus_mllm.runtime.encoder_ops import MicrobatchRun, StageOps
+from optimus_mllm.runtime.encoder_ops import MicrobatchRun, Piece, StageOps
 from optimus_mllm.runtime.hook_plan import Event, HookPlan, StageHookPlan
 from optimus_mllm.runtime.messages import Incoming, Messenger
 from optimus_mllm.runtime.process_groups import Channel, EncoderProcessGroups
@@ -43,6 +43,7 @@ class ExecutedOp:
     phase: str
     local_microbatch: int
     kernel_index: int
+    piece: Piece
     ran_at: Event  # the event megatron-core's own callbacks had reached
     scheduled_at: Event  # the artifact's hook point
     stream: str
@@ -193,9 +194,9 @@ class EncoderExecutor:
         stream = type(self.stream).__name__
         with self.stream.launch():
             for op in ops:
-                self._run(op.phase, op.local_microbatch, op.kernel_index)
-                self.record.append(ExecutedOp(op.phase, op.local_microbatch, op.kernel_index, ran_at, op.assigned,
-                                              stream))
+                self._run(op.phase, op.local_microbatch, op.kernel_index, op.piece)
+                self.record.append(ExecutedOp(op.phase, op.local_microbatch, op.kernel_index, op.piece, ran_at,
+                                              op.assigned, stream))
 
     def finish(self) -> None:
         """After the LLM's last op: everything ran at ``post`` at the latest; let the LLM's stream wait for
@@ -203,22 +204,23 @@ class EncoderExecutor:
         self.stream.finish()
         assert not self.runs, f"encoder microbatches {sorted(self.runs)} did not finish their backward"
 
-    def _run(self, phase: str, k: int, index: int) -> None:
+    def _run(self, phase: str, k: int, index: int, piece: Piece) -> None:
+        start = index == 0 and piece[0] == 0.0  # the chain's first op
         if phase == "fwd":
-            if index == 0:
+            if start:
                 seed = microbatch_seed(self.config.training.seed, self.iteration, self._global_microbatch(k))
                 self.runs[k] = MicrobatchRun(self.ops, self._forward_input(k), seed)
             run = self.runs[k]
-            run.run_forward(index)
+            run.run_forward(index, piece)
             if run.forward_done:
                 self._send_output(k, run)
                 if not self.ops.bwd:  # a frozen stage: nothing here runs backward, the microbatch is done
                     del self.runs[k]
         else:
             run = self.runs[k]
-            if index == 0:
+            if start:
                 run.set_output_grad(self._output_grad(k))
-            run.run_backward(index)
+            run.run_backward(index, piece)
             if run.backward_done:
                 self._send_input_grad(k, run)
                 del self.runs[k]

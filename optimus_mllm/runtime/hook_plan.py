@@ -44,6 +44,7 @@ class PlannedOp:
     microbatch: int  # global LLM microbatch
     local_microbatch: int
     kernel_index: int  # position in the stage's forward or backward chain
+    piece: tuple[float, float]  # the share of the kernel's tokens it runs: (0, 1) whole
     kernel: str
     encoder: str
     layer: int
@@ -94,8 +95,8 @@ def build_hook_plan(artifact: dict[str, Any], observable: frozenset[str] = OBSER
     stages = []
     for stage in artifact["encoder_stages"]:
         s = stage["llm_stage"]
-        ops = [PlannedOp(op["phase"], op["microbatch"], op["local_microbatch"], op["kernel_index"], op["kernel"],
-                         op["encoder"], op["layer"], op["is_comm"], mapper[s].event(op["hook"]),
+        ops = [PlannedOp(op["phase"], op["microbatch"], op["local_microbatch"], op["kernel_index"], tuple(op["piece"]),
+                         op["kernel"], op["encoder"], op["layer"], op["is_comm"], mapper[s].event(op["hook"]),
                          mapper[s].event(op["hook"])) for op in stage["ops"]]
         ops = _chain_ordered(ops, events[s])
         stages.append(StageHookPlan(stage["encoder_pipeline"], stage["encoder_stage"], s, tuple(stage["gpus"]), ops))
@@ -104,23 +105,24 @@ def build_hook_plan(artifact: dict[str, Any], observable: frozenset[str] = OBSER
 
 
 def _chain_ordered(ops: list[PlannedOp], events: tuple[Event, ...]) -> tuple[PlannedOp, ...]:
-    """A chain's ops run in kernel order: an op never runs at an earlier event than its predecessor."""
+    """A chain's ops run in kernel order (a kernel's pieces in token order): an op never runs at an earlier
+    event than its predecessor."""
     position = {e: i for i, e in enumerate(events)}
     latest: dict[tuple[int, str], int] = {}
     fixed = []
-    for op in sorted(ops, key=lambda op: (op.phase, op.local_microbatch, op.kernel_index)):
+    for op in sorted(ops, key=lambda op: (op.phase, op.local_microbatch, op.kernel_index, op.piece)):
         key = (op.local_microbatch, op.phase)
         at = max(position[op.event], latest.get(key, 0))
         latest[key] = at
         fixed.append(replace(op, event=events[at]))
     # execution order: by event; chains in the order the artifact predicted them there; kernel order inside
-    rank = {(op.phase, op.local_microbatch, op.kernel_index): i for i, op in enumerate(ops)}
+    rank = {(op.phase, op.local_microbatch, op.kernel_index, op.piece): i for i, op in enumerate(ops)}
     first: dict[tuple, int] = {}
     for op in fixed:
         key = (op.event, op.phase, op.local_microbatch)
-        first[key] = min(first.get(key, len(ops)), rank[(op.phase, op.local_microbatch, op.kernel_index)])
+        first[key] = min(first.get(key, len(ops)), rank[(op.phase, op.local_microbatch, op.kernel_index, op.piece)])
     return tuple(sorted(fixed, key=lambda op: (position[op.event], first[(op.event, op.phase, op.local_microbatch)],
-                                               op.kernel_index)))
+                                               op.kernel_index, op.piece)))
 
 
 def _stage_events(stage: int, order: list[tuple[int, int, str]], kernels: dict, observable: frozenset[str]):

@@ -13,6 +13,9 @@ A hook point names a moment of the LLM's own execution on that GPU, never a time
   encoder kernel fills the bubble that follows), false means while it runs (an encoder compute
   kernel in a TP collective's bubble, or an encoder collective under LLM compute);
 - ``{"at": "after_last_compute"}``: after the LLM's last backward on this GPU (coarse backward).
+An op's ``piece`` [lo, hi) is the share of its kernel's tokens it runs, as fractions ([0, 1]: the whole
+kernel); a kernel the job's encoder can split (``EncoderKernel.splittable``) may run as several pieces
+that tile [0, 1], in order.
 ``llm_kernels["stage/chunk/phase"]`` lists the names of the LLM op's kernels, which ``kernel_index``
 counts. All LLM pipelines of the job run the same schedule, so GPUs are numbered within one LLM pipeline:
 ``llm_stage * TP_llm + tp_rank``.
@@ -40,7 +43,7 @@ from optimus_mllm.scheduler.bubble_scheduler import Schedule, optimus
 from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_fingerprint
 
 ARTIFACT_FORMAT = "optimus-schedule"
-ARTIFACT_VERSION = 2  # 2: the config's fingerprint
+ARTIFACT_VERSION = 3  # 2: the config's fingerprint; 3: pieces of kernels
 
 
 def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> dict[str, Any]:
@@ -57,7 +60,8 @@ def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> dict[str,
                     ops.append({
                         "phase": c.phase, "microbatch": llm_mb[(j, c.local_microbatch)],
                         "local_microbatch": c.local_microbatch, "encoder": k.encoder, "layer": k.layer,
-                        "kernel": k.name, "kernel_index": index, "is_comm": k.is_comm, "window": c.window,
+                        "kernel": k.name, "kernel_index": index, "piece": [0.0, 1.0], "is_comm": k.is_comm,
+                        "window": c.window,
                         "start_us": round(start, 3), "end_us": round(start + k.duration_us, 3),
                         "hook": hooks[s].hook(c.window, start),
                     })

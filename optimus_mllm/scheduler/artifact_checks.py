@@ -20,7 +20,7 @@ from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
-from optimus_mllm.scheduler.encoder_costs import build_encoder_work
+from optimus_mllm.scheduler.encoder_costs import StageChain, build_encoder_work
 from optimus_mllm.scheduler.llm_costs import llm_op_work
 from optimus_mllm.scheduler.llm_timeline import OpWork, PipelineDeadlock, default_warmup, simulate
 
@@ -34,8 +34,8 @@ _TOP_LEVEL = {"format": str, "version": int, "config": str, "num_gpus": int, "ll
               "encoder_stages": list, "fingerprint": dict}
 _PLAN_KEYS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
 _STAGE_KEYS = ("encoder_pipeline", "encoder_stage", "llm_stage", "gpus", "ops")
-_OP_KEYS = ("phase", "microbatch", "local_microbatch", "encoder", "layer", "kernel", "kernel_index", "is_comm",
-            "window", "start_us", "end_us", "hook")
+_OP_KEYS = ("phase", "microbatch", "local_microbatch", "encoder", "layer", "kernel", "kernel_index", "piece",
+            "is_comm", "window", "start_us", "end_us", "hook")
 _LLM_HOOK_KEYS = ("at", "phase", "chunk", "microbatch", "kernel_index", "kernel", "layer", "after")
 
 
@@ -217,18 +217,27 @@ def _check_stage_place(stage: Any, field: str, layout: list[list[list[int]]], ll
 
 def _check_ops(ops: list, field: str, j: int, count: int, llm_microbatch: dict[tuple[int, int], int],
                kernels: dict[tuple[int, str], list[str]], llm: ParallelPlan, n_mb: int) -> None:
-    """Every (phase, local microbatch, kernel_index) once; each chain's kernel indexes 0..n-1; a forward
-    chain for every local microbatch, and a backward chain for all of them or (frozen encoders) none;
-    chains of the same phase equally long."""
-    chains: dict[tuple[str, int], dict[int, int]] = {}  # (phase, local microbatch) -> kernel_index -> op
+    """Every (phase, local microbatch, kernel_index) once, or as pieces that tile [0, 1]; each chain's kernel
+    indexes 0..n-1; a forward chain for every local microbatch, and a backward chain for all of them or
+    (frozen encoders) none; chains of the same phase equally long."""
+    # (phase, local microbatch) -> kernel_index -> its pieces: (lo, hi, op)
+    chains: dict[tuple[str, int], dict[int, list[tuple[float, float, int]]]] = {}
     for n, op in enumerate(ops):
         at = f"{field}[{n}]"
-        phase, k, index = _check_op(op, at, j, count, llm_microbatch, kernels, llm, n_mb)
-        chain = chains.setdefault((phase, k), {})
-        if index in chain:
-            raise _Invalid(f"{at}.kernel_index", f"{index} again in the {phase} chain of local microbatch {k} "
-                           f"(also ops[{chain[index]}])")
-        chain[index] = n
+        phase, k, index, (lo, hi) = _check_op(op, at, j, count, llm_microbatch, kernels, llm, n_mb)
+        chains.setdefault((phase, k), {}).setdefault(index, []).append((lo, hi, n))
+    for (phase, k), chain in chains.items():
+        for index, pieces in chain.items():
+            reached = 0.0
+            for lo, hi, n in sorted(pieces):
+                if lo != reached:
+                    raise _Invalid(f"{field}[{n}].piece", f"[{lo}, {hi}], but the pieces of kernel_index {index} "
+                                   f"in the {phase} chain of local microbatch {k} must tile [0, 1]: the next "
+                                   f"starts at {reached}")
+                reached = hi
+            if reached != 1.0:
+                raise _Invalid(f"{field}[{max(pieces)[2]}].piece", f"the pieces of kernel_index {index} in the "
+                               f"{phase} chain of local microbatch {k} end at {reached}, not 1")
     for k in range(count):
         if ("fwd", k) not in chains:
             raise _Invalid(field, f"no fwd op of local microbatch {k}")
@@ -239,8 +248,8 @@ def _check_ops(ops: list, field: str, j: int, count: int, llm_microbatch: dict[t
     for (phase, k), chain in sorted(chains.items()):
         for position, index in enumerate(sorted(chain)):
             if index != position:
-                raise _Invalid(f"{field}[{chain[index]}].kernel_index", f"{index}, but the {phase} chain of local "
-                               f"microbatch {k} has no kernel_index {position}")
+                raise _Invalid(f"{field}[{chain[index][0][2]}].kernel_index", f"{index}, but the {phase} chain of "
+                               f"local microbatch {k} has no kernel_index {position}")
     for phase in PHASES:
         lengths = {k: len(chain) for (p, k), chain in sorted(chains.items()) if p == phase}
         whole = max(lengths, key=lengths.get, default=None)
@@ -251,7 +260,8 @@ def _check_ops(ops: list, field: str, j: int, count: int, llm_microbatch: dict[t
 
 
 def _check_op(op: Any, at: str, j: int, count: int, llm_microbatch: dict[tuple[int, int], int],
-              kernels: dict[tuple[int, str], list[str]], llm: ParallelPlan, n_mb: int) -> tuple[str, int, int]:
+              kernels: dict[tuple[int, str], list[str]], llm: ParallelPlan,
+              n_mb: int) -> tuple[str, int, int, tuple[float, float]]:
     _typed(op, dict, at)
     _keys(op, _OP_KEYS, at)
     phase = _choice(op["phase"], PHASES, f"{at}.phase")
@@ -260,6 +270,7 @@ def _check_op(op: Any, at: str, j: int, count: int, llm_microbatch: dict[tuple[i
         raise _Invalid(f"{at}.microbatch", f"{op['microbatch']}, but the assignment feeds LLM microbatch "
                        f"{llm_microbatch[(j, k)]} from encoder pipeline {j}'s local microbatch {k}")
     index = _int(op["kernel_index"], f"{at}.kernel_index")
+    piece = _piece(op["piece"], f"{at}.piece")
     _typed(op["encoder"], str, f"{at}.encoder")
     _int(op["layer"], f"{at}.layer", -1)
     _typed(op["kernel"], str, f"{at}.kernel")
@@ -268,7 +279,17 @@ def _check_op(op: Any, at: str, j: int, count: int, llm_microbatch: dict[tuple[i
     for key in ("start_us", "end_us"):
         _finite(op[key], f"{at}.{key}")
     _check_hook(op["hook"], f"{at}.hook", kernels, llm, n_mb)
-    return phase, k, index
+    return phase, k, index, piece
+
+
+def _piece(value: Any, field: str) -> tuple[float, float]:
+    """[lo, hi): a share of a kernel's tokens, 0 <= lo < hi <= 1."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise _Invalid(field, f"expected [lo, hi], fractions of the kernel's tokens, got {_describe(value)}")
+    lo, hi = (_finite(x, f"{field}[{i}]") for i, x in enumerate(value))
+    if not 0.0 <= lo < hi <= 1.0:
+        raise _Invalid(field, f"{_describe(value)}, but must have 0 <= lo < hi <= 1")
+    return lo, hi
 
 
 def _check_hook(hook: Any, at: str, kernels: dict[tuple[int, str], list[str]], llm: ParallelPlan,
@@ -316,27 +337,31 @@ def _check_job(data: dict[str, Any], config: OptimusConfig) -> None:
     work = build_encoder_work(config, llm, enc, cost)
     for i, stage in enumerate(data["encoder_stages"]):
         e = stage["encoder_stage"]
-        chains = {"fwd": [k.name for k in work.fwd[e].kernels], "bwd": [k.name for k in work.bwd[e].kernels]}
-        _check_chains(stage["ops"], f"encoder_stages[{i}].ops", e, chains)
+        _check_chains(stage["ops"], f"encoder_stages[{i}].ops", e, {"fwd": work.fwd[e], "bwd": work.bwd[e]})
 
 
-def _check_chains(ops: list[dict[str, Any]], field: str, e: int, chains: dict[str, list[str]]) -> None:
-    """Each op is the kernel this job's encoder stage runs at its kernel_index, and each chain is whole
-    (``validate_artifact`` made the chains of a phase contiguous and equally long)."""
+def _check_chains(ops: list[dict[str, Any]], field: str, e: int, chains: dict[str, StageChain]) -> None:
+    """Each op is the kernel this job's encoder stage runs at its kernel_index, a piece of it only if it
+    can be split, and each chain is whole (``validate_artifact`` made the chains of a phase contiguous and
+    equally long)."""
     length = {phase: 0 for phase in PHASES}
+    names_of = {phase: [k.name for k in chain.kernels] for phase, chain in chains.items()}
     for n, op in enumerate(ops):
-        names, index = chains[op["phase"]], op["kernel_index"]
+        kernels, names, index = chains[op["phase"]].kernels, names_of[op["phase"]], op["kernel_index"]
         if index >= len(names):
             raise _Invalid(f"{field}[{n}].kernel_index", f"{index}, but encoder stage {e}'s {op['phase']} chain has "
                            f"{len(names)} kernels" + (" (frozen encoders have no backward)" if not names else ""))
         if op["kernel"] != names[index]:
             raise _Invalid(f"{field}[{n}].kernel", f"{op['kernel']!r}, but kernel {index} of encoder stage {e}'s "
                            f"{op['phase']} chain is {names[index]!r}")
+        if op["piece"] != [0.0, 1.0] and not kernels[index].splittable:
+            raise _Invalid(f"{field}[{n}].piece", f"{_describe(op['piece'])}, but this job's encoder runs kernel "
+                           f"{index} ({names[index]!r}) whole: only a layer's compute kernels without dropout split")
         length[op["phase"]] = max(length[op["phase"]], index + 1)
-    for phase, names in chains.items():
-        if length[phase] != len(names):
+    for phase, chain in chains.items():
+        if length[phase] != len(chain.kernels):
             raise _Invalid(field, f"the {phase} chains have {length[phase]} kernels, but encoder stage {e}'s "
-                           f"{phase} chain has {len(names)}")
+                           f"{phase} chain has {len(chain.kernels)}")
 
 
 # -- field types --------------------------------------------------------------------------------
