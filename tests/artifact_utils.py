@@ -34,7 +34,8 @@ def shuffled_hooks(artifact: dict, seed: int) -> dict:
     return artifact
 
 
-def split_kernels(artifact: dict, config_path: str | Path, cuts: Sequence[float], overrides: Sequence[str] = ()) -> dict:
+def split_kernels(artifact: dict, config_path: str | Path, cuts: Sequence[float],
+                  overrides: Sequence[str] = ()) -> dict:
     """A copy whose every op of a kernel the job's encoder can split (``EncoderKernel.splittable``) runs as
     pieces of its tokens cut at ``cuts``, each hooked where the whole op was, its predicted time shared out."""
     from optimus_mllm.config import load_config
