@@ -20,16 +20,19 @@ def artifacts():
 def _chain_positions(hp):
     for stage in hp.stages:
         position = {e: i for i, e in enumerate(hp.events[stage.llm_stage])}
-        seen: dict[tuple, tuple[int, int]] = {}
+        seen: dict[tuple, tuple[int, tuple[float, float], int]] = {}
         for i, op in enumerate(stage.ops):
             key = (op.phase, op.local_microbatch)
             if key in seen:
-                last_index, last_pos = seen[key]
-                assert op.kernel_index == last_index + 1, "chain ops run in kernel order"
+                last_index, last_piece, last_pos = seen[key]
+                if last_piece[1] < 1.0:  # a kernel cut into pieces: the next piece of its tokens
+                    assert (op.kernel_index, op.piece[0]) == (last_index, last_piece[1]), "pieces run in order"
+                else:
+                    assert (op.kernel_index, op.piece[0]) == (last_index + 1, 0.0), "chain ops run in kernel order"
                 assert position[op.event] >= last_pos
             else:
-                assert op.kernel_index == 0
-            seen[key] = (op.kernel_index, position[op.event])
+                assert (op.kernel_index, op.piece[0]) == (0, 0.0)
+            seen[key] = (op.kernel_index, op.piece, position[op.event])
 
 
 @pytest.mark.parametrize("name", ["tiny", "fig5"])
@@ -52,8 +55,9 @@ def test_hook_mapping_to_observable_events(artifacts):
     names = artifact["llm_kernels"]
     seen = set()
     for stage, raw_stage in zip(hp.stages, artifact["encoder_stages"]):
-        ops = sorted(stage.ops, key=lambda o: (o.phase, o.local_microbatch, o.kernel_index))
-        raws = sorted(raw_stage["ops"], key=lambda o: (o["phase"], o["local_microbatch"], o["kernel_index"]))
+        ops = sorted(stage.ops, key=lambda o: (o.phase, o.local_microbatch, o.kernel_index, o.piece))
+        raws = sorted(raw_stage["ops"], key=lambda o: (o["phase"], o["local_microbatch"], o["kernel_index"],
+                                                       tuple(o["piece"])))
         for op, raw in zip(ops, raws):
             hook = raw["hook"]
             if hook["at"] != "llm_kernel":

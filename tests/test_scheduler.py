@@ -30,8 +30,9 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     schedule_kernels,
 )
 from optimus_mllm.scheduler.coarse import PostWindow, coarse_backward
-from optimus_mllm.scheduler.encoder_costs import build_encoder_work
-from optimus_mllm.scheduler.fine import LLMBubbles, PipelineMoves
+from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, build_encoder_work
+from optimus_mllm.scheduler.fine import LLMBubbles, PipelineMoves, Resource
+from optimus_mllm.scheduler.intervals import FreeIntervals
 from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline
 from optimus_mllm.scheduler.llm_timeline import (
@@ -327,6 +328,28 @@ def test_fine_scheduling_moves_work_into_bubbles():
     assert any(c.window == "llm" for c in fine.best.chains)
     assert all(c.window != "llm" for c in coarse.best.chains)
     assert scheduling_efficiency(fine.best) > scheduling_efficiency(coarse.best)
+    assert any(c.cuts for c in fine.best.chains), "some kernels are cut to fit short bubbles"
+
+
+def test_a_kernel_cut_to_fit_fills_each_bubble_with_a_piece_that_pays_the_launch():
+    def bubbles(*intervals: tuple[float, float]) -> Resource:
+        return Resource(0, FreeIntervals(list(intervals)), FreeIntervals([(0.0, 100.0)]))
+
+    fc1 = EncoderKernel("vit", 0, "fc1", "fwd", False, 25.0, splittable=True)
+    ag = EncoderKernel("vit", 0, "tp_ag_mlp", "fwd", True, 5.0)
+    placed = bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(StageChain((fc1, ag)), 0.0, 100.0, 2.0)
+    # 23 us of work and a 2 us launch: 8 of work in the first bubble, 8 in the second, the last 7 in the third
+    assert list(placed.spans[0]) == [0.0, 10.0, 20.0, 30.0, 40.0, 49.0]
+    assert placed.cuts == {0: [(0.0, 8 / 23, 0.0, 10.0), (8 / 23, 16 / 23, 20.0, 30.0), (16 / 23, 1.0, 40.0, 49.0)]}
+    assert list(placed.spans[1]) == [49.0, 54.0] and placed.starts == [0.0, 49.0] and placed.end == 54.0
+    # a kernel the runtime runs whole waits for a bubble it fits; a cut one must end by the limit too
+    whole = dataclasses.replace(fc1, splittable=False)
+    assert bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(
+        StageChain((whole,)), 0.0, 100.0, 2.0).starts == [40.0]
+    assert bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(StageChain((fc1,)), 0.0, 45.0, 2.0) is None
+    # a bubble shorter than the launch and 2 us of work gets no piece; the rest fits whole
+    placed = bubbles((0.0, 3.5), (5.0, 20.0), (30.0, 60.0)).place_chain(StageChain((fc1,)), 0.0, 100.0, 2.0)
+    assert list(placed.spans[0]) == [5.0, 20.0, 30.0, 42.0] and placed.end == 42.0
 
 
 def test_frozen_encoder_has_no_backward_layers():
@@ -383,6 +406,15 @@ def test_validity_checker_catches_broken_schedules():
     chains = tuple(c for c in schedule.chains if c is not late_key) + (late,)
     assert any("after F_0" in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains)))
 
+    # a cut kernel whose pieces leave tokens out, or take less time than the kernel and its launches
+    cut = next(c for c in schedule.chains if c.cuts)
+    (i, pieces), *rest = cut.cuts
+    for broken, problem in (((pieces[0], *pieces[2:]), "do not tile"),
+                            (tuple((lo, hi, a, b - 0.5) for lo, hi, a, b in pieces), "its pieces take")):
+        chains = tuple(c for c in schedule.chains if c is not cut) + (dataclasses.replace(cut, cuts=((i, broken),
+                                                                                                     *rest)),)
+        assert any(problem in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains)))
+
 
 def test_bubble_breakdown_adds_up():
     _, schedule = _schedule("strong_3072")
@@ -400,8 +432,9 @@ def test_artifact_round_trip_and_hooks(tmp_path):
     data = artifact.data
     assert data["assignment"] == [list(a) for a in schedule.assignment]
     ops = [op for stage in data["encoder_stages"] for op in stage["ops"]]
-    total = sum(len(schedule.chain_kernels(c).kernels) for c in schedule.chains)
-    assert len(ops) == total
+    runs = [run for c in schedule.chains for run in schedule.runs(c)]
+    assert len(ops) == len(runs) > sum(len(schedule.chain_kernels(c).kernels) for c in schedule.chains)
+    assert sorted(tuple(op["piece"]) for op in ops) == sorted(run.piece for run in runs)
     windows = {op["window"]: op["hook"]["at"] for op in ops}
     assert windows == {"pre": "before_first_compute", "llm": "llm_kernel", "post": "after_last_compute"}
     # an llm-window kernel is launched at an LLM kernel that starts no later than it

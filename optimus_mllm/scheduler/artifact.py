@@ -56,14 +56,14 @@ def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> dict[str,
             s = w.llm_stage(j, e)
             ops = []
             for c in (c for c in schedule.chains if c.pipeline == j and c.stage == e):
-                for index, (k, start) in enumerate(zip(schedule.chain_kernels(c).kernels, c.starts_us)):
+                for run in schedule.runs(c):
+                    k = run.kernel
                     ops.append({
                         "phase": c.phase, "microbatch": llm_mb[(j, c.local_microbatch)],
                         "local_microbatch": c.local_microbatch, "encoder": k.encoder, "layer": k.layer,
-                        "kernel": k.name, "kernel_index": index, "piece": [0.0, 1.0], "is_comm": k.is_comm,
-                        "window": c.window,
-                        "start_us": round(start, 3), "end_us": round(start + k.duration_us, 3),
-                        "hook": hooks[s].hook(c.window, start),
+                        "kernel": k.name, "kernel_index": run.index, "piece": list(run.piece), "is_comm": k.is_comm,
+                        "window": c.window, "start_us": round(run.start_us, 3), "end_us": round(run.end_us, 3),
+                        "hook": hooks[s].hook(c.window, run.start_us),
                     })
             ops.sort(key=lambda op: (op["start_us"], op["phase"] == "bwd"))
             stages.append({"encoder_pipeline": j, "encoder_stage": e, "llm_stage": s, "gpus": list(gpus),

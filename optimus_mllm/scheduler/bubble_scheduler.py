@@ -43,8 +43,8 @@ from optimus_mllm.scheduler.dependencies import (
     get_enc_llm_dep,
     global_order,
 )
-from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain, build_encoder_work
-from optimus_mllm.scheduler.fine import LLMBubbles, Move, PipelineMoves, Placement, Resource
+from optimus_mllm.scheduler.encoder_costs import EncoderKernel, EncoderWork, StageChain, build_encoder_work
+from optimus_mllm.scheduler.fine import Cut, LLMBubbles, Move, PipelineMoves, Placement, Resource
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
 
@@ -63,7 +63,19 @@ class ChainPlacement:
     local_microbatch: int
     phase: Phase
     window: Window
-    starts_us: tuple[float, ...]  # iteration time of each kernel of EncoderWork.fwd/bwd[stage]
+    starts_us: tuple[float, ...]  # iteration time of each kernel of EncoderWork.fwd/bwd[stage] (cut: its first piece)
+    cuts: tuple[tuple[int, Cut], ...] = ()  # (kernel index, its pieces in iteration time) of the kernels cut to fit
+
+
+@dataclass(frozen=True)
+class KernelRun:
+    """A kernel of a placed chain as it runs: whole, or one piece of its tokens."""
+
+    index: int  # in its chain
+    kernel: EncoderKernel
+    piece: tuple[float, float]  # the share of its tokens: (0, 1) whole
+    start_us: float
+    end_us: float
 
 
 @dataclass
@@ -99,6 +111,15 @@ class Schedule:
 
     def chain_kernels(self, chain: ChainPlacement) -> StageChain:
         return (self.work.fwd if chain.phase == "fwd" else self.work.bwd)[chain.stage]
+
+    def runs(self, chain: ChainPlacement) -> list[KernelRun]:
+        """The chain's kernels in order, a cut kernel as its pieces."""
+        cuts = dict(chain.cuts)
+        runs = []
+        for i, (k, start) in enumerate(zip(self.chain_kernels(chain).kernels, chain.starts_us)):
+            pieces = cuts.get(i, ((0.0, 1.0, start, start + k.duration_us),))
+            runs += [KernelRun(i, k, (lo, hi), a, b) for lo, hi, a, b in pieces]
+        return runs
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,8 +157,8 @@ class _PartitionScheduler:
         self.moved_backward: list[list[int]] = [[] for _ in partition]  # per pipeline: LLM microbatches, in order
         self.uncommitted: list[list[Move]] = [[] for _ in partition]  # backward moves not yet in resources
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
-        self.fine_fwd: dict[tuple[int, int], list[list[float]]] = {}  # (j, k) -> per stage kernel starts (tau)
-        self.fine_bwd: dict[tuple[int, int], list[list[float]]] = {}
+        self.fine_fwd: dict[tuple[int, int], Move] = {}  # (j, k) -> its chains placed into bubbles (tau)
+        self.fine_bwd: dict[tuple[int, int], Move] = {}
         self.has_backward = any(chain.kernels for chain in work.bwd)
         self.pre = [m.pre for m in moves]
         self.t0_low = all_gather_t0(work, self.timeline)
@@ -162,15 +183,14 @@ class _PartitionScheduler:
     def moved_forward(self, j: int) -> int:
         return self.partition[j] - self.n_coarse_fwd[j]
 
-    def place_backward(self, j: int, i: int) -> list[list[float]] | None:
-        """Per stage kernel starts of LLM microbatch i's encoder backward on pipeline j, from the last
-        stage to the first as its gradient arrives; None if it does not fit before the LLM's end."""
+    def place_backward(self, j: int, i: int) -> Move | None:
+        """LLM microbatch i's encoder backward on pipeline j, from the last stage to the first as its
+        gradient arrives; None if it does not fit before the LLM's end."""
         key = self._backward_key(j, i)
         shared = self.moves[j].backward
         if key not in shared:
             shared[key] = self._first_fit_backward(j, i)
-        move = shared[key]
-        return move.starts if move is not None else None
+        return shared[key]
 
     def _backward_key(self, j: int, i: int) -> tuple[int, tuple[int, ...], int]:
         return self.moved_forward(j), tuple(self.moved_backward[j]), i
@@ -180,12 +200,12 @@ class _PartitionScheduler:
         ready = self.dep.backward[i] + w.to_llm_us[j]
         placements: list[Placement] = []  # from the last stage to the first
         for e in reversed(range(self.pp_enc)):
-            placement = self.resource(j, e).place_chain(w.bwd[e], ready, self.last(j, e))
+            placement = self.resource(j, e).place_chain(w.bwd[e], ready, self.last(j, e), w.launch_us)
             if placement is None:
                 return None
-            starts, spans = placement
-            placements.append((starts or [ready], spans))  # a frozen stage passes the gradient on at once
-            ready = (starts[-1] + w.bwd[e].kernels[-1].duration_us if starts else ready) + w.p2p_us
+            # a frozen stage passes the gradient on at once (its chain ends where it starts)
+            placements.append(placement if placement.starts else placement._replace(starts=[ready]))
+            ready = placement.end + w.p2p_us
         return Move.of(placements[::-1])
 
     def commit_backward(self, j: int, i: int) -> None:
@@ -226,13 +246,11 @@ class _PartitionScheduler:
             post = {j: coarse for j, coarse in before.post.items() if j != pipeline}
             backward_start = dict(before.backward_start)
             backward_end = {key: end for key, end in before.backward_end.items() if key[0] != pipeline}
-        for (j, k), starts in self.fine_bwd.items():
+        for (j, k), move in self.fine_bwd.items():
             if j not in changed:
                 continue
-            backward_start[(j, k)] = starts[-1][0]
-            for e in range(self.pp_enc):
-                chain = w.bwd[e]
-                end = starts[e][-1] + chain.kernels[-1].duration_us if chain.kernels else starts[e][0]
+            backward_start[(j, k)] = move.starts[-1][0]
+            for e, end in enumerate(move.ends):
                 backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), end)
         if self.has_backward:
             # post: backwards after the LLM's last computation, in order of gradient arrival (tau)
@@ -414,11 +432,11 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
         if state.n_coarse_fwd[j] == 0:
             return False
         k = state.n_coarse_fwd[j] - 1
-        starts_by_stage = state.moves[j].move(state.moved_forward(j))
-        if starts_by_stage is None:
+        move = state.moves[j].move(state.moved_forward(j))
+        if move is None:
             return False
         state.n_coarse_fwd[j] -= 1
-        state.fine_fwd[(j, k)] = starts_by_stage
+        state.fine_fwd[(j, k)] = move
         after = state.evaluate_forward_move()
         if after is None or after.latency > before.latency + EPS_US:
             state.n_coarse_fwd[j] += 1
@@ -430,10 +448,10 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
             return False
         k = coarse[0][1]
         i = before.assignment.index((j, k))
-        starts_by_stage = state.place_backward(j, i)
-        if starts_by_stage is None:
+        move = state.place_backward(j, i)
+        if move is None:
             return False
-        state.fine_bwd[(j, k)] = starts_by_stage
+        state.fine_bwd[(j, k)] = move
         after = state.evaluate(before, j)
         if after is None or after.latency > before.latency + EPS_US:
             del state.fine_bwd[(j, k)]
@@ -562,13 +580,12 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
         for k in range(state.n_coarse_fwd[j]):
             for e, start in enumerate(window.starts[k]):
                 chains.append(ChainPlacement(j, e, k, "fwd", "pre", chain_block(start, w.fwd[e])))
-    for (j, k), per_stage in state.fine_fwd.items():
-        for e, starts in enumerate(per_stage):
-            chains.append(ChainPlacement(j, e, k, "fwd", "llm", tuple(s + t0 for s in starts)))
-    for (j, k), per_stage in state.fine_bwd.items():
-        for e, starts in enumerate(per_stage):
-            if w.bwd[e].kernels:
-                chains.append(ChainPlacement(j, e, k, "bwd", "llm", tuple(s + t0 for s in starts)))
+    for (phase, fine) in (("fwd", state.fine_fwd), ("bwd", state.fine_bwd)):
+        for (j, k), move in fine.items():
+            for e, (starts, cuts) in enumerate(zip(move.starts, move.cuts)):
+                if phase == "fwd" or w.bwd[e].kernels:
+                    chains.append(ChainPlacement(j, e, k, phase, "llm", tuple(s + t0 for s in starts), tuple(
+                        (i, tuple((lo, hi, a + t0, b + t0) for lo, hi, a, b in pieces)) for i, pieces in cuts.items())))
     for j, coarse in ev.post.items():
         rows, _ = coarse_backward([ready for ready, _ in coarse], state.moves[j].post.origin, w)
         for e in reversed(range(state.pp_enc)):

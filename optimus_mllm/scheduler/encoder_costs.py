@@ -46,9 +46,9 @@ class StageChain:
         return sum(k.duration_us for k in self.kernels if not k.is_comm)
 
     @cached_property
-    def steps(self) -> tuple[tuple[float, bool], ...]:
-        """(duration, is_comm) of each kernel: what the bubble scheduler's inner loops read."""
-        return tuple((k.duration_us, k.is_comm) for k in self.kernels)
+    def steps(self) -> tuple[tuple[float, bool, bool], ...]:
+        """(duration, is_comm, splittable) of each kernel: what the bubble scheduler's inner loops read."""
+        return tuple((k.duration_us, k.is_comm, k.splittable) for k in self.kernels)
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class EncoderWork:
     dp_reduce_scatter_us: float  # exposed, after the last encoder backward
     stage_gpus: tuple[tuple[tuple[int, ...], ...], ...]  # [pipeline][stage] -> GPUs in the LLM pipeline
     llm_tp: int
+    launch_us: float = 0.0  # what cutting a kernel into one more piece adds: its launch (kernel_overhead_us)
 
     def llm_stage(self, pipeline: int, stage: int) -> int:
         return self.stage_gpus[pipeline][stage][0] // self.llm_tp
@@ -109,6 +110,7 @@ def build_encoder_work(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: 
         dp_reduce_scatter_us=rs,
         stage_gpus=tuple(tuple(tuple(g) for g in stages) for stages in layout),
         llm_tp=llm_plan.tp,
+        launch_us=config.cost_model.kernel_overhead_us,
     )
 
 

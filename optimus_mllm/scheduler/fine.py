@@ -3,13 +3,17 @@ the LLM's bubbles, and the moves a plan's partitions share.
 
 An encoder stage's compute kernels go into its LLM stage's idle compute-stream time (TP and PP
 bubbles), its communication kernels into time with no LLM TP collective (mostly under LLM compute,
-paper Fig. 7). Placement is first-fit, in tau (time from the LLM's origin t0).
+paper Fig. 7). Placement is first-fit, in tau (time from the LLM's origin t0). A kernel the runtime can
+split (``EncoderKernel.splittable``) that would start later than a bubble it could partly fill is cut to
+fit: that bubble gets a piece of its tokens and the rest goes on from the bubble's end, each further
+piece paying the kernel's launch again (``EncoderWork.launch_us``), so short TP bubbles are used too.
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from optimus_mllm.scheduler.coarse import PostWindow, PreWindow
 from optimus_mllm.scheduler.dependencies import EncLLMDep
@@ -43,9 +47,18 @@ def stage_gaps(timeline: LLMTimeline) -> list[tuple[FreeIntervals, FreeIntervals
     return gaps
 
 
-# A chain as first-fit placed it: its kernels' starts, and the (compute, comm) time they take as flat
-# start, end, ... arrays, back-to-back kernels of one stream as one span (a plan keeps every move it placed)
-Placement = tuple[list[float], tuple[array, array]]
+MIN_PIECE_WORK_US = 2.0  # a bubble gets a piece of a kernel only if it holds this much work beside the launch
+
+Cut = list[tuple[float, float, float, float]]  # a cut kernel's pieces: (lo, hi) of its tokens, start, end
+
+
+class Placement(NamedTuple):
+    """A chain as first-fit placed it (a plan keeps every move it placed)."""
+
+    starts: list[float]  # per kernel (a cut one: its first piece's)
+    spans: tuple[array, array]  # (compute, comm) time taken, flat start, end, ...: back-to-back pieces as one span
+    end: float
+    cuts: dict[int, Cut]  # kernel index -> its pieces, for the kernels cut to fit
 
 
 @dataclass
@@ -59,47 +72,91 @@ class Resource:
     def copy(self) -> Resource:
         return Resource(self.llm_stage, self.compute.copy(), self.comm.copy())
 
-    def place_chain(self, chain: StageChain, ready: float, limit: float) -> Placement | None:
-        """First-fit the chain's kernels in order into the bubbles; None if they do not fit."""
+    def place_chain(self, chain: StageChain, ready: float, limit: float, launch_us: float) -> Placement | None:
+        """First-fit the chain's kernels in order into the bubbles, cutting the splittable ones to fit;
+        None if they do not fit."""
         starts, t = [], ready
         spans = (array("d"), array("d"))  # compute, comm
+        cuts: dict[int, Cut] = {}
+        min_room = launch_us + MIN_PIECE_WORK_US
         # Per stream (compute, comm): the free interval of its last kernel. A kernel that fits in it from t
         # starts at t, which is what first-fit returns, without searching.
         free, current = (self.compute, self.comm), [(0.0, -1.0), (0.0, -1.0)]
-        for d, is_comm in chain.steps:
+        for i, (d, is_comm, splittable) in enumerate(chain.steps):
             lo, hi = current[is_comm]
             end = t + d
             if lo <= t < hi and end <= hi and end <= limit:
                 start = t
             else:
                 fit = free[is_comm].earliest_fit(t, d, limit)
+                piece = free[0].earliest_fit(t, min_room, limit) if splittable and d > min_room else None
+                if piece is not None and (fit is None or piece[0] < fit[0]):
+                    placed = self._cut(d, piece, limit, launch_us, min_room)
+                    if placed is None:
+                        return None
+                    cuts[i], current[0] = placed
+                    starts.append(cuts[i][0][2])
+                    for _, _, start, end in cuts[i]:
+                        _take_span(spans[0], start, end)
+                    t = end
+                    continue
                 if fit is None:
                     return None
                 start, lo, hi = fit
                 current[is_comm] = (lo, hi)
                 end = start + d
             starts.append(start)
-            stream = spans[is_comm]
-            if stream and stream[-1] == start:  # back to back on its stream: one span
-                stream[-1] = end
-            else:
-                stream.extend((start, end))
+            _take_span(spans[is_comm], start, end)
             t = end
-        return starts, spans
+        return Placement(starts, spans, t, cuts)
+
+    def _cut(self, d: float, piece: tuple[float, float, float], limit: float, launch_us: float,
+             min_room: float) -> tuple[Cut, tuple[float, float]] | None:
+        """A compute kernel of ``d`` us cut to fit, from the bubble ``piece`` (start, and the bubble's bounds)
+        on: each bubble gets a piece up to its end until the rest fits whole no later than another piece
+        would start. Its pieces as fractions of its work (``d`` less one launch), and the last one's bubble."""
+        work = d - launch_us
+        pieces, done, left = [], 0.0, d  # left: the rest as one more kernel, launch included
+        while True:
+            start, lo, hi = piece
+            end = min(start + left, hi, limit)
+            if end == start + left:
+                pieces.append((done / work, 1.0, start, end))
+                return pieces, (lo, hi)
+            share = end - start - launch_us
+            pieces.append((done / work, (done + share) / work, start, end))
+            done, left = done + share, left - share
+            whole = self.compute.earliest_fit(end, left, limit)
+            piece = self.compute.earliest_fit(end, min_room, limit) if left > min_room else None
+            if piece is None or (whole is not None and whole[0] <= piece[0]):
+                if whole is None:
+                    return None
+                piece = whole  # the rest fits whole there: its last piece
+
+
+def _take_span(stream: array, start: float, end: float) -> None:
+    if stream and stream[-1] == start:  # back to back on its stream: one span
+        stream[-1] = end
+    else:
+        stream.extend((start, end))
 
 
 @dataclass(frozen=True)
 class Move:
     """One microbatch's chains as placed on every stage of an encoder pipeline: the kernels' starts (tau)
-    and, per stage, the spans they take from the compute and the comm stream. Moves are shared by a
-    plan's partitions, and each partition takes the same spans from its own copy of the bubbles."""
+    and, per stage, the spans they take from the compute and the comm stream, where its chain ends and
+    its cut kernels' pieces. Moves are shared by a plan's partitions, and each partition takes the same
+    spans from its own copy of the bubbles."""
 
     starts: list[list[float]]
     busy: list[tuple[array, array]]  # per stage: (compute, comm) spans as flat start, end, start, end, ...
+    ends: list[float]
+    cuts: list[dict[int, Cut]]
 
     @classmethod
     def of(cls, placements: list[Placement]) -> Move:
-        return cls([starts for starts, _ in placements], [spans for _, spans in placements])
+        return cls([p.starts for p in placements], [p.spans for p in placements], [p.end for p in placements],
+                   [p.cuts for p in placements])
 
     def take(self, resources: list[Resource]) -> None:
         """Occupy the move's spans in a pipeline's bubbles (a stage without kernels takes nothing)."""
@@ -149,25 +206,25 @@ class PipelineMoves:
         """One per encoder pipeline, to share among a plan's partitions."""
         return [cls(work, bubbles.dep, bubbles.gaps, j) for j in range(work.num_pipelines)]
 
-    def move(self, t: int) -> list[list[float]] | None:
-        """Per stage kernel starts of the pipeline's t-th forward move (from 0); None if it does not fit."""
+    def move(self, t: int) -> Move | None:
+        """The pipeline's t-th forward move (from 0); None if it does not fit."""
         w = self.work
         while len(self.moves) <= t and not self.exhausted:
             placements, ready = [], self.first[0]
             for e, r in enumerate(self.builder):
-                placement = r.place_chain(w.fwd[e], max(ready, self.first[e]), self.limit)
+                placement = r.place_chain(w.fwd[e], max(ready, self.first[e]), self.limit, w.launch_us)
                 if placement is None:
                     self.exhausted = True
                     return None
                 placements.append(placement)
-                ready = placement[0][-1] + w.fwd[e].kernels[-1].duration_us + w.p2p_us
+                ready = placement.end + w.p2p_us
             move = Move.of(placements)
             move.take(self.builder)
             self.moves.append(move)
-            self.forward_ends.append(move.starts[-1][-1] + w.fwd[-1].kernels[-1].duration_us + w.to_llm_us[self.j])
+            self.forward_ends.append(move.ends[-1] + w.to_llm_us[self.j])
             if len(self.moves) % self.SNAPSHOT_EVERY == 0:
                 self.snapshots[len(self.moves)] = [r.copy() for r in self.builder]
-        return self.moves[t].starts if t < len(self.moves) else None
+        return self.moves[t] if t < len(self.moves) else None
 
     def resources_after(self, t: int) -> list[Resource]:
         """Per stage: the bubbles left after the first t moves, as fresh copies. Partitions often end

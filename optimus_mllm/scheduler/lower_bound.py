@@ -5,7 +5,8 @@ schedule found so far; a bound that is never above what scheduling gives drops n
 The bound counts the exposed collectives, the backward of the last LLM microbatch, and each encoder
 stage's compute against the time its GPUs can give it: before the LLM starts (forwards only), in the
 LLM's bubbles, and after the LLM's last computation (backwards only). An encoder kernel runs inside
-one bubble or not at all, so kernels of d us or more can use only the bubbles at least d long.
+one bubble or not at all, so kernels of d us or more can use only the bubbles at least d long; one the
+scheduler may cut into pieces (``fine``) counts as 0 us long, free to use any bubble.
 """
 
 from __future__ import annotations
@@ -22,18 +23,24 @@ from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 
 @dataclass(frozen=True)
 class Lengths:
-    """Durations in ascending order, to total those at least some length."""
+    """Durations by the length of bubble they need, ascending, to total those needing at least some length."""
 
-    values: tuple[float, ...]
-    total_from: tuple[float, ...]  # [i]: sum of values[i:]; one more entry, 0
+    values: tuple[float, ...]  # the lengths
+    total_from: tuple[float, ...]  # [i]: the durations of values[i:] summed; one more entry, 0
 
     @classmethod
     def of(cls, durations: Iterable[float]) -> Lengths:
-        values = tuple(sorted(durations))
-        totals = [0.0] * (len(values) + 1)
-        for i in reversed(range(len(values))):
-            totals[i] = totals[i + 1] + values[i]
-        return cls(values, tuple(totals))
+        """Bubbles, or kernels run whole: each needs its own duration."""
+        return cls.of_items((d, d) for d in durations)
+
+    @classmethod
+    def of_items(cls, items: Iterable[tuple[float, float]]) -> Lengths:
+        """(length needed, duration) items."""
+        ordered = sorted(items)
+        totals = [0.0] * (len(ordered) + 1)
+        for i in reversed(range(len(ordered))):
+            totals[i] = totals[i + 1] + ordered[i][1]
+        return cls(tuple(length for length, _ in ordered), tuple(totals))
 
     @classmethod
     def of_gaps(cls, gaps: FreeIntervals) -> Lengths:
@@ -41,8 +48,9 @@ class Lengths:
 
     @classmethod
     def of_compute(cls, chain: StageChain) -> Lengths:
-        """The chain's compute kernels (its collectives run on the comm stream)."""
-        return cls.of(d for d, is_comm in chain.steps if not is_comm)
+        """The chain's compute kernels (its collectives run on the comm stream); a splittable one needs no
+        length (any bubble may take a piece of it)."""
+        return cls.of_items((0.0 if splittable else d, d) for d, is_comm, splittable in chain.steps if not is_comm)
 
     def at_least(self, d: float) -> float:
         return self.total_from[bisect_left(self.values, d)]

@@ -29,13 +29,13 @@ def scheduling_efficiency(schedule: Schedule) -> float:
         first, last = t0 + stage.first_compute_us, t0 + stage.last_compute_us
         pre_bubble = (first - (alone_origin + stage.first_compute_us), first)
         post_bubble = (last, last + alone_end - (alone_origin + stage.last_compute_us))
-        for k, start in zip(schedule.chain_kernels(c).kernels, c.starts_us):
-            if k.is_comm:
+        for run in schedule.runs(c):
+            if run.kernel.is_comm:
                 continue
-            end = start + k.duration_us
-            total += k.duration_us
+            start, end = run.start_us, run.end_us
+            total += end - start
             if c.window == "llm":
-                inside += k.duration_us  # placed into an idle gap of the LLM's compute stream
+                inside += end - start  # placed into an idle gap of the LLM's compute stream
             else:
                 lo, hi = pre_bubble if c.window == "pre" else post_bubble
                 inside += max(0.0, min(end, hi) - max(start, lo))

@@ -135,10 +135,12 @@ def _encoder_events(schedule: Schedule) -> list[dict[str, Any]]:
     for chain in schedule.chains:
         mb = llm_microbatch[(chain.pipeline, chain.local_microbatch)]
         gpus = schedule.work.stage_gpus[chain.pipeline][chain.stage]
-        for k, ts in zip(schedule.chain_kernels(chain).kernels, chain.starts_us):
-            name = f"{k.encoder} {_SHORT_PHASE[chain.phase]}{mb} {k.name}"
-            events += [_event(name, ts, k.duration_us, g, k.is_comm, k.encoder, chain.phase, mb, chain.stage,
-                              None, k.layer, k.name) for g in gpus]
+        for run in schedule.runs(chain):
+            k = run.kernel
+            piece = "" if run.piece == (0.0, 1.0) else f" [{run.piece[0]:.3f}, {run.piece[1]:.3f})"
+            name = f"{k.encoder} {_SHORT_PHASE[chain.phase]}{mb} {k.name}{piece}"
+            events += [_event(name, run.start_us, run.end_us - run.start_us, g, k.is_comm, k.encoder, chain.phase,
+                              mb, chain.stage, None, k.layer, k.name) for g in gpus]
     return events
 
 
@@ -168,9 +170,8 @@ def _encoder_backward_end(schedule: Schedule) -> dict[tuple[int, int], float]:
     """(pipeline, encoder stage) -> end of its last backward kernel, where it has any."""
     ends: dict[tuple[int, int], float] = {}
     for chain in schedule.chains:
-        kernels = schedule.chain_kernels(chain).kernels
-        if chain.phase == "bwd" and kernels:
-            end = chain.starts_us[-1] + kernels[-1].duration_us
+        if chain.phase == "bwd" and chain.starts_us:
+            end = schedule.runs(chain)[-1].end_us
             key = (chain.pipeline, chain.stage)
             ends[key] = max(ends.get(key, end), end)
     return ends

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from optimus_mllm.scheduler.bubble_scheduler import ChainPlacement, Schedule
+from optimus_mllm.scheduler.encoder_costs import EncoderKernel
+from optimus_mllm.scheduler.fine import Cut
 
 TOLERANCE_US = 1e-6
 
@@ -15,9 +17,10 @@ def schedule_violations(schedule: Schedule) -> list[str]:
     - on each GPU no two compute kernels overlap (LLM and encoder together), encoder communication
       kernels never overlap an LLM TP collective or each other;
     - every encoder kernel of every microbatch, stage and layer is placed exactly once (backward
-      only for trainable work);
-    - kernels of a chain run in order; a microbatch's forward reaches encoder stage e+1 only after
-      stage e finished it, its backward the other way round;
+      only for trainable work), a cut one as pieces of a splittable kernel that tile its tokens and
+      take its time plus one launch per extra piece;
+    - kernels of a chain (and a cut kernel's pieces) run in order; a microbatch's forward reaches
+      encoder stage e+1 only after stage e finished it, its backward the other way round;
     - EF_i <= F_i and EB_i >= B_i for every LLM microbatch i;
     - the iteration is no longer than the coarse schedule's.
     """
@@ -57,9 +60,13 @@ def _coverage(schedule: Schedule) -> list[str]:
     for key in set(chains) - expected:
         problems.append(f"unexpected chain {key}")
     for c in schedule.chains:
-        if len(c.starts_us) != len(schedule.chain_kernels(c).kernels):
-            problems.append(f"chain {c.pipeline}/{c.stage}/{c.local_microbatch} {c.phase}: "
-                            f"{len(c.starts_us)} starts for {len(schedule.chain_kernels(c).kernels)} kernels")
+        kernels = schedule.chain_kernels(c).kernels
+        where = f"chain {c.pipeline}/{c.stage}/{c.local_microbatch} {c.phase}"
+        if len(c.starts_us) != len(kernels):
+            problems.append(f"{where}: {len(c.starts_us)} starts for {len(kernels)} kernels")
+            continue
+        for i, pieces in c.cuts:
+            problems += _cut_problems(f"{where} kernel {i}", kernels[i], pieces, w.launch_us)
     # each encoder layer lives on exactly one stage: one QKV kernel per layer, layers 0..L-1
     qkv = Counter((k.encoder, k.layer) for chain in w.fwd for k in chain.kernels if k.name == "qkv")
     for encoder in {name for name, _ in qkv}:
@@ -69,19 +76,30 @@ def _coverage(schedule: Schedule) -> list[str]:
     return problems
 
 
+def _cut_problems(where: str, kernel: EncoderKernel, pieces: Cut, launch_us: float) -> list[str]:
+    if not kernel.splittable or kernel.is_comm:
+        return [f"{where} ({kernel.name}): cut, but it runs whole"]
+    if pieces[0][0] != 0.0 or pieces[-1][1] != 1.0 or any(a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+        return [f"{where} ({kernel.name}): its pieces do not tile its tokens in order"]
+    took = sum(end - start for _, _, start, end in pieces)
+    due = kernel.duration_us + (len(pieces) - 1) * launch_us
+    if abs(took - due) > TOLERANCE_US * len(pieces) or any(end - start < launch_us for _, _, start, end in pieces):
+        return [f"{where} ({kernel.name}): its pieces take {took:.3f} us, not {due:.3f}"]
+    return []
+
+
 def _chain_order(schedule: Schedule) -> list[str]:
     w = schedule.work
     problems = []
     chains = _chains_by_key(schedule)
     span: dict[tuple[int, int, int, str], tuple[float, float]] = {}
     for key, placed in chains.items():
-        chain = placed[0]
-        kernels = schedule.chain_kernels(chain).kernels
-        for a, b, ka in zip(chain.starts_us, chain.starts_us[1:], kernels):
-            if b < a + ka.duration_us - TOLERANCE_US:
-                problems.append(f"chain {key}: kernel {ka.name} of layer {ka.layer} overlaps the next one")
-        if kernels:
-            span[key] = (chain.starts_us[0], chain.starts_us[-1] + kernels[-1].duration_us)
+        runs = schedule.runs(placed[0])
+        for a, b in zip(runs, runs[1:]):
+            if b.start_us < a.end_us - TOLERANCE_US:
+                problems.append(f"chain {key}: kernel {a.kernel.name} of layer {a.kernel.layer} overlaps the next one")
+        if runs:
+            span[key] = (runs[0].start_us, runs[-1].end_us)
     pp_enc = len(w.fwd)
     for (j, e, k, phase), (start, _) in span.items():
         if phase == "fwd" and e > 0 and (j, e - 1, k, "fwd") in span:
@@ -105,10 +123,11 @@ def _overlaps(schedule: Schedule) -> list[str]:
     encoder_compute: dict[tuple[int, int], list] = defaultdict(list)
     encoder_comm: dict[tuple[int, int], list] = defaultdict(list)
     for c in schedule.chains:
-        for k, start in zip(schedule.chain_kernels(c).kernels, c.starts_us):
-            if k.duration_us <= 0:
+        for run in schedule.runs(c):
+            k = run.kernel
+            if run.end_us <= run.start_us:
                 continue
-            item = (start, start + k.duration_us, f"encoder {k.name} (layer {k.layer}, mb {c.local_microbatch})")
+            item = (run.start_us, run.end_us, f"encoder {k.name} (layer {k.layer}, mb {c.local_microbatch})")
             (encoder_comm if k.is_comm else encoder_compute)[(c.pipeline, c.stage)].append(item)
     problems = []
     for j in range(w.num_pipelines):
@@ -135,9 +154,7 @@ def _dependencies(schedule: Schedule) -> list[str]:
     problems = []
     forward, backward = schedule.forward_dependency_us, schedule.backward_dependency_us
     for i, (j, k) in enumerate(schedule.assignment):
-        fwd = chains[(j, last, k, "fwd")][0]
-        kernels = w.fwd[last].kernels
-        ef = fwd.starts_us[-1] + kernels[-1].duration_us + w.to_llm_us[j]
+        ef = schedule.runs(chains[(j, last, k, "fwd")][0])[-1].end_us + w.to_llm_us[j]
         if ef > forward[i] + TOLERANCE_US:
             problems.append(f"microbatch {i}: encoder output arrives at {ef:.3f} after F_{i} = {forward[i]:.3f}")
         if w.bwd[last].kernels:
