@@ -13,7 +13,9 @@ encoder plan is the scheduler's choice or one of the planner's other plans, forc
 ``parallel.encoder``; the
 warm-up is the scheduler's (adjusted where it differs from megatron-core's default) or, for some
 interleaved jobs, a reduced one that ``llm_timeline.simulate`` runs without deadlock, forced into
-the artifact. The Optimus runtime then trains ``--steps`` steps on ``world`` gloo ranks, and the
+the artifact; and for some jobs every encoder layer kernel runs in random pieces of its tokens, each
+hooked where the whole kernel was (``tests/artifact_utils.split_kernels``: the cuts the scheduler makes
+to fit short bubbles, which these small jobs' kernels never need). The Optimus runtime then trains ``--steps`` steps on ``world`` gloo ranks, and the
 Megatron-style baseline the same steps on one rank (every microbatch there, no parallelism) from
 the same plan-independent weights (``runtime/weights.py``) and data, both with megatron-core's
 training stack (DDP, distributed optimizer, AdamW, clipping at 1.0, warm-up + cosine LR: ``SCHEDULE``);
@@ -56,6 +58,7 @@ from optimus_mllm.scheduler.artifact import schedule_job_artifact  # noqa: E402
 from optimus_mllm.scheduler.baselines import balanced_problem  # noqa: E402
 from optimus_mllm.scheduler.llm_costs import llm_op_work, llm_p2p_us  # noqa: E402
 from optimus_mllm.scheduler.llm_timeline import PipelineDeadlock, simulate  # noqa: E402
+from tests.artifact_utils import split_kernels  # noqa: E402
 from tests.distributed_utils import run_distributed  # noqa: E402
 from tests.p2p_audit import nccl_violations, recorded_p2p  # noqa: E402
 
@@ -90,6 +93,7 @@ class Job:
     llm: str  # "sp" (sequence parallel), "tied" (embeddings), "rope", "silu", "rms" (RMSNorm) joined by "+", or "-"
     force_encoder_plan: bool  # one of the planner's plans instead of the scheduler's choice
     force_warmup: bool  # a reduced warm-up instead of the scheduler's, where V > 1 allows one
+    cut_kernels: bool = False  # the encoder layers' kernels in random pieces of their tokens
 
     @property
     def world(self) -> int:
@@ -168,9 +172,11 @@ def draw_job(seed: int) -> Job:
         encoders[0]["projector"] = {**encoders[0]["projector"], "spatial_merge": 2}
         model[encoders_at] = f"model.encoders={json.dumps(encoders)}"
         label += "+merge"
+    # the scheduler cuts a kernel to fit short bubbles where it pays; tiny jobs' kernels fit whole, so cut here
+    cut_kernels = rng.random() < 0.5
     return Job(seed=seed, dp=dp, pp=pp, tp=tp, vp=vp, num_microbatches=num_microbatches, micro_batch=micro_batch,
                model=tuple(model), encoders=label, llm="+".join(llm) or "-", force_encoder_plan=force_encoder_plan,
-               force_warmup=force_warmup)
+               force_warmup=force_warmup, cut_kernels=cut_kernels)
 
 
 def _tiny_encoder() -> dict[str, Any]:
@@ -209,6 +215,9 @@ def schedule_job(job: Job) -> Setup:
         if warmup is not None:
             artifact = {**copy.deepcopy(artifact), "warmup": list(warmup)}
             kind = "forced"
+    if job.cut_kernels:
+        artifact = split_kernels(artifact, TINY, sorted({round(rng.uniform(0.05, 0.95), 3) for _ in range(2)}),
+                                 overrides)
     return Setup(job, tuple(overrides), artifact, forced_plan, kind)
 
 
@@ -335,7 +344,7 @@ class Row:
     seed: int
     world: int
     llm_plan: str  # DP/PP/TP/V
-    encoder_plan: str  # DP/PP/TP, "*" if forced
+    encoder_plan: str  # DP/PP/TP, "*" if forced, "c" if its kernels run in pieces
     microbatches: int  # per LLM pipeline
     micro_batch: int
     encoders: str
@@ -394,7 +403,8 @@ def _row(job: Job, setup: Setup | None, diffs: Diffs | None, status: Status, not
         encoder_plan, warmup, kind = "balanced", "-", "default"
     elif setup is not None:
         e = setup.artifact["encoder_plan"]
-        encoder_plan = f"{e['dp']}/{e['pp']}/{e['tp']}" + ("*" if setup.encoder_plan_forced else "")
+        encoder_plan = f"{e['dp']}/{e['pp']}/{e['tp']}" + ("*" if setup.encoder_plan_forced else "") + \
+            ("c" if job.cut_kernels else "")
         warmup, kind = ",".join(map(str, setup.artifact["warmup"])), setup.warmup_kind
     return Row(seed=job.seed, world=job.world, llm_plan=f"{job.dp}/{job.pp}/{job.tp}/{job.vp}",
                encoder_plan=encoder_plan, microbatches=job.num_microbatches, micro_batch=job.micro_batch,
