@@ -15,10 +15,11 @@ warm-up is the scheduler's (adjusted where it differs from megatron-core's defau
 interleaved jobs, a reduced one that ``llm_timeline.simulate`` runs without deadlock, forced into
 the artifact; and for some jobs every encoder layer kernel runs in random pieces of its tokens, each
 hooked where the whole kernel was (``tests/artifact_utils.split_kernels``: the cuts the scheduler makes
-to fit short bubbles, which these small jobs' kernels never need). The Optimus runtime then trains ``--steps`` steps on ``world`` gloo ranks, and the
-Megatron-style baseline the same steps on one rank (every microbatch there, no parallelism) from
-the same plan-independent weights (``runtime/weights.py``) and data, both with megatron-core's
-training stack (DDP, distributed optimizer, AdamW, clipping at 1.0, warm-up + cosine LR: ``SCHEDULE``);
+to fit short bubbles, which these small jobs' kernels never need). The Optimus runtime then trains
+``--steps`` steps on ``world`` gloo ranks, and the Megatron-style baseline the same steps on one rank
+(every microbatch there, no parallelism) from the same plan-independent weights (``runtime/weights.py``)
+and data, both with megatron-core's training stack (DDP, distributed optimizer, AdamW, clipping at 1.0,
+warm-up + cosine LR: ``SCHEDULE``);
 losses, gradient norms (relative to the norm where it exceeds 1), final weights and last-step gradients,
 whole and by global name, must agree within ``TOLERANCE``.
 

@@ -3,7 +3,8 @@
 The seeds are chosen so that together they cover an LLM PP4 job with the scheduler's adjusted warm-up
 (seed 44, two encoders, the first with CLIP's embedding), a frozen encoder split over 4 encoder stages
 with a forced warm-up and SiLU MLPs (seed 37, which found stages without a backward never finishing),
-and a PP2 V1 job whose 5 microbatches are not a multiple of PP (seed 179). test_runtime.py forces
+a PP2 V1 job whose 5 microbatches are not a multiple of PP (seed 179), and encoder kernels run in
+random pieces of their tokens (seed 401, DP2 PP4 with an adjusted warm-up, and seed 179). test_runtime.py forces
 reduced warm-ups too. Each test first asserts that its seed still draws what it is here for.
 """
 
@@ -34,10 +35,11 @@ TIMEOUT = 240.0
     (44, {"pp": 4, "vp": 2, "warmup_kind": "adjusted", "encoders": "dual+clip"}),
     # a frozen encoder over 4 encoder stages: only the last (projector) stage runs a backward
     (37, {"pp": 4, "vp": 3, "warmup_kind": "forced", "encoders": "single+frozen"}),
-], ids=["PP4-adjusted-dual", "PP4-V3-frozen-encoder-PP4"])
+    (401, {"dp": 2, "pp": 4, "warmup_kind": "adjusted", "cut_kernels": True}),
+], ids=["PP4-adjusted-dual", "PP4-V3-frozen-encoder-PP4", "DP2-PP4-kernels-in-pieces"])
 def test_seed_trains_like_one_rank(seed, expected):
     job = draw_job(seed)
-    drawn = {**{k: getattr(job, k) for k in ("dp", "pp", "vp", "encoders")},
+    drawn = {**{k: getattr(job, k) for k in ("dp", "pp", "vp", "encoders", "cut_kernels")},
              "warmup_kind": schedule_job(job).warmup_kind}
     assert drawn.items() >= expected.items(), f"seed {seed} no longer draws {expected}: {drawn}"
     row = check_seed(seed, STEPS, TIMEOUT)
@@ -71,7 +73,7 @@ def test_a_job_the_balanced_baseline_cannot_run_is_skipped_with_the_reason():
 def non_multiple_run():
     """Seed 179's job, its Optimus ranks and its one-rank reference."""
     job = draw_job(179)
-    assert (job.pp, job.vp, job.num_microbatches % job.pp) == (2, 1, 1), job
+    assert (job.pp, job.vp, job.num_microbatches % job.pp, job.cut_kernels) == (2, 1, 1, True), job
     return job, run_optimus(schedule_job(job), STEPS, TIMEOUT), run_reference(job, STEPS, TIMEOUT)
 
 
