@@ -428,12 +428,7 @@ class MicrobatchRun:
         for i in op.steps if rows.start < rows.stop else ():
             bound = self.ops.steps[i]
             step = bound.step
-            out_grads = [local.pop(key, None) for key in step.writes]
-            if step.adjoint is not None:
-                with torch.no_grad():
-                    in_grads = step.adjoint(*out_grads)
-            else:
-                in_grads = self._step_backward_rows(i, rows, out_grads)
+            in_grads = self._input_grads(i, [local.pop(key, None) for key in step.writes], rows)
             for key, g, flag in zip(step.reads, in_grads, bound.needs_grad):
                 if not flag or g is None:
                     continue
@@ -496,18 +491,23 @@ class MicrobatchRun:
 
     def _backward_step(self, index: int, grads: dict[str, Tensor]) -> None:
         bound = self.ops.steps[index]
-        step = bound.step
-        out_grads = [grads.pop(key, None) for key in step.writes]
+        in_grads = self._input_grads(index, [grads.pop(key, None) for key in bound.step.writes])
+        grads.update((key, g) for key, g, flag in zip(bound.step.reads, in_grads, bound.needs_grad) if flag)
+
+    def _input_grads(self, index: int, out_grads: list[Tensor | None], rows: slice | None = None) -> tuple:
+        """A step's input gradients from its outputs': a collective's adjoint, else autograd through the step's
+        saved graph, or (``rows``) on those rows from its saved input (``_step_backward_rows``)."""
+        step = self.ops.steps[index].step
         if step.adjoint is not None:
             with torch.no_grad():
-                in_grads = step.adjoint(*out_grads)
-        else:
-            leaves, outputs = self._saved.pop(index)
-            roots = [(out, g) for out, g in zip(outputs, out_grads) if g is not None and out.requires_grad]
-            if roots:
-                torch.autograd.backward([out for out, _ in roots], [g for _, g in roots])
-            in_grads = tuple(leaf.grad for leaf in leaves)
-        grads.update((key, g) for key, g, flag in zip(step.reads, in_grads, bound.needs_grad) if flag)
+                return step.adjoint(*out_grads)
+        if rows is not None:
+            return self._step_backward_rows(index, rows, out_grads)
+        leaves, outputs = self._saved.pop(index)
+        roots = [(out, g) for out, g in zip(outputs, out_grads) if g is not None and out.requires_grad]
+        if roots:
+            torch.autograd.backward([out for out, _ in roots], [g for _, g in roots])
+        return tuple(leaf.grad for leaf in leaves)
 
 
 class _CollectiveFunction(torch.autograd.Function):
