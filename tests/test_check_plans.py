@@ -3,8 +3,9 @@
 The seeds are chosen so that together they cover an LLM PP4 job with the scheduler's adjusted warm-up
 (seed 44, two encoders, the first with CLIP's embedding), a frozen encoder split over 4 encoder stages
 with a forced warm-up and SiLU MLPs (seed 37, which found stages without a backward never finishing),
-a PP2 V1 job whose 5 microbatches are not a multiple of PP (seed 179), and encoder kernels run in
-random pieces of their tokens (seed 401, DP2 PP4 with an adjusted warm-up, and seed 179). test_runtime.py forces
+a PP2 V1 job whose 5 microbatches are not a multiple of PP (seed 179), encoder kernels run in random
+pieces of their tokens (seed 401, DP2 PP4 with an adjusted warm-up, and seed 179), and backward moves
+the scheduler stopped above a stage (seed 24). test_runtime.py forces
 reduced warm-ups too. Each test first asserts that its seed still draws what it is here for.
 """
 
@@ -36,14 +37,27 @@ TIMEOUT = 240.0
     # a frozen encoder over 4 encoder stages: only the last (projector) stage runs a backward
     (37, {"pp": 4, "vp": 3, "warmup_kind": "forced", "encoders": "single+frozen"}),
     (401, {"dp": 2, "pp": 4, "warmup_kind": "adjusted", "cut_kernels": True}),
-], ids=["PP4-adjusted-dual", "PP4-V3-frozen-encoder-PP4", "DP2-PP4-kernels-in-pieces"])
+    # the scheduler's backward moves stopped above a stage: upper stages in bubbles, the rest after the LLM
+    (24, {"pp": 4, "split_backward": True}),
+], ids=["PP4-adjusted-dual", "PP4-V3-frozen-encoder-PP4", "DP2-PP4-kernels-in-pieces", "PP4-backward-split"])
 def test_seed_trains_like_one_rank(seed, expected):
     job = draw_job(seed)
+    setup = schedule_job(job)
     drawn = {**{k: getattr(job, k) for k in ("dp", "pp", "vp", "encoders", "cut_kernels")},
-             "warmup_kind": schedule_job(job).warmup_kind}
+             "warmup_kind": setup.warmup_kind, "split_backward": _split_backward(setup.artifact)}
     assert drawn.items() >= expected.items(), f"seed {seed} no longer draws {expected}: {drawn}"
     row = check_seed(seed, STEPS, TIMEOUT)
     assert row.status == "PASS", row
+
+
+def _split_backward(artifact: dict) -> bool:
+    """Some microbatch's backward runs partly in the LLM's bubbles and partly after the LLM."""
+    windows: dict[tuple[int, int], set[str]] = {}
+    for stage in artifact["encoder_stages"]:
+        for op in stage["ops"]:
+            if op["phase"] == "bwd":
+                windows.setdefault((stage["encoder_pipeline"], op["local_microbatch"]), set()).add(op["window"])
+    return any(len(w) > 1 for w in windows.values())
 
 
 @pytest.mark.parametrize("seed, expected", [

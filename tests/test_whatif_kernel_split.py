@@ -38,8 +38,8 @@ def test_whatif_kernel_split_prints_and_writes_each_piece_size(tmp_path):
     assert "pieces <= 40 us free" in proc.stdout and "pieces fit to bubbles free" in proc.stdout
     whole, fit, fit_free = case["rows"][0], case["rows"][3], case["rows"][4]
     assert whole["optimus_s"] == whole["coarse_s"] > case["balanced_s"]  # whole kernels fit no TP bubble
-    # the scheduler's own: cut to the bubbles, every extra launch charged
-    assert fit_free["optimus_s"] <= fit["optimus_s"] < whole["optimus_s"] - 0.02
+    # the scheduler's own: cut to the bubbles, every extra launch charged, faster than balanced
+    assert fit_free["optimus_s"] <= fit["optimus_s"] < case["balanced_s"] < whole["optimus_s"]
     for args in (["--pieces", "0"], ["--pieces", "-5"], ["--pieces", "nan"], ["--pieces", "inf"],
                  ["--json", str(tmp_path / "missing" / "out.json")]):
         bad = subprocess.run([sys.executable, str(REPO / "scripts" / "whatif_kernel_split.py"), *args],

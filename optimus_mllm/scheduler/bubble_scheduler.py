@@ -13,7 +13,8 @@ kernels, in one of three windows of the stage's GPUs:
   time with no LLM TP collective (so mostly under LLM compute, paper Fig. 7);
 - ``post``: coarse, after the LLM's last computation (PP cool-down and DP reduce-scatter bubbles).
 ``InitSchedule`` puts every forward in ``pre`` and every backward in ``post``; ``OptimizeSchedule``
-moves one microbatch at a time of the critical encoder pipeline into ``llm``. The windows are laid
+moves one microbatch at a time of the critical encoder pipeline into ``llm`` (a backward, if it does
+not fit whole, on its upper stages only: the rest stays in ``post``). The windows are laid
 out in ``coarse``, the kernels placed into bubbles in ``fine``, and ``lower_bound`` lets the search
 skip partitions and plans.
 """
@@ -139,7 +140,7 @@ class _Evaluation:
     assignment: list[tuple[int, int]] | None = None
     ef: list[float] | None = None
     eb: list[float] | None = None
-    post: dict[int, tuple[tuple[float, int], ...]] | None = None  # j -> (gradient ready tau, k) of its coarse
+    post: dict[int, tuple[tuple[float, int, int], ...]] | None = None  # j -> (gradient ready tau, k, top) of its coarse
     backward_start: dict[tuple[int, int], float] | None = None  # (j, k) -> start on the last stage (tau)
     backward_end: dict[tuple[int, int], float] | None = None  # (j, e) -> end of the stage's last backward (tau)
 
@@ -154,11 +155,12 @@ class _PartitionScheduler:
         self.pp_enc = len(work.fwd)
         self.moves = moves
         self.resources: dict[tuple[int, int], Resource] = {}
-        self.moved_backward: list[list[int]] = [[] for _ in partition]  # per pipeline: LLM microbatches, in order
+        # per pipeline: (LLM microbatch, lowest stage placed into bubbles) of its backward moves, in order
+        self.moved_backward: list[list[tuple[int, int]]] = [[] for _ in partition]
         self.uncommitted: list[list[Move]] = [[] for _ in partition]  # backward moves not yet in resources
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
         self.fine_fwd: dict[tuple[int, int], Move] = {}  # (j, k) -> its chains placed into bubbles (tau)
-        self.fine_bwd: dict[tuple[int, int], Move] = {}
+        self.fine_bwd: dict[tuple[int, int], Move] = {}  # from its stage Move.low up; the rest in ``post``
         self.has_backward = any(chain.kernels for chain in work.bwd)
         self.pre = [m.pre for m in moves]
         self.t0_low = all_gather_t0(work, self.timeline)
@@ -183,35 +185,35 @@ class _PartitionScheduler:
     def moved_forward(self, j: int) -> int:
         return self.partition[j] - self.n_coarse_fwd[j]
 
-    def place_backward(self, j: int, i: int) -> Move | None:
-        """LLM microbatch i's encoder backward on pipeline j, from the last stage to the first as its
-        gradient arrives; None if it does not fit before the LLM's end."""
-        key = self._backward_key(j, i)
+    def place_backward(self, j: int, i: int, low: int = 0) -> Move | None:
+        """LLM microbatch i's encoder backward on pipeline j, from the last stage down to stage ``low`` as
+        its gradient arrives; None if it does not fit before the LLM's end."""
+        key = self._backward_key(j, i, low)
         shared = self.moves[j].backward
         if key not in shared:
-            shared[key] = self._first_fit_backward(j, i)
+            shared[key] = self._first_fit_backward(j, i, low)
         return shared[key]
 
-    def _backward_key(self, j: int, i: int) -> tuple[int, tuple[int, ...], int]:
-        return self.moved_forward(j), tuple(self.moved_backward[j]), i
+    def _backward_key(self, j: int, i: int, low: int) -> tuple[int, tuple[tuple[int, int], ...], int, int]:
+        return self.moved_forward(j), tuple(self.moved_backward[j]), i, low
 
-    def _first_fit_backward(self, j: int, i: int) -> Move | None:
+    def _first_fit_backward(self, j: int, i: int, low: int) -> Move | None:
         w = self.work
         ready = self.dep.backward[i] + w.to_llm_us[j]
         placements: list[Placement] = []  # from the last stage to the first
-        for e in reversed(range(self.pp_enc)):
+        for e in reversed(range(low, self.pp_enc)):
             placement = self.resource(j, e).place_chain(w.bwd[e], ready, self.last(j, e), w.launch_us)
             if placement is None:
                 return None
             # a frozen stage passes the gradient on at once (its chain ends where it starts)
             placements.append(placement if placement.starts else placement._replace(starts=[ready]))
             ready = placement.end + w.p2p_us
-        return Move.of(placements[::-1])
+        return Move.of(placements[::-1], low)
 
-    def commit_backward(self, j: int, i: int) -> None:
+    def commit_backward(self, j: int, i: int, low: int) -> None:
         """Take the bubbles of the backward move just placed, once a later placement must search them."""
-        self.uncommitted[j].append(self.moves[j].backward[self._backward_key(j, i)])
-        self.moved_backward[j].append(i)
+        self.uncommitted[j].append(self.moves[j].backward[self._backward_key(j, i, low)])
+        self.moved_backward[j].append((i, low))
 
     def last(self, j: int, e: int) -> float:
         return self.timeline.stages[self.work.llm_stage(j, e)].last_compute_us
@@ -232,17 +234,19 @@ class _PartitionScheduler:
             t0, merged, required = forward
             assignment, ef = global_order(merged), list(map(itemgetter(0), merged))
             changed: Sequence[int] = range(w.num_pipelines)
-            arrivals: dict[int, list[tuple[float, int]]] = {j: [] for j in changed}
+            arrivals: dict[int, list[tuple[float, int, int]]] = {j: [] for j in changed}
+            last = self.pp_enc - 1
             for b, (j, k) in zip(self.dep.backward, assignment):
                 if (j, k) not in self.fine_bwd:
-                    arrivals[j].append((b + w.to_llm_us[j], k))
-            post: dict[int, tuple[tuple[float, int], ...]] = {}
+                    arrivals[j].append((b + w.to_llm_us[j], k, last))
+            post: dict[int, tuple[tuple[float, int, int], ...]] = {}
             backward_start: dict[tuple[int, int], float] = {}
             backward_end: dict[tuple[int, int], float] = {}
         else:
             t0, assignment, ef, required = before.t0, before.assignment, before.ef, before.pre_required_t0
             changed = (pipeline,)
             arrivals = {pipeline: [a for a in before.post.get(pipeline, ()) if (pipeline, a[1]) not in self.fine_bwd]}
+            last = self.pp_enc - 1
             post = {j: coarse for j, coarse in before.post.items() if j != pipeline}
             backward_start = dict(before.backward_start)
             backward_end = {key: end for key, end in before.backward_end.items() if key[0] != pipeline}
@@ -250,18 +254,26 @@ class _PartitionScheduler:
             if j not in changed:
                 continue
             backward_start[(j, k)] = move.starts[-1][0]
-            for e, end in enumerate(move.ends):
-                backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), end)
+            for e in range(move.low, self.pp_enc):
+                backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), move.ends[e])
+            if move.low:  # its stages below run in the post window, from the gradient the move sent down
+                arrivals[j].append((move.ends[move.low] + w.p2p_us, k, move.low - 1))
         if self.has_backward:
-            # post: backwards after the LLM's last computation, in order of gradient arrival (tau)
+            # post: backwards after the LLM's last computation, in order of gradient arrival (tau); those
+            # whose upper stages ran in bubbles first, the furthest down first: they are that much further
             for j in changed:
-                coarse = tuple(sorted(arrivals[j]))
+                coarse = tuple(sorted(arrivals[j], key=lambda a: (a[2], a[0], a[1])))
                 if not coarse:
                     continue
                 post[j] = coarse
-                ready, coarse_ks = zip(*coarse)
-                starts, ends = self.moves[j].post.layout(ready)
-                backward_start.update(zip(zip(repeat(j), coarse_ks), starts))
+                ready, coarse_ks, tops = zip(*coarse)
+                if all(top == last for top in tops):
+                    starts, ends = self.moves[j].post.layout(ready)
+                    backward_start.update(zip(zip(repeat(j), coarse_ks), starts))
+                else:
+                    rows, ends = coarse_backward(ready, self.moves[j].post.origin, w, tops)
+                    backward_start.update(((j, k), row[-1]) for k, row, top in zip(coarse_ks, rows, tops)
+                                          if top == last)
                 for e, end in enumerate(ends):
                     backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), end)
             eb = list(map(add, map(backward_start.__getitem__, assignment), repeat(t0)))
@@ -426,6 +438,10 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
     Forward: its last coarse microbatch, stage by stage from upstream to downstream; backward: the
     coarse microbatch whose gradient arrives first, from downstream to upstream. Kept only if the
     dependencies still hold (checkEncLLMDep) and the iteration gets no longer.
+
+    A backward move that does not fit (or lengthens the iteration) is tried again stopped above a stage
+    ``low``, from the lowest: stages ``low`` and up run in bubbles and send the gradient down to the rest
+    in the post window, which then need not wait for the encoder pipeline to drain after the LLM ends.
     """
     before = state.evaluation
     if mode == FWD:
@@ -443,20 +459,24 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
             del state.fine_fwd[(j, k)]
             return False
     else:
-        coarse = before.post.get(j)  # (gradient ready, k), earliest first
-        if not coarse:
+        last = state.pp_enc - 1
+        # (gradient ready, k, top): the earliest one not moved yet at all
+        k = next((k for _, k, top in before.post.get(j, ()) if top == last), None)
+        if k is None:
             return False
-        k = coarse[0][1]
         i = before.assignment.index((j, k))
-        move = state.place_backward(j, i)
-        if move is None:
-            return False
-        state.fine_bwd[(j, k)] = move
-        after = state.evaluate(before, j)
-        if after is None or after.latency > before.latency + EPS_US:
+        for low in range(last + 1):
+            move = state.place_backward(j, i, low)
+            if move is None:
+                continue
+            state.fine_bwd[(j, k)] = move
+            after = state.evaluate(before, j)
+            if after is not None and after.latency <= before.latency + EPS_US:
+                state.commit_backward(j, i, low)
+                break
             del state.fine_bwd[(j, k)]
+        else:
             return False
-        state.commit_backward(j, i)
     state.evaluation = after
     return True
 
@@ -583,15 +603,16 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
     for (phase, fine) in (("fwd", state.fine_fwd), ("bwd", state.fine_bwd)):
         for (j, k), move in fine.items():
             for e, (starts, cuts) in enumerate(zip(move.starts, move.cuts)):
-                if phase == "fwd" or w.bwd[e].kernels:
+                if phase == "fwd" or (e >= move.low and w.bwd[e].kernels):
                     chains.append(ChainPlacement(j, e, k, phase, "llm", tuple(s + t0 for s in starts), tuple(
                         (i, tuple((lo, hi, a + t0, b + t0) for lo, hi, a, b in pieces)) for i, pieces in cuts.items())))
     for j, coarse in ev.post.items():
-        rows, _ = coarse_backward([ready for ready, _ in coarse], state.moves[j].post.origin, w)
+        ready, ks, tops = zip(*coarse)
+        rows, _ = coarse_backward(ready, state.moves[j].post.origin, w, tops)
         for e in reversed(range(state.pp_enc)):
             if w.bwd[e].kernels:
                 chains.extend(ChainPlacement(j, e, k, "bwd", "post", chain_block(row[e] + t0, w.bwd[e]))
-                              for (_, k), row in zip(coarse, rows))
+                              for k, row, top in zip(ks, rows, tops) if e <= top)
     return Schedule(
         llm_plan=llm_plan, encoder_plan=enc_plan, partition=state.partition, dep=state.dep, work=w,
         llm_origin_us=t0, assignment=tuple(ev.assignment), encoder_forward_end_us=tuple(ev.ef),

@@ -77,18 +77,20 @@ class PostWindow:
         return self.last_stage_starts[:k] + [row[-1] for row in rows], ends
 
 
-def coarse_backward(ready: Sequence[float], origin: list[float],
-                    work: EncoderWork) -> tuple[list[list[float]], list[float]]:
+def coarse_backward(ready: Sequence[float], origin: list[float], work: EncoderWork,
+                    tops: Sequence[int] | None = None) -> tuple[list[list[float]], list[float]]:
     """Backwards in a post window: GPipe-style from the last encoder stage to the first, each stage's
     chain as one block, microbatches in the given order with their gradients ready at ``ready``, each
-    stage free from ``origin``. Returns every microbatch's start per stage, and each stage's end."""
+    stage free from ``origin``. ``tops``: per microbatch, the stage it starts on there (its chains on the
+    stages above ran in the LLM's bubbles); the last by default. Returns every microbatch's start per
+    stage (0 above its top), and each stage's end."""
     cursor = list(origin)
     durations = [chain.duration_us for chain in work.bwd]
-    stages = range(len(cursor) - 1, -1, -1)
+    last = len(cursor) - 1
     rows = []
-    for t in ready:
+    for n, t in enumerate(ready):
         row = [0.0] * len(cursor)
-        for e in stages:
+        for e in range(last if tops is None else tops[n], -1, -1):
             start = cursor[e] if cursor[e] > t else t
             row[e] = start
             cursor[e] = start + durations[e]

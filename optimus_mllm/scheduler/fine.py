@@ -152,11 +152,15 @@ class Move:
     busy: list[tuple[array, array]]  # per stage: (compute, comm) spans as flat start, end, start, end, ...
     ends: list[float]
     cuts: list[dict[int, Cut]]
+    low: int = 0  # a backward move's lowest stage: the stages below it run their chains in the post window
 
     @classmethod
-    def of(cls, placements: list[Placement]) -> Move:
+    def of(cls, placements: list[Placement], low: int = 0) -> Move:
+        """From the placements of stages ``low`` and on (the ones below take nothing)."""
+        none = [Placement([], (array("d"), array("d")), float("-inf"), {})] * low
+        placements = none + placements
         return cls([p.starts for p in placements], [p.spans for p in placements], [p.end for p in placements],
-                   [p.cuts for p in placements])
+                   [p.cuts for p in placements], low)
 
     def take(self, resources: list[Resource]) -> None:
         """Occupy the move's spans in a pipeline's bubbles (a stage without kernels takes nothing)."""
