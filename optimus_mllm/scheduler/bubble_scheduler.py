@@ -140,7 +140,8 @@ class _Evaluation:
     assignment: list[tuple[int, int]] | None = None
     ef: list[float] | None = None
     eb: list[float] | None = None
-    post: dict[int, tuple[tuple[float, int, int], ...]] | None = None  # j -> (gradient ready tau, k, top) of its coarse
+    # j -> its coarse backwards: (gradient ready at the top stage, tau; k; the top stage they start on there)
+    post: dict[int, tuple[tuple[float, int, int], ...]] | None = None
     backward_start: dict[tuple[int, int], float] | None = None  # (j, k) -> start on the last stage (tau)
     backward_end: dict[tuple[int, int], float] | None = None  # (j, e) -> end of the stage's last backward (tau)
 
@@ -226,7 +227,7 @@ class _PartitionScheduler:
         ``before``: the evaluation before a backward move of ``pipeline``, which changes that pipeline's
         backwards only; t0, the assignment and the other pipelines' backwards are taken from it.
         """
-        w = self.work
+        w, last = self.work, self.pp_enc - 1
         if before is None:
             forward = self._forward_side()
             if forward is None:
@@ -235,7 +236,6 @@ class _PartitionScheduler:
             assignment, ef = global_order(merged), list(map(itemgetter(0), merged))
             changed: Sequence[int] = range(w.num_pipelines)
             arrivals: dict[int, list[tuple[float, int, int]]] = {j: [] for j in changed}
-            last = self.pp_enc - 1
             for b, (j, k) in zip(self.dep.backward, assignment):
                 if (j, k) not in self.fine_bwd:
                     arrivals[j].append((b + w.to_llm_us[j], k, last))
@@ -246,7 +246,6 @@ class _PartitionScheduler:
             t0, assignment, ef, required = before.t0, before.assignment, before.ef, before.pre_required_t0
             changed = (pipeline,)
             arrivals = {pipeline: [a for a in before.post.get(pipeline, ()) if (pipeline, a[1]) not in self.fine_bwd]}
-            last = self.pp_enc - 1
             post = {j: coarse for j, coarse in before.post.items() if j != pipeline}
             backward_start = dict(before.backward_start)
             backward_end = {key: end for key, end in before.backward_end.items() if key[0] != pipeline}
