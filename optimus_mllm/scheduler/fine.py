@@ -87,19 +87,20 @@ class Resource:
             end = t + d
             if lo <= t < hi and end <= hi and end <= limit:
                 start = t
+            elif splittable and d > min_room:
+                placed = self._fit(d, t, limit, launch_us, min_room)
+                if placed is None:
+                    return None
+                pieces, current[0] = placed
+                if len(pieces) > 1:
+                    cuts[i] = pieces
+                starts.append(pieces[0][2])
+                for _, _, start, end in pieces:
+                    _take_span(spans[0], start, end)
+                t = end
+                continue
             else:
                 fit = free[is_comm].earliest_fit(t, d, limit)
-                piece = free[0].earliest_fit(t, min_room, limit) if splittable and d > min_room else None
-                if piece is not None and (fit is None or piece[0] < fit[0]):
-                    placed = self._cut(d, piece, limit, launch_us, min_room)
-                    if placed is None:
-                        return None
-                    cuts[i], current[0] = placed
-                    starts.append(cuts[i][0][2])
-                    for _, _, start, end in cuts[i]:
-                        _take_span(spans[0], start, end)
-                    t = end
-                    continue
                 if fit is None:
                     return None
                 start, lo, hi = fit
@@ -110,28 +111,28 @@ class Resource:
             t = end
         return Placement(starts, spans, t, cuts)
 
-    def _cut(self, d: float, piece: tuple[float, float, float], limit: float, launch_us: float,
+    def _fit(self, d: float, t: float, limit: float, launch_us: float,
              min_room: float) -> tuple[Cut, tuple[float, float]] | None:
-        """A compute kernel of ``d`` us cut to fit, from the bubble ``piece`` (start, and the bubble's bounds)
-        on: each bubble gets a piece up to its end until the rest fits whole no later than another piece
-        would start. Its pieces as fractions of its work (``d`` less one launch), and the last one's bubble."""
+        """A splittable compute kernel of ``d`` us first-fit from ``t``, cut to fit: while a bubble it could
+        partly fill comes sooner than one that holds the rest, that bubble gets a piece up to its end. Its
+        pieces as fractions of its work (``d`` less one launch; one piece if it runs whole), and the last
+        one's bubble; None if it does not fit by ``limit``."""
         work = d - launch_us
         pieces, done, left = [], 0.0, d  # left: the rest as one more kernel, launch included
         while True:
-            start, lo, hi = piece
-            end = min(start + left, hi, limit)
-            if end == start + left:
-                pieces.append((done / work, 1.0, start, end))
-                return pieces, (lo, hi)
-            share = end - start - launch_us
-            pieces.append((done / work, (done + share) / work, start, end))
-            done, left = done + share, left - share
-            whole = self.compute.earliest_fit(end, left, limit)
-            piece = self.compute.earliest_fit(end, min_room, limit) if left > min_room else None
+            whole = self.compute.earliest_fit(t, left, limit)
+            piece = self.compute.earliest_fit(t, min_room, limit) if left > min_room else None
             if piece is None or (whole is not None and whole[0] <= piece[0]):
                 if whole is None:
                     return None
-                piece = whole  # the rest fits whole there: its last piece
+                start, lo, hi = whole
+                pieces.append((done / work, 1.0, start, start + left))
+                return pieces, (lo, hi)
+            start, lo, hi = piece
+            t = min(hi, limit)  # the rest does not fit this bubble, or ``whole`` would start here
+            share = t - start - launch_us
+            pieces.append((done / work, (done + share) / work, start, t))
+            done, left = done + share, left - share
 
 
 def _take_span(stream: array, start: float, end: float) -> None:
