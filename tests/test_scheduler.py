@@ -46,6 +46,7 @@ from optimus_mllm.scheduler.llm_timeline import (
 )
 from optimus_mllm.scheduler.metrics import bubble_breakdown, scheduling_efficiency
 from optimus_mllm.scheduler.validity import schedule_violations
+from scripts.whatif_kernel_split import CASES as WHATIF_CASES
 from tests.conftest import CONFIGS
 
 
@@ -334,16 +335,12 @@ def test_fine_scheduling_moves_work_into_bubbles():
     assert any(c.cuts for c in fine.best.chains), "some kernels are cut to fit short bubbles"
 
 
-FIG5_HEAVY = ["model.encoders.0.hidden_size=4096", "model.encoders.0.num_attention_heads=32",
-              "model.encoders.0.ffn_hidden_size=16384", "model.encoders.0.seq_length=1024",
-              "parallel.llm={dp: 1, pp: 4, tp: 2, vp: 10}"]
-
-
 def test_backward_moves_stopped_above_a_stage_drain_the_encoder_pipeline_during_the_llm():
     """Figure 5's shape with a 4096-wide ViT on 1024 tokens and the LLM at V10: no whole backward move fits
     its bubbles, but the upper stages' chains of the first microbatches do, so the post window's stages
     need not wait for the encoder pipeline to drain, and Optimus beats both baselines."""
-    config = load_config(CONFIGS / "paper" / "fig5_8gpu.yaml", FIG5_HEAVY)
+    path, overrides = WHATIF_CASES["fig5_heavy"]
+    config = load_config(CONFIGS / "paper" / path, overrides)
     result = optimus(config, plan(config), CostModel.from_config(config))
     best = result.best
     assert schedule_violations(best) == []
