@@ -191,15 +191,18 @@ _TRAINING_MODULES = (
     "megatron.core.optimizer.clip_grads",  # grad-norm accumulator and overflow buffer
     "megatron.core.optimizer.grad_scaler",  # the loss scale and its growth/backoff factors
     "megatron.core.utils",  # local_multi_tensor_l2_norm, the grad norm without apex / TE
-    "megatron.core.tensor_parallel.mappings",  # sequence parallelism's all-gather / reduce-scatter outputs
-    "megatron.core.tensor_parallel.layers",  # the sequence-parallel all-gather in a linear's backward
+    # sequence parallelism's all-gather / reduce-scatter outputs
+    "megatron.core.tensor_parallel.mappings",
+    # the sequence-parallel all-gather in a linear's backward
+    "megatron.core.tensor_parallel.layers",
     # dist_checkpointing: the writer's host copies wait on torch.cuda.synchronize(), and the save's
     # plan and finish agree over flags made on the current CUDA device
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     # RoPE moves its inverse frequencies to torch.cuda.current_device() at the first forward
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
-    # Megatron's timers synchronize CUDA around every start/stop and gather their times on the device
+    # Megatron's timers synchronize CUDA around every start/stop and gather their times on the
+    # device
     "megatron.core.timers",
 )
 
@@ -212,11 +215,14 @@ def _patch_training_module(path: str) -> Patch:
 
 @contextlib.contextmanager
 def _cuda_type_names() -> Iterator[None]:
-    """``tensor.type()`` of a CPU tensor answers the CUDA name ("torch.cuda.FloatTensor"): megatron's
-    optimizers sort parameters into fp32 and 16-bit groups by that string, and clipping asserts it."""
+    """``tensor.type()`` of a CPU tensor answers the CUDA name ("torch.cuda.FloatTensor"):
+    megatron's optimizers sort parameters into fp32 and 16-bit groups by that string, and clipping
+    asserts it."""
     original = torch.Tensor.type
 
-    def type_name(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    def type_name(
+        self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any
+    ) -> Any:
         if dtype is None and not kwargs and self.device.type == "cpu":
             return original(self).replace("torch.", "torch.cuda.", 1)
         return original(self, dtype, non_blocking, **kwargs)
@@ -228,9 +234,11 @@ def _cuda_type_names() -> Iterator[None]:
         torch.Tensor.type = original  # type: ignore[method-assign]
 
 
-def _within(context: Callable[[], contextlib.AbstractContextManager[None]],
-            function: Callable[..., Any]) -> Callable[..., Any]:
+def _within(
+    context: Callable[[], contextlib.AbstractContextManager[None]], function: Callable[..., Any]
+) -> Callable[..., Any]:
     """``function``, every call of it run inside a fresh ``context()``."""
+
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         with context():
@@ -261,9 +269,11 @@ def _cuda_stays_on_cpu() -> Iterator[None]:
 
 
 def _patch_tied_embedding_setup() -> Patch:
-    # with tied embeddings across pipeline stages, the last stage's copy is moved with .cuda() before
-    # the all-reduce that makes it the first stage's
-    module = _require(_module("megatron.core.models.common.language_module.language_module"), "LanguageModule")
+    # with tied embeddings across pipeline stages, the last stage's copy is moved with .cuda()
+    # before the all-reduce that makes it the first stage's
+    module = _require(
+        _module("megatron.core.models.common.language_module.language_module"), "LanguageModule"
+    )
     original = _require(module, "setup_embeddings_and_output_layer")
     return Patch(module, "setup_embeddings_and_output_layer", _within(_cuda_stays_on_cpu, original))
 
@@ -303,17 +313,26 @@ def training_patches() -> list[Patch]:
     """DDP, the (distributed) optimizer, clipping, loss scaling and tied embeddings on the CPU."""
     return [
         *(_patch_training_module(path) for path in _TRAINING_MODULES),
-        _patch_type_check("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
-        _patch_type_check("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+        _patch_type_check(
+            "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"
+        ),
+        _patch_type_check(
+            "megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"
+        ),
         # clipping asserts fp32 grads by type name; optimizer.py calls it under its own import
-        _patch_type_check("megatron.core.optimizer.optimizer", None, "clip_grad_by_total_norm_fp32"),
+        _patch_type_check(
+            "megatron.core.optimizer.optimizer", None, "clip_grad_by_total_norm_fp32"
+        ),
         _patch_scaler_load(),
         _patch_tied_embedding_setup(),
     ]
 
 
-def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
-    """The default CPU generator's state, which plays the CUDA generator's part on CPU (as in fork())."""
+def _cpu_get_rng_state(
+    device: Any = "cuda", clone: bool = False, graph_safe: bool = False
+) -> torch.Tensor:
+    """The default CPU generator's state, which plays the CUDA generator's part on CPU (as in
+    fork())."""
     return torch.get_rng_state()
 
 

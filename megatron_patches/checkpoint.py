@@ -1,4 +1,5 @@
-"""megatron-core's checkpoint writer, run synchronously without the process it keeps for async saves.
+"""megatron-core's checkpoint writer, run synchronously without the process it keeps for async
+saves.
 
 ``FileSystemWriterAsync`` hands its write results back through a queue made by a ``multiprocessing``
 Manager (``filesystem_async._get_write_results_queue``), so that an asynchronous save can finish in

@@ -1,5 +1,5 @@
-"""megatron-core ``DistributedDataParallel`` internals the runtime relies on: gradient averaging over
-fewer replicas than the DP group (``average_over``), and whole reduced gradients for inspection
+"""megatron-core ``DistributedDataParallel`` internals the runtime relies on: gradient averaging
+over fewer replicas than the DP group (``average_over``), and whole reduced gradients for inspection
 (``gather_main_grads``).
 
 megatron-core scales every gradient by 1 / (its data-parallel group's size) before the reduction.
@@ -20,18 +20,23 @@ from megatron_patches._cpu import MegatronPatchError, _megatron_version
 def average_over(ddp: Any, replicas: int) -> None:
     """Scale ``ddp``'s gradients by 1 / ``replicas`` before they are reduced over its DP group."""
     if ddp.ddp_config.average_in_collective:
-        raise MegatronPatchError("average_over: average_in_collective divides by the group size itself")
+        raise MegatronPatchError(
+            "average_over: average_in_collective divides by the group size itself"
+        )
     factor = 1.0 / replicas
     for buffer in _attr(ddp, "buffers"):
         for owner in (buffer, *buffer.buckets):
             if not hasattr(owner, "gradient_scaling_factor"):
-                raise MegatronPatchError(f"average_over: {type(owner).__name__} has no gradient_scaling_factor "
-                                         f"(megatron-core {_megatron_version()}); update megatron_patches/ddp.py")
+                raise MegatronPatchError(
+                    f"average_over: {type(owner).__name__} has no gradient_scaling_factor "
+                    f"(megatron-core {_megatron_version()}); update megatron_patches/ddp.py"
+                )
             owner.gradient_scaling_factor = factor
 
 
 def gather_main_grads(ddp: Any) -> None:
-    """Make every ``param.main_grad`` of ``ddp`` the whole reduced gradient, for inspection after a step.
+    """Make every ``param.main_grad`` of ``ddp`` the whole reduced gradient, for inspection after a
+    step.
 
     With the distributed optimizer, megatron-core reduce-scatters each bucket, so a rank's gradient
     buffer is reduced only in its own shard; this all-gathers the shards back into the buffer (which
@@ -46,12 +51,14 @@ def gather_main_grads(ddp: Any) -> None:
         size, rank = comm.size(), comm.rank()
         for bucket in group.buckets:
             shard = bucket.grad_data.numel() // size
-            local = bucket.grad_data[rank * shard:(rank + 1) * shard].clone()
+            local = bucket.grad_data[rank * shard : (rank + 1) * shard].clone()
             dist.all_gather_into_tensor(bucket.grad_data, local, group=comm)
 
 
 def _attr(ddp: Any, name: str) -> Any:
     if not hasattr(ddp, name):
-        raise MegatronPatchError(f"DistributedDataParallel has no {name!r} (megatron-core {_megatron_version()}); "
-                                 "update megatron_patches/ddp.py")
+        raise MegatronPatchError(
+            f"DistributedDataParallel has no {name!r} (megatron-core {_megatron_version()}); "
+            "update megatron_patches/ddp.py"
+        )
     return getattr(ddp, name)

@@ -11,9 +11,9 @@ at the first update. Its checkpoint code assumes otherwise in three places, hand
   moments), which its next update treats exactly as no state;
 - ``DistributedOptimizer.load_state_dict`` puts a ``step`` into every parameter's state and then, in
   the fully reshardable format, copies into each state entry from the loaded tensors, which have no
-  ``step`` (``load_state`` lets the step keep its value); the step tensor it puts there is one shared
-  by all parameters, which torch's Adam then increments once per parameter: ``set_step`` gives each
-  its own;
+  ``step`` (``load_state`` lets the step keep its value); the step tensor it puts there is one
+  shared by all parameters, which torch's Adam then increments once per parameter: ``set_step``
+  gives each its own;
 - the fully reshardable format gathers a distributed part's state over a gloo data-parallel group,
   which megatron-core does not create for a part built on groups of its own (the encoder's): the
   caller hands one to ``use_gloo_group``.
@@ -53,18 +53,22 @@ def step_count(part: Any) -> int:
     """The number of updates ``part`` took (every parameter took the same)."""
     steps = {int(state["step"]) for state in part.optimizer.state.values() if "step" in state}
     if len(steps) > 1:
-        raise ValueError(f"the optimizer's parameters took different numbers of updates: {sorted(steps)}")
+        raise ValueError(
+            f"the optimizer's parameters took different numbers of updates: {sorted(steps)}"
+        )
     return steps.pop() if steps else 0
 
 
 def set_step(part: Any, step: int) -> None:
-    """Every parameter of ``part`` has taken ``step`` updates, each with a step tensor of its own."""
+    """Every parameter of ``part`` has taken ``step`` updates, each with a step tensor of its
+    own."""
     for state in part.optimizer.state.values():
         state["step"] = torch.tensor(float(step))
 
 
 def load_state(part: Any, state_dict: dict[str, Any]) -> None:
-    """``part.load_state_dict(state_dict)``, the step of each parameter's state left to ``set_step``."""
+    """``part.load_state_dict(state_dict)``, the step of each parameter's state left to
+    ``set_step``."""
     if not isinstance(part, DistributedOptimizer):
         part.load_state_dict(state_dict)
         return

@@ -46,7 +46,8 @@ class PipelineChannels:
 
 
 def build_pipeline_channels(pipelines: list[list[int]], rank: int) -> PipelineChannels:
-    """Create every pipeline's channel groups (every rank, in the same order) and return this rank's.
+    """Create every pipeline's channel groups (every rank, in the same order) and return this
+    rank's.
 
     ``pipelines`` lists the global ranks of each pipeline-parallel group by stage, the same list on
     every rank; ``rank`` must be in one of them.
@@ -60,38 +61,60 @@ def build_pipeline_channels(pipelines: list[list[int]], rank: int) -> PipelineCh
             to_prev[sender] = dist.new_group([sender, ranks[(s - 1) % pp]])
     ranks = next(r for r in pipelines if rank in r)
     s, pp = ranks.index(rank), len(ranks)
-    return PipelineChannels(to_next=to_next[rank], to_prev=to_prev[rank],
-                            from_prev=to_next[ranks[(s - 1) % pp]], from_next=to_prev[ranks[(s + 1) % pp]])
+    return PipelineChannels(
+        to_next=to_next[rank],
+        to_prev=to_prev[rank],
+        from_prev=to_next[ranks[(s - 1) % pp]],
+        from_next=to_prev[ranks[(s + 1) % pp]],
+    )
 
 
 class _WaitedElsewhere:
-    """The handle megatron-core gets for a message: ``wait_for_input`` or ``finish`` waits for it."""
+    """The handle megatron-core gets for a message: ``wait_for_input`` or ``finish`` waits for
+    it."""
 
     def wait(self) -> None:
         return None
 
 
 class ChannelP2PCommunicator(P2PCommunicator):
-    """megatron-core's communicator with every message on its own channel and no wait inside its calls."""
+    """megatron-core's communicator with every message on its own channel and no wait inside its
+    calls."""
 
     def __init__(self, pp_group: dist.ProcessGroup, config: object, channels: PipelineChannels):
         super().__init__(pp_group, config)
         if getattr(config, "variable_seq_lengths", False):
-            raise ValueError("ChannelP2PCommunicator: variable_seq_lengths needs shape messages; not supported")
+            raise ValueError(
+                "ChannelP2PCommunicator: variable_seq_lengths needs shape messages; not supported"
+            )
         self.channels = channels
-        self._posted: dict[Direction, deque[tuple[torch.Tensor, dist.Work]]] = {"prev": deque(), "next": deque()}
+        self._posted: dict[Direction, deque[tuple[torch.Tensor, dist.Work]]] = {
+            "prev": deque(),
+            "next": deque(),
+        }
         self._sends: list[dist.Work] = []
 
-    def _communicate(self, *, tensor_send_next: torch.Tensor | None, tensor_send_prev: torch.Tensor | None,
-                     recv_prev: bool, recv_next: bool, tensor_shape: object,
-                     wait_on_reqs: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, dict | None]:
+    def _communicate(
+        self,
+        *,
+        tensor_send_next: torch.Tensor | None,
+        tensor_send_prev: torch.Tensor | None,
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape: object,
+        wait_on_reqs: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict | None]:
         self._sends = [work for work in self._sends if not work.is_completed()]
         handles: dict[str, _WaitedElsewhere] = {}
         if tensor_send_next is not None:
-            self._sends.append(dist.isend(tensor_send_next, self.next_rank, group=self.channels.to_next))
+            self._sends.append(
+                dist.isend(tensor_send_next, self.next_rank, group=self.channels.to_next)
+            )
             handles["send_next"] = _WaitedElsewhere()
         if tensor_send_prev is not None:
-            self._sends.append(dist.isend(tensor_send_prev, self.prev_rank, group=self.channels.to_prev))
+            self._sends.append(
+                dist.isend(tensor_send_prev, self.prev_rank, group=self.channels.to_prev)
+            )
             handles["send_prev"] = _WaitedElsewhere()
         received_prev = self._post("prev", tensor_shape) if recv_prev else None
         received_next = self._post("next", tensor_shape) if recv_next else None
@@ -103,9 +126,14 @@ class ChannelP2PCommunicator(P2PCommunicator):
 
     def _post(self, direction: Direction, shape: object) -> torch.Tensor:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        buffer = torch.empty(tuple(shape), requires_grad=True, device=device, dtype=self.config.pipeline_dtype)
-        peer, group = ((self.prev_rank, self.channels.from_prev) if direction == "prev"
-                       else (self.next_rank, self.channels.from_next))
+        buffer = torch.empty(
+            tuple(shape), requires_grad=True, device=device, dtype=self.config.pipeline_dtype
+        )
+        peer, group = (
+            (self.prev_rank, self.channels.from_prev)
+            if direction == "prev"
+            else (self.next_rank, self.channels.from_next)
+        )
         self._posted[direction].append((buffer, dist.irecv(buffer, peer, group=group)))
         return buffer
 
@@ -116,8 +144,10 @@ class ChannelP2PCommunicator(P2PCommunicator):
         so the oldest receive is this op's input.
         """
         if not self._posted[direction]:
-            raise RuntimeError(f"pipeline op expects an input from the {direction} stage but megatron-core "
-                               "posted no receive for it: the op order and the schedule disagree")
+            raise RuntimeError(
+                f"pipeline op expects an input from the {direction} stage but megatron-core "
+                "posted no receive for it: the op order and the schedule disagree"
+            )
         buffer, work = self._posted[direction].popleft()
         work.wait()
         return buffer

@@ -25,11 +25,18 @@ from optimus_mllm.errors import ConfigError
 from optimus_mllm.yaml_input import YAMLInputError, parse_yaml, read_yaml_file
 
 # The bounds of what is planned, each far above any job of today: the planner's and scheduler's work
-# grows with layers, GPUs and microbatches, and a typo (4000000000000 layers) must not run for hours.
+# grows with layers, GPUs and microbatches, and a typo (4000000000000 layers) must not run for
+# hours.
 MAX_GPUS = 1 << 17
-MAX_MICROBATCHES_PER_PIPELINE = 256  # the paper's largest is 128; the scheduler's time grows ~mb^2.5
-MAX_MODEL_SIZES = {"num_layers": 1024, "hidden_size": 1 << 20, "num_attention_heads": 1 << 14,
-                   "ffn_hidden_size": 1 << 22, "seq_length": 1 << 22}
+# the paper's largest is 128; the scheduler's time grows ~mb^2.5
+MAX_MICROBATCHES_PER_PIPELINE = 256
+MAX_MODEL_SIZES = {
+    "num_layers": 1024,
+    "hidden_size": 1 << 20,
+    "num_attention_heads": 1 << 14,
+    "ffn_hidden_size": 1 << 22,
+    "seq_length": 1 << 22,
+}
 MAX_NUMBER = 1e15  # above every size, count, rate and bandwidth a config holds (1e15 B/s is 1 PB/s)
 _YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -68,7 +75,8 @@ class TransformerSpec:
     kv_channels: int | None = None  # attention head dim; None means hidden_size // heads
     num_query_groups: int | None = None  # grouped-query attention; None means one per head
     gated_linear_unit: bool = False  # GLU MLP: fc1 produces two ffn-wide halves, act(gate) * up
-    activation: Activation = "gelu"  # the MLP's; Megatron-LM's --swiglu is silu with a gated linear unit
+    # the MLP's; Megatron-LM's --swiglu is silu with a gated linear unit
+    activation: Activation = "gelu"
     add_bias_linear: bool = True
     normalization: Normalization = "LayerNorm"
     # Megatron-LM's --hidden-dropout / --attention-dropout (whose defaults are 0.1); off unless set
@@ -77,22 +85,28 @@ class TransformerSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        return (
+            self.kv_channels
+            if self.kv_channels is not None
+            else self.hidden_size // self.num_attention_heads
+        )
 
     @property
     def query_groups(self) -> int:
-        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+        return (
+            self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+        )
 
 
 @dataclass(frozen=True)
 class ProjectorConfig:
     """Maps encoder features into the LLM's hidden space (LLaVA's ``mlp2x_gelu`` is ``mlp``).
 
-    ``spatial_merge`` > 1 first merges each group of ``spatial_merge**2`` neighbouring patch tokens into
-    one token of ``spatial_merge**2`` times the width (Qwen2-VL's patch merger, InternVL's pixel
-    shuffle), so the encoder sees all its patches while the LLM gets ``spatial_merge**2`` times fewer
-    image tokens. The data orders patches so that each group is contiguous (as Qwen2-VL's processor
-    does), which makes the merge a reshape of consecutive tokens.
+    ``spatial_merge`` > 1 first merges each group of ``spatial_merge**2`` neighbouring patch tokens
+    into one token of ``spatial_merge**2`` times the width (Qwen2-VL's patch merger, InternVL's
+    pixel shuffle), so the encoder sees all its patches while the LLM gets ``spatial_merge**2``
+    times fewer image tokens. The data orders patches so that each group is contiguous (as
+    Qwen2-VL's processor does), which makes the merge a reshape of consecutive tokens.
     """
 
     type: ProjectorType = "mlp"
@@ -106,8 +120,8 @@ class EncoderConfig(TransformerSpec):
     name: str = "vit"
     patch_size: int = 14
     in_channels: int = 3
-    # megatron-core CLIPViTModel's embedding: internvit a patch conv with a bias; clip one without, and a
-    # norm (ln_pre) before the first layer, as Megatron-LM's pretrain_vlm.py builds it
+    # megatron-core CLIPViTModel's embedding: internvit a patch conv with a bias; clip one without,
+    # and a norm (ln_pre) before the first layer, as Megatron-LM's pretrain_vlm.py builds it
     model_subtype: VisionSubtype = "internvit"
     frozen: bool = False  # frozen encoders run forward only; their backward is never scheduled
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
@@ -119,7 +133,8 @@ class EncoderConfig(TransformerSpec):
 
     @property
     def image_tokens(self) -> int:
-        """Tokens this encoder gives the LLM per image (``seq_length`` patches, merged by the projector)."""
+        """Tokens this encoder gives the LLM per image (``seq_length`` patches, merged by the
+        projector)."""
         return self.seq_length // self.merged_tokens
 
     @property
@@ -152,8 +167,9 @@ class TrainingConfig:
     recompute: Recompute = "none"
     train_iters: int = 10
     seed: int = 1234
-    # Optimizer, clipping and LR schedule: Megatron-LM's argument names and defaults (``--optimizer``,
-    # ``--lr-decay-style`` ...). ``adam`` is AdamW (decoupled weight decay), as in megatron-core.
+    # Optimizer, clipping and LR schedule: Megatron-LM's argument names and defaults
+    # (``--optimizer``, ``--lr-decay-style`` ...). ``adam`` is AdamW (decoupled weight decay), as in
+    # megatron-core.
     optimizer: Optimizer = "adam"
     lr: float = 1e-4
     min_lr: float = 0.0
@@ -220,14 +236,15 @@ class CostModelConfig:
     memory_efficiency: float = 0.7
     network_efficiency: float = 0.7
     kernel_overhead_us: float = 2.0  # launch and tail latency added to every kernel
-    profile: str | None = None  # JSON of measured kernel times (optimus-profile); overrides the roofline
+    # JSON of measured kernel times (optimus-profile); overrides the roofline
+    profile: str | None = None
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training data. ``path`` is a folder holding ``captions.jsonl`` and its images (the format is in
-    ``optimus_mllm/runtime/data.py``); left out, the job trains on synthetic data. A relative path is
-    kept as written and read from the working directory, like Megatron's ``--data-path``."""
+    """Training data. ``path`` is a folder holding ``captions.jsonl`` and its images (the format is
+    in ``optimus_mllm/runtime/data.py``); left out, the job trains on synthetic data. A relative
+    path is kept as written and read from the working directory, like Megatron's ``--data-path``."""
 
     path: str | None = None
 
@@ -254,7 +271,8 @@ class OptimusConfig:
 
     @property
     def image_tokens(self) -> int:
-        """The LLM's image positions per sample: every encoder's, after its projector's spatial merge."""
+        """The LLM's image positions per sample: every encoder's, after its projector's spatial
+        merge."""
         return sum(e.image_tokens for e in self.encoders)
 
     @property
@@ -272,7 +290,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     path = Path(path)
     raw = _read_yaml(path, "--config")
     if not isinstance(raw, dict):
-        raise ConfigError("config", f"{path} must hold a mapping at top level, got {type(raw).__name__}")
+        raise ConfigError(
+            "config", f"{path} must hold a mapping at top level, got {type(raw).__name__}"
+        )
     raw = _resolve_model_bases(raw, path.parent)
     for item in overrides:
         _apply_override(raw, item)
@@ -294,7 +314,9 @@ def _read_yaml(path: Path, field_name: str) -> Any:
     try:
         return read_yaml_file(path)
     except FileNotFoundError:
-        raise ConfigError(field_name, f"file {path} does not exist; pass an existing YAML file") from None
+        raise ConfigError(
+            field_name, f"file {path} does not exist; pass an existing YAML file"
+        ) from None
     except OSError as exc:
         raise ConfigError(field_name, f"cannot read {path}: {exc.strerror}") from None
     except YAMLInputError as exc:
@@ -333,7 +355,9 @@ def _merge_base(section: dict[str, Any], base_dir: Path, where: str) -> dict[str
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     if "=" not in item:
-        raise ConfigError("--override", f"'{item}' is not key=value; write e.g. training.micro_batch_size=2")
+        raise ConfigError(
+            "--override", f"'{item}' is not key=value; write e.g. training.micro_batch_size=2"
+        )
     key, value = item.split("=", 1)
     node: Any = raw
     parts = key.split(".")
@@ -343,18 +367,23 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         elif isinstance(node, dict):
             node = node.setdefault(part, {})
         else:
-            raise ConfigError(".".join(parts[: i + 1]), f"cannot override inside a {type(node).__name__}")
+            raise ConfigError(
+                ".".join(parts[: i + 1]), f"cannot override inside a {type(node).__name__}"
+            )
     if not isinstance(node, dict):
         raise ConfigError(key, "override must name a mapping key")
     try:
         node[parts[-1]] = parse_yaml(value)
     except YAMLInputError as exc:
-        raise ConfigError(key, f"the --override value {value[:40]!r} {exc}; write it as YAML, e.g. {key}=2") from None
+        raise ConfigError(
+            key, f"the --override value {value[:40]!r} {exc}; write it as YAML, e.g. {key}=2"
+        ) from None
 
 
 def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
-    """A ``model`` section as written out (e.g. in a checkpoint's meta.json): fields it lacks, added to
-    the schema since, take their defaults. ConfigError on keys or values this schema does not know."""
+    """A ``model`` section as written out (e.g. in a checkpoint's meta.json): fields it lacks, added
+    to the schema since, take their defaults. ConfigError on keys or values this schema does not
+    know."""
     return _build(ModelConfig, data, "model")
 
 
@@ -362,7 +391,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
     """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
     label = where or "config"
     if not isinstance(data, dict):
-        raise ConfigError(label, f"expected a mapping of {cls.__name__} fields, got {_describe(data)}")
+        raise ConfigError(
+            label, f"expected a mapping of {cls.__name__} fields, got {_describe(data)}"
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -404,21 +435,27 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(path, f"expected an integer, got {_describe(value)}")
         if abs(value) > MAX_NUMBER:
-            raise ConfigError(path, f"{_short(value)} is beyond any config value (at most {MAX_NUMBER:.0e})")
+            raise ConfigError(
+                path, f"{_short(value)} is beyond any config value (at most {MAX_NUMBER:.0e})"
+            )
         return value
     if tp is float:
         if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
-            value = float(value)  # YAML 1.1 (PyYAML) reads 1e-4 as a string; a Megatron user writes lr: 1e-4
+            # YAML 1.1 (PyYAML) reads 1e-4 as a string; a Megatron user writes lr: 1e-4
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {_describe(value)}")
         if isinstance(value, float) and not math.isfinite(value) or abs(value) > MAX_NUMBER:
-            raise ConfigError(path, f"must be a finite number of at most {MAX_NUMBER:.0e}, got {_short(value)}")
+            raise ConfigError(
+                path, f"must be a finite number of at most {MAX_NUMBER:.0e}, got {_short(value)}"
+            )
         return float(value)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {_describe(value)}")
         return value
-    raise TypeError(f"unsupported schema type {tp!r} at {path}")  # a bug in this module, not user input
+    # a bug in this module, not user input
+    raise TypeError(f"unsupported schema type {tp!r} at {path}")
 
 
 def _describe(value: Any) -> str:
@@ -427,7 +464,11 @@ def _describe(value: Any) -> str:
 
 def _short(value: Any) -> str:
     """``repr`` cut to a readable length (an integer of 5000 digits is not one)."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else f"a {len(str(abs(value)))}-digit integer"
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**30
+        else f"a {len(str(abs(value)))}-digit integer"
+    )
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -452,11 +493,18 @@ def validate(config: OptimusConfig) -> None:
     _positive(c.num_gpus, "cluster.num_gpus")
     _at_most(c.num_gpus, MAX_GPUS, "cluster.num_gpus")
     _positive(c.gpus_per_node, "cluster.gpus_per_node")
-    for name in ("gpu_memory_gib", "peak_tflops", "hbm_bandwidth_gbps", "intra_node_bandwidth_gbps",
-                 "inter_node_bandwidth_gbps"):
+    for name in (
+        "gpu_memory_gib",
+        "peak_tflops",
+        "hbm_bandwidth_gbps",
+        "intra_node_bandwidth_gbps",
+        "inter_node_bandwidth_gbps",
+    ):
         _positive(getattr(c, name), f"cluster.{name}")
     if c.num_gpus > c.gpus_per_node and c.num_gpus % c.gpus_per_node:
-        raise ConfigError("cluster.num_gpus", f"{c.num_gpus} is not a multiple of gpus_per_node={c.gpus_per_node}")
+        raise ConfigError(
+            "cluster.num_gpus", f"{c.num_gpus} is not a multiple of gpus_per_node={c.gpus_per_node}"
+        )
 
     names = [e.name for e in config.encoders]
     if len(set(names)) != len(names):
@@ -470,35 +518,56 @@ def validate(config: OptimusConfig) -> None:
     _positive(config.llm.vocab_size, "model.llm.vocab_size")
     _at_most(config.llm.vocab_size, 1 << 24, "model.llm.vocab_size")
     if config.image_tokens >= config.llm.seq_length:
-        raise ConfigError("model.llm.seq_length", f"{config.llm.seq_length} leaves no room for text after "
-                          f"{config.image_tokens} image tokens; use more than {config.image_tokens}")
+        raise ConfigError(
+            "model.llm.seq_length",
+            f"{config.llm.seq_length} leaves no room for text after "
+            f"{config.image_tokens} image tokens; use more than {config.image_tokens}",
+        )
 
     _positive(t.global_batch_size, "training.global_batch_size")
     _positive(t.micro_batch_size, "training.micro_batch_size")
-    _at_most(t.global_batch_size // t.micro_batch_size, MAX_MICROBATCHES_PER_PIPELINE * c.num_gpus,
-             "training.global_batch_size", "microbatches (global_batch_size / micro_batch_size)")
+    _at_most(
+        t.global_batch_size // t.micro_batch_size,
+        MAX_MICROBATCHES_PER_PIPELINE * c.num_gpus,
+        "training.global_batch_size",
+        "microbatches (global_batch_size / micro_batch_size)",
+    )
     _positive(t.train_iters, "training.train_iters")
     _validate_optimizer(t)
     if t.global_batch_size % t.micro_batch_size:
-        raise ConfigError("training.global_batch_size", f"{t.global_batch_size} is not divisible by "
-                          f"micro_batch_size={t.micro_batch_size}; use a multiple of {t.micro_batch_size}")
+        raise ConfigError(
+            "training.global_batch_size",
+            f"{t.global_batch_size} is not divisible by "
+            f"micro_batch_size={t.micro_batch_size}; use a multiple of {t.micro_batch_size}",
+        )
 
     _positive(config.planner.max_partitions, "planner.max_partitions")
     _positive(config.planner.max_virtual_stages, "planner.max_virtual_stages")
     cm = config.cost_model
-    for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "network_efficiency"):
+    for name in (
+        "gemm_efficiency",
+        "attention_efficiency",
+        "memory_efficiency",
+        "network_efficiency",
+    ):
         value = getattr(cm, name)
         if not 0 < value <= 1:
             raise ConfigError(f"cost_model.{name}", f"must be in (0, 1], got {value}")
     if cm.kernel_overhead_us < 0:
-        raise ConfigError("cost_model.kernel_overhead_us", f"must be >= 0, got {cm.kernel_overhead_us}")
+        raise ConfigError(
+            "cost_model.kernel_overhead_us", f"must be >= 0, got {cm.kernel_overhead_us}"
+        )
 
     if config.parallel.llm is not None:
         validate_llm_plan(config, config.parallel.llm, "parallel.llm")
     if config.parallel.encoder is not None:
         if config.parallel.llm is None:
-            raise ConfigError("parallel.encoder", "a fixed encoder plan needs a fixed parallel.llm plan too")
-        validate_encoder_plan(config, config.parallel.encoder, config.parallel.llm, "parallel.encoder")
+            raise ConfigError(
+                "parallel.encoder", "a fixed encoder plan needs a fixed parallel.llm plan too"
+            )
+        validate_encoder_plan(
+            config, config.parallel.encoder, config.parallel.llm, "parallel.encoder"
+        )
 
 
 def _validate_optimizer(t: TrainingConfig) -> None:
@@ -509,8 +578,11 @@ def _validate_optimizer(t: TrainingConfig) -> None:
         raise ConfigError("training.lr_warmup_iters", f"must be >= 0, got {t.lr_warmup_iters}")
     _positive(t.decay_iters, "training.lr_decay_iters")
     if t.lr_warmup_iters >= t.decay_iters:  # megatron-core's OptimizerParamScheduler asserts it
-        raise ConfigError("training.lr_warmup_iters", f"{t.lr_warmup_iters} must be below lr_decay_iters (or "
-                          f"train_iters) = {t.decay_iters}; use fewer warm-up iterations")
+        raise ConfigError(
+            "training.lr_warmup_iters",
+            f"{t.lr_warmup_iters} must be below lr_decay_iters (or "
+            f"train_iters) = {t.decay_iters}; use fewer warm-up iterations",
+        )
     for name in ("weight_decay", "clip_grad", "sgd_momentum"):
         if getattr(t, name) < 0:
             raise ConfigError(f"training.{name}", f"must be >= 0, got {getattr(t, name)}")
@@ -534,7 +606,9 @@ def _positive(value: float, path: str) -> None:
 def _at_most(value: int, limit: int, path: str, what: str = "") -> None:
     """Bounds that keep planning and scheduling within seconds (each far above any real job)."""
     if value > limit:
-        raise ConfigError(path, f"{what + ' ' if what else ''}{value} is above the {limit} this tool plans for")
+        raise ConfigError(
+            path, f"{what + ' ' if what else ''}{value} is above the {limit} this tool plans for"
+        )
 
 
 def _validate_spatial_merge(enc: EncoderConfig, where: str) -> None:
@@ -542,30 +616,47 @@ def _validate_spatial_merge(enc: EncoderConfig, where: str) -> None:
     _positive(merge, where)
     _at_most(merge, 64, where)
     if enc.seq_length % enc.merged_tokens:
-        raise ConfigError(where, f"{merge} merges groups of {merge}x{merge} = {enc.merged_tokens} patch tokens, "
-                          f"which do not divide seq_length={enc.seq_length}; use a spatial_merge whose square "
-                          f"divides {enc.seq_length}, or 1")
+        raise ConfigError(
+            where,
+            f"{merge} merges groups of {merge}x{merge} = {enc.merged_tokens} patch tokens, "
+            f"which do not divide seq_length={enc.seq_length}; use a spatial_merge whose square "
+            f"divides {enc.seq_length}, or 1",
+        )
 
 
 def _validate_transformer(spec: TransformerSpec, where: str) -> None:
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "seq_length",
+    ):
         _positive(getattr(spec, name), f"{where}.{name}")
         _at_most(getattr(spec, name), MAX_MODEL_SIZES[name], f"{where}.{name}")
     if spec.kv_channels is None and spec.hidden_size % spec.num_attention_heads:
-        raise ConfigError(f"{where}.num_attention_heads", f"{spec.num_attention_heads} does not divide hidden_size="
-                          f"{spec.hidden_size}; use a divisor of {spec.hidden_size} or set kv_channels")
+        raise ConfigError(
+            f"{where}.num_attention_heads",
+            f"{spec.num_attention_heads} does not divide hidden_size="
+            f"{spec.hidden_size}; use a divisor of {spec.hidden_size} or set kv_channels",
+        )
     if spec.kv_channels is not None:
         _positive(spec.kv_channels, f"{where}.kv_channels")
     if spec.num_query_groups is not None:
         _positive(spec.num_query_groups, f"{where}.num_query_groups")
         if spec.num_attention_heads % spec.num_query_groups:
-            raise ConfigError(f"{where}.num_query_groups", f"{spec.num_query_groups} does not divide "
-                              f"num_attention_heads={spec.num_attention_heads}; use one of "
-                              f"{_divisors_text(spec.num_attention_heads)}")
+            raise ConfigError(
+                f"{where}.num_query_groups",
+                f"{spec.num_query_groups} does not divide "
+                f"num_attention_heads={spec.num_attention_heads}; use one of "
+                f"{_divisors_text(spec.num_attention_heads)}",
+            )
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0 <= getattr(spec, name) < 1:
-            raise ConfigError(f"{where}.{name}", f"must be a probability in [0, 1), got {getattr(spec, name)}; "
-                              "0 turns dropout off")
+            raise ConfigError(
+                f"{where}.{name}",
+                f"must be a probability in [0, 1), got {getattr(spec, name)}; 0 turns dropout off",
+            )
 
 
 def tp_divisibility_problem(spec: TransformerSpec, tp: int) -> str | None:
@@ -579,21 +670,40 @@ def tp_divisibility_problem(spec: TransformerSpec, tp: int) -> str | None:
     return None
 
 
-def encoder_tp_problem(enc: EncoderConfig, llm_hidden_size: int, sequence_parallel: bool, tp: int) -> str | None:
+def encoder_tp_problem(
+    enc: EncoderConfig, llm_hidden_size: int, sequence_parallel: bool, tp: int
+) -> str | None:
     """Why tensor parallel size ``tp`` cannot split encoder ``enc`` and its projector as the runtime
-    shards them, or None if it can: its layers; the projector's TP-split width (the LLM's hidden size for
-    ``mlp``, the encoder's for ``linear``); its tokens under sequence parallelism."""
+    shards them, or None if it can: its layers; the projector's TP-split width (the LLM's hidden
+    size for ``mlp``, the encoder's for ``linear``); its tokens under sequence parallelism."""
     problem = tp_divisibility_problem(enc, tp)
     if problem is None and enc.projector.type == "mlp" and llm_hidden_size % tp:
-        problem = f"projector.type=mlp splits model.llm.hidden_size={llm_hidden_size}, not divisible by tp={tp}"
+        problem = (
+            f"projector.type=mlp splits model.llm.hidden_size={llm_hidden_size}, not divisible by "
+            f"tp={tp}"
+        )
     if problem is None and enc.projector.type == "linear" and enc.hidden_size % tp:
-        problem = f"hidden_size={enc.hidden_size} (split by its linear projector) is not divisible by tp={tp}"
+        problem = (
+            f"hidden_size={enc.hidden_size} (split by its linear projector) is not divisible by "
+            f"tp={tp}"
+        )
     if problem is None and sequence_parallel and tp > 1 and enc.seq_length % tp:
-        problem = f"seq_length={enc.seq_length} is not divisible by tp={tp} (training.sequence_parallel splits it)"
-    if problem is None and sequence_parallel and tp > 1 and (enc.seq_length // tp) % enc.merged_tokens:
-        problem = (f"seq_length={enc.seq_length} split by tp={tp} (training.sequence_parallel) leaves "
-                   f"{enc.seq_length // tp} tokens per rank, not whole groups of projector.spatial_merge**2="
-                   f"{enc.merged_tokens}")
+        problem = (
+            f"seq_length={enc.seq_length} is not divisible by tp={tp} (training.sequence_parallel "
+            "splits it)"
+        )
+    if (
+        problem is None
+        and sequence_parallel
+        and tp > 1
+        and (enc.seq_length // tp) % enc.merged_tokens
+    ):
+        problem = (
+            f"seq_length={enc.seq_length} split by tp={tp} (training.sequence_parallel) leaves "
+            f"{enc.seq_length // tp} tokens per rank, not whole groups of "
+            "projector.spatial_merge**2="
+            f"{enc.merged_tokens}"
+        )
     return problem
 
 
@@ -605,51 +715,80 @@ def validate_llm_plan(config: OptimusConfig, plan: LLMPlanConfig, where: str) ->
         _positive(getattr(plan, name), f"{where}.{name}")
     _positive(vp, f"{where}.vp")
     if plan.dp * plan.pp * plan.tp != n:
-        raise ConfigError(where, f"dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.dp * plan.pp * plan.tp} "
-                          f"must equal cluster.num_gpus={n}")
+        raise ConfigError(
+            where,
+            f"dp*pp*tp = {plan.dp}*{plan.pp}*{plan.tp} = {plan.dp * plan.pp * plan.tp} "
+            f"must equal cluster.num_gpus={n}",
+        )
     problem = tp_divisibility_problem(llm, plan.tp)
     if problem:
         ok = [d for d in divisors(n) if tp_divisibility_problem(llm, d) is None]
         raise ConfigError(f"{where}.tp", f"model.llm.{problem}; use tp in {_join_ints(ok)}")
     if llm.num_layers % (plan.pp * vp):
-        raise ConfigError(f"{where}.pp", f"pp*vp = {plan.pp}*{vp} does not divide model.llm.num_layers="
-                          f"{llm.num_layers}; use pp*vp in {_divisors_text(llm.num_layers)}")
+        raise ConfigError(
+            f"{where}.pp",
+            f"pp*vp = {plan.pp}*{vp} does not divide model.llm.num_layers="
+            f"{llm.num_layers}; use pp*vp in {_divisors_text(llm.num_layers)}",
+        )
     if t.sequence_parallel and plan.tp > 1 and llm.seq_length % plan.tp:
-        raise ConfigError(f"{where}.tp", f"sequence parallel needs model.llm.seq_length={llm.seq_length} "
-                          f"divisible by tp={plan.tp}")
+        raise ConfigError(
+            f"{where}.tp",
+            f"sequence parallel needs model.llm.seq_length={llm.seq_length} "
+            f"divisible by tp={plan.tp}",
+        )
     per_replica = t.global_batch_size // t.micro_batch_size
     if per_replica % plan.dp:
-        raise ConfigError("training.global_batch_size", f"{t.global_batch_size} is not divisible into "
-                          f"micro_batch_size*dp = {t.micro_batch_size}*{plan.dp}; use a multiple of "
-                          f"{t.micro_batch_size * plan.dp}")
+        raise ConfigError(
+            "training.global_batch_size",
+            f"{t.global_batch_size} is not divisible into "
+            f"micro_batch_size*dp = {t.micro_batch_size}*{plan.dp}; use a multiple of "
+            f"{t.micro_batch_size * plan.dp}",
+        )
     num_microbatches = per_replica // plan.dp
     if num_microbatches > MAX_MICROBATCHES_PER_PIPELINE:
-        raise ConfigError("training.global_batch_size", f"{t.global_batch_size} makes {num_microbatches} "
-                          f"microbatches per pipeline under dp={plan.dp}; the scheduler takes at most "
-                          f"{MAX_MICROBATCHES_PER_PIPELINE}: use a larger micro_batch_size or dp")
+        raise ConfigError(
+            "training.global_batch_size",
+            f"{t.global_batch_size} makes {num_microbatches} "
+            f"microbatches per pipeline under dp={plan.dp}; the scheduler takes at most "
+            f"{MAX_MICROBATCHES_PER_PIPELINE}: use a larger micro_batch_size or dp",
+        )
     if vp > 1 and num_microbatches % plan.pp:
-        raise ConfigError(f"{where}.vp", f"the interleaved schedule needs the {num_microbatches} microbatches per "
-                          f"pipeline to be a multiple of pp={plan.pp}; use vp: 1 or change global_batch_size")
+        raise ConfigError(
+            f"{where}.vp",
+            f"the interleaved schedule needs the {num_microbatches} microbatches per "
+            f"pipeline to be a multiple of pp={plan.pp}; use vp: 1 or change global_batch_size",
+        )
 
 
-def validate_encoder_plan(config: OptimusConfig, plan: EncoderPlanConfig, llm_plan: LLMPlanConfig,
-                          where: str) -> None:
+def validate_encoder_plan(
+    config: OptimusConfig, plan: EncoderPlanConfig, llm_plan: LLMPlanConfig, where: str
+) -> None:
     """Check a fixed encoder plan: PP_enc | PP_llm and TP_enc | TP_llm (paper §4.1)."""
     _positive(plan.pp, f"{where}.pp")
     _positive(plan.tp, f"{where}.tp")
     if llm_plan.pp % plan.pp:
-        raise ConfigError(f"{where}.pp", f"{plan.pp} does not divide the LLM's pp={llm_plan.pp}; use one of "
-                          f"{_divisors_text(llm_plan.pp)}")
+        raise ConfigError(
+            f"{where}.pp",
+            f"{plan.pp} does not divide the LLM's pp={llm_plan.pp}; use one of "
+            f"{_divisors_text(llm_plan.pp)}",
+        )
     if llm_plan.tp % plan.tp:
-        raise ConfigError(f"{where}.tp", f"{plan.tp} does not divide the LLM's tp={llm_plan.tp}; use one of "
-                          f"{_divisors_text(llm_plan.tp)}")
+        raise ConfigError(
+            f"{where}.tp",
+            f"{plan.tp} does not divide the LLM's tp={llm_plan.tp}; use one of "
+            f"{_divisors_text(llm_plan.tp)}",
+        )
     for i, enc in enumerate(config.encoders):
-        problem = encoder_tp_problem(enc, config.llm.hidden_size, config.training.sequence_parallel, plan.tp)
+        problem = encoder_tp_problem(
+            enc, config.llm.hidden_size, config.training.sequence_parallel, plan.tp
+        )
         if problem:
             raise ConfigError(f"{where}.tp", f"model.encoders[{i}].{problem}")
         if enc.num_layers < plan.pp:
-            raise ConfigError(f"{where}.pp", f"model.encoders[{i}] has {enc.num_layers} layers, fewer than "
-                              f"pp={plan.pp} stages")
+            raise ConfigError(
+                f"{where}.pp",
+                f"model.encoders[{i}] has {enc.num_layers} layers, fewer than pp={plan.pp} stages",
+            )
 
 
 def divisors(n: int) -> list[int]:
@@ -665,4 +804,3 @@ def _divisors_text(n: int) -> str:
     if len(divs) > 12:
         return f"the divisors of {n}"
     return _join_ints(divs)
-

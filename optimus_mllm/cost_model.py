@@ -26,9 +26,10 @@ Collective = Literal["all_gather", "reduce_scatter", "all_reduce", "p2p"]
 
 PROFILE_FORMAT = "optimus-kernel-profile"
 PROFILE_VERSION = 2
-# The kernels the runtime runs, so the ones a profile must have timed: megatron-core's local layers with
-# torch's scaled_dot_product_attention as the core attention (runtime/llm.py) and the encoder's own steps,
-# SDPA too (runtime/layer_ops.py). transformer-engine and flash-attn layers are not run yet.
+# The kernels the runtime runs, so the ones a profile must have timed: megatron-core's local layers
+# with torch's scaled_dot_product_attention as the core attention (runtime/llm.py) and the encoder's
+# own steps, SDPA too (runtime/layer_ops.py). transformer-engine and flash-attn layers are not run
+# yet.
 KERNEL_SET = "torch-sdpa"
 
 
@@ -107,14 +108,19 @@ def _half_backward(half: list[KernelWork], recompute: str) -> list[KernelWork]:
     compute = [k for k in body if not k.is_comm]
     out: list[KernelWork] = []
     if any(k.collective == "reduce_scatter" for k in comm):
-        out.append(_adjoint(next(k for k in comm if k.collective == "reduce_scatter"), "all_gather"))
+        out.append(
+            _adjoint(next(k for k in comm if k.collective == "reduce_scatter"), "all_gather")
+        )
     for k in reversed(compute):
-        if k.kind == "attention" and recompute == "selective":  # Korthikanti: recompute the core only
+        # Korthikanti: recompute the core only
+        if k.kind == "attention" and recompute == "selective":
             out.append(_renamed(k, "recompute_attn_core", "bwd"))
         scale = 2 if k.kind in ("gemm", "attention") else 1  # dgrad + wgrad
         out.append(KernelWork(k.name, "bwd", k.kind, scale * k.flops, 2 * k.bytes))
     if any(k.collective == "all_gather" for k in comm):
-        out.append(_adjoint(next(k for k in comm if k.collective == "all_gather"), "reduce_scatter"))
+        out.append(
+            _adjoint(next(k for k in comm if k.collective == "all_gather"), "reduce_scatter")
+        )
     elif any(k.collective == "all_reduce" for k in comm):
         out.append(_adjoint(next(k for k in comm if k.collective == "all_reduce"), "all_reduce"))
     out.append(KernelWork(norm.name, "bwd", norm.kind, norm.flops, 2 * norm.bytes))
@@ -126,8 +132,11 @@ def _renamed(k: KernelWork, name: str, phase: Phase) -> KernelWork:
 
 
 def _adjoint(k: KernelWork, collective: Collective) -> KernelWork:
-    name = {"all_gather": k.name.replace("_rs_", "_ag_"), "reduce_scatter": k.name.replace("_ag_", "_rs_"),
-            "all_reduce": k.name}[collective]
+    name = {
+        "all_gather": k.name.replace("_rs_", "_ag_"),
+        "reduce_scatter": k.name.replace("_ag_", "_rs_"),
+        "all_reduce": k.name,
+    }[collective]
     return KernelWork(name, "bwd", "comm", 0.0, k.bytes, collective, k.group_size)
 
 
@@ -142,7 +151,9 @@ def _forward_kernels(shape: LayerShape) -> list[KernelWork]:
     act = n * h * b  # one full activation tensor
 
     def gemm(name: str, k_in: int, k_out: int) -> KernelWork:
-        return KernelWork(name, "fwd", "gemm", 2.0 * n * k_in * k_out, (n * k_in + k_in * k_out + n * k_out) * b)
+        return KernelWork(
+            name, "fwd", "gemm", 2.0 * n * k_in * k_out, (n * k_in + k_in * k_out + n * k_out) * b
+        )
 
     def norm(name: str) -> KernelWork:
         return KernelWork(name, "fwd", "memory", 8.0 * local_tokens * h, 2 * local_tokens * h * b)
@@ -152,7 +163,9 @@ def _forward_kernels(shape: LayerShape) -> list[KernelWork]:
 
     heads = s.num_attention_heads // t
     attn_core = KernelWork(
-        "attn_core", "fwd", "attention",
+        "attn_core",
+        "fwd",
+        "attention",
         4.0 * shape.micro_batch_size * heads * s.seq_length**2 * d,  # QK^T and PV
         (n * (q_width + 2 * kv_width) + n * q_width) * b,  # flash-style: no s^2 tensor in HBM
     )
@@ -161,7 +174,9 @@ def _forward_kernels(shape: LayerShape) -> list[KernelWork]:
         kernels.append(tp_comm("tp_ag_attn", "all_gather"))
     kernels += [gemm("qkv", h, q_width + 2 * kv_width), attn_core, gemm("attn_proj", q_width, h)]
     if t > 1:
-        kernels.append(tp_comm("tp_rs_attn", "reduce_scatter") if sp else tp_comm("tp_ar_attn", "all_reduce"))
+        kernels.append(
+            tp_comm("tp_rs_attn", "reduce_scatter") if sp else tp_comm("tp_ar_attn", "all_reduce")
+        )
     kernels.append(norm("ln_mlp"))
     if t > 1 and sp:
         kernels.append(tp_comm("tp_ag_mlp", "all_gather"))
@@ -171,7 +186,9 @@ def _forward_kernels(shape: LayerShape) -> list[KernelWork]:
         gemm("fc2", ffn, h),
     ]
     if t > 1:
-        kernels.append(tp_comm("tp_rs_mlp", "reduce_scatter") if sp else tp_comm("tp_ar_mlp", "all_reduce"))
+        kernels.append(
+            tp_comm("tp_rs_mlp", "reduce_scatter") if sp else tp_comm("tp_ar_mlp", "all_reduce")
+        )
     return kernels
 
 
@@ -188,13 +205,22 @@ def collective_bytes_on_wire(collective: Collective, tensor_bytes: float, group_
 def group_bandwidth_gbps(cluster: ClusterConfig, group_size: int, rank_stride: int) -> float:
     """NVLink when the group's ranks (``rank_stride`` apart) fit in one node, else the network."""
     span = (group_size - 1) * rank_stride + 1
-    return cluster.intra_node_bandwidth_gbps if span <= cluster.gpus_per_node else cluster.inter_node_bandwidth_gbps
+    return (
+        cluster.intra_node_bandwidth_gbps
+        if span <= cluster.gpus_per_node
+        else cluster.inter_node_bandwidth_gbps
+    )
 
 
 class CostModel:
     """Turns kernel work into microseconds: measured profile first, roofline otherwise."""
 
-    def __init__(self, cluster: ClusterConfig, params: CostModelConfig, profile: dict[tuple, float] | None = None):
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        params: CostModelConfig,
+        profile: dict[tuple, float] | None = None,
+    ):
         self.cluster = cluster
         self.params = params
         self.profile = profile or {}
@@ -215,7 +241,9 @@ class CostModel:
         mem_time = work.bytes / (self.cluster.hbm_bandwidth_gbps * 1e9 * p.memory_efficiency)
         return max(flop_time, mem_time) * 1e6 + p.kernel_overhead_us
 
-    def comm_us(self, work: KernelWork, bandwidth_gbps: float, module: str = "", tp: int = 0) -> float:
+    def comm_us(
+        self, work: KernelWork, bandwidth_gbps: float, module: str = "", tp: int = 0
+    ) -> float:
         measured = self.profile.get((module, work.name, work.phase, tp))
         if measured is not None:
             return measured
@@ -223,9 +251,14 @@ class CostModel:
         wire = collective_bytes_on_wire(work.collective, work.bytes, work.group_size)
         if wire == 0:
             return 0.0
-        return wire / (bandwidth_gbps * 1e9 * self.params.network_efficiency) * 1e6 + self.params.kernel_overhead_us
+        return (
+            wire / (bandwidth_gbps * 1e9 * self.params.network_efficiency) * 1e6
+            + self.params.kernel_overhead_us
+        )
 
-    def layer(self, shape: LayerShape, phase: Phase, module: str, tp_bandwidth_gbps: float) -> list[Kernel]:
+    def layer(
+        self, shape: LayerShape, phase: Phase, module: str, tp_bandwidth_gbps: float
+    ) -> list[Kernel]:
         """Costed kernels of one layer's forward or backward on one TP rank."""
         kernels = []
         for work in layer_kernels(shape, phase):
@@ -237,11 +270,13 @@ class CostModel:
         return kernels
 
 
-def p2p_work(name: str, phase: Phase, spec: TransformerSpec, micro_batch_size: int, tp: int,
-             dtype_bytes: int) -> KernelWork:
+def p2p_work(
+    name: str, phase: Phase, spec: TransformerSpec, micro_batch_size: int, tp: int, dtype_bytes: int
+) -> KernelWork:
     """A pipeline send/receive of one microbatch's hidden states between adjacent stages.
 
-    Megatron's scatter/gather optimisation (and sequence parallelism) sends 1/tp of the tensor per rank.
+    Megatron's scatter/gather optimisation (and sequence parallelism) sends 1/tp of the tensor per
+    rank.
     """
     tensor = spec.seq_length * micro_batch_size * spec.hidden_size * dtype_bytes / tp
     return KernelWork(name, phase, "comm", 0.0, tensor, "p2p", 2)
@@ -249,18 +284,22 @@ def p2p_work(name: str, phase: Phase, spec: TransformerSpec, micro_batch_size: i
 
 def dp_param_all_gather_work(params_per_rank: int, dp: int, param_bytes: int) -> KernelWork:
     """Distributed optimizer: gather the updated (bf16) parameter shards at the start of a step."""
-    return KernelWork("dp_all_gather", "fwd", "comm", 0.0, params_per_rank * param_bytes, "all_gather", dp)
+    return KernelWork(
+        "dp_all_gather", "fwd", "comm", 0.0, params_per_rank * param_bytes, "all_gather", dp
+    )
 
 
 def dp_grad_reduce_scatter_work(params_per_rank: int, dp: int, grad_bytes: int) -> KernelWork:
     """Distributed optimizer: reduce-scatter the (fp32) gradients at the end of a step."""
-    return KernelWork("dp_reduce_scatter", "bwd", "comm", 0.0, params_per_rank * grad_bytes, "reduce_scatter", dp)
+    return KernelWork(
+        "dp_reduce_scatter", "bwd", "comm", 0.0, params_per_rank * grad_bytes, "reduce_scatter", dp
+    )
 
 
 @dataclass(frozen=True)
 class MeasuredKernel:
-    """One entry of a profile file, with the shape (the cost model's FLOPs and bytes) it was timed at,
-    where the file records it."""
+    """One entry of a profile file, with the shape (the cost model's FLOPs and bytes) it was timed
+    at, where the file records it."""
 
     key: tuple[str, str, str, int]  # (module, kernel, phase, tp)
     time_us: float
@@ -270,17 +309,25 @@ class MeasuredKernel:
 
 def read_profile(path: str | Path, what: str = "cost_model.profile:") -> list[MeasuredKernel]:
     """Every entry of a kernel profile file; ``what`` starts the error messages."""
-    data = read_versioned_json(path, what, PROFILE_FORMAT, PROFILE_VERSION, "run optimus-profile to create it")
+    data = read_versioned_json(
+        path, what, PROFILE_FORMAT, PROFILE_VERSION, "run optimus-profile to create it"
+    )
     if data.get("kernel_set") != KERNEL_SET:
-        raise OptimusError(f"{what} {path} timed the kernel set {str(data.get('kernel_set'))[:40]!r}, but the "
-                           f"runtime runs {KERNEL_SET!r}; re-run optimus-profile with this release")
+        raise OptimusError(
+            f"{what} {path} timed the kernel set {str(data.get('kernel_set'))[:40]!r}, but the "
+            f"runtime runs {KERNEL_SET!r}; re-run optimus-profile with this release"
+        )
     measured = []
     for i, entry in enumerate(data.get("kernels", [])):
         try:
             key = (entry["module"], entry["kernel"], entry["phase"], int(entry["tp"]))
-            measured.append(MeasuredKernel(key, float(entry["time_us"]), entry.get("flops"), entry.get("bytes")))
+            measured.append(
+                MeasuredKernel(key, float(entry["time_us"]), entry.get("flops"), entry.get("bytes"))
+            )
         except (KeyError, TypeError, ValueError):
-            raise OptimusError(f"{what} kernels[{i}] in {path} needs module, kernel, phase, tp and time_us") from None
+            raise OptimusError(
+                f"{what} kernels[{i}] in {path} needs module, kernel, phase, tp and time_us"
+            ) from None
     return measured
 
 

@@ -18,4 +18,5 @@ class ConfigError(OptimusError):
 
 
 class AgreedError(OptimusError):
-    """An OptimusError every rank raises with the same message, after agreeing on it (rank 0 reports it)."""
+    """An OptimusError every rank raises with the same message, after agreeing on it (rank 0 reports
+    it)."""

@@ -12,8 +12,8 @@ from optimus_mllm.errors import OptimusError
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write to a temporary file in the same directory, then rename over ``path``; synced, so that the
-    file is whole on disk once this returns, with the mode a plain ``open`` would give it."""
+    """Write to a temporary file in the same directory, then rename over ``path``; synced, so that
+    the file is whole on disk once this returns, with the mode a plain ``open`` would give it."""
     path = Path(path)
     if not path.parent.is_dir():
         raise OptimusError(f"{path}: directory {path.parent} does not exist; create it first")
@@ -58,8 +58,11 @@ def fsync_tree(path: str | Path) -> None:
         fsync_dir(folder)
 
 
-def read_versioned_json(path: str | Path, what: str, file_format: str, version: int, remedy: str) -> dict[str, Any]:
-    """Read a JSON file of ``file_format`` at ``version``; ``remedy`` says how to make a good one."""
+def read_versioned_json(
+    path: str | Path, what: str, file_format: str, version: int, remedy: str
+) -> dict[str, Any]:
+    """Read a JSON file of ``file_format`` at ``version``; ``remedy`` says how to make a good
+    one."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -71,12 +74,18 @@ def read_versioned_json(path: str | Path, what: str, file_format: str, version: 
     except UnicodeDecodeError:
         raise OptimusError(f"{what} {path} is not a text file (not UTF-8); {remedy}") from None
     except json.JSONDecodeError as exc:
-        raise OptimusError(f"{what} {path} is not valid JSON (line {exc.lineno}); {remedy}") from None
+        raise OptimusError(
+            f"{what} {path} is not valid JSON (line {exc.lineno}); {remedy}"
+        ) from None
     except RecursionError:  # the parser takes a Python frame per nested bracket
-        raise OptimusError(f"{what} {path} is not valid JSON (nested too deeply); {remedy}") from None
+        raise OptimusError(
+            f"{what} {path} is not valid JSON (nested too deeply); {remedy}"
+        ) from None
     if not isinstance(data, dict) or data.get("format") != file_format:
         raise OptimusError(f"{what} {path} is not an {file_format} file")
     if data.get("version") != version:
-        raise OptimusError(f"{what} {path} has version {data.get('version')}, this release reads version "
-                           f"{version}; {remedy}")
+        raise OptimusError(
+            f"{what} {path} has version {data.get('version')}, this release reads version "
+            f"{version}; {remedy}"
+        )
     return data

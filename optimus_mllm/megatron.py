@@ -31,22 +31,43 @@ from optimus_mllm.scheduler.artifact import load_job_artifact
 def add_optimus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider``: the one flag Optimus needs."""
     group = parser.add_argument_group(title="optimus")
-    group.add_argument("--optimus-schedule", metavar="PLAN_JSON", default=None,
-                       help="run the encoders with this Optimus schedule (optimus-plan --artifact); "
-                            "left out, the job runs Megatron-style")
+    group.add_argument(
+        "--optimus-schedule",
+        metavar="PLAN_JSON",
+        default=None,
+        help="run the encoders with this Optimus schedule (optimus-plan --artifact); "
+        "left out, the job runs Megatron-style",
+    )
     return parser
 
 
 # Megatron-LM's optimizer flags that the training config takes under the same names
-_OPTIMIZER_ARGS = ("optimizer", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay",
-                   "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad", "loss_scale",
-                   "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+_OPTIMIZER_ARGS = (
+    "optimizer",
+    "lr",
+    "min_lr",
+    "lr_decay_style",
+    "lr_warmup_iters",
+    "lr_decay_iters",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "sgd_momentum",
+    "clip_grad",
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
+)
 
 
 @dataclass(frozen=True)
 class RefusedFlag:
-    """A Megatron-LM flag that changes the model in a way the Optimus runtime does not build: a value
-    outside ``accepted`` (by default Megatron-LM's default alone) is refused, naming the flag and the fix."""
+    """A Megatron-LM flag that changes the model in a way the Optimus runtime does not build: a
+    value outside ``accepted`` (by default Megatron-LM's default alone) is refused, naming the flag
+    and the fix."""
 
     flag: str
     dest: str
@@ -58,19 +79,23 @@ class RefusedFlag:
         return value in (self.accepted if self.accepted is not None else (self.default,))
 
 
-# Every Megatron-LM flag that shapes the model, and what the config makes of it. The vision model is a
-# copy of the language model's TransformerConfig with --encoder-num-layers layers, as Megatron-LM's
-# pretrain_vlm.py builds it, so the LLM's shape flags shape the ViT too.
+# Every Megatron-LM flag that shapes the model, and what the config makes of it. The vision model is
+# a copy of the language model's TransformerConfig with --encoder-num-layers layers, as
+# Megatron-LM's pretrain_vlm.py builds it, so the LLM's shape flags shape the ViT too.
 HONOURED_FLAGS = {
     "--num-layers": "model.llm.num_layers",
     "--hidden-size": "model.llm.hidden_size and the ViT's",
-    "--ffn-hidden-size": "model.llm.ffn_hidden_size and the ViT's (Megatron-LM's default: 4 * hidden, "
-                         "with --swiglu int(8 * hidden / 3 / 64) * 64)",
+    "--ffn-hidden-size": (
+        "model.llm.ffn_hidden_size and the ViT's (Megatron-LM's default: 4 * hidden, "
+        "with --swiglu int(8 * hidden / 3 / 64) * 64)"
+    ),
     "--num-attention-heads": "model.llm.num_attention_heads and the ViT's",
     "--kv-channels": "kv_channels of both",
     "--group-query-attention": "num_query_groups of both (with --num-query-groups)",
     "--num-query-groups": "num_query_groups of both (with --group-query-attention)",
-    "--swiglu": "gated_linear_unit: true and activation: silu, both (the projector stays a GELU MLP)",
+    "--swiglu": (
+        "gated_linear_unit: true and activation: silu, both (the projector stays a GELU MLP)"
+    ),
     "--normalization": "normalization of both (LayerNorm, RMSNorm)",
     "--disable-bias-linear": "add_bias_linear: false, both",
     "--add-qkv-bias": "no change while linear layers have biases (they include QKV's)",
@@ -79,65 +104,134 @@ HONOURED_FLAGS = {
     "--hidden-dropout": "hidden_dropout of both",
     "--attention-dropout": "attention_dropout of both",
     "--vocab-size": "model.llm.vocab_size",
-    "--seq-length": "the text tokens; model.llm.seq_length adds the image tokens, as pretrain_vlm.py does",
+    "--seq-length": (
+        "the text tokens; model.llm.seq_length adds the image tokens, as pretrain_vlm.py does"
+    ),
     "--dataloader-seq-length": "the text tokens when given (else --seq-length)",
     "--encoder-num-layers": "the ViT's num_layers",
     "--img-h": "the ViT's seq_length: (img_h / patch_dim) * (img_w / patch_dim) patch tokens",
     "--img-w": "the ViT's seq_length",
     "--patch-dim": "the ViT's patch_size",
     "--freeze-ViT": "the ViT's frozen: true (its projector still trains)",
-    "--recompute-granularity": "training.recompute (full: every layer, uniform, 1 layer per checkpoint)",
+    "--recompute-granularity": (
+        "training.recompute (full: every layer, uniform, 1 layer per checkpoint)"
+    ),
 }
 
 REFUSED_FLAGS = (
-    RefusedFlag("--position-embedding-type", "position_embedding_type", "learned_absolute",
-                "is not one the runtime builds; use learned_absolute, rope or none",
-                ("learned_absolute", "rope", "none")),
-    RefusedFlag("--rotary-percent", "rotary_percent", 1.0, "partial rotary embeddings are not built; use 1.0"),
+    RefusedFlag(
+        "--position-embedding-type",
+        "position_embedding_type",
+        "learned_absolute",
+        "is not one the runtime builds; use learned_absolute, rope or none",
+        ("learned_absolute", "rope", "none"),
+    ),
+    RefusedFlag(
+        "--rotary-percent",
+        "rotary_percent",
+        1.0,
+        "partial rotary embeddings are not built; use 1.0",
+    ),
     RefusedFlag("--rotary-base", "rotary_base", 10000, "the runtime's rotary base is 10000"),
-    RefusedFlag("--use-rope-scaling", "use_rope_scaling", False, "RoPE scaling is not built; leave it out"),
+    RefusedFlag(
+        "--use-rope-scaling", "use_rope_scaling", False, "RoPE scaling is not built; leave it out"
+    ),
     RefusedFlag("--norm-epsilon", "norm_epsilon", 1e-5, "the runtime's norms use 1e-5"),
-    RefusedFlag("--apply-layernorm-1p", "apply_layernorm_1p", False, "zero-centred norms are not built; "
-                "leave it out"),
+    RefusedFlag(
+        "--apply-layernorm-1p",
+        "apply_layernorm_1p",
+        False,
+        "zero-centred norms are not built; leave it out",
+    ),
     RefusedFlag("--qk-layernorm", "qk_layernorm", False, "QK layernorm is not built; leave it out"),
     RefusedFlag("--squared-relu", "squared_relu", False, "the MLP is GELU or SwiGLU (--swiglu)"),
     RefusedFlag("--openai-gelu", "openai_gelu", False, "the MLP is GELU or SwiGLU (--swiglu)"),
     RefusedFlag("--quick-geglu", "quick_geglu", False, "the MLP is GELU or SwiGLU (--swiglu)"),
-    RefusedFlag("--num-experts", "num_experts", None, "mixture-of-experts layers are not built; leave it out"),
-    RefusedFlag("--multi-latent-attention", "multi_latent_attention", False, "multi-latent attention is not built"),
-    RefusedFlag("--init-method-std", "init_method_std", 0.02,
-                "weights are drawn plan-independently with std 0.02 (optimus_mllm/runtime/weights.py)"),
-    RefusedFlag("--apply-query-key-layer-scaling", "apply_query_key_layer_scaling", False,
-                "attention scores are scaled by 1/sqrt(head dim) only"),
-    RefusedFlag("--transformer-impl", "transformer_impl", "transformer_engine",
-                "the runtime runs megatron-core's local layer spec; pass --transformer-impl local", ("local",)),
-    RefusedFlag("--context-parallel-size", "context_parallel_size", 1, "context parallelism is not planned"),
-    RefusedFlag("--expert-model-parallel-size", "expert_model_parallel_size", 1, "there are no experts"),
-    RefusedFlag("--decoder-num-layers", "decoder_num_layers", None, "give the LLM's depth as --num-layers"),
+    RefusedFlag(
+        "--num-experts",
+        "num_experts",
+        None,
+        "mixture-of-experts layers are not built; leave it out",
+    ),
+    RefusedFlag(
+        "--multi-latent-attention",
+        "multi_latent_attention",
+        False,
+        "multi-latent attention is not built",
+    ),
+    RefusedFlag(
+        "--init-method-std",
+        "init_method_std",
+        0.02,
+        "weights are drawn plan-independently with std 0.02 (optimus_mllm/runtime/weights.py)",
+    ),
+    RefusedFlag(
+        "--apply-query-key-layer-scaling",
+        "apply_query_key_layer_scaling",
+        False,
+        "attention scores are scaled by 1/sqrt(head dim) only",
+    ),
+    RefusedFlag(
+        "--transformer-impl",
+        "transformer_impl",
+        "transformer_engine",
+        "the runtime runs megatron-core's local layer spec; pass --transformer-impl local",
+        ("local",),
+    ),
+    RefusedFlag(
+        "--context-parallel-size", "context_parallel_size", 1, "context parallelism is not planned"
+    ),
+    RefusedFlag(
+        "--expert-model-parallel-size", "expert_model_parallel_size", 1, "there are no experts"
+    ),
+    RefusedFlag(
+        "--decoder-num-layers", "decoder_num_layers", None, "give the LLM's depth as --num-layers"
+    ),
     RefusedFlag("--freeze-LM", "freeze_LM", False, "a frozen LLM is not planned; leave it out"),
-    RefusedFlag("--disable-vision-class-token", "disable_vision_class_token", False,
-                "the Optimus ViT has no class token, so its image tokens are the patch tokens alone; add "
-                "--disable-vision-class-token", (True,)),
-    RefusedFlag("--recompute-method", "recompute_method", None,
-                "full recompute is uniform, one layer per checkpoint", (None, "uniform")),
-    RefusedFlag("--recompute-num-layers", "recompute_num_layers", None,
-                "full recompute checkpoints one layer at a time", (None, 1)),
+    RefusedFlag(
+        "--disable-vision-class-token",
+        "disable_vision_class_token",
+        False,
+        "the Optimus ViT has no class token, so its image tokens are the patch tokens alone; add "
+        "--disable-vision-class-token",
+        (True,),
+    ),
+    RefusedFlag(
+        "--recompute-method",
+        "recompute_method",
+        None,
+        "full recompute is uniform, one layer per checkpoint",
+        (None, "uniform"),
+    ),
+    RefusedFlag(
+        "--recompute-num-layers",
+        "recompute_num_layers",
+        None,
+        "full recompute checkpoints one layer at a time",
+        (None, 1),
+    ),
     RefusedFlag("--fp8-format", "fp8", None, "fp8 training is not built; use --bf16 or --fp16"),
-    RefusedFlag("--num-channels", "num_channels", 3, "megatron-core's CLIPViTModel takes 3-channel images"),
+    RefusedFlag(
+        "--num-channels", "num_channels", 3, "megatron-core's CLIPViTModel takes 3-channel images"
+    ),
 )
 
 
-def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_per_node: int = 8) -> OptimusConfig:
-    """The Optimus config of a job described by Megatron-LM's arguments (a ``parse_args`` namespace).
+def config_from_megatron_args(
+    args: argparse.Namespace, world_size: int, gpus_per_node: int = 8
+) -> OptimusConfig:
+    """The Optimus config of a job described by Megatron-LM's arguments (a ``parse_args``
+    namespace).
 
-    The model flags are read as Megatron-LM's ``pretrain_vlm.py`` reads them: the LLM from the language
-    flags, the vision model a copy of the LLM's layers with ``--encoder-num-layers`` layers, images of
-    ``--img-h`` x ``--img-w`` in ``--patch-dim`` patches, and the LLM's sequence the text tokens plus the
-    image tokens. ``HONOURED_FLAGS`` lists what each flag sets; a flag of ``REFUSED_FLAGS`` with a value
-    the runtime does not build is an ``OptimusError`` naming it. A flag the namespace lacks takes
-    Megatron-LM's default. Parallelism and training: ``tensor_model_parallel_size``,
-    ``pipeline_model_parallel_size``, ``num_layers_per_virtual_pipeline_stage``, ``micro_batch_size``,
-    ``global_batch_size``, ``train_iters``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``,
+    The model flags are read as Megatron-LM's ``pretrain_vlm.py`` reads them: the LLM from the
+    language flags, the vision model a copy of the LLM's layers with ``--encoder-num-layers``
+    layers, images of ``--img-h`` x ``--img-w`` in ``--patch-dim`` patches, and the LLM's sequence
+    the text tokens plus the image tokens. ``HONOURED_FLAGS`` lists what each flag sets; a flag of
+    ``REFUSED_FLAGS`` with a value the runtime does not build is an ``OptimusError`` naming it. A
+    flag the namespace lacks takes Megatron-LM's default. Parallelism and training:
+    ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+    ``num_layers_per_virtual_pipeline_stage``, ``micro_batch_size``, ``global_batch_size``,
+    ``train_iters``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``,
     ``use_distributed_optimizer`` and the optimizer flags of ``_OPTIMIZER_ARGS``."""
     for refused in REFUSED_FLAGS:
         value = getattr(args, refused.dest, refused.default)
@@ -149,17 +243,24 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
             raise OptimusError(f"{flag} {value}: must be a positive integer")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
-        raise OptimusError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not "
-                           f"divide the world size {world_size}; launch a multiple of {tp * pp} processes")
+        raise OptimusError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not "
+            f"divide the world size {world_size}; launch a multiple of {tp * pp} processes"
+        )
     per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if per_chunk and args.num_layers % (pp * per_chunk):
-        raise OptimusError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
-                           f"{args.num_layers / pp:g} layers of a pipeline stage (--num-layers {args.num_layers} / "
-                           f"--pipeline-model-parallel-size {pp})")
+        raise OptimusError(
+            f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
+            f"{args.num_layers / pp:g} layers of a pipeline stage (--num-layers {args.num_layers} "
+            "/ "
+            f"--pipeline-model-parallel-size {pp})"
+        )
     vp = args.num_layers // (pp * per_chunk) if per_chunk else 1
     if args.img_h % args.patch_dim or args.img_w % args.patch_dim:
-        raise OptimusError(f"--img-h {args.img_h} and --img-w {args.img_w} must be multiples of --patch-dim "
-                           f"{args.patch_dim}")
+        raise OptimusError(
+            f"--img-h {args.img_h} and --img-w {args.img_w} must be multiples of --patch-dim "
+            f"{args.patch_dim}"
+        )
     if getattr(args, "encoder_num_layers", None) is None:
         raise OptimusError("--encoder-num-layers is missing: the vision model's depth")
     image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
@@ -170,20 +271,40 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
         "cluster": {"num_gpus": world_size, "gpus_per_node": min(gpus_per_node, world_size)},
         "model": {
             # pretrain_vlm.py's vision model: CLIPViTModel with vision_model_type "clip"
-            "encoders": [{"name": "vit", **layers, "num_layers": args.encoder_num_layers, "seq_length": image_tokens,
-                          "patch_size": args.patch_dim, "in_channels": 3,
-                          "frozen": getattr(args, "freeze_ViT", False), "model_subtype": "clip"}],
-            "llm": {**layers, "num_layers": args.num_layers, "seq_length": text_tokens + image_tokens,
-                    "vocab_size": args.vocab_size, "position_embedding_type": getattr(
-                        args, "position_embedding_type", "learned_absolute"),
-                    "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights},
+            "encoders": [
+                {
+                    "name": "vit",
+                    **layers,
+                    "num_layers": args.encoder_num_layers,
+                    "seq_length": image_tokens,
+                    "patch_size": args.patch_dim,
+                    "in_channels": 3,
+                    "frozen": getattr(args, "freeze_ViT", False),
+                    "model_subtype": "clip",
+                }
+            ],
+            "llm": {
+                **layers,
+                "num_layers": args.num_layers,
+                "seq_length": text_tokens + image_tokens,
+                "vocab_size": args.vocab_size,
+                "position_embedding_type": getattr(
+                    args, "position_embedding_type", "learned_absolute"
+                ),
+                "untie_embeddings_and_output_weights": args.untie_embeddings_and_output_weights,
+            },
         },
-        "training": {"global_batch_size": args.global_batch_size, "micro_batch_size": args.micro_batch_size,
-                     "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-                     "sequence_parallel": args.sequence_parallel, "train_iters": args.train_iters,
-                     "seed": args.seed, "distributed_optimizer": args.use_distributed_optimizer,
-                     "recompute": getattr(args, "recompute_granularity", None) or "none",
-                     **{name: getattr(args, name) for name in _OPTIMIZER_ARGS}},
+        "training": {
+            "global_batch_size": args.global_batch_size,
+            "micro_batch_size": args.micro_batch_size,
+            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "sequence_parallel": args.sequence_parallel,
+            "train_iters": args.train_iters,
+            "seed": args.seed,
+            "distributed_optimizer": args.use_distributed_optimizer,
+            "recompute": getattr(args, "recompute_granularity", None) or "none",
+            **{name: getattr(args, name) for name in _OPTIMIZER_ARGS},
+        },
         "parallel": {"llm": {"dp": world_size // (tp * pp), "pp": pp, "tp": tp, "vp": vp}},
     }
     try:
@@ -197,82 +318,141 @@ def config_from_megatron_args(args: argparse.Namespace, world_size: int, gpus_pe
 
 
 # flags the arithmetic divides by, checked first
-_DIVISORS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers", "--patch-dim",
-             "--img-h", "--img-w", "--num-layers-per-virtual-pipeline-stage")
+_DIVISORS = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--num-layers",
+    "--patch-dim",
+    "--img-h",
+    "--img-w",
+    "--num-layers-per-virtual-pipeline-stage",
+)
 # config fields -> the Megatron-LM flag they come from, for errors
 _FIELD_FLAGS = {
-    "model.llm.num_layers": "--num-layers", "model.encoders.num_layers": "--encoder-num-layers",
-    **{f"model.{part}.{field}": flag for part in ("llm", "encoders") for field, flag in (
-        ("hidden_size", "--hidden-size"), ("num_attention_heads", "--num-attention-heads"),
-        ("ffn_hidden_size", "--ffn-hidden-size"), ("kv_channels", "--kv-channels"),
-        ("num_query_groups", "--num-query-groups"), ("hidden_dropout", "--hidden-dropout"),
-        ("attention_dropout", "--attention-dropout"))},
-    "model.llm.seq_length": "--seq-length / --dataloader-seq-length (text tokens) plus the image tokens",
+    "model.llm.num_layers": "--num-layers",
+    "model.encoders.num_layers": "--encoder-num-layers",
+    **{
+        f"model.{part}.{field}": flag
+        for part in ("llm", "encoders")
+        for field, flag in (
+            ("hidden_size", "--hidden-size"),
+            ("num_attention_heads", "--num-attention-heads"),
+            ("ffn_hidden_size", "--ffn-hidden-size"),
+            ("kv_channels", "--kv-channels"),
+            ("num_query_groups", "--num-query-groups"),
+            ("hidden_dropout", "--hidden-dropout"),
+            ("attention_dropout", "--attention-dropout"),
+        )
+    },
+    "model.llm.seq_length": (
+        "--seq-length / --dataloader-seq-length (text tokens) plus the image tokens"
+    ),
     "model.llm.vocab_size": "--vocab-size",
     "model.encoders.seq_length": "--img-h / --img-w / --patch-dim (the image tokens)",
-    "training.global_batch_size": "--global-batch-size", "training.micro_batch_size": "--micro-batch-size",
-    "training.train_iters": "--train-iters", "training.seed": "--seed",
+    "training.global_batch_size": "--global-batch-size",
+    "training.micro_batch_size": "--micro-batch-size",
+    "training.train_iters": "--train-iters",
+    "training.seed": "--seed",
     **{f"training.{name}": "--" + name.replace("_", "-") for name in _OPTIMIZER_ARGS},
 }
 
 
 def _layer_shape(args: argparse.Namespace) -> dict[str, Any]:
-    """The transformer layer fields the LLM and the ViT share, with Megatron-LM's derived defaults."""
+    """The transformer layer fields the LLM and the ViT share, with Megatron-LM's derived
+    defaults."""
     hidden, swiglu = args.hidden_size, getattr(args, "swiglu", False)
     ffn = getattr(args, "ffn_hidden_size", None)
     if ffn is None:
         ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
     add_bias_linear = getattr(args, "add_bias_linear", True)
     if getattr(args, "add_qkv_bias", False) and not add_bias_linear:
-        raise OptimusError("--add-qkv-bias with --disable-bias-linear: the runtime's layers have biases on every "
-                           "linear layer or on none; drop one of the two flags")
-    return {"hidden_size": hidden, "num_attention_heads": args.num_attention_heads, "ffn_hidden_size": ffn,
-            "kv_channels": getattr(args, "kv_channels", None),
-            "num_query_groups": args.num_query_groups if getattr(args, "group_query_attention", False) else None,
-            "gated_linear_unit": swiglu, "activation": "silu" if swiglu else "gelu",
-            "add_bias_linear": add_bias_linear, "normalization": getattr(args, "normalization", "LayerNorm"),
-            "hidden_dropout": getattr(args, "hidden_dropout", 0.1),
-            "attention_dropout": getattr(args, "attention_dropout", 0.1)}
+        raise OptimusError(
+            "--add-qkv-bias with --disable-bias-linear: the runtime's layers have biases on every "
+            "linear layer or on none; drop one of the two flags"
+        )
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": args.num_attention_heads,
+        "ffn_hidden_size": ffn,
+        "kv_channels": getattr(args, "kv_channels", None),
+        "num_query_groups": args.num_query_groups
+        if getattr(args, "group_query_attention", False)
+        else None,
+        "gated_linear_unit": swiglu,
+        "activation": "silu" if swiglu else "gelu",
+        "add_bias_linear": add_bias_linear,
+        "normalization": getattr(args, "normalization", "LayerNorm"),
+        "hidden_dropout": getattr(args, "hidden_dropout", 0.1),
+        "attention_dropout": getattr(args, "attention_dropout", 0.1),
+    }
 
 
 def _shown(value: Any) -> str:
-    return {True: "(set)", False: "(not set)"}.get(value, str(value)) if isinstance(value, bool) else str(value)
+    return (
+        {True: "(set)", False: "(not set)"}.get(value, str(value))
+        if isinstance(value, bool)
+        else str(value)
+    )
 
 
-def runtime_for_args(args: argparse.Namespace, config: OptimusConfig) -> tuple[str, dict[str, Any] | None]:
-    """("optimus", the checked artifact) with ``--optimus-schedule``; ("baseline", None) without it."""
+def runtime_for_args(
+    args: argparse.Namespace, config: OptimusConfig
+) -> tuple[str, dict[str, Any] | None]:
+    """("optimus", the checked artifact) with ``--optimus-schedule``; ("baseline", None) without
+    it."""
     if args.optimus_schedule is None:
         return "baseline", None
-    return "optimus", load_job_artifact(args.optimus_schedule, plan(config), config, config.cluster.num_gpus)
+    return "optimus", load_job_artifact(
+        args.optimus_schedule, plan(config), config, config.cluster.num_gpus
+    )
 
 
-def pretrain(train_valid_test_datasets_provider: Callable[[list[int]], tuple[Any, Any, Any]],
-             model_provider: Callable[..., Any], model_type: Any, forward_step_func: Callable[..., Any],
-             extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
-             argv: list[str] | None = None) -> int:
-    """Megatron-LM's ``pretrain()`` with ``--optimus-schedule``: what a script imports in its place (``train_vlm``)."""
-    return train_vlm(train_valid_test_datasets_provider, model_provider, model_type, forward_step_func,
-                     extra_args_provider, argv, optimus_flag=True)
+def pretrain(
+    train_valid_test_datasets_provider: Callable[[list[int]], tuple[Any, Any, Any]],
+    model_provider: Callable[..., Any],
+    model_type: Any,
+    forward_step_func: Callable[..., Any],
+    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+    argv: list[str] | None = None,
+) -> int:
+    """Megatron-LM's ``pretrain()`` with ``--optimus-schedule``: what a script imports in its place
+    (``train_vlm``)."""
+    return train_vlm(
+        train_valid_test_datasets_provider,
+        model_provider,
+        model_type,
+        forward_step_func,
+        extra_args_provider,
+        argv,
+        optimus_flag=True,
+    )
 
 
-def train_vlm(train_valid_test_datasets_provider: Callable[[list[int]], tuple[Any, Any, Any]],
-              model_provider: Callable[..., Any], model_type: Any, forward_step_func: Callable[..., Any],
-              extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
-              argv: list[str] | None = None, *, optimus_flag: bool) -> int:
-    """Megatron-LM's ``pretrain()`` on megatron-core, for a ViT + GPT job; with ``optimus_flag``, its
-    ``--optimus-schedule`` runs Optimus.
+def train_vlm(
+    train_valid_test_datasets_provider: Callable[[list[int]], tuple[Any, Any, Any]],
+    model_provider: Callable[..., Any],
+    model_type: Any,
+    forward_step_func: Callable[..., Any],
+    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+    argv: list[str] | None = None,
+    *,
+    optimus_flag: bool,
+) -> int:
+    """Megatron-LM's ``pretrain()`` on megatron-core, for a ViT + GPT job; with ``optimus_flag``,
+    its ``--optimus-schedule`` runs Optimus.
 
     It takes the four things a Megatron-LM script passes: a datasets provider (its train dataset is
     read in Megatron-LM's pretraining-sampler order), a ``model_provider(pre_process, post_process,
     vp_stage)`` building megatron-core's LLaVA layout (``runtime.user_model``), the model type
     (``ModelType.encoder_or_decoder``) and ``forward_step(data_iterator, model)``. It parses
-    Megatron-LM's flags (``megatron_training``) plus ``--optimus-schedule`` and the script's own, sets
-    up ``torch.distributed`` and megatron-core's ``parallel_state``, and trains ``--train-iters`` steps
-    with megatron-core's DDP, optimizer and pipeline schedule, logging Megatron-LM's ``lm loss`` and its
-    ``forward-compute`` / ``backward-compute`` timers. Without the flag the encoder runs in the first
-    pipeline stage, as built; with it, under the schedule's own plan, inside the LLM's bubbles. Not
-    Megatron-LM's: evaluation, checkpoint flags, tokenizers and the logging backends. A bad flag or a
-    schedule made for another job: one line on stderr from rank 0 and exit code 2.
+    Megatron-LM's flags (``megatron_training``) plus ``--optimus-schedule`` and the script's own,
+    sets up ``torch.distributed`` and megatron-core's ``parallel_state``, and trains
+    ``--train-iters`` steps with megatron-core's DDP, optimizer and pipeline schedule, logging
+    Megatron-LM's ``lm loss`` and its ``forward-compute`` / ``backward-compute`` timers. Without the
+    flag the encoder runs in the first pipeline stage, as built; with it, under the schedule's own
+    plan, inside the LLM's bubbles. Not Megatron-LM's: evaluation, checkpoint flags, tokenizers and
+    the logging backends. A bad flag or a schedule made for another job: one line on stderr from
+    rank 0 and exit code 2.
     """
     import os
     import sys
@@ -283,7 +463,12 @@ def train_vlm(train_valid_test_datasets_provider: Callable[[list[int]], tuple[An
     from megatron.core.timers import Timers
 
     import megatron_patches
-    from optimus_mllm.megatron_training import parse_args, set_args  # its import quiets the library warnings
+
+    # its import quiets the library warnings
+    from optimus_mllm.megatron_training import (
+        parse_args,
+        set_args,
+    )
 
     def parser_hook(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser = add_optimus_args(parser) if optimus_flag else parser
@@ -294,18 +479,25 @@ def train_vlm(train_valid_test_datasets_provider: Callable[[list[int]], tuple[An
         args.optimus_schedule = None
     set_args(args)
     prog = os.path.basename(sys.argv[0]) or "pretrain"
-    try:  # the same decision on every rank, before any rank connects (one leaving mid-handshake breaks it)
+    # the same decision on every rank, before any rank connects (one leaving mid-handshake breaks
+    # it)
+    try:
         if model_type != ModelType.encoder_or_decoder:
-            raise OptimusError(f"model_type {model_type}: a ViT + GPT model is ModelType.encoder_or_decoder")
+            raise OptimusError(
+                f"model_type {model_type}: a ViT + GPT model is ModelType.encoder_or_decoder"
+            )
         world_size = int(os.environ["WORLD_SIZE"])
-        config = config_from_megatron_args(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8)))
+        config = config_from_megatron_args(
+            args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8))
+        )
         mode, artifact = runtime_for_args(args, config)
     except OptimusError as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    megatron_patches.apply()  # megatron-core's CUDA assumptions, patched for the CPU (nothing on a GPU)
+    # megatron-core's CUDA assumptions, patched for the CPU (nothing on a GPU)
+    megatron_patches.apply()
     from megatron.core import parallel_state
 
     from optimus_mllm.planner import ParallelPlan
@@ -313,28 +505,53 @@ def train_vlm(train_valid_test_datasets_provider: Callable[[list[int]], tuple[An
     from optimus_mllm.runtime.user_model import UserModel, pretraining_sampler_batches
 
     llm_plan = plan(config).llm_plan
-    join_model_parallel(llm_plan)  # Megatron-LM's initialize_megatron: the providers may read parallel_state
-    train_ds, _, _ = train_valid_test_datasets_provider([args.train_iters * args.global_batch_size, 0, 0])
-    batches = pretraining_sampler_batches(train_ds, args.micro_batch_size, llm_plan.dp, args.global_batch_size)
-    timers = Timers(args.timing_log_level, args.timing_log_option)  # Megatron's; the runtime's hooks chain to them
+    # Megatron-LM's initialize_megatron: the providers may read parallel_state
+    join_model_parallel(llm_plan)
+    train_ds, _, _ = train_valid_test_datasets_provider(
+        [args.train_iters * args.global_batch_size, 0, 0]
+    )
+    batches = pretraining_sampler_batches(
+        train_ds, args.micro_batch_size, llm_plan.dp, args.global_batch_size
+    )
+    # Megatron's; the runtime's hooks chain to them
+    timers = Timers(args.timing_log_level, args.timing_log_option)
     try:
-        trainer = Trainer(config, llm_plan, mode, artifact, timers=timers,
-                          user_model=UserModel(model_provider, forward_step_func, batches))
+        trainer = Trainer(
+            config,
+            llm_plan,
+            mode,
+            artifact,
+            timers=timers,
+            user_model=UserModel(model_provider, forward_step_func, batches),
+        )
     except OptimusError as exc:  # the model the provider built is not the one the flags describe
         if dist.get_rank() == 0:
             print(f"{prog}: error: {exc}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
-    reports_loss = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                    and parallel_state.get_tensor_model_parallel_rank() == 0
-                    and parallel_state.get_data_parallel_rank() == 0)
-    label = "plain" if artifact is None else f"optimus, encoder plan {ParallelPlan(**artifact['encoder_plan'])}"
+    reports_loss = (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+    label = (
+        "plain"
+        if artifact is None
+        else f"optimus, encoder plan {ParallelPlan(**artifact['encoder_plan'])}"
+    )
     for iteration in range(args.train_iters):
         result = trainer.train_step(iteration)
         if reports_loss:
-            print(f"iteration {iteration + 1}/{args.train_iters} | lm loss {result.loss:.4f} | {label}", flush=True)
-    # Megatron-LM's training_log: the schedule's timers, min/max over ranks, printed by the last rank
-    report = timers.get_all_timers_string(["forward-compute", "backward-compute"], normalizer=args.train_iters)
+            print(
+                f"iteration {iteration + 1}/{args.train_iters} | lm loss {result.loss:.4f} | "
+                f"{label}",
+                flush=True,
+            )
+    # Megatron-LM's training_log: the schedule's timers, min/max over ranks, printed by the last
+    # rank
+    report = timers.get_all_timers_string(
+        ["forward-compute", "backward-compute"], normalizer=args.train_iters
+    )
     if dist.get_rank() == dist.get_world_size() - 1 and report:
         print(report, flush=True)
     trainer.close()

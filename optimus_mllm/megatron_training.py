@@ -1,8 +1,8 @@
-"""What a Megatron-LM pretrain script imports from ``megatron.training``, which the megatron-core wheel
-does not ship: its flags (``parse_args`` with an ``extra_args_provider``, ``get_args``), the
+"""What a Megatron-LM pretrain script imports from ``megatron.training``, which the megatron-core
+wheel does not ship: its flags (``parse_args`` with an ``extra_args_provider``, ``get_args``), the
 language model's ``TransformerConfig`` from them (``core_transformer_config_from_args``), and
-``pretrain()``, which trains Megatron-style (``optimus_mllm.megatron.pretrain`` is the same loop with
-``--optimus-schedule``).
+``pretrain()``, which trains Megatron-style (``optimus_mllm.megatron.pretrain`` is the same loop
+with ``--optimus-schedule``).
 
 The flags are Megatron-LM's names and defaults, those a ViT + GPT job sets (the model's sizes and
 shape, parallelism, batch, optimizer, precision, timing); ``optimus_mllm.megatron`` says what each
@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from optimus_mllm.cli.common import quiet_library_warnings
 
-# as megatron.training's import sets a job up: first of all, before megatron-core's imports print what
-# the CPU-only optional packages' absence makes them print, so that an error stays one line
+# as megatron.training's import sets a job up: first of all, before megatron-core's imports print
+# what the CPU-only optional packages' absence makes them print, so that an error stays one line
 quiet_library_warnings(torch.cuda.is_available())
 
-from megatron.core.transformer import TransformerConfig  # noqa: E402  (after the warnings are quieted)
+from megatron.core.transformer import TransformerConfig  # noqa: E402  (after the warnings)
 
 _ARGS: argparse.Namespace | None = None
 
@@ -32,15 +32,19 @@ _ARGS: argparse.Namespace | None = None
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
 
-def parse_args(extra_args_provider: ExtraArgsProvider | None = None,
-               argv: list[str] | None = None) -> argparse.Namespace:
-    """Megatron-LM's ``parse_args`` contract: its flags, plus whatever ``extra_args_provider`` adds."""
+def parse_args(
+    extra_args_provider: ExtraArgsProvider | None = None, argv: list[str] | None = None
+) -> argparse.Namespace:
+    """Megatron-LM's ``parse_args`` contract: its flags, plus whatever ``extra_args_provider``
+    adds."""
     return build_parser(extra_args_provider).parse_args(argv)
 
 
 def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
     """The script's flags: Megatron-LM's names and defaults."""
-    parser = argparse.ArgumentParser(description="Megatron-style ViT + GPT pretraining", allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description="Megatron-style ViT + GPT pretraining", allow_abbrev=False
+    )
     add = parser.add_argument
     add("--tensor-model-parallel-size", type=int, default=2)
     add("--pipeline-model-parallel-size", type=int, default=2)
@@ -61,8 +65,11 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
     add("--dataloader-seq-length", type=int, default=None)
     add("--max-position-embeddings", type=int, default=None)
     add("--vocab-size", type=int, default=256)
-    add("--position-embedding-type", default="learned_absolute",
-        choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"])
+    add(
+        "--position-embedding-type",
+        default="learned_absolute",
+        choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
+    )
     add("--rotary-percent", type=float, default=1.0)
     add("--rotary-base", type=int, default=10000)
     add("--use-rope-scaling", action="store_true")
@@ -143,7 +150,8 @@ def get_args() -> argparse.Namespace:
 
 
 def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    """The language model's megatron-core config from the flags, as ``optimus_mllm.megatron`` reads them
+    """The language model's megatron-core config from the flags, as ``optimus_mllm.megatron`` reads
+    them
     (on the CPU with megatron-core's CUDA-only fusions off)."""
     from optimus_mllm.megatron import config_from_megatron_args
     from optimus_mllm.runtime.llm import transformer_config
@@ -152,11 +160,24 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
     return transformer_config(config, config.parallel.llm)
 
 
-def pretrain(train_valid_test_datasets_provider: Callable[[list[int]], tuple[Any, Any, Any]],
-             model_provider: Callable[..., Any], model_type: Any, forward_step_func: Callable[..., Any],
-             extra_args_provider: ExtraArgsProvider | None = None, argv: list[str] | None = None) -> int:
-    """``megatron.training.pretrain`` for a ViT + GPT job: the vision model in the first stage, as built."""
+def pretrain(
+    train_valid_test_datasets_provider: Callable[[list[int]], tuple[Any, Any, Any]],
+    model_provider: Callable[..., Any],
+    model_type: Any,
+    forward_step_func: Callable[..., Any],
+    extra_args_provider: ExtraArgsProvider | None = None,
+    argv: list[str] | None = None,
+) -> int:
+    """``megatron.training.pretrain`` for a ViT + GPT job: the vision model in the first stage, as
+    built."""
     from optimus_mllm.megatron import train_vlm
 
-    return train_vlm(train_valid_test_datasets_provider, model_provider, model_type, forward_step_func,
-                     extra_args_provider, argv, optimus_flag=False)
+    return train_vlm(
+        train_valid_test_datasets_provider,
+        model_provider,
+        model_type,
+        forward_step_func,
+        extra_args_provider,
+        argv,
+        optimus_flag=False,
+    )

@@ -11,12 +11,13 @@ hidden, a heads, t tensor-parallel size; Korthikanti et al. §4):
   tensor parallel                   s*b*h*(10 + 24/t + 5*a*s/(h*t))
   tensor + sequence parallel        s*b*h*(34 + 5*a*s/h) / t
   ... + selective recomputation     s*b*h*34 / t            (without SP: s*b*h*(10 + 24/t))
-  full recomputation                2*s*b*h / t             (the layer input only; without SP: 2*s*b*h)
+  full recomputation                2*s*b*h / t             (the layer input only;
+                                                            without SP: 2*s*b*h)
 The formula assumes 16-bit activations, an MLP of 4h and one key/value head per query head; for
 other shapes it is the usual approximation.
 
-With 1F1B the first pipeline stage holds activations of ``pp`` microbatches for its L/pp layers, i.e.
-of L layers; the interleaved schedule multiplies that by (1 + (pp-1)/(pp*vp)).
+With 1F1B the first pipeline stage holds activations of ``pp`` microbatches for its L/pp layers,
+i.e. of L layers; the interleaved schedule multiplies that by (1 + (pp-1)/(pp*vp)).
 
 Encoders. The paper leaves encoder activations out as negligible; we keep them, because under
 Optimus an encoder pipeline holds the activations of every microbatch it has run forward until the
@@ -45,8 +46,8 @@ def bytes_per_param_k(config: OptimusConfig) -> int:
 
 
 def optimizer_bytes_per_param(config: OptimusConfig) -> int:
-    """Adam: two fp32 moments; SGD: one fp32 momentum, none without momentum; plus an fp32 master copy
-    when parameters are 16-bit (megatron-core's optimizers)."""
+    """Adam: two fp32 moments; SGD: one fp32 momentum, none without momentum; plus an fp32 master
+    copy when parameters are 16-bit (megatron-core's optimizers)."""
     t = config.training
     master = 0 if t.precision == "fp32" else 4
     if t.optimizer == "sgd":
@@ -68,13 +69,24 @@ class MemoryBreakdown:
         return self.params + self.grads + self.optimizer + self.activations
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
-        return MemoryBreakdown(self.params + other.params, self.grads + other.grads,
-                               self.optimizer + other.optimizer, self.activations + other.activations)
+        return MemoryBreakdown(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.optimizer + other.optimizer,
+            self.activations + other.activations,
+        )
 
     def as_gib(self) -> dict[str, float]:
-        return {k: round(v / GIB, 3) for k, v in
-                {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                 "activations": self.activations, "total": self.total}.items()}
+        return {
+            k: round(v / GIB, 3)
+            for k, v in {
+                "params": self.params,
+                "grads": self.grads,
+                "optimizer": self.optimizer,
+                "activations": self.activations,
+                "total": self.total,
+            }.items()
+        }
 
 
 def model_state_memory(config: OptimusConfig, params_per_rank: float, dp: int) -> MemoryBreakdown:
@@ -82,11 +94,18 @@ def model_state_memory(config: OptimusConfig, params_per_rank: float, dp: int) -
     opt = optimizer_bytes_per_param(config) * params_per_rank
     if config.training.distributed_optimizer:
         opt /= dp
-    return MemoryBreakdown(param_bytes(config) * params_per_rank, MAIN_GRAD_BYTES * params_per_rank, opt, 0.0)
+    return MemoryBreakdown(
+        param_bytes(config) * params_per_rank, MAIN_GRAD_BYTES * params_per_rank, opt, 0.0
+    )
 
 
-def layer_activation_bytes(spec: TransformerSpec, micro_batch_size: int, tp: int, sequence_parallel: bool,
-                           recompute: Recompute) -> float:
+def layer_activation_bytes(
+    spec: TransformerSpec,
+    micro_batch_size: int,
+    tp: int,
+    sequence_parallel: bool,
+    recompute: Recompute,
+) -> float:
     """Korthikanti et al.'s activation memory of one layer and one microbatch on one TP rank."""
     s, b, h, a = spec.seq_length, micro_batch_size, spec.hidden_size, spec.num_attention_heads
     sbh = s * b * h
@@ -107,20 +126,27 @@ def interleaving_factor(pp: int, vp: int) -> float:
 def llm_activation_memory(config: OptimusConfig, pp: int, tp: int, vp: int) -> float:
     """Peak activation bytes on the first LLM pipeline stage (the fullest under 1F1B)."""
     t = config.training
-    per_layer = layer_activation_bytes(config.llm, t.micro_batch_size, tp, t.sequence_parallel, t.recompute)
-    microbatches_in_flight = min(pp, config.num_microbatches_total // (config.cluster.num_gpus // (pp * tp)))
+    per_layer = layer_activation_bytes(
+        config.llm, t.micro_batch_size, tp, t.sequence_parallel, t.recompute
+    )
+    microbatches_in_flight = min(
+        pp, config.num_microbatches_total // (config.cluster.num_gpus // (pp * tp))
+    )
     layers_per_stage = config.llm.num_layers / pp
     return per_layer * layers_per_stage * microbatches_in_flight * interleaving_factor(pp, vp)
 
 
 def encoder_activation_memory_per_microbatch(config: OptimusConfig, pp: int, tp: int) -> float:
-    """Activation bytes one microbatch leaves on the fullest encoder stage (all encoders together)."""
+    """Activation bytes one microbatch leaves on the fullest encoder stage (all encoders
+    together)."""
     t = config.training
     total = 0.0
     for enc in config.encoders:
         if enc.frozen:
             continue  # forward only: nothing is kept for a backward pass
-        per_layer = layer_activation_bytes(enc, t.micro_batch_size, tp, t.sequence_parallel, t.recompute)
+        per_layer = layer_activation_bytes(
+            enc, t.micro_batch_size, tp, t.sequence_parallel, t.recompute
+        )
         total += per_layer * -(-enc.num_layers // pp)
     return total
 

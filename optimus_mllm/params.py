@@ -31,10 +31,12 @@ def layer_params(spec: TransformerSpec) -> int:
 
 def encoder_params(enc: EncoderConfig) -> int:
     """The ViT alone (patch embedding, position embedding, layers), without projector. Like the
-    runtime's ViT (and the cost model's encoder kernels) it has no final norm: the last layer's output
-    goes to the projector."""
+    runtime's ViT (and the cost model's encoder kernels) it has no final norm: the last layer's
+    output goes to the projector."""
     clip = enc.model_subtype == "clip"  # a conv without a bias, and ln_pre
-    patch_embed = enc.in_channels * enc.patch_size**2 * enc.hidden_size + (0 if clip else enc.hidden_size)
+    patch_embed = enc.in_channels * enc.patch_size**2 * enc.hidden_size + (
+        0 if clip else enc.hidden_size
+    )
     pos_embed = enc.seq_length * enc.hidden_size
     ln_pre = norm_params(enc) if clip else 0
     return patch_embed + pos_embed + ln_pre + enc.num_layers * layer_params(enc)
@@ -50,7 +52,9 @@ def projector_params(enc: EncoderConfig, llm: LLMConfig) -> int:
 
 def llm_embedding_params(llm: LLMConfig) -> int:
     """Word (and learned position) embeddings, held by the first pipeline stage."""
-    pos = llm.seq_length * llm.hidden_size if llm.position_embedding_type == "learned_absolute" else 0
+    pos = (
+        llm.seq_length * llm.hidden_size if llm.position_embedding_type == "learned_absolute" else 0
+    )
     return llm.vocab_size * llm.hidden_size + pos
 
 
@@ -84,7 +88,9 @@ def llm_stage_params(llm: LLMConfig, pp: int) -> int:
     return max(llm_params_per_stage(llm, pp))
 
 
-def encoder_params_per_stage(encoders: tuple[EncoderConfig, ...], llm: LLMConfig, pp: int) -> list[int]:
+def encoder_params_per_stage(
+    encoders: tuple[EncoderConfig, ...], llm: LLMConfig, pp: int
+) -> list[int]:
     """Parameters of each encoder pipeline stage, all encoders (and projectors) together.
 
     Each encoder's layers are split evenly over the ``pp`` stages (paper Fig. 14); the patch and
@@ -100,7 +106,8 @@ def encoder_params_per_stage(encoders: tuple[EncoderConfig, ...], llm: LLMConfig
 
 
 def stage_layer_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
-    """[lo, hi) layer ranges of ``pp`` stages, as even as possible (earlier stages take the extra)."""
+    """[lo, hi) layer ranges of ``pp`` stages, as even as possible (earlier stages take the
+    extra)."""
     base, extra = divmod(num_layers, pp)
     bounds, lo = [], 0
     for s in range(pp):

@@ -1,18 +1,19 @@
 """Measure the kernels the scheduler costs, on one GPU, into a profile the cost model loads.
 
 The entries are exactly the compute kernels the bubble scheduler and the Megatron-LM baselines ask
-the cost model for under the config's plans: the LLM's layer, embedding and output layer at the LLM's
-TP, and every encoder's layer, patch embedding and projector at each candidate encoder TP and at the
-LLM's TP (where the baselines run the encoder). They are found by running the scheduler's own costing
-functions against a recording cost model, so kernel names cannot drift from what it looks up.
+the cost model for under the config's plans: the LLM's layer, embedding and output layer at the
+LLM's TP, and every encoder's layer, patch embedding and projector at each candidate encoder TP and
+at the LLM's TP (where the baselines run the encoder). They are found by running the scheduler's own
+costing functions against a recording cost model, so kernel names cannot drift from what it looks
+up.
 
 Each kernel is rebuilt in torch at its TP shard shape (GEMMs as ``F.linear`` with the sharded dims,
 the attention core with torch SDPA, norms and activations: the kernel set the runtime runs,
-``cost_model.KERNEL_SET``, recorded in the profile) and timed after warm-up as the median of repeats; a backward
-kernel is timed as ``torch.autograd.grad`` through a retained forward graph, so only the backward
-runs. Communication kernels (TP all-gather / reduce-scatter / all-reduce, P2P, DP) need several GPUs
-and are not measured: the cost model keeps its bandwidth model for them, as for any key missing
-from a profile.
+``cost_model.KERNEL_SET``, recorded in the profile) and timed after warm-up as the median of
+repeats; a backward kernel is timed as ``torch.autograd.grad`` through a retained forward graph, so
+only the backward runs. Communication kernels (TP all-gather / reduce-scatter / all-reduce, P2P, DP)
+need several GPUs and are not measured: the cost model keeps its bandwidth model for them, as for
+any key missing from a profile.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ from optimus_mllm.scheduler.llm_costs import LLM, llm_op_work
 Key = tuple[str, str, str, int]  # (module, kernel, phase, tp), as CostModel looks a profile up
 Timer = Callable[[Callable[[], object]], float]  # runs the callable once, returns microseconds
 RECOMPUTE = "recompute_"  # a forward kernel re-run inside the backward (cost_model.layer_kernels)
-NOT_MEASURED = ("communication kernels (TP all-gather/reduce-scatter/all-reduce, P2P, DP collectives) need "
-                "several GPUs and are not measured; the cost model uses its bandwidth model for them")
+NOT_MEASURED = (
+    "communication kernels (TP all-gather/reduce-scatter/all-reduce, P2P, DP collectives) need "
+    "several GPUs and are not measured; the cost model uses its bandwidth model for them"
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,7 +60,8 @@ NOT_MEASURED = ("communication kernels (TP all-gather/reduce-scatter/all-reduce,
 
 @dataclass(frozen=True)
 class ProfileEntry:
-    """One compute kernel the scheduler costs: the cost model's work for it, where and at which TP."""
+    """One compute kernel the scheduler costs: the cost model's work for it, where and at which
+    TP."""
 
     module: str
     tp: int
@@ -81,8 +85,11 @@ class _RecordingCostModel(CostModel):
         return super().compute_us(work, module, tp)
 
 
-def profile_entries(config: OptimusConfig, planned: PlannerResult | None = None) -> list[ProfileEntry]:
-    """The compute kernels the scheduler and the baselines look up for ``config``, in costing order."""
+def profile_entries(
+    config: OptimusConfig, planned: PlannerResult | None = None
+) -> list[ProfileEntry]:
+    """The compute kernels the scheduler and the baselines look up for ``config``, in costing
+    order."""
     planned = planned or plan(config)
     recorder = _RecordingCostModel(config)
     llm_op_work(config, planned.llm_plan, recorder)
@@ -99,8 +106,11 @@ def _encoder_plans(config: OptimusConfig, planned: PlannerResult) -> list[Parall
     llm_plan = planned.llm_plan
     by_tp = {c.plan.tp: c.plan for c in planned.candidates}
     if llm_plan.tp not in by_tp and not any(
-            encoder_tp_problem(e, config.llm.hidden_size, config.training.sequence_parallel, llm_plan.tp)
-            for e in config.encoders):
+        encoder_tp_problem(
+            e, config.llm.hidden_size, config.training.sequence_parallel, llm_plan.tp
+        )
+        for e in config.encoders
+    ):
         by_tp[llm_plan.tp] = ParallelPlan(llm_plan.dp, 1, llm_plan.tp)
     return [by_tp[tp] for tp in sorted(by_tp)]
 
@@ -114,7 +124,8 @@ class KernelOp:
     """A kernel's forward at its TP shard shape.
 
     ``kind`` and ``dims``: ``linear`` (tokens, in, out), ``attention`` (batch, heads, kv_heads, seq,
-    head_dim), ``norm`` (tokens, hidden), ``act`` (tokens, ffn), ``embedding`` (tokens, vocab, hidden).
+    head_dim), ``norm`` (tokens, hidden), ``act`` (tokens, ffn), ``embedding`` (tokens, vocab,
+    hidden).
     """
 
     kind: str
@@ -127,8 +138,8 @@ class KernelOp:
     causal: bool = False  # attention
 
     def flops(self, backward: bool) -> float:
-        """Matmul FLOPs of the GEMM or attention core, as the cost model counts them (0 for the rest);
-        a backward does the dgrad and the wgrad GEMMs, twice the forward."""
+        """Matmul FLOPs of the GEMM or attention core, as the cost model counts them (0 for the
+        rest); a backward does the dgrad and the wgrad GEMMs, twice the forward."""
         if self.kind == "linear":
             m, k, n = self.dims
             fwd = 2.0 * m * k * n
@@ -142,7 +153,8 @@ class KernelOp:
 
 def kernel_op(config: OptimusConfig, entry: ProfileEntry) -> KernelOp:
     """The torch op of ``entry``'s kernel; the shapes mirror ``cost_model._forward_kernels`` and the
-    encoder/LLM head kernels in ``scheduler``, and :func:`check_flops` holds them to the same FLOPs."""
+    encoder/LLM head kernels in ``scheduler``, and :func:`check_flops` holds them to the same
+    FLOPs."""
     name = entry.work.name.removeprefix(RECOMPUTE)
     t, mbs = entry.tp, config.training.micro_batch_size
     if entry.module == LLM:
@@ -156,30 +168,47 @@ def kernel_op(config: OptimusConfig, entry: ProfileEntry) -> KernelOp:
     else:
         enc = next((e for e in config.encoders if e.name == entry.module), None)
         if enc is None:
-            raise OptimusError(f"profiler: the scheduler costs module '{entry.module}', which is neither the "
-                               "LLM nor an encoder of the config")
+            raise OptimusError(
+                f"profiler: the scheduler costs module '{entry.module}', which is neither the "
+                "LLM nor an encoder of the config"
+            )
         spec = enc
         tokens = enc.seq_length * mbs
         h_enc, h_llm = enc.hidden_size, config.llm.hidden_size
         if name == "patch_embed":
             local = tokens // t if config.training.sequence_parallel and t > 1 else tokens
-            return KernelOp("linear", (local, enc.in_channels * enc.patch_size**2, h_enc),
-                            bias=enc.model_subtype != "clip")
-        merged, h_in = enc.image_tokens * mbs, enc.projector_input_size  # the projector's spatial merge
+            return KernelOp(
+                "linear",
+                (local, enc.in_channels * enc.patch_size**2, h_enc),
+                bias=enc.model_subtype != "clip",
+            )
+        # the projector's spatial merge
+        merged, h_in = (
+            enc.image_tokens * mbs,
+            enc.projector_input_size,
+        )
         if name == "projector_fc1":
             if enc.projector.type == "mlp":  # column-parallel, GELU fused (runtime/vit.py)
                 return KernelOp("linear", (merged, h_in, h_llm // t), bias=True, gelu=True)
-            return KernelOp("linear", (merged, h_in // t, h_llm))  # row-parallel, bias after the reduce
+            # row-parallel, bias after the reduce
+            return KernelOp("linear", (merged, h_in // t, h_llm))
         if name == "projector_fc2":
             return KernelOp("linear", (merged, h_llm // t, h_llm))
-    return _layer_op(spec, name, t, mbs, config.training.sequence_parallel, causal=entry.module == LLM)
+    return _layer_op(
+        spec, name, t, mbs, config.training.sequence_parallel, causal=entry.module == LLM
+    )
 
 
-def _layer_op(spec: TransformerSpec, name: str, t: int, mbs: int, sequence_parallel: bool,
-              causal: bool) -> KernelOp:
+def _layer_op(
+    spec: TransformerSpec, name: str, t: int, mbs: int, sequence_parallel: bool, causal: bool
+) -> KernelOp:
     """A transformer layer's kernel on one TP rank (Megatron's column/row-parallel split)."""
     n, h, d = spec.seq_length * mbs, spec.hidden_size, spec.head_dim
-    heads, groups, ffn = spec.num_attention_heads // t, spec.query_groups // t, spec.ffn_hidden_size // t
+    heads, groups, ffn = (
+        spec.num_attention_heads // t,
+        spec.query_groups // t,
+        spec.ffn_hidden_size // t,
+    )
     fc1_out = 2 * ffn if spec.gated_linear_unit else ffn
     local = n // t if sequence_parallel and t > 1 else n  # norms run on the sequence-parallel shard
     ops = {
@@ -190,27 +219,36 @@ def _layer_op(spec: TransformerSpec, name: str, t: int, mbs: int, sequence_paral
         # row-parallel GEMMs: their bias is added after the TP reduction, outside the kernel
         "attn_proj": KernelOp("linear", (n, heads * d, h)),
         "fc1": KernelOp("linear", (n, h, fc1_out), bias=spec.add_bias_linear),
-        "act": KernelOp("act", (n, ffn), gated=spec.gated_linear_unit, silu=spec.activation == "silu"),
+        "act": KernelOp(
+            "act", (n, ffn), gated=spec.gated_linear_unit, silu=spec.activation == "silu"
+        ),
         "fc2": KernelOp("linear", (n, ffn, h)),
     }
     if name not in ops:
-        raise OptimusError(f"profiler: no torch op for kernel '{name}'; teach optimus_mllm/profiler.py its shape")
+        raise OptimusError(
+            f"profiler: no torch op for kernel '{name}'; teach optimus_mllm/profiler.py its shape"
+        )
     return ops[name]
 
 
 def check_flops(entry: ProfileEntry, op: KernelOp) -> None:
-    """Refuse to measure a GEMM or attention shape whose FLOPs differ from the cost model's kernel."""
+    """Refuse to measure a GEMM or attention shape whose FLOPs differ from the cost model's
+    kernel."""
     if entry.work.kind not in ("gemm", "attention"):
         return
     backward = entry.work.phase == "bwd" and not entry.work.name.startswith(RECOMPUTE)
     if op.flops(backward) != entry.work.flops:
-        raise OptimusError(f"profiler: {entry.key} would measure {op.flops(backward):.4g} FLOPs, the cost model "
-                           f"counts {entry.work.flops:.4g}; the profiler's shapes are out of date")
+        raise OptimusError(
+            f"profiler: {entry.key} would measure {op.flops(backward):.4g} FLOPs, the cost model "
+            f"counts {entry.work.flops:.4g}; the profiler's shapes are out of date"
+        )
 
 
-def _forward(op: KernelOp, device: str, dtype: torch.dtype) -> tuple[Callable[..., torch.Tensor],
-                                                                       list[torch.Tensor]]:
-    """The op as a function of its inputs, with random inputs that require grad where it has gradients."""
+def _forward(
+    op: KernelOp, device: str, dtype: torch.dtype
+) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor]]:
+    """The op as a function of its inputs, with random inputs that require grad where it has
+    gradients."""
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype).mul_(0.02).requires_grad_()
@@ -241,16 +279,20 @@ def _forward(op: KernelOp, device: str, dtype: torch.dtype) -> tuple[Callable[..
     raise OptimusError(f"profiler: unknown op kind '{op.kind}'")
 
 
-def _attention(op: KernelOp, device: str, dtype: torch.dtype,
-               rand: Callable[..., torch.Tensor]) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor]]:
+def _attention(
+    op: KernelOp, device: str, dtype: torch.dtype, rand: Callable[..., torch.Tensor]
+) -> tuple[Callable[..., torch.Tensor], list[torch.Tensor]]:
     b, heads, groups, s, d = op.dims
     # SDPA: grouped K/V expanded to every head beforehand, as runtime/layer_ops.py does
-    return (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=op.causal),
-            [rand(b, heads, s, d), rand(b, heads, s, d), rand(b, heads, s, d)])
+    return (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=op.causal),
+        [rand(b, heads, s, d), rand(b, heads, s, d), rand(b, heads, s, d)],
+    )
 
 
-def kernel_callable(op: KernelOp, phase: Phase, recompute: bool, device: str,
-                    dtype: torch.dtype) -> Callable[[], object]:
+def kernel_callable(
+    op: KernelOp, phase: Phase, recompute: bool, device: str, dtype: torch.dtype
+) -> Callable[[], object]:
     """A no-argument callable that runs the kernel once: the forward, or (``bwd``) the gradients of
     every input through a forward graph built once and retained; a recompute runs the forward."""
     fn, inputs = _forward(op, device, dtype)
@@ -285,7 +327,9 @@ def wallclock_timer(fn: Callable[[], object]) -> float:
 def median_us(fn: Callable[[], object], warmup: int, repeats: int, timer: Timer) -> float:
     """Median of ``repeats`` timed calls after ``warmup`` untimed ones."""
     if repeats < 1 or warmup < 0:
-        raise OptimusError(f"profiler: needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+        raise OptimusError(
+            f"profiler: needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}"
+        )
     for _ in range(warmup):
         fn()
     return statistics.median(timer(fn) for _ in range(repeats))
@@ -295,12 +339,19 @@ def median_us(fn: Callable[[], object], warmup: int, repeats: int, timer: Timer)
 # The profile
 
 
-def profile_kernels(config: OptimusConfig, *, warmup: int = 5, repeats: int = 20, device: str = "cuda",
-                    dtype: torch.dtype = torch.bfloat16, timer: Timer | None = None) -> dict[str, Any]:
+def profile_kernels(
+    config: OptimusConfig,
+    *,
+    warmup: int = 5,
+    repeats: int = 20,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    timer: Timer | None = None,
+) -> dict[str, Any]:
     """Measure every compute kernel the scheduler costs for ``config``; a JSON-ready profile.
 
-    ``timer`` defaults to CUDA events on a CUDA device; pass :func:`wallclock_timer` elsewhere.
-    Each entry keeps the cost model's FLOPs and bytes (the shape it was measured at) and its roofline.
+    ``timer`` defaults to CUDA events on a CUDA device; pass :func:`wallclock_timer` elsewhere. Each
+    entry keeps the cost model's FLOPs and bytes (the shape it was measured at) and its roofline.
     """
     if timer is None:
         if torch.device(device).type != "cuda":
@@ -311,19 +362,33 @@ def profile_kernels(config: OptimusConfig, *, warmup: int = 5, repeats: int = 20
     for entry in profile_entries(config):
         op = kernel_op(config, entry)
         check_flops(entry, op)
-        fn = kernel_callable(op, entry.work.phase, entry.work.name.startswith(RECOMPUTE), device, dtype)
+        fn = kernel_callable(
+            op, entry.work.phase, entry.work.name.startswith(RECOMPUTE), device, dtype
+        )
         measured = median_us(fn, warmup, repeats, timer)
         del fn  # free this kernel's tensors before the next one's
         module, kernel, phase, tp = entry.key
-        kernels.append({"module": module, "kernel": kernel, "phase": phase, "tp": tp, "time_us": measured,
-                        "roofline_us": roofline.compute_us(entry.work, module, tp),
-                        "flops": entry.work.flops, "bytes": entry.work.bytes,
-                        "op": op.kind, "dims": list(op.dims)})
+        kernels.append(
+            {
+                "module": module,
+                "kernel": kernel,
+                "phase": phase,
+                "tp": tp,
+                "time_us": measured,
+                "roofline_us": roofline.compute_us(entry.work, module, tp),
+                "flops": entry.work.flops,
+                "bytes": entry.work.bytes,
+                "op": op.kind,
+                "dims": list(op.dims),
+            }
+        )
     return {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
         "config": config.name,
-        "device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else device,
+        "device": torch.cuda.get_device_name(device)
+        if torch.device(device).type == "cuda"
+        else device,
         "dtype": str(dtype).removeprefix("torch."),
         "kernel_set": KERNEL_SET,
         "torch": torch.__version__,
@@ -340,12 +405,15 @@ def write_profile(profile: dict[str, Any], path: str | Path) -> None:
     atomic_write_text(path, json.dumps(profile, indent=2) + "\n")
 
 
-def matching_profile(config: OptimusConfig, measured: list[MeasuredKernel]) -> tuple[dict[Key, float], int]:
-    """The measured times that fit ``config``'s kernels, for ``CostModel(profile=...)``, and how many
-    compute kernels ``config`` costs in all.
+def matching_profile(
+    config: OptimusConfig, measured: list[MeasuredKernel]
+) -> tuple[dict[Key, float], int]:
+    """The measured times that fit ``config``'s kernels, for ``CostModel(profile=...)``, and how
+    many compute kernels ``config`` costs in all.
 
-    A profile is keyed by (module, kernel, phase, tp), which does not tell models apart, so an entry is
-    used only where its recorded FLOPs and bytes equal those of ``config``'s kernel under that key.
+    A profile is keyed by (module, kernel, phase, tp), which does not tell models apart, so an entry
+    is used only where its recorded FLOPs and bytes equal those of ``config``'s kernel under that
+    key.
     """
     needed = {e.key: e.work for e in profile_entries(config)}
     table = {}

@@ -1,10 +1,9 @@
 """``optimus-train``: train the ViT + projector + GPT model on every rank of a ``torchrun`` job.
 
     torchrun --nproc-per-node N -m optimus_mllm.train --config FILE.yaml [--override KEY=VALUE ...]
-             [--schedule ARTIFACT.json] [--baseline [megatron-lm|balanced]]
-             [--save DIR [--save-interval N] [--resume [--no-load-optim]]]
-             [--pretrained-checkpoint DIR] [--pretrained-llm DIR] [--pretrained-encoder NAME=DIR ...]
-             [--tensorboard-dir DIR]
+             [--schedule ARTIFACT.json] [--baseline [megatron-lm|balanced]] [--save DIR
+             [--save-interval N] [--resume [--no-load-optim]]] [--pretrained-checkpoint DIR]
+             [--pretrained-llm DIR] [--pretrained-encoder NAME=DIR ...] [--tensorboard-dir DIR]
 
 Every rank loads the config, plans and schedules (pure Python and deterministic, so every rank gets
 the same result) or loads ``--schedule``, and only then talks to the others: a bad config, a world
@@ -49,7 +48,11 @@ if TYPE_CHECKING:
     from optimus_mllm.runtime.trainer import StepResult
 
 PROG = "optimus-train"
-BASELINES = ("megatron-lm", "balanced")  # the paper's two Megatron-LM baselines (Trainer modes baseline, balanced)
+# the paper's two Megatron-LM baselines (Trainer modes baseline, balanced)
+BASELINES = (
+    "megatron-lm",
+    "balanced",
+)
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -66,34 +69,72 @@ class _RankZeroParser(ArgumentParser):
 
 
 def build_parser() -> ArgumentParser:
-    parser = _RankZeroParser(prog=PROG, description="Train on every rank of a torchrun job with the Optimus "
-                                                    "schedule (or the Megatron-style baseline).")
+    parser = _RankZeroParser(
+        prog=PROG,
+        description="Train on every rank of a torchrun job with the Optimus "
+        "schedule (or the Megatron-style baseline).",
+    )
     add_config_arguments(parser, "configs/tiny.yaml")
-    parser.add_argument("--schedule", metavar="ARTIFACT",
-                        help="schedule artifact from optimus-plan --artifact (default: schedule here)")
-    parser.add_argument("--baseline", nargs="?", const="megatron-lm", choices=BASELINES,
-                        help="no bubble schedule: megatron-lm (the default), the encoders whole in the first "
-                             "pipeline stage; balanced, encoder and LLM layers split together over the virtual "
-                             "stages (the paper's Megatron-LM balanced)")
-    parser.add_argument("--save", metavar="DIR", help="checkpoint folder: written at the end of training "
-                        "and every --save-interval steps")
-    parser.add_argument("--save-interval", metavar="N", type=_positive_int,
-                        help="also checkpoint after every N steps")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in --save (weights, optimizer state, LR "
-                             "schedule, step, schedule)")
-    parser.add_argument("--no-load-optim", action="store_true",
-                        help="with --resume: start the optimizer state afresh (needed when the optimizer "
-                             "settings differ from the checkpoint's)")
-    parser.add_argument("--pretrained-checkpoint", metavar="DIR",
-                        help="start from this checkpoint's weights (LLM and encoders; not its optimizer state or "
-                             "step), Megatron-LM's flag")
-    parser.add_argument("--pretrained-llm", metavar="DIR",
-                        help="start the LLM from this checkpoint's weights (ours, or a megatron-core GPT one)")
-    parser.add_argument("--pretrained-encoder", metavar="NAME=DIR", action="append", default=[],
-                        help="start encoder NAME from this checkpoint's weights; repeat for several")
-    parser.add_argument("--tensorboard-dir", metavar="DIR", help="write TensorBoard scalars there (rank 0; "
-                        "needs the tensorboard package)")
+    parser.add_argument(
+        "--schedule",
+        metavar="ARTIFACT",
+        help="schedule artifact from optimus-plan --artifact (default: schedule here)",
+    )
+    parser.add_argument(
+        "--baseline",
+        nargs="?",
+        const="megatron-lm",
+        choices=BASELINES,
+        help="no bubble schedule: megatron-lm (the default), the encoders whole in the first "
+        "pipeline stage; balanced, encoder and LLM layers split together over the virtual "
+        "stages (the paper's Megatron-LM balanced)",
+    )
+    parser.add_argument(
+        "--save",
+        metavar="DIR",
+        help="checkpoint folder: written at the end of training and every --save-interval steps",
+    )
+    parser.add_argument(
+        "--save-interval",
+        metavar="N",
+        type=_positive_int,
+        help="also checkpoint after every N steps",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --save (weights, optimizer state, LR "
+        "schedule, step, schedule)",
+    )
+    parser.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="with --resume: start the optimizer state afresh (needed when the optimizer "
+        "settings differ from the checkpoint's)",
+    )
+    parser.add_argument(
+        "--pretrained-checkpoint",
+        metavar="DIR",
+        help="start from this checkpoint's weights (LLM and encoders; not its optimizer state or "
+        "step), Megatron-LM's flag",
+    )
+    parser.add_argument(
+        "--pretrained-llm",
+        metavar="DIR",
+        help="start the LLM from this checkpoint's weights (ours, or a megatron-core GPT one)",
+    )
+    parser.add_argument(
+        "--pretrained-encoder",
+        metavar="NAME=DIR",
+        action="append",
+        default=[],
+        help="start encoder NAME from this checkpoint's weights; repeat for several",
+    )
+    parser.add_argument(
+        "--tensorboard-dir",
+        metavar="DIR",
+        help="write TensorBoard scalars there (rank 0; needs the tensorboard package)",
+    )
     return parser
 
 
@@ -112,33 +153,50 @@ class Job:
     resume: CheckpointInfo | None = None
     notes: tuple[str, ...] = ()  # what rank 0 says before the first step
     load_optimizer: bool = True  # with ``resume``: the checkpoint's optimizer state too
-    pretrained: tuple[tuple[str, Path, str], ...] = ()  # (model part, checkpoint folder, flag) to start from
+    pretrained: tuple[
+        tuple[str, Path, str], ...
+    ] = ()  # (model part, checkpoint folder, flag) to start from
 
 
 def prepare(args: argparse.Namespace, world_size: int) -> Job:
-    """Everything that can fail on the user's input, with no communication (same answer on every rank)."""
+    """Everything that can fail on the user's input, with no communication (same answer on every
+    rank)."""
     if args.baseline and args.schedule:
         raise OptimusError("--baseline runs without a schedule; drop --schedule or --baseline")
     if args.no_load_optim and not args.resume:
         raise OptimusError("--no-load-optim applies to --resume; drop it or add --resume")
     pretrained = args.pretrained_checkpoint or args.pretrained_llm or args.pretrained_encoder
     if pretrained and args.resume:
-        flag = next(f for f, given in (("--pretrained-checkpoint", args.pretrained_checkpoint),
-                                       ("--pretrained-llm", args.pretrained_llm),
-                                       ("--pretrained-encoder", args.pretrained_encoder)) if given)
-        raise OptimusError(f"{flag} starts a new run from pretrained weights, --resume continues one; drop one of "
-                           "them")
+        flag = next(
+            f
+            for f, given in (
+                ("--pretrained-checkpoint", args.pretrained_checkpoint),
+                ("--pretrained-llm", args.pretrained_llm),
+                ("--pretrained-encoder", args.pretrained_encoder),
+            )
+            if given
+        )
+        raise OptimusError(
+            f"{flag} starts a new run from pretrained weights, --resume continues one; drop one of "
+            "them"
+        )
     if (args.resume or args.save_interval) and not args.save:
-        raise OptimusError(f"{'--resume' if args.resume else '--save-interval'} needs --save DIR, the checkpoint "
-                           "folder")
+        raise OptimusError(
+            f"{'--resume' if args.resume else '--save-interval'} needs --save DIR, the checkpoint "
+            "folder"
+        )
     if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
-        raise OptimusError("--tensorboard-dir needs the tensorboard package; pip install tensorboard, or drop "
-                           "--tensorboard-dir")
+        raise OptimusError(
+            "--tensorboard-dir needs the tensorboard package; pip install tensorboard, or drop "
+            "--tensorboard-dir"
+        )
     config = load_config(args.config, args.override)
     if world_size != config.cluster.num_gpus:
-        raise OptimusError(f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "
-                           f"launch {config.cluster.num_gpus} processes (torchrun --nproc-per-node) or set "
-                           f"cluster.num_gpus={world_size} and a parallel.llm for it")
+        raise OptimusError(
+            f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "
+            f"launch {config.cluster.num_gpus} processes (torchrun --nproc-per-node) or set "
+            f"cluster.num_gpus={world_size} and a parallel.llm for it"
+        )
     parts = _pretrained_parts(args, config)
     check_dataset(config)
     planned = plan(config)
@@ -151,53 +209,85 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
     if resume is not None and not args.no_load_optim:
         changed = optimizer_layout_change(resume, optimizer_layout(config))
         if changed:
-            raise OptimusError(f"--resume: the checkpoint's {changed} differs from this job's, so its optimizer "
-                               "state does not fit; resume with the optimizer settings it was written with, or "
-                               "add --no-load-optim to start the optimizer state afresh")
-    return Job(config, planned.llm_plan, artifact, baseline, resume, notes,
-               load_optimizer=not args.no_load_optim, pretrained=parts)
+            raise OptimusError(
+                f"--resume: the checkpoint's {changed} differs from this job's, so its optimizer "
+                "state does not fit; resume with the optimizer settings it was written with, or "
+                "add --no-load-optim to start the optimizer state afresh"
+            )
+    return Job(
+        config,
+        planned.llm_plan,
+        artifact,
+        baseline,
+        resume,
+        notes,
+        load_optimizer=not args.no_load_optim,
+        pretrained=parts,
+    )
 
 
 def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan) -> None:
-    """Both baselines run the encoders at the LLM's TP; the balanced one as ``runtime.balanced`` can."""
+    """Both baselines run the encoders at the LLM's TP; the balanced one as ``runtime.balanced``
+    can."""
     tp = llm_plan.tp
     for i, enc in enumerate(config.encoders):
-        problem = encoder_tp_problem(enc, config.llm.hidden_size, config.training.sequence_parallel, tp)
+        problem = encoder_tp_problem(
+            enc, config.llm.hidden_size, config.training.sequence_parallel, tp
+        )
         if problem:
-            raise OptimusError(f"--baseline runs model.encoders[{i}] at the LLM's tp={tp}, but its {problem}; "
-                               "run it without --baseline or pick another parallel.llm.tp")
+            raise OptimusError(
+                f"--baseline runs model.encoders[{i}] at the LLM's tp={tp}, but its {problem}; "
+                "run it without --baseline or pick another parallel.llm.tp"
+            )
     problem = balanced_problem(config, llm_plan) if baseline == "balanced" else None
     if problem:
         raise OptimusError(f"--baseline balanced: {problem}")
 
 
-def _pretrained_parts(args: argparse.Namespace, config: OptimusConfig) -> tuple[tuple[str, Path, str], ...]:
-    """(model part, checkpoint folder, flag) for each ``--pretrained-*`` flag, checked before ranks connect."""
+def _pretrained_parts(
+    args: argparse.Namespace, config: OptimusConfig
+) -> tuple[tuple[str, Path, str], ...]:
+    """(model part, checkpoint folder, flag) for each ``--pretrained-*`` flag, checked before ranks
+    connect."""
     parts: list[tuple[str, str, str]] = []
     if args.pretrained_checkpoint:
         flag = "--pretrained-checkpoint"
-        parts += [(part, args.pretrained_checkpoint, flag) for part in ("llm", *(e.name for e in config.encoders))]
+        parts += [
+            (part, args.pretrained_checkpoint, flag)
+            for part in ("llm", *(e.name for e in config.encoders))
+        ]
     if args.pretrained_llm:
         parts.append(("llm", args.pretrained_llm, "--pretrained-llm"))
     names = [e.name for e in config.encoders]
     for given in args.pretrained_encoder:
         name, sep, folder = given.partition("=")
         if not sep or name not in names or not folder:
-            raise OptimusError(f"--pretrained-encoder {given!r}: give NAME=DIR with NAME one of the config's "
-                               f"encoders ({', '.join(names)})")
+            raise OptimusError(
+                f"--pretrained-encoder {given!r}: give NAME=DIR with NAME one of the config's "
+                f"encoders ({', '.join(names)})"
+            )
         parts.append((name, folder, "--pretrained-encoder"))
     seen = [part for part, _, _ in parts]
     twice = next((part for part in seen if seen.count(part) > 1), None)
     if twice is not None:
-        raise OptimusError(f"the {twice} weights are given by two --pretrained-* flags; give each model part once")
+        raise OptimusError(
+            f"the {twice} weights are given by two --pretrained-* flags; give each model part once"
+        )
     return tuple((part, dist_checkpoint_folder(folder, flag), flag) for part, folder, flag in parts)
 
 
-def _job_artifact(args: argparse.Namespace, config: OptimusConfig, planned: PlannerResult, world_size: int,
-                  resume: CheckpointInfo | None) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
-    """The schedule the job runs (None for a baseline), the baseline it runs (None under Optimus), and what
-    to say about where they came from: ``--baseline``, ``--schedule``, else the checkpoint's schedule when it
-    fits this job, else scheduled now (a baseline placement if it beats every Optimus schedule)."""
+def _job_artifact(
+    args: argparse.Namespace,
+    config: OptimusConfig,
+    planned: PlannerResult,
+    world_size: int,
+    resume: CheckpointInfo | None,
+) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
+    """The schedule the job runs (None for a baseline), the baseline it runs (None under Optimus),
+    and what
+    to say about where they came from: ``--baseline``, ``--schedule``, else the checkpoint's
+    schedule when it fits this job, else scheduled now (a baseline placement if it beats every
+    Optimus schedule)."""
     if args.baseline:
         return None, args.baseline, ()
     if args.schedule:
@@ -205,29 +295,44 @@ def _job_artifact(args: argparse.Namespace, config: OptimusConfig, planned: Plan
     if resume is None or not resume.schedule_path.is_file():
         return _schedule_now(config, planned, ())
     if resume.world_size != world_size:
-        note = (f"the checkpoint was written by {resume.world_size} ranks, this job has {world_size}: "
-                "re-planned the encoder schedule")
+        note = (
+            f"the checkpoint was written by {resume.world_size} ranks, this job has {world_size}: "
+            "re-planned the encoder schedule"
+        )
         return _schedule_now(config, planned, (note,))
     try:
-        return (load_job_artifact(str(resume.schedule_path), planned, config, world_size), None,
-                ("schedule: the one saved with the checkpoint",))
+        return (
+            load_job_artifact(str(resume.schedule_path), planned, config, world_size),
+            None,
+            ("schedule: the one saved with the checkpoint",),
+        )
     except OptimusError as exc:  # e.g. the config now fixes another encoder plan
-        note = f"the checkpoint's schedule does not fit this job ({exc}): re-planned the encoder schedule"
+        note = (
+            f"the checkpoint's schedule does not fit this job ({exc}): re-planned the encoder "
+            "schedule"
+        )
         return _schedule_now(config, planned, (note,))
 
 
-def _schedule_now(config: OptimusConfig, planned: PlannerResult, notes: tuple[str, ...]
-                  ) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
-    """Optimus's fastest schedule, or the baseline placement that beats it (the scheduler's result)."""
+def _schedule_now(
+    config: OptimusConfig, planned: PlannerResult, notes: tuple[str, ...]
+) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
+    """Optimus's fastest schedule, or the baseline placement that beats it (the scheduler's
+    result)."""
     result = optimus(config, planned, CostModel.from_config(config))
     if result.baseline is None:
         if result.best is None:
-            raise OptimusError("no encoder plan could be scheduled (see optimus-plan); try --baseline")
+            raise OptimusError(
+                "no encoder plan could be scheduled (see optimus-plan); try --baseline"
+            )
         return schedule_to_artifact(result.best, config), None, notes
     b = result.baseline
     optimus_s = "none" if result.best is None else f"{result.best.iteration_us / 1e6:.4f} s"
-    note = (f"the {b.name} baseline ({b.iteration_us / 1e6:.4f} s per iteration predicted) beats every Optimus "
-            f"schedule (best {optimus_s}): running it, as --baseline {b.runtime} would")
+    note = (
+        f"the {b.name} baseline ({b.iteration_us / 1e6:.4f} s per iteration predicted) beats every "
+        "Optimus "
+        f"schedule (best {optimus_s}): running it, as --baseline {b.runtime} would"
+    )
     return None, b.runtime, (*notes, note)
 
 
@@ -235,37 +340,53 @@ def _resume_point(save: str, config: OptimusConfig) -> CheckpointInfo:
     info = latest_checkpoint(save)
     check_resumable(info, config)
     if info.iteration >= config.training.train_iters:
-        raise OptimusError(f"--resume: the checkpoint in {save} is at step {info.iteration} and "
-                           f"training.train_iters={config.training.train_iters}; raise training.train_iters to "
-                           "train further")
+        raise OptimusError(
+            f"--resume: the checkpoint in {save} is at step {info.iteration} and "
+            f"training.train_iters={config.training.train_iters}; raise training.train_iters to "
+            "train further"
+        )
     return info
 
 
 # ----------------------------------------------------------------------------------------------
 
 
-def _step_totals(loss: float | None, result: StepResult, is_loss_reporter: bool, dp: int) -> tuple[float, int, int, int]:
-    """Over all ranks: (mean loss over the DP replicas, encoder ops that ran between the LLM's first and
+def _step_totals(
+    loss: float | None, result: StepResult, is_loss_reporter: bool, dp: int
+) -> tuple[float, int, int, int]:
+    """Over all ranks: (mean loss over the DP replicas, encoder ops that ran between the LLM's first
+    and
     last op, all encoder ops, encoder ops that ran away from their scheduled hook point).
 
     One all-reduce; it also waits for the slowest rank, so rank 0's clock covers the whole step."""
-    local = [loss / dp if is_loss_reporter and loss is not None else 0.0, float(result.ops_inside_llm),
-             float(len(result.encoder_record)), float(result.moved_ops)]
+    local = [
+        loss / dp if is_loss_reporter and loss is not None else 0.0,
+        float(result.ops_inside_llm),
+        float(len(result.encoder_record)),
+        float(result.moved_ops),
+    ]
     totals = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(totals)
     return float(totals[0]), int(totals[1]), int(totals[2]), int(totals[3])
 
 
 def _is_loss_reporter() -> bool:
-    """One rank per DP replica: the last pipeline stage's first TP rank (the others hold the same loss)."""
+    """One rank per DP replica: the last pipeline stage's first TP rank (the others hold the same
+    loss)."""
     from megatron.core import parallel_state
 
-    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-            and parallel_state.get_tensor_model_parallel_rank() == 0)
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
 
 
-def train(job: Job, save: str | None = None, save_interval: int | None = None,
-          tensorboard_dir: str | None = None) -> None:
+def train(
+    job: Job,
+    save: str | None = None,
+    save_interval: int | None = None,
+    tensorboard_dir: str | None = None,
+) -> None:
     from optimus_mllm.runtime.checkpoint import load_checkpoint, load_pretrained, save_checkpoint
     from optimus_mllm.runtime.trainer import Trainer
 
@@ -288,16 +409,25 @@ def train(job: Job, save: str | None = None, save_interval: int | None = None,
         for i in range(first, iters):
             started = time.perf_counter()
             result = trainer.train_step(i)
-            loss, inside, total, moved = _step_totals(result.loss, result, reporter, job.llm_plan.dp)
+            loss, inside, total, moved = _step_totals(
+                result.loss, result, reporter, job.llm_plan.dp
+            )
             times.append(time.perf_counter() - started)
             share = None if job.artifact is None else inside / max(total, 1)
             norm = "skipped (inf/nan)" if result.grad_norm is None else f"{result.grad_norm:.4f}"
             scale = "" if result.loss_scale is None else f"loss scale {result.loss_scale:.1f} | "
-            _say(f"step {i + 1}/{iters} | loss {loss:.4f} | grad norm {norm} | lr {result.lr:.3e} | {scale}"
-                 f"{times[-1] * 1e3:.1f} ms | "
-                 f"{tokens / times[-1]:.0f} tokens/s | "
-                 + ({"megatron-lm": "baseline", "balanced": "balanced baseline"}[job.baseline] if share is None else
-                    f"encoder ops inside LLM span {share:.1%} | ops moved from their hook {moved}"))
+            _say(
+                f"step {i + 1}/{iters} | loss {loss:.4f} | grad norm {norm} | lr {result.lr:.3e} | "
+                f"{scale}"
+                f"{times[-1] * 1e3:.1f} ms | "
+                f"{tokens / times[-1]:.0f} tokens/s | "
+                + (
+                    {"megatron-lm": "baseline", "balanced": "balanced baseline"}[job.baseline]
+                    if share is None
+                    else f"encoder ops inside LLM span {share:.1%} | "
+                    f"ops moved from their hook {moved}"
+                )
+            )
             if board is not None:
                 _log_scalars(board, i + 1, loss, result, times[-1], tokens, share)
             if save and (i + 1 == iters or (save_interval and (i + 1) % save_interval == 0)):
@@ -306,7 +436,10 @@ def train(job: Job, save: str | None = None, save_interval: int | None = None,
         trainer.close()
         if board is not None:
             board.close()
-    _say(f"done: {len(times)} steps | mean step {sum(times) / len(times) * 1e3:.1f} ms | final loss {loss:.4f}")
+    _say(
+        f"done: {len(times)} steps | mean step {sum(times) / len(times) * 1e3:.1f} ms | final loss "
+        f"{loss:.4f}"
+    )
 
 
 def _summary_writer(log_dir: str | None) -> Any:
@@ -318,8 +451,15 @@ def _summary_writer(log_dir: str | None) -> Any:
     return SummaryWriter(log_dir)
 
 
-def _log_scalars(board: Any, step: int, loss: float, result: StepResult, seconds: float, tokens: int,
-                 share: float | None) -> None:
+def _log_scalars(
+    board: Any,
+    step: int,
+    loss: float,
+    result: StepResult,
+    seconds: float,
+    tokens: int,
+    share: float | None,
+) -> None:
     board.add_scalar("lm loss", loss, step)
     board.add_scalar("learning-rate", result.lr, step)
     if result.grad_norm is not None:
@@ -340,8 +480,10 @@ def _say(line: str) -> None:
 def _torchrun_world_size() -> int:
     missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
     if missing:
-        raise OptimusError(f"{', '.join(missing)} not set; launch with torchrun --nproc-per-node N "
-                           "-m optimus_mllm.train ...")
+        raise OptimusError(
+            f"{', '.join(missing)} not set; launch with torchrun --nproc-per-node N "
+            "-m optimus_mllm.train ..."
+        )
     return int(os.environ["WORLD_SIZE"])
 
 
@@ -356,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_warnings(torch.cuda.is_available())
     watchdog = None
     try:
-        # the job is checked before any rank connects: a rank that gave up during the others' connection
-        # handshake would break it for them
+        # the job is checked before any rank connects: a rank that gave up during the others'
+        # connection handshake would break it for them
         job = prepare(args, _torchrun_world_size())
         _init_process_group()
         from optimus_mllm.runtime.watchdog import Watchdog
@@ -365,14 +507,16 @@ def main(argv: list[str] | None = None) -> int:
         watchdog = Watchdog(PROG)
         train(job, args.save, args.save_interval, args.tensorboard_dir)
     except OptimusError as exc:
-        if watchdog is not None:  # after the ranks connected: this rank's own, or one all ranks agreed on
+        # after the ranks connected: this rank's own, or one all ranks agreed on
+        if watchdog is not None:
             watchdog.fail(str(exc), agreed=isinstance(exc, AgreedError))
         elif _is_rank_zero():  # before: the same decision on every rank
             print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except Exception:
         if watchdog is not None:
-            watchdog.peer_failed()  # exits 2 when another rank failed or stopped: it, or one line, said so
+            # exits 2 when another rank failed or stopped: it, or one line, said so
+            watchdog.peer_failed()
         raise  # a bug of ours: its traceback
     finally:
         if watchdog is not None:

@@ -33,7 +33,9 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
         key = loader.construct_object(key_node, deep=True)
         if isinstance(key, (str, int, float, bool)) or key is None:
             if key in seen:
-                raise YAMLInputError(f"key {key!r} is given twice (line {key_node.start_mark.line + 1}); keep one")
+                raise YAMLInputError(
+                    f"key {key!r} is given twice (line {key_node.start_mark.line + 1}); keep one"
+                )
             seen.add(key)
     return loader.construct_mapping(node, deep=True)
 
@@ -54,14 +56,17 @@ def parse_yaml(text: str) -> Any:
     except ValueError as exc:  # an integer too long to convert, or our duplicate key
         if isinstance(exc, YAMLInputError):
             raise
-        raise YAMLInputError(f"holds a number Python cannot read ({str(exc).split(':')[0]})") from None
+        raise YAMLInputError(
+            f"holds a number Python cannot read ({str(exc).split(':')[0]})"
+        ) from None
     if _depth(value) > MAX_DEPTH:
         raise YAMLInputError(f"nests deeper than {MAX_DEPTH} levels")
     return value
 
 
 def read_yaml_file(path: Path) -> Any:
-    """The value of the YAML file at ``path``; OSError as ``open`` raises it, YAMLInputError otherwise."""
+    """The value of the YAML file at ``path``; OSError as ``open`` raises it, YAMLInputError
+    otherwise."""
     with open(path, "rb") as handle:
         data = handle.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:

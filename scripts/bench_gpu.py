@@ -1,6 +1,7 @@
 """GPU benchmark of the Optimus runtime's device path, on one GPU, in one run.
 
-    python scripts/bench_gpu.py [--config configs/gpu_single.yaml] [--json OUT] [--peak-tflops T] [--steps N]
+    python scripts/bench_gpu.py [--config configs/gpu_single.yaml] [--json OUT] [--peak-tflops T]
+    [--steps N]
 
 1. kernel-level ops: the encoder's forward+backward as the runtime's kernel-sized ops vs the same
    encoder under plain autograd (time ratio; target <= 1.05);
@@ -12,9 +13,9 @@
 3. one bubble: the encoder ops that the schedule artifact places at one hook point, predicted by the
    roofline cost model and by a kernel profile measured here (``optimus_mllm.profiler``) vs their
    measured time (target within 10 % with the profile);
-4. a training step (ViT + GPT on this GPU, world of 1) with the Optimus runtime and the Megatron-style
-   baseline: step time and MFU (target >= 40 %; Optimus no more than 2 % slower, there being no
-   bubbles to fill on one GPU).
+4. a training step (ViT + GPT on this GPU, world of 1) with the Optimus runtime and the
+   Megatron-style baseline: step time and MFU (target >= 40 %; Optimus no more than 2 % slower,
+   there being no bubbles to fill on one GPU).
 
 Every number is measured in this run; without a CUDA GPU the script exits with status 2.
 """
@@ -40,9 +41,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
+from optimus_mllm.cost_model import CostModel, load_profile  # noqa: E402
 from optimus_mllm.errors import OptimusError  # noqa: E402
 from optimus_mllm.gpu_status import warn_unverified  # noqa: E402
-from optimus_mllm.cost_model import CostModel, load_profile  # noqa: E402
 from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
 from optimus_mllm.planner import plan  # noqa: E402
 from optimus_mllm.planner.plans import ParallelPlan  # noqa: E402
@@ -59,28 +60,48 @@ from optimus_mllm.scheduler.metrics import model_flops_per_iteration  # noqa: E4
 
 PROG = "bench_gpu.py"
 FORMAT, VERSION = "optimus-bench-gpu", 1
-TARGETS = {"kernel_level_ratio": 1.05, "hidden_share": 0.80, "profile_error": 0.10, "mfu": 0.40,
-           "optimus_slowdown": 0.02}
+TARGETS = {
+    "kernel_level_ratio": 1.05,
+    "hidden_share": 0.80,
+    "profile_error": 0.10,
+    "mfu": 0.40,
+    "optimus_slowdown": 0.02,
+}
 Tensor = torch.Tensor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Measure the Optimus runtime on one CUDA GPU.")
-    parser.add_argument("--config", default=str(REPO / "configs" / "gpu_single.yaml"),
-                        help="a one-GPU config (DP1 PP1 TP1), default configs/gpu_single.yaml")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Measure the Optimus runtime on one CUDA GPU."
+    )
+    parser.add_argument(
+        "--config",
+        default=str(REPO / "configs" / "gpu_single.yaml"),
+        help="a one-GPU config (DP1 PP1 TP1), default configs/gpu_single.yaml",
+    )
     parser.add_argument("--json", metavar="OUT", help="also write the results here as JSON")
-    parser.add_argument("--peak-tflops", type=float,
-                        help="the GPU's dense bf16 peak for MFU (default: the config's cluster.peak_tflops)")
-    parser.add_argument("--steps", type=int, default=5, help="timed training steps per mode (default 5)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the GPU's dense bf16 peak for MFU (default: the config's cluster.peak_tflops)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed training steps per mode (default 5)"
+    )
     return parser
 
 
 # -- timing --------------------------------------------------------------------------------------
 
 
-def gpu_ms(fn: Callable[[], object], repeats: int, warmup: int = 2,
-           before: Callable[[], object] | None = None) -> float:
-    """Median over ``repeats`` of ``fn``'s time on the current stream (CUDA events), host gaps included;
+def gpu_ms(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int = 2,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median over ``repeats`` of ``fn``'s time on the current stream (CUDA events), host gaps
+    included;
     ``before`` runs untimed ahead of each timed repeat."""
 
     def timer(f: Callable[[], object]) -> float:
@@ -107,19 +128,39 @@ class SleepClock:
 
 
 class Encoder:
-    """The config's encoder stage (PP1, TP1 on this GPU) with inputs and an output gradient per microbatch."""
+    """The config's encoder stage (PP1, TP1 on this GPU) with inputs and an output gradient per
+    microbatch."""
 
     def __init__(self, config: OptimusConfig, dtype: torch.dtype):
         import torch.distributed as dist
 
         self.config, self.dtype, self.device = config, dtype, torch.device("cuda")
-        self.stage = EncoderStage(config, 0, 1, dist.new_group([0]), params_dtype=dtype).to(self.device)
+        self.stage = EncoderStage(config, 0, 1, dist.new_group([0]), params_dtype=dtype).to(
+            self.device
+        )
         self.ops = build_stage_ops(self.stage.blocks(), config.training.recompute)
         t = config.training
-        self.inputs = {e.name: torch.randn(t.micro_batch_size, e.seq_length, e.in_channels * e.patch_size**2,
-                                           device=self.device, dtype=dtype) for e in config.encoders}
-        self.grads = {e.name: torch.randn(e.seq_length, t.micro_batch_size, config.llm.hidden_size,
-                                          device=self.device, dtype=dtype) * 1e-3 for e in config.encoders}
+        self.inputs = {
+            e.name: torch.randn(
+                t.micro_batch_size,
+                e.seq_length,
+                e.in_channels * e.patch_size**2,
+                device=self.device,
+                dtype=dtype,
+            )
+            for e in config.encoders
+        }
+        self.grads = {
+            e.name: torch.randn(
+                e.seq_length,
+                t.micro_batch_size,
+                config.llm.hidden_size,
+                device=self.device,
+                dtype=dtype,
+            )
+            * 1e-3
+            for e in config.encoders
+        }
 
     def new_run(self) -> Any:
         return MicrobatchRun(self.ops, self.inputs, seed=0)
@@ -152,25 +193,36 @@ def measure_kernel_level(encoder: Encoder, repeats: int = 10) -> dict[str, Any]:
     autograd_ms = gpu_ms(encoder.run_autograd, repeats, before=encoder.zero_grad)
     reference = encoder.grads_of(encoder.run_autograd)
     ours = encoder.grads_of(encoder.run_ops)
-    error = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(ours, reference))
-    return {"ops": len(encoder.ops.fwd) + len(encoder.ops.bwd), "ops_ms": ops_ms, "autograd_ms": autograd_ms,
-            "ratio": ops_ms / autograd_ms, "grad_max_rel_diff": error}
+    error = max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(ours, reference)
+    )
+    return {
+        "ops": len(encoder.ops.fwd) + len(encoder.ops.bwd),
+        "ops_ms": ops_ms,
+        "autograd_ms": autograd_ms,
+        "ratio": ops_ms / autograd_ms,
+        "grad_max_rel_diff": error,
+    }
 
 
 # -- 2. overlap --------------------------------------------------------------------------------
 
 
 def comm_window(clock: SleepClock, ms: float) -> tuple[str, Callable[[], None]]:
-    """The LLM's communication-like window on the main stream: a real collective over every visible GPU
-    where there are several, else a GPU sleep of ``ms``."""
+    """The LLM's communication-like window on the main stream: a real collective over every visible
+    GPU where there are several, else a GPU sleep of ``ms``."""
     count = torch.cuda.device_count()
     if count > 1:
         import torch.cuda.nccl as nccl
 
-        buffers = [torch.empty(64 << 20, dtype=torch.bfloat16, device=f"cuda:{i}") for i in range(count)]
+        buffers = [
+            torch.empty(64 << 20, dtype=torch.bfloat16, device=f"cuda:{i}") for i in range(count)
+        ]
         if nccl.is_available(buffers):
-            return (f"NCCL all-reduce of 128 MiB over {count} GPUs (torch.cuda.nccl)",
-                    lambda: nccl.all_reduce(buffers))
+            return (
+                f"NCCL all-reduce of 128 MiB over {count} GPUs (torch.cuda.nccl)",
+                lambda: nccl.all_reduce(buffers),
+            )
     return f"torch.cuda._sleep of {ms:.2f} ms (one GPU: no collective)", lambda: clock.sleep(ms)
 
 
@@ -183,7 +235,8 @@ def measure_overlap(encoder: Encoder, clock: SleepClock, repeats: int = 5) -> di
     launch_ms = (time.perf_counter() - started) * 1e3
     stream.finish()
     torch.cuda.synchronize()
-    gate_ms = 2 * launch_ms + 2  # the GPU stays busy while the host enqueues: both sides start together
+    # the GPU stays busy while the host enqueues: both sides start together
+    gate_ms = 2 * launch_ms + 2
 
     def spanned(main: Callable[[], None] | None, side: bool) -> float:
         def body() -> None:
@@ -193,6 +246,7 @@ def measure_overlap(encoder: Encoder, clock: SleepClock, repeats: int = 5) -> di
             if main is not None:
                 main()
             stream.finish()
+
         return gpu_ms(body, repeats, before=lambda: (encoder.zero_grad(), clock.sleep(gate_ms)))
 
     encoder_ms = spanned(None, True)
@@ -201,18 +255,39 @@ def measure_overlap(encoder: Encoder, clock: SleepClock, repeats: int = 5) -> di
     both_ms = spanned(window, True)
     hidden = (encoder_ms + window_ms - both_ms) / encoder_ms
     gemm_ms, gemm_with_ms = _gemm_slowdown(encoder, stream, clock, encoder_ms, gate_ms, repeats)
-    return {"window": name, "encoder_ms": encoder_ms, "window_ms": window_ms, "both_ms": both_ms,
-            "hidden_share": min(max(hidden, 0.0), 1.0), "host_launch_ms": launch_ms,
-            "gemm_alone_ms": gemm_ms, "gemm_with_encoder_ms": gemm_with_ms,
-            "gemm_slowdown": gemm_with_ms / gemm_ms - 1}
+    return {
+        "window": name,
+        "encoder_ms": encoder_ms,
+        "window_ms": window_ms,
+        "both_ms": both_ms,
+        "hidden_share": min(max(hidden, 0.0), 1.0),
+        "host_launch_ms": launch_ms,
+        "gemm_alone_ms": gemm_ms,
+        "gemm_with_encoder_ms": gemm_with_ms,
+        "gemm_slowdown": gemm_with_ms / gemm_ms - 1,
+    }
 
 
-def _gemm_slowdown(encoder: Encoder, stream: Any, clock: SleepClock, encoder_ms: float, gate_ms: float,
-                   repeats: int) -> tuple[float, float]:
-    """LLM fc1-shaped GEMMs on the main stream for about the encoder ops' time, alone and alongside them."""
+def _gemm_slowdown(
+    encoder: Encoder,
+    stream: Any,
+    clock: SleepClock,
+    encoder_ms: float,
+    gate_ms: float,
+    repeats: int,
+) -> tuple[float, float]:
+    """LLM fc1-shaped GEMMs on the main stream for about the encoder ops' time, alone and alongside
+    them."""
     llm, t = encoder.config.llm, encoder.config.training
-    x = torch.randn(t.micro_batch_size * llm.seq_length, llm.hidden_size, device=encoder.device, dtype=encoder.dtype)
-    w = torch.randn(llm.ffn_hidden_size, llm.hidden_size, device=encoder.device, dtype=encoder.dtype)
+    x = torch.randn(
+        t.micro_batch_size * llm.seq_length,
+        llm.hidden_size,
+        device=encoder.device,
+        dtype=encoder.dtype,
+    )
+    w = torch.randn(
+        llm.ffn_hidden_size, llm.hidden_size, device=encoder.device, dtype=encoder.dtype
+    )
     one = gpu_ms(lambda: torch.nn.functional.linear(x, w), repeats)
     n = max(1, round(encoder_ms / one))
 
@@ -237,17 +312,23 @@ def _gemm_slowdown(encoder: Encoder, stream: Any, clock: SleepClock, encoder_ms:
 
 
 def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3) -> dict[str, Any]:
-    """3. The encoder ops at the artifact's heaviest hook point: roofline and profile predictions vs measured."""
+    """3. The encoder ops at the artifact's heaviest hook point: roofline and profile predictions vs
+    measured."""
     config = encoder.config
     ops = build_hook_plan(artifact).for_gpu(0).ops
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "profile.json"
-        write_profile(profile_kernels(config, device=encoder.device.type, dtype=encoder.dtype), path)
+        write_profile(
+            profile_kernels(config, device=encoder.device.type, dtype=encoder.dtype), path
+        )
         profile = load_profile(path)
     roofline = _op_costs(encoder, artifact, CostModel.from_config(config))
     profiled = _op_costs(encoder, artifact, CostModel(config.cluster, config.cost_model, profile))
     events = {op.event for op in ops}
-    def share(costs: dict[tuple[str, int], float], op: Any) -> float:  # a piece: its share of the kernel
+
+    def share(
+        costs: dict[tuple[str, int], float], op: Any
+    ) -> float:  # a piece: its share of the kernel
         return costs[(op.phase, op.kernel_index)] * (op.piece[1] - op.piece[0])
 
     event = max(events, key=lambda e: sum(share(roofline, op) for op in ops if op.event == e))
@@ -257,16 +338,30 @@ def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3)
     predicted_profile = sum(share(profiled, op) for op in group) / 1e3
     tp = artifact["encoder_plan"]["tp"]
     covered = sum(1 for op in group if (op.encoder, op.kernel, op.phase, tp) in profile)
-    return {"event": list(event), "ops": len(group), "microbatches": len({op.local_microbatch for op in group}),
-            "measured_ms": measured, "roofline_ms": predicted, "profile_ms": predicted_profile,
-            "roofline_error": predicted / measured - 1, "profile_error": predicted_profile / measured - 1,
-            "ops_in_profile": covered}
+    return {
+        "event": list(event),
+        "ops": len(group),
+        "microbatches": len({op.local_microbatch for op in group}),
+        "measured_ms": measured,
+        "roofline_ms": predicted,
+        "profile_ms": predicted_profile,
+        "roofline_error": predicted / measured - 1,
+        "profile_error": predicted_profile / measured - 1,
+        "ops_in_profile": covered,
+    }
 
 
-def _op_costs(encoder: Encoder, artifact: dict[str, Any], cost: Any) -> dict[tuple[str, int], float]:
-    """Predicted µs per (phase, op index) of the stage chain; checks that the chains match the runtime's ops."""
-    work = build_encoder_work(encoder.config, ParallelPlan(**artifact["llm_plan"]),
-                              ParallelPlan(**artifact["encoder_plan"]), cost)
+def _op_costs(
+    encoder: Encoder, artifact: dict[str, Any], cost: Any
+) -> dict[tuple[str, int], float]:
+    """Predicted µs per (phase, op index) of the stage chain; checks that the chains match the
+    runtime's ops."""
+    work = build_encoder_work(
+        encoder.config,
+        ParallelPlan(**artifact["llm_plan"]),
+        ParallelPlan(**artifact["encoder_plan"]),
+        cost,
+    )
     costs = {}
     for phase, chain in (("fwd", work.fwd[0]), ("bwd", work.bwd[0])):
         names = [(k.encoder, k.layer, k.name, k.splittable) for k in chain.kernels]
@@ -277,7 +372,8 @@ def _op_costs(encoder: Encoder, artifact: dict[str, Any], cost: Any) -> dict[tup
 
 
 def _time_group(encoder: Encoder, group: list) -> float:
-    """Bring each microbatch to just before its first op in ``group`` (untimed), then time the group."""
+    """Bring each microbatch to just before its first op in ``group`` (untimed), then time the
+    group."""
     runs: dict[int, Any] = {}
     for op in group:
         if op.local_microbatch in runs:
@@ -291,7 +387,9 @@ def _time_group(encoder: Encoder, group: list) -> float:
             for k in range(op.kernel_index):
                 run.run_backward(k)
         if op.piece[0] > 0:  # the kernel's earlier pieces
-            (run.run_forward if op.phase == "fwd" else run.run_backward)(op.kernel_index, (0.0, op.piece[0]))
+            (run.run_forward if op.phase == "fwd" else run.run_backward)(
+                op.kernel_index, (0.0, op.piece[0])
+            )
 
     def body() -> None:
         for op in group:
@@ -306,8 +404,9 @@ def _time_group(encoder: Encoder, group: list) -> float:
 # -- 4. training step ------------------------------------------------------------------------------
 
 
-def measure_training(config: OptimusConfig, artifact: dict[str, Any], peak_tflops: float, steps: int,
-                     warmup: int = 2) -> dict[str, Any]:
+def measure_training(
+    config: OptimusConfig, artifact: dict[str, Any], peak_tflops: float, steps: int, warmup: int = 2
+) -> dict[str, Any]:
     """4. Step time and MFU of the Optimus runtime and the Megatron-style baseline on this GPU."""
     llm_plan = plan(config).llm_plan
     flops = model_flops_per_iteration(config)
@@ -315,7 +414,8 @@ def measure_training(config: OptimusConfig, artifact: dict[str, Any], peak_tflop
     for mode in ("baseline", "optimus"):
         trainer = Trainer(config, llm_plan, mode, artifact if mode == "optimus" else None)
         try:
-            losses = [trainer.train_step(i).loss for i in range(warmup)]  # a step ends with the loss on the host
+            # a step ends with the loss on the host
+            losses = [trainer.train_step(i).loss for i in range(warmup)]
             torch.cuda.synchronize()
             started = time.perf_counter()
             losses += [trainer.train_step(warmup + i).loss for i in range(steps)]
@@ -324,7 +424,11 @@ def measure_training(config: OptimusConfig, artifact: dict[str, Any], peak_tflop
             trainer.close()
         del trainer
         torch.cuda.empty_cache()
-        result[mode] = {"step_s": step_s, "mfu": flops / step_s / (peak_tflops * 1e12), "losses": losses}
+        result[mode] = {
+            "step_s": step_s,
+            "mfu": flops / step_s / (peak_tflops * 1e12),
+            "losses": losses,
+        }
     result["optimus_slowdown"] = result["optimus"]["step_s"] / result["baseline"]["step_s"] - 1
     return result
 
@@ -333,10 +437,16 @@ def measure_training(config: OptimusConfig, artifact: dict[str, Any], peak_tflop
 
 
 def environment(config: OptimusConfig, peak_tflops: float) -> dict[str, Any]:
-    return {"gpu": torch.cuda.get_device_name(), "gpus_visible": torch.cuda.device_count(),
-            "torch": torch.__version__, "megatron_core": _version("megatron-core", "megatron_core"),
-            "transformer_engine": _version("transformer-engine", "transformer_engine"),
-            "config": config.source, "peak_tflops": peak_tflops, "command": shlex.join([sys.executable, *sys.argv])}
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "gpus_visible": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "megatron_core": _version("megatron-core", "megatron_core"),
+        "transformer_engine": _version("transformer-engine", "transformer_engine"),
+        "config": config.source,
+        "peak_tflops": peak_tflops,
+        "command": shlex.join([sys.executable, *sys.argv]),
+    }
 
 
 def _version(*names: str) -> str:
@@ -349,7 +459,8 @@ def _version(*names: str) -> str:
 
 
 def _init_world_of_one() -> None:
-    """A torch.distributed world of this one process (NCCL): megatron-core and the encoder need groups."""
+    """A torch.distributed world of this one process (NCCL): megatron-core and the encoder need
+    groups."""
     import torch.distributed as dist
 
     with socket.socket() as probe:
@@ -361,8 +472,12 @@ def _init_world_of_one() -> None:
 
 def run(config: OptimusConfig, peak_tflops: float, steps: int) -> dict[str, Any]:
     artifact = schedule_job_artifact(config, plan(config))
-    results: dict[str, Any] = {"format": FORMAT, "version": VERSION, "environment": environment(config, peak_tflops),
-                               "targets": TARGETS}
+    results: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "environment": environment(config, peak_tflops),
+        "targets": TARGETS,
+    }
     encoder = Encoder(config, DTYPES[config.training.precision])
     clock = SleepClock()
     results["kernel_level"] = measure_kernel_level(encoder)
@@ -375,51 +490,104 @@ def run(config: OptimusConfig, peak_tflops: float, steps: int) -> dict[str, Any]
 
 
 def table(results: dict[str, Any]) -> str:
-    env, k, o, b, t = (results[n] for n in ("environment", "kernel_level", "overlap", "bubble", "training"))
+    env, k, o, b, t = (
+        results[n] for n in ("environment", "kernel_level", "overlap", "bubble", "training")
+    )
     rows = [
-        ("1 kernel-level ops / plain autograd", f"{k['ratio']:.3f} ({k['ops_ms']:.2f} / {k['autograd_ms']:.2f} ms, "
-         f"{k['ops']} ops, grad diff {k['grad_max_rel_diff']:.1e})", f"<= {TARGETS['kernel_level_ratio']}",
-         k["ratio"] <= TARGETS["kernel_level_ratio"]),
-        ("2 encoder time hidden in window", f"{o['hidden_share']:.1%} (encoder {o['encoder_ms']:.2f} ms, window "
-         f"{o['window_ms']:.2f} ms, both {o['both_ms']:.2f} ms)", f">= {TARGETS['hidden_share']:.0%}",
-         o["hidden_share"] >= TARGETS["hidden_share"]),
+        (
+            "1 kernel-level ops / plain autograd",
+            f"{k['ratio']:.3f} ({k['ops_ms']:.2f} / {k['autograd_ms']:.2f} ms, "
+            f"{k['ops']} ops, grad diff {k['grad_max_rel_diff']:.1e})",
+            f"<= {TARGETS['kernel_level_ratio']}",
+            k["ratio"] <= TARGETS["kernel_level_ratio"],
+        ),
+        (
+            "2 encoder time hidden in window",
+            f"{o['hidden_share']:.1%} (encoder {o['encoder_ms']:.2f} ms, window "
+            f"{o['window_ms']:.2f} ms, both {o['both_ms']:.2f} ms)",
+            f">= {TARGETS['hidden_share']:.0%}",
+            o["hidden_share"] >= TARGETS["hidden_share"],
+        ),
         ("  window", o["window"], "", None),
-        ("  LLM GEMM slowdown alongside", f"{o['gemm_slowdown']:+.1%} ({o['gemm_alone_ms']:.2f} -> "
-         f"{o['gemm_with_encoder_ms']:.2f} ms)", "", None),
-        (f"3 one bubble ({b['ops']} ops at {tuple(b['event'])})", f"measured {b['measured_ms']:.2f} ms", "", None),
-        ("  roofline prediction", f"{b['roofline_ms']:.2f} ms ({b['roofline_error']:+.1%})", "", None),
-        ("  profile prediction", f"{b['profile_ms']:.2f} ms ({b['profile_error']:+.1%}; "
-         f"{b['ops_in_profile']}/{b['ops']} ops profiled)", f"within {TARGETS['profile_error']:.0%}",
-         abs(b["profile_error"]) <= TARGETS["profile_error"]),
+        (
+            "  LLM GEMM slowdown alongside",
+            f"{o['gemm_slowdown']:+.1%} ({o['gemm_alone_ms']:.2f} -> "
+            f"{o['gemm_with_encoder_ms']:.2f} ms)",
+            "",
+            None,
+        ),
+        (
+            f"3 one bubble ({b['ops']} ops at {tuple(b['event'])})",
+            f"measured {b['measured_ms']:.2f} ms",
+            "",
+            None,
+        ),
+        (
+            "  roofline prediction",
+            f"{b['roofline_ms']:.2f} ms ({b['roofline_error']:+.1%})",
+            "",
+            None,
+        ),
+        (
+            "  profile prediction",
+            f"{b['profile_ms']:.2f} ms ({b['profile_error']:+.1%}; "
+            f"{b['ops_in_profile']}/{b['ops']} ops profiled)",
+            f"within {TARGETS['profile_error']:.0%}",
+            abs(b["profile_error"]) <= TARGETS["profile_error"],
+        ),
     ]
     for mode in ("baseline", "optimus"):
         m = t[mode]
-        rows.append((f"4 training step, {mode}", f"{m['step_s'] * 1e3:.1f} ms, MFU {m['mfu']:.1%}",
-                     f">= {TARGETS['mfu']:.0%}", m["mfu"] >= TARGETS["mfu"]))
-    rows.append(("  Optimus vs baseline", f"{t['optimus_slowdown']:+.2%}", f"<= +{TARGETS['optimus_slowdown']:.0%}",
-                 t["optimus_slowdown"] <= TARGETS["optimus_slowdown"]))
-    header = [f"bench_gpu: {env['gpu']} | torch {env['torch']} | megatron-core {env['megatron_core']} | "
-              f"transformer-engine {env['transformer_engine']} | peak {env['peak_tflops']:g} TFLOP/s bf16",
-              f"command: {env['command']}", ""]
+        rows.append(
+            (
+                f"4 training step, {mode}",
+                f"{m['step_s'] * 1e3:.1f} ms, MFU {m['mfu']:.1%}",
+                f">= {TARGETS['mfu']:.0%}",
+                m["mfu"] >= TARGETS["mfu"],
+            )
+        )
+    rows.append(
+        (
+            "  Optimus vs baseline",
+            f"{t['optimus_slowdown']:+.2%}",
+            f"<= +{TARGETS['optimus_slowdown']:.0%}",
+            t["optimus_slowdown"] <= TARGETS["optimus_slowdown"],
+        )
+    )
+    header = [
+        f"bench_gpu: {env['gpu']} | torch {env['torch']} | megatron-core {env['megatron_core']} | "
+        f"transformer-engine {env['transformer_engine']} | "
+        f"peak {env['peak_tflops']:g} TFLOP/s bf16",
+        f"command: {env['command']}",
+        "",
+    ]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'measurement':<{width}}  {'result':<70}  {'target':<11}  ok"]
     for name, value, target, ok in rows:
-        lines.append(f"{name:<{width}}  {value:<70}  {target:<11}  {'' if ok is None else ('yes' if ok else 'NO')}")
+        lines.append(
+            f"{name:<{width}}  {value:<70}  {target:<11}  "
+            f"{'' if ok is None else ('yes' if ok else 'NO')}"
+        )
     return "\n".join(header + lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
-        print(f"{PROG}: error: no CUDA GPU is visible; run it on a machine with an NVIDIA GPU "
-              "(nothing is measured or printed without one)", file=sys.stderr)
+        print(
+            f"{PROG}: error: no CUDA GPU is visible; run it on a machine with an NVIDIA GPU "
+            "(nothing is measured or printed without one)",
+            file=sys.stderr,
+        )
         return 2
     warn_unverified("scripts/bench_gpu.py")
     try:
         config = load_config(args.config)
         if config.cluster.num_gpus != 1:
-            raise OptimusError(f"{args.config}: cluster.num_gpus is {config.cluster.num_gpus}; this benchmark "
-                               "trains on one GPU (see configs/gpu_single.yaml)")
+            raise OptimusError(
+                f"{args.config}: cluster.num_gpus is {config.cluster.num_gpus}; this benchmark "
+                "trains on one GPU (see configs/gpu_single.yaml)"
+            )
         _init_world_of_one()
         results = run(config, args.peak_tflops or config.cluster.peak_tflops, args.steps)
     except OptimusError as exc:

@@ -1,13 +1,15 @@
-"""Seeded fuzzing of the inputs a user hands the project: configs, --override values, schedule artifacts,
+"""Seeded fuzzing of the inputs a user hands the project: configs, --override values, schedule
+artifacts,
 checkpoint folders, datasets and Megatron-LM flags.
 
     python scripts/fuzz_inputs.py --cases N [--seed S] [--limit SEC (10)] [--json OUT]
 
 Each case takes a valid input, damages it one way (a value, a key, the file's bytes) and hands it to
 what reads it before any rank connects: ``load_config`` and the planner (``optimus-plan``, and every
-rank of ``optimus-train``), ``load_job_artifact`` (``--schedule``), ``latest_checkpoint`` (``--resume``),
-``check_dataset`` and the image decoder (``data.path``), and ``config_from_megatron_args`` with the planner
-(a flag of ``scripts/pretrain_vlm_megatron.py``). Every outcome is one of
+rank of ``optimus-train``), ``load_job_artifact`` (``--schedule``), ``latest_checkpoint``
+(``--resume``), ``check_dataset`` and the image decoder (``data.path``), and
+``config_from_megatron_args`` with the planner (a flag of ``scripts/pretrain_vlm_megatron.py``).
+Every outcome is one of
 
     ok        accepted, where the damage may leave a valid input
     refused   an OptimusError: the entry points print it as one line and exit 2
@@ -47,13 +49,63 @@ from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
 from optimus_mllm.yaml_input import parse_yaml  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.yaml"
-KINDS = ("config value", "config key", "config bytes", "override", "artifact", "checkpoint", "dataset",
-         "megatron args")
+KINDS = (
+    "config value",
+    "config key",
+    "config bytes",
+    "override",
+    "artifact",
+    "checkpoint",
+    "dataset",
+    "megatron args",
+)
 # values no field takes; and values some field may
-INVALID_VALUES = [float("nan"), float("inf"), float("-inf"), {"nested": {"mapping": 1}}, [[["deep"]]]]
-MAYBE_VALUES = [0, -1, 1, 2, 3, 7, 64, 1e-9, 1e9, 2**31, 10**16, "", "x" * 300, True, False, None, "fp8", 0.5]
-OVERRIDE_TEXTS = ["[", "{", "'open", '"', "!!python/object/apply:os.system ['true']", "*nowhere", "&a [*a]",
-                  ".nan", "-.inf", "1e400", "0x10", "~", "[1, 2", "{a: 1, a: 2}", "9" * 5000, "- - - x", "\t"]
+INVALID_VALUES = [
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    {"nested": {"mapping": 1}},
+    [[["deep"]]],
+]
+MAYBE_VALUES = [
+    0,
+    -1,
+    1,
+    2,
+    3,
+    7,
+    64,
+    1e-9,
+    1e9,
+    2**31,
+    10**16,
+    "",
+    "x" * 300,
+    True,
+    False,
+    None,
+    "fp8",
+    0.5,
+]
+OVERRIDE_TEXTS = [
+    "[",
+    "{",
+    "'open",
+    '"',
+    "!!python/object/apply:os.system ['true']",
+    "*nowhere",
+    "&a [*a]",
+    ".nan",
+    "-.inf",
+    "1e400",
+    "0x10",
+    "~",
+    "[1, 2",
+    "{a: 1, a: 2}",
+    "9" * 5000,
+    "- - - x",
+    "\t",
+]
 
 
 @dataclass(frozen=True)
@@ -98,18 +150,55 @@ class Inputs:
         self.planned = plan(self.config)
         self.artifact = schedule_job_artifact(self.config, self.planned)
         self.dataset = root / "dataset"
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_sample_dataset.py"), "--out", str(self.dataset),
-                        "--num-samples", "8", "--size", "16"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "make_sample_dataset.py"),
+                "--out",
+                str(self.dataset),
+                "--num-samples",
+                "8",
+                "--size",
+                "16",
+            ],
+            check=True,
+            capture_output=True,
+        )
         from optimus_mllm.megatron_training import build_parser, parse_args
+
         self.megatron_parse_args = parse_args
         self.megatron_parser = build_parser
         self.checkpoint = root / "checkpoint" if with_checkpoint else None
         if self.checkpoint is not None:
-            one_rank = ["cluster.num_gpus=1", "cluster.gpus_per_node=1", "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}",
-                        "training.train_iters=2"]
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                            "-m", "optimus_mllm.train", "--config", str(TINY), "--override", *one_rank, "--save",
-                            str(self.checkpoint), "--save-interval", "1"], check=True, capture_output=True, cwd=REPO)
+            one_rank = [
+                "cluster.num_gpus=1",
+                "cluster.gpus_per_node=1",
+                "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}",
+                "training.train_iters=2",
+            ]
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    "--nproc-per-node",
+                    "1",
+                    "-m",
+                    "optimus_mllm.train",
+                    "--config",
+                    str(TINY),
+                    "--override",
+                    *one_rank,
+                    "--save",
+                    str(self.checkpoint),
+                    "--save-interval",
+                    "1",
+                ],
+                check=True,
+                capture_output=True,
+                cwd=REPO,
+            )
 
 
 # -- damage ----------------------------------------------------------------------------------------
@@ -138,8 +227,12 @@ def _at(tree: Any, path: tuple) -> Any:
 
 
 def _yaml(value: Any) -> str:
-    return json.dumps(value, allow_nan=True).replace("NaN", ".nan").replace("-Infinity", "-.inf").replace(
-        "Infinity", ".inf")
+    return (
+        json.dumps(value, allow_nan=True)
+        .replace("NaN", ".nan")
+        .replace("-Infinity", "-.inf")
+        .replace("Infinity", ".inf")
+    )
 
 
 def _dump(raw: dict) -> str:
@@ -154,17 +247,25 @@ def _value(rng: random.Random) -> tuple[Any, bool]:
     return copy.deepcopy(rng.choice(MAYBE_VALUES)), False
 
 
-def _config_value(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[], Any], str, bool]:
+def _config_value(
+    inputs: Inputs, rng: random.Random, tmp: Path
+) -> tuple[Callable[[], Any], str, bool]:
     raw = copy.deepcopy(inputs.raw)
     path = rng.choice(_leaves(raw))
     value, invalid = _value(rng)
     _at(raw, path[:-1])[path[-1]] = value
     file = tmp / "config.yaml"
     file.write_text(_dump(raw))
-    return lambda: _plan_config(file, []), f"{'.'.join(map(str, path))} = {str(value)[:40]}", invalid
+    return (
+        lambda: _plan_config(file, []),
+        f"{'.'.join(map(str, path))} = {str(value)[:40]}",
+        invalid,
+    )
 
 
-def _config_key(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[], Any], str, bool]:
+def _config_key(
+    inputs: Inputs, rng: random.Random, tmp: Path
+) -> tuple[Callable[[], Any], str, bool]:
     raw = copy.deepcopy(inputs.raw)
     section = rng.choice([s for s in _sections(raw) if s != ("parallel", "llm")])
     node = _at(raw, section)
@@ -180,7 +281,9 @@ def _config_key(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable
     return lambda: _plan_config(file, []), what, invalid
 
 
-def _config_bytes(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[], Any], str, bool]:
+def _config_bytes(
+    inputs: Inputs, rng: random.Random, tmp: Path
+) -> tuple[Callable[[], Any], str, bool]:
     data = inputs.config_text.encode()
     choice = rng.randrange(5)
     if choice == 0:
@@ -190,14 +293,27 @@ def _config_bytes(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callab
         at = rng.randrange(len(data))
         data, what, invalid = data[:at] + b"\xff" + data[at:], f"byte 0xff at {at}", True
     elif choice == 2:
-        block = rng.choice([line for line in inputs.config_text.splitlines() if line and not line[0].isspace()
-                            and not line.startswith("#")])
+        block = rng.choice(
+            [
+                line
+                for line in inputs.config_text.splitlines()
+                if line and not line[0].isspace() and not line.startswith("#")
+            ]
+        )
         data, what, invalid = data + f"\n{block}\n".encode(), f"'{block}' again", ":" in block
     elif choice == 3:
         depth = rng.choice([40, 500, 5000])
-        data, what, invalid = data + b"\nextra: " + b"[" * depth + b"]" * depth, f"nesting {depth} deep", True
+        data, what, invalid = (
+            data + b"\nextra: " + b"[" * depth + b"]" * depth,
+            f"nesting {depth} deep",
+            True,
+        )
     else:
-        data, what, invalid = bytes(rng.randrange(256) for _ in range(200)), "200 random bytes", True
+        data, what, invalid = (
+            bytes(rng.randrange(256) for _ in range(200)),
+            "200 random bytes",
+            True,
+        )
     file = tmp / "config.yaml"
     file.write_bytes(data)
     return lambda: _plan_config(file, []), what, invalid
@@ -232,8 +348,11 @@ def _artifact(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[
     choice = rng.randrange(4)
     if choice == 0:
         path = rng.choice(_leaves(data))
-        value, invalid = (rng.choice(INVALID_VALUES), True) if rng.random() < 0.5 else (rng.choice(["text", -5, 10**20]),
-                                                                                        False)
+        value, invalid = (
+            (rng.choice(INVALID_VALUES), True)
+            if rng.random() < 0.5
+            else (rng.choice(["text", -5, 10**20]), False)
+        )
         _at(data, path[:-1])[path[-1]] = value
         text, what = json.dumps(data), f"{'.'.join(map(str, path))} = {str(value)[:30]}"
     elif choice == 1:
@@ -241,20 +360,31 @@ def _artifact(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[
         key = rng.choice(list(_at(data, section)))
         del _at(data, section)[key]
         # every top-level field is required; deeper ones may have defaults
-        text, what, invalid = json.dumps(data), f"{'.'.join(map(str, (*section, key)))} deleted", section == ()
+        text, what, invalid = (
+            json.dumps(data),
+            f"{'.'.join(map(str, (*section, key)))} deleted",
+            section == (),
+        )
     elif choice == 2:
         text = json.dumps(data)
         cut = rng.randrange(len(text))
         text, what, invalid = text[:cut], f"cut at character {cut}", True
     else:
         file.write_bytes(bytes(rng.randrange(256) for _ in range(300)))
-        return (lambda: load_job_artifact(file, inputs.planned, inputs.config, 4)), "300 random bytes", True
+        return (
+            (lambda: load_job_artifact(file, inputs.planned, inputs.config, 4)),
+            "300 random bytes",
+            True,
+        )
     file.write_text(text)
     return lambda: load_job_artifact(file, inputs.planned, inputs.config, 4), what, invalid
 
 
-def _checkpoint(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[], Any], str, bool]:
-    """Damage the newest checkpoint (iter_0000002) or the tracker; resuming must then take iter_0000001 or
+def _checkpoint(
+    inputs: Inputs, rng: random.Random, tmp: Path
+) -> tuple[Callable[[], Any], str, bool]:
+    """Damage the newest checkpoint (iter_0000002) or the tracker; resuming must then take
+    iter_0000001 or
     refuse, never the damaged one."""
     from optimus_mllm.runtime.checkpoint_meta import (
         check_resumable,
@@ -320,8 +450,17 @@ def _dataset(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[]
     decode = False
     if choice == 0:
         i = rng.randrange(len(lines))
-        lines[i] = rng.choice(['{"image": 1, "text": "x"}', '{"text": "only text"}', "[1, 2]", "{", '"a string"',
-                               '{"image": "images/none.png", "text": "no such file"}', '{"image": "images/000000.png"}'])
+        lines[i] = rng.choice(
+            [
+                '{"image": 1, "text": "x"}',
+                '{"text": "only text"}',
+                "[1, 2]",
+                "{",
+                '"a string"',
+                '{"image": "images/none.png", "text": "no such file"}',
+                '{"image": "images/000000.png"}',
+            ]
+        )
         captions.write_text("\n".join(lines) + "\n")
         what, invalid = f"line {i + 1}: {lines[i][:40]}", True
     elif choice == 1:
@@ -355,18 +494,28 @@ def _dataset(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[]
     return read, what, invalid
 
 
-MEGATRON_BASE = ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer", "--disable-vision-class-token"]
+MEGATRON_BASE = [
+    "--untie-embeddings-and-output-weights",
+    "--use-distributed-optimizer",
+    "--disable-vision-class-token",
+]
 INT_TEXTS = ["0", "-1", "1", "2", "3", "7", "64", "1000000000", "10000000000000000"]
 FLOAT_TEXTS = ["nan", "inf", "-inf", "0", "-1", "1e-9", "1e9", "0.5", "1e400"]
 
 
-def _megatron_args(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[], Any], str, bool]:
-    """One flag of scripts/pretrain_vlm_megatron.py (Megatron-LM's names and defaults) set to a drawn value,
-    read by ``config_from_megatron_args`` and planned, as the script does before any rank connects."""
+def _megatron_args(
+    inputs: Inputs, rng: random.Random, tmp: Path
+) -> tuple[Callable[[], Any], str, bool]:
+    """One flag of scripts/pretrain_vlm_megatron.py (Megatron-LM's names and defaults) set to a
+    drawn value,
+    read by ``config_from_megatron_args`` and planned, as the script does before any rank
+    connects."""
     from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args
     from optimus_mllm.planner import plan
 
-    actions = [a for a in inputs.megatron_parser()._actions if a.option_strings and a.dest != "help"]
+    actions = [
+        a for a in inputs.megatron_parser()._actions if a.option_strings and a.dest != "help"
+    ]
     action = rng.choice(actions)
     flag = action.option_strings[0]
     invalid = False
@@ -393,9 +542,16 @@ def _megatron_args(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Calla
     return read, f"{flag} {value}", invalid
 
 
-GENERATORS = {"config value": _config_value, "config key": _config_key, "config bytes": _config_bytes,
-              "override": _override, "artifact": _artifact, "checkpoint": _checkpoint, "dataset": _dataset,
-              "megatron args": _megatron_args}
+GENERATORS = {
+    "config value": _config_value,
+    "config key": _config_key,
+    "config bytes": _config_bytes,
+    "override": _override,
+    "artifact": _artifact,
+    "checkpoint": _checkpoint,
+    "dataset": _dataset,
+    "megatron args": _megatron_args,
+}
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -426,9 +582,13 @@ def run_case(inputs: Inputs, kind: str, index: int, seed: int, limit: float) -> 
         return Outcome(case, result, detail, time.monotonic() - started)
 
 
-def fuzz(cases: int, seed: int, limit: float, work: Path, kinds: tuple[str, ...] = KINDS) -> list[Outcome]:
+def fuzz(
+    cases: int, seed: int, limit: float, work: Path, kinds: tuple[str, ...] = KINDS
+) -> list[Outcome]:
     inputs = Inputs(work, with_checkpoint="checkpoint" in kinds)
-    return [run_case(inputs, kinds[i % len(kinds)], i // len(kinds), seed, limit) for i in range(cases)]
+    return [
+        run_case(inputs, kinds[i % len(kinds)], i // len(kinds), seed, limit) for i in range(cases)
+    ]
 
 
 FAILURES = ("TRACEBACK", "HANG", "ACCEPTED")
@@ -440,19 +600,31 @@ def table(outcomes: list[Outcome]) -> list[str]:
     for kind in dict.fromkeys(o.case.kind for o in outcomes):
         mine = [o for o in outcomes if o.case.kind == kind]
         counts = Counter(o.result for o in mine)
-        rows.append(f"{kind:<14}{len(mine):>7}" + "".join(f"{counts[c]:>11}" for c in columns)
-                    + f"{max(o.seconds for o in mine):>8.2f}")
+        rows.append(
+            f"{kind:<14}{len(mine):>7}"
+            + "".join(f"{counts[c]:>11}" for c in columns)
+            + f"{max(o.seconds for o in mine):>8.2f}"
+        )
     counts = Counter(o.result for o in outcomes)
-    rows.append(f"{'all':<14}{len(outcomes):>7}" + "".join(f"{counts[c]:>11}" for c in columns)
-                + f"{max(o.seconds for o in outcomes):>8.2f}")
+    rows.append(
+        f"{'all':<14}{len(outcomes):>7}"
+        + "".join(f"{counts[c]:>11}" for c in columns)
+        + f"{max(o.seconds for o in outcomes):>8.2f}"
+    )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="fuzz_inputs.py", description="Seeded fuzzing of every input a user gives")
-    parser.add_argument("--cases", type=int, default=500, help="cases, spread over the kinds of input (default 500)")
+    parser = ArgumentParser(
+        prog="fuzz_inputs.py", description="Seeded fuzzing of every input a user gives"
+    )
+    parser.add_argument(
+        "--cases", type=int, default=500, help="cases, spread over the kinds of input (default 500)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--limit", type=float, default=10.0, help="seconds a case may take (default 10)")
+    parser.add_argument(
+        "--limit", type=float, default=10.0, help="seconds a case may take (default 10)"
+    )
     parser.add_argument("--json", metavar="OUT", help="also write every outcome as JSON")
     args = parser.parse_args(argv)
     if args.cases < 1 or not math.isfinite(args.limit) or args.limit <= 0:
@@ -464,8 +636,22 @@ def main(argv: list[str] | None = None) -> int:
     for o in failed:
         print(f"{o.result}: {o.case.kind} #{o.case.index}: {o.case.what}: {o.detail}")
     if args.json:
-        atomic_write_text(args.json, json.dumps([{**asdict(o.case), "result": o.result, "detail": o.detail,
-                                                  "seconds": round(o.seconds, 3)} for o in outcomes], indent=1) + "\n")
+        atomic_write_text(
+            args.json,
+            json.dumps(
+                [
+                    {
+                        **asdict(o.case),
+                        "result": o.result,
+                        "detail": o.detail,
+                        "seconds": round(o.seconds, 3),
+                    }
+                    for o in outcomes
+                ],
+                indent=1,
+            )
+            + "\n",
+        )
     return 1 if failed else 0
 
 

@@ -2,10 +2,10 @@
 
     python scripts/make_sample_dataset.py --out DIR [--num-samples 64] [--size 32] [--seed 0]
 
-DIR gets ``captions.jsonl`` and ``images/000000.png`` ...; each image is a square, a circle or stripes
-on a background of another colour, captioned e.g. "a red circle on a blue background". The same seed
-gives the same files. The dataset is written to a temporary folder beside DIR and renamed at the end,
-so an interrupted run leaves no half-written DIR.
+DIR gets ``captions.jsonl`` and ``images/000000.png`` ...; each image is a square, a circle or
+stripes on a background of another colour, captioned e.g. "a red circle on a blue background". The
+same seed gives the same files. The dataset is written to a temporary folder beside DIR and renamed
+at the end, so an interrupted run leaves no half-written DIR.
 """
 
 from __future__ import annotations
@@ -27,17 +27,31 @@ from optimus_mllm.cli.common import ArgumentParser, run  # noqa: E402
 from optimus_mllm.errors import OptimusError  # noqa: E402
 
 PROG = "make_sample_dataset.py"
-COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
-           "purple": (140, 50, 170), "orange": (245, 140, 30), "white": (245, 245, 245), "black": (15, 15, 15)}
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 70, 220),
+    "yellow": (240, 210, 40),
+    "purple": (140, 50, 170),
+    "orange": (245, 140, 30),
+    "white": (245, 245, 245),
+    "black": (15, 15, 15),
+}
 SHAPES = ("square", "circle", "stripes")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=PROG, description="Write a tiny sample dataset for data.path.")
     parser.add_argument("--out", required=True, type=Path, help="new (or empty) folder to write")
-    parser.add_argument("--num-samples", type=_positive_int, default=64, help="images to draw (default 64)")
-    parser.add_argument("--size", type=_positive_int, default=32, help="image side in pixels (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same files")
+    parser.add_argument(
+        "--num-samples", type=_positive_int, default=64, help="images to draw (default 64)"
+    )
+    parser.add_argument(
+        "--size", type=_positive_int, default=32, help="image side in pixels (default 32)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed; the same seed gives the same files"
+    )
     return parser
 
 
@@ -93,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists() and not (out.is_dir() and not any(out.iterdir())):
             raise OptimusError(f"--out {out} exists and is not empty; choose a new folder")
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # beside DIR, so the rename stays on one disk
+        # beside DIR, so the rename stays on one disk
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         tmp.mkdir()
         try:
             write_dataset(tmp, args.num_samples, args.size, args.seed)

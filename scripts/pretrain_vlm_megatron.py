@@ -1,16 +1,18 @@
 """Pretrain a ViT + GPT vision-language model: a Megatron-LM ``pretrain_vlm.py``-style script.
 
-    torchrun --nproc-per-node 4 scripts/pretrain_vlm_megatron.py [Megatron flags] [--optimus-schedule plan.json]
+    torchrun --nproc-per-node 4 scripts/pretrain_vlm_megatron.py [Megatron flags]
+    [--optimus-schedule plan.json]
 
-The script is what a Megatron-LM user writes: a ``model_provider`` building megatron-core's classes in
-LLaVA's layout (``CLIPViTModel`` and ``MultimodalProjector`` on the first pipeline stage, ``GPTModel``
-throughout, each sample's image tokens spliced in at its ``<image>`` token), a ``forward_step`` and loss
-function, a datasets provider, and ``pretrain()``. ``megatron.training`` is not in the megatron-core
-wheel, so what the script takes from it comes from ``optimus_mllm.megatron_training``. The opt-in is
-the one marked import: Optimus's ``pretrain`` in place of Megatron's. Without ``--optimus-schedule``
-the vision model runs in the first stage as built; with it, its kernels run in the LLM's bubbles. Make the
-schedule for the same model with ``optimus-plan --config MODEL.yaml --artifact plan.json`` (the defaults
-below, with ``--disable-vision-class-token``, are ``configs/megatron_tiny.yaml``).
+The script is what a Megatron-LM user writes: a ``model_provider`` building megatron-core's classes
+in LLaVA's layout (``CLIPViTModel`` and ``MultimodalProjector`` on the first pipeline stage,
+``GPTModel`` throughout, each sample's image tokens spliced in at its ``<image>`` token), a
+``forward_step`` and loss function, a datasets provider, and ``pretrain()``. ``megatron.training``
+is not in the megatron-core wheel, so what the script takes from it comes from
+``optimus_mllm.megatron_training``. The opt-in is the one marked import: Optimus's ``pretrain`` in
+place of Megatron's. Without ``--optimus-schedule`` the vision model runs in the first stage as
+built; with it, its kernels run in the LLM's bubbles. Make the schedule for the same model with
+``optimus-plan --config MODEL.yaml --artifact plan.json`` (the defaults below, with
+``--disable-vision-class-token``, are ``configs/megatron_tiny.yaml``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# megatron.training's stand-in first, as its import sets the job up (here: quiets the CPU-only library warnings)
+# megatron.training's stand-in first, as its import sets the job up (here: quiets the CPU-only
+# library warnings); the next line is the opt-in: --optimus-schedule runs the encoder in the bubbles
+# isort: off
 from optimus_mllm.megatron_training import core_transformer_config_from_args, get_args, pretrain
-from optimus_mllm.megatron import pretrain  # Optimus: --optimus-schedule PLAN_JSON runs the encoder in the LLM's bubbles
+from optimus_mllm.megatron import pretrain  # Optimus's pretrain: adds --optimus-schedule
 from megatron.core.enums import ModelType
+
+# isort: on
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
@@ -45,52 +51,106 @@ IMAGE_TOKEN_INDEX = -200  # LLaVA's <image>
 class VisionLanguageModel(MegatronModule):
     """megatron-core's ``LLaVAModel`` layout, without the class token its CLIP always has."""
 
-    def __init__(self, language_config: TransformerConfig, vision_config: TransformerConfig,
-                 projection_config: TransformerConfig, *, pre_process: bool, post_process: bool,
-                 vp_stage: int | None, vocab_size: int, max_sequence_length: int, img_h: int, img_w: int,
-                 patch_dim: int, position_embedding_type: str = "learned_absolute", untie: bool = False):
+    def __init__(
+        self,
+        language_config: TransformerConfig,
+        vision_config: TransformerConfig,
+        projection_config: TransformerConfig,
+        *,
+        pre_process: bool,
+        post_process: bool,
+        vp_stage: int | None,
+        vocab_size: int,
+        max_sequence_length: int,
+        img_h: int,
+        img_w: int,
+        patch_dim: int,
+        position_embedding_type: str = "learned_absolute",
+        untie: bool = False,
+    ):
         super().__init__(config=language_config)
         self.pre_process, self.post_process = pre_process, post_process
         self.model_type = ModelType.encoder_or_decoder
-        self.share_embeddings_and_output_weights = not untie  # read by megatron-core's finalize_model_grads
+        # read by megatron-core's finalize_model_grads
+        self.share_embeddings_and_output_weights = not untie
         self.language_model = GPTModel(
-            config=language_config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
-            share_embeddings_and_output_weights=not untie, position_embedding_type=position_embedding_type,
-            scatter_embedding_sequence_parallel=False, vp_stage=vp_stage)
-        if pre_process:  # the vision model and projector live on the first stage only, as in LLaVAModel
-            self.vision_model = CLIPViTModel(vision_config, get_vit_layer_with_local_spec(), add_class_token=False,
-                                             class_token_len=0, patch_dim=patch_dim, img_h=img_h, img_w=img_w,
-                                             model_subtype="clip", ln_pre_impl=WrappedTorchNorm)  # no TE or apex
+            config=language_config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=not untie,
+            position_embedding_type=position_embedding_type,
+            scatter_embedding_sequence_parallel=False,
+            vp_stage=vp_stage,
+        )
+        # the vision model and projector live on the first stage only, as in LLaVAModel
+        if pre_process:
+            # no TE or apex
+            self.vision_model = CLIPViTModel(
+                vision_config,
+                get_vit_layer_with_local_spec(),
+                add_class_token=False,
+                class_token_len=0,
+                patch_dim=patch_dim,
+                img_h=img_h,
+                img_w=img_w,
+                model_subtype="clip",
+                ln_pre_impl=WrappedTorchNorm,
+            )
             self.vision_projection = MultimodalProjector(
-                projection_config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                "mlp", vision_config.hidden_size)
+                projection_config,
+                MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                "mlp",
+                vision_config.hidden_size,
+            )
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         self.language_model.set_input_tensor(input_tensor)
 
-    def forward(self, images: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        images: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         decoder_input = None
         if self.pre_process:
             image_embeddings = self.vision_model(images)  # [b, image tokens, h_vision]
-            image_embeddings = self.vision_projection(image_embeddings.permute(1, 0, 2).contiguous())
+            image_embeddings = self.vision_projection(
+                image_embeddings.permute(1, 0, 2).contiguous()
+            )
             text = input_ids.clone()
             text[text == IMAGE_TOKEN_INDEX] = 0
-            text_embeddings = self.language_model.embedding(input_ids=text, position_ids=position_ids)
+            text_embeddings = self.language_model.embedding(
+                input_ids=text, position_ids=position_ids
+            )
             decoder_input = splice_images(text_embeddings, image_embeddings, input_ids)
-        return self.language_model(None, None, attention_mask, decoder_input=decoder_input, labels=labels)
+        return self.language_model(
+            None, None, attention_mask, decoder_input=decoder_input, labels=labels
+        )
 
 
-def splice_images(text: torch.Tensor, images: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Each sample's image tokens ``[n, b, h]`` in place of its one <image> id in ``text`` ``[s, b, h]``."""
+def splice_images(
+    text: torch.Tensor, images: torch.Tensor, input_ids: torch.Tensor
+) -> torch.Tensor:
+    """Each sample's image tokens ``[n, b, h]`` in place of its one <image> id in ``text`` ``[s, b,
+    h]``."""
     where = (input_ids == IMAGE_TOKEN_INDEX).int().argmax(dim=1).tolist()
-    return torch.stack([torch.cat([text[:p, i], images[:, i], text[p + 1:, i]]) for i, p in enumerate(where)], dim=1)
+    return torch.stack(
+        [torch.cat([text[:p, i], images[:, i], text[p + 1 :, i]]) for i, p in enumerate(where)],
+        dim=1,
+    )
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True,
-                   vp_stage: int | None = None) -> VisionLanguageModel:
-    """Builds the model: the vision model a copy of the language model's layers, as pretrain_vlm.py's."""
+def model_provider(
+    pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None
+) -> VisionLanguageModel:
+    """Builds the model: the vision model a copy of the language model's layers, as
+    pretrain_vlm.py's."""
     args = get_args()
     language_config = core_transformer_config_from_args(args)
     vision_config = deepcopy(language_config)
@@ -106,10 +166,20 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
     text_tokens = args.dataloader_seq_length or args.seq_length
     model = VisionLanguageModel(
-        language_config, vision_config, projection_config, pre_process=pre_process, post_process=post_process,
-        vp_stage=vp_stage, vocab_size=args.vocab_size, max_sequence_length=text_tokens + image_tokens,
-        img_h=args.img_h, img_w=args.img_w, patch_dim=args.patch_dim,
-        position_embedding_type=args.position_embedding_type, untie=args.untie_embeddings_and_output_weights)
+        language_config,
+        vision_config,
+        projection_config,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        vocab_size=args.vocab_size,
+        max_sequence_length=text_tokens + image_tokens,
+        img_h=args.img_h,
+        img_w=args.img_w,
+        patch_dim=args.patch_dim,
+        position_embedding_type=args.position_embedding_type,
+        untie=args.untie_embeddings_and_output_weights,
+    )
     if args.freeze_ViT and pre_process:
         model.vision_model.requires_grad_(False)
     return model
@@ -119,8 +189,16 @@ class MockVLMDataset(torch.utils.data.Dataset):
     """Random images and text, one <image> per sample at a random place: megatron-core's mock
     multimodal data, a pure function of (seed, index)."""
 
-    def __init__(self, num_samples: int, seed: int, img_h: int, img_w: int, text_tokens: int, image_tokens: int,
-                 vocab_size: int):
+    def __init__(
+        self,
+        num_samples: int,
+        seed: int,
+        img_h: int,
+        img_w: int,
+        text_tokens: int,
+        image_tokens: int,
+        vocab_size: int,
+    ):
         self.num_samples, self.seed, self.img_h, self.img_w = num_samples, seed, img_h, img_w
         self.text_tokens, self.image_tokens, self.vocab_size = text_tokens, image_tokens, vocab_size
 
@@ -135,18 +213,28 @@ class MockVLMDataset(torch.utils.data.Dataset):
         tokens[where] = IMAGE_TOKEN_INDEX
         length = self.text_tokens + self.image_tokens
         loss_mask = torch.ones(length)
-        loss_mask[where:where + self.image_tokens] = 0.0  # no loss on the image tokens
-        return {"image": torch.randn(3, self.img_h, self.img_w, generator=generator), "tokens": tokens,
-                "labels": torch.randint(0, self.vocab_size, (length,), generator=generator), "loss_mask": loss_mask,
-                "position_ids": torch.arange(text)}
+        loss_mask[where : where + self.image_tokens] = 0.0  # no loss on the image tokens
+        return {
+            "image": torch.randn(3, self.img_h, self.img_w, generator=generator),
+            "tokens": tokens,
+            "labels": torch.randint(0, self.vocab_size, (length,), generator=generator),
+            "loss_mask": loss_mask,
+            "position_ids": torch.arange(text),
+        }
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
+def train_valid_test_datasets_provider(
+    train_val_test_num_samples: list[int],
+) -> tuple[Any, Any, Any]:
     args = get_args()
     image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
     text_tokens = args.dataloader_seq_length or args.seq_length
-    datasets = [MockVLMDataset(n, args.seed, args.img_h, args.img_w, text_tokens, image_tokens, args.vocab_size)
-                for n in train_val_test_num_samples]
+    datasets = [
+        MockVLMDataset(
+            n, args.seed, args.img_h, args.img_w, text_tokens, image_tokens, args.vocab_size
+        )
+        for n in train_val_test_num_samples
+    ]
     return datasets[0], datasets[1], datasets[2]
 
 
@@ -157,20 +245,37 @@ def get_batch(data_iterator: Any) -> dict[str, torch.Tensor]:
     length = data["labels"].shape[1]
     mask = torch.triu(torch.ones(1, 1, length, length, dtype=torch.bool), diagonal=1)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    return {**{key: value.to(device) for key, value in data.items()}, "attention_mask": mask.to(device)}
+    return {
+        **{key: value.to(device) for key, value in data.items()},
+        "attention_mask": mask.to(device),
+    }
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum()
     return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator: Any, model: VisionLanguageModel) -> tuple[torch.Tensor, Any]:
     batch = get_batch(data_iterator)
-    output = model(batch["image"], batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"])
+    output = model(
+        batch["image"],
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+    )
     return output, partial(loss_func, batch["loss_mask"])
 
 
 if __name__ == "__main__":
-    sys.exit(pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step))
+    sys.exit(
+        pretrain(
+            train_valid_test_datasets_provider,
+            model_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+        )
+    )

@@ -1,14 +1,15 @@
-"""What-if: encoder kernels whole, in equal pieces, or cut to fit the bubbles they go into. What does each buy?
+"""What-if: encoder kernels whole, in equal pieces, or cut to fit the bubbles they go into. What
+does each buy?
 
     python scripts/whatif_kernel_split.py [--pieces US ...] [--only CASE ...] [--json OUT]
 
-The bubble scheduler cuts a kernel the runtime can split (a transformer layer's compute kernel) to fit
-the bubble it goes into (``scheduler/fine.py``): that is the ``fit`` row. For comparison, with every
-kernel whole (the paper's Algorithm 1 as it stands: ``whole``), and with every compute kernel longer
-than a piece size cut into the fewest equal pieces no longer than it, wherever it runs (``equal``).
-Each extra piece pays the cost model's launch overhead (``cost_model.kernel_overhead_us``); the rows
-marked ``free`` drop it, the most any split could buy. The Megatron-LM baselines keep whole kernels at
-the LLM plan's V. Cases:
+The bubble scheduler cuts a kernel the runtime can split (a transformer layer's compute kernel) to
+fit the bubble it goes into (``scheduler/fine.py``): that is the ``fit`` row. For comparison, with
+every kernel whole (the paper's Algorithm 1 as it stands: ``whole``), and with every compute kernel
+longer than a piece size cut into the fewest equal pieces no longer than it, wherever it runs
+(``equal``). Each extra piece pays the cost model's launch overhead
+(``cost_model.kernel_overhead_us``); the rows marked ``free`` drop it, the most any split could buy.
+The Megatron-LM baselines keep whole kernels at the LLM plan's V. Cases:
 - ``fig5_heavy``: the paper's Figure 5 shape (8 GPUs, LLM DP1 PP4 TP2) with a 4096-wide ViT on
   1024 tokens and the LLM at V10, where Optimus with whole kernels loses to balanced;
 - the strong-scaling setups in the configs' reading (2048-token ViT inputs): ``strong_1536`` ...
@@ -39,10 +40,16 @@ from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain  # noqa
 from optimus_mllm.scheduler.fine import stage_gaps  # noqa: E402
 
 CASES: dict[str, tuple[str, list[str]]] = {
-    "fig5_heavy": ("fig5_8gpu.yaml", [
-        "model.encoders.0.hidden_size=4096", "model.encoders.0.num_attention_heads=32",
-        "model.encoders.0.ffn_hidden_size=16384", "model.encoders.0.seq_length=1024",
-        "parallel.llm={dp: 1, pp: 4, tp: 2, vp: 10}"]),
+    "fig5_heavy": (
+        "fig5_8gpu.yaml",
+        [
+            "model.encoders.0.hidden_size=4096",
+            "model.encoders.0.num_attention_heads=32",
+            "model.encoders.0.ffn_hidden_size=16384",
+            "model.encoders.0.seq_length=1024",
+            "parallel.llm={dp: 1, pp: 4, tp: 2, vp: 10}",
+        ],
+    ),
     "strong_1536": ("strong_1536.yaml", []),
     "strong_2048": ("strong_2048.yaml", []),
     "strong_3072": ("strong_3072.yaml", []),
@@ -60,7 +67,10 @@ def split_chain(chain: StageChain, piece_us: float, overhead_us: float) -> Stage
             kernels.append(dataclasses.replace(k, splittable=False))
             continue
         d = (k.duration_us - overhead_us) / n + overhead_us
-        kernels += [dataclasses.replace(k, name=f"{k.name}.{i}", duration_us=d, splittable=False) for i in range(n)]
+        kernels += [
+            dataclasses.replace(k, name=f"{k.name}.{i}", duration_us=d, splittable=False)
+            for i in range(n)
+        ]
     return StageChain(tuple(kernels))
 
 
@@ -82,7 +92,9 @@ def encoder_work(build: Callable[..., EncoderWork], row: Row) -> Callable[..., E
         if split == "fit":
             return dataclasses.replace(work, launch_us=paid)
         chain = whole if split == "whole" else (lambda c: split_chain(c, piece, paid))
-        return dataclasses.replace(work, fwd=tuple(map(chain, work.fwd)), bwd=tuple(map(chain, work.bwd)))
+        return dataclasses.replace(
+            work, fwd=tuple(map(chain, work.fwd)), bwd=tuple(map(chain, work.bwd))
+        )
 
     return build_row
 
@@ -94,63 +106,108 @@ def run_case(config: OptimusConfig, rows: list[Row]) -> dict:
     balanced = None
     if len(config.encoders) == 1:
         balanced = megatron_lm_balanced_baseline(config, planned.llm_plan, cost).iteration_us / 1e6
-    out = {"llm_plan": str(planned.llm_plan), "megatron_s": megatron_lm_baseline(config, planned.llm_plan, cost)
-           .iteration_us / 1e6, "balanced_s": balanced, "rows": []}
+    out = {
+        "llm_plan": str(planned.llm_plan),
+        "megatron_s": megatron_lm_baseline(config, planned.llm_plan, cost).iteration_us / 1e6,
+        "balanced_s": balanced,
+        "rows": [],
+    }
     for row in [("whole", None, True), *rows]:
-        with mock.patch.object(bubble_scheduler, "build_encoder_work",
-                               encoder_work(bubble_scheduler.build_encoder_work, row)):
+        with mock.patch.object(
+            bubble_scheduler,
+            "build_encoder_work",
+            encoder_work(bubble_scheduler.build_encoder_work, row),
+        ):
             fine = bubble_scheduler.optimus(config, planned, cost)
             coarse = bubble_scheduler.optimus(config, planned, cost, fine=False)
         split, piece, charged = row
-        out["rows"].append({"split": split, "piece_us": piece, "overhead": charged,
-                            "optimus_s": fine.best.iteration_us / 1e6, "coarse_s": coarse.best.iteration_us / 1e6,
-                            "encoder_plan": str(fine.best.encoder_plan)})
+        out["rows"].append(
+            {
+                "split": split,
+                "piece_us": piece,
+                "overhead": charged,
+                "optimus_s": fine.best.iteration_us / 1e6,
+                "coarse_s": coarse.best.iteration_us / 1e6,
+                "encoder_plan": str(fine.best.encoder_plan),
+            }
+        )
         if split == "whole":
             out["encoder_ms"], out["bubbles_ms"] = encoder_and_bubbles_ms(fine.best)
     return out
 
 
 def encoder_and_bubbles_ms(schedule: bubble_scheduler.Schedule) -> tuple[float, float]:
-    """On the GPUs with the most of each: the schedule's encoder compute per iteration, and the LLM's idle
+    """On the GPUs with the most of each: the schedule's encoder compute per iteration, and the
+    LLM's idle
     compute time between its first and last computation (its bubbles)."""
     w = schedule.work
-    encoder = max(n * (w.fwd[e].compute_us + w.bwd[e].compute_us)
-                  for n in schedule.partition for e in range(len(w.fwd)))
+    encoder = max(
+        n * (w.fwd[e].compute_us + w.bwd[e].compute_us)
+        for n in schedule.partition
+        for e in range(len(w.fwd))
+    )
     bubbles = max(gaps.total() for gaps, _ in stage_gaps(schedule.timeline))
     return encoder / 1e3, bubbles / 1e3
 
 
 def print_case(name: str, case: dict) -> None:
     balanced = "-" if case["balanced_s"] is None else f"{case['balanced_s']:.4f}"
-    print(f"== {name}: LLM {case['llm_plan']}; Megatron-LM {case['megatron_s']:.4f} s, balanced {balanced} s; "
-          f"per GPU per iteration, at most {case['encoder_ms']:.1f} ms of encoder compute (whole kernels' plan) "
-          f"and {case['bubbles_ms']:.1f} ms of LLM bubbles")
+    print(
+        f"== {name}: LLM {case['llm_plan']}; Megatron-LM {case['megatron_s']:.4f} s, balanced "
+        f"{balanced} s; "
+        f"per GPU per iteration, at most {case['encoder_ms']:.1f} ms of encoder compute (whole "
+        "kernels' plan) "
+        f"and {case['bubbles_ms']:.1f} ms of LLM bubbles"
+    )
     print(f"{'kernels':<28}{'encoder plan':<16}{'coarse s':>10}{'Optimus s':>11}{'vs whole':>10}")
     whole_s = case["rows"][0]["optimus_s"]
     for row in case["rows"]:
-        label = f"pieces <= {row['piece_us']:g} us" if row["split"] == "equal" else \
-            {"whole": "whole", "fit": "pieces fit to bubbles"}[row["split"]]
+        label = (
+            f"pieces <= {row['piece_us']:g} us"
+            if row["split"] == "equal"
+            else {"whole": "whole", "fit": "pieces fit to bubbles"}[row["split"]]
+        )
         label += "" if row["overhead"] else " free"
-        print(f"{label:<28}{row['encoder_plan']:<16}{row['coarse_s']:>10.4f}{row['optimus_s']:>11.4f}"
-              f"{100 * (row['optimus_s'] / whole_s - 1):>+9.2f}%")
+        print(
+            f"{label:<28}{row['encoder_plan']:<16}{row['coarse_s']:>10.4f}{row['optimus_s']:>11.4f}"
+            f"{100 * (row['optimus_s'] / whole_s - 1):>+9.2f}%"
+        )
     print()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pieces", nargs="+", type=float, default=list(PIECES_US), metavar="US",
-                        help=f"piece sizes in us (default {' '.join(f'{p:g}' for p in PIECES_US)}); each runs "
-                             "with the launch overhead charged and free")
-    parser.add_argument("--only", nargs="+", choices=sorted(CASES), metavar="CASE",
-                        help=f"cases to run (default all: {', '.join(CASES)})")
+    parser.add_argument(
+        "--pieces",
+        nargs="+",
+        type=float,
+        default=list(PIECES_US),
+        metavar="US",
+        help=f"piece sizes in us (default {' '.join(f'{p:g}' for p in PIECES_US)}); each runs "
+        "with the launch overhead charged and free",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted(CASES),
+        metavar="CASE",
+        help=f"cases to run (default all: {', '.join(CASES)})",
+    )
     parser.add_argument("--json", metavar="OUT", help="write every figure as JSON")
     args = parser.parse_args(argv)
     if not all(math.isfinite(p) and p > 0 for p in args.pieces):
-        print("whatif_kernel_split: error: --pieces: piece sizes must be positive numbers of us", file=sys.stderr)
+        print(
+            "whatif_kernel_split: error: --pieces: piece sizes must be positive numbers of us",
+            file=sys.stderr,
+        )
         return 2
     if args.json and not Path(args.json).parent.is_dir():  # before minutes of scheduling, not after
-        print(f"whatif_kernel_split: error: --json: directory {Path(args.json).parent} does not exist; create it "
-              "first", file=sys.stderr)
+        print(
+            f"whatif_kernel_split: error: --json: directory {Path(args.json).parent} does not "
+            "exist; create it "
+            "first",
+            file=sys.stderr,
+        )
         return 2
     rows: list[Row] = [("equal", p, charged) for p in args.pieces for charged in (True, False)]
     rows += [("fit", None, charged) for charged in (True, False)]
@@ -158,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in args.only or CASES:
             path, overrides = CASES[name]
-            results[name] = run_case(load_config(REPO / "configs" / "paper" / path, overrides), rows)
+            results[name] = run_case(
+                load_config(REPO / "configs" / "paper" / path, overrides), rows
+            )
             print_case(name, results[name])
         if args.json:
             atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")

@@ -11,18 +11,22 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 
 
-# _heavy_random_config(174) of test_scheduler with untied embeddings and 2 steps: a ViT as wide as the LLM on
-# 2 GPUs, where the cost model prices the balanced baseline 546 us against Optimus's best 569 us.
+# _heavy_random_config(174) of test_scheduler with untied embeddings and 2 steps: a ViT as wide as
+# the LLM on 2 GPUs, where the cost model prices the balanced baseline 546 us against Optimus's best
+# 569 us.
 BALANCED_WINS = (
     "name: balanced_wins\n"
     "cluster: {num_gpus: 2, gpus_per_node: 4, gpu_memory_gib: 80, inter_node_bandwidth_gbps: 5.0}\n"
     "model:\n"
-    "  encoders: [{name: enc0, num_layers: 4, hidden_size: 256, num_attention_heads: 4, ffn_hidden_size: 1024,\n"
+    "  encoders: [{name: enc0, num_layers: 4, hidden_size: 256, num_attention_heads: 4, "
+    "ffn_hidden_size: 1024,\n"
     "              seq_length: 256, patch_size: 4}]\n"
-    "  llm: {num_layers: 4, hidden_size: 256, num_attention_heads: 8, ffn_hidden_size: 1024, seq_length: 1024,\n"
+    "  llm: {num_layers: 4, hidden_size: 256, num_attention_heads: 8, ffn_hidden_size: 1024, "
+    "seq_length: 1024,\n"
     "        vocab_size: 1024, untie_embeddings_and_output_weights: true}\n"
     "training: {global_batch_size: 2, micro_batch_size: 1, recompute: selective, train_iters: 2}\n"
-    "parallel: {llm: {dp: 1, pp: 2, tp: 1, vp: 2}}\n")
+    "parallel: {llm: {dp: 1, pp: 2, tp: 1, vp: 2}}\n"
+)
 
 
 def balanced_wins(folder: Path) -> Path:

@@ -129,7 +129,9 @@ def run_distributed(
     raise AssertionError("unreachable")
 
 
-def _launch(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float) -> list[Any]:
+def _launch(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float
+) -> list[Any]:
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
     results = context.Queue()

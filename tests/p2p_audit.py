@@ -28,13 +28,15 @@ def recorded_p2p() -> Iterator[list[Record]]:
     me = dist.get_rank()
 
     def recording(op: str, original):
-        def call(*args, **kwargs):  # positional, or by torch's names (megatron-core's own P2P: tensor=, dst=/src=)
+        # positional, or by torch's names (megatron-core's own P2P: tensor=, dst=/src=)
+        def call(*args, **kwargs):
             tensor = args[0] if args else kwargs["tensor"]
             peer = args[1] if len(args) > 1 else kwargs.get("dst", kwargs.get("src"))
             group, tag = kwargs.get("group"), kwargs.get("tag", 0)
             name = "default" if group is None or group == dist.group.WORLD else group.group_name
             records.append((op, name, me, peer, tuple(tensor.shape), str(tensor.dtype), tag))
             return original(*args, **kwargs)
+
         return call
 
     originals = {op: getattr(dist, op) for op in P2P_OPS}
@@ -50,14 +52,17 @@ def recorded_p2p() -> Iterator[list[Record]]:
 def nccl_violations(records: list[Record]) -> list[str]:
     """What NCCL would match differently from gloo, or could deadlock on, in these P2P records."""
     problems = []
-    sends: dict[tuple[str, int, int], list] = defaultdict(list)  # (group, sender, receiver) -> [(shape, dtype)]
+    # (group, sender, receiver) -> [(shape, dtype)]
+    sends: dict[tuple[str, int, int], list] = defaultdict(list)
     recvs: dict[tuple[str, int, int], list] = defaultdict(list)
     directions: dict[str, set] = defaultdict(set)
     for op, group, me, peer, shape, dtype, tag in records:
         if tag:
             problems.append(f"{op} from rank {me} uses tag {tag}: NCCL ignores tags")
         if group == "default":
-            problems.append(f"{op} on rank {me} goes over the default group, shared by every kind of message")
+            problems.append(
+                f"{op} on rank {me} goes over the default group, shared by every kind of message"
+            )
         if op in ("send", "isend"):
             sends[(group, me, peer)].append((shape, dtype))
             directions[group].add((me, peer))
@@ -65,9 +70,13 @@ def nccl_violations(records: list[Record]) -> list[str]:
             recvs[(group, peer, me)].append((shape, dtype))
     for group, ways in directions.items():
         if len(ways) > 1:
-            problems.append(f"group {group} carries sends both ways {sorted(ways)}: opposing sends can deadlock")
+            problems.append(
+                f"group {group} carries sends both ways {sorted(ways)}: opposing sends can deadlock"
+            )
     for key in sends.keys() | recvs.keys():
         if sends[key] != recvs[key]:
-            problems.append(f"group {key[0]} from rank {key[1]} to {key[2]}: sends {sends[key]} but receives "
-                            f"{recvs[key]} in order")
+            problems.append(
+                f"group {key[0]} from rank {key[1]} to {key[2]}: sends {sends[key]} but receives "
+                f"{recvs[key]} in order"
+            )
     return problems

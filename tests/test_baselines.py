@@ -1,4 +1,5 @@
-"""Megatron-LM baselines (paper §5.1, Appendix B): the layer-partition DP and both simulated baselines."""
+"""Megatron-LM baselines (paper §5.1, Appendix B): the layer-partition DP and both simulated
+baselines."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def _slowest(times: list[float], ranges: list[tuple[int, int]]) -> float:
 
 def _brute_force(times: list[float], stages: int) -> float:
     n = len(times)
-    return min(_slowest(times, list(zip((0, *cuts), (*cuts, n))))
-               for cuts in itertools.combinations(range(1, n), stages - 1))
+    return min(
+        _slowest(times, list(zip((0, *cuts), (*cuts, n))))
+        for cuts in itertools.combinations(range(1, n), stages - 1)
+    )
 
 
 def test_balanced_partition_matches_brute_force():
@@ -45,7 +48,10 @@ def test_balanced_partition_matches_brute_force():
         n = rng.randint(1, 9)
         stages = rng.randint(1, n)
         # small integers give ties, floats heterogeneous layers
-        times = [float(rng.randint(1, 4)) if rng.random() < 0.5 else rng.uniform(0.1, 10) for _ in range(n)]
+        times = [
+            float(rng.randint(1, 4)) if rng.random() < 0.5 else rng.uniform(0.1, 10)
+            for _ in range(n)
+        ]
         ranges = balanced_partition(times, stages)
         assert len(ranges) == stages
         assert ranges[0][0] == 0 and ranges[-1][1] == n
@@ -82,14 +88,17 @@ def test_megatron_lm_runs_encoders_in_the_first_stages_pre_process(name):
         assert fwd.count(f"{enc.name}.qkv") == enc.num_layers == bwd.count(f"{enc.name}.qkv")
         assert f"{enc.name}.patch_embed" in fwd and f"{enc.name}.projector_fc1" in fwd
     assert fwd[0] == f"{config.encoders[0].name}.patch_embed"  # encoders before the LLM's embedding
-    assert fwd[-len(llm[(0, 0, "fwd")].kernels):] == [k.name for k in llm[(0, 0, "fwd")].kernels]
-    assert bwd[:len(llm[(0, 0, "bwd")].kernels)] == [k.name for k in llm[(0, 0, "bwd")].kernels]
+    assert fwd[-len(llm[(0, 0, "fwd")].kernels) :] == [k.name for k in llm[(0, 0, "fwd")].kernels]
+    assert bwd[: len(llm[(0, 0, "bwd")].kernels)] == [k.name for k in llm[(0, 0, "bwd")].kernels]
     assert all(work[key] == op for key, op in llm.items() if key[:2] != (0, 0))
 
 
 def test_frozen_encoder_runs_only_its_projector_backward():
     config, llm_plan, cost = _setup("model_a", ("model.encoders.0.frozen=true",))
-    bwd = [k.name for k in megatron_lm_baseline(config, llm_plan, cost).timeline.work[(0, 0, "bwd")].kernels]
+    bwd = [
+        k.name
+        for k in megatron_lm_baseline(config, llm_plan, cost).timeline.work[(0, 0, "bwd")].kernels
+    ]
     assert "vit.projector_fc1" in bwd and "vit.qkv" not in bwd and "vit.patch_embed" not in bwd
 
 
@@ -100,7 +109,9 @@ def test_balanced_slowest_virtual_stage_is_no_slower_than_megatron_lms(name):
     balanced = megatron_lm_balanced_baseline(config, llm_plan, cost)
     assert balanced.name == "Megatron-LM balanced"
     assert balanced.timeline.vp == llm_plan.vp
-    assert max_virtual_stage_us(balanced.timeline) <= max_virtual_stage_us(plain.timeline) * (1 + 1e-12)
+    assert max_virtual_stage_us(balanced.timeline) <= max_virtual_stage_us(plain.timeline) * (
+        1 + 1e-12
+    )
     ranges = balanced.layer_ranges
     assert len(ranges) == llm_plan.pp * llm_plan.vp
     assert ranges[-1][1] == config.encoders[0].num_layers + config.llm.num_layers

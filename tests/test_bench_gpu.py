@@ -18,18 +18,32 @@ def test_imports_without_a_gpu():
     spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for name in ("measure_kernel_level", "measure_overlap", "measure_bubble", "measure_training", "main"):
+    for name in (
+        "measure_kernel_level",
+        "measure_overlap",
+        "measure_bubble",
+        "measure_training",
+        "main",
+    ):
         assert callable(getattr(module, name))
     assert module.build_parser().parse_args(["--json", "out.json"]).json == "out.json"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible: the script would measure")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CUDA GPU is visible: the script would measure"
+)
 def test_without_a_gpu_exits_2_with_one_line(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bench_gpu.py: error: no CUDA GPU is visible;"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "bench_gpu.py: error: no CUDA GPU is visible;"
+    ), proc.stderr
     assert not out.exists()

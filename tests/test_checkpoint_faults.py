@@ -16,8 +16,12 @@ import pytest
 from tests.distributed_utils import run_distributed
 from tests.train_utils import TINY, assert_one_error_everywhere, ranks
 
-TWO_RANKS = ["cluster.num_gpus=2", "cluster.gpus_per_node=2", "parallel.llm={dp: 1, pp: 2, tp: 1, vp: 2}",
-             "training.train_iters=3"]
+TWO_RANKS = [
+    "cluster.num_gpus=2",
+    "cluster.gpus_per_node=2",
+    "parallel.llm={dp: 1, pp: 2, tp: 1, vp: 2}",
+    "training.train_iters=3",
+]
 
 
 def _trainer():
@@ -57,7 +61,8 @@ def _save_then_die(save: str, point: str) -> None:
         def write_then_kill_the_rank(*args, **kwargs):
             result = real_write(*args, **kwargs)
             written.append(result)
-            if len(written) == 1:  # in megatron-core's writer process: kill the rank that started it
+            # in megatron-core's writer process: kill the rank that started it
+            if len(written) == 1:
                 os.kill(os.getppid(), signal.SIGKILL)
                 _die()
             return result
@@ -67,7 +72,9 @@ def _save_then_die(save: str, point: str) -> None:
         checkpoint._publish = lambda *args, **kwargs: _die()
     if point == "between rename and tracker" and rank == 0:
         real = checkpoint.atomic_write_text
-        checkpoint.atomic_write_text = lambda path, text: _die() if path.name.startswith("latest") else real(path, text)
+        checkpoint.atomic_write_text = lambda path, text: (
+            _die() if path.name.startswith("latest") else real(path, text)
+        )
     checkpoint.save_checkpoint(trainer, save, 2)
 
 
@@ -81,7 +88,10 @@ def _uninterrupted_then_resumed(saves: list[str]) -> dict:
     for save in saves:
         info = checkpoint_meta.latest_checkpoint(save)
         checkpoint.load_checkpoint(trainer, info)
-        resumed[save] = (info.iteration, [(r.loss, r.grad_norm) for r in map(trainer.train_step, range(info.iteration, 3))])
+        resumed[save] = (
+            info.iteration,
+            [(r.loss, r.grad_norm) for r in map(trainer.train_step, range(info.iteration, 3))],
+        )
     trainer.close()
     return {"uninterrupted": uninterrupted, "resumed": resumed}
 
@@ -94,7 +104,10 @@ def test_a_rank_killed_while_saving_leaves_a_checkpoint_that_resumes_exactly(tmp
     for point, save in saves.items():
         with pytest.raises(RuntimeError, match="rank [01] (died|failed)"):
             run_distributed(_save_then_die, 2, save, point, timeout=180)
-    latest = {point: (Path(save) / "latest_checkpointed_iteration.txt").read_text() for point, save in saves.items()}
+    latest = {
+        point: (Path(save) / "latest_checkpointed_iteration.txt").read_text()
+        for point, save in saves.items()
+    }
     assert latest == dict.fromkeys(POINTS, "1\n"), "the tracker is replaced last"
     assert (Path(saves["between rename and tracker"]) / "iter_0000002" / "meta.json").is_file()
     results = run_distributed(_uninterrupted_then_resumed, 2, list(saves.values()), timeout=240)
@@ -113,7 +126,9 @@ def two_checkpoints(tmp_path_factory) -> Path:
     """iter_0000001 and iter_0000002 of the 2-rank job."""
     save = tmp_path_factory.mktemp("faults") / "run"
     run_distributed(_save_twice, 2, str(save), timeout=180)
-    assert (save / "iter_0000002" / "meta.json").is_file() and (save / "iter_0000001" / "meta.json").is_file()
+    assert (save / "iter_0000002" / "meta.json").is_file() and (
+        save / "iter_0000001" / "meta.json"
+    ).is_file()
     return save
 
 
@@ -132,20 +147,48 @@ def _largest_shard(folder: Path) -> Path:
 
 
 DAMAGES = {
-    "truncated shard": (lambda f: _largest_shard(f).write_bytes(_largest_shard(f).read_bytes()[:100]), "cut short"),
+    "truncated shard": (
+        lambda f: _largest_shard(f).write_bytes(_largest_shard(f).read_bytes()[:100]),
+        "cut short",
+    ),
     "missing shard": (lambda f: _largest_shard(f).unlink(), "lacks __"),
-    "binary meta.json": (lambda f: (f / "meta.json").write_bytes(b"\xff\xfe\x00garbage"), "no usable meta.json"),
-    "incomplete meta.json": (lambda f: (f / "meta.json").write_text(json.dumps(
-        {k: v for k, v in json.loads((f / "meta.json").read_text()).items() if k != "llm_plan"})),
-        "incomplete meta.json (no dict 'llm_plan')"),
+    "binary meta.json": (
+        lambda f: (f / "meta.json").write_bytes(b"\xff\xfe\x00garbage"),
+        "no usable meta.json",
+    ),
+    "incomplete meta.json": (
+        lambda f: (f / "meta.json").write_text(
+            json.dumps(
+                {
+                    k: v
+                    for k, v in json.loads((f / "meta.json").read_text()).items()
+                    if k != "llm_plan"
+                }
+            )
+        ),
+        "incomplete meta.json (no dict 'llm_plan')",
+    ),
     "missing folder": (lambda f: shutil.rmtree(f), "does not exist"),
-    "meta.json mode": (lambda f: _edit_meta(f, mode="text"), "mode 'text', not one of optimus, baseline"),
-    "meta.json world_size": (lambda f: _edit_meta(f, world_size=-1), "world_size -1 is not its llm_plan's"),
-    "meta.json llm_plan": (lambda f: _edit_meta(f, llm_plan={"dp": 1, "pp": 1, "tp": "1", "vp": 1}),
-                           "incomplete meta.json (llm_plan"),
-    "cut common.pt": (lambda f: (f / "common.pt").write_bytes((f / "common.pt").read_bytes()[:-30]),
-                      "unreadable common.pt"),
-    "bad metadata.json": (lambda f: (f / "metadata.json").write_text("[]"), "metadata.json that is not"),
+    "meta.json mode": (
+        lambda f: _edit_meta(f, mode="text"),
+        "mode 'text', not one of optimus, baseline",
+    ),
+    "meta.json world_size": (
+        lambda f: _edit_meta(f, world_size=-1),
+        "world_size -1 is not its llm_plan's",
+    ),
+    "meta.json llm_plan": (
+        lambda f: _edit_meta(f, llm_plan={"dp": 1, "pp": 1, "tp": "1", "vp": 1}),
+        "incomplete meta.json (llm_plan",
+    ),
+    "cut common.pt": (
+        lambda f: (f / "common.pt").write_bytes((f / "common.pt").read_bytes()[:-30]),
+        "unreadable common.pt",
+    ),
+    "bad metadata.json": (
+        lambda f: (f / "metadata.json").write_text("[]"),
+        "metadata.json that is not",
+    ),
 }
 
 
@@ -155,7 +198,9 @@ def _edit_meta(folder: Path, **fields) -> None:
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(two_checkpoints, tmp_path, damage):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(
+    two_checkpoints, tmp_path, damage
+):
     from optimus_mllm.runtime.checkpoint_meta import latest_checkpoint
 
     save = tmp_path / "run"
@@ -164,13 +209,18 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(two_checkpoint
     harm(save / "iter_0000002")
     info = latest_checkpoint(save)
     assert info.iteration == 1
-    assert info.passed_over.startswith("latest_checkpointed_iteration.txt names iter_0000002, which ")
+    assert info.passed_over.startswith(
+        "latest_checkpointed_iteration.txt names iter_0000002, which "
+    )
     assert why in info.passed_over and info.passed_over.endswith(
-        ": resumed from iter_0000001, the newest complete checkpoint")
+        ": resumed from iter_0000001, the newest complete checkpoint"
+    )
 
 
 @pytest.mark.parametrize("tracker", [b"\xb2\n", "²\n".encode(), b"\x00\x01binary", b"", b"-1\n"])
-def test_a_damaged_tracker_falls_back_to_the_newest_complete_checkpoint(two_checkpoints, tmp_path, tracker):
+def test_a_damaged_tracker_falls_back_to_the_newest_complete_checkpoint(
+    two_checkpoints, tmp_path, tracker
+):
     from optimus_mllm.runtime.checkpoint_meta import latest_checkpoint
 
     save = tmp_path / "run"
@@ -188,13 +238,20 @@ def test_no_complete_checkpoint_is_one_error(two_checkpoints, tmp_path):
     shutil.copytree(two_checkpoints, save)
     for folder in ("iter_0000001", "iter_0000002"):
         (save / folder / "meta.json").unlink()
-    with pytest.raises(OptimusError, match=r"--resume: no complete checkpoint in .*names iter_0000002, which has no "
-                                           r"usable meta.json"):
+    with pytest.raises(
+        OptimusError,
+        match=r"--resume: no complete checkpoint in .*names iter_0000002, which has no "
+        r"usable meta.json",
+    ):
         latest_checkpoint(save)
 
 
 def test_files_are_written_with_the_users_mode(two_checkpoints):
-    for name in ("latest_checkpointed_iteration.txt", "iter_0000002/meta.json", "iter_0000002/schedule.json"):
+    for name in (
+        "latest_checkpointed_iteration.txt",
+        "iter_0000002/meta.json",
+        "iter_0000002/schedule.json",
+    ):
         assert (two_checkpoints / name).stat().st_mode & 0o777 == 0o666 & ~_umask(), name
 
 
@@ -204,10 +261,13 @@ def _umask() -> int:
     return mask
 
 
-def test_bytes_damaged_in_place_stop_every_rank_with_one_line(two_checkpoints, tmp_path, monkeypatch):
-    """A shard of the right length but wrong bytes passes the launcher's check; loading then fails on the
-    ranks that read it, and every rank stops with the same line (exit 2), before any step. CUDA_HOME set
-    on a machine without a GPU (a CUDA toolkit, no driver) adds no line of torch's."""
+def test_bytes_damaged_in_place_stop_every_rank_with_one_line(
+    two_checkpoints, tmp_path, monkeypatch
+):
+    """A shard of the right length but wrong bytes passes the launcher's check; loading then fails
+    on the
+    ranks that read it, and every rank stops with the same line (exit 2), before any step. CUDA_HOME
+    set on a machine without a GPU (a CUDA toolkit, no driver) adds no line of torch's."""
     monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda")
     save = tmp_path / "run"
     shutil.copytree(two_checkpoints, save)

@@ -1,4 +1,5 @@
-"""Cost model: kernel FLOPs against the closed forms, adjoint collectives, roofline and measured profiles."""
+"""Cost model: kernel FLOPs against the closed forms, adjoint collectives, roofline and measured
+profiles."""
 
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ from optimus_mllm.cost_model import (
 )
 from optimus_mllm.errors import OptimusError
 
-GPT = TransformerSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=49152,
-                      seq_length=2048)
+GPT = TransformerSpec(
+    num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=49152, seq_length=2048
+)
 
 
 def _shape(tp=1, sp=True, recompute="none", b=2):
-    return LayerShape(GPT, tp=tp, micro_batch_size=b, sequence_parallel=sp, dtype_bytes=2, recompute=recompute)
+    return LayerShape(
+        GPT, tp=tp, micro_batch_size=b, sequence_parallel=sp, dtype_bytes=2, recompute=recompute
+    )
 
 
 def _flops(kernels):
@@ -34,7 +38,9 @@ def _flops(kernels):
 
 def test_forward_flops_match_narayanan_formula():
     b, s, h = 2, GPT.seq_length, GPT.hidden_size
-    assert _flops(layer_kernels(_shape(), "fwd")) == pytest.approx(24 * b * s * h * h * (1 + s / (6 * h)))
+    assert _flops(layer_kernels(_shape(), "fwd")) == pytest.approx(
+        24 * b * s * h * h * (1 + s / (6 * h))
+    )
 
 
 def test_tensor_parallel_divides_flops():
@@ -47,10 +53,18 @@ def test_backward_is_twice_forward_and_adjoint_collectives():
     assert _flops(bwd) == pytest.approx(2 * _flops(fwd))
     fwd_comm = [(k.name, k.collective) for k in fwd if k.is_comm]
     bwd_comm = [(k.name, k.collective) for k in bwd if k.is_comm]
-    assert fwd_comm == [("tp_ag_attn", "all_gather"), ("tp_rs_attn", "reduce_scatter"),
-                        ("tp_ag_mlp", "all_gather"), ("tp_rs_mlp", "reduce_scatter")]
-    assert bwd_comm == [("tp_ag_mlp", "all_gather"), ("tp_rs_mlp", "reduce_scatter"),
-                        ("tp_ag_attn", "all_gather"), ("tp_rs_attn", "reduce_scatter")]
+    assert fwd_comm == [
+        ("tp_ag_attn", "all_gather"),
+        ("tp_rs_attn", "reduce_scatter"),
+        ("tp_ag_mlp", "all_gather"),
+        ("tp_rs_mlp", "reduce_scatter"),
+    ]
+    assert bwd_comm == [
+        ("tp_ag_mlp", "all_gather"),
+        ("tp_rs_mlp", "reduce_scatter"),
+        ("tp_ag_attn", "all_gather"),
+        ("tp_rs_attn", "reduce_scatter"),
+    ]
     names = [k.name for k in bwd]
     assert len(names) == len(set(names)), "kernel names must be unique within a phase"
 
@@ -65,8 +79,12 @@ def test_recompute_adds_forward_work_to_backward():
     plain = _flops(layer_kernels(_shape(tp=8), "bwd"))
     fwd = _flops(layer_kernels(_shape(tp=8), "fwd"))
     attn = next(k.flops for k in layer_kernels(_shape(tp=8), "fwd") if k.name == "attn_core")
-    assert _flops(layer_kernels(_shape(tp=8, recompute="selective"), "bwd")) == pytest.approx(plain + attn)
-    assert _flops(layer_kernels(_shape(tp=8, recompute="full"), "bwd")) == pytest.approx(plain + fwd)
+    assert _flops(layer_kernels(_shape(tp=8, recompute="selective"), "bwd")) == pytest.approx(
+        plain + attn
+    )
+    assert _flops(layer_kernels(_shape(tp=8, recompute="full"), "bwd")) == pytest.approx(
+        plain + fwd
+    )
 
 
 def test_ring_collective_volumes():
@@ -77,8 +95,12 @@ def test_ring_collective_volumes():
 
 
 def test_roofline_durations():
-    cluster = ClusterConfig(num_gpus=8, peak_tflops=1000, hbm_bandwidth_gbps=2000, intra_node_bandwidth_gbps=100)
-    params = CostModelConfig(gemm_efficiency=0.5, memory_efficiency=1.0, network_efficiency=1.0, kernel_overhead_us=0)
+    cluster = ClusterConfig(
+        num_gpus=8, peak_tflops=1000, hbm_bandwidth_gbps=2000, intra_node_bandwidth_gbps=100
+    )
+    params = CostModelConfig(
+        gemm_efficiency=0.5, memory_efficiency=1.0, network_efficiency=1.0, kernel_overhead_us=0
+    )
     model = CostModel(cluster, params)
     gemm = KernelWork("fc1", "fwd", "gemm", flops=1e12, bytes=1.0)
     assert model.compute_us(gemm, "llm", 1) == pytest.approx(2000.0)  # 1e12 / (1e15 * 0.5) s
@@ -89,35 +111,70 @@ def test_roofline_durations():
 
 
 def _profile(tmp_path, entries, **header):
-    data = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernel_set": KERNEL_SET, "kernels": entries,
-            **header}
+    data = {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "kernel_set": KERNEL_SET,
+        "kernels": entries,
+        **header,
+    }
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(data))
     return path
 
 
 def test_measured_profile_overrides_roofline(tmp_path):
-    path = _profile(tmp_path, [{"module": "llm", "kernel": "qkv", "phase": "fwd", "tp": 8, "time_us": 123.5}])
+    path = _profile(
+        tmp_path, [{"module": "llm", "kernel": "qkv", "phase": "fwd", "tp": 8, "time_us": 123.5}]
+    )
     model = CostModel(ClusterConfig(num_gpus=8), CostModelConfig(), load_profile(path))
     kernels = {k.name: k for k in model.layer(_shape(tp=8), "fwd", "llm", 450.0)}
     assert kernels["qkv"].duration_us == 123.5
-    roofline = {k.name: k for k in CostModel(ClusterConfig(num_gpus=8), CostModelConfig()).layer(
-        _shape(tp=8), "fwd", "llm", 450.0)}
+    roofline = {
+        k.name: k
+        for k in CostModel(ClusterConfig(num_gpus=8), CostModelConfig()).layer(
+            _shape(tp=8), "fwd", "llm", 450.0
+        )
+    }
     assert kernels["fc1"].duration_us == roofline["fc1"].duration_us
     assert roofline["qkv"].duration_us != 123.5
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "does not exist"),
-    ("{not json", "not valid JSON"),
-    (json.dumps({"format": "other"}), f"is not an {PROFILE_FORMAT} file"),
-    (json.dumps({"format": PROFILE_FORMAT, "version": 99}), "version 99"),
-    (json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernel_set": KERNEL_SET,
-                 "kernels": [{"module": "llm"}]}), "kernels[0]"),
-    (json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernel_set": "transformer_engine",
-                 "kernels": []}), "timed the kernel set 'transformer_engine', but the runtime runs 'torch-sdpa'"),
-    (json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernels": []}), "timed the kernel set 'None'"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "does not exist"),
+        ("{not json", "not valid JSON"),
+        (json.dumps({"format": "other"}), f"is not an {PROFILE_FORMAT} file"),
+        (json.dumps({"format": PROFILE_FORMAT, "version": 99}), "version 99"),
+        (
+            json.dumps(
+                {
+                    "format": PROFILE_FORMAT,
+                    "version": PROFILE_VERSION,
+                    "kernel_set": KERNEL_SET,
+                    "kernels": [{"module": "llm"}],
+                }
+            ),
+            "kernels[0]",
+        ),
+        (
+            json.dumps(
+                {
+                    "format": PROFILE_FORMAT,
+                    "version": PROFILE_VERSION,
+                    "kernel_set": "transformer_engine",
+                    "kernels": [],
+                }
+            ),
+            "timed the kernel set 'transformer_engine', but the runtime runs 'torch-sdpa'",
+        ),
+        (
+            json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernels": []}),
+            "timed the kernel set 'None'",
+        ),
+    ],
+)
 def test_bad_profile_is_a_clear_error(tmp_path, content, message):
     path = tmp_path / "profile.json"
     if content is not None:
@@ -130,5 +187,15 @@ def test_backward_all_reduce_follows_the_gemm_whose_input_gradient_it_reduces():
     """Without sequence parallelism the forward all-reduce's adjoint is free; the all-reduce of the
     backward pass sums the partial input gradients of qkv / fc1, so it comes after them."""
     names = [k.name for k in layer_kernels(_shape(tp=4, sp=False), "bwd")]
-    assert names == ["fc2", "act", "fc1", "tp_ar_mlp", "ln_mlp",
-                     "attn_proj", "attn_core", "qkv", "tp_ar_attn", "ln_attn"]
+    assert names == [
+        "fc2",
+        "act",
+        "fc1",
+        "tp_ar_mlp",
+        "ln_mlp",
+        "attn_proj",
+        "attn_core",
+        "qkv",
+        "tp_ar_attn",
+        "ln_attn",
+    ]

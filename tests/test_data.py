@@ -1,4 +1,5 @@
-"""The on-disk image-text dataset (data.path): layout, determinism, indexing, and one-line errors."""
+"""The on-disk image-text dataset (data.path): layout, determinism, indexing, and one-line
+errors."""
 
 from __future__ import annotations
 
@@ -15,11 +16,17 @@ from PIL import Image
 
 from optimus_mllm.config import config_from_dict, load_config
 from optimus_mllm.errors import ConfigError
-from optimus_mllm.runtime.data import ImageTextDataset, check_dataset, microbatch_source, synthetic_microbatch
+from optimus_mllm.runtime.data import (
+    ImageTextDataset,
+    check_dataset,
+    microbatch_source,
+    synthetic_microbatch,
+)
 from tests.conftest import CONFIGS, REPO
 
 SCRIPT = REPO / "scripts" / "make_sample_dataset.py"
-NUM_SAMPLES = 9  # tiny.yaml: 2 samples per microbatch, 8 microbatches per iteration; 9 makes wrap-around visible
+# tiny.yaml: 2 samples per microbatch, 8 microbatches per iteration; 9 makes wrap-around visible
+NUM_SAMPLES = 9
 IMAGE_TOKENS, TEXT_START = 16, 16  # tiny.yaml: one encoder with 16 patch tokens, then text
 
 
@@ -33,7 +40,9 @@ def _script():
 @pytest.fixture(scope="module")
 def sample(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "sample"
-    assert _script().main(["--out", str(out), "--num-samples", str(NUM_SAMPLES), "--size", "24"]) == 0
+    assert (
+        _script().main(["--out", str(out), "--num-samples", str(NUM_SAMPLES), "--size", "24"]) == 0
+    )
     return out
 
 
@@ -45,7 +54,9 @@ def _tiny(path: Path, *overrides: str):
     return load_config(CONFIGS / "tiny.yaml", [f"data.path={path}", *overrides])
 
 
-def _expected_patch(image_path: Path, mode: str, side: int, patch_size: int, row: int, col: int) -> torch.Tensor:
+def _expected_patch(
+    image_path: Path, mode: str, side: int, patch_size: int, row: int, col: int
+) -> torch.Tensor:
     """One patch computed pixel by pixel, independently of the dataset's tensor reshaping."""
     image = Image.open(image_path).convert(mode).resize((side, side), Image.BICUBIC)
     values = []
@@ -93,34 +104,41 @@ def test_tokens_labels_and_loss_mask_follow_the_caption(sample):
         n = len(text)
         assert n < 48  # fits the 48 text positions, so there is padding to check
         tokens, labels, mask = mb.tokens[j], mb.labels[j], mb.loss_mask[j]
-        assert bytes(tokens[TEXT_START:TEXT_START + n].tolist()) == text
+        assert bytes(tokens[TEXT_START : TEXT_START + n].tolist()) == text
         assert torch.equal(labels[:-1], tokens[1:])
         assert labels[TEXT_START + n - 2] == text[-1] and labels[TEXT_START + n - 1] == 0
-        assert torch.all(tokens[TEXT_START + n:] == 0)
+        assert torch.all(tokens[TEXT_START + n :] == 0)
         assert torch.all(mask[:IMAGE_TOKENS] == 0), "no loss on image positions"
-        assert torch.all(mask[TEXT_START:TEXT_START + n - 1] == 1)
-        assert torch.all(mask[TEXT_START + n - 1:] == 0), "no loss where the label is padding"
+        assert torch.all(mask[TEXT_START : TEXT_START + n - 1] == 1)
+        assert torch.all(mask[TEXT_START + n - 1 :] == 0), "no loss where the label is padding"
 
 
 def test_long_caption_is_truncated(sample, tmp_path):
     text = "".join(chr(ord("a") + i % 26) for i in range(100))
-    root = _dataset(tmp_path / "long", [json.dumps({"image": "a.png", "text": text})], sample, ["a.png"])
+    root = _dataset(
+        tmp_path / "long", [json.dumps({"image": "a.png", "text": text})], sample, ["a.png"]
+    )
     mb = ImageTextDataset(_tiny(root))(0, 0)
     assert bytes(mb.tokens[0, TEXT_START:].tolist()) == text[:48].encode()
-    assert mb.labels[0, -1] == ord(text[48])  # the last position still predicts the next caption byte
+    # the last position still predicts the next caption byte
+    assert mb.labels[0, -1] == ord(text[48])
     assert torch.all(mb.loss_mask[0, TEXT_START:] == 1)
 
 
 def test_record_index_cycles_through_the_file(sample):
     captions = _captions(sample)
     source = ImageTextDataset(_tiny(sample))
-    # ((it * 8 + g) * 2 + j) % 9: (0, 4) wraps inside the microbatch, (1, 2) is 20 and 21, (3, 7) is 62 and 63
+    # ((it * 8 + g) * 2 + j) % 9: (0, 4) wraps inside the microbatch, (1, 2) is 20 and 21, (3, 7) is
+    # 62 and 63
     records = {(0, 0): (0, 1), (0, 4): (8, 0), (1, 2): (2, 3), (3, 7): (8, 0)}
     for (iteration, microbatch), expected in records.items():
         tokens = source(iteration, microbatch).tokens
         for row, record in zip(tokens, expected):
             text = captions[record]["text"].encode()
-            assert bytes(row[TEXT_START:TEXT_START + len(text)].tolist()) == text, (iteration, microbatch)
+            assert bytes(row[TEXT_START : TEXT_START + len(text)].tolist()) == text, (
+                iteration,
+                microbatch,
+            )
     assert torch.equal(source(0, 4).images[0], source(3, 7).images[0])
 
 
@@ -134,7 +152,9 @@ def test_image_values_and_patch_layout(sample):
 
 
 def test_each_encoder_gets_the_picture_at_its_own_resolution(sample, tiny_raw):
-    gray = dict(tiny_raw["model"]["encoders"][0], name="gray", seq_length=4, patch_size=2, in_channels=1)
+    gray = dict(
+        tiny_raw["model"]["encoders"][0], name="gray", seq_length=4, patch_size=2, in_channels=1
+    )
     tiny_raw["model"]["encoders"].append(gray)
     tiny_raw["data"] = {"path": str(sample)}
     config = config_from_dict(tiny_raw)
@@ -150,7 +170,9 @@ def test_config_without_data_is_synthetic():
     config = load_config(CONFIGS / "tiny.yaml")
     assert config.data.path is None
     check_dataset(config)  # nothing to check
-    assert torch.equal(microbatch_source(config)(1, 3).tokens, synthetic_microbatch(config, 1, 3).tokens)
+    assert torch.equal(
+        microbatch_source(config)(1, 3).tokens, synthetic_microbatch(config, 1, 3).tokens
+    )
 
 
 def test_relative_path_is_kept_and_read_from_the_working_directory(sample, monkeypatch):
@@ -169,8 +191,11 @@ def test_unknown_data_key():
 # check_dataset errors: one line naming the field and a fix
 
 
-def _dataset(root: Path, lines: list[str], sample: Path, images: list[str], captions: bool = True) -> Path:
-    """A dataset with these raw captions.jsonl lines; each name in ``images`` is a copy of a sample PNG."""
+def _dataset(
+    root: Path, lines: list[str], sample: Path, images: list[str], captions: bool = True
+) -> Path:
+    """A dataset with these raw captions.jsonl lines; each name in ``images`` is a copy of a sample
+    PNG."""
     root.mkdir()
     if captions:
         (root / "captions.jsonl").write_text("".join(line + "\n" for line in lines))
@@ -190,33 +215,85 @@ def _line(image: str = "a.png", text: str = "a red square") -> str:
 
 BROKEN = [
     # (name, make the dataset in a fresh root, config overrides, expected fragments of the one line)
-    ("missing_dir", lambda root, s: root / "nowhere", (), ["data.path:", "does not exist", "make_sample_dataset.py"]),
+    (
+        "missing_dir",
+        lambda root, s: root / "nowhere",
+        (),
+        ["data.path:", "does not exist", "make_sample_dataset.py"],
+    ),
     ("not_a_dir", lambda root, s: _file(root), (), ["data.path:", "is not a folder"]),
-    ("no_captions", lambda root, s: _dataset(root, [], s, [], captions=False), (),
-     ["data.path:", "captions.jsonl does not exist"]),
-    ("bad_json", lambda root, s: _dataset(root, [_line(), "", '{"image": "a.png", "text": '], s, ["a.png"]), (),
-     ["data.path: captions.jsonl line 3 is not valid JSON"]),
-    ("not_object", lambda root, s: _dataset(root, ['["a.png", "x"]'], s, []), (),
-     ["data.path: captions.jsonl line 1 is not a JSON object"]),
-    ("missing_text", lambda root, s: _dataset(root, [_line(), '{"image": "a.png"}'], s, ["a.png"]), (),
-     ['data.path: captions.jsonl line 2 has no string "text" field']),
-    ("image_not_string", lambda root, s: _dataset(root, ['{"image": 3, "text": "abc"}'], s, []), (),
-     ['data.path: captions.jsonl line 1 has no string "image" field']),
-    ("short_text", lambda root, s: _dataset(root, [_line(text="x")], s, ["a.png"]), (),
-     ["data.path: captions.jsonl line 1", "too short"]),
-    ("missing_image", lambda root, s: _dataset(root, [_line(), _line("b.png")], s, ["a.png"]), (),
-     ["data.path: captions.jsonl line 2: image", "b.png does not exist"]),
-    ("empty_file", lambda root, s: _dataset(root, ["", "  "], s, []), (), ["data.path:", "has no records"]),
-    ("non_square", lambda root, s: _dataset(root, [_line()], s, ["a.png"]), ("model.encoders.0.seq_length=15",),
-     ["model.encoders[0].seq_length: 15 is not a square number", "use e.g. 9 or 16"]),
-    ("in_channels", lambda root, s: _dataset(root, [_line()], s, ["a.png"]), ("model.encoders.0.in_channels=2",),
-     ["model.encoders[0].in_channels: 2", "use 3 (RGB) or 1 (grayscale)"]),
-    ("small_vocab", lambda root, s: _dataset(root, [_line()], s, ["a.png"]), ("model.llm.vocab_size=255",),
-     ["model.llm.vocab_size: 255 is too small", "at least 256"]),
+    (
+        "no_captions",
+        lambda root, s: _dataset(root, [], s, [], captions=False),
+        (),
+        ["data.path:", "captions.jsonl does not exist"],
+    ),
+    (
+        "bad_json",
+        lambda root, s: _dataset(root, [_line(), "", '{"image": "a.png", "text": '], s, ["a.png"]),
+        (),
+        ["data.path: captions.jsonl line 3 is not valid JSON"],
+    ),
+    (
+        "not_object",
+        lambda root, s: _dataset(root, ['["a.png", "x"]'], s, []),
+        (),
+        ["data.path: captions.jsonl line 1 is not a JSON object"],
+    ),
+    (
+        "missing_text",
+        lambda root, s: _dataset(root, [_line(), '{"image": "a.png"}'], s, ["a.png"]),
+        (),
+        ['data.path: captions.jsonl line 2 has no string "text" field'],
+    ),
+    (
+        "image_not_string",
+        lambda root, s: _dataset(root, ['{"image": 3, "text": "abc"}'], s, []),
+        (),
+        ['data.path: captions.jsonl line 1 has no string "image" field'],
+    ),
+    (
+        "short_text",
+        lambda root, s: _dataset(root, [_line(text="x")], s, ["a.png"]),
+        (),
+        ["data.path: captions.jsonl line 1", "too short"],
+    ),
+    (
+        "missing_image",
+        lambda root, s: _dataset(root, [_line(), _line("b.png")], s, ["a.png"]),
+        (),
+        ["data.path: captions.jsonl line 2: image", "b.png does not exist"],
+    ),
+    (
+        "empty_file",
+        lambda root, s: _dataset(root, ["", "  "], s, []),
+        (),
+        ["data.path:", "has no records"],
+    ),
+    (
+        "non_square",
+        lambda root, s: _dataset(root, [_line()], s, ["a.png"]),
+        ("model.encoders.0.seq_length=15",),
+        ["model.encoders[0].seq_length: 15 is not a square number", "use e.g. 9 or 16"],
+    ),
+    (
+        "in_channels",
+        lambda root, s: _dataset(root, [_line()], s, ["a.png"]),
+        ("model.encoders.0.in_channels=2",),
+        ["model.encoders[0].in_channels: 2", "use 3 (RGB) or 1 (grayscale)"],
+    ),
+    (
+        "small_vocab",
+        lambda root, s: _dataset(root, [_line()], s, ["a.png"]),
+        ("model.llm.vocab_size=255",),
+        ["model.llm.vocab_size: 255 is too small", "at least 256"],
+    ),
 ]
 
 
-@pytest.mark.parametrize("make, overrides, expected", [b[1:] for b in BROKEN], ids=[b[0] for b in BROKEN])
+@pytest.mark.parametrize(
+    "make, overrides, expected", [b[1:] for b in BROKEN], ids=[b[0] for b in BROKEN]
+)
 def test_check_dataset_errors_are_one_line(make, overrides, expected, sample, tmp_path):
     config = _tiny(make(tmp_path / "d", sample), *overrides)
     with pytest.raises(ConfigError) as exc:
@@ -237,7 +314,9 @@ def test_unreadable_image_names_its_line(sample, tmp_path):
     (root / "bad.png").write_text("not a picture")
     config = _tiny(root)
     check_dataset(config)  # existence only: images are not decoded up front
-    with pytest.raises(ConfigError, match=r"data\.path: captions\.jsonl line 2: cannot read .*bad\.png"):
+    with pytest.raises(
+        ConfigError, match=r"data\.path: captions\.jsonl line 2: cannot read .*bad\.png"
+    ):
         ImageTextDataset(config)(0, 0)
 
 
@@ -248,24 +327,39 @@ def test_unreadable_image_names_its_line(sample, tmp_path):
 def test_generator_is_deterministic_per_seed(tmp_path):
     script = _script()
     for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
-        assert script.main(["--out", str(tmp_path / name), "--num-samples", "3", "--size", "8", "--seed", seed]) == 0
+        assert (
+            script.main(
+                ["--out", str(tmp_path / name), "--num-samples", "3", "--size", "8", "--seed", seed]
+            )
+            == 0
+        )
 
     def files(name: str) -> dict[str, bytes]:
         root = tmp_path / name
-        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+        return {
+            str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+        }
 
     assert files("a") == files("b")
     assert files("a") != files("c")
     assert len(files("a")) == 4
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    assert [
+        p.name for p in tmp_path.iterdir() if p.name.startswith(".")
+    ] == []  # no temporary folder left
 
 
 def test_generator_refuses_a_non_empty_out(sample):
     before = sorted(p.name for p in sample.iterdir())
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(sample)], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(sample)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr == (f"make_sample_dataset.py: error: --out {sample} exists and is not empty; "
-                           "choose a new folder\n")
+    assert proc.stderr == (
+        f"make_sample_dataset.py: error: --out {sample} exists and is not empty; "
+        "choose a new folder\n"
+    )
     assert sorted(p.name for p in sample.iterdir()) == before

@@ -7,11 +7,10 @@ import os
 import socket
 import time
 
+import distributed_utils
 import pytest
 import torch
 import torch.distributed as dist
-
-import distributed_utils
 from distributed_utils import run_distributed
 
 

@@ -13,16 +13,21 @@ def fresh(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
 
 
-@pytest.mark.skipif(gpu_status.VERIFIED_ON is not None,
-                    reason="VERIFIED_ON is set (a scripts/gpu_truth.sh run passed): the GPU paths do not warn")
+@pytest.mark.skipif(
+    gpu_status.VERIFIED_ON is not None,
+    reason="VERIFIED_ON is set (a scripts/gpu_truth.sh run passed): the GPU paths do not warn",
+)
 def test_an_unverified_gpu_path_warns_once(capsys):
     gpu_status.warn_unverified("the CUDA side stream for encoder ops")
     gpu_status.warn_unverified("the CUDA side stream for encoder ops")
     gpu_status.warn_unverified("optimus-profile")
     assert capsys.readouterr().err.splitlines() == [
-        "optimus: warning: the CUDA side stream for encoder ops has not yet run on a GPU (issue 16); its results "
+        "optimus: warning: the CUDA side stream for encoder ops has not yet run on a GPU (issue "
+        "16); its results "
         "are unverified",
-        "optimus: warning: optimus-profile has not yet run on a GPU (issue 16); its results are unverified"]
+        "optimus: warning: optimus-profile has not yet run on a GPU (issue 16); its results are "
+        "unverified",
+    ]
 
 
 def test_other_ranks_and_verified_paths_stay_quiet(capsys, monkeypatch):

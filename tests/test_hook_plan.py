@@ -7,28 +7,41 @@ import random
 
 import pytest
 
-from optimus_mllm.runtime.hook_plan import OBSERVABLE_COLLECTIVES, POST, PRE, _stuck_microbatches, build_hook_plan
+from optimus_mllm.runtime.hook_plan import (
+    OBSERVABLE_COLLECTIVES,
+    POST,
+    PRE,
+    _stuck_microbatches,
+    build_hook_plan,
+)
 from tests.artifact_utils import artifact_for
 from tests.conftest import CONFIGS
 
 
 @pytest.fixture(scope="module")
 def artifacts():
-    return {"tiny": artifact_for(CONFIGS / "tiny.yaml"), "fig5": artifact_for(CONFIGS / "paper" / "fig5_8gpu.yaml")}
+    return {
+        "tiny": artifact_for(CONFIGS / "tiny.yaml"),
+        "fig5": artifact_for(CONFIGS / "paper" / "fig5_8gpu.yaml"),
+    }
 
 
 def _chain_positions(hp):
     for stage in hp.stages:
         position = {e: i for i, e in enumerate(hp.events[stage.llm_stage])}
         seen: dict[tuple, tuple[int, tuple[float, float], int]] = {}
-        for i, op in enumerate(stage.ops):
+        for op in stage.ops:
             key = (op.phase, op.local_microbatch)
             if key in seen:
                 last_index, last_piece, last_pos = seen[key]
                 if last_piece[1] < 1.0:  # a kernel cut into pieces: the next piece of its tokens
-                    assert (op.kernel_index, op.piece[0]) == (last_index, last_piece[1]), "pieces run in order"
+                    assert (op.kernel_index, op.piece[0]) == (last_index, last_piece[1]), (
+                        "pieces run in order"
+                    )
                 else:
-                    assert (op.kernel_index, op.piece[0]) == (last_index + 1, 0.0), "chain ops run in kernel order"
+                    assert (op.kernel_index, op.piece[0]) == (last_index + 1, 0.0), (
+                        "chain ops run in kernel order"
+                    )
                 assert position[op.event] >= last_pos
             else:
                 assert (op.kernel_index, op.piece[0]) == (0, 0.0)
@@ -41,7 +54,9 @@ def test_scheduler_artifact_needs_no_repair(artifacts, name):
     hp = build_hook_plan(artifact)
     assert hp.moved_microbatches == ()
     assert all(op.event == op.assigned for st in hp.stages for op in st.ops)
-    assert sum(len(st.ops) for st in hp.stages) == sum(len(st["ops"]) for st in artifact["encoder_stages"])
+    assert sum(len(st.ops) for st in hp.stages) == sum(
+        len(st["ops"]) for st in artifact["encoder_stages"]
+    )
     _chain_positions(hp)
     windows = {op["window"] for st in artifact["encoder_stages"] for op in st["ops"]}
     assert "llm" in windows  # the schedule really uses hooks inside the LLM's ops
@@ -50,21 +65,28 @@ def test_scheduler_artifact_needs_no_repair(artifacts, name):
 
 
 def test_hook_mapping_to_observable_events(artifacts):
-    artifact = artifacts["fig5"]  # TP2 with sequence parallelism: tp_rs_attn / tp_rs_mlp are observable
+    # TP2 with sequence parallelism: tp_rs_attn / tp_rs_mlp are observable
+    artifact = artifacts["fig5"]
     hp = build_hook_plan(artifact)
     names = artifact["llm_kernels"]
     seen = set()
     for stage, raw_stage in zip(hp.stages, artifact["encoder_stages"]):
-        ops = sorted(stage.ops, key=lambda o: (o.phase, o.local_microbatch, o.kernel_index, o.piece))
-        raws = sorted(raw_stage["ops"], key=lambda o: (o["phase"], o["local_microbatch"], o["kernel_index"],
-                                                       tuple(o["piece"])))
+        ops = sorted(
+            stage.ops, key=lambda o: (o.phase, o.local_microbatch, o.kernel_index, o.piece)
+        )
+        raws = sorted(
+            raw_stage["ops"],
+            key=lambda o: (o["phase"], o["local_microbatch"], o["kernel_index"], tuple(o["piece"])),
+        )
         for op, raw in zip(ops, raws):
             hook = raw["hook"]
             if hook["at"] != "llm_kernel":
                 assert op.assigned == (PRE if hook["at"] == "before_first_compute" else POST)
                 seen.add(hook["at"])
                 continue
-            kernel = names[f"{stage.llm_stage}/{hook['chunk']}/{hook['phase']}"][hook["kernel_index"]]
+            kernel = names[f"{stage.llm_stage}/{hook['chunk']}/{hook['phase']}"][
+                hook["kernel_index"]
+            ]
             if hook["phase"] == "fwd" and kernel in OBSERVABLE_COLLECTIVES:
                 assert op.assigned[0] == ("tp_after" if hook["after"] else "tp_before")
                 seen.add("collective")
@@ -74,7 +96,13 @@ def test_hook_mapping_to_observable_events(artifacts):
             else:
                 assert op.assigned[0] in ("op_start", "tp_after", "op_end")
                 seen.add("fwd compute")
-    assert seen == {"before_first_compute", "after_last_compute", "collective", "bwd", "fwd compute"}
+    assert seen == {
+        "before_first_compute",
+        "after_last_compute",
+        "collective",
+        "bwd",
+        "fwd compute",
+    }
 
 
 def _shuffled(artifact, seed):
@@ -87,9 +115,16 @@ def _shuffled(artifact, seed):
         for op in stage["ops"]:
             key = rng.choice(keys)
             _, chunk, phase = key.split("/")
-            op["hook"] = {"at": "llm_kernel", "phase": phase, "chunk": int(chunk), "microbatch": rng.randrange(n),
-                          "kernel_index": rng.randrange(len(artifact["llm_kernels"][key])), "kernel": "?",
-                          "layer": 0, "after": rng.random() < 0.5}
+            op["hook"] = {
+                "at": "llm_kernel",
+                "phase": phase,
+                "chunk": int(chunk),
+                "microbatch": rng.randrange(n),
+                "kernel_index": rng.randrange(len(artifact["llm_kernels"][key])),
+                "kernel": "?",
+                "layer": 0,
+                "after": rng.random() < 0.5,
+            }
     return artifact
 
 
@@ -103,11 +138,17 @@ def test_wrong_predictions_are_repaired_into_a_deadlock_free_plan(artifacts, nam
     _chain_positions(hp)
     for mb, phase in hp.moved_microbatches:
         target = PRE if phase == "fwd" else POST
-        assert all(op.event == target for st in hp.stages for op in st.ops if (op.microbatch, op.phase) == (mb, phase))
+        assert all(
+            op.event == target
+            for st in hp.stages
+            for op in st.ops
+            if (op.microbatch, op.phase) == (mb, phase)
+        )
 
 
 def test_cycle_detection_sees_an_encoder_output_needed_before_it_exists(artifacts):
-    """Encoder forward of microbatch 0 placed after the LLM's last op: the LLM would wait forever."""
+    """Encoder forward of microbatch 0 placed after the LLM's last op: the LLM would wait
+    forever."""
     artifact = copy.deepcopy(artifacts["tiny"])
     for stage in artifact["encoder_stages"]:
         for op in stage["ops"]:
@@ -115,4 +156,9 @@ def test_cycle_detection_sees_an_encoder_output_needed_before_it_exists(artifact
                 op["hook"] = {"at": "after_last_compute"}
     hp = build_hook_plan(artifact)
     assert (0, "fwd") in hp.moved_microbatches
-    assert all(op.event == PRE for st in hp.stages for op in st.ops if (op.microbatch, op.phase) == (0, "fwd"))
+    assert all(
+        op.event == PRE
+        for st in hp.stages
+        for op in st.ops
+        if (op.microbatch, op.phase) == (0, "fwd")
+    )

@@ -14,7 +14,8 @@ class _SmallBlocks(FreeIntervals):
 
 
 def _reference_fit(free: list[list[float]], t: float, duration: float, limit: float):
-    """First fit by the definition: the earliest start >= t inside one interval, ending by ``limit``."""
+    """First fit by the definition: the earliest start >= t inside one interval, ending by
+    ``limit``."""
     for a, b in free:
         start = max(a, t)
         if start + duration <= b and start + duration <= limit:
@@ -25,7 +26,7 @@ def _reference_fit(free: list[list[float]], t: float, duration: float, limit: fl
 def _reference_occupy(free: list[list[float]], start: float, end: float) -> None:
     for i, (a, b) in enumerate(free):
         if a <= start and end <= b:
-            free[i:i + 1] = [piece for piece in ([a, start], [end, b]) if piece[1] > piece[0]]
+            free[i : i + 1] = [piece for piece in ([a, start], [end, b]) if piece[1] > piece[0]]
             return
     raise AssertionError("not free")
 
@@ -51,10 +52,13 @@ def test_first_fit_and_occupy_match_a_plain_interval_list(cls, seed):
         limit = rng.choice([float("inf"), at + rng.uniform(0.0, 80.0)])
         fit = free.earliest_fit(at, duration, limit)
         assert fit == _reference_fit(reference, at, duration, limit), (step, at, duration, limit)
-        if fit is not None:  # take the kernel, part of it, up to the interval's end, or the whole interval
+        # take the kernel, part of it, up to the interval's end, or the whole interval
+        if fit is not None:
             start, lo, hi = fit
             middle = (start + duration / 4, start + duration / 2)  # splits the interval
-            start, end = rng.choice([(start, start + duration), middle, middle, (start, hi), (lo, hi)])
+            start, end = rng.choice(
+                [(start, start + duration), middle, middle, (start, hi), (lo, hi)]
+            )
             free.occupy(start, end)
             _reference_occupy(reference, start, end)
         assert _intervals(free) == reference

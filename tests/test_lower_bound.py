@@ -1,4 +1,5 @@
-"""The partition lower bound: never above what scheduling gives, and what it prunes never held the best."""
+"""The partition lower bound: never above what scheduling gives, and what it prunes never held the
+best."""
 
 import random
 
@@ -8,11 +9,22 @@ from optimus_mllm.config import config_from_dict
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler import bubble_scheduler
-from optimus_mllm.scheduler.bubble_scheduler import BWD, FWD, init_schedule, optimize_schedule, optimus
+from optimus_mllm.scheduler.bubble_scheduler import (
+    BWD,
+    FWD,
+    init_schedule,
+    optimize_schedule,
+    optimus,
+)
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, build_encoder_work
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.scheduler.lower_bound import Lengths, PartitionBound, stage_demand, stage_excess_us
+from optimus_mllm.scheduler.lower_bound import (
+    Lengths,
+    PartitionBound,
+    stage_demand,
+    stage_excess_us,
+)
 from tests.test_scheduler import _heavy_random_config, _random_config
 
 
@@ -29,16 +41,21 @@ def test_lengths_total_the_durations_at_least_d():
 
 
 def _chain(*durations: float) -> StageChain:
-    return StageChain(tuple(EncoderKernel("enc", 0, f"k{i}", "fwd", False, d) for i, d in enumerate(durations)))
+    return StageChain(
+        tuple(EncoderKernel("enc", 0, f"k{i}", "fwd", False, d) for i, d in enumerate(durations))
+    )
 
 
 def test_stage_excess_counts_long_kernels_against_long_bubbles_only():
-    """Bubbles of 10, 10 and 50 us; two microbatches of forward kernels 20 + 5 us and a backward kernel of
-    40 us. The 80 us of backward kernels fit only the 50 us bubble: 30 us at least run after the LLM.
-    Forward and backward kernels of 20 us or more (120 us) against 50 us of such bubbles: 70 us at least
-    run before or after it. All 130 us against the 70 us of bubbles would leave only 60."""
+    """Bubbles of 10, 10 and 50 us; two microbatches of forward kernels 20 + 5 us and a backward
+    kernel of
+    40 us. The 80 us of backward kernels fit only the 50 us bubble: 30 us at least run after the
+    LLM. Forward and backward kernels of 20 us or more (120 us) against 50 us of such bubbles: 70 us
+    at least run before or after it. All 130 us against the 70 us of bubbles would leave only 60."""
     bubbles = Lengths.of([10.0, 10.0, 50.0])
-    demand = stage_demand(Lengths.of_compute(_chain(20.0, 5.0)), Lengths.of_compute(_chain(40.0)), bubbles)
+    demand = stage_demand(
+        Lengths.of_compute(_chain(20.0, 5.0)), Lengths.of_compute(_chain(40.0)), bubbles
+    )
     assert stage_excess_us(demand, 2) == pytest.approx((0.0, 30.0, 70.0))
     assert stage_excess_us(demand, 1) == pytest.approx((0.0, 0.0, 10.0))
 
@@ -46,7 +63,8 @@ def test_stage_excess_counts_long_kernels_against_long_bubbles_only():
 @pytest.mark.parametrize("kind", ["random", "heavy"])
 @pytest.mark.parametrize("seed", range(30))
 def test_no_partition_schedules_faster_than_its_lower_bound(seed, kind):
-    """The bound that skips partitions and plans never exceeds what scheduling the partition gives, coarse
+    """The bound that skips partitions and plans never exceeds what scheduling the partition gives,
+    coarse
     or fine, so pruning by it drops no better schedule."""
     config = _config(kind, seed)
     planned = plan(config)
@@ -59,9 +77,17 @@ def test_no_partition_schedules_faster_than_its_lower_bound(seed, kind):
             coarse = init_schedule(work, bubbles, partition)
             if coarse is None:
                 continue
-            assert coarse.evaluation.latency >= bound(partition) - 1e-6, (candidate.plan, partition, "coarse")
+            assert coarse.evaluation.latency >= bound(partition) - 1e-6, (
+                candidate.plan,
+                partition,
+                "coarse",
+            )
             fine = optimize_schedule(optimize_schedule(coarse, FWD), BWD)
-            assert fine.evaluation.latency >= bound(partition) - 1e-6, (candidate.plan, partition, "fine")
+            assert fine.evaluation.latency >= bound(partition) - 1e-6, (
+                candidate.plan,
+                partition,
+                "fine",
+            )
 
 
 class _NoBound(PartitionBound):
@@ -70,8 +96,8 @@ class _NoBound(PartitionBound):
 
 
 def test_pruning_keeps_the_fastest_schedule(monkeypatch):
-    """Across random and heavy-encoder configs, Optimus with its bound finds as fast a schedule as with
-    every plan's every partition scheduled, while the bound skips some of them."""
+    """Across random and heavy-encoder configs, Optimus with its bound finds as fast a schedule as
+    with every plan's every partition scheduled, while the bound skips some of them."""
     pruned = total = 0
     for kind, seed in [(kind, seed) for kind in ("random", "heavy") for seed in range(0, 30, 2)]:
         config = _config(kind, seed)
@@ -81,7 +107,10 @@ def test_pruning_keeps_the_fastest_schedule(monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(bubble_scheduler, "PartitionBound", _NoBound)
             exhaustive = optimus(config, planned, cost)
-        assert bounded.best.iteration_us == pytest.approx(exhaustive.best.iteration_us, abs=1e-6), (kind, seed)
+        assert bounded.best.iteration_us == pytest.approx(exhaustive.best.iteration_us, abs=1e-6), (
+            kind,
+            seed,
+        )
         pruned += sum(o.stats.partitions_pruned for o in bounded.outcomes)
         total += sum(o.stats.partitions_total for o in bounded.outcomes)
     assert pruned > 0, (pruned, total)

@@ -1,4 +1,5 @@
-"""megatron_patches.hooks: the reduction hook and the warm-up override leave megatron-core as it was."""
+"""megatron_patches.hooks: the reduction hook and the warm-up override leave megatron-core as it
+was."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from megatron_patches.hooks import tp_collective_hook, warmup_override
 def test_tp_collective_hook_wraps_and_restores():
     from megatron.core.tensor_parallel import layers
 
-    names = ("reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region")
+    names = (
+        "reduce_from_tensor_model_parallel_region",
+        "reduce_scatter_to_sequence_parallel_region",
+    )
     before = {n: getattr(layers, n) for n in names}
     calls = []
     with tp_collective_hook(calls.append):
@@ -39,14 +43,17 @@ def test_warmup_override_replaces_only_the_warmup_and_restores():
 
     default = original(8, 2, 4, p2p_communicator=Communicator())
     with warmup_override(lambda stage: 7):
-        total, all_warmup, warmup, remaining = schedules.get_pp_rank_microbatches(8, 2, 4, p2p_communicator=Communicator())
+        total, all_warmup, warmup, remaining = schedules.get_pp_rank_microbatches(
+            8, 2, 4, p2p_communicator=Communicator()
+        )
     assert (total, warmup, remaining, all_warmup) == (default[0], 7, default[0] - 7, False)
     assert default[2] == 10  # megatron-core's own: (4 - 0 - 1) * 2 + (2 - 1) * 4
     assert schedules.get_pp_rank_microbatches is original
 
 
 def _hook_events(sequence_parallel: bool) -> dict[str, list]:
-    """One rank of LLM TP2: a forward of its GPT chunk under the function hooks and under module hooks."""
+    """One rank of LLM TP2: a forward of its GPT chunk under the function hooks and under module
+    hooks."""
     import torch
     from megatron.core import parallel_state, tensor_parallel
 
@@ -63,13 +70,20 @@ def _hook_events(sequence_parallel: bool) -> dict[str, list]:
     plan = ParallelPlan(1, 1, 2, 1)
     chunks = build_llm_chunks(config, plan, transformer_config(config, plan))
     seq = config.llm.seq_length
-    tokens = torch.randint(0, config.llm.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, config.llm.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0)
+    )
     events = {}
     for mode in (False, True):
         calls: list = []
         positions = torch.arange(seq).expand(2, seq)
-        with tp_collective_hook(lambda edge, collective: calls.append((edge, collective)), chunks, by_module=mode):
-            embedded = chunks[0].embedding(input_ids=tokens, position_ids=positions)  # whole sequence, as the runtime
+        with tp_collective_hook(
+            lambda edge, collective, calls=calls: calls.append((edge, collective)),
+            chunks,
+            by_module=mode,
+        ):
+            # whole sequence, as the runtime
+            embedded = chunks[0].embedding(input_ids=tokens, position_ids=positions)
             if sequence_parallel:
                 embedded = tensor_parallel.scatter_to_sequence_parallel_region(embedded)
             chunks[0](None, positions, causal_mask(seq), decoder_input=embedded)
@@ -79,23 +93,28 @@ def _hook_events(sequence_parallel: bool) -> dict[str, list]:
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_module_hooks_see_the_reductions_the_function_hooks_see(sequence_parallel):
-    """What a transformer-engine layer, which reduces inside its own forward, would give: the same hook
-    points, in the same order, as megatron-core's local layers give through the reduction functions."""
+    """What a transformer-engine layer, which reduces inside its own forward, would give: the same
+    hook points, in the same order, as megatron-core's local layers give through the reduction
+    functions."""
     from tests.distributed_utils import run_distributed
 
     for events in run_distributed(_hook_events, 2, sequence_parallel, timeout=120):
         kind = "rs" if sequence_parallel else "ar"
         layers = 4  # configs/tiny.yaml's LLM, one chunk
         assert events["function"] == [("before", "tp_ar_embed"), ("after", "tp_ar_embed")] + [
-            (edge, f"tp_{kind}_{role}") for _ in range(layers) for role in ("attn", "mlp")
-            for edge in ("before", "after")]
+            (edge, f"tp_{kind}_{role}")
+            for _ in range(layers)
+            for role in ("attn", "mlp")
+            for edge in ("before", "after")
+        ]
         assert events["module"] == events["function"]
 
 
 def test_a_layer_that_reduces_inside_its_forward_is_hooked_by_module():
     import torch
 
-    class TransformerEngineLike(torch.nn.Module):  # a row-parallel layer that never calls megatron-core's reductions
+    # a row-parallel layer that never calls megatron-core's reductions
+    class TransformerEngineLike(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.weight = torch.nn.Parameter(torch.ones(2, 2))

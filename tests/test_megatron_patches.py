@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from distributed_utils import run_distributed
 from megatron.core import parallel_state, utils
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -18,7 +19,6 @@ from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_patches
-from distributed_utils import run_distributed
 
 SEED = 1234
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 128, 32, 64, 4, 4
@@ -141,7 +141,8 @@ def test_global_memory_buffer_hands_out_cpu_tensors() -> None:
 
 
 def test_a_causal_softmax_given_no_mask_builds_it_on_the_cpu() -> None:
-    """CLIPViTModel passes no mask; megatron-core's local softmax then makes a causal one on CUDA."""
+    """CLIPViTModel passes no mask; megatron-core's local softmax then makes a causal one on
+    CUDA."""
     from megatron.core.fusions import fused_softmax
 
     with megatron_patches.patched():

@@ -1,4 +1,5 @@
-"""Memory model against hand-computed values: Korthikanti et al.'s activations and the paper's §4.5."""
+"""Memory model against hand-computed values: Korthikanti et al.'s activations and the paper's
+§4.5."""
 
 from __future__ import annotations
 
@@ -22,19 +23,23 @@ from optimus_mllm.planner.planner import ParallelPlan
 from tests.conftest import CONFIGS
 
 # GPT-175B shape, s=2048, b=1: s*b*h = 2048 * 12288 = 25,165,824 and 5*a*s/h = 5*96*2048/12288 = 80.
-GPT3 = TransformerSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=49152,
-                       seq_length=2048)
+GPT3 = TransformerSpec(
+    num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=49152, seq_length=2048
+)
 
 
-@pytest.mark.parametrize("tp, sp, recompute, expected", [
-    (1, False, "none", 2_868_903_936),  # sbh (34 + 80)
-    (8, False, "none", 578_813_952),  # sbh (10 + 24/8 + 80/8)
-    (8, True, "none", 358_612_992),  # sbh (34 + 80) / 8
-    (8, True, "selective", 106_954_752),  # sbh 34 / 8
-    (8, False, "selective", 327_155_712),  # sbh (10 + 24/8)
-    (8, True, "full", 6_291_456),  # 2 sbh / 8
-    (8, False, "full", 50_331_648),  # 2 sbh
-])
+@pytest.mark.parametrize(
+    "tp, sp, recompute, expected",
+    [
+        (1, False, "none", 2_868_903_936),  # sbh (34 + 80)
+        (8, False, "none", 578_813_952),  # sbh (10 + 24/8 + 80/8)
+        (8, True, "none", 358_612_992),  # sbh (34 + 80) / 8
+        (8, True, "selective", 106_954_752),  # sbh 34 / 8
+        (8, False, "selective", 327_155_712),  # sbh (10 + 24/8)
+        (8, True, "full", 6_291_456),  # 2 sbh / 8
+        (8, False, "full", 50_331_648),  # 2 sbh
+    ],
+)
 def test_korthikanti_layer_activations(tp, sp, recompute, expected):
     assert layer_activation_bytes(GPT3, 1, tp, sp, recompute) == pytest.approx(expected)
 
@@ -47,16 +52,31 @@ def test_interleaving_factor():
 def test_k_follows_precision():
     config = load_config(CONFIGS / "paper" / "model_d.yaml")
     assert bytes_per_param_k(config) == 6  # bf16 params + fp32 main grads, paper §4.5
-    fp32 = dataclasses.replace(config, training=dataclasses.replace(config.training, precision="fp32"))
+    fp32 = dataclasses.replace(
+        config, training=dataclasses.replace(config.training, precision="fp32")
+    )
     assert bytes_per_param_k(fp32) == 8
 
 
-@pytest.mark.parametrize("optimizer, momentum, precision, expected", [
-    ("adam", 0.9, "bf16", 12), ("adam", 0.9, "fp32", 8), ("sgd", 0.9, "bf16", 8), ("sgd", 0.0, "bf16", 4),
-    ("sgd", 0.0, "fp32", 0)])
+@pytest.mark.parametrize(
+    "optimizer, momentum, precision, expected",
+    [
+        ("adam", 0.9, "bf16", 12),
+        ("adam", 0.9, "fp32", 8),
+        ("sgd", 0.9, "bf16", 8),
+        ("sgd", 0.0, "bf16", 4),
+        ("sgd", 0.0, "fp32", 0),
+    ],
+)
 def test_optimizer_state_bytes_follow_the_optimizer(optimizer, momentum, precision, expected):
-    config = load_config(CONFIGS / "tiny.yaml", [f"training.optimizer={optimizer}", f"training.sgd_momentum={momentum}",
-                                f"training.precision={precision}"])
+    config = load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            f"training.optimizer={optimizer}",
+            f"training.sgd_momentum={momentum}",
+            f"training.precision={precision}",
+        ],
+    )
     assert optimizer_bytes_per_param(config) == expected
 
 
@@ -64,7 +84,9 @@ def test_distributed_optimizer_shards_adam_states():
     config = load_config(CONFIGS / "paper" / "model_d.yaml")
     mem = model_state_memory(config, 1e9, dp=8)
     assert (mem.params, mem.grads, mem.optimizer) == (2e9, 4e9, 12e9 / 8)
-    plain = dataclasses.replace(config, training=dataclasses.replace(config.training, distributed_optimizer=False))
+    plain = dataclasses.replace(
+        config, training=dataclasses.replace(config.training, distributed_optimizer=False)
+    )
     assert model_state_memory(plain, 1e9, dp=8).optimizer == 12e9
 
 
@@ -92,7 +114,9 @@ def test_section_4_5_overhead_comes_out_of_per_gpu_model(config_name):
         derived = encoder_state_bytes_averaged(candidate.plan) - baseline
         formula = colocation_overhead(k, candidate.plan.dp, llm.dp, phi_enc + projectors, n)
         assert derived == pytest.approx(formula, rel=1e-9)
-        assert candidate.overhead_bytes == pytest.approx(colocation_overhead(k, candidate.plan.dp, llm.dp, phi_enc, n))
+        assert candidate.overhead_bytes == pytest.approx(
+            colocation_overhead(k, candidate.plan.dp, llm.dp, phi_enc, n)
+        )
 
 
 def test_plan_exceeding_memory_is_pruned_with_reason(capsys):

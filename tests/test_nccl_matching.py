@@ -35,16 +35,22 @@ def _recorded_step(overrides: list[str], artifact: dict) -> list[tuple]:
 
 
 def test_the_checker_finds_tags_shared_groups_opposing_sends_and_order_mismatches():
-    records = [("isend", "default", 0, 1, (2,), "f", 5), ("recv", "default", 1, 0, (2,), "f", 5),
-               ("isend", "g", 0, 1, (2,), "f", 0), ("isend", "g", 1, 0, (2,), "f", 0),
-               ("recv", "g", 1, 0, (3,), "f", 0), ("recv", "g", 0, 1, (2,), "f", 0)]
+    records = [
+        ("isend", "default", 0, 1, (2,), "f", 5),
+        ("recv", "default", 1, 0, (2,), "f", 5),
+        ("isend", "g", 0, 1, (2,), "f", 0),
+        ("isend", "g", 1, 0, (2,), "f", 0),
+        ("recv", "g", 1, 0, (3,), "f", 0),
+        ("recv", "g", 0, 1, (2,), "f", 0),
+    ]
     text = "\n".join(nccl_violations(records))
     assert "uses tag 5" in text and "default group" in text and "both ways" in text
     assert "sends [((2,), 'f')] but receives [((3,), 'f')]" in text
 
 
 def _shuffled_hooks(artifact: dict) -> dict:
-    """Every encoder op's hook at the first LLM op of its stage, reversed chain order: consumption order
+    """Every encoder op's hook at the first LLM op of its stage, reversed chain order: consumption
+    order
     differs from the order the channels deliver in."""
     artifact = copy.deepcopy(artifact)
     for stage in artifact["encoder_stages"]:
@@ -52,12 +58,18 @@ def _shuffled_hooks(artifact: dict) -> dict:
     return artifact
 
 
-CASES = {"tiny": ([], False), "encoder-PP2-reordered": (ENC_PP2, True), "PP4-V2-adjusted": (PP4_V2, False)}
+CASES = {
+    "tiny": ([], False),
+    "encoder-PP2-reordered": (ENC_PP2, True),
+    "PP4-V2-adjusted": (PP4_V2, False),
+}
 
 
 def _recorded_steps(cases: dict[str, tuple[list[str], dict]]) -> dict[str, list[tuple]]:
     """One rank of every case, one launch: each case's step, recorded on its own."""
-    return {name: _recorded_step(overrides, artifact) for name, (overrides, artifact) in cases.items()}
+    return {
+        name: _recorded_step(overrides, artifact) for name, (overrides, artifact) in cases.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -72,5 +84,7 @@ def recorded() -> list[dict[str, list[tuple]]]:
 @pytest.mark.parametrize("case", CASES)
 def test_runtime_messages_follow_nccl_matching_rules(recorded, case):
     records = [r for rank in recorded for r in rank[case]]
-    assert any(op in ("isend", "send") for op, *_ in records), "no P2P recorded: the check saw nothing"
+    assert any(op in ("isend", "send") for op, *_ in records), (
+        "no P2P recorded: the check saw nothing"
+    )
     assert nccl_violations(records) == []

@@ -1,4 +1,5 @@
-"""Parameter counts from the model zoo against the paper's Appendix A (Params columns), within 5 %."""
+"""Parameter counts from the model zoo against the paper's Appendix A (Params columns), within 5
+%."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from optimus_mllm.params import encoder_params, encoder_params_per_stage, layer_
 from tests.conftest import CONFIGS
 
 # (config whose first encoder / LLM is the model, paper's Params)
-ENCODERS = [("model_a", "vit", 10e9), ("model_b", "vit", 22e9), ("appc_vit3b_gpt11b_8gpu", "vit", 3e9),
-            ("dualenc_11b_5b", "vit_5b", 5.5e9), ("dualenc_22b_11b", "vit_11b", 10e9)]
+ENCODERS = [
+    ("model_a", "vit", 10e9),
+    ("model_b", "vit", 22e9),
+    ("appc_vit3b_gpt11b_8gpu", "vit", 3e9),
+    ("dualenc_11b_5b", "vit_5b", 5.5e9),
+    ("dualenc_22b_11b", "vit_11b", 10e9),
+]
 LLMS = [("appc_vit3b_gpt11b_8gpu", 11e9), ("model_a", 70e9), ("model_d", 175e9)]
 
 
@@ -30,7 +36,8 @@ def test_llm_params_match_appendix_a(config_name, paper):
 def test_gpt_layer_is_12h2_plus_biases_and_norms():
     config = load_config(CONFIGS / "paper" / "model_d.yaml")
     h = 12288
-    assert layer_params(config.llm) == 12 * h * h + 13 * h  # 4h^2 attn + 8h^2 MLP; 9h biases + 4h norms
+    # 4h^2 attn + 8h^2 MLP; 9h biases + 4h norms
+    assert layer_params(config.llm) == 12 * h * h + 13 * h
 
 
 def test_stage_split_keeps_every_parameter():

@@ -11,7 +11,13 @@ import pytest
 
 from optimus_mllm.cli.plan import main
 from optimus_mllm.config import load_config
-from optimus_mllm.planner import ParallelPlan, encoder_stage_gpus, microbatch_partitions, plan, symmetry_groups
+from optimus_mllm.planner import (
+    ParallelPlan,
+    encoder_stage_gpus,
+    microbatch_partitions,
+    plan,
+    symmetry_groups,
+)
 from optimus_mllm.planner.planner import choose_virtual_stages
 from tests.conftest import CONFIGS, balanced_wins
 
@@ -51,8 +57,16 @@ def test_every_listed_plan_obeys_divisibility(name):
     # every divisor pair is either kept or pruned, exactly once
     seen = Counter((c.plan.pp, c.plan.tp) for c in result.candidates + result.pruned)
     fixed = config.parallel.encoder
-    expected = {(fixed.pp, fixed.tp)} if fixed else {
-        (p, t) for p in range(1, llm.pp + 1) for t in range(1, llm.tp + 1) if llm.pp % p == 0 and llm.tp % t == 0}
+    expected = (
+        {(fixed.pp, fixed.tp)}
+        if fixed
+        else {
+            (p, t)
+            for p in range(1, llm.pp + 1)
+            for t in range(1, llm.tp + 1)
+            if llm.pp % p == 0 and llm.tp % t == 0
+        }
+    )
     assert set(seen) == expected and max(seen.values()) == 1
 
 
@@ -74,7 +88,8 @@ def test_every_gpu_holds_exactly_one_encoder_stage(pp_enc, tp_enc):
 
 
 def test_paper_partition_example():
-    """Paper §4.1: 8 microbatches over 2 encoder pipelines on different LLM stages: [1,7] ... [7,1]."""
+    """Paper §4.1: 8 microbatches over 2 encoder pipelines on different LLM stages: [1,7] ...
+    [7,1]."""
     result = microbatch_partitions(8, [1, 1], 8, cap=100)
     assert sorted(result.partitions) == [(i, 8 - i) for i in range(1, 8)]
     assert result.num_compositions == 7 and not result.truncated
@@ -82,7 +97,8 @@ def test_paper_partition_example():
 
 @pytest.mark.parametrize("n, groups", [(8, [2]), (9, [2, 2]), (10, [3, 1]), (7, [1, 1, 1])])
 def test_symmetry_reduction_is_exact(n, groups):
-    """Uncapped, the kept partitions' orbits under in-group permutations are all compositions, once each."""
+    """Uncapped, the kept partitions' orbits under in-group permutations are all compositions, once
+    each."""
     result = microbatch_partitions(n, groups, n, cap=10**6)
     m = sum(groups)
     all_compositions = {c for c in itertools.product(range(1, n + 1), repeat=m) if sum(c) == n}
@@ -91,7 +107,7 @@ def test_symmetry_reduction_is_exact(n, groups):
     def canonical(part):
         out, i = [], 0
         for size in groups:
-            out += sorted(part[i:i + size], reverse=True)
+            out += sorted(part[i : i + size], reverse=True)
             i += size
         return tuple(out)
 
@@ -120,7 +136,9 @@ def test_planner_chooses_llm_plan_by_megatron_guidance():
     assert result.llm_plan_origin == "planner"
     assert chosen.tp <= config.cluster.gpus_per_node
     assert result.candidates, "the chosen LLM plan must leave room for an encoder plan"
-    for rejected in result.llm_rejected:  # everything tried first was smaller or equal and did not fit
+    for (
+        rejected
+    ) in result.llm_rejected:  # everything tried first was smaller or equal and did not fit
         assert rejected.plan.tp * rejected.plan.pp <= chosen.tp * chosen.pp
         assert rejected.reason
 
@@ -137,7 +155,8 @@ def test_virtual_stage_choice():
     assert choose_virtual_stages(config, 8, 16) == 12  # 12 layers per stage, one per chunk
     capped = load_config(CONFIGS / "paper" / "model_d.yaml", ["planner.max_virtual_stages=5"])
     assert choose_virtual_stages(capped, 8, 16) == 4
-    assert choose_virtual_stages(config, 8, 12) == 1  # interleaving needs a multiple of PP microbatches
+    # interleaving needs a multiple of PP microbatches
+    assert choose_virtual_stages(config, 8, 12) == 1
 
 
 def test_symmetry_groups_follow_tp_slots():
@@ -147,7 +166,10 @@ def test_symmetry_groups_follow_tp_slots():
 
 def test_cli_prints_table_and_writes_json(tmp_path, capsys):
     out_json = tmp_path / "plan.json"
-    assert main(["--config", str(CONFIGS / "paper" / "strong_3072.yaml"), "--json", str(out_json)]) == 0
+    assert (
+        main(["--config", str(CONFIGS / "paper" / "strong_3072.yaml"), "--json", str(out_json)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "LLM plan (config): DP48 PP8 TP8 V12, 16 microbatches per LLM pipeline" in out
     assert "ranked by simulated iteration time (bubble scheduler)" in out
@@ -156,7 +178,8 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys):
     assert data["llm_plan"] == {"dp": 48, "pp": 8, "tp": 8, "vp": 12}
     expected = plan(load_config(CONFIGS / "paper" / "strong_3072.yaml"))
     assert sorted(map(str, (p["plan"] for p in data["encoder_plans"]))) == sorted(
-        str(c.plan.as_dict()) for c in expected.candidates)
+        str(c.plan.as_dict()) for c in expected.candidates
+    )
     assert data["chosen"]["encoder_plan"] == data["encoder_plans"][0]["plan"]
     assert data["encoder_plans"][0]["status"] == "scheduled"
     first = data["encoder_plans"][0]
@@ -170,8 +193,10 @@ def test_cli_names_a_baseline_that_beats_every_schedule(tmp_path, capsys):
     assert main(["--config", str(balanced_wins(tmp_path)), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "chosen: LLM DP1 PP2 TP1 V2 | encoder" in out  # Optimus's fastest schedule, still shown
-    assert out.rstrip().endswith("but the Megatron-LM balanced baseline is faster: iteration 0.0005 s; "
-                                 "optimus-train runs it (--baseline balanced) unless given this schedule (--schedule)")
+    assert out.rstrip().endswith(
+        "but the Megatron-LM balanced baseline is faster: iteration 0.0005 s; "
+        "optimus-train runs it (--baseline balanced) unless given this schedule (--schedule)"
+    )
     data = json.loads(out_json.read_text())
     assert data["faster_baseline"]["runtime"] == "balanced"
     assert data["faster_baseline"]["iteration_us"] < data["chosen"]["iteration_us"]
@@ -180,8 +205,21 @@ def test_cli_names_a_baseline_that_beats_every_schedule(tmp_path, capsys):
 def test_cli_writes_artifact_trace_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = {name: tmp_path / name for name in ("schedule.json", "trace.json", "timeline.png")}
-    assert main(["--config", str(CONFIGS / "tiny.yaml"), "--artifact", str(out["schedule.json"]),
-                 "--trace", str(out["trace.json"]), "--png", str(out["timeline.png"])]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                str(CONFIGS / "tiny.yaml"),
+                "--artifact",
+                str(out["schedule.json"]),
+                "--trace",
+                str(out["trace.json"]),
+                "--png",
+                str(out["timeline.png"]),
+            ]
+        )
+        == 0
+    )
     assert "chosen: LLM DP1 PP2 TP2 V2 | encoder" in capsys.readouterr().out
     assert json.loads(out["schedule.json"].read_text())["format"] == "optimus-schedule"
     assert json.loads(out["trace.json"].read_text())["traceEvents"]
@@ -189,6 +227,11 @@ def test_cli_writes_artifact_trace_and_png(tmp_path, capsys):
 
 
 def test_cli_output_into_missing_directory_is_a_clear_error(tmp_path, capsys):
-    assert main(["--config", str(CONFIGS / "tiny.yaml"), "--artifact", str(tmp_path / "no" / "a.json")]) == 2
+    assert (
+        main(
+            ["--config", str(CONFIGS / "tiny.yaml"), "--artifact", str(tmp_path / "no" / "a.json")]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not exist" in err

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed_utils import run_distributed
+
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
 from optimus_mllm.runtime.process_groups import (
     EncoderRankLayout,
@@ -44,15 +44,22 @@ PLAN_PAIRS = [
 # --- megatron-core's rank order ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("tp", "dp", "pp"), [(2, 1, 2), (1, 2, 2), (2, 2, 2), (2, 3, 4), (4, 2, 1)])
+@pytest.mark.parametrize(
+    ("tp", "dp", "pp"), [(2, 1, 2), (1, 2, 2), (2, 2, 2), (2, 3, 4), (4, 2, 1)]
+)
 def test_megatron_rank_matches_megatron_core_rank_generator(tp: int, dp: int, pp: int) -> None:
     from megatron.core import parallel_state
 
     plan = ParallelPlan(dp=dp, pp=pp, tp=tp)
-    generator = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    generator = parallel_state.RankGenerator(
+        tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp"
+    )
     for axis, size in {"tp": tp, "dp": dp, "pp": pp}.items():
         expected = {
-            tuple(megatron_rank(plan, **{**vars(llm_coords(plan, rank)), axis: i}) for i in range(size))
+            tuple(
+                megatron_rank(plan, **{**vars(llm_coords(plan, rank)), axis: i})
+                for i in range(size)
+            )
             for rank in range(plan.world_size)
         }
         assert {tuple(group) for group in generator.get_ranks(axis)} == expected, axis
@@ -68,9 +75,15 @@ def test_llm_coords_inverts_megatron_rank() -> None:
 
 
 @pytest.mark.parametrize(("llm", "enc"), PLAN_PAIRS)
-def test_every_rank_is_in_exactly_one_group_of_each_kind(llm: ParallelPlan, enc: ParallelPlan) -> None:
+def test_every_rank_is_in_exactly_one_group_of_each_kind(
+    llm: ParallelPlan, enc: ParallelPlan
+) -> None:
     layout = build_encoder_rank_layout(llm, enc)
-    for groups, size in [(layout.tp_groups, enc.tp), (layout.pp_groups, enc.pp), (layout.dp_groups, enc.dp)]:
+    for groups, size in [
+        (layout.tp_groups, enc.tp),
+        (layout.pp_groups, enc.pp),
+        (layout.dp_groups, enc.dp),
+    ]:
         assert all(len(group) == size for group in groups)
         assert Counter(rank for group in groups for rank in group) == Counter(range(llm.world_size))
 
@@ -84,13 +97,21 @@ def test_groups_agree_with_encoder_coordinates(llm: ParallelPlan, enc: ParallelP
         assert [coords[r].tp for r in layout.tp_group_of(rank)] == list(range(enc.tp))
         assert [coords[r].pp for r in layout.pp_group_of(rank)] == list(range(enc.pp))
         assert [coords[r].dp for r in layout.dp_group_of(rank)] == list(range(enc.dp))
-        assert {(coords[r].dp, coords[r].pp) for r in layout.tp_group_of(rank)} == {(mine.dp, mine.pp)}
-        assert {(coords[r].dp, coords[r].tp) for r in layout.pp_group_of(rank)} == {(mine.dp, mine.tp)}
-        assert {(coords[r].pp, coords[r].tp) for r in layout.dp_group_of(rank)} == {(mine.pp, mine.tp)}
+        assert {(coords[r].dp, coords[r].pp) for r in layout.tp_group_of(rank)} == {
+            (mine.dp, mine.pp)
+        }
+        assert {(coords[r].dp, coords[r].tp) for r in layout.pp_group_of(rank)} == {
+            (mine.dp, mine.tp)
+        }
+        assert {(coords[r].pp, coords[r].tp) for r in layout.dp_group_of(rank)} == {
+            (mine.pp, mine.tp)
+        }
 
 
 @pytest.mark.parametrize(("llm", "enc"), PLAN_PAIRS)
-def test_stages_sit_on_the_llm_stages_of_encoder_stage_gpus(llm: ParallelPlan, enc: ParallelPlan) -> None:
+def test_stages_sit_on_the_llm_stages_of_encoder_stage_gpus(
+    llm: ParallelPlan, enc: ParallelPlan
+) -> None:
     layout = build_encoder_rank_layout(llm, enc)
     placement = encoder_stage_gpus(llm, enc)
     q = llm.tp // enc.tp
@@ -113,7 +134,14 @@ def test_figure5_encoder_pipeline_0_on_gpus_0_to_3_and_pipeline_1_on_4_to_7() ->
     assert [pipe.stage_ranks for pipe in layout.pipelines] == [((0, 1), (2, 3)), ((4, 5), (6, 7))]
     assert layout.dp_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert [(c.encoder.dp, c.encoder.pp, c.encoder.tp) for c in layout.coords] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
     ]
     assert [(link.encoder_rank, link.llm_rank) for link in layout.links_to(0)] == [(2, 0), (6, 0)]
     assert [(link.encoder_rank, link.llm_rank) for link in layout.links_to(1)] == [(3, 1), (7, 1)]
@@ -123,7 +151,9 @@ def test_llm_dp2_puts_each_replicas_encoders_on_its_own_noncontiguous_ranks() ->
     # megatron-core: rank = tp + 2*dp + 4*pp, so replica 0 is ranks 0,1 (stage 0) and 4,5 (stage 1)
     layout = build_encoder_rank_layout(ParallelPlan(2, 2, 2), ParallelPlan(4, 1, 2))
 
-    assert [(p.encoder_dp, p.llm_dp, p.stage_ranks, p.llm_first_stage_ranks) for p in layout.pipelines] == [
+    assert [
+        (p.encoder_dp, p.llm_dp, p.stage_ranks, p.llm_first_stage_ranks) for p in layout.pipelines
+    ] == [
         (0, 0, ((0, 1),), (0, 1)),
         (1, 0, ((4, 5),), (0, 1)),
         (2, 1, ((2, 3),), (2, 3)),
@@ -168,9 +198,7 @@ def test_each_encoder_last_stage_rank_sends_to_q_llm_ranks_and_gets_one_gradient
 
 def test_tp_enc_below_tp_llm_gives_each_slot_its_own_gradient_sender() -> None:
     layout = build_encoder_rank_layout(ParallelPlan(1, 4, 4), ParallelPlan(8, 2, 1))
-    senders = {
-        link.encoder_dp: link.llm_rank for link in layout.links if link.carries_gradient
-    }
+    senders = {link.encoder_dp: link.llm_rank for link in layout.links if link.carries_gradient}
     # pipelines j = block * 4 + slot; LLM stage-0 ranks are 0..3, slot s returns via rank s
     assert senders == {j: j % 4 for j in range(8)}
     assert layout.pipelines[5].stage_ranks == ((9,), (13,))
@@ -182,21 +210,33 @@ def test_encoder_pp1_on_the_first_llm_stage_is_a_local_copy() -> None:
 
     assert [p.stage_ranks for p in on_stage0] == [((0,),), ((1,),)]
     for pipe in on_stage0:
-        (gradient,) = [l for l in layout.links if l.encoder_dp == pipe.encoder_dp and l.carries_gradient]
+        (gradient,) = [
+            link
+            for link in layout.links
+            if link.encoder_dp == pipe.encoder_dp and link.carries_gradient
+        ]
         assert gradient.local
-    assert not any(link.local for link in layout.links if layout.coords[link.encoder_rank].llm.pp == 1)
+    assert not any(
+        link.local for link in layout.links if layout.coords[link.encoder_rank].llm.pp == 1
+    )
 
 
 @pytest.mark.parametrize(("llm", "enc"), PLAN_PAIRS)
 def test_channels_one_per_message_kind_and_direction(llm: ParallelPlan, enc: ParallelPlan) -> None:
-    """Every encoder stage edge (per TP lane, both ways) and every non-local link has its own channel."""
+    """Every encoder stage edge (per TP lane, both ways) and every non-local link has its own
+    channel."""
     layout = build_encoder_rank_layout(llm, enc)
     channels = layout.channels
     assert len(set(channels)) == len(channels)
     assert all(c.sender != c.receiver for c in channels)
-    expected = {("embeddings", l.encoder_rank, l.llm_rank) for l in layout.links if not l.local}
-    expected |= {("embeddings_grad", l.llm_rank, l.encoder_rank) for l in layout.links
-                 if not l.local and l.carries_gradient}
+    expected = {
+        ("embeddings", link.encoder_rank, link.llm_rank) for link in layout.links if not link.local
+    }
+    expected |= {
+        ("embeddings_grad", link.llm_rank, link.encoder_rank)
+        for link in layout.links
+        if not link.local and link.carries_gradient
+    }
     for pipe in layout.pipelines:
         for here, there in zip(pipe.stage_ranks, pipe.stage_ranks[1:]):
             expected |= {("activation", a, b) for a, b in zip(here, there)}
@@ -220,7 +260,9 @@ def test_plans_that_do_not_tile_the_llm_are_rejected(llm: ParallelPlan, enc: Par
 
 def test_the_layout_does_not_import_torch() -> None:
     code = "import sys, optimus_mllm.runtime.process_groups; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent
+    )
 
 
 # --- gloo ranks ----------------------------------------------------------------------------------
@@ -266,8 +308,10 @@ def _exchange(layout: EncoderRankLayout, rank: int) -> dict[str, Any]:
         "sums": sums,
         "ranks": {"tp": pgs.tp_ranks, "pp": pgs.pp_ranks, "dp": pgs.dp_ranks},
         "received": [(c.sender, int(buf)) for buf, c in zip(buffers, recvs)],
-        "channels": sorted((c.kind, c.sender, c.receiver, tuple(dist.get_process_group_ranks(g)))
-                           for c, g in pgs.channels.items()),
+        "channels": sorted(
+            (c.kind, c.sender, c.receiver, tuple(dist.get_process_group_ranks(g)))
+            for c, g in pgs.channels.items()
+        ),
     }
 
 
@@ -290,7 +334,9 @@ def _rank_with_megatron(cases: Cases) -> list[dict[str, Any]]:
 
 
 def _rank_without_megatron(cases: Cases) -> list[dict[str, Any]]:
-    return [{"megatron": None, "encoders": _encoder_results(llm, enc_plans)} for llm, enc_plans in cases]
+    return [
+        {"megatron": None, "encoders": _encoder_results(llm, enc_plans)} for llm, enc_plans in cases
+    ]
 
 
 def _check(cases: Cases, per_rank: list[list[dict[str, Any]]]) -> None:
@@ -304,7 +350,9 @@ def _check(cases: Cases, per_rank: list[list[dict[str, Any]]]) -> None:
 
 def _check_megatron(llm: ParallelPlan, rank: int, view: dict[str, Any]) -> None:
     c = llm_coords(llm, rank)
-    assert view["coords"] == (c.dp, c.pp, c.tp), f"rank {rank}: megatron-core orders ranks differently"
+    assert view["coords"] == (c.dp, c.pp, c.tp), (
+        f"rank {rank}: megatron-core orders ranks differently"
+    )
     assert view["groups"] == {
         "tp": tuple(megatron_rank(llm, c.dp, c.pp, t) for t in range(llm.tp)),
         "pp": tuple(megatron_rank(llm, c.dp, s, c.tp) for s in range(llm.pp)),
@@ -313,19 +361,27 @@ def _check_megatron(llm: ParallelPlan, rank: int, view: dict[str, Any]) -> None:
 
 
 def _check_exchange(layout: EncoderRankLayout, rank: int, exchange: dict[str, Any]) -> None:
-    groups = {"tp": layout.tp_group_of(rank), "pp": layout.pp_group_of(rank), "dp": layout.dp_group_of(rank)}
+    groups = {
+        "tp": layout.tp_group_of(rank),
+        "pp": layout.pp_group_of(rank),
+        "dp": layout.dp_group_of(rank),
+    }
     assert exchange["ranks"] == groups
     assert exchange["sums"] == {name: sum(ranks) for name, ranks in groups.items()}
     assert all(peer == value for peer, value in exchange["received"]), exchange["received"]
     mine = [c for c in layout.channels if rank in (c.sender, c.receiver)]
-    assert exchange["channels"] == sorted((c.kind, c.sender, c.receiver, tuple(sorted((c.sender, c.receiver))))
-                                          for c in mine)
+    assert exchange["channels"] == sorted(
+        (c.kind, c.sender, c.receiver, tuple(sorted((c.sender, c.receiver)))) for c in mine
+    )
 
 
 def test_four_ranks_megatron_llm_groups_and_encoder_groups() -> None:
     # LLM TP2 PP2 (DP1) and TP1 PP2 (DP2, which pins megatron-core's DP order)
     enc_plans = [ParallelPlan(dp=4, pp=1, tp=1), ParallelPlan(dp=2, pp=2, tp=1)]
-    cases = [(ParallelPlan(dp=1, pp=2, tp=2), enc_plans), (ParallelPlan(dp=2, pp=2, tp=1), enc_plans)]
+    cases = [
+        (ParallelPlan(dp=1, pp=2, tp=2), enc_plans),
+        (ParallelPlan(dp=2, pp=2, tp=1), enc_plans),
+    ]
     _check(cases, run_distributed(_rank_with_megatron, 4, cases, timeout=RANK_TIMEOUT_S))
 
 

@@ -1,4 +1,5 @@
-"""Bubble scheduler: the LLM timeline, dependency points, and validity of every schedule it emits."""
+"""Bubble scheduler: the LLM timeline, dependency points, and validity of every schedule it
+emits."""
 
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     schedule_kernels,
 )
 from optimus_mllm.scheduler.coarse import PostWindow, coarse_backward
+from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, build_encoder_work
 from optimus_mllm.scheduler.fine import LLMBubbles, PipelineMoves, Resource
 from optimus_mllm.scheduler.intervals import FreeIntervals
-from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline
 from optimus_mllm.scheduler.llm_timeline import (
     OpWork,
@@ -51,14 +52,32 @@ from tests.conftest import CONFIGS
 
 
 def _uniform_work(pp: int, vp: int, tf: float = 1.0, tb: float = 2.0):
-    return {(s, c, phase): OpWork.sequential([(phase, 0, False, (tf if phase == "fwd" else tb) / vp)])
-            for s in range(pp) for c in range(vp) for phase in ("fwd", "bwd")}
+    return {
+        (s, c, phase): OpWork.sequential([(phase, 0, False, (tf if phase == "fwd" else tb) / vp)])
+        for s in range(pp)
+        for c in range(vp)
+        for phase in ("fwd", "bwd")
+    }
 
 
-@pytest.mark.parametrize("pp, vp, m", [(2, 1, 4), (4, 1, 8), (3, 1, 5), (2, 2, 4), (4, 2, 8), (4, 2, 16),
-                                       (4, 4, 12), (8, 2, 32), (8, 12, 16), (8, 6, 24)])
+@pytest.mark.parametrize(
+    "pp, vp, m",
+    [
+        (2, 1, 4),
+        (4, 1, 8),
+        (3, 1, 5),
+        (2, 2, 4),
+        (4, 2, 8),
+        (4, 2, 16),
+        (4, 4, 12),
+        (8, 2, 32),
+        (8, 12, 16),
+        (8, 6, 24),
+    ],
+)
 def test_idle_fraction_is_p_minus_1_over_v_m(pp, vp, m):
-    """Seed 002: with no communication the pipeline bubble is (p-1)/(v*m) of the ideal compute time."""
+    """Seed 002: with no communication the pipeline bubble is (p-1)/(v*m) of the ideal compute
+    time."""
     stages = simulate(pp, vp, m, _uniform_work(pp, vp), p2p_us=0.0)
     busy = m * 3.0
     for stage in stages:
@@ -89,9 +108,12 @@ def test_bad_warmup_deadlock_is_detected():
         simulate(2, 2, 4, _uniform_work(2, 2), 0.0, warmup=[0, 4])
 
 
-@pytest.mark.parametrize("pp, vp, m, p2p", [(4, 2, 8, 0.05), (2, 2, 4, 0.0), (3, 2, 6, 0.1), (4, 1, 8, 0.05)])
+@pytest.mark.parametrize(
+    "pp, vp, m, p2p", [(4, 2, 8, 0.05), (2, 2, 4, 0.0), (3, 2, 6, 0.1), (4, 1, 8, 0.05)]
+)
 def test_adjusted_warmup_rule_matches_exhaustive_search(pp, vp, m, p2p):
-    """The GetEncLLMDep rule w_s = min(default_s, w_0 - s) defers F as far as any per-stage warm-up."""
+    """The GetEncLLMDep rule w_s = min(default_s, w_0 - s) defers F as far as any per-stage
+    warm-up."""
     work = _uniform_work(pp, vp)
     base = simulate(pp, vp, m, work, p2p)
     end = max(s.last_compute_us for s in base)
@@ -148,32 +170,62 @@ def _random_config(seed: int) -> dict:
     encoders = []
     for i in range(rng.choice([1, 1, 2])):
         enc_heads = rng.choice([4, 8])
-        encoders.append({"name": f"enc{i}", "num_layers": rng.choice([1, 2, 3, 4]), "hidden_size": 16 * enc_heads,
-                         "num_attention_heads": enc_heads, "ffn_hidden_size": 64 * enc_heads,
-                         "seq_length": rng.choice([16, 64, 256]), "patch_size": 4,
-                         "frozen": rng.random() < 0.25})
+        encoders.append(
+            {
+                "name": f"enc{i}",
+                "num_layers": rng.choice([1, 2, 3, 4]),
+                "hidden_size": 16 * enc_heads,
+                "num_attention_heads": enc_heads,
+                "ffn_hidden_size": 64 * enc_heads,
+                "seq_length": rng.choice([16, 64, 256]),
+                "patch_size": 4,
+                "frozen": rng.random() < 0.25,
+            }
+        )
     return {
         "name": f"random{seed}",
-        "cluster": {"num_gpus": n, "gpus_per_node": max(4, tp), "gpu_memory_gib": 80,
-                    "inter_node_bandwidth_gbps": rng.choice([5.0, 50.0])},
-        "model": {"encoders": encoders,
-                  "llm": {"num_layers": layers, "hidden_size": 32 * heads, "num_attention_heads": heads,
-                          "ffn_hidden_size": 128 * heads, "seq_length": 1024, "vocab_size": 1024}},
-        "training": {"global_batch_size": per_pipeline * dp * mbs, "micro_batch_size": mbs,
-                     "sequence_parallel": rng.random() < 0.5, "recompute": rng.choice(["none", "selective"])},
+        "cluster": {
+            "num_gpus": n,
+            "gpus_per_node": max(4, tp),
+            "gpu_memory_gib": 80,
+            "inter_node_bandwidth_gbps": rng.choice([5.0, 50.0]),
+        },
+        "model": {
+            "encoders": encoders,
+            "llm": {
+                "num_layers": layers,
+                "hidden_size": 32 * heads,
+                "num_attention_heads": heads,
+                "ffn_hidden_size": 128 * heads,
+                "seq_length": 1024,
+                "vocab_size": 1024,
+            },
+        },
+        "training": {
+            "global_batch_size": per_pipeline * dp * mbs,
+            "micro_batch_size": mbs,
+            "sequence_parallel": rng.random() < 0.5,
+            "recompute": rng.choice(["none", "selective"]),
+        },
         "parallel": {"llm": {"dp": dp, "pp": pp, "tp": tp, "vp": vp}},
         "planner": {"max_partitions": 8},
     }
 
 
 def _heavy_random_config(seed: int) -> dict:
-    """``_random_config(seed)`` with wider, deeper encoders on more tokens (often heavier than the LLM)."""
+    """``_random_config(seed)`` with wider, deeper encoders on more tokens (often heavier than the
+    LLM)."""
     raw = _random_config(seed)
     rng = random.Random(1000 + seed)
     for enc in raw["model"]["encoders"]:
         heads = rng.choice([4, 8, 16])
-        enc.update(num_layers=rng.choice([2, 4, 8]), hidden_size=64 * heads, num_attention_heads=heads,
-                   ffn_hidden_size=256 * heads, seq_length=rng.choice([128, 256]))
+        enc.update(
+            num_layers=rng.choice([2, 4, 8]),
+            hidden_size=64 * heads,
+            num_attention_heads=heads,
+            ffn_hidden_size=256 * heads,
+            seq_length=rng.choice([128, 256]),
+        )
     return raw
 
 
@@ -198,26 +250,35 @@ def test_random_configs_give_valid_schedules(seed):
         assert schedule.iteration_us <= schedule.coarse_iteration_us + 1e-6
         assert 0.0 <= scheduling_efficiency(schedule) <= 1.0 + 1e-9
         ef = schedule.encoder_forward_end_us
-        assert list(ef) == sorted(ef), "global ordering feeds microbatches in order of encoder completion"
+        assert list(ef) == sorted(ef), (
+            "global ordering feeds microbatches in order of encoder completion"
+        )
 
 
 def _shared_moves_config(case: str):
     kind, _, seed = case.partition("-")
     if kind == "paper":
         return load_config(CONFIGS / "paper" / f"{seed}.yaml")
-    return config_from_dict((_heavy_random_config if kind == "heavy" else _random_config)(int(seed)))
+    return config_from_dict(
+        (_heavy_random_config if kind == "heavy" else _random_config)(int(seed))
+    )
 
 
 class _SnapshotEveryMove(PipelineMoves):
     SNAPSHOT_EVERY = 1  # the bubbles after every move are kept, none rebuilt
 
 
-@pytest.mark.parametrize("case", [f"random-{s}" for s in range(0, 30, 3)] + [f"heavy-{s}" for s in range(0, 30, 3)]
-                         + ["paper-strong_1536", "paper-fig5_8gpu"])
+@pytest.mark.parametrize(
+    "case",
+    [f"random-{s}" for s in range(0, 30, 3)]
+    + [f"heavy-{s}" for s in range(0, 30, 3)]
+    + ["paper-strong_1536", "paper-fig5_8gpu"],
+)
 def test_partitions_sharing_their_moves_schedule_as_each_alone(case):
-    """A plan's partitions share each encoder pipeline's moves into the bubbles (PipelineMoves): forward
-    moves laid out once, the bubbles left after them rebuilt from periodic copies, and backward moves
-    reused by partitions that moved the same microbatches before. Taken in an order unlike the
+    """A plan's partitions share each encoder pipeline's moves into the bubbles (PipelineMoves):
+    forward
+    moves laid out once, the bubbles left after them rebuilt from periodic copies, and backward
+    moves reused by partitions that moved the same microbatches before. Taken in an order unlike the
     scheduler's, every partition still gets exactly the schedule it gets alone, from bubbles copied
     after every move: the same fine chains, t0, assignment, EF/EB and latency. (That the moves
     themselves are placed right, the validity checks on every schedule above say.)"""
@@ -229,25 +290,31 @@ def test_partitions_sharing_their_moves_schedule_as_each_alone(case):
         work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
         shared = PipelineMoves.of_pipelines(work, bubbles)
         for partition in reversed(candidate.partitions.partitions[:6]):
-            alone = init_schedule(work, bubbles, partition, _SnapshotEveryMove.of_pipelines(work, bubbles))
+            alone = init_schedule(
+                work, bubbles, partition, _SnapshotEveryMove.of_pipelines(work, bubbles)
+            )
             together = init_schedule(work, bubbles, partition, shared)
             assert (alone is None) == (together is None)
             if alone is None:
                 continue
-            alone, together = (optimize_schedule(optimize_schedule(s, FWD), BWD) for s in (alone, together))
+            alone, together = (
+                optimize_schedule(optimize_schedule(s, FWD), BWD) for s in (alone, together)
+            )
             assert together.fine_fwd == alone.fine_fwd, (candidate.plan, partition)
             assert together.fine_bwd == alone.fine_bwd, (candidate.plan, partition)
             assert together.evaluation == alone.evaluation, (candidate.plan, partition)
 
 
 def test_evaluation_after_each_move_equals_a_full_reevaluation():
-    """A backward move re-evaluates only its own pipeline: t0, the assignment and the other pipelines'
-    backwards are taken from the evaluation before it. A forward move leaves the global ordering and the
-    coarse backwards' layout out where they cannot change the latency. After every move of both passes,
-    that evaluation equals the one computed from the state alone (on what it lays out), and each pass
-    ends fully laid out."""
+    """A backward move re-evaluates only its own pipeline: t0, the assignment and the other
+    pipelines' backwards are taken from the evaluation before it. A forward move leaves the global
+    ordering and the coarse backwards' layout out where they cannot change the latency. After every
+    move of both passes, that evaluation equals the one computed from the state alone (on what it
+    lays out), and each pass ends fully laid out."""
     with_backward_moves = with_layout_left_out = stopped_above_a_stage = 0
-    for case in [f"{kind}-{s}" for kind in ("random", "heavy") for s in range(1, 30, 2)] + ["paper-fig5_8gpu"]:
+    for case in [f"{kind}-{s}" for kind in ("random", "heavy") for s in range(1, 30, 2)] + [
+        "paper-fig5_8gpu"
+    ]:
         config = _shared_moves_config(case)
         planned = plan(config)
         cost = CostModel.from_config(config)
@@ -261,27 +328,45 @@ def test_evaluation_after_each_move_equals_a_full_reevaluation():
                 if state is None:
                     continue
                 for mode in (FWD, BWD):
-                    while (j := find_critical(state, mode)) is not None and schedule_kernels(state, j, mode):
+                    while (j := find_critical(state, mode)) is not None and schedule_kernels(
+                        state, j, mode
+                    ):
                         full = state.evaluate()
                         if state.evaluation.post is None:
                             with_layout_left_out += 1
-                            full = dataclasses.replace(full, assignment=None, ef=None, eb=None, post=None,
-                                                       backward_start=None, backward_end=None)
+                            full = dataclasses.replace(
+                                full,
+                                assignment=None,
+                                ef=None,
+                                eb=None,
+                                post=None,
+                                backward_start=None,
+                                backward_end=None,
+                            )
                         assert state.evaluation == full, (case, candidate.plan, partition, mode, j)
                         moved += mode == BWD
                     optimize_schedule(state, mode)  # the pass ends: nothing left out
-                    assert state.evaluation == state.evaluate(), (case, candidate.plan, partition, mode)
+                    assert state.evaluation == state.evaluate(), (
+                        case,
+                        candidate.plan,
+                        partition,
+                        mode,
+                    )
                 stopped_above_a_stage += sum(move.low > 0 for move in state.fine_bwd.values())
         with_backward_moves += moved > 0
-    assert with_backward_moves >= 5 and with_layout_left_out and stopped_above_a_stage, \
-        (with_backward_moves, with_layout_left_out, stopped_above_a_stage)
+    assert with_backward_moves >= 5 and with_layout_left_out and stopped_above_a_stage, (
+        with_backward_moves,
+        with_layout_left_out,
+        stopped_above_a_stage,
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_post_window_lays_out_backwards_as_coarse_backward(seed):
-    """A pipeline's coarse backwards come from one layout in which every gradient is already there, up to
-    the first that comes later than that layout reaches it. Gradients arriving early and late, in any
-    number, give exactly the starts and stage ends of ``coarse_backward``."""
+    """A pipeline's coarse backwards come from one layout in which every gradient is already there,
+    up to
+    the first that comes later than that layout reaches it. Gradients arriving early and late, in
+    any number, give exactly the starts and stage ends of ``coarse_backward``."""
     config = config_from_dict(_heavy_random_config(seed))
     planned = plan(config)
     cost = CostModel.from_config(config)
@@ -293,15 +378,22 @@ def test_post_window_lays_out_backwards_as_coarse_backward(seed):
         span = sum(chain.duration_us for chain in work.bwd) + work.p2p_us
         for _ in range(50):
             n = rng.randint(1, 16)
-            late = rng.choice([0.0, 0.5, 2.0])  # none, some or most gradients later than the queue reaches them
-            ready = tuple(sorted(origin[-1] + rng.uniform(-span, late * span * n) for _ in range(n)))
+            # none, some or most gradients later than the queue reaches them
+            late = rng.choice([0.0, 0.5, 2.0])
+            ready = tuple(
+                sorted(origin[-1] + rng.uniform(-span, late * span * n) for _ in range(n))
+            )
             rows, ends = coarse_backward(ready, origin, work)
-            assert window.layout(ready) == ([row[-1] for row in rows], ends), (candidate.plan, ready)
+            assert window.layout(ready) == ([row[-1] for row in rows], ends), (
+                candidate.plan,
+                ready,
+            )
 
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_scheduler_leaves_the_cyclic_gc_as_it_found_it(enabled):
-    """The search pauses Python's cyclic collector (it makes no cycles) and restores the caller's setting."""
+    """The search pauses Python's cyclic collector (it makes no cycles) and restores the caller's
+    setting."""
     config = load_config(CONFIGS / "tiny.yaml")
     (gc.enable if enabled else gc.disable)()
     try:
@@ -318,11 +410,14 @@ def test_shipped_configs_give_valid_schedules(name):
     result = optimus(config, plan(config), CostModel.from_config(config))
     assert result.best is not None
     assert schedule_violations(result.best) == []
-    assert result.best.iteration_us >= result.llm_alone_us - 1e-6, "encoder work cannot make the LLM faster"
+    assert result.best.iteration_us >= result.llm_alone_us - 1e-6, (
+        "encoder work cannot make the LLM faster"
+    )
 
 
 def test_fine_scheduling_moves_work_into_bubbles():
-    """On the Figure 5 setup the coarse schedule delays the LLM; kernel-level placement recovers time."""
+    """On the Figure 5 setup the coarse schedule delays the LLM; kernel-level placement recovers
+    time."""
     config = load_config(CONFIGS / "paper" / "fig5_8gpu.yaml")
     planned = plan(config)
     cost = CostModel.from_config(config)
@@ -336,9 +431,10 @@ def test_fine_scheduling_moves_work_into_bubbles():
 
 
 def test_backward_moves_stopped_above_a_stage_drain_the_encoder_pipeline_during_the_llm():
-    """Figure 5's shape with a 4096-wide ViT on 1024 tokens and the LLM at V10: no whole backward move fits
-    its bubbles, but the upper stages' chains of the first microbatches do, so the post window's stages
-    need not wait for the encoder pipeline to drain, and Optimus beats both baselines."""
+    """Figure 5's shape with a 4096-wide ViT on 1024 tokens and the LLM at V10: no whole backward
+    move fits
+    its bubbles, but the upper stages' chains of the first microbatches do, so the post window's
+    stages need not wait for the encoder pipeline to drain, and Optimus beats both baselines."""
     path, overrides = WHATIF_CASES["fig5_heavy"]
     config = load_config(CONFIGS / "paper" / path, overrides)
     result = optimus(config, plan(config), CostModel.from_config(config))
@@ -348,9 +444,13 @@ def test_backward_moves_stopped_above_a_stage_drain_the_encoder_pipeline_during_
     for c in best.chains:
         if c.phase == "bwd":
             windows.setdefault(c.local_microbatch, set()).add(c.window)
-    assert {"llm", "post"} in windows.values(), "a microbatch's backward runs partly in bubbles, partly after"
-    assert result.baseline is None and best.iteration_us < min(b.iteration_us for b in runnable_baselines(
-        config, best.llm_plan, CostModel.from_config(config)))
+    assert {"llm", "post"} in windows.values(), (
+        "a microbatch's backward runs partly in bubbles, partly after"
+    )
+    assert result.baseline is None and best.iteration_us < min(
+        b.iteration_us
+        for b in runnable_baselines(config, best.llm_plan, CostModel.from_config(config))
+    )
 
 
 def test_a_kernel_cut_to_fit_fills_each_bubble_with_a_piece_that_pays_the_launch():
@@ -359,18 +459,36 @@ def test_a_kernel_cut_to_fit_fills_each_bubble_with_a_piece_that_pays_the_launch
 
     fc1 = EncoderKernel("vit", 0, "fc1", "fwd", False, 25.0, splittable=True)
     ag = EncoderKernel("vit", 0, "tp_ag_mlp", "fwd", True, 5.0)
-    placed = bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(StageChain((fc1, ag)), 0.0, 100.0, 2.0)
-    # 23 us of work and a 2 us launch: 8 of work in the first bubble, 8 in the second, the last 7 in the third
+    placed = bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(
+        StageChain((fc1, ag)), 0.0, 100.0, 2.0
+    )
+    # 23 us of work and a 2 us launch: 8 of work in the first bubble, 8 in the second, the last 7 in
+    # the third
     assert list(placed.spans[0]) == [0.0, 10.0, 20.0, 30.0, 40.0, 49.0]
-    assert placed.cuts == {0: [(0.0, 8 / 23, 0.0, 10.0), (8 / 23, 16 / 23, 20.0, 30.0), (16 / 23, 1.0, 40.0, 49.0)]}
-    assert list(placed.spans[1]) == [49.0, 54.0] and placed.starts == [0.0, 49.0] and placed.end == 54.0
-    # a kernel the runtime runs whole waits for a bubble it fits; a cut one must end by the limit too
+    assert placed.cuts == {
+        0: [(0.0, 8 / 23, 0.0, 10.0), (8 / 23, 16 / 23, 20.0, 30.0), (16 / 23, 1.0, 40.0, 49.0)]
+    }
+    assert (
+        list(placed.spans[1]) == [49.0, 54.0]
+        and placed.starts == [0.0, 49.0]
+        and placed.end == 54.0
+    )
+    # a kernel the runtime runs whole waits for a bubble it fits; a cut one must end by the limit
+    # too
     whole = dataclasses.replace(fc1, splittable=False)
     assert bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(
-        StageChain((whole,)), 0.0, 100.0, 2.0).starts == [40.0]
-    assert bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(StageChain((fc1,)), 0.0, 45.0, 2.0) is None
+        StageChain((whole,)), 0.0, 100.0, 2.0
+    ).starts == [40.0]
+    assert (
+        bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(
+            StageChain((fc1,)), 0.0, 45.0, 2.0
+        )
+        is None
+    )
     # a bubble shorter than the launch and 2 us of work gets no piece; the rest fits whole
-    placed = bubbles((0.0, 3.5), (5.0, 20.0), (30.0, 60.0)).place_chain(StageChain((fc1,)), 0.0, 100.0, 2.0)
+    placed = bubbles((0.0, 3.5), (5.0, 20.0), (30.0, 60.0)).place_chain(
+        StageChain((fc1,)), 0.0, 100.0, 2.0
+    )
     assert list(placed.spans[0]) == [5.0, 20.0, 30.0, 42.0] and placed.end == 42.0
 
 
@@ -379,9 +497,13 @@ def test_frozen_encoder_has_no_backward_layers():
     raw["model"]["encoders"] = [dict(raw["model"]["encoders"][0], frozen=True)]
     config = config_from_dict(raw)
     schedule = next(_all_plan_schedules(config))
-    backward_layers = [k for c in schedule.chains if c.phase == "bwd" for k in schedule.chain_kernels(c).kernels]
-    assert backward_layers and all(k.layer == -1 and k.name.startswith(("projector", "tp_ar_projector"))
-                                   for k in backward_layers)
+    backward_layers = [
+        k for c in schedule.chains if c.phase == "bwd" for k in schedule.chain_kernels(c).kernels
+    ]
+    assert backward_layers and all(
+        k.layer == -1 and k.name.startswith(("projector", "tp_ar_projector"))
+        for k in backward_layers
+    )
     assert schedule_violations(schedule) == []
 
 
@@ -422,20 +544,32 @@ def test_validity_checker_catches_broken_schedules():
     # a last-stage forward that finishes after its F_i
     last = len(schedule.work.fwd) - 1
     j, k = schedule.assignment[0]
-    late_key = next(c for c in schedule.chains
-                    if (c.pipeline, c.stage, c.local_microbatch, c.phase) == (j, last, k, "fwd"))
-    late = ChainPlacement(j, last, k, "fwd", late_key.window, tuple(s + 1e9 for s in late_key.starts_us))
+    late_key = next(
+        c
+        for c in schedule.chains
+        if (c.pipeline, c.stage, c.local_microbatch, c.phase) == (j, last, k, "fwd")
+    )
+    late = ChainPlacement(
+        j, last, k, "fwd", late_key.window, tuple(s + 1e9 for s in late_key.starts_us)
+    )
     chains = tuple(c for c in schedule.chains if c is not late_key) + (late,)
-    assert any("after F_0" in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains)))
+    assert any(
+        "after F_0" in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains))
+    )
 
     # a cut kernel whose pieces leave tokens out, or take less time than the kernel and its launches
     cut = next(c for c in schedule.chains if c.cuts)
     (i, pieces), *rest = cut.cuts
-    for broken, problem in (((pieces[0], *pieces[2:]), "do not tile"),
-                            (tuple((lo, hi, a, b - 0.5) for lo, hi, a, b in pieces), "its pieces take")):
-        chains = tuple(c for c in schedule.chains if c is not cut) + (dataclasses.replace(cut, cuts=((i, broken),
-                                                                                                     *rest)),)
-        assert any(problem in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains)))
+    for broken, problem in (
+        ((pieces[0], *pieces[2:]), "do not tile"),
+        (tuple((lo, hi, a, b - 0.5) for lo, hi, a, b in pieces), "its pieces take"),
+    ):
+        chains = tuple(c for c in schedule.chains if c is not cut) + (
+            dataclasses.replace(cut, cuts=((i, broken), *rest)),
+        )
+        assert any(
+            problem in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains))
+        )
 
 
 def test_bubble_breakdown_adds_up():
@@ -455,10 +589,16 @@ def test_artifact_round_trip_and_hooks(tmp_path):
     assert data["assignment"] == [list(a) for a in schedule.assignment]
     ops = [op for stage in data["encoder_stages"] for op in stage["ops"]]
     runs = [run for c in schedule.chains for run in schedule.runs(c)]
-    assert len(ops) == len(runs) > sum(len(schedule.chain_kernels(c).kernels) for c in schedule.chains)
+    assert (
+        len(ops) == len(runs) > sum(len(schedule.chain_kernels(c).kernels) for c in schedule.chains)
+    )
     assert sorted(tuple(op["piece"]) for op in ops) == sorted(run.piece for run in runs)
     windows = {op["window"]: op["hook"]["at"] for op in ops}
-    assert windows == {"pre": "before_first_compute", "llm": "llm_kernel", "post": "after_last_compute"}
+    assert windows == {
+        "pre": "before_first_compute",
+        "llm": "llm_kernel",
+        "post": "after_last_compute",
+    }
     # an llm-window kernel is launched at an LLM kernel that starts no later than it
     tl, t0 = schedule.timeline, schedule.llm_origin_us
     for stage in data["encoder_stages"]:
@@ -469,7 +609,10 @@ def test_artifact_round_trip_and_hooks(tmp_path):
         for op in stage["ops"]:
             if op["window"] == "llm":
                 h = op["hook"]
-                assert starts[(h["phase"], h["chunk"], h["microbatch"], h["kernel_index"])] <= op["start_us"] + 1e-3
+                assert (
+                    starts[(h["phase"], h["chunk"], h["microbatch"], h["kernel_index"])]
+                    <= op["start_us"] + 1e-3
+                )
 
 
 def test_artifact_mismatch_and_version_errors(tmp_path):
@@ -499,17 +642,26 @@ def test_artifact_of_tiny_config_is_json_serialisable():
 
 
 def test_planner_and_scheduler_do_not_import_torch():
-    code = ("import sys, optimus_mllm.cli.plan, optimus_mllm.scheduler.bubble_scheduler, "
-            "optimus_mllm.scheduler.artifact, optimus_mllm.scheduler.metrics, optimus_mllm.scheduler.validity; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, optimus_mllm.cli.plan, optimus_mllm.scheduler.bubble_scheduler, "
+        "optimus_mllm.scheduler.artifact, optimus_mllm.scheduler.metrics, "
+        "optimus_mllm.scheduler.validity; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def _never_slower_than_the_baselines(config) -> OptimusResult:
-    """The scheduler's result (its fastest schedule, or a baseline placement that beats it) against both
-    Megatron-LM baselines at the LLM plan's V, computed here on their own (balanced: single-encoder models
-    whose microbatches the interleaved schedule can take); a chosen baseline is one the runtime runs."""
-    from optimus_mllm.scheduler.baselines import balanced_problem, megatron_lm_balanced_baseline, megatron_lm_baseline
+    """The scheduler's result (its fastest schedule, or a baseline placement that beats it) against
+    both
+    Megatron-LM baselines at the LLM plan's V, computed here on their own (balanced: single-encoder
+    models whose microbatches the interleaved schedule can take); a chosen baseline is one the
+    runtime runs."""
+    from optimus_mllm.scheduler.baselines import (
+        balanced_problem,
+        megatron_lm_balanced_baseline,
+        megatron_lm_baseline,
+    )
 
     planned = plan(config)
     cost = CostModel.from_config(config)
@@ -520,9 +672,13 @@ def _never_slower_than_the_baselines(config) -> OptimusResult:
         baselines.append(megatron_lm_balanced_baseline(config, planned.llm_plan, cost))
     for baseline in baselines:
         assert result.iteration_us <= baseline.iteration_us + 1e-6, (
-            f"result {result.iteration_us:.1f} us > {baseline.name} {baseline.iteration_us:.1f} us")
+            f"result {result.iteration_us:.1f} us > {baseline.name} {baseline.iteration_us:.1f} us"
+        )
     if result.baseline is not None:
-        assert result.baseline.runtime == "balanced" and balanced_problem(config, planned.llm_plan) is None
+        assert (
+            result.baseline.runtime == "balanced"
+            and balanced_problem(config, planned.llm_plan) is None
+        )
         assert result.best is None or result.baseline.iteration_us < result.best.iteration_us
     return result
 
@@ -537,15 +693,17 @@ def test_optimus_never_slower_than_the_baselines_on_random_configs(seed):
     _never_slower_than_the_baselines(config_from_dict(_random_config(seed)))
 
 
-# balanced 2754 us against Optimus's best 2938 us: each LLM stage fills one 4-GPU node, so every encoder
-# plan's DP4 gradient reduce-scatter crosses 5 GB/s links, where balanced keeps the encoder on the LLM's DP2
-# inside a node; no colocated encoder plan has DP2 (2 encoder layers cannot span PP4)
+# balanced 2754 us against Optimus's best 2938 us: each LLM stage fills one 4-GPU node, so every
+# encoder plan's DP4 gradient reduce-scatter crosses 5 GB/s links, where balanced keeps the encoder
+# on the LLM's DP2 inside a node; no colocated encoder plan has DP2 (2 encoder layers cannot span
+# PP4)
 BALANCED_WINS_SEED = 9
 
 
 @pytest.mark.parametrize("seed", range(30))
 def test_optimus_never_slower_than_the_baselines_on_heavy_encoder_configs(seed):
-    """Encoders 4-16x wider than the random configs'. On one seed the balanced baseline beats every Optimus
+    """Encoders 4-16x wider than the random configs'. On one seed the balanced baseline beats every
+    Optimus
     schedule, so it is the scheduler's result."""
     result = _never_slower_than_the_baselines(config_from_dict(_heavy_random_config(seed)))
     chosen = "Megatron-LM balanced" if seed == BALANCED_WINS_SEED else None

@@ -16,7 +16,11 @@ from tests.conftest import CONFIGS
 from tests.distributed_utils import run_distributed
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-ONE_GPU = ["cluster.num_gpus=1", "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}", "training.global_batch_size=8"]
+ONE_GPU = [
+    "cluster.num_gpus=1",
+    "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}",
+    "training.global_batch_size=8",
+]
 
 
 def test_inline_stream_runs_ops_at_once_in_call_order():
@@ -153,5 +157,6 @@ def _one_gpu_losses(side_stream: bool) -> dict[str, list[float]]:
 def test_side_stream_training_equals_inline_and_baseline_on_one_gpu():
     (side,) = run_distributed(_one_gpu_losses, 1, True, timeout=300)
     (inline,) = run_distributed(_one_gpu_losses, 1, False, timeout=300)
-    assert side["optimus"] == pytest.approx(inline["optimus"], rel=1e-5)  # cuBLAS may differ per stream
+    # cuBLAS may differ per stream
+    assert side["optimus"] == pytest.approx(inline["optimus"], rel=1e-5)
     assert side["optimus"] == pytest.approx(side["baseline"], rel=1e-4)

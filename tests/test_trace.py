@@ -19,8 +19,16 @@ from optimus_mllm.scheduler.trace import schedule_trace, write_trace
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TOL_US = 1e-6
-ARG_TYPES = {"model": (str,), "phase": (str,), "microbatch": (int, type(None)), "stage": (int,),
-             "chunk": (int, type(None)), "layer": (int,), "kernel": (str,), "is_comm": (bool,)}
+ARG_TYPES = {
+    "model": (str,),
+    "phase": (str,),
+    "microbatch": (int, type(None)),
+    "stage": (int,),
+    "chunk": (int, type(None)),
+    "layer": (int,),
+    "kernel": (str,),
+    "is_comm": (bool,),
+}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -43,7 +51,11 @@ def kernel_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def encoder_kernel_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    return [ev for ev in kernel_events(trace) if ev["args"]["model"] != "llm" and ev["args"]["phase"] != "dp"]
+    return [
+        ev
+        for ev in kernel_events(trace)
+        if ev["args"]["model"] != "llm" and ev["args"]["phase"] != "dp"
+    ]
 
 
 def is_number(value: Any) -> bool:
@@ -63,7 +75,9 @@ def test_events_have_the_required_fields(case):
             assert isinstance(ev["args"][key], types), (key, ev)
         assert ev["tid"] == ("comm" if ev["args"]["is_comm"] else "compute"), ev
         assert ev["args"]["phase"] in {"fwd", "bwd", "dp", "p2p"}, ev
-        assert (ev["args"]["chunk"] is None) == (ev["args"]["model"] != "llm" or ev["args"]["phase"] == "dp"), ev
+        assert (ev["args"]["chunk"] is None) == (
+            ev["args"]["model"] != "llm" or ev["args"]["phase"] == "dp"
+        ), ev
     json.dumps(trace, allow_nan=False)
 
 
@@ -71,7 +85,11 @@ def test_pids_cover_every_gpu_of_the_llm_pipeline(case):
     schedule, trace = case
     gpus = set(range(schedule.llm_plan.pp * schedule.llm_plan.tp))
     assert {ev["pid"] for ev in kernel_events(trace)} == gpus
-    names = {ev["pid"]: ev["args"]["name"] for ev in trace["traceEvents"] if ev.get("name") == "process_name"}
+    names = {
+        ev["pid"]: ev["args"]["name"]
+        for ev in trace["traceEvents"]
+        if ev.get("name") == "process_name"
+    }
     tp = schedule.llm_plan.tp
     assert names == {g: f"GPU {g} (LLM stage {g // tp}, TP rank {g % tp})" for g in gpus}
 
@@ -97,11 +115,16 @@ def test_no_two_compute_kernels_overlap_on_a_gpu(case):
 def test_every_llm_kernel_appears_on_every_gpu_of_its_stage(case):
     schedule, trace = case
     timeline, tp = schedule.timeline, schedule.llm_plan.tp
-    counts = Counter(ev["pid"] for ev in kernel_events(trace)
-                     if ev["args"]["model"] == "llm" and ev["args"]["phase"] in ("fwd", "bwd"))
+    counts = Counter(
+        ev["pid"]
+        for ev in kernel_events(trace)
+        if ev["args"]["model"] == "llm" and ev["args"]["phase"] in ("fwd", "bwd")
+    )
     for g in range(schedule.llm_plan.pp * tp):
         stage = timeline.stages[g // tp]
-        assert counts[g] == sum(len(timeline.work[(op.stage, op.chunk, op.phase)].kernels) for op in stage.ops)
+        assert counts[g] == sum(
+            len(timeline.work[(op.stage, op.chunk, op.phase)].kernels) for op in stage.ops
+        )
 
 
 def test_every_encoder_kernel_appears_once_per_gpu_of_its_stage(case):
@@ -113,10 +136,33 @@ def test_every_encoder_kernel_appears_once_per_gpu_of_its_stage(case):
         for run in schedule.runs(chain):  # a kernel cut to fit bubbles: each of its pieces
             k, ts = run.kernel, run.start_us
             for g in schedule.work.stage_gpus[chain.pipeline][chain.stage]:
-                expected[(g, k.encoder, chain.phase, mb, chain.stage, k.layer, k.name, ts, run.end_us - ts)] += 1
-    actual = Counter((ev["pid"], ev["args"]["model"], ev["args"]["phase"], ev["args"]["microbatch"],
-                      ev["args"]["stage"], ev["args"]["layer"], ev["args"]["kernel"], ev["ts"], ev["dur"])
-                     for ev in encoder_kernel_events(trace))
+                expected[
+                    (
+                        g,
+                        k.encoder,
+                        chain.phase,
+                        mb,
+                        chain.stage,
+                        k.layer,
+                        k.name,
+                        ts,
+                        run.end_us - ts,
+                    )
+                ] += 1
+    actual = Counter(
+        (
+            ev["pid"],
+            ev["args"]["model"],
+            ev["args"]["phase"],
+            ev["args"]["microbatch"],
+            ev["args"]["stage"],
+            ev["args"]["layer"],
+            ev["args"]["kernel"],
+            ev["ts"],
+            ev["dur"],
+        )
+        for ev in encoder_kernel_events(trace)
+    )
     assert actual == expected
     assert max(expected.values()) == 1
 
@@ -130,7 +176,11 @@ def test_encoder_forwards_end_before_the_llm_needs_them(case):
     for ev in encoder_kernel_events(trace):
         mb = ev["args"]["microbatch"]
         assert 0 <= mb < n, ev
-        if ev["args"]["phase"] == "fwd" and ev["args"]["stage"] == last_stage and ev["ts"] + ev["dur"] > forward[mb] + TOL_US:
+        if (
+            ev["args"]["phase"] == "fwd"
+            and ev["args"]["stage"] == last_stage
+            and ev["ts"] + ev["dur"] > forward[mb] + TOL_US
+        ):
             late.append((ev["name"], ev["ts"] + ev["dur"], forward[mb]))
     assert not late, late[:10]
 
@@ -144,7 +194,9 @@ def test_other_data(case):
     assert other["llm_plan"] == schedule.llm_plan.as_dict()
     assert other["encoder_plan"] == schedule.encoder_plan.as_dict()
     # the last event (a reduce-scatter or the last computation) ends the iteration
-    assert max(ev["ts"] + ev["dur"] for ev in kernel_events(trace)) == pytest.approx(other["iteration_us"], abs=1e-3)
+    assert max(ev["ts"] + ev["dur"] for ev in kernel_events(trace)) == pytest.approx(
+        other["iteration_us"], abs=1e-3
+    )
 
 
 def test_write_trace_round_trips(tmp_path):

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import balanced_wins
-from tests.train_utils import STEP, SUMMARY, TINY, assert_one_error_everywhere, ranks, step_losses, torchrun
+from tests.train_utils import (
+    STEP,
+    SUMMARY,
+    TINY,
+    assert_one_error_everywhere,
+    ranks,
+    step_losses,
+    torchrun,
+)
 
 
 def _torchrun(*args: str) -> list[str]:
@@ -39,8 +47,13 @@ def baseline() -> list[str]:
 
 
 def _bubble_shares(lines: list[str]) -> list[float]:
-    shares = [re.fullmatch(r"encoder ops inside LLM span ([\d.]+)% \| ops moved from their hook 0", STEP.match(line).group(4))
-              for line in lines[:3]]
+    shares = [
+        re.fullmatch(
+            r"encoder ops inside LLM span ([\d.]+)% \| ops moved from their hook 0",
+            STEP.match(line).group(4),
+        )
+        for line in lines[:3]
+    ]
     return [float(s.group(1)) for s in shares]
 
 
@@ -75,13 +88,17 @@ def test_artifact_for_another_plan_exits_2_on_every_rank(tmp_path):
 
 
 def test_encoder_plan_not_dividing_the_llm_plan_exits_2_on_every_rank():
-    assert_one_error_everywhere(ranks(4, "--override", "parallel.encoder={pp: 1, tp: 4}"),
-                                "parallel.encoder.tp: 4 does not divide the LLM's tp=2")
+    assert_one_error_everywhere(
+        ranks(4, "--override", "parallel.encoder={pp: 1, tp: 4}"),
+        "parallel.encoder.tp: 4 does not divide the LLM's tp=2",
+    )
 
 
 def test_missing_dataset_exits_2_on_every_rank(tmp_path):
     missing = tmp_path / "no-such-data"
-    assert_one_error_everywhere(ranks(4, "--override", f"data.path={missing}"), f"data.path: {missing} does not")
+    assert_one_error_everywhere(
+        ranks(4, "--override", f"data.path={missing}"), f"data.path: {missing} does not"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +106,26 @@ def sample_dataset(tmp_path_factory) -> Path:
     from tests.conftest import REPO
 
     out = tmp_path_factory.mktemp("data") / "sample"
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "make_sample_dataset.py"), "--out", str(out),
-                           "--num-samples", "40"], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "make_sample_dataset.py"),
+            "--out",
+            str(out),
+            "--num-samples",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     return out
 
 
 def test_dataset_trains_the_same_under_both_runtimes(sample_dataset, baseline):
-    """Every rank reads the same samples: the Optimus runtime and the baseline print the same losses."""
+    """Every rank reads the same samples: the Optimus runtime and the baseline print the same
+    losses."""
     data = f"data.path={sample_dataset}"
     optimus_lines = _torchrun("--override", data)
     assert _losses(optimus_lines) == _losses(_torchrun("--override", data, "--baseline"))
@@ -109,8 +138,12 @@ def test_tensorboard_scalars_match_the_step_lines(tmp_path):
     lines = _torchrun("--tensorboard-dir", str(tmp_path))
     events = EventAccumulator(str(tmp_path))
     events.Reload()
-    assert {"lm loss", "step time (ms)", "tokens per second", "encoder ops inside LLM span (%)"} <= set(
-        events.Tags()["scalars"])
+    assert {
+        "lm loss",
+        "step time (ms)",
+        "tokens per second",
+        "encoder ops inside LLM span (%)",
+    } <= set(events.Tags()["scalars"])
     logged = {e.step: f"{e.value:.4f}" for e in events.Scalars("lm loss")}
     assert logged == step_losses(lines)
 
@@ -122,41 +155,73 @@ def test_tensorboard_dir_without_tensorboard_is_a_one_line_error(monkeypatch):
     from optimus_mllm.train import build_parser, prepare
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
     args = build_parser().parse_args(["--config", TINY, "--tensorboard-dir", "tb"])
-    with pytest.raises(OptimusError, match=r"^--tensorboard-dir needs the tensorboard package; pip install"):
+    with pytest.raises(
+        OptimusError, match=r"^--tensorboard-dir needs the tensorboard package; pip install"
+    ):
         prepare(args, 4)
 
 
 def test_the_balanced_baseline_trains_like_the_baseline(baseline):
-    """--baseline balanced: encoder and LLM layers split together over the virtual stages, same losses."""
+    """--baseline balanced: encoder and LLM layers split together over the virtual stages, same
+    losses."""
     lines = _torchrun("--baseline", "balanced")
     assert all(STEP.match(line).group(4) == "balanced baseline" for line in lines[:3])
     assert _losses(lines) == _losses(baseline)
 
 
-_VIT = "num_layers: 2, hidden_size: 32, num_attention_heads: 4, ffn_hidden_size: 64, seq_length: 16, patch_size: 4"
+_VIT = (
+    "num_layers: 2, hidden_size: 32, num_attention_heads: 4, ffn_hidden_size: 64, seq_length: 16, "
+    "patch_size: 4"
+)
+
+
 def test_a_baseline_faster_than_every_optimus_schedule_is_what_the_job_trains(tmp_path):
-    """The scheduler's result is the best of its schedules and the baseline placements: here the balanced
-    baseline, which optimus-train then runs (and says so), with the Megatron-style baseline's losses."""
+    """The scheduler's result is the best of its schedules and the baseline placements: here the
+    balanced
+    baseline, which optimus-train then runs (and says so), with the Megatron-style baseline's
+    losses."""
     config = balanced_wins(tmp_path)
     lines = torchrun("--config", str(config), nproc=2)
-    assert lines[0].startswith("the Megatron-LM balanced baseline (0.0005 s per iteration predicted) beats every "
-                               "Optimus schedule (best 0.0006 s): running it, as --baseline balanced would"), lines
+    assert lines[0].startswith(
+        "the Megatron-LM balanced baseline (0.0005 s per iteration predicted) beats every "
+        "Optimus schedule (best 0.0006 s): running it, as --baseline balanced would"
+    ), lines
     assert [STEP.match(line).group(4) for line in lines[1:3]] == ["balanced baseline"] * 2
-    assert step_losses(lines) == step_losses(torchrun("--config", str(config), "--baseline", nproc=2))
+    assert step_losses(lines) == step_losses(
+        torchrun("--config", str(config), "--baseline", nproc=2)
+    )
 
 
 TWO_ENCODERS = f"model.encoders=[{{name: a, {_VIT}}}, {{name: b, {_VIT}}}]"
 
 
-@pytest.mark.parametrize("flags, error", [
-    (["--override", "model.llm.untie_embeddings_and_output_weights=false", "model.encoders.0.num_layers=1"],
-     r"^--baseline balanced: the balanced split puts the tied word embedding \(virtual stage 1\) and the output "
-     r"layer \(virtual stage 3\) in two chunks of pipeline rank 1, whose copies this runtime does not sync; set "
-     r"model.llm.untie_embeddings_and_output_weights: true or another parallel.llm$"),
-    (["--override", TWO_ENCODERS], r"^--baseline balanced: the balanced baseline splits one encoder's layers"),
-])
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (
+            [
+                "--override",
+                "model.llm.untie_embeddings_and_output_weights=false",
+                "model.encoders.0.num_layers=1",
+            ],
+            r"^--baseline balanced: the balanced split puts the tied word embedding \(virtual "
+            r"stage 1\) and the output "
+            r"layer \(virtual stage 3\) in two chunks of pipeline rank 1, whose copies this "
+            r"runtime does not sync; set "
+            r"model.llm.untie_embeddings_and_output_weights: true or another parallel.llm$",
+        ),
+        (
+            ["--override", TWO_ENCODERS],
+            r"^--baseline balanced: the balanced baseline splits one encoder's layers",
+        ),
+    ],
+)
 def test_what_the_balanced_baseline_cannot_run_is_refused_before_training(flags, error):
     from optimus_mllm.errors import OptimusError
     from optimus_mllm.train import build_parser, prepare
@@ -166,21 +231,27 @@ def test_what_the_balanced_baseline_cannot_run_is_refused_before_training(flags,
         prepare(args, 4)
 
 
-ODD_TOKENS = ("training.sequence_parallel=true", "model.encoders=[{name: vit, num_layers: 2, hidden_size: 32, "
-              "num_attention_heads: 4, ffn_hidden_size: 64, seq_length: 9, patch_size: 4, in_channels: 3}]")
+ODD_TOKENS = (
+    "training.sequence_parallel=true",
+    "model.encoders=[{name: vit, num_layers: 2, hidden_size: 32, "
+    "num_attention_heads: 4, ffn_hidden_size: 64, seq_length: 9, patch_size: 4, in_channels: 3}]",
+)
 
 
 def test_an_encoder_the_llms_tp_cannot_split_is_refused_for_the_baseline_only():
-    """9 image tokens under sequence parallelism: the encoder cannot run at the LLM's TP 2, which the
-    Megatron-style baseline needs; Optimus plans it at TP 1."""
+    """9 image tokens under sequence parallelism: the encoder cannot run at the LLM's TP 2, which
+    the Megatron-style baseline needs; Optimus plans it at TP 1."""
     from optimus_mllm.config import load_config
     from optimus_mllm.errors import OptimusError
     from optimus_mllm.planner import plan
     from optimus_mllm.train import build_parser, prepare
 
     args = build_parser().parse_args(["--config", TINY, "--baseline", "--override", *ODD_TOKENS])
-    with pytest.raises(OptimusError, match=r"^--baseline runs model.encoders\[0\] at the LLM's tp=2, but its "
-                                           r"seq_length=9 is not divisible by tp=2"):
+    with pytest.raises(
+        OptimusError,
+        match=r"^--baseline runs model.encoders\[0\] at the LLM's tp=2, but its "
+        r"seq_length=9 is not divisible by tp=2",
+    ):
         prepare(args, 4)
     job = prepare(build_parser().parse_args(["--config", TINY, "--override", *ODD_TOKENS]), 4)
     assert job.artifact["encoder_plan"]["tp"] == 1

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.distributed_utils import run_distributed
 from tests.conftest import REPO
+from tests.distributed_utils import run_distributed
 
 CONFIG = str(REPO / "configs" / "megatron_tiny.yaml")
 STEPS = 2
@@ -20,8 +20,13 @@ def _user_model(config: Any, llm_plan: Any, without_vision: bool = False, **chan
     from optimus_mllm.runtime.user_model import UserModel
     from tests import user_vlm
 
-    provider = partial(user_vlm.model_provider, tp=llm_plan.tp, pp=llm_plan.pp,
-                       vp=llm_plan.vp if llm_plan.vp > 1 else None, **changes)
+    provider = partial(
+        user_vlm.model_provider,
+        tp=llm_plan.tp,
+        pp=llm_plan.pp,
+        vp=llm_plan.vp if llm_plan.vp > 1 else None,
+        **changes,
+    )
     if without_vision:  # a first stage whose model lacks LLaVA's vision_model
         provider = partial(_without_vision, provider)
     return UserModel(provider, user_vlm.forward_step, user_vlm.batches(llm_plan.dp, STEPS))
@@ -38,8 +43,12 @@ def _vision_grads(trainer: Any) -> dict:
     """The vision model's and projector's whole gradients under LLaVA's keys, wherever they live."""
     import dataclasses
 
-    from optimus_mllm.runtime.sharded_state import (encoder_sharded_state_dict, global_shapes, sharded_tensors,
-                                                    whole_tensors)
+    from optimus_mllm.runtime.sharded_state import (
+        encoder_sharded_state_dict,
+        global_shapes,
+        sharded_tensors,
+        whole_tensors,
+    )
     from optimus_mllm.runtime.user_model import vision_sharded_state_dict
 
     trainer.gather_gradients()
@@ -47,14 +56,18 @@ def _vision_grads(trainer: Any) -> dict:
         state = encoder_sharded_state_dict(trainer.config, trainer.encoder, trainer.groups.dp_group)
     else:
         state = vision_sharded_state_dict(trainer.modules[0]) if trainer.stage == 0 else {}
-    grads = {f"{key}#{i}": dataclasses.replace(piece, data=piece.data.main_grad)
-             for key, pieces in sharded_tensors(state).items() for i, piece in enumerate(pieces)}
+    grads = {
+        f"{key}#{i}": dataclasses.replace(piece, data=piece.data.main_grad)
+        for key, pieces in sharded_tensors(state).items()
+        for i, piece in enumerate(pieces)
+    }
     return whole_tensors(grads, global_shapes(grads), "test")
 
 
 def _both_runtimes(overrides: list[str]) -> dict:
-    """Each runtime from the user's provider: step losses and grad norms, then the LLM's gradients and
-    the vision weights after the steps; compared here, on the rank, and reported as differences."""
+    """Each runtime from the user's provider: step losses and grad norms, then the LLM's gradients
+    and the vision weights after the steps; compared here, on the rank, and reported as
+    differences."""
     from optimus_mllm.config import load_config
     from optimus_mllm.cost_model import CostModel
     from optimus_mllm.planner import ParallelPlan, plan
@@ -67,34 +80,65 @@ def _both_runtimes(overrides: list[str]) -> dict:
     runs = {}
     for mode in ("baseline", "optimus"):
         artifact = schedule_job_artifact(config, planned) if mode == "optimus" else None
-        trainer = Trainer(config, planned.llm_plan, mode, artifact, user_model=_user_model(config, planned.llm_plan))
+        trainer = Trainer(
+            config,
+            planned.llm_plan,
+            mode,
+            artifact,
+            user_model=_user_model(config, planned.llm_plan),
+        )
         steps = [trainer.train_step(0)]
         vision = _vision_grads(trainer)  # the first step's, from the same weights
         steps += [trainer.train_step(i) for i in range(1, STEPS)]
         trainer.gather_gradients()
-        grads = {f"{i}.{name}": p.main_grad.clone() for i, model in enumerate(trainer.models)
-                 for name, p in model.module.language_model.named_parameters()}
-        runs[mode] = {"steps": [(s.loss, s.grad_norm) for s in steps], "grads": grads, "vision": vision,
-                      "trainer": trainer}
+        grads = {
+            f"{i}.{name}": p.main_grad.clone()
+            for i, model in enumerate(trainer.models)
+            for name, p in model.module.language_model.named_parameters()
+        }
+        runs[mode] = {
+            "steps": [(s.loss, s.grad_norm) for s in steps],
+            "grads": grads,
+            "vision": vision,
+            "trainer": trainer,
+        }
     optimus = runs["optimus"]["trainer"]
     llm = planned.llm_plan
-    work = build_encoder_work(config, ParallelPlan(llm.dp, llm.pp, llm.tp), optimus.enc_plan,
-                              CostModel.from_config(config))
+    work = build_encoder_work(
+        config,
+        ParallelPlan(llm.dp, llm.pp, llm.tp),
+        optimus.enc_plan,
+        CostModel.from_config(config),
+    )
     stage = optimus.groups.coords.pp
-    chains = {phase: ([(k.encoder, k.layer, k.name, k.splittable) for k in getattr(work, phase)[stage].kernels],
-                      optimus.ops.chain(phase)) for phase in ("fwd", "bwd")}
+    chains = {
+        phase: (
+            [
+                (k.encoder, k.layer, k.name, k.splittable)
+                for k in getattr(work, phase)[stage].kernels
+            ],
+            optimus.ops.chain(phase),
+        )
+        for phase in ("fwd", "bwd")
+    }
     report = {
         "steps": {mode: run["steps"] for mode, run in runs.items()},
-        "grad_diff": max((runs["baseline"]["grads"][k] - g).abs().max().item()
-                         for k, g in runs["optimus"]["grads"].items()),
+        "grad_diff": max(
+            (runs["baseline"]["grads"][k] - g).abs().max().item()
+            for k, g in runs["optimus"]["grads"].items()
+        ),
         "same_grad_names": runs["baseline"]["grads"].keys() == runs["optimus"]["grads"].keys(),
         "vision_keys": sorted(runs["baseline"]["vision"]),
         "same_vision_keys": runs["baseline"]["vision"].keys() == runs["optimus"]["vision"].keys(),
-        "vision_diff": max(((runs["baseline"]["vision"][k] - g).abs().max() / g.abs().max()).item()
-                           for k, g in runs["optimus"]["vision"].items()),
+        "vision_diff": max(
+            ((runs["baseline"]["vision"][k] - g).abs().max() / g.abs().max()).item()
+            for k, g in runs["optimus"]["vision"].items()
+        ),
         "chains_equal": all(expected == got for expected, got in chains.values()),
-        "encoder_plan": str(optimus.enc_plan), "warmup": optimus.warmup,
-        "ops_run": len(steps[-1].encoder_record), "ops_inside_llm": steps[-1].ops_inside_llm,
+        "encoder_plan": str(optimus.enc_plan),
+        "warmup": optimus.warmup,
+        "ops_run": len(steps[-1].encoder_record),
+        "ops_inside_llm": steps[-1].ops_inside_llm,
     }
     for run in runs.values():
         run["trainer"].close()
@@ -103,15 +147,21 @@ def _both_runtimes(overrides: list[str]) -> dict:
 
 PLANS = {
     "planned": [],  # the planner's encoder plan; its schedule puts kernels inside the LLM's steps
-    "llm-dp2-encoder-pp2": ["parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}", "parallel.encoder={pp: 2, tp: 1}"],
+    "llm-dp2-encoder-pp2": [
+        "parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}",
+        "parallel.encoder={pp: 2, tp: 1}",
+    ],
 }
 
 
 def _rank_runs(folder: str) -> dict:
-    """One rank of every run here, in one launch: each plan under both runtimes, checkpoints across the
-    runtimes (written under ``folder``), then the refusals."""
-    return {**{name: _both_runtimes(overrides) for name, overrides in PLANS.items()},
-            "resumed": _resumed_across_runtimes(folder), "refusals": _refusals()}
+    """One rank of every run here, in one launch: each plan under both runtimes, checkpoints across
+    the runtimes (written under ``folder``), then the refusals."""
+    return {
+        **{name: _both_runtimes(overrides) for name, overrides in PLANS.items()},
+        "resumed": _resumed_across_runtimes(folder),
+        "refusals": _refusals(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +170,8 @@ def user_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def _resumed_across_runtimes(folder: str) -> dict:
-    """The baseline trains 3 steps, saving after the first; the Optimus runtime loads that and trains step 2,
+    """The baseline trains 3 steps, saving after the first; the Optimus runtime loads that and
+    trains step 2,
     saving after it; the baseline loads Optimus's and trains step 3: (loss, grad norm) of each."""
     from optimus_mllm.config import load_config
     from optimus_mllm.planner import plan
@@ -133,7 +184,13 @@ def _resumed_across_runtimes(folder: str) -> dict:
 
     def trainer(mode: str) -> Any:
         artifact = schedule_job_artifact(config, planned) if mode == "optimus" else None
-        return Trainer(config, planned.llm_plan, mode, artifact, user_model=_user_model(config, planned.llm_plan))
+        return Trainer(
+            config,
+            planned.llm_plan,
+            mode,
+            artifact,
+            user_model=_user_model(config, planned.llm_plan),
+        )
 
     def numbers(step: Any) -> tuple:
         return step.loss, step.grad_norm
@@ -156,40 +213,59 @@ def _resumed_across_runtimes(folder: str) -> dict:
 
 
 def test_a_users_model_resumes_across_the_runtimes(user_runs: list[dict]) -> None:
-    """Checkpoints of the user's model hold its vision model under LLaVA's keys, whichever runtime wrote
+    """Checkpoints of the user's model hold its vision model under LLaVA's keys, whichever runtime
+    wrote
     them: Optimus resumes the baseline's, the baseline Optimus's, with the uninterrupted numbers."""
     for rank, runs in enumerate(user_runs):
         uninterrupted, resumed = runs["resumed"]["uninterrupted"], runs["resumed"]["resumed"]
         for (u_loss, u_norm), (r_loss, r_norm) in zip(uninterrupted, resumed):
             assert (u_loss is None) == (r_loss is None), rank
-            assert u_loss is None or r_loss == pytest.approx(u_loss, rel=1e-5), (rank, uninterrupted, resumed)
+            assert u_loss is None or r_loss == pytest.approx(u_loss, rel=1e-5), (
+                rank,
+                uninterrupted,
+                resumed,
+            )
             assert r_norm == pytest.approx(u_norm, rel=1e-5), (rank, uninterrupted, resumed)
     assert any(runs["resumed"]["resumed"][0][0] is not None for runs in user_runs)
 
 
 @pytest.mark.parametrize("plans, in_bubbles", [("planned", True), ("llm-dp2-encoder-pp2", False)])
-def test_a_users_model_trains_the_same_with_and_without_the_flag(user_runs: list[dict], plans: str,
-                                                                  in_bubbles: bool) -> None:
+def test_a_users_model_trains_the_same_with_and_without_the_flag(
+    user_runs: list[dict], plans: str, in_bubbles: bool
+) -> None:
     reports = [runs[plans] for runs in user_runs]
     for rank, report in enumerate(reports):
         baseline, optimus = report["steps"]["baseline"], report["steps"]["optimus"]
         for (b_loss, b_norm), (o_loss, o_norm) in zip(baseline, optimus):
             assert (b_loss is None) == (o_loss is None), rank
-            assert b_loss is None or abs(b_loss - o_loss) <= 1e-6 * abs(b_loss), (rank, baseline, optimus)
+            assert b_loss is None or abs(b_loss - o_loss) <= 1e-6 * abs(b_loss), (
+                rank,
+                baseline,
+                optimus,
+            )
             assert abs(b_norm - o_norm) <= 1e-6 * b_norm, (rank, baseline, optimus)
         assert report["same_grad_names"] and report["grad_diff"] < 1e-6, (rank, report["grad_diff"])
-        assert report["same_vision_keys"] and report["vision_diff"] < 1e-5, (rank, report["vision_diff"])
+        assert report["same_vision_keys"] and report["vision_diff"] < 1e-5, (
+            rank,
+            report["vision_diff"],
+        )
         assert report["chains_equal"], rank
     first = reports[0]
     assert any(key.startswith("vision_model.decoder.layers.") for key in first["vision_keys"])
-    assert any(key.startswith("vision_projection.encoder.linear_fc1") for key in first["vision_keys"])
+    assert any(
+        key.startswith("vision_projection.encoder.linear_fc1") for key in first["vision_keys"]
+    )
     assert any(loss is not None for loss, _ in (r["steps"]["optimus"][0] for r in reports))
-    assert all(r["ops_run"] > 0 for r in reports)  # every rank ran encoder kernels under the encoder plan
-    assert any(r["ops_inside_llm"] > 0 for r in reports) == in_bubbles, [r["ops_inside_llm"] for r in reports]
+    # every rank ran encoder kernels under the encoder plan
+    assert all(r["ops_run"] > 0 for r in reports)
+    assert any(r["ops_inside_llm"] > 0 for r in reports) == in_bubbles, [
+        r["ops_inside_llm"] for r in reports
+    ]
 
 
 def _refusals() -> list[str]:
-    """Every rank's error for user models the config does not describe, or without LLaVA's layout."""
+    """Every rank's error for user models the config does not describe, or without LLaVA's
+    layout."""
     from megatron.core import parallel_state
 
     from optimus_mllm.config import load_config
@@ -202,11 +278,20 @@ def _refusals() -> list[str]:
     planned = plan(config)
     artifact = schedule_job_artifact(config, planned)
     errors = []
-    for changes in ({"vision_changes": {"ffn_hidden_size": 128}}, {"vision_changes": {"hidden_dropout": 0.1}},
-                    {"language_changes": {"num_attention_heads": 8}}, {"without_vision": True}):
+    for changes in (
+        {"vision_changes": {"ffn_hidden_size": 128}},
+        {"vision_changes": {"hidden_dropout": 0.1}},
+        {"language_changes": {"num_attention_heads": 8}},
+        {"without_vision": True},
+    ):
         try:
-            Trainer(config, planned.llm_plan, "optimus", artifact, user_model=_user_model(config, planned.llm_plan,
-                                                                                          **changes))
+            Trainer(
+                config,
+                planned.llm_plan,
+                "optimus",
+                artifact,
+                user_model=_user_model(config, planned.llm_plan, **changes),
+            )
             errors.append("built")
         except OptimusError as exc:
             errors.append(str(exc))
@@ -214,17 +299,25 @@ def _refusals() -> list[str]:
     return errors
 
 
-def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(user_runs: list[dict]) -> None:
+def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
+    user_runs: list[dict],
+) -> None:
     reports = [runs["refusals"] for runs in user_runs]
     assert all(report == reports[0] for report in reports)
     ffn, dropout, heads, no_vision = reports[0]
-    assert ffn == ("model_provider: the vision model's TransformerConfig.ffn_hidden_size is 128, but "
-                   "model.encoders[0] describes 256; make the two agree")
+    assert ffn == (
+        "model_provider: the vision model's TransformerConfig.ffn_hidden_size is 128, but "
+        "model.encoders[0] describes 256; make the two agree"
+    )
     assert "TransformerConfig.hidden_dropout is 0.1" in dropout and "\n" not in dropout
-    assert heads.startswith("model_provider: the language model's TransformerConfig.num_attention_heads is 8, "
-                            "but model.llm describes 4")
+    assert heads.startswith(
+        "model_provider: the language model's TransformerConfig.num_attention_heads is 8, "
+        "but model.llm describes 4"
+    )
     # seen by the first stage's ranks alone, refused by every rank
-    assert no_vision.startswith("model_provider: the first pipeline stage's VisionLanguageModel lacks vision_model")
+    assert no_vision.startswith(
+        "model_provider: the first pipeline stage's VisionLanguageModel lacks vision_model"
+    )
 
 
 def test_batches_follow_megatrons_pretraining_sampler() -> None:
@@ -233,7 +326,8 @@ def test_batches_follow_megatrons_pretraining_sampler() -> None:
     from optimus_mllm.runtime.user_model import pretraining_sampler_batches
 
     batch = pretraining_sampler_batches(list(range(100)), 2, 2, 8)  # 2 microbatches per DP rank
-    # global microbatches are counted DP rank by DP rank: (rank 0: step 0, step 1), (rank 1: step 0, step 1)
+    # global microbatches are counted DP rank by DP rank: (rank 0: step 0, step 1), (rank 1: step 0,
+    # step 1)
     assert [batch(0, g).tolist() for g in range(4)] == [[0, 1], [4, 5], [2, 3], [6, 7]]
     assert batch(1, 0).tolist() == [8, 9]
 
@@ -246,7 +340,9 @@ def test_the_step_loss_reads_either_form_of_megatrons_lm_loss() -> None:
     assert mean_lm_loss([{"lm loss": torch.tensor(1.0)}, {"lm loss": torch.tensor(3.0)}]) == 2.0
     # the per-token form: [loss sum, tokens] per microbatch, averaged over all tokens
     # (6 + 2) / (2 + 4) tokens, not the mean of 6 / 2 and 2 / 4
-    assert mean_lm_loss([{"lm loss": torch.tensor([6.0, 2.0])}, {"lm loss": torch.tensor([2.0, 4.0])}]) == pytest.approx(8 / 6)
+    assert mean_lm_loss(
+        [{"lm loss": torch.tensor([6.0, 2.0])}, {"lm loss": torch.tensor([2.0, 4.0])}]
+    ) == pytest.approx(8 / 6)
 
 
 def test_a_spatial_merge_is_refused_for_a_users_llava_model() -> None:
@@ -260,5 +356,7 @@ def test_a_spatial_merge_is_refused_for_a_users_llava_model() -> None:
     encoder = load_config(REPO / "configs" / "megatron_tiny.yaml").encoders[0]
     merged = dataclasses.replace(encoder, projector=ProjectorConfig(spatial_merge=2))
     assert user_vision_problem(merged, None, None) == (
-        "model.encoders[0].projector.spatial_merge is 2, but a user's model (LLaVA's layout) merges no tokens "
-        "before its projector; set it to 1")
+        "model.encoders[0].projector.spatial_merge is 2, but a user's model (LLaVA's layout) "
+        "merges no tokens "
+        "before its projector; set it to 1"
+    )

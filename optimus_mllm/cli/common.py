@@ -1,4 +1,5 @@
-"""What every optimus command does with user errors: one line on stderr, exit code 2, no traceback."""
+"""What every optimus command does with user errors: one line on stderr, exit code 2, no
+traceback."""
 
 from __future__ import annotations
 
@@ -21,8 +22,14 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
     """--config and --override, the same on every command that reads a config."""
     parser.add_argument("--config", required=True, help=f"YAML config, e.g. {example}")
-    parser.add_argument("--override", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="override config fields, e.g. training.micro_batch_size=1 (one or more; repeatable)")
+    parser.add_argument(
+        "--override",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override config fields, e.g. training.micro_batch_size=1 (one or more; repeatable)",
+    )
 
 
 def run(prog: str, body: Callable[[], int]) -> int:
@@ -34,12 +41,17 @@ def run(prog: str, body: Callable[[], int]) -> int:
 
 
 def quiet_library_warnings(cuda_available: bool) -> None:
-    """Silence what torch and megatron-core print at import and set-up that a user can do nothing about,
+    """Silence what torch and megatron-core print at import and set-up that a user can do nothing
+    about,
     so that an error stays one line (an entry point calls this before importing them)."""
-    # torch on a machine with a CUDA toolkit but no GPU: "No CUDA runtime is found, using CUDA_HOME=..."
+    # torch on a machine with a CUDA toolkit but no GPU: "No CUDA runtime is found, using
+    # CUDA_HOME=..."
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    # the optional packages megatron-core falls back without (this project's README says they are optional)
+    # the optional packages megatron-core falls back without (this project's README says they are
+    # optional)
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     warnings.filterwarnings("ignore", message="Apex is not installed")
     if not cuda_available:  # advice on a CUDA setting, given on the CPU too
-        warnings.filterwarnings("ignore", message="When using async grad allreduce it is recommended")
+        warnings.filterwarnings(
+            "ignore", message="When using async grad allreduce it is recommended"
+        )

@@ -1,4 +1,5 @@
-"""``optimus-plan``: plan the job, schedule encoder work into the LLM's bubbles, print or save the result."""
+"""``optimus-plan``: plan the job, schedule encoder work into the LLM's bubbles, print or save the
+result."""
 
 from __future__ import annotations
 
@@ -22,13 +23,24 @@ RANKING = "simulated iteration time (bubble scheduler)"
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog=PROG, description="Choose the LLM plan, enumerate colocated encoder plans and "
-                                                   "schedule encoder work into the LLM's bubbles (Optimus).")
+    parser = ArgumentParser(
+        prog=PROG,
+        description="Choose the LLM plan, enumerate colocated encoder plans and "
+        "schedule encoder work into the LLM's bubbles (Optimus).",
+    )
     add_config_arguments(parser, "configs/paper/strong_3072.yaml")
-    parser.add_argument("--json", metavar="OUT", help="also write the plans and their schedules as JSON")
-    parser.add_argument("--artifact", metavar="OUT", help="write the chosen schedule for the runtime (JSON)")
-    parser.add_argument("--trace", metavar="OUT", help="write the chosen schedule as a Chrome/Perfetto trace")
-    parser.add_argument("--png", metavar="OUT", help="draw the chosen schedule's timeline (needs matplotlib)")
+    parser.add_argument(
+        "--json", metavar="OUT", help="also write the plans and their schedules as JSON"
+    )
+    parser.add_argument(
+        "--artifact", metavar="OUT", help="write the chosen schedule for the runtime (JSON)"
+    )
+    parser.add_argument(
+        "--trace", metavar="OUT", help="write the chosen schedule as a Chrome/Perfetto trace"
+    )
+    parser.add_argument(
+        "--png", metavar="OUT", help="draw the chosen schedule's timeline (needs matplotlib)"
+    )
     return parser
 
 
@@ -40,10 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         planned = plan(config)
         scheduled = optimus(config, planned, CostModel.from_config(config))
         if (args.artifact or args.trace or args.png) and scheduled.best is None:
-            raise OptimusError("no encoder plan could be scheduled, so there is no schedule to write; "
-                               "see the pruned plans")
+            raise OptimusError(
+                "no encoder plan could be scheduled, so there is no schedule to write; "
+                "see the pruned plans"
+            )
         if args.json:
-            atomic_write_text(args.json, json.dumps(result_to_dict(planned, scheduled), indent=2) + "\n")
+            atomic_write_text(
+                args.json, json.dumps(result_to_dict(planned, scheduled), indent=2) + "\n"
+            )
         if args.artifact:
             from optimus_mllm.scheduler.artifact import write_artifact
 
@@ -73,8 +89,10 @@ def _seconds(us: float) -> str:
 def format_result(config: OptimusConfig, result: PlannerResult, scheduled: OptimusResult) -> str:
     best = scheduled.best
     lines = [
-        f"config {result.config_name}: {result.num_gpus} GPUs of {result.gpu_memory_bytes / GIB:g} GiB",
-        f"LLM plan ({result.llm_plan_origin}): {result.llm_plan}, {result.num_microbatches} microbatches per "
+        f"config {result.config_name}: {result.num_gpus} GPUs of {result.gpu_memory_bytes / GIB:g} "
+        "GiB",
+        f"LLM plan ({result.llm_plan_origin}): {result.llm_plan}, {result.num_microbatches} "
+        "microbatches per "
         f"LLM pipeline",
     ]
     for rejected in result.llm_rejected:
@@ -82,37 +100,53 @@ def format_result(config: OptimusConfig, result: PlannerResult, scheduled: Optim
     lines.append(f"LLM alone: iteration {_seconds(scheduled.llm_alone_us)} s")
     candidates = {c.plan: c for c in result.candidates}
     lines += ["", f"encoder plans ({len(result.candidates)} fit in memory, ranked by {RANKING}):"]
-    header = (f"{'rank':>4}  {'encoder plan':<16}{'m':>4}  {'iteration s':>13}  {'params':>7}{'grads':>7}"
-              f"{'optim':>7}{'activ':>7}{'total':>8}  {'overhead':>8}  {'max mb':>6}  partitions")
+    header = (
+        f"{'rank':>4}  {'encoder plan':<16}{'m':>4}  {'iteration s':>13}  {'params':>7}{'grads':>7}"
+        f"{'optim':>7}{'activ':>7}{'total':>8}  {'overhead':>8}  {'max mb':>6}  partitions"
+    )
     lines += [header, "  " + "-" * (len(header) - 2)]
     for i, outcome in enumerate(scheduled.ranked, 1):
         c = candidates[outcome.plan]
-        lines.append(f"{i:>4}  {str(c.plan):<16}{c.m:>4}  {_outcome_text(outcome):>13}  {_memory_columns(c)}")
-    lines += ["",
-              "  iteration: best schedule found; '>= x' means the plan's lower bound x cannot beat rank 1, so it",
-              "  was not searched; memory: GiB on the fullest GPU (LLM + encoder); overhead: paper §4.5,",
-              "  k(DP_enc - DP_llm)Φ_enc/n_gpu in GiB; max mb: most microbatches one encoder pipeline can hold",
-              "  activations for; partitions: kept (symmetry-reduced, capped) of all compositions"]
+        lines.append(
+            f"{i:>4}  {str(c.plan):<16}{c.m:>4}  {_outcome_text(outcome):>13}  {_memory_columns(c)}"
+        )
+    lines += [
+        "",
+        "  iteration: best schedule found; '>= x' means the plan's lower bound x cannot beat rank "
+        "1, so it",
+        "  was not searched; memory: GiB on the fullest GPU (LLM + encoder); overhead: paper §4.5,",
+        "  k(DP_enc - DP_llm)Φ_enc/n_gpu in GiB; max mb: most microbatches one encoder pipeline "
+        "can hold",
+        "  activations for; partitions: kept (symmetry-reduced, capped) of all compositions",
+    ]
     if result.pruned:
         lines += ["", f"pruned encoder plans ({len(result.pruned)}):"]
         lines += [f"  {str(p.plan):<16}{p.reason}" for p in result.pruned]
     lines.append("")
     if best is None:
-        lines.append("chosen: none: no encoder plan could be scheduled" +
-                     ("" if scheduled.baseline else "; see the reasons above"))
+        lines.append(
+            "chosen: none: no encoder plan could be scheduled"
+            + ("" if scheduled.baseline else "; see the reasons above")
+        )
     else:
         lines += [
-            f"chosen: LLM {result.llm_plan} | encoder {best.encoder_plan} | partition {list(best.partition)}",
-            f"  iteration {_seconds(best.iteration_us)} s (coarse-only {_seconds(best.coarse_iteration_us)} s, "
+            f"chosen: LLM {result.llm_plan} | encoder {best.encoder_plan} | partition "
+            f"{list(best.partition)}",
+            f"  iteration {_seconds(best.iteration_us)} s (coarse-only "
+            f"{_seconds(best.coarse_iteration_us)} s, "
             f"LLM alone {_seconds(scheduled.llm_alone_us)} s); encoder compute inside LLM bubbles "
             f"{scheduling_efficiency(best):.1%}; MFU {mfu(config, best.iteration_us):.1%}",
-            f"  warm-up per stage {list(best.dep.warmup)} (megatron-core default {list(best.dep.default_warmup)}); "
+            f"  warm-up per stage {list(best.dep.warmup)} (megatron-core default "
+            f"{list(best.dep.default_warmup)}); "
             f"scheduler runtime {scheduled.runtime_s:.2f} s",
         ]
     if scheduled.baseline is not None:
         b = scheduled.baseline
-        lines += [f"but the {b.name} baseline is faster: iteration {_seconds(b.iteration_us)} s; optimus-train runs "
-                  f"it (--baseline {b.runtime}) unless given this schedule (--schedule)"]
+        lines += [
+            f"but the {b.name} baseline is faster: iteration {_seconds(b.iteration_us)} s; "
+            "optimus-train runs "
+            f"it (--baseline {b.runtime}) unless given this schedule (--schedule)"
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -127,9 +161,15 @@ def _outcome_text(outcome: PlanOutcome) -> str:
 def _memory_columns(c: EncoderPlanCandidate) -> str:
     mem: MemoryBreakdown = c.memory
     parts = c.partitions
-    partitions = f"{len(parts.partitions)} of {parts.num_compositions}" + (" (capped)" if parts.truncated else "")
-    return (f"{_gib(mem.params):>7}{_gib(mem.grads):>7}{_gib(mem.optimizer):>7}{_gib(mem.activations):>7}"
-            f"{_gib(mem.total):>8}  {_gib(c.overhead_bytes):>8}  {c.max_microbatches_per_pipeline:>6}  {partitions}")
+    partitions = f"{len(parts.partitions)} of {parts.num_compositions}" + (
+        " (capped)" if parts.truncated else ""
+    )
+    return (
+        f"{_gib(mem.params):>7}{_gib(mem.grads):>7}"
+        f"{_gib(mem.optimizer):>7}{_gib(mem.activations):>7}"
+        f"{_gib(mem.total):>8}  {_gib(c.overhead_bytes):>8}  {c.max_microbatches_per_pipeline:>6}  "
+        f"{partitions}"
+    )
 
 
 def result_to_dict(result: PlannerResult, scheduled: OptimusResult) -> dict[str, Any]:
@@ -144,7 +184,9 @@ def result_to_dict(result: PlannerResult, scheduled: OptimusResult) -> dict[str,
         "gpu_memory_bytes": result.gpu_memory_bytes,
         "llm_plan": result.llm_plan.as_dict(),
         "llm_plan_origin": result.llm_plan_origin,
-        "llm_rejected": [{"plan": p.plan.as_dict(), "reason": p.reason} for p in result.llm_rejected],
+        "llm_rejected": [
+            {"plan": p.plan.as_dict(), "reason": p.reason} for p in result.llm_rejected
+        ],
         "num_microbatches": result.num_microbatches,
         "ranking": RANKING,
         "llm_alone_iteration_us": scheduled.llm_alone_us,
@@ -164,10 +206,14 @@ def result_to_dict(result: PlannerResult, scheduled: OptimusResult) -> dict[str,
                 "partitions_truncated": c.partitions.truncated,
                 "partitions": [list(p) for p in c.partitions.partitions],
             }
-            for c in sorted(result.candidates, key=lambda c: scheduled.ranked.index(outcomes[c.plan]))
+            for c in sorted(
+                result.candidates, key=lambda c: scheduled.ranked.index(outcomes[c.plan])
+            )
         ],
         "pruned": [{"plan": p.plan.as_dict(), "reason": p.reason} for p in result.pruned],
-        "chosen": None if best is None else {
+        "chosen": None
+        if best is None
+        else {
             "encoder_plan": best.encoder_plan.as_dict(),
             "partition": list(best.partition),
             "iteration_us": best.iteration_us,
@@ -176,8 +222,11 @@ def result_to_dict(result: PlannerResult, scheduled: OptimusResult) -> dict[str,
             "scheduler_runtime_s": scheduled.runtime_s,
         },
         # a baseline placement faster than every Optimus schedule, which optimus-train then runs
-        "faster_baseline": None if scheduled.baseline is None else {
-            "name": scheduled.baseline.name, "runtime": scheduled.baseline.runtime,
+        "faster_baseline": None
+        if scheduled.baseline is None
+        else {
+            "name": scheduled.baseline.name,
+            "runtime": scheduled.baseline.runtime,
             "iteration_us": scheduled.baseline.iteration_us,
         },
     }

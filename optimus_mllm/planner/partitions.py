@@ -1,4 +1,5 @@
-"""Microbatch partitions: how the N_mb microbatches of one LLM pipeline split over its m encoder pipelines.
+"""Microbatch partitions: how the N_mb microbatches of one LLM pipeline split over its m encoder
+pipelines.
 
 Every encoder pipeline gets at least one microbatch (the paper lists [1,7] ... [7,1] for N=8, m=2),
 so there are C(N-1, m-1) compositions. Two reductions keep the scheduler's search small:
@@ -28,9 +29,11 @@ class PartitionSet:
     truncated: bool  # True when the cap cut the enumeration short
 
 
-def microbatch_partitions(num_microbatches: int, groups: list[int], max_per_pipeline: int,
-                          cap: int) -> PartitionSet:
-    """Canonical partitions of ``num_microbatches`` over ``sum(groups)`` pipelines, most even first."""
+def microbatch_partitions(
+    num_microbatches: int, groups: list[int], max_per_pipeline: int, cap: int
+) -> PartitionSet:
+    """Canonical partitions of ``num_microbatches`` over ``sum(groups)`` pipelines, most even
+    first."""
     m = sum(groups)
     total = math.comb(num_microbatches - 1, m - 1) if num_microbatches >= m else 0
     hi_limit = min(max_per_pipeline, num_microbatches - m + 1)

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimus_mllm.config import (MAX_MICROBATCHES_PER_PIPELINE, OptimusConfig, divisors, encoder_tp_problem,
-                                 tp_divisibility_problem)
+from optimus_mllm.config import (
+    MAX_MICROBATCHES_PER_PIPELINE,
+    OptimusConfig,
+    divisors,
+    encoder_tp_problem,
+    tp_divisibility_problem,
+)
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.memory_model import (
     GIB,
@@ -20,7 +25,12 @@ from optimus_mllm.memory_model import (
 )
 from optimus_mllm.params import encoder_params, encoder_params_per_stage, llm_stage_params
 from optimus_mllm.planner.partitions import PartitionSet, microbatch_partitions
-from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline, symmetry_groups
+from optimus_mllm.planner.plans import (
+    ParallelPlan,
+    encoder_pipelines_per_llm_pipeline,
+    symmetry_groups,
+)
+
 
 @dataclass(frozen=True)
 class PrunedPlan:
@@ -30,7 +40,8 @@ class PrunedPlan:
 
 @dataclass(frozen=True)
 class EncoderPlanCandidate:
-    """An encoder plan that fits, with the memory of the fullest GPU and its microbatch partitions."""
+    """An encoder plan that fits, with the memory of the fullest GPU and its microbatch
+    partitions."""
 
     plan: ParallelPlan
     m: int  # encoder pipelines per LLM pipeline
@@ -54,7 +65,8 @@ class PlannerResult:
     llm_plan_origin: str  # "config" or "planner"
     llm_rejected: tuple[PrunedPlan, ...]  # smaller LLM plans tried first by the planner
     num_microbatches: int  # per LLM pipeline
-    candidates: tuple[EncoderPlanCandidate, ...]  # in enumeration order; the bubble scheduler ranks them
+    # in enumeration order; the bubble scheduler ranks them
+    candidates: tuple[EncoderPlanCandidate, ...]
     pruned: tuple[PrunedPlan, ...]
 
 
@@ -100,8 +112,11 @@ def choose_virtual_stages(config: OptimusConfig, pp: int, num_microbatches: int)
     if pp == 1 or num_microbatches % pp:
         return 1
     layers_per_stage = config.llm.num_layers // pp
-    return max(v for v in range(1, min(layers_per_stage, config.planner.max_virtual_stages) + 1)
-               if layers_per_stage % v == 0)
+    return max(
+        v
+        for v in range(1, min(layers_per_stage, config.planner.max_virtual_stages) + 1)
+        if layers_per_stage % v == 0
+    )
 
 
 def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[PrunedPlan]]:
@@ -129,9 +144,15 @@ def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[Prun
         if problem is None and llm.num_layers % pp:
             problem = f"pp={pp} does not divide num_layers={llm.num_layers}"
         if problem is None and remainder:
-            problem = f"global batch does not split over dp={dp} with micro_batch_size={config.training.micro_batch_size}"
+            problem = (
+                f"global batch does not split over dp={dp} with "
+                f"micro_batch_size={config.training.micro_batch_size}"
+            )
         if problem is None and n_mb > MAX_MICROBATCHES_PER_PIPELINE:
-            problem = f"{n_mb} microbatches per pipeline, above the scheduler's {MAX_MICROBATCHES_PER_PIPELINE}"
+            problem = (
+                f"{n_mb} microbatches per pipeline, above the scheduler's "
+                f"{MAX_MICROBATCHES_PER_PIPELINE}"
+            )
         if problem is None and config.training.sequence_parallel and tp > 1 and llm.seq_length % tp:
             problem = f"seq_length={llm.seq_length} is not divisible by tp={tp}"
         if problem is None:
@@ -142,39 +163,59 @@ def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[Prun
             problem = f"needs {cheapest.total / GIB:.1f} GiB per GPU with its cheapest encoder plan"
         rejected.append(PrunedPlan(candidate, problem))
     last = rejected[-1].reason if rejected else "no candidate"
-    raise ConfigError("cluster.num_gpus", f"no LLM plan fits {config.cluster.num_gpus} GPUs of "
-                      f"{config.cluster.gpu_memory_gib:g} GiB (largest tried: {last}); add GPUs or memory, "
-                      "or enable training.recompute")
+    raise ConfigError(
+        "cluster.num_gpus",
+        f"no LLM plan fits {config.cluster.num_gpus} GPUs of "
+        f"{config.cluster.gpu_memory_gib:g} GiB (largest tried: {last}); add GPUs or memory, "
+        "or enable training.recompute",
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Encoder plans
 
 
-def encoder_memory(config: OptimusConfig, enc: ParallelPlan, microbatches_in_flight: int) -> MemoryBreakdown:
-    """Encoder model states of the fullest encoder stage, plus activations of its in-flight microbatches.
+def encoder_memory(
+    config: OptimusConfig, enc: ParallelPlan, microbatches_in_flight: int
+) -> MemoryBreakdown:
+    """Encoder model states of the fullest encoder stage, plus activations of its in-flight
+    microbatches.
 
-    A frozen encoder keeps its 16-bit parameters only; its projector is counted with it (it is small).
+    A frozen encoder keeps its 16-bit parameters only; its projector is counted with it (it is
+    small).
     """
     trainable = tuple(e for e in config.encoders if not e.frozen)
     frozen = tuple(e for e in config.encoders if e.frozen)
-    states = model_state_memory(config, max(encoder_params_per_stage(trainable, config.llm, enc.pp)) / enc.tp,
-                                enc.dp) if trainable else MemoryBreakdown(0, 0, 0, 0)
-    frozen_params = max(encoder_params_per_stage(frozen, config.llm, enc.pp)) / enc.tp if frozen else 0.0
+    states = (
+        model_state_memory(
+            config, max(encoder_params_per_stage(trainable, config.llm, enc.pp)) / enc.tp, enc.dp
+        )
+        if trainable
+        else MemoryBreakdown(0, 0, 0, 0)
+    )
+    frozen_params = (
+        max(encoder_params_per_stage(frozen, config.llm, enc.pp)) / enc.tp if frozen else 0.0
+    )
     acts = encoder_activation_memory_per_microbatch(config, enc.pp, enc.tp) * microbatches_in_flight
-    return MemoryBreakdown(states.params + param_bytes(config) * frozen_params, states.grads, states.optimizer, acts)
+    return MemoryBreakdown(
+        states.params + param_bytes(config) * frozen_params, states.grads, states.optimizer, acts
+    )
 
 
-def _colocated_memory(config: OptimusConfig, llm_plan: ParallelPlan, enc: ParallelPlan) -> MemoryBreakdown:
+def _colocated_memory(
+    config: OptimusConfig, llm_plan: ParallelPlan, enc: ParallelPlan
+) -> MemoryBreakdown:
     """Upper bound for the fullest GPU: the fullest LLM rank plus the fullest encoder rank."""
     m = encoder_pipelines_per_llm_pipeline(llm_plan, enc)
     n_mb = config.num_microbatches_total // llm_plan.dp
     return llm_memory(config, llm_plan) + encoder_memory(config, enc, -(-n_mb // m))
 
 
-def enumerate_encoder_plans(config: OptimusConfig,
-                            llm_plan: ParallelPlan) -> tuple[list[EncoderPlanCandidate], list[PrunedPlan]]:
-    """Every (DP_enc, PP_enc, TP_enc) with PP_enc | PP_llm and TP_enc | TP_llm, kept or pruned with a reason."""
+def enumerate_encoder_plans(
+    config: OptimusConfig, llm_plan: ParallelPlan
+) -> tuple[list[EncoderPlanCandidate], list[PrunedPlan]]:
+    """Every (DP_enc, PP_enc, TP_enc) with PP_enc | PP_llm and TP_enc | TP_llm, kept or pruned with
+    a reason."""
     n = config.cluster.num_gpus
     n_mb = config.num_microbatches_total // llm_plan.dp
     capacity = gpu_memory_bytes(config)
@@ -197,34 +238,55 @@ def enumerate_encoder_plans(config: OptimusConfig,
             enc_mem = encoder_memory(config, enc, -(-n_mb // m))
             mem = llm_mem + enc_mem
             if mem.total > capacity:
-                pruned.append(PrunedPlan(enc, f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU "
-                                              f"(LLM {llm_mem.total / GIB:.1f} + encoder "
-                                              f"{enc_mem.total / GIB:.1f}) > "
-                                              f"{config.cluster.gpu_memory_gib:g} GiB"))
+                pruned.append(
+                    PrunedPlan(
+                        enc,
+                        f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU "
+                        f"(LLM {llm_mem.total / GIB:.1f} + encoder "
+                        f"{enc_mem.total / GIB:.1f}) > "
+                        f"{config.cluster.gpu_memory_gib:g} GiB",
+                    )
+                )
                 continue
             per_mb = encoder_activation_memory_per_microbatch(config, pp, tp)
             states = encoder_memory(config, enc, 0)
             room = capacity - llm_mem.total - states.total
             max_per_pipeline = n_mb if per_mb == 0 else min(n_mb, int(room // per_mb))
-            partitions = microbatch_partitions(n_mb, symmetry_groups(llm_plan, enc), max_per_pipeline,
-                                               config.planner.max_partitions)
-            candidates.append(EncoderPlanCandidate(
-                plan=enc, m=m, llm_memory=llm_mem, encoder_memory=enc_mem,
-                max_microbatches_per_pipeline=max_per_pipeline,
-                overhead_bytes=colocation_overhead(k, enc.dp, llm_plan.dp, phi_enc, n),
-                partitions=partitions,
-            ))
+            partitions = microbatch_partitions(
+                n_mb,
+                symmetry_groups(llm_plan, enc),
+                max_per_pipeline,
+                config.planner.max_partitions,
+            )
+            candidates.append(
+                EncoderPlanCandidate(
+                    plan=enc,
+                    m=m,
+                    llm_memory=llm_mem,
+                    encoder_memory=enc_mem,
+                    max_microbatches_per_pipeline=max_per_pipeline,
+                    overhead_bytes=colocation_overhead(k, enc.dp, llm_plan.dp, phi_enc, n),
+                    partitions=partitions,
+                )
+            )
     return candidates, pruned
 
 
 def _structural_problem(config: OptimusConfig, enc: ParallelPlan, m: int, n_mb: int) -> str | None:
     for enc_cfg in config.encoders:
-        problem = encoder_tp_problem(enc_cfg, config.llm.hidden_size, config.training.sequence_parallel, enc.tp)
+        problem = encoder_tp_problem(
+            enc_cfg, config.llm.hidden_size, config.training.sequence_parallel, enc.tp
+        )
         if problem:
             return f"encoder '{enc_cfg.name}': {problem}"
         if enc_cfg.num_layers < enc.pp:
-            return f"encoder '{enc_cfg.name}' has {enc_cfg.num_layers} layers, fewer than PP_enc={enc.pp}"
+            return (
+                f"encoder '{enc_cfg.name}' has {enc_cfg.num_layers} layers, fewer than "
+                f"PP_enc={enc.pp}"
+            )
     if m > n_mb:
-        return (f"m={m} encoder pipelines per LLM pipeline but only {n_mb} microbatches: "
-                "every encoder pipeline needs at least one")
+        return (
+            f"m={m} encoder pipelines per LLM pipeline but only {n_mb} microbatches: "
+            "every encoder pipeline needs at least one"
+        )
     return None

@@ -55,7 +55,7 @@ def encoder_stage_gpus(llm: ParallelPlan, enc: ParallelPlan) -> list[list[list[i
 def symmetry_groups(llm: ParallelPlan, enc: ParallelPlan) -> list[int]:
     """Sizes of the groups of interchangeable encoder pipelines, in pipeline order.
 
-    Pipelines that differ only in their TP slot run on the same LLM stages, whose TP ranks all see the
-    same LLM timeline, so swapping their microbatch counts gives the same schedule.
+    Pipelines that differ only in their TP slot run on the same LLM stages, whose TP ranks all see
+    the same LLM timeline, so swapping their microbatch counts gives the same schedule.
     """
     return [llm.tp // enc.tp] * (llm.pp // enc.pp)

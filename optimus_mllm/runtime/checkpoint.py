@@ -1,4 +1,5 @@
-"""Training checkpoints in megatron-core's distributed format: written atomically, resumed onto any plan.
+"""Training checkpoints in megatron-core's distributed format: written atomically, resumed onto any
+plan.
 
 Layout under the ``--save`` folder (Megatron-LM's)::
 
@@ -13,22 +14,23 @@ The state dict is Megatron-LM's: ``model`` (``model0``, ``model1``... per virtua
 model under the LLaVA layout's keys (``runtime.sharded_state``; the encoder in the first entry),
 ``optimizer`` megatron-core's sharded optimizer state, ``opt_param_scheduler`` the LR schedule and
 ``iteration`` the step. Every tensor is saved once, by its main replica, as this rank's shard of the
-tensor it belongs to; nothing is gathered whole. The distributed optimizer's state takes megatron-core's
-``fully_reshardable`` form (its buffers gathered over the data-parallel group, one (TP, PP) shard at a
-time, onto DP rank 0, over gloo), so that it too is keyed by the model's tensors.
+tensor it belongs to; nothing is gathered whole. The distributed optimizer's state takes
+megatron-core's ``fully_reshardable`` form (its buffers gathered over the data-parallel group, one
+(TP, PP) shard at a time, onto DP rank 0, over gloo), so that it too is keyed by the model's
+tensors.
 
 So a checkpoint resumes onto another LLM TP / PP / VP / DP, another encoder plan, and across the two
 runtimes: every tensor is addressed by its place in the whole model. The optimizer's state is saved
-as megatron-core's flat ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model key>`` tensors only;
-what megatron-core keeps beside them per optimizer part (hyper-parameters, the step count, the loss
-scale) depends on how the parts fall on a rank, so a loading job rebuilds that from its own
+as megatron-core's flat ``optimizer.state.<exp_avg|exp_avg_sq|fp32_param>.<model key>`` tensors
+only; what megatron-core keeps beside them per optimizer part (hyper-parameters, the step count, the
+loss scale) depends on how the parts fall on a rank, so a loading job rebuilds that from its own
 optimizer, the saved step count and the saved loss scale (``_optimus_state``).
 
-Every rank writes into ``iter_0000003.tmp``; only when all ranks succeeded does rank 0 add meta.json,
-rename the folder and then replace the ``latest`` file, so a writer killed or failing midway leaves
-the previous checkpoint as the latest and loadable. No generator state carries from one step to the
-next (data and dropout masks are seeded by iteration and microbatch, ``runtime.dropout``), so with
-these the resumed steps are the uninterrupted ones.
+Every rank writes into ``iter_0000003.tmp``; only when all ranks succeeded does rank 0 add
+meta.json, rename the folder and then replace the ``latest`` file, so a writer killed or failing
+midway leaves the previous checkpoint as the latest and loadable. No generator state carries from
+one step to the next (data and dropout masks are seeded by iteration and microbatch,
+``runtime.dropout``), so with these the resumed steps are the uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -71,36 +73,57 @@ from optimus_mllm.runtime.sharded_state import (
 from optimus_mllm.runtime.user_model import vision_sharded_state_dict
 
 CHECKPOINT_VERSION_MEGATRON = 3.0  # Megatron-LM's checkpoint_version of its dist checkpoints
-# megatron-core's optimizer format keyed by the model's tensors; gathered over gloo onto DP rank 0 only
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
-                      "distrib_optim_fully_reshardable_mem_efficient": True}
+# megatron-core's optimizer format keyed by the model's tensors; gathered over gloo onto DP rank 0
+# only
+OPTIMIZER_SHARDING = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
 
 
 def model_sharded_state_dict(trainer: Any) -> dict[str, ShardedStateDict]:
-    """This rank's LLM chunks and encoder stage as Megatron-LM's ``model`` / ``model<i>`` entries; in the
+    """This rank's LLM chunks and encoder stage as Megatron-LM's ``model`` / ``model<i>`` entries;
+    in the
     balanced baseline each virtual stage's entry holds its LLM and its encoder layers alike."""
     if trainer.mode == "balanced":
         dp_group = parallel_state.get_data_parallel_group()
-        return {key: {**({} if chunk.llm is None else chunk.llm.sharded_state_dict(prefix=LLM_PREFIX)),
-                      **({} if chunk.encoder_stage is None else
-                         encoder_sharded_state_dict(trainer.config, chunk.encoder_stage, dp_group))}
-                for key, chunk in zip(model_entries(len(trainer.modules)), trainer.modules)}
+        return {
+            key: {
+                **({} if chunk.llm is None else chunk.llm.sharded_state_dict(prefix=LLM_PREFIX)),
+                **(
+                    {}
+                    if chunk.encoder_stage is None
+                    else encoder_sharded_state_dict(trainer.config, chunk.encoder_stage, dp_group)
+                ),
+            }
+            for key, chunk in zip(model_entries(len(trainer.modules)), trainer.modules)
+        }
     state = llm_sharded_state_dict(trainer.chunks)
     if trainer.encoder is not None:
-        dp_group = trainer.groups.dp_group if trainer.mode == "optimus" else parallel_state.get_data_parallel_group()
-        state[next(iter(state))].update(encoder_sharded_state_dict(trainer.config, trainer.encoder, dp_group))
-    elif trainer.user_model is not None and trainer.stage == 0:  # the user's vision model, in its first stage
+        dp_group = (
+            trainer.groups.dp_group
+            if trainer.mode == "optimus"
+            else parallel_state.get_data_parallel_group()
+        )
+        state[next(iter(state))].update(
+            encoder_sharded_state_dict(trainer.config, trainer.encoder, dp_group)
+        )
+    # the user's vision model, in its first stage
+    elif trainer.user_model is not None and trainer.stage == 0:
         state[next(iter(state))].update(vision_sharded_state_dict(trainer.modules[0]))
     return state
 
 
-def _optimizer_requests(optimizer: Any, model_state: dict[str, ShardedStateDict],
-                        is_loading: bool) -> list[ShardedStateDict]:
+def _optimizer_requests(
+    optimizer: Any, model_state: dict[str, ShardedStateDict], is_loading: bool
+) -> list[ShardedStateDict]:
     """Each stateful optimizer part's own sharded state dict (megatron-core's)."""
     requests = []
     for part in parts(optimizer):
         prepare_state(part)
-        requests.append(part.sharded_state_dict(model_state, is_loading, metadata=OPTIMIZER_SHARDING))
+        requests.append(
+            part.sharded_state_dict(model_state, is_loading, metadata=OPTIMIZER_SHARDING)
+        )
     return requests
 
 
@@ -109,12 +132,23 @@ def _sharded_leaves(tree: Any, path: str = "") -> dict[str, ShardedBase]:
     saved as one flat dict, so the checkpoint holds no trace of how the parts fell on a rank."""
     if isinstance(tree, ShardedBase):
         return {path: tree}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
-    return {key: leaf for name, value in items for key, leaf in _sharded_leaves(value, f"{path}/{name}").items()}
+    items = (
+        tree.items()
+        if isinstance(tree, dict)
+        else enumerate(tree)
+        if isinstance(tree, (list, tuple))
+        else ()
+    )
+    return {
+        key: leaf
+        for name, value in items
+        for key, leaf in _sharded_leaves(value, f"{path}/{name}").items()
+    }
 
 
 def _filled(tree: Any, loaded: dict[str, Any], path: str = "") -> Any:
-    """``tree`` with every sharded tensor replaced by what was loaded for its place (``_sharded_leaves``)."""
+    """``tree`` with every sharded tensor replaced by what was loaded for its place
+    (``_sharded_leaves``)."""
     if isinstance(tree, ShardedBase):
         return loaded[path]
     if isinstance(tree, dict):
@@ -128,18 +162,26 @@ def _optimus_state(optimizer: Any) -> dict[str, Any]:
     """What a loading job needs beside the tensors: the updates taken and the (fp16) loss scale."""
     steps = {step_count(part) for part in parts(optimizer)}
     if len(steps) > 1:
-        raise ValueError(f"the optimizer's parts took different numbers of updates: {sorted(steps)}")
+        raise ValueError(
+            f"the optimizer's parts took different numbers of updates: {sorted(steps)}"
+        )
     scaler = optimizer.loss_scaler
-    return {"optimizer_step": steps.pop() if steps else 0,
-            "loss_scaler": None if scaler is None else scaler.state_dict()}
+    return {
+        "optimizer_step": steps.pop() if steps else 0,
+        "loss_scaler": None if scaler is None else scaler.state_dict(),
+    }
 
 
 def _quietly(function: Callable[..., Any], *args: Any) -> Any:
     """megatron-core saves and loads through torch's ShardedTensor, which torch has deprecated: its
     FutureWarnings (one per rank and call) tell a user nothing they can act on."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint")
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing")
+        warnings.filterwarnings(
+            "ignore", category=FutureWarning, module=r"torch\.distributed\.checkpoint"
+        )
+        warnings.filterwarnings(
+            "ignore", category=FutureWarning, module=r"megatron\.core\.dist_checkpointing"
+        )
         return function(*args)
 
 
@@ -160,9 +202,16 @@ def save_checkpoint(trainer: Any, root: str | Path, iteration: int) -> Path:
     state = _state_dict(trainer, iteration)
     try:
         with synchronous_writer():
-            _agree_saving(_attempt(lambda: _quietly(dist_checkpointing.save, state, str(tmp))), "writing", root)
-        _agree_saving(_attempt(lambda: _publish(trainer, root, tmp, final, iteration)) if rank == 0 else None,
-                      "publishing", root)
+            _agree_saving(
+                _attempt(lambda: _quietly(dist_checkpointing.save, state, str(tmp))),
+                "writing",
+                root,
+            )
+        _agree_saving(
+            _attempt(lambda: _publish(trainer, root, tmp, final, iteration)) if rank == 0 else None,
+            "publishing",
+            root,
+        )
     except OptimusError:
         if rank == 0:  # a half-written folder would only hold the disk
             shutil.rmtree(tmp, ignore_errors=True)
@@ -172,9 +221,16 @@ def save_checkpoint(trainer: Any, root: str | Path, iteration: int) -> Path:
 
 def _state_dict(trainer: Any, iteration: int) -> dict[str, Any]:
     model_state = model_sharded_state_dict(trainer)
-    optimizer_state = _sharded_leaves(_optimizer_requests(trainer.optimizer, model_state, is_loading=False))
-    state = {**model_state, "opt_param_scheduler": trainer.scheduler.state_dict(), "iteration": iteration,
-             "checkpoint_version": CHECKPOINT_VERSION_MEGATRON, "optimus": _optimus_state(trainer.optimizer)}
+    optimizer_state = _sharded_leaves(
+        _optimizer_requests(trainer.optimizer, model_state, is_loading=False)
+    )
+    state = {
+        **model_state,
+        "opt_param_scheduler": trainer.scheduler.state_dict(),
+        "iteration": iteration,
+        "checkpoint_version": CHECKPOINT_VERSION_MEGATRON,
+        "optimus": _optimus_state(trainer.optimizer),
+    }
     if optimizer_state:  # none off DP rank 0: the distributed optimizer's state is gathered there
         state["optimizer"] = optimizer_state
     return state
@@ -186,7 +242,9 @@ def _attempt(action: Callable[[], Any]) -> tuple[int, str] | None:
     try:
         action()
         return None
-    except CheckpointException as exc:  # torch's (a BaseException): raised on every rank, the detail on one
+    except (
+        CheckpointException
+    ) as exc:  # torch's (a BaseException): raised on every rank, the detail on one
         if not exc.failures:
             return dist.get_rank(), ""
         rank, (error, _) = min(exc.failures.items())
@@ -196,7 +254,8 @@ def _attempt(action: Callable[[], Any]) -> tuple[int, str] | None:
 
 
 def _first_failure(outcome: tuple[int, str] | None) -> tuple[int, str] | None:
-    """Every rank's ``_attempt`` outcome gathered: the first failure that says what failed, or None."""
+    """Every rank's ``_attempt`` outcome gathered: the first failure that says what failed, or
+    None."""
     outcomes: list[tuple[int, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, outcome)
     failed = [o for o in outcomes if o]
@@ -209,11 +268,15 @@ def _agree_saving(outcome: tuple[int, str] | None, what: str, root: Path) -> Non
         return
     rank, message = failure
     if "No space left on device" in message:
-        raise AgreedError(f"checkpoint {what} failed: no space left on {root}; free space there or point --save "
-                           "elsewhere; the previous checkpoint is still the latest")
+        raise AgreedError(
+            f"checkpoint {what} failed: no space left on {root}; free space there or point --save "
+            "elsewhere; the previous checkpoint is still the latest"
+        )
     detail = f" ({message.splitlines()[0]})" if message else ""
-    raise AgreedError(f"checkpoint {what} failed on rank {rank}{detail}; the previous checkpoint is still the "
-                       "latest")
+    raise AgreedError(
+        f"checkpoint {what} failed on rank {rank}{detail}; the previous checkpoint is still the "
+        "latest"
+    )
 
 
 def _fresh_dir(path: Path) -> None:
@@ -224,13 +287,22 @@ def _fresh_dir(path: Path) -> None:
 
 def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -> None:
     """Make ``tmp`` the checkpoint of ``iteration``, in an order that a crash at any point leaves
-    ``checkpoint_meta.latest_checkpoint`` a complete checkpoint to resume from (this one or the one before)."""
+    ``checkpoint_meta.latest_checkpoint`` a complete checkpoint to resume from (this one or the one
+    before)."""
     if trainer.artifact is not None:
         atomic_write_text(tmp / "schedule.json", json.dumps(trainer.artifact) + "\n")
-    meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "iteration": iteration,
-            "world_size": dist.get_world_size(), "mode": trainer.mode, "llm_plan": trainer.plan.as_dict(),
-            "model": model_json(trainer.config), "optimizer_layout": optimizer_layout(trainer.config)}
-    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")  # last: the folder is complete
+    meta = {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "world_size": dist.get_world_size(),
+        "mode": trainer.mode,
+        "llm_plan": trainer.plan.as_dict(),
+        "model": model_json(trainer.config),
+        "optimizer_layout": optimizer_layout(trainer.config),
+    }
+    # last: the folder is complete
+    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1) + "\n")
     fsync_tree(tmp)  # megatron-core syncs its tensor files, not its metadata
     replaced = None
     if final.exists():  # the same iteration saved again (e.g. a rerun): the new one replaces it
@@ -248,8 +320,9 @@ def _load_agreed(request: dict[str, Any], folder: Path, failed: str) -> dict[str
     """``dist_checkpointing.load`` on every rank; a failure on any rank is one OptimusError on all,
     ``failed`` (what to do about it) appended."""
     loaded: dict[str, Any] = {}
-    failure = _first_failure(_attempt(lambda: loaded.update(_quietly(dist_checkpointing.load, request,
-                                                                      str(folder)))))
+    failure = _first_failure(
+        _attempt(lambda: loaded.update(_quietly(dist_checkpointing.load, request, str(folder))))
+    )
     if failure is not None:
         rank, message = failure
         detail = f" ({message.splitlines()[0]})" if message else ""
@@ -270,37 +343,53 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
     if load_optimizer:
         optimizer_requests = _optimizer_requests(trainer.optimizer, model_state, is_loading=True)
         request["optimizer"] = _sharded_leaves(optimizer_requests)
-    loaded = _load_agreed(request, info.path, "the checkpoint is damaged: move it away, and --resume takes the "
-                                              "newest complete one before it")
+    loaded = _load_agreed(
+        request,
+        info.path,
+        "the checkpoint is damaged: move it away, and --resume takes the "
+        "newest complete one before it",
+    )
     _copy_into_model(model_state, loaded)
     # the optimizer's fp32 main copies (bf16/fp16) follow the loaded weights, as in Megatron's
     # load_checkpoint; a loaded optimizer state then puts its own in their place
     trainer.optimizer.reload_model_params()
-    trainer.scheduler.num_steps = 0  # megatron-core's load_state_dict counts the saved steps on from here
+    # megatron-core's load_state_dict counts the saved steps on from here
+    trainer.scheduler.num_steps = 0
     try:
         trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    except AssertionError as exc:  # megatron-core asserts that the schedule's settings are unchanged
-        raise AgreedError(f"--resume: {exc}; resume with the training settings the checkpoint was written "
-                           "with") from None
+    except (
+        AssertionError
+    ) as exc:  # megatron-core asserts that the schedule's settings are unchanged
+        raise AgreedError(
+            f"--resume: {exc}; resume with the training settings the checkpoint was written with"
+        ) from None
     if load_optimizer:
-        _load_optimizer(trainer.optimizer, optimizer_requests, loaded["optimizer"], loaded["optimus"])
-    # the LR and weight decay of the loaded step: the optimizer's hyper-parameters are this job's own
+        _load_optimizer(
+            trainer.optimizer, optimizer_requests, loaded["optimizer"], loaded["optimus"]
+        )
+    # the LR and weight decay of the loaded step: the optimizer's hyper-parameters are this job's
+    # own
     trainer.scheduler.step(increment=0)
 
 
 def _copy_into_model(model_state: dict[str, ShardedStateDict], loaded: dict[str, Any]) -> None:
-    """Copy what ``dist_checkpointing.load`` returned for ``model_state`` into the parameters it names."""
+    """Copy what ``dist_checkpointing.load`` returned for ``model_state`` into the parameters it
+    names."""
     with torch.no_grad():
         for entry, tensors in model_state.items():
             for key, sharded in tensors.items():
-                if not isinstance(sharded, ShardedObject):  # ShardedObjects: megatron's empty _extra_state
-                    # the loader may have filled the parameter in place, or a view of it: one tensor at a time
+                # ShardedObjects: megatron's empty _extra_state
+                if not isinstance(sharded, ShardedObject):
+                    # the loader may have filled the parameter in place, or a view of it: one tensor
+                    # at a time
                     sharded.data.copy_(loaded[entry][key].clone())
 
 
-def _load_optimizer(optimizer: Any, requests: list[ShardedStateDict], loaded: dict[str, Any],
-                    saved: dict[str, Any]) -> None:
-    """Each part's state from its own request (its hyper-parameters, its layout) with the loaded tensors."""
+def _load_optimizer(
+    optimizer: Any, requests: list[ShardedStateDict], loaded: dict[str, Any], saved: dict[str, Any]
+) -> None:
+    """Each part's state from its own request (its hyper-parameters, its layout) with the loaded
+    tensors."""
     for i, (part, request) in enumerate(zip(parts(optimizer), requests, strict=True)):
         with torch.no_grad():  # the loader copies into views of leaf parameters
             load_state(part, _filled(request, loaded, f"/{i}"))
@@ -313,33 +402,51 @@ def _load_optimizer(optimizer: Any, requests: list[ShardedStateDict], loaded: di
 
 
 def load_pretrained(trainer: Any, part: str, folder: Path, flag: str) -> str:
-    """Load the weights of one model part, ``"llm"`` or an encoder's name, from the dist checkpoint in
-    ``folder`` (Megatron-LM's ``--pretrained-checkpoint``: weights only; the optimizer starts afresh,
-    the run from step 0). Every rank calls this; returns what to tell the user.
+    """Load the weights of one model part, ``"llm"`` or an encoder's name, from the dist checkpoint
+    in ``folder`` (Megatron-LM's ``--pretrained-checkpoint``: weights only; the optimizer starts
+    afresh, the run from step 0). Every rank calls this; returns what to tell the user.
 
-    The part's keys are found under this project's (LLaVA's) prefix or under the one a checkpoint of the
-    part alone has: a megatron-core ``GPTModel``'s bare keys for the LLM; for an encoder,
-    ``vision_model.*`` (a single encoder's) or ``<name>.vision_model.*`` (one of several). An encoder's
-    projector is loaded when the checkpoint has it and starts from scratch otherwise (a pretrained ViT
-    and a new projector: LLaVA's first stage).
+    The part's keys are found under this project's (LLaVA's) prefix or under the one a checkpoint of
+    the part alone has: a megatron-core ``GPTModel``'s bare keys for the LLM; for an encoder,
+    ``vision_model.*`` (a single encoder's) or ``<name>.vision_model.*`` (one of several). An
+    encoder's projector is loaded when the checkpoint has it and starts from scratch otherwise (a
+    pretrained ViT and a new projector: LLaVA's first stage).
     """
     saved = set(_quietly(dist_checkpointing.load_tensors_metadata, str(folder)))
     prefix, roots, candidates = part_layout(trainer.config, part)
-    found = next((c for c in candidates if any(key.startswith(c + roots[0]) for key in saved)), None)
+    found = next(
+        (c for c in candidates if any(key.startswith(c + roots[0]) for key in saved)), None
+    )
     if found is None:
-        raise AgreedError(f"{flag} {folder}: the checkpoint holds no {part} tensors (no key starts with "
-                           f"{' or '.join(c + roots[0] for c in candidates)}); point it at a checkpoint of it")
-    request = {entry: {key: sharded for key, sharded in tensors.items()  # not megatron's empty _extra_state
-                       if key.startswith(tuple(prefix + root for root in roots)) and not isinstance(sharded, ShardedObject)}
-               for entry, tensors in model_sharded_state_dict(trainer).items()}
+        raise AgreedError(
+            f"{flag} {folder}: the checkpoint holds no {part} tensors (no key starts with "
+            f"{' or '.join(c + roots[0] for c in candidates)}); point it at a checkpoint of it"
+        )
+    request = {
+        entry: {
+            key: sharded
+            for key, sharded in tensors.items()  # not megatron's empty _extra_state
+            if key.startswith(tuple(prefix + root for root in roots))
+            and not isinstance(sharded, ShardedObject)
+        }
+        for entry, tensors in model_sharded_state_dict(trainer).items()
+    }
     if found != prefix:
         replace_prefix_for_sharding(request, prefix, found)
     optional = tuple(found + root for root in roots[1:]) if part != "llm" else ()
     absent = any(not any(key.startswith(root) for key in saved) for root in optional)
     if absent:  # the projector: not in this checkpoint, trained from its initialisation
-        request = {entry: {key: sharded for key, sharded in tensors.items() if not sharded.key.startswith(optional)}
-                   for entry, tensors in request.items()}
+        request = {
+            entry: {
+                key: sharded
+                for key, sharded in tensors.items()
+                if not sharded.key.startswith(optional)
+            }
+            for entry, tensors in request.items()
+        }
     loaded = _load_agreed(request, folder, f"{flag} must name a checkpoint of this model's {part}")
     _copy_into_model(request, loaded)
     trainer.optimizer.reload_model_params()
-    return f"{part}: pretrained weights from {folder}" + (" (no projector there: it starts from scratch)" if absent else "")
+    return f"{part}: pretrained weights from {folder}" + (
+        " (no projector there: it starts from scratch)" if absent else ""
+    )

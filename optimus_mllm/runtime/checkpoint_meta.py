@@ -1,4 +1,5 @@
-"""What a checkpoint folder says about the job that wrote it, and whether this job can resume from it.
+"""What a checkpoint folder says about the job that wrote it, and whether this job can resume from
+it.
 
 Plain files and JSON (``meta.json``, ``latest_checkpointed_iteration.txt``; the layout is in
 ``runtime.checkpoint``): the launcher decides a resume with these before any rank imports
@@ -68,12 +69,18 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo:
             info = _read_complete(iteration_dir(root, iteration))
         except _Incomplete:
             continue
-        return dataclasses.replace(info, passed_over=f"{why}: resumed from {info.path.name}, the newest complete "
-                                                     "checkpoint")
+        return dataclasses.replace(
+            info,
+            passed_over=f"{why}: resumed from {info.path.name}, the newest complete checkpoint",
+        )
     if named is None and not others:
-        raise OptimusError(f"--resume: no checkpoint in {root} ({why}); drop --resume to start from scratch or "
-                           "point --save at the folder of an earlier run")
-    raise OptimusError(f"--resume: no complete checkpoint in {root} ({why}); drop --resume to start from scratch")
+        raise OptimusError(
+            f"--resume: no checkpoint in {root} ({why}); drop --resume to start from scratch or "
+            "point --save at the folder of an earlier run"
+        )
+    raise OptimusError(
+        f"--resume: no complete checkpoint in {root} ({why}); drop --resume to start from scratch"
+    )
 
 
 def _tracked_iteration(root: Path) -> tuple[int | None, str]:
@@ -99,19 +106,31 @@ def _iterations(root: Path) -> list[int]:
     return [int(name) for name in names if name.isascii() and name.isdigit()]
 
 
-# the runtimes: Optimus's schedule, the Megatron-style baseline, the paper's Megatron-LM balanced baseline
+# the runtimes: Optimus's schedule, the Megatron-style baseline, the paper's Megatron-LM balanced
+# baseline
 Mode = Literal["optimus", "baseline", "balanced"]
 _MODES: tuple[Mode, ...] = get_args(Mode)
-_META_FIELDS = {"iteration": int, "world_size": int, "llm_plan": dict, "mode": str, "model": dict,
-                "optimizer_layout": dict}
+_META_FIELDS = {
+    "iteration": int,
+    "world_size": int,
+    "llm_plan": dict,
+    "mode": str,
+    "model": dict,
+    "optimizer_layout": dict,
+}
 
 
 def _read_complete(path: Path) -> CheckpointInfo:
     if not path.is_dir():
         raise _Incomplete("does not exist")
     try:
-        meta = read_versioned_json(path / "meta.json", "checkpoint", CHECKPOINT_FORMAT, CHECKPOINT_VERSION,
-                                   "resume from a checkpoint written by this release")
+        meta = read_versioned_json(
+            path / "meta.json",
+            "checkpoint",
+            CHECKPOINT_FORMAT,
+            CHECKPOINT_VERSION,
+            "resume from a checkpoint written by this release",
+        )
     except OptimusError as exc:
         raise _Incomplete(f"has no usable meta.json ({str(exc).split(': ', 1)[-1]})") from None
     for field, kind in _META_FIELDS.items():
@@ -119,25 +138,41 @@ def _read_complete(path: Path) -> CheckpointInfo:
             raise _Incomplete(f"has an incomplete meta.json (no {kind.__name__} {field!r})")
     plan_fields = meta["llm_plan"]
     if sorted(plan_fields) != ["dp", "pp", "tp", "vp"] or not all(
-            type(value) is int and value > 0 for value in plan_fields.values()):
+        type(value) is int and value > 0 for value in plan_fields.values()
+    ):
         raise _Incomplete(f"has an incomplete meta.json (llm_plan {str(plan_fields)[:60]})")
     plan = ParallelPlan(**plan_fields)
     if meta["world_size"] != plan.world_size:
-        raise _Incomplete(f"has a meta.json whose world_size {meta['world_size']} is not its llm_plan's")
+        raise _Incomplete(
+            f"has a meta.json whose world_size {meta['world_size']} is not its llm_plan's"
+        )
     if meta["mode"] not in _MODES:
-        raise _Incomplete(f"has a meta.json with mode {meta['mode'][:20]!r}, not one of {', '.join(_MODES)}")
+        raise _Incomplete(
+            f"has a meta.json with mode {meta['mode'][:20]!r}, not one of {', '.join(_MODES)}"
+        )
     if meta["iteration"] != int(path.name.removeprefix("iter_")):
         raise _Incomplete(f"has the meta.json of iteration {meta['iteration']}")
     missing = _missing_bytes(path)
     if missing:
         raise _Incomplete(missing)
-    return CheckpointInfo(path, meta["iteration"], meta["world_size"], plan, meta["mode"], meta["model"],
-                          meta["optimizer_layout"])
+    return CheckpointInfo(
+        path,
+        meta["iteration"],
+        meta["world_size"],
+        plan,
+        meta["mode"],
+        meta["model"],
+        meta["optimizer_layout"],
+    )
 
 
 def _missing_bytes(path: Path) -> str | None:
-    """What is missing of the tensor files torch's distributed-checkpoint metadata lists, or None."""
-    from torch.distributed.checkpoint import FileSystemReader  # the launcher has torch; not megatron-core
+    """What is missing of the tensor files torch's distributed-checkpoint metadata lists, or
+    None."""
+    # the launcher has torch; not megatron-core
+    from torch.distributed.checkpoint import (
+        FileSystemReader,
+    )
 
     try:
         if not isinstance(json.loads((path / "metadata.json").read_bytes()), dict):
@@ -146,7 +181,8 @@ def _missing_bytes(path: Path) -> str | None:
         return "has no metadata.json"
     except (OSError, ValueError):
         return "has an unreadable metadata.json"
-    try:  # megatron-core's common state: a torch.save zip, checked member by member without unpickling it
+    # megatron-core's common state: a torch.save zip, checked member by member without unpickling it
+    try:
         with zipfile.ZipFile(path / "common.pt") as common:
             broken = common.testzip()
     except FileNotFoundError:
@@ -161,7 +197,9 @@ def _missing_bytes(path: Path) -> str | None:
         return f"has an unreadable .metadata ({type(exc).__name__})"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     for name, size in sorted(needed.items()):
         file = path / name
         if not file.is_file():
@@ -172,7 +210,8 @@ def _missing_bytes(path: Path) -> str | None:
 
 
 def dist_checkpoint_folder(path: str | Path, flag: str) -> Path:
-    """The megatron-core dist checkpoint ``path`` names: the folder itself, or the newest in a ``--save``
+    """The megatron-core dist checkpoint ``path`` names: the folder itself, or the newest in a
+    ``--save``
     folder (Megatron-LM's, with ``latest_checkpointed_iteration.txt``)."""
     path = Path(path)
     if (path / LATEST).is_file():
@@ -181,8 +220,10 @@ def dist_checkpoint_folder(path: str | Path, flag: str) -> Path:
             raise OptimusError(f"{flag} {path}: {LATEST} holds {text!r}, not an iteration number")
         path = iteration_dir(path, int(text))
     if not (path / "metadata.json").is_file():
-        raise OptimusError(f"{flag} {path}: not a megatron-core dist checkpoint (no metadata.json); point it at a "
-                           f"checkpoint folder (iter_NNNNNNN) or the folder holding {LATEST}")
+        raise OptimusError(
+            f"{flag} {path}: not a megatron-core dist checkpoint (no metadata.json); point it at a "
+            f"checkpoint folder (iter_NNNNNNN) or the folder holding {LATEST}"
+        )
     return path
 
 
@@ -191,24 +232,34 @@ def check_resumable(info: CheckpointInfo, config: OptimusConfig) -> None:
     plans and runtime may differ from this job's."""
     changed = _first_difference(_saved_model(info.model), model_json(config), "model")
     if changed:
-        raise OptimusError(f"--resume: {changed} differs from the checkpoint in {info.path}; resume with the "
-                           "model config it was written with")
+        raise OptimusError(
+            f"--resume: {changed} differs from the checkpoint in {info.path}; resume with the "
+            "model config it was written with"
+        )
 
 
 def optimizer_layout(config: OptimusConfig) -> dict[str, Any]:
-    """What the saved optimizer state is made of: the optimizer (its moments), whether the distributed
-    optimizer saved fp32 main weights beside the model's, and the precision (whether there are any)."""
+    """What the saved optimizer state is made of: the optimizer (its moments), whether the
+    distributed optimizer saved fp32 main weights beside the model's, and the precision (whether
+    there are any)."""
     t = config.training
-    return {"optimizer": t.optimizer, "distributed_optimizer": t.distributed_optimizer, "precision": t.precision}
+    return {
+        "optimizer": t.optimizer,
+        "distributed_optimizer": t.distributed_optimizer,
+        "precision": t.precision,
+    }
 
 
 def optimizer_layout_change(info: CheckpointInfo, layout: dict[str, Any]) -> str | None:
     """The first difference that keeps the checkpoint's optimizer state out of this job, or None."""
-    return _first_difference(info.optimizer_layout, json.loads(json.dumps(layout)), "optimizer layout")
+    return _first_difference(
+        info.optimizer_layout, json.loads(json.dumps(layout)), "optimizer layout"
+    )
 
 
 def model_json(config: OptimusConfig) -> dict[str, Any]:
-    """The model config as meta.json stores it (tuples become lists), so saved and current compare equal;
+    """The model config as meta.json stores it (tuples become lists), so saved and current compare
+    equal;
     without dropout, which a resumed job may change (the weights are the same model's)."""
     return _model_json(config.model)
 
@@ -222,9 +273,10 @@ def _model_json(model_config: ModelConfig) -> dict[str, Any]:
 
 
 def _saved_model(saved: dict[str, Any]) -> Any:
-    """The saved model config with the fields added to the schema since it was written at their defaults
-    (e.g. ``projector.spatial_merge``: 1 is the model that had none); as saved if this schema cannot read
-    it, so that the comparison names what differs."""
+    """The saved model config with the fields added to the schema since it was written at their
+    defaults
+    (e.g. ``projector.spatial_merge``: 1 is the model that had none); as saved if this schema cannot
+    read it, so that the comparison names what differs."""
     try:
         return _model_json(model_config_from_dict(saved))
     except ConfigError:

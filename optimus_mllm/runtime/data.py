@@ -1,13 +1,15 @@
 """Image-text microbatches, the same on every rank and under every parallel plan.
 
 A sample is one image per encoder, given as flattened patches ``[seq_length, in_channels *
-patch_size**2]``, and ``llm.seq_length`` tokens whose first ``sum(encoder seq_length)`` positions are
-image tokens (replaced by the projected encoder output) and the rest text. The loss covers the text
-positions' next-token predictions. A source is a pure function of (iteration, global microbatch), so a
-microbatch does not depend on which rank or plan produces it, and a resumed job sees the same data.
+patch_size**2]``, and ``llm.seq_length`` tokens whose first ``sum(encoder seq_length)`` positions
+are image tokens (replaced by the projected encoder output) and the rest text. The loss covers the
+text positions' next-token predictions. A source is a pure function of (iteration, global
+microbatch), so a microbatch does not depend on which rank or plan produces it, and a resumed job
+sees the same data.
 
-Two sources: ``synthetic_microbatch`` draws every tensor from a generator seeded by (seed, iteration,
-global microbatch); ``ImageTextDataset`` reads a folder of images with JSONL captions (``data.path``).
+Two sources: ``synthetic_microbatch`` draws every tensor from a generator seeded by (seed,
+iteration, global microbatch); ``ImageTextDataset`` reads a folder of images with JSONL captions
+(``data.path``).
 """
 
 from __future__ import annotations
@@ -36,26 +38,44 @@ class Microbatch:
     position_ids: torch.Tensor  # [micro_batch, llm_seq]
 
 
-def synthetic_microbatch(config: OptimusConfig, iteration: int, global_microbatch: int) -> Microbatch:
-    """Microbatch ``global_microbatch`` (counted over all data-parallel replicas) of ``iteration``."""
+def synthetic_microbatch(
+    config: OptimusConfig, iteration: int, global_microbatch: int
+) -> Microbatch:
+    """Microbatch ``global_microbatch`` (counted over all data-parallel replicas) of
+    ``iteration``."""
     t, llm = config.training, config.llm
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{t.seed}:{iteration}:{global_microbatch}".encode()))
-    images = tuple(torch.randn(t.micro_batch_size, e.seq_length, e.in_channels * e.patch_size**2,
-                               generator=generator) for e in config.encoders)
-    sequence = torch.randint(0, llm.vocab_size, (t.micro_batch_size, llm.seq_length + 1), generator=generator)
+    generator = torch.Generator().manual_seed(
+        zlib.crc32(f"{t.seed}:{iteration}:{global_microbatch}".encode())
+    )
+    images = tuple(
+        torch.randn(
+            t.micro_batch_size, e.seq_length, e.in_channels * e.patch_size**2, generator=generator
+        )
+        for e in config.encoders
+    )
+    sequence = torch.randint(
+        0, llm.vocab_size, (t.micro_batch_size, llm.seq_length + 1), generator=generator
+    )
     loss_mask = torch.ones(t.micro_batch_size, llm.seq_length)
     loss_mask[:, : config.image_tokens] = 0.0
     positions = torch.arange(llm.seq_length).unsqueeze(0).expand(t.micro_batch_size, -1)
-    return Microbatch(images, sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous(), loss_mask,
-                      positions.contiguous())
+    return Microbatch(
+        images,
+        sequence[:, :-1].contiguous(),
+        sequence[:, 1:].contiguous(),
+        loss_mask,
+        positions.contiguous(),
+    )
 
 
 MicrobatchSource = Callable[[int, int], Microbatch]  # (iteration, global microbatch) -> Microbatch
-ImageSource = Callable[[int, int], tuple[torch.Tensor, ...]]  # (iteration, global microbatch) -> patches per encoder
+# (iteration, global microbatch) -> patches per encoder
+ImageSource = Callable[[int, int], tuple[torch.Tensor, ...]]
 
 
 def microbatch_source(config: OptimusConfig) -> MicrobatchSource:
-    """Where the job's microbatches come from: the ``data.path`` dataset if set, else synthetic data."""
+    """Where the job's microbatches come from: the ``data.path`` dataset if set, else synthetic
+    data."""
     if config.data.path is not None:
         return ImageTextDataset(config)
     return functools.partial(synthetic_microbatch, config)
@@ -69,7 +89,8 @@ CAPTIONS = "captions.jsonl"
 BYTE_VOCAB = 256  # text tokens are UTF-8 bytes
 PAD = 0  # token after the caption; never a label the loss sees
 _IMAGE_MODES = {3: "RGB", 1: "L"}  # encoder in_channels -> Pillow mode
-_CACHED_IMAGES = 128  # decoded samples kept: the encoder and LLM stages on one rank ask for the same ones
+# decoded samples kept: the encoder and LLM stages on one rank ask for the same ones
+_CACHED_IMAGES = 128
 _SAMPLE_HINT = "python scripts/make_sample_dataset.py --out DIR makes a sample"
 
 
@@ -83,16 +104,16 @@ class Caption:
 class ImageTextDataset:
     """A folder of images with captions, as a ``MicrobatchSource``.
 
-    ``DIR/captions.jsonl`` holds one JSON object per line, ``{"image": "images/000000.png", "text": "a red
-    square on a blue background"}``, with image paths relative to DIR and any format Pillow reads. Each
-    encoder gets the same picture, converted to its ``in_channels`` (3: RGB, 1: grayscale), resized
-    (bicubic) to a square of ``sqrt(seq_length) * patch_size`` pixels, scaled to [-1, 1] and cut into
-    patches. The caption's UTF-8 bytes (token ids 0-255) follow the image tokens; a longer caption is cut,
-    a shorter one padded with token 0 that the loss skips.
+    ``DIR/captions.jsonl`` holds one JSON object per line, ``{"image": "images/000000.png", "text":
+    "a red square on a blue background"}``, with image paths relative to DIR and any format Pillow
+    reads. Each encoder gets the same picture, converted to its ``in_channels`` (3: RGB, 1:
+    grayscale), resized (bicubic) to a square of ``sqrt(seq_length) * patch_size`` pixels, scaled to
+    [-1, 1] and cut into patches. The caption's UTF-8 bytes (token ids 0-255) follow the image
+    tokens; a longer caption is cut, a shorter one padded with token 0 that the loss skips.
 
     Sample j of global microbatch g in iteration it is record ``((it * num_microbatches_total + g) *
-    micro_batch_size + j) % len(records)``: epochs cycle through the file in order. captions.jsonl is
-    read once here; images are decoded when first asked for and a few are cached.
+    micro_batch_size + j) % len(records)``: epochs cycle through the file in order. captions.jsonl
+    is read once here; images are decoded when first asked for and a few are cached.
     """
 
     def __init__(self, config: OptimusConfig) -> None:
@@ -105,126 +126,194 @@ class ImageTextDataset:
 
     def __call__(self, iteration: int, global_microbatch: int) -> Microbatch:
         t, llm = self.config.training, self.config.llm
-        first = (iteration * self.config.num_microbatches_total + global_microbatch) * t.micro_batch_size
+        first = (
+            iteration * self.config.num_microbatches_total + global_microbatch
+        ) * t.micro_batch_size
         indices = [(first + j) % len(self.captions) for j in range(t.micro_batch_size)]
-        images = tuple(torch.stack(per_encoder) for per_encoder in zip(*map(self._sample_images, indices)))
-        texts = [text_sequence(self.captions[i].text, self.config.image_tokens, llm.seq_length)
-                 for i in indices]
+        images = tuple(
+            torch.stack(per_encoder) for per_encoder in zip(*map(self._sample_images, indices))
+        )
+        texts = [
+            text_sequence(self.captions[i].text, self.config.image_tokens, llm.seq_length)
+            for i in indices
+        ]
         sequence, loss_mask = (torch.stack(parts) for parts in zip(*texts))
         positions = torch.arange(llm.seq_length).unsqueeze(0).expand(t.micro_batch_size, -1)
-        return Microbatch(images, sequence[:, :-1].contiguous(), sequence[:, 1:].contiguous(), loss_mask,
-                          positions.contiguous())
+        return Microbatch(
+            images,
+            sequence[:, :-1].contiguous(),
+            sequence[:, 1:].contiguous(),
+            loss_mask,
+            positions.contiguous(),
+        )
 
     def _decode(self, index: int) -> tuple[torch.Tensor, ...]:
         caption = self.captions[index]
         try:
             with Image.open(caption.image) as image:
-                return tuple(image_patches(image.convert(_IMAGE_MODES[e.in_channels]), e.patch_size,
-                                           math.isqrt(e.seq_length), e.projector.spatial_merge)
-                             for e in self.config.encoders)
+                return tuple(
+                    image_patches(
+                        image.convert(_IMAGE_MODES[e.in_channels]),
+                        e.patch_size,
+                        math.isqrt(e.seq_length),
+                        e.projector.spatial_merge,
+                    )
+                    for e in self.config.encoders
+                )
         except Image.DecompressionBombError:
-            raise ConfigError("data.path", f"{CAPTIONS} line {caption.line}: {caption.image} has more than "
-                              f"{2 * Image.MAX_IMAGE_PIXELS} pixels (Pillow's decompression-bomb limit); resize it "
-                              "or drop the line") from None
-        except (OSError, ValueError, SyntaxError) as exc:  # missing, unreadable, not an image, a broken one
-            raise ConfigError("data.path", f"{CAPTIONS} line {caption.line}: cannot read {caption.image} as an "
-                              f"image ({exc.__class__.__name__}); replace the file or drop the line") from None
+            raise ConfigError(
+                "data.path",
+                f"{CAPTIONS} line {caption.line}: {caption.image} has more than "
+                f"{2 * Image.MAX_IMAGE_PIXELS} pixels (Pillow's decompression-bomb limit); resize "
+                "it "
+                "or drop the line",
+            ) from None
+        except (
+            OSError,
+            ValueError,
+            SyntaxError,
+        ) as exc:  # missing, unreadable, not an image, a broken one
+            raise ConfigError(
+                "data.path",
+                f"{CAPTIONS} line {caption.line}: cannot read {caption.image} as an "
+                f"image ({exc.__class__.__name__}); replace the file or drop the line",
+            ) from None
 
 
-def image_patches(image: Image.Image, patch_size: int, grid: int, spatial_merge: int = 1) -> torch.Tensor:
-    """``image`` resized to ``grid * patch_size`` pixels square, in [-1, 1], as ``[grid**2, patch_dim]``
-    in ``patchify``'s order. Any fixed order works for the ViT (its patch and position embeddings are
-    learned); the order only matters to the projector's spatial merge.
+def image_patches(
+    image: Image.Image, patch_size: int, grid: int, spatial_merge: int = 1
+) -> torch.Tensor:
+    """``image`` resized to ``grid * patch_size`` pixels square, in [-1, 1], as ``[grid**2,
+    patch_dim]``
+    in ``patchify``'s order. Any fixed order works for the ViT (its patch and position embeddings
+    are learned); the order only matters to the projector's spatial merge.
     """
     side = grid * patch_size
     resized = image.resize((side, side), Image.BICUBIC)
     channels = len(resized.getbands())
-    pixels = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8).view(side, side, channels)
+    pixels = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8).view(
+        side, side, channels
+    )
     patches = patchify(pixels.permute(2, 0, 1).unsqueeze(0), patch_size, spatial_merge)
     return (patches[0].float() / 255 - 0.5) / 0.5
 
 
 def patchify(images: torch.Tensor, patch_size: int, spatial_merge: int = 1) -> torch.Tensor:
-    """``[batch, channels, h, w]`` images as the encoder takes them, ``[batch, patches, patch_dim]``, each
-    patch flattened channel-last. The patches are row-major over ``spatial_merge`` x ``spatial_merge``
-    blocks and row-major inside each, so the projector's merge groups are consecutive tokens (Qwen2-VL's
-    order); ``spatial_merge`` 1 is plain row-major."""
+    """``[batch, channels, h, w]`` images as the encoder takes them, ``[batch, patches,
+    patch_dim]``, each
+    patch flattened channel-last. The patches are row-major over ``spatial_merge`` x
+    ``spatial_merge`` blocks and row-major inside each, so the projector's merge groups are
+    consecutive tokens (Qwen2-VL's order); ``spatial_merge`` 1 is plain row-major."""
     b, c, h, w = images.shape
     m, grid_h, grid_w = spatial_merge, h // patch_size, w // patch_size
     patches = images.reshape(b, c, grid_h // m, m, patch_size, grid_w // m, m, patch_size)
-    patches = patches.permute(0, 2, 5, 3, 6, 4, 7, 1)  # block row, block column, row, column, pixels, channel
+    # block row, block column, row, column, pixels, channel
+    patches = patches.permute(0, 2, 5, 3, 6, 4, 7, 1)
     return patches.reshape(b, grid_h * grid_w, patch_size * patch_size * c)
 
 
-def text_sequence(text: bytes, image_tokens: int, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def text_sequence(
+    text: bytes, image_tokens: int, seq_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``seq_length + 1`` token ids (inputs are ``[:-1]``, labels ``[1:]``) and the loss mask.
 
-    Image positions hold token 0 (their embeddings are replaced). The loss covers text positions whose
-    label is a caption byte, so neither image positions nor padding count.
+    Image positions hold token 0 (their embeddings are replaced). The loss covers text positions
+    whose label is a caption byte, so neither image positions nor padding count.
     """
-    kept = text[: seq_length + 1 - image_tokens]  # the last text position's label is one byte further
+    # the last text position's label is one byte further
+    kept = text[: seq_length + 1 - image_tokens]
     sequence = torch.full((seq_length + 1,), PAD, dtype=torch.long)
-    sequence[image_tokens: image_tokens + len(kept)] = torch.tensor(list(kept), dtype=torch.long)
+    sequence[image_tokens : image_tokens + len(kept)] = torch.tensor(list(kept), dtype=torch.long)
     loss_mask = torch.zeros(seq_length)
-    loss_mask[image_tokens: image_tokens + len(kept) - 1] = 1.0
+    loss_mask[image_tokens : image_tokens + len(kept) - 1] = 1.0
     return sequence, loss_mask
 
 
 def check_dataset(config: OptimusConfig) -> None:
-    """Validate ``data.path`` against the model without decoding images; ConfigError on the first problem.
+    """Validate ``data.path`` against the model without decoding images; ConfigError on the first
+    problem.
 
-    Checks the folder, every line of captions.jsonl, that every image file exists, and that the model
-    can take the data (square patch grids, 1 or 3 input channels, a vocabulary with all 256 bytes).
+    Checks the folder, every line of captions.jsonl, that every image file exists, and that the
+    model can take the data (square patch grids, 1 or 3 input channels, a vocabulary with all 256
+    bytes).
     """
     if config.data.path is None:
         return
     _check_model(config)
     for caption in read_captions(Path(config.data.path)):
         if not caption.image.is_file():
-            raise ConfigError("data.path", f"{CAPTIONS} line {caption.line}: image {caption.image} does not "
-                              "exist; add the file or drop the line")
+            raise ConfigError(
+                "data.path",
+                f"{CAPTIONS} line {caption.line}: image {caption.image} does not "
+                "exist; add the file or drop the line",
+            )
 
 
 def _check_model(config: OptimusConfig) -> None:
     for i, enc in enumerate(config.encoders):
         grid = math.isqrt(enc.seq_length)
         if grid * grid != enc.seq_length:
-            raise ConfigError(f"model.encoders[{i}].seq_length", f"{enc.seq_length} is not a square number, "
-                              f"so images (data.path) cannot be cut into a square grid of patches; use e.g. "
-                              f"{grid * grid} or {(grid + 1) ** 2}")
+            raise ConfigError(
+                f"model.encoders[{i}].seq_length",
+                f"{enc.seq_length} is not a square number, "
+                f"so images (data.path) cannot be cut into a square grid of patches; use e.g. "
+                f"{grid * grid} or {(grid + 1) ** 2}",
+            )
         if grid % enc.projector.spatial_merge:
-            raise ConfigError(f"model.encoders[{i}].projector.spatial_merge", f"{enc.projector.spatial_merge} "
-                              f"does not divide the {grid}x{grid} patch grid of data.path's images, so the merge "
-                              f"groups are not whole blocks; use a divisor of {grid}")
+            raise ConfigError(
+                f"model.encoders[{i}].projector.spatial_merge",
+                f"{enc.projector.spatial_merge} "
+                f"does not divide the {grid}x{grid} patch grid of data.path's images, so the merge "
+                f"groups are not whole blocks; use a divisor of {grid}",
+            )
         if enc.in_channels not in _IMAGE_MODES:
-            raise ConfigError(f"model.encoders[{i}].in_channels", f"{enc.in_channels} has no image format for "
-                              "data.path; use 3 (RGB) or 1 (grayscale)")
+            raise ConfigError(
+                f"model.encoders[{i}].in_channels",
+                f"{enc.in_channels} has no image format for "
+                "data.path; use 3 (RGB) or 1 (grayscale)",
+            )
     if config.llm.vocab_size < BYTE_VOCAB:
-        raise ConfigError("model.llm.vocab_size", f"{config.llm.vocab_size} is too small for the byte-level "
-                          f"captions of data.path; use at least {BYTE_VOCAB}")
+        raise ConfigError(
+            "model.llm.vocab_size",
+            f"{config.llm.vocab_size} is too small for the byte-level "
+            f"captions of data.path; use at least {BYTE_VOCAB}",
+        )
 
 
 def read_captions(root: Path) -> tuple[Caption, ...]:
-    """Parse ``root/captions.jsonl``; ConfigError naming ``data.path`` (and the line) on any problem."""
+    """Parse ``root/captions.jsonl``; ConfigError naming ``data.path`` (and the line) on any
+    problem."""
     if not root.exists():
-        raise ConfigError("data.path", f"{root} does not exist; give a folder with {CAPTIONS} and images "
-                          f"({_SAMPLE_HINT})")
+        raise ConfigError(
+            "data.path",
+            f"{root} does not exist; give a folder with {CAPTIONS} and images ({_SAMPLE_HINT})",
+        )
     if not root.is_dir():
-        raise ConfigError("data.path", f"{root} is not a folder; give a folder with {CAPTIONS} and images")
+        raise ConfigError(
+            "data.path", f"{root} is not a folder; give a folder with {CAPTIONS} and images"
+        )
     path = root / CAPTIONS
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise ConfigError("data.path", f"{path} does not exist; write one JSON object per line, "
-                          f'{{"image": "images/000000.png", "text": "..."}} ({_SAMPLE_HINT})') from None
+        raise ConfigError(
+            "data.path",
+            f"{path} does not exist; write one JSON object per line, "
+            f'{{"image": "images/000000.png", "text": "..."}} ({_SAMPLE_HINT})',
+        ) from None
     except UnicodeDecodeError:
         raise ConfigError("data.path", f"{path} is not UTF-8 text; save it as UTF-8") from None
     except OSError as exc:
         raise ConfigError("data.path", f"cannot read {path}: {exc.strerror}") from None
-    captions = tuple(_parse_line(root, number, line) for number, line in enumerate(lines, 1) if line.strip())
+    captions = tuple(
+        _parse_line(root, number, line) for number, line in enumerate(lines, 1) if line.strip()
+    )
     if not captions:
-        raise ConfigError("data.path", f"{path} has no records; add lines like "
-                          '{"image": "images/000000.png", "text": "..."}')
+        raise ConfigError(
+            "data.path",
+            f"{path} has no records; add lines like "
+            '{"image": "images/000000.png", "text": "..."}',
+        )
     return captions
 
 
@@ -233,16 +322,28 @@ def _parse_line(root: Path, number: int, line: str) -> Caption:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ConfigError("data.path", f"{where} is not valid JSON ({exc.msg}); write one object per line, "
-                          '{"image": "images/000000.png", "text": "..."}') from None
+        raise ConfigError(
+            "data.path",
+            f"{where} is not valid JSON ({exc.msg}); write one object per line, "
+            '{"image": "images/000000.png", "text": "..."}',
+        ) from None
     if not isinstance(record, dict):
-        raise ConfigError("data.path", f'{where} is not a JSON object; write {{"image": ..., "text": ...}}')
+        raise ConfigError(
+            "data.path", f'{where} is not a JSON object; write {{"image": ..., "text": ...}}'
+        )
     for key in ("image", "text"):
         if not isinstance(record.get(key), str):
-            raise ConfigError("data.path", f'{where} has no string "{key}" field; give "image" (a path '
-                              'relative to data.path) and "text" (the caption)')
-    text = record["text"].encode("utf-8", "replace")  # JSON may escape a lone surrogate, which UTF-8 cannot hold
+            raise ConfigError(
+                "data.path",
+                f'{where} has no string "{key}" field; give "image" (a path '
+                'relative to data.path) and "text" (the caption)',
+            )
+    # JSON may escape a lone surrogate, which UTF-8 cannot hold
+    text = record["text"].encode("utf-8", "replace")
     if len(text) < 2:  # the loss predicts each byte after the first, so a shorter caption has none
-        raise ConfigError("data.path", f'{where}: "text" {record["text"]!r} is too short; give a caption of '
-                          "at least 2 characters")
+        raise ConfigError(
+            "data.path",
+            f'{where}: "text" {record["text"]!r} is too short; give a caption of '
+            "at least 2 characters",
+        )
     return Caption(number, root / record["image"], text)

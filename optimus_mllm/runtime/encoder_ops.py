@@ -17,13 +17,13 @@ any prefix of a microbatch's ops can run now and the rest later, microbatches in
 gradients are those of ordinary autograd through the whole stage. With recomputation a layer's
 forward keeps only the state entering the recomputed part; the ``recompute_*`` ops rebuild it.
 
-Pieces: a splittable op (a transformer layer's compute kernels, without dropout) also runs as pieces of
-its tokens (rows of dim 0), each a ``Piece`` of fractions, in order from 0 to 1, so that a kernel can be
-cut to fit short bubbles. A piece of a forward op runs its steps on the piece's rows (attention: the
-piece's queries against every key) and keeps only the op's inputs. A piece of a backward op takes a
-GEMM's gradients directly from the saved input and recomputes any other step on the piece's rows, so
-the forward and backward of one microbatch may be cut differently; the gradients are autograd's, summed
-over the pieces.
+Pieces: a splittable op (a transformer layer's compute kernels, without dropout) also runs as pieces
+of its tokens (rows of dim 0), each a ``Piece`` of fractions, in order from 0 to 1, so that a kernel
+can be cut to fit short bubbles. A piece of a forward op runs its steps on the piece's rows
+(attention: the piece's queries against every key) and keeps only the op's inputs. A piece of a
+backward op takes a GEMM's gradients directly from the saved input and recomputes any other step on
+the piece's rows, so the forward and backward of one microbatch may be cut differently; the
+gradients are autograd's, summed over the pieces.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ class Step:
     ``seeded`` (dropout): ``forward(seed, *state[reads])`` with the microbatch's dropout seed, so
     that a recomputed forward draws the same masks.
 
-    Pieces of tokens (rows of dim 0): ``tokenwise``, each output row depends on the same rows of every
-    input only; ``query_rows(seed, rows, *whole inputs)`` gives the outputs' rows ``rows`` (attention:
-    those queries against every key); ``linear`` = (weight, bias) of a step that is ``F.linear`` of its
-    input, whose piece backward then takes the gradients directly instead of recomputing the piece.
+    Pieces of tokens (rows of dim 0): ``tokenwise``, each output row depends on the same rows of
+    every input only; ``query_rows(seed, rows, *whole inputs)`` gives the outputs' rows ``rows``
+    (attention: those queries against every key); ``linear`` = (weight, bias) of a step that is
+    ``F.linear`` of its input, whose piece backward then takes the gradients directly instead of
+    recomputing the piece.
     """
 
     forward: Callable[..., tuple[Tensor, ...]]
@@ -80,7 +81,8 @@ class Step:
 
 @dataclass(frozen=True)
 class Block:
-    """Steps that the cost model counts as one unit: ``layer`` -1 is the patch embedding or projector."""
+    """Steps that the cost model counts as one unit: ``layer`` -1 is the patch embedding or
+    projector."""
 
     encoder: str
     layer: int
@@ -90,7 +92,8 @@ class Block:
 
 @dataclass(frozen=True)
 class BoundStep:
-    """A step at its place in a stage: which of its inputs need gradients, whether it has a backward."""
+    """A step at its place in a stage: which of its inputs need gradients, whether it has a
+    backward."""
 
     step: Step
     needs_grad: tuple[bool, ...]  # per entry of step.reads
@@ -128,8 +131,12 @@ class StageOps:
     output_grad_encoders: frozenset[str]  # encoders whose stage output needs a gradient
 
     def chain(self, phase: Literal["fwd", "bwd"]) -> list[tuple[str, int, str, bool]]:
-        """(encoder, layer, kernel name, splittable) per op: comparable with a cost-model stage chain."""
-        return [(op.encoder, op.layer, op.name, op.splittable) for op in (self.fwd if phase == "fwd" else self.bwd)]
+        """(encoder, layer, kernel name, splittable) per op: comparable with a cost-model stage
+        chain."""
+        return [
+            (op.encoder, op.layer, op.name, op.splittable)
+            for op in (self.fwd if phase == "fwd" else self.bwd)
+        ]
 
 
 def build_stage_ops(blocks: Sequence[Block], recompute: Recompute = "none") -> StageOps:
@@ -178,8 +185,11 @@ def _bind(block: Block) -> list[BoundStep]:
     return bound
 
 
-def _group(block: Block, index: int, kind: OpKind, items: list[tuple[int, Step]]) -> list[EncoderOp]:
-    """One op per kernel; a step without a kernel joins the previous op of the block, else the next."""
+def _group(
+    block: Block, index: int, kind: OpKind, items: list[tuple[int, Step]]
+) -> list[EncoderOp]:
+    """One op per kernel; a step without a kernel joins the previous op of the block, else the
+    next."""
     ops: list[EncoderOp] = []
     pending: list[int] = []
     for i, step in items:
@@ -190,7 +200,11 @@ def _group(block: Block, index: int, kind: OpKind, items: list[tuple[int, Step]]
             else:
                 pending.append(i)
             continue
-        ops.append(EncoderOp(block.encoder, block.layer, kernel, step.is_collective, kind, (*pending, i), index))
+        ops.append(
+            EncoderOp(
+                block.encoder, block.layer, kernel, step.is_collective, kind, (*pending, i), index
+            )
+        )
         pending = []
     if pending:
         raise ValueError(f"{block.encoder} layer {block.layer}: {kind} steps without any kernel")
@@ -199,23 +213,37 @@ def _group(block: Block, index: int, kind: OpKind, items: list[tuple[int, Step]]
 
 
 def _splittable(op: EncoderOp, steps: list[Step]) -> bool:
-    """Pieces of tokens: every step tokenwise, or one attention step alone (its piece reads every row)."""
+    """Pieces of tokens: every step tokenwise, or one attention step alone (its piece reads every
+    row)."""
     if op.is_comm:
         return False
-    return all(step.tokenwise for step in steps) or (len(steps) == 1 and steps[0].query_rows is not None)
+    return all(step.tokenwise for step in steps) or (
+        len(steps) == 1 and steps[0].query_rows is not None
+    )
 
 
-def _with_recompute(block: Block, fwd: list[EncoderOp], bwd: list[EncoderOp],
-                    recompute: Recompute) -> tuple[list[EncoderOp], list[EncoderOp]]:
+def _with_recompute(
+    block: Block, fwd: list[EncoderOp], bwd: list[EncoderOp], recompute: Recompute
+) -> tuple[list[EncoderOp], list[EncoderOp]]:
     """Forward ops as they record, and the block's backward ops with recomputation inserted."""
     if not bwd:
         return [replace(op, record=False) for op in fwd], []
     if block.layer < 0 or recompute == "none":
         return fwd, bwd
     if recompute == "full":
-        redo = [replace(op, kind="recompute", name="recompute_" + op.name, checkpoint=i == 0, splittable=False)
-                for i, op in enumerate(fwd)]
-        return [replace(op, record=False, checkpoint=i == 0) for i, op in enumerate(fwd)], redo + bwd
+        redo = [
+            replace(
+                op,
+                kind="recompute",
+                name="recompute_" + op.name,
+                checkpoint=i == 0,
+                splittable=False,
+            )
+            for i, op in enumerate(fwd)
+        ]
+        return [
+            replace(op, record=False, checkpoint=i == 0) for i, op in enumerate(fwd)
+        ], redo + bwd
     # selective (Korthikanti et al.): only the attention core, just before its backward
     out_fwd, out_bwd = list(fwd), list(bwd)
     for i, op in enumerate(fwd):
@@ -223,16 +251,20 @@ def _with_recompute(block: Block, fwd: list[EncoderOp], bwd: list[EncoderOp],
             continue
         out_fwd[i] = replace(op, record=False, checkpoint=True)
         at = next(j for j, b in enumerate(out_bwd) if set(b.steps) & set(op.steps))
-        out_bwd.insert(at, replace(op, kind="recompute", name="recompute_attn_core", checkpoint=True,
-                                   splittable=False))
+        out_bwd.insert(
+            at,
+            replace(
+                op, kind="recompute", name="recompute_attn_core", checkpoint=True, splittable=False
+            ),
+        )
     return out_fwd, out_bwd
 
 
 @dataclass
 class _OpenOp:
-    """A split op part-way: the state entries (forward) or gradients (backward) it took, its outputs so
-    far (row blocks, or whole-shaped sums), and its steps' inputs so far (forward: row blocks, or the
-    whole input of an attention step)."""
+    """A split op part-way: the state entries (forward) or gradients (backward) it took, its outputs
+    so far (row blocks, or whole-shaped sums), and its steps' inputs so far (forward: row blocks, or
+    the whole input of an attention step)."""
 
     entering: dict[str, Tensor]
     rows: int
@@ -244,7 +276,9 @@ class _OpenOp:
     def of(cls, entering: dict[str, Tensor]) -> _OpenOp:
         sizes = {x.shape[0] for x in entering.values()}
         if len(sizes) > 1:
-            raise ValueError(f"a split op's inputs have {sorted(sizes)} rows; its pieces need one count")
+            raise ValueError(
+                f"a split op's inputs have {sorted(sizes)} rows; its pieces need one count"
+            )
         return cls(entering, sizes.pop() if sizes else 0)
 
     def slice(self, piece: Piece) -> slice:
@@ -252,8 +286,8 @@ class _OpenOp:
 
 
 def _taken(op: EncoderOp, steps: tuple[BoundStep, ...], kind: OpKind) -> list[str]:
-    """The entries an op takes: those its steps read (forward) or whose gradients they take (backward)
-    before one of its own steps makes them."""
+    """The entries an op takes: those its steps read (forward) or whose gradients they take
+    (backward) before one of its own steps makes them."""
     made: set[str] = set()
     taken: list[str] = []
     for i in op.steps:
@@ -267,22 +301,25 @@ def _taken(op: EncoderOp, steps: tuple[BoundStep, ...], kind: OpKind) -> list[st
 class MicrobatchRun:
     """One microbatch on one encoder stage, advanced one op at a time.
 
-    Forward ops run in chain order (``run_forward(k)`` with k = 0, 1, ...), at any moments; once
-    all have run, ``output`` is the stage's output per encoder (send it on, or feed it to the LLM
-    after the projector). ``set_output_grad`` takes the gradient of that output from the next stage
-    or the LLM; the backward ops then run in their chain order, and ``input_grad`` is what to send
-    to the previous stage (None on stage 0 and for frozen encoders). Parameter gradients accumulate
-    into ``.grad`` as each backward op runs, so microbatches may interleave freely. ``seed`` seeds the
+    Forward ops run in chain order (``run_forward(k)`` with k = 0, 1, ...), at any moments; once all
+    have run, ``output`` is the stage's output per encoder (send it on, or feed it to the LLM after
+    the projector). ``set_output_grad`` takes the gradient of that output from the next stage or the
+    LLM; the backward ops then run in their chain order, and ``input_grad`` is what to send to the
+    previous stage (None on stage 0 and for frozen encoders). Parameter gradients accumulate into
+    ``.grad`` as each backward op runs, so microbatches may interleave freely. ``seed`` seeds the
     microbatch's dropout masks (``dropout.microbatch_seed``).
     """
 
     def __init__(self, ops: StageOps, inputs: Mapping[str, Tensor], seed: int):
         if set(inputs) != set(ops.encoders):
-            raise ValueError(f"inputs for encoders {sorted(inputs)}, this stage runs {list(ops.encoders)}")
+            raise ValueError(
+                f"inputs for encoders {sorted(inputs)}, this stage runs {list(ops.encoders)}"
+            )
         self.ops, self.seed = ops, seed
         self._state = {enc: {HIDDEN: inputs[enc].detach()} for enc in ops.encoders}
         self._grads: dict[str, dict[str, Tensor]] = {enc: {} for enc in ops.encoders}
-        # per step: its inputs, and the outputs of its forward graph (None: it ran in pieces, without one)
+        # per step: its inputs, and the outputs of its forward graph (None: it ran in pieces,
+        # without one)
         self._saved: dict[int, tuple[list[Tensor], tuple[Tensor, ...] | None]] = {}
         self._checkpoints: dict[int, dict[str, Tensor]] = {}
         self._recompute: dict[str, dict[str, Tensor]] = {}
@@ -315,11 +352,14 @@ class MicrobatchRun:
     @property
     def output(self) -> dict[str, Tensor]:
         if not self.forward_done:
-            raise RuntimeError(f"output before the forward finished ({self._next_fwd}/{len(self.ops.fwd)} ops)")
+            raise RuntimeError(
+                f"output before the forward finished ({self._next_fwd}/{len(self.ops.fwd)} ops)"
+            )
         return {enc: state[HIDDEN] for enc, state in self._state.items()}
 
     def set_output_grad(self, grads: Mapping[str, Tensor]) -> None:
-        """Gradient of ``output`` for every encoder in ``ops.output_grad_encoders`` (others ignored)."""
+        """Gradient of ``output`` for every encoder in ``ops.output_grad_encoders`` (others
+        ignored)."""
         if not self.forward_done:
             raise RuntimeError("output gradient before the forward finished")
         missing = self.ops.output_grad_encoders - set(grads)
@@ -332,13 +372,18 @@ class MicrobatchRun:
     @property
     def input_grad(self) -> dict[str, Tensor | None]:
         if not self.backward_done:
-            raise RuntimeError(f"input gradient before the backward finished "
-                               f"({self._next_bwd}/{len(self.ops.bwd)} ops)")
-        return {enc: self._grads[enc].get(HIDDEN) if enc in self.ops.input_grad_encoders else None
-                for enc in self.ops.encoders}
+            raise RuntimeError(
+                f"input gradient before the backward finished "
+                f"({self._next_bwd}/{len(self.ops.bwd)} ops)"
+            )
+        return {
+            enc: self._grads[enc].get(HIDDEN) if enc in self.ops.input_grad_encoders else None
+            for enc in self.ops.encoders
+        }
 
     def run_forward(self, k: int, piece: Piece = WHOLE) -> None:
-        """Run forward op ``k`` of the stage chain, or the piece ``piece`` of its tokens; ops run in order,
+        """Run forward op ``k`` of the stage chain, or the piece ``piece`` of its tokens; ops run in
+        order,
         a split op's pieces from 0 to 1."""
         op = self._check("forward", self.ops.fwd, k, self._next_fwd, self._fwd_at, piece)
         state = self._state[op.encoder]
@@ -353,7 +398,8 @@ class MicrobatchRun:
         self._next_fwd += piece[1] == 1.0
 
     def run_backward(self, k: int, piece: Piece = WHOLE) -> None:
-        """Run backward op ``k`` of the stage chain (recomputation included), or the piece ``piece`` of its
+        """Run backward op ``k`` of the stage chain (recomputation included), or the piece ``piece``
+        of its
         tokens; ops run in order, a split op's pieces from 0 to 1."""
         if not self._has_output_grad:
             raise RuntimeError("backward before set_output_grad")
@@ -363,7 +409,9 @@ class MicrobatchRun:
                 self._recompute[op.encoder] = self._checkpoints.pop(op.block)
             for i in op.steps:
                 self._forward_step(i, self._recompute[op.encoder], True)
-        elif piece == WHOLE and all(self._saved[i][1] is not None for i in op.steps if i in self._saved):
+        elif piece == WHOLE and all(
+            self._saved[i][1] is not None for i in op.steps if i in self._saved
+        ):
             for i in op.steps:
                 self._backward_step(i, self._grads[op.encoder])
         else:  # a piece, or a forward that ran in pieces and kept no graph
@@ -373,26 +421,33 @@ class MicrobatchRun:
         if self.backward_done:
             self._recompute.clear()
 
-    def _check(self, kind: str, chain: tuple[EncoderOp, ...], k: int, next_k: int, at: float,
-               piece: Piece) -> EncoderOp:
+    def _check(
+        self, kind: str, chain: tuple[EncoderOp, ...], k: int, next_k: int, at: float, piece: Piece
+    ) -> EncoderOp:
         if k != next_k:
             raise ValueError(f"{kind} op {k} requested, op {next_k} is next")
         if piece[0] != at or not piece[0] < piece[1] <= 1.0:
-            raise ValueError(f"{kind} op {k}: piece {piece} requested, its tokens from {at} on are next")
+            raise ValueError(
+                f"{kind} op {k}: piece {piece} requested, its tokens from {at} on are next"
+            )
         op = chain[k]
         if piece != WHOLE and not op.splittable:
             raise ValueError(f"{kind} op {k} ({op.name}) does not run in pieces")
         return op
 
     def _forward_piece(self, op: EncoderOp, state: dict[str, Tensor], piece: Piece) -> None:
-        """Rows ``piece`` of a forward op, without autograd: its steps' inputs are kept for the backward."""
+        """Rows ``piece`` of a forward op, without autograd: its steps' inputs are kept for the
+        backward."""
         if piece[0] == 0.0:
-            self._open = _OpenOp.of({key: state.pop(key) for key in _taken(op, self.ops.steps, "forward")})
+            self._open = _OpenOp.of(
+                {key: state.pop(key) for key in _taken(op, self.ops.steps, "forward")}
+            )
         open_ = self._open
         rows = open_.slice(piece)
         local = {key: x[rows] for key, x in open_.entering.items()}
         with torch.no_grad():
-            for i in op.steps if rows.start < rows.stop else ():  # a piece of no whole row runs nothing
+            # a piece of no whole row runs nothing
+            for i in op.steps if rows.start < rows.stop else ():
                 bound = self.ops.steps[i]
                 step = bound.step
                 inputs = [local.pop(key) for key in step.reads]
@@ -416,8 +471,9 @@ class MicrobatchRun:
             self._open = None
 
     def _backward_piece(self, op: EncoderOp, piece: Piece) -> None:
-        """Rows ``piece`` of a backward op: the gradients of the op's inputs, row by row (an attention
-        piece: summed over every row), and its parameters' gradients accumulated through autograd."""
+        """Rows ``piece`` of a backward op: the gradients of the op's inputs, row by row (an
+        attention piece: summed over every row), and its parameters' gradients accumulated through
+        autograd."""
         grads = self._grads[op.encoder]
         if piece[0] == 0.0:
             taken = _taken(op, self.ops.steps, "backward")
@@ -447,8 +503,8 @@ class MicrobatchRun:
             self._open = None
 
     def _step_backward_rows(self, index: int, rows: slice, out_grads: list[Tensor | None]) -> tuple:
-        """One step's backward on ``rows`` from its saved input: a GEMM's gradients directly, any other
-        step's by autograd through its forward recomputed on those rows."""
+        """One step's backward on ``rows`` from its saved input: a GEMM's gradients directly, any
+        other step's by autograd through its forward recomputed on those rows."""
         bound = self.ops.steps[index]
         step = bound.step
         inputs = [x.detach() for x in self._saved[index][0]]
@@ -467,10 +523,17 @@ class MicrobatchRun:
                 torch.autograd.backward([p for p, _ in roots], [d for _, d in roots])
             return (input_grad,)
         whole = step.query_rows is not None
-        leaves = [(x if whole else x[rows]).requires_grad_(flag) for x, flag in zip(inputs, bound.needs_grad)]
+        leaves = [
+            (x if whole else x[rows]).requires_grad_(flag)
+            for x, flag in zip(inputs, bound.needs_grad)
+        ]
         with torch.enable_grad():
-            outputs = step.query_rows(self.seed, rows, *leaves) if whole else step.run(self.seed, *leaves)
-        roots = [(out, g) for out, g in zip(outputs, out_grads) if g is not None and out.requires_grad]
+            outputs = (
+                step.query_rows(self.seed, rows, *leaves) if whole else step.run(self.seed, *leaves)
+            )
+        roots = [
+            (out, g) for out, g in zip(outputs, out_grads) if g is not None and out.requires_grad
+        ]
         if roots:
             torch.autograd.backward([out for out, _ in roots], [g for _, g in roots])
         return tuple(leaf.grad for leaf in leaves)
@@ -492,10 +555,15 @@ class MicrobatchRun:
     def _backward_step(self, index: int, grads: dict[str, Tensor]) -> None:
         bound = self.ops.steps[index]
         in_grads = self._input_grads(index, [grads.pop(key, None) for key in bound.step.writes])
-        grads.update((key, g) for key, g, flag in zip(bound.step.reads, in_grads, bound.needs_grad) if flag)
+        grads.update(
+            (key, g) for key, g, flag in zip(bound.step.reads, in_grads, bound.needs_grad) if flag
+        )
 
-    def _input_grads(self, index: int, out_grads: list[Tensor | None], rows: slice | None = None) -> tuple:
-        """A step's input gradients from its outputs': a collective's adjoint, else autograd through the step's
+    def _input_grads(
+        self, index: int, out_grads: list[Tensor | None], rows: slice | None = None
+    ) -> tuple:
+        """A step's input gradients from its outputs': a collective's adjoint, else autograd through
+        the step's
         saved graph, or (``rows``) on those rows from its saved input (``_step_backward_rows``)."""
         step = self.ops.steps[index].step
         if step.adjoint is not None:
@@ -504,7 +572,9 @@ class MicrobatchRun:
         if rows is not None:
             return self._step_backward_rows(index, rows, out_grads)
         leaves, outputs = self._saved.pop(index)
-        roots = [(out, g) for out, g in zip(outputs, out_grads) if g is not None and out.requires_grad]
+        roots = [
+            (out, g) for out, g in zip(outputs, out_grads) if g is not None and out.requires_grad
+        ]
         if roots:
             torch.autograd.backward([out for out, _ in roots], [g for _, g in roots])
         return tuple(leaf.grad for leaf in leaves)
@@ -514,7 +584,9 @@ class _CollectiveFunction(torch.autograd.Function):
     """A collective step inside an ordinary autograd graph: forward, then its explicit adjoint."""
 
     @staticmethod
-    def forward(ctx: Any, step: Step, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, step: Step, *inputs: Tensor
+    ) -> tuple[Tensor, ...]:
         ctx.step = step
         return step.forward(*inputs)
 
@@ -528,6 +600,10 @@ def run_steps(steps: Sequence[Step], x: Tensor, seed: int) -> Tensor:
     state = {HIDDEN: x}
     for step in steps:
         inputs = [state.pop(key) for key in step.reads]
-        outputs = _CollectiveFunction.apply(step, *inputs) if step.is_collective else step.run(seed, *inputs)
+        outputs = (
+            _CollectiveFunction.apply(step, *inputs)
+            if step.is_collective
+            else step.run(seed, *inputs)
+        )
         state.update(zip(step.writes, outputs))
     return state[HIDDEN]

@@ -3,9 +3,9 @@
 ``HookDriver`` turns what megatron-core lets us observe into the hook plan's events: its
 ``config.timers`` calls around every forward and backward step (``op_start`` / ``op_end``, the op
 identified by megatron-core's own op order) and, through ``megatron_patches.hooks``, its
-RowParallelLinear reductions (``tp_before`` / ``tp_after``). At each event ``EncoderExecutor`` runs the
-encoder ops the plan puts there, through an ``EncoderStream`` (``streams``): inline on the CPU, on a
-CUDA side stream ordered against the LLM's stream by events on a GPU.
+RowParallelLinear reductions (``tp_before`` / ``tp_after``). At each event ``EncoderExecutor`` runs
+the encoder ops the plan puts there, through an ``EncoderStream`` (``streams``): inline on the CPU,
+on a CUDA side stream ordered against the LLM's stream by events on a GPU.
 
 Tensors move for real: a stage's output goes to the next encoder stage, the projected image tokens
 A_i to the LLM's first stage, and its gradient G_i back, through ``messages.Messenger`` (a channel
@@ -32,13 +32,15 @@ from optimus_mllm.runtime.messages import Incoming, Messenger
 from optimus_mllm.runtime.process_groups import Channel, EncoderProcessGroups
 from optimus_mllm.runtime.streams import EncoderStream, InlineStream, to_device
 
+
 class EventListener(Protocol):
     def on_event(self, event: Event, ran_at: Event) -> None: ...
 
 
 @dataclass(frozen=True)
 class ExecutedOp:
-    """Where an encoder op really ran, as the engine's callbacks saw it, beside where it was scheduled."""
+    """Where an encoder op really ran, as the engine's callbacks saw it, beside where it was
+    scheduled."""
 
     phase: str
     local_microbatch: int
@@ -60,21 +62,28 @@ class HookDriver:
     against the op order; a TP collective is named by the module that issues it
     (``megatron_patches.hooks``) and matched against the op's planned collectives
     (``collectives[op]``). A collective the plan lacks fires nothing and is recorded in
-    ``unplanned``; a planned one that never came fires at the op's end, so the ops placed there still
-    run, recorded as having run at ``op_end``.
+    ``unplanned``; a planned one that never came fires at the op's end, so the ops placed there
+    still run, recorded as having run at ``op_end``.
     """
 
-    def __init__(self, op_order: list[tuple[int, int, str]], listener: EventListener | None,
-                 wait_for_input: Callable[[int, int, str], None] | None = None,
-                 collectives: dict[int, list[str]] | None = None):
+    def __init__(
+        self,
+        op_order: list[tuple[int, int, str]],
+        listener: EventListener | None,
+        wait_for_input: Callable[[int, int, str], None] | None = None,
+        collectives: dict[int, list[str]] | None = None,
+    ):
         self.op_order = op_order
         self.listener = listener
-        self.wait_for_input = wait_for_input  # the LLM op's pipeline input, once encoder ops at op_start ran
+        # the LLM op's pipeline input, once encoder ops at op_start ran
+        self.wait_for_input = wait_for_input
         self.collectives = collectives or {}
         self.op = -1  # index of the LLM op running now
         self.seen = 0  # planned collectives of the current op observed so far
         self.events: list[Event] = []
-        self.unplanned: list[tuple[int, str | None]] = []  # (op, collective) run by megatron-core, not planned
+        self.unplanned: list[
+            tuple[int, str | None]
+        ] = []  # (op, collective) run by megatron-core, not planned
 
     @property
     def current(self) -> tuple[int, int, str]:
@@ -87,8 +96,8 @@ class HookDriver:
             self.listener.on_event(event, event if ran_at is None else ran_at)
 
     def timers(self, chained: Any = None) -> _Timers:
-        """``config.timers`` for megatron-core's schedule; ``chained``, the user's Megatron ``Timers``,
-        still times every call."""
+        """``config.timers`` for megatron-core's schedule; ``chained``, the user's Megatron
+        ``Timers``, still times every call."""
         return _Timers(self, chained)
 
     def on_timer(self, name: str, edge: str) -> None:
@@ -99,8 +108,10 @@ class HookDriver:
             self.op += 1
             self.seen = 0
             if self.op_order[self.op][2] != phase:
-                raise RuntimeError(f"megatron-core ran a {phase} as op {self.op}; the plan expects "
-                                   f"{self.op_order[self.op]}: the schedule artifact's warm-up does not match")
+                raise RuntimeError(
+                    f"megatron-core ran a {phase} as op {self.op}; the plan expects "
+                    f"{self.op_order[self.op]}: the schedule artifact's warm-up does not match"
+                )
             self.fire(("op_start", self.op))
             if self.wait_for_input is not None:
                 self.wait_for_input(*self.op_order[self.op])
@@ -123,13 +134,18 @@ class HookDriver:
 
 
 class _Timers:
-    """Stands in for megatron's ``config.timers``: ``timers(name, log_level=...)`` -> start()/stop()."""
+    """Stands in for megatron's ``config.timers``: ``timers(name, log_level=...)`` ->
+    start()/stop()."""
 
     def __init__(self, driver: HookDriver, chained: Any = None):
         self.driver, self.chained = driver, chained
 
     def __call__(self, name: str, log_level: int | None = None) -> _Timer:
-        return _Timer(self.driver, name, None if self.chained is None else self.chained(name, log_level=log_level))
+        return _Timer(
+            self.driver,
+            name,
+            None if self.chained is None else self.chained(name, log_level=log_level),
+        )
 
 
 @dataclass
@@ -151,8 +167,8 @@ class _Timer:
 
 @dataclass
 class Mailbox:
-    """Hand-over of A_i / G_i between an encoder stage and the LLM on the same rank, and the stream the
-    encoder ops run on: A_i is ready for the LLM once its ``ready`` event is consumed."""
+    """Hand-over of A_i / G_i between an encoder stage and the LLM on the same rank, and the stream
+    the encoder ops run on: A_i is ready for the LLM once its ``ready`` event is consumed."""
 
     stream: EncoderStream = field(default_factory=InlineStream)
     embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -164,18 +180,37 @@ class Mailbox:
         self.ready[microbatch] = self.stream.publish(embeddings)
 
     def take_embeddings(self, microbatch: int) -> torch.Tensor:
-        """A_i for the LLM: its stream waits here (not where A_i was made) for the encoder's last op."""
+        """A_i for the LLM: its stream waits here (not where A_i was made) for the encoder's last
+        op."""
         self.stream.consume(self.ready.pop(microbatch))
         return self.embeddings.pop(microbatch)
 
 
 class EncoderExecutor:
-    """This rank's encoder stage: runs its planned ops at events and moves their inputs and outputs."""
+    """This rank's encoder stage: runs its planned ops at events and moves their inputs and
+    outputs."""
 
-    def __init__(self, config: OptimusConfig, plan: StageHookPlan, ops: StageOps, groups: EncoderProcessGroups,
-                 assignment: list[tuple[int, int]], llm_dp: int, num_stages: int, iteration: int, mailbox: Mailbox,
-                 images: ImageSource, messenger: Messenger):
-        self.config, self.plan, self.ops, self.groups, self.messenger = config, plan, ops, groups, messenger
+    def __init__(
+        self,
+        config: OptimusConfig,
+        plan: StageHookPlan,
+        ops: StageOps,
+        groups: EncoderProcessGroups,
+        assignment: list[tuple[int, int]],
+        llm_dp: int,
+        num_stages: int,
+        iteration: int,
+        mailbox: Mailbox,
+        images: ImageSource,
+        messenger: Messenger,
+    ):
+        self.config, self.plan, self.ops, self.groups, self.messenger = (
+            config,
+            plan,
+            ops,
+            groups,
+            messenger,
+        )
         self.iteration, self.mailbox, self.images = iteration, mailbox, images
         self.stream = mailbox.stream
         self.llm_microbatch = {tuple(a): i for i, a in enumerate(assignment)}
@@ -195,26 +230,41 @@ class EncoderExecutor:
         with self.stream.launch():
             for op in ops:
                 self._run(op.phase, op.local_microbatch, op.kernel_index, op.piece)
-                self.record.append(ExecutedOp(op.phase, op.local_microbatch, op.kernel_index, op.piece, ran_at,
-                                              op.assigned, stream))
+                self.record.append(
+                    ExecutedOp(
+                        op.phase,
+                        op.local_microbatch,
+                        op.kernel_index,
+                        op.piece,
+                        ran_at,
+                        op.assigned,
+                        stream,
+                    )
+                )
 
     def finish(self) -> None:
-        """After the LLM's last op: everything ran at ``post`` at the latest; let the LLM's stream wait for
+        """After the LLM's last op: everything ran at ``post`` at the latest; let the LLM's stream
+        wait for
         the encoder's (its gradients are reduced there next)."""
         self.stream.finish()
-        assert not self.runs, f"encoder microbatches {sorted(self.runs)} did not finish their backward"
+        assert not self.runs, (
+            f"encoder microbatches {sorted(self.runs)} did not finish their backward"
+        )
 
     def _run(self, phase: str, k: int, index: int, piece: Piece) -> None:
         start = index == 0 and piece[0] == 0.0  # the chain's first op
         if phase == "fwd":
             if start:
-                seed = microbatch_seed(self.config.training.seed, self.iteration, self._global_microbatch(k))
+                seed = microbatch_seed(
+                    self.config.training.seed, self.iteration, self._global_microbatch(k)
+                )
                 self.runs[k] = MicrobatchRun(self.ops, self._forward_input(k), seed)
             run = self.runs[k]
             run.run_forward(index, piece)
             if run.forward_done:
                 self._send_output(k, run)
-                if not self.ops.bwd:  # a frozen stage: nothing here runs backward, the microbatch is done
+                # a frozen stage: nothing here runs backward, the microbatch is done
+                if not self.ops.bwd:
                     del self.runs[k]
         else:
             run = self.runs[k]
@@ -235,16 +285,24 @@ class EncoderExecutor:
         if self.first:
             images = self.images(self.iteration, self._global_microbatch(k))
             device = self.stream.device
-            return {enc.name: to_device(image, device) for enc, image in zip(self.config.encoders, images)}
-        return {e.name: self.messenger.recv("activation", self.groups.prev_stage_rank, (k, i))
-                for i, e in enumerate(self.config.encoders)}
+            return {
+                enc.name: to_device(image, device)
+                for enc, image in zip(self.config.encoders, images)
+            }
+        return {
+            e.name: self.messenger.recv("activation", self.groups.prev_stage_rank, (k, i))
+            for i, e in enumerate(self.config.encoders)
+        }
 
     def _send_output(self, k: int, run: MicrobatchRun) -> None:
         if not self.last:
             for i, e in enumerate(self.config.encoders):
-                self.messenger.send("activation", self.groups.next_stage_rank, run.output[e.name], (k, i))
+                self.messenger.send(
+                    "activation", self.groups.next_stage_rank, run.output[e.name], (k, i)
+                )
             return
-        embeddings = torch.cat([run.output[e.name] for e in self.config.encoders], dim=0)  # [image tokens, b, h]
+        # [image tokens, b, h]
+        embeddings = torch.cat([run.output[e.name] for e in self.config.encoders], dim=0)
         i = self.llm_microbatch[(self.groups.coords.pipeline, k)]
         for link in self.groups.embedding_sends:
             if link.llm_rank == self.groups.rank:
@@ -254,16 +312,23 @@ class EncoderExecutor:
 
     def _output_grad(self, k: int) -> dict[str, torch.Tensor]:
         if not self.last:
-            return {e.name: self.messenger.recv("activation_grad", self.groups.next_stage_rank, (k, i))
-                    for i, e in enumerate(self.config.encoders) if e.name in self.ops.output_grad_encoders}
+            return {
+                e.name: self.messenger.recv("activation_grad", self.groups.next_stage_rank, (k, i))
+                for i, e in enumerate(self.config.encoders)
+                if e.name in self.ops.output_grad_encoders
+            }
         i = self.llm_microbatch[(self.groups.coords.pipeline, k)]
         link = self.groups.gradient_recv
         if link.llm_rank == self.groups.rank:
             grad = self.stream.adopt(self.mailbox.gradients.pop(i))  # made on the LLM's stream
         else:
             grad = self.messenger.recv("embeddings_grad", link.llm_rank, (i, 0))
-        return dict(zip((e.name for e in self.config.encoders),
-                        grad.split([e.image_tokens for e in self.config.encoders], dim=0)))
+        return dict(
+            zip(
+                (e.name for e in self.config.encoders),
+                grad.split([e.image_tokens for e in self.config.encoders], dim=0),
+            )
+        )
 
     def _send_input_grad(self, k: int, run: MicrobatchRun) -> None:
         if self.first:
@@ -283,13 +348,26 @@ def hidden_shape(config: OptimusConfig, encoder: int, tp: int) -> tuple[int, int
     """Activations between encoder stages: [tokens on this TP rank, batch, hidden]."""
     e = config.encoders[encoder]
     sp = config.training.sequence_parallel and tp > 1
-    return (e.seq_length // tp if sp else e.seq_length, config.training.micro_batch_size, e.hidden_size)
+    return (
+        e.seq_length // tp if sp else e.seq_length,
+        config.training.micro_batch_size,
+        e.hidden_size,
+    )
 
 
-def incoming_messages(config: OptimusConfig, plan: HookPlan, groups: EncoderProcessGroups, output_grad_encoders:
-                      frozenset[str], assignment: list[tuple[int, int]], llm_first_stage_order:
-                      list[tuple[int, int, str]], m: int, llm_dp: int, num_stages: int) -> Incoming:
-    """What arrives on each channel this rank receives on, in its sender's order (hook plan, LLM op order)."""
+def incoming_messages(
+    config: OptimusConfig,
+    plan: HookPlan,
+    groups: EncoderProcessGroups,
+    output_grad_encoders: frozenset[str],
+    assignment: list[tuple[int, int]],
+    llm_first_stage_order: list[tuple[int, int, str]],
+    m: int,
+    llm_dp: int,
+    num_stages: int,
+) -> Incoming:
+    """What arrives on each channel this rank receives on, in its sender's order (hook plan, LLM op
+    order)."""
     llm_microbatch = {tuple(a): i for i, a in enumerate(assignment)}
     j, e, tp = groups.coords.pipeline, groups.coords.pp, groups.tp_group.size()
     rank = groups.rank
@@ -297,21 +375,28 @@ def incoming_messages(config: OptimusConfig, plan: HookPlan, groups: EncoderProc
     if e > 0:
         order = plan.stage(j, e - 1).completion_order("fwd")
         incoming[Channel("activation", groups.prev_stage_rank, rank)] = [
-            ((k, i), hidden_shape(config, i, tp)) for k in order for i in range(len(config.encoders))]
+            ((k, i), hidden_shape(config, i, tp))
+            for k in order
+            for i in range(len(config.encoders))
+        ]
     if e < num_stages - 1:
         wanted = [i for i, enc in enumerate(config.encoders) if enc.name in output_grad_encoders]
         order = plan.stage(j, e + 1).completion_order("bwd")
         incoming[Channel("activation_grad", groups.next_stage_rank, rank)] = [
-            ((k, i), hidden_shape(config, i, tp)) for k in order for i in wanted]
+            ((k, i), hidden_shape(config, i, tp)) for k in order for i in wanted
+        ]
     for link in groups.embedding_recvs:
         if not link.local:
             pipeline = link.encoder_dp - llm_dp * m
             order = plan.stage(pipeline, num_stages - 1).completion_order("fwd")
             incoming[Channel("embeddings", link.encoder_rank, rank)] = [
-                ((llm_microbatch[(pipeline, k)], 0), embeddings_shape(config)) for k in order]
+                ((llm_microbatch[(pipeline, k)], 0), embeddings_shape(config)) for k in order
+            ]
     link = groups.gradient_recv
     if link is not None and not link.local:
         incoming[Channel("embeddings_grad", link.llm_rank, rank)] = [
-            ((mb, 0), embeddings_shape(config)) for mb, chunk, phase in llm_first_stage_order
-            if chunk == 0 and phase == "bwd" and assignment[mb][0] == j]
+            ((mb, 0), embeddings_shape(config))
+            for mb, chunk, phase in llm_first_stage_order
+            if chunk == 0 and phase == "bwd" and assignment[mb][0] == j
+        ]
     return incoming

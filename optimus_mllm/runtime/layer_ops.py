@@ -2,12 +2,13 @@
 
 ``layer_steps`` walks a layer built from a ``ModuleSpec`` (input norm, ``SelfAttention``'s
 ``linear_qkv`` / ``core_attention`` / ``linear_proj``, pre-MLP norm, ``MLP``'s ``linear_fc1`` /
-activation / ``linear_fc2``) and returns the chain the cost model schedules (``cost_model.layer_kernels``:
-``ln_attn, qkv, attn_core, attn_proj, ln_mlp, fc1, act, fc2`` and the TP collectives), each step
-applying that submodule's own weights, norm module, softmax scale, mask type and activation. The layer's
-``forward`` is never called: its TP collectives are steps of their own, so that each can be placed
-and hooked. A layer this cannot reproduce exactly (transformer-engine modules, QK norms, MoE,
-cross-attention, other masks) is refused in one line naming the submodule.
+activation / ``linear_fc2``) and returns the chain the cost model schedules
+(``cost_model.layer_kernels``: ``ln_attn, qkv, attn_core, attn_proj, ln_mlp, fc1, act, fc2`` and the
+TP collectives), each step applying that submodule's own weights, norm module, softmax scale, mask
+type and activation. The layer's ``forward`` is never called: its TP collectives are steps of their
+own, so that each can be placed and hooked. A layer this cannot reproduce exactly
+(transformer-engine modules, QK norms, MoE, cross-attention, other masks) is refused in one line
+naming the submodule.
 
 TP collectives (explicit adjoints, so a backward collective is an op of its own):
 - without sequence parallelism a half-layer's input is copied into the TP region (its adjoint, the
@@ -15,8 +16,8 @@ TP collectives (explicit adjoints, so a backward collective is an op of its own)
   all-reduced (``tp_ar_*``, adjoint the identity);
 - with sequence parallelism (TP > 1) the residual stream holds 1/TP of the tokens: all-gather before
   qkv/fc1 (adjoint reduce-scatter), reduce-scatter after linear_proj/fc2 (adjoint all-gather). The
-  layer is built with megatron-core's ``sequence_parallel`` off (the steps, not its forward, gather and
-  scatter), and the parameters applied to a rank's own tokens are marked by the caller.
+  layer is built with megatron-core's ``sequence_parallel`` off (the steps, not its forward, gather
+  and scatter), and the parameters applied to a rank's own tokens are marked by the caller.
 """
 
 from __future__ import annotations
@@ -74,34 +75,58 @@ def vision_layer_spec() -> ModuleSpec:
     spec = get_vit_layer_with_local_spec()
     attention = spec.submodules.self_attention
     attention = replace(attention, params={**attention.params, "attn_mask_type": _BIDIRECTIONAL})
-    keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-    return replace(spec, submodules=replace(spec.submodules, self_attention=attention,
-                                            sharded_state_dict_keys_map=keys))
+    keys = {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    }
+    return replace(
+        spec,
+        submodules=replace(
+            spec.submodules, self_attention=attention, sharded_state_dict_keys_map=keys
+        ),
+    )
 
 
-def vision_transformer_config(spec: TransformerSpec, tp: int, params_dtype: torch.dtype,
-                              init_std: float) -> TransformerConfig:
+def vision_transformer_config(
+    spec: TransformerSpec, tp: int, params_dtype: torch.dtype, init_std: float
+) -> TransformerConfig:
     """megatron-core's config for an encoder's layers on a TP group of ``tp`` ranks.
 
     Sequence parallelism stays off: the steps do the gathers and scatters. Every matrix starts as
     normal(0, ``init_std``), the output layers unscaled."""
     init = init_method_normal(init_std)
     return TransformerConfig(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.query_groups, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
-        gated_linear_unit=spec.gated_linear_unit, activation_func=ACTIVATIONS[spec.activation],
-        normalization=spec.normalization, layernorm_epsilon=1e-5, add_bias_linear=spec.add_bias_linear,
-        hidden_dropout=spec.hidden_dropout, attention_dropout=spec.attention_dropout,
-        tensor_model_parallel_size=tp, params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        init_method_std=init_std, init_method=init, output_layer_init_method=init,
-        use_cpu_initialization=True, perform_initialization=True, gradient_accumulation_fusion=False,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.query_groups,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        gated_linear_unit=spec.gated_linear_unit,
+        activation_func=ACTIVATIONS[spec.activation],
+        normalization=spec.normalization,
+        layernorm_epsilon=1e-5,
+        add_bias_linear=spec.add_bias_linear,
+        hidden_dropout=spec.hidden_dropout,
+        attention_dropout=spec.attention_dropout,
+        tensor_model_parallel_size=tp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        init_method_std=init_std,
+        init_method=init,
+        output_layer_init_method=init,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
         **unfused_settings(),
     )
 
 
-def build_layer(spec: ModuleSpec, config: TransformerConfig, group: ProcessGroup, layer_index: int) -> nn.Module:
-    """One layer of ``spec`` on the TP group ``group`` (not megatron-core's ``parallel_state``: the encoder
+def build_layer(
+    spec: ModuleSpec, config: TransformerConfig, group: ProcessGroup, layer_index: int
+) -> nn.Module:
+    """One layer of ``spec`` on the TP group ``group`` (not megatron-core's ``parallel_state``: the
+    encoder
     has its own plan); ``layer_index`` is global, so its ``layer_number`` is the whole model's."""
     groups = ProcessGroupCollection(tp=group, cp=None, pp=None)
     return build_module(spec, config=config, layer_number=layer_index + 1, pg_collection=groups)
@@ -129,10 +154,20 @@ def reduce_scatter(x: Tensor, group: ProcessGroup) -> Tensor:
     return out
 
 
-def collective(forward: Callable[[Tensor], Tensor], adjoint: Callable[[Tensor], Tensor],
-               fwd_kernel: str | None, bwd_kernel: str | None, tokenwise: bool = False) -> Step:
-    return Step(forward=lambda x: (forward(x),), adjoint=lambda g: (adjoint(g),),
-                fwd_kernel=fwd_kernel, bwd_kernel=bwd_kernel, tokenwise=tokenwise)
+def collective(
+    forward: Callable[[Tensor], Tensor],
+    adjoint: Callable[[Tensor], Tensor],
+    fwd_kernel: str | None,
+    bwd_kernel: str | None,
+    tokenwise: bool = False,
+) -> Step:
+    return Step(
+        forward=lambda x: (forward(x),),
+        adjoint=lambda g: (adjoint(g),),
+        fwd_kernel=fwd_kernel,
+        bwd_kernel=bwd_kernel,
+        tokenwise=tokenwise,
+    )
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -142,33 +177,59 @@ def _identity(x: Tensor) -> Tensor:
 def tp_entry(group: ProcessGroup, sequence_parallel: bool, half: str) -> Step:
     """Into a column-parallel GEMM: gather the tokens (SP), or copy (backward: all-reduce)."""
     if sequence_parallel:
-        return collective(lambda x: all_gather(x, group), lambda g: reduce_scatter(g, group),
-                          f"tp_ag_{half}", f"tp_rs_{half}")
-    return collective(_identity, lambda g: all_reduce(g, group), None, f"tp_ar_{half}", tokenwise=True)
+        return collective(
+            lambda x: all_gather(x, group),
+            lambda g: reduce_scatter(g, group),
+            f"tp_ag_{half}",
+            f"tp_rs_{half}",
+        )
+    return collective(
+        _identity, lambda g: all_reduce(g, group), None, f"tp_ar_{half}", tokenwise=True
+    )
 
 
 def tp_exit(group: ProcessGroup, sequence_parallel: bool, half: str) -> Step:
     """Out of a row-parallel GEMM: reduce-scatter (SP) or all-reduce the partial sums."""
     if sequence_parallel:
-        return collective(lambda x: reduce_scatter(x, group), lambda g: all_gather(g, group),
-                          f"tp_rs_{half}", f"tp_ag_{half}")
-    return collective(lambda x: all_reduce(x, group), _identity, f"tp_ar_{half}", None, tokenwise=True)
+        return collective(
+            lambda x: reduce_scatter(x, group),
+            lambda g: all_gather(g, group),
+            f"tp_rs_{half}",
+            f"tp_ag_{half}",
+        )
+    return collective(
+        lambda x: all_reduce(x, group), _identity, f"tp_ar_{half}", None, tokenwise=True
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Compute steps
 
 
-def compute(kernel: str, fn: Callable[[Tensor], Tensor], *params: Tensor | None, tokenwise: bool = False) -> Step:
-    return Step(forward=lambda x: (fn(x),), fwd_kernel=kernel, bwd_kernel=kernel, trainable=wants_grad(*params),
-                tokenwise=tokenwise)
+def compute(
+    kernel: str, fn: Callable[[Tensor], Tensor], *params: Tensor | None, tokenwise: bool = False
+) -> Step:
+    return Step(
+        forward=lambda x: (fn(x),),
+        fwd_kernel=kernel,
+        bwd_kernel=kernel,
+        trainable=wants_grad(*params),
+        tokenwise=tokenwise,
+    )
 
 
 def linear(kernel: str, module: nn.Module, with_bias: bool = True, tokenwise: bool = True) -> Step:
-    """A GEMM with ``module``'s weight (and bias): pieces of its tokens take their gradients directly."""
+    """A GEMM with ``module``'s weight (and bias): pieces of its tokens take their gradients
+    directly."""
     weight, bias = module.weight, module.bias if with_bias else None
-    return Step(forward=lambda x: (F.linear(x, weight, bias),), fwd_kernel=kernel, bwd_kernel=kernel,
-                trainable=wants_grad(weight, bias), tokenwise=tokenwise, linear=(weight, bias))
+    return Step(
+        forward=lambda x: (F.linear(x, weight, bias),),
+        fwd_kernel=kernel,
+        bwd_kernel=kernel,
+        trainable=wants_grad(weight, bias),
+        tokenwise=tokenwise,
+        linear=(weight, bias),
+    )
 
 
 def wants_grad(*params: Tensor | None) -> bool:
@@ -177,15 +238,27 @@ def wants_grad(*params: Tensor | None) -> bool:
 
 def _norm_step(norm: nn.Module, kernel: str, tokenwise: bool) -> Step:
     """Normalise, and keep the input as the residual of the half-layer."""
-    return Step(forward=lambda h: (norm(h), h), fwd_kernel=kernel, bwd_kernel=kernel,
-                writes=("hidden", "residual"), trainable=wants_grad(*norm.parameters()), tokenwise=tokenwise)
+    return Step(
+        forward=lambda h: (norm(h), h),
+        fwd_kernel=kernel,
+        bwd_kernel=kernel,
+        writes=("hidden", "residual"),
+        trainable=wants_grad(*norm.parameters()),
+        tokenwise=tokenwise,
+    )
 
 
-def _residual_add_step(bias: Tensor | None, p: float, site: str, group: ProcessGroup,
-                       sequence_parallel: bool, tokenwise: bool) -> Step:
+def _residual_add_step(
+    bias: Tensor | None,
+    p: float,
+    site: str,
+    group: ProcessGroup,
+    sequence_parallel: bool,
+    tokenwise: bool,
+) -> Step:
     """The row-parallel bias, hidden dropout and the residual, after the reduction (megatron-core's
-    bias-dropout-add): no kernel of its own. Under sequence parallelism ``x`` holds this rank's tokens,
-    otherwise all of them, the same on every TP rank."""
+    bias-dropout-add): no kernel of its own. Under sequence parallelism ``x`` holds this rank's
+    tokens, otherwise all of them, the same on every TP rank."""
     parts, part = (group.size(), group.rank()) if sequence_parallel else (1, 0)
 
     def forward(seed: int, x: Tensor, residual: Tensor) -> tuple[Tensor]:
@@ -193,15 +266,24 @@ def _residual_add_step(bias: Tensor | None, p: float, site: str, group: ProcessG
         x = dropout(x, p, site_seed(seed, site), (x.shape[0] * parts, *x.shape[1:]), 0, parts, part)
         return (x + residual,)
 
-    return Step(forward=forward, fwd_kernel=None, bwd_kernel=None, reads=("hidden", "residual"),
-                trainable=wants_grad(bias), seeded=True, tokenwise=tokenwise)
+    return Step(
+        forward=forward,
+        fwd_kernel=None,
+        bwd_kernel=None,
+        reads=("hidden", "residual"),
+        trainable=wants_grad(bias),
+        seeded=True,
+        tokenwise=tokenwise,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The layer
 
 
-def layer_steps(layer: nn.Module, group: ProcessGroup, sequence_parallel: bool, site: str) -> tuple[Step, ...]:
+def layer_steps(
+    layer: nn.Module, group: ProcessGroup, sequence_parallel: bool, site: str
+) -> tuple[Step, ...]:
     """The steps of a megatron-core ``TransformerLayer`` on TP group ``group``.
 
     Args:
@@ -215,16 +297,36 @@ def layer_steps(layer: nn.Module, group: ProcessGroup, sequence_parallel: bool, 
     """
     check_decomposable(layer, site)
     attention, mlp, config = layer.self_attention, layer.mlp, layer.config
-    qkv, proj, fc1, fc2 = attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
+    qkv, proj, fc1, fc2 = (
+        attention.linear_qkv,
+        attention.linear_proj,
+        mlp.linear_fc1,
+        mlp.linear_fc2,
+    )
     core = attention.core_attention
     causal = core.attn_mask_type == _CAUSAL
-    heads, groups = attention.num_attention_heads_per_partition, attention.num_query_groups_per_partition
+    heads, groups = (
+        attention.num_attention_heads_per_partition,
+        attention.num_query_groups_per_partition,
+    )
     head_dim, scale = attention.hidden_size_per_attention_head, core.softmax_scale
     p_attn = config.attention_dropout
 
     def attend(seed: int, x: Tensor, rows: slice = slice(None)) -> tuple[Tensor]:
-        return (_attention(x, heads, groups, head_dim, scale, causal, p_attn, group,
-                           site_seed(seed, f"{site}:attn_core"), rows),)
+        return (
+            _attention(
+                x,
+                heads,
+                groups,
+                head_dim,
+                scale,
+                causal,
+                p_attn,
+                group,
+                site_seed(seed, f"{site}:attn_core"),
+                rows,
+            ),
+        )
 
     # pieces of tokens (encoder_ops), not with dropout: its masks are drawn whole (``encoder_costs``
     # splits the same layers)
@@ -239,8 +341,15 @@ def layer_steps(layer: nn.Module, group: ProcessGroup, sequence_parallel: bool, 
 
     attention_steps = [
         linear("qkv", qkv, tokenwise=pieces),
-        Step(forward=attend, fwd_kernel="attn_core", bwd_kernel="attn_core", seeded=True, query_rows=query_rows),
-        linear("attn_proj", proj, with_bias=False, tokenwise=pieces),  # its bias: after the reduction
+        Step(
+            forward=attend,
+            fwd_kernel="attn_core",
+            bwd_kernel="attn_core",
+            seeded=True,
+            query_rows=query_rows,
+        ),
+        # its bias: after the reduction
+        linear("attn_proj", proj, with_bias=False, tokenwise=pieces),
     ]
     mlp_steps = [
         linear("fc1", fc1, tokenwise=pieces),
@@ -249,24 +358,40 @@ def layer_steps(layer: nn.Module, group: ProcessGroup, sequence_parallel: bool, 
     ]
     if group.size() > 1:
         sp = sequence_parallel
-        attention_steps = [tp_entry(group, sp, "attn"), *attention_steps, tp_exit(group, sp, "attn")]
+        attention_steps = [
+            tp_entry(group, sp, "attn"),
+            *attention_steps,
+            tp_exit(group, sp, "attn"),
+        ]
         mlp_steps = [tp_entry(group, sp, "mlp"), *mlp_steps, tp_exit(group, sp, "mlp")]
     p = layer.hidden_dropout
     return (
-        _norm_step(layer.input_layernorm, "ln_attn", pieces), *attention_steps,
+        _norm_step(layer.input_layernorm, "ln_attn", pieces),
+        *attention_steps,
         _residual_add_step(proj.bias, p, f"{site}:attn", group, sequence_parallel, pieces),
-        _norm_step(layer.pre_mlp_layernorm, "ln_mlp", pieces), *mlp_steps,
+        _norm_step(layer.pre_mlp_layernorm, "ln_mlp", pieces),
+        *mlp_steps,
         _residual_add_step(fc2.bias, p, f"{site}:mlp", group, sequence_parallel, pieces),
     )
 
 
-def _attention(qkv: Tensor, heads: int, groups: int, head_dim: int, scale: float, causal: bool, p: float,
-               group: ProcessGroup, seed: int, rows: slice = slice(None)) -> Tensor:
-    """Softmax attention over this rank's heads; QKV grouped per query group (megatron-core's layout,
-    so TP shards split whole groups). With attention dropout the probabilities are materialised (as in
-    megatron-core's local attention): their mask is cut from the one of all heads. ``rows``: the
-    queries to attend for, each to every key (or under the causal mask, every key up to its own
-    position), without dropout."""
+def _attention(
+    qkv: Tensor,
+    heads: int,
+    groups: int,
+    head_dim: int,
+    scale: float,
+    causal: bool,
+    p: float,
+    group: ProcessGroup,
+    seed: int,
+    rows: slice = slice(None),
+) -> Tensor:
+    """Softmax attention over this rank's heads; QKV grouped per query group (megatron-core's
+    layout, so TP shards split whole groups). With attention dropout the probabilities are
+    materialised (as in megatron-core's local attention): their mask is cut from the one of all
+    heads. ``rows``: the queries to attend for, each to every key (or under the causal mask, every
+    key up to its own position), without dropout."""
     s, b, _ = qkv.shape
     per_group = heads // groups
     x = qkv.view(s, b, groups, per_group + 2, head_dim)
@@ -276,7 +401,8 @@ def _attention(qkv: Tensor, heads: int, groups: int, head_dim: int, scale: float
     if per_group > 1:
         k, v = k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
     first, _, _ = rows.indices(s)
-    if p == 0.0 and causal and q.shape[2] < s:  # some queries: key j is visible to query first + i if j <= first + i
+    # some queries: key j is visible to query first + i if j <= first + i
+    if p == 0.0 and causal and q.shape[2] < s:
         visible = torch.ones(q.shape[2], s, dtype=torch.bool, device=qkv.device).tril(first)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
     elif p == 0.0:
@@ -284,7 +410,9 @@ def _attention(qkv: Tensor, heads: int, groups: int, head_dim: int, scale: float
     else:
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale
         if causal:
-            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1), float("-inf"))
+            scores = scores.masked_fill(
+                torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1), float("-inf")
+            )
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         tp = group.size()
         probs = dropout(probs, p, seed, (b, heads * tp, s, s), 1, tp, group.rank())
@@ -297,8 +425,10 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
 
     def refuse(name: str, module: object, what: str) -> OptimusError:
         kind = type(module).__name__
-        return OptimusError(f"{where}: {name} is {kind}; Optimus splits only {what} (build the layer from "
-                            "megatron-core's local spec, e.g. get_vit_layer_with_local_spec)")
+        return OptimusError(
+            f"{where}: {name} is {kind}; Optimus splits only {what} (build the layer from "
+            "megatron-core's local spec, e.g. get_vit_layer_with_local_spec)"
+        )
 
     def exactly(name: str, module: object, *classes: type) -> None:
         if type(module) not in classes:
@@ -309,13 +439,22 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         norm = getattr(layer, name)
         if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
-            raise refuse(name, norm, "torch LayerNorm or RMSNorm (megatron-core's WrappedTorchNorm); a norm "
-                         "fused into the next linear is transformer-engine's")
+            raise refuse(
+                name,
+                norm,
+                "torch LayerNorm or RMSNorm (megatron-core's WrappedTorchNorm); a norm "
+                "fused into the next linear is transformer-engine's",
+            )
     exactly("self_attention", layer.self_attention, SelfAttention)
     attention = layer.self_attention
     exactly("self_attention.linear_qkv", attention.linear_qkv, ColumnParallelLinear)
     # SdpaCoreAttention: the LLM's GPU core attention, the same math
-    exactly("self_attention.core_attention", attention.core_attention, DotProductAttention, SdpaCoreAttention)
+    exactly(
+        "self_attention.core_attention",
+        attention.core_attention,
+        DotProductAttention,
+        SdpaCoreAttention,
+    )
     exactly("self_attention.linear_proj", attention.linear_proj, RowParallelLinear)
     for name in ("q_layernorm", "k_layernorm"):
         norm = getattr(attention, name, None)
@@ -323,8 +462,10 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
             raise refuse(f"self_attention.{name}", norm, "layers without QK norms (--qk-layernorm)")
     mask = attention.core_attention.attn_mask_type
     if mask not in (_BIDIRECTIONAL, _CAUSAL):
-        raise OptimusError(f"{where}: self_attention has attn_mask_type {mask.name}; Optimus splits only "
-                           "attention without a mask tensor (no_mask or causal)")
+        raise OptimusError(
+            f"{where}: self_attention has attn_mask_type {mask.name}; Optimus splits only "
+            "attention without a mask tensor (no_mask or causal)"
+        )
     for name in ("pre_cross_attn_layernorm", "cross_attention"):
         exactly(name, getattr(layer, name), IdentityOp)
     exactly("cross_attn_bda", layer.cross_attn_bda, IdentityFuncOp)
@@ -332,10 +473,14 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
     exactly("mlp.linear_fc1", layer.mlp.linear_fc1, ColumnParallelLinear)
     exactly("mlp.linear_fc2", layer.mlp.linear_fc2, RowParallelLinear)
     settings = {
-        "apply_residual_connection_post_layernorm": False, "fp32_residual_connection": False,
-        "apply_query_key_layer_scaling": False, "context_parallel_size": 1,
+        "apply_residual_connection_post_layernorm": False,
+        "fp32_residual_connection": False,
+        "apply_query_key_layer_scaling": False,
+        "context_parallel_size": 1,
     }
     for field, wanted in settings.items():
         if getattr(config, field) != wanted:
-            raise OptimusError(f"{where}: TransformerConfig.{field} is {getattr(config, field)}; Optimus splits "
-                               f"only layers with {field}={wanted}")
+            raise OptimusError(
+                f"{where}: TransformerConfig.{field} is {getattr(config, field)}; Optimus splits "
+                f"only layers with {field}={wanted}"
+            )

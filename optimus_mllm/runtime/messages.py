@@ -19,15 +19,16 @@ deferred to the end of the step so that a GPU never syncs with the host per mess
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
-
-from collections import deque
 
 from optimus_mllm.runtime.process_groups import Channel
 
 Identity = tuple[int, int]  # (microbatch, tensor index) of a message
-Incoming = dict[Channel, list[tuple[Identity, tuple[int, ...]]]]  # per channel: what arrives, in order, and its shape
+# per channel: what arrives, in order, and its shape
+Incoming = dict[Channel, list[tuple[Identity, tuple[int, ...]]]]
 
 
 class MisroutedMessage(RuntimeError):
@@ -37,16 +38,30 @@ class MisroutedMessage(RuntimeError):
 class Messenger:
     """This rank's channels: identity-carrying sends and receives, checked at ``finish``."""
 
-    def __init__(self, rank: int, channels: dict[Channel, dist.ProcessGroup], incoming: Incoming,
-                 dtype: torch.dtype, device: torch.device):
-        self.rank, self.channels, self.incoming, self.dtype, self.device = rank, channels, incoming, dtype, device
+    def __init__(
+        self,
+        rank: int,
+        channels: dict[Channel, dist.ProcessGroup],
+        incoming: Incoming,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.rank, self.channels, self.incoming, self.dtype, self.device = (
+            rank,
+            channels,
+            incoming,
+            dtype,
+            device,
+        )
         self._sends: list[dist.Work] = []
         self._received: list[tuple[Channel, Identity, torch.Tensor]] = []
         self._start_step()
 
     def _start_step(self) -> None:
         self._arriving = {channel: deque(messages) for channel, messages in self.incoming.items()}
-        self._kept: dict[Channel, dict[Identity, torch.Tensor]] = {channel: {} for channel in self.incoming}
+        self._kept: dict[Channel, dict[Identity, torch.Tensor]] = {
+            channel: {} for channel in self.incoming
+        }
 
     def send(self, kind: str, receiver: int, tensor: torch.Tensor, identity: Identity) -> None:
         channel = Channel(kind, self.rank, receiver)
@@ -56,7 +71,8 @@ class Messenger:
         self._sends.append(dist.isend(tensor.detach().contiguous(), receiver, group=group))
 
     def recv(self, kind: str, sender: int, identity: Identity) -> torch.Tensor:
-        """The message ``identity`` from ``sender``; earlier ones on its channel are kept for their turn."""
+        """The message ``identity`` from ``sender``; earlier ones on its channel are kept for their
+        turn."""
         channel = Channel(kind, sender, self.rank)
         kept = self._kept[channel]
         if identity in kept:
@@ -72,8 +88,10 @@ class Messenger:
             if next_identity == identity:
                 return buffer
             kept[next_identity] = buffer
-        raise MisroutedMessage(f"{kind} message {identity} from rank {sender} is not among those its channel "
-                               "delivers this step: the schedule's two ends disagree")
+        raise MisroutedMessage(
+            f"{kind} message {identity} from rank {sender} is not among those its channel "
+            "delivers this step: the schedule's two ends disagree"
+        )
 
     def finish(self) -> None:
         """Wait for this step's sends, then check every received message was the one expected."""
@@ -81,8 +99,11 @@ class Messenger:
             work.wait()
         self._sends.clear()
         received, self._received = self._received, []
-        left = {f"{c.kind} from rank {c.sender}": len(q) + len(self._kept[c])
-                for c, q in self._arriving.items() if q or self._kept[c]}
+        left = {
+            f"{c.kind} from rank {c.sender}": len(q) + len(self._kept[c])
+            for c, q in self._arriving.items()
+            if q or self._kept[c]
+        }
         self._start_step()
         if left:
             raise MisroutedMessage(f"messages not consumed this step: {left}")
@@ -90,5 +111,8 @@ class Messenger:
             got = tuple(header.tolist())
             if got != expected:
                 raise MisroutedMessage(
-                    f"{channel.kind} message from rank {channel.sender} to rank {channel.receiver} carried "
-                    f"(microbatch, tensor) {got} where {expected} was expected: the schedule's two ends disagree")
+                    f"{channel.kind} message from rank {channel.sender} to rank {channel.receiver} "
+                    "carried "
+                    f"(microbatch, tensor) {got} where {expected} was expected: the schedule's two "
+                    "ends disagree"
+                )

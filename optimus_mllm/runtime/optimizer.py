@@ -1,4 +1,5 @@
-"""megatron-core's training stack under both runtimes: DDP, the (distributed) optimizer, the LR schedule.
+"""megatron-core's training stack under both runtimes: DDP, the (distributed) optimizer, the LR
+schedule.
 
 Every LLM chunk and the encoder stage are wrapped in megatron-core's ``DistributedDataParallel``
 (contiguous fp32 gradient buffers, ``param.main_grad``), and one megatron-core optimizer steps them:
@@ -29,7 +30,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    MegatronOptimizer,
+    OptimizerConfig,
+    get_megatron_optimizer,
+)
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -45,14 +51,22 @@ from optimus_mllm.runtime.process_groups import EncoderProcessGroups
 def ddp_config(config: OptimusConfig) -> DistributedDataParallelConfig:
     """Megatron-LM's DDP defaults, gradients accumulated and reduced in fp32."""
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
-        use_distributed_optimizer=config.training.distributed_optimizer)
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=config.training.distributed_optimizer,
+    )
 
 
-def wrap_ddp(config: OptimusConfig, tconfig: TransformerConfig, module: torch.nn.Module,
-             pg_collection: ProcessGroupCollection | None = None,
-             replicas: int | None = None) -> DistributedDataParallel:
-    """``module`` under megatron-core's DDP; ``pg_collection`` None means megatron's (the LLM's) groups.
+def wrap_ddp(
+    config: OptimusConfig,
+    tconfig: TransformerConfig,
+    module: torch.nn.Module,
+    pg_collection: ProcessGroupCollection | None = None,
+    replicas: int | None = None,
+) -> DistributedDataParallel:
+    """``module`` under megatron-core's DDP; ``pg_collection`` None means megatron's (the LLM's)
+    groups.
     ``replicas``: average the gradients over that many replicas instead of the DP group's size."""
     ddp = DistributedDataParallel(tconfig, ddp_config(config), module, pg_collection=pg_collection)
     if replicas is not None:
@@ -67,27 +81,50 @@ def encoder_process_groups(groups: EncoderProcessGroups) -> ProcessGroupCollecti
     (every rank), the same group object as the LLM's, so the chained optimizer computes one norm.
     """
     return ProcessGroupCollection(
-        tp=groups.tp_group, pp=groups.pp_group, mp=groups.mp_group, dp=groups.dp_group, dp_cp=groups.dp_group,
-        expt_dp=groups.dp_group, ep=None, tp_ep_pp=None,
-        intra_dist_opt=parallel_state.get_intra_distributed_optimizer_instance_group())
+        tp=groups.tp_group,
+        pp=groups.pp_group,
+        mp=groups.mp_group,
+        dp=groups.dp_group,
+        dp_cp=groups.dp_group,
+        expt_dp=groups.dp_group,
+        ep=None,
+        tp_ep_pp=None,
+        intra_dist_opt=parallel_state.get_intra_distributed_optimizer_instance_group(),
+    )
 
 
 def optimizer_config(config: OptimusConfig) -> OptimizerConfig:
     """Megatron's optimizer settings from ``training`` (the names are megatron-core's)."""
     t = config.training
     return OptimizerConfig(
-        optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, sgd_momentum=t.sgd_momentum,
-        clip_grad=t.clip_grad, bf16=t.precision == "bf16", fp16=t.precision == "fp16",
-        params_dtype=DTYPES[t.precision], loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale,
-        min_loss_scale=t.min_loss_scale, loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis,
-        use_distributed_optimizer=t.distributed_optimizer)
+        optimizer=t.optimizer,
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        sgd_momentum=t.sgd_momentum,
+        clip_grad=t.clip_grad,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        params_dtype=DTYPES[t.precision],
+        loss_scale=t.loss_scale,
+        initial_loss_scale=t.initial_loss_scale,
+        min_loss_scale=t.min_loss_scale,
+        loss_scale_window=t.loss_scale_window,
+        hysteresis=t.hysteresis,
+        use_distributed_optimizer=t.distributed_optimizer,
+    )
 
 
-def build_optimizer(config: OptimusConfig, llm: Sequence[DistributedDataParallel],
-                    encoder: DistributedDataParallel | None,
-                    encoder_groups: ProcessGroupCollection | None,
-                    encoder_dp_gloo: dist.ProcessGroup | None = None) -> OneLossScaleOptimizer:
+def build_optimizer(
+    config: OptimusConfig,
+    llm: Sequence[DistributedDataParallel],
+    encoder: DistributedDataParallel | None,
+    encoder_groups: ProcessGroupCollection | None,
+    encoder_dp_gloo: dist.ProcessGroup | None = None,
+) -> OneLossScaleOptimizer:
     """One optimizer over the LLM chunks and the encoder stage.
 
     ``encoder_groups`` None: the encoder shares the LLM's groups (the Megatron-style baseline, where
@@ -102,8 +139,11 @@ def build_optimizer(config: OptimusConfig, llm: Sequence[DistributedDataParallel
         return OneLossScaleOptimizer(_parts(get_megatron_optimizer(opt_config, models)))
     parts = _parts(get_megatron_optimizer(opt_config, list(llm)))
     if encoder is not None:
-        encoder_parts = _parts(get_megatron_optimizer(opt_config, [encoder], use_gloo_process_groups=False,
-                                                      pg_collection=encoder_groups))
+        encoder_parts = _parts(
+            get_megatron_optimizer(
+                opt_config, [encoder], use_gloo_process_groups=False, pg_collection=encoder_groups
+            )
+        )
         for part in encoder_parts:
             use_gloo_group(part, encoder_dp_gloo)
         parts += encoder_parts
@@ -111,18 +151,21 @@ def build_optimizer(config: OptimusConfig, llm: Sequence[DistributedDataParallel
 
 
 class OneLossScaleOptimizer(ChainedOptimizer):
-    """A ``ChainedOptimizer`` whose parts share one loss scale, updated once per step from all of them.
+    """A ``ChainedOptimizer`` whose parts share one loss scale, updated once per step from all of
+    them.
 
     megatron-core's ``ChainedOptimizer`` scales the loss by its first part's scale, while every part
     unscales its gradients by, and updates, a scale of its own. After a step where only the LLM's
-    gradients overflow, the LLM's scale backs off and the encoder's does not: from then on the encoder's
-    gradients are unscaled by a scale the loss was never multiplied by. Here the first part's scaler is
-    the one scale; the parts read it and only report their overflow.
+    gradients overflow, the LLM's scale backs off and the encoder's does not: from then on the
+    encoder's gradients are unscaled by a scale the loss was never multiplied by. Here the first
+    part's scaler is the one scale; the parts read it and only report their overflow.
     """
 
     def __init__(self, parts: list[MegatronOptimizer]):
         super().__init__(parts)
-        self.loss_scaler: MegatronGradScaler | None = getattr(parts[0], "grad_scaler", None) if parts else None
+        self.loss_scaler: MegatronGradScaler | None = (
+            getattr(parts[0], "grad_scaler", None) if parts else None
+        )
         if self.loss_scaler is not None:
             for part in parts:
                 part.grad_scaler = _PartOfLossScale(self.loss_scaler)
@@ -141,9 +184,11 @@ class OneLossScaleOptimizer(ChainedOptimizer):
 
 
 class _PartOfLossScale(MegatronGradScaler):
-    """A part's view of its ``OneLossScaleOptimizer``'s scale: read it, leave updating it to the owner."""
+    """A part's view of its ``OneLossScaleOptimizer``'s scale: read it, leave updating it to the
+    owner."""
 
-    def __init__(self, owner: MegatronGradScaler):  # no super().__init__: the scale tensor is the owner's
+    # no super().__init__: the scale tensor is the owner's
+    def __init__(self, owner: MegatronGradScaler):
         self.owner = owner
 
     @property
@@ -165,14 +210,27 @@ class _PartOfLossScale(MegatronGradScaler):
 
 
 def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
-    return list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return (
+        list(optimizer.chained_optimizers)
+        if isinstance(optimizer, ChainedOptimizer)
+        else [optimizer]
+    )
 
 
 def build_scheduler(config: OptimusConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
-    """Megatron's LR (warm-up from 0, then constant / linear / cosine decay to ``min_lr``) and constant
-    weight decay, counted in iterations."""
+    """Megatron's LR (warm-up from 0, then constant / linear / cosine decay to ``min_lr``) and
+    constant weight decay, counted in iterations."""
     t = config.training
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_iters,
-        lr_decay_steps=t.decay_iters, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
-        end_wd=t.weight_decay, wd_incr_steps=t.decay_iters, wd_incr_style="constant")
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters,
+        lr_decay_steps=t.decay_iters,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.decay_iters,
+        wd_incr_style="constant",
+    )

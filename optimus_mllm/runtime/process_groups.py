@@ -1,4 +1,5 @@
-"""Process groups of the encoder's parallel plan on the same ranks as the LLM's (paper §3.1, Fig. 5).
+"""Process groups of the encoder's parallel plan on the same ranks as the LLM's (paper §3.1, Fig.
+5).
 
 Rank order. The LLM's groups come from megatron-core's ``initialize_model_parallel`` with its
 default order ``tp-cp-ep-dp-pp`` (CP = EP = 1 here): TP fastest, then DP, then PP, so
@@ -65,7 +66,8 @@ class RankCoords:
 
 @dataclass(frozen=True)
 class EncoderLLMLink:
-    """Encoder pipeline ``encoder_dp``'s last-stage rank sends its embeddings to one LLM stage-0 rank.
+    """Encoder pipeline ``encoder_dp``'s last-stage rank sends its embeddings to one LLM stage-0
+    rank.
 
     With ``carries_gradient`` the LLM rank also returns the embeddings' gradient over this link.
     """
@@ -88,7 +90,8 @@ class Channel:
     order alone: NCCL's rule (it ignores tags), and no two opposing sends on one communicator.
     """
 
-    kind: str  # "activation" / "activation_grad" between encoder stages, "embeddings" / "embeddings_grad"
+    # "activation" / "activation_grad" between encoder stages, "embeddings" / "embeddings_grad"
+    kind: str
     sender: int
     receiver: int
 
@@ -141,7 +144,8 @@ class EncoderRankLayout:
         return tuple(link for link in self.links if link.encoder_rank == encoder_rank)
 
     def links_to(self, llm_rank: int) -> tuple[EncoderLLMLink, ...]:
-        """The encoder ranks feeding an LLM stage-0 rank, one per encoder pipeline of its replica."""
+        """The encoder ranks feeding an LLM stage-0 rank, one per encoder pipeline of its
+        replica."""
         return tuple(link for link in self.links if link.llm_rank == llm_rank)
 
 
@@ -161,7 +165,9 @@ def check_colocatable(llm: ParallelPlan, enc: ParallelPlan) -> None:
     if enc.world_size != llm.world_size:
         raise ValueError(f"encoder plan {enc} and LLM plan {llm} use different numbers of GPUs")
     if llm.pp % enc.pp or llm.tp % enc.tp or enc.dp % llm.dp:
-        raise ValueError(f"encoder plan {enc} needs PP_enc | PP_llm and TP_enc | TP_llm for LLM plan {llm}")
+        raise ValueError(
+            f"encoder plan {enc} needs PP_enc | PP_llm and TP_enc | TP_llm for LLM plan {llm}"
+        )
 
 
 def build_encoder_rank_layout(llm: ParallelPlan, enc: ParallelPlan) -> EncoderRankLayout:
@@ -181,22 +187,29 @@ def build_encoder_rank_layout(llm: ParallelPlan, enc: ParallelPlan) -> EncoderRa
         coords=tuple(by_rank[rank] for rank in range(llm.world_size)),
         tp_groups=tuple(ranks for pipe in pipelines for ranks in pipe.stage_ranks),
         pp_groups=tuple(
-            tuple(ranks[tp] for ranks in pipe.stage_ranks) for pipe in pipelines for tp in range(enc.tp)
+            tuple(ranks[tp] for ranks in pipe.stage_ranks)
+            for pipe in pipelines
+            for tp in range(enc.tp)
         ),
         dp_groups=tuple(
             tuple(pipe.stage_ranks[stage][tp] for pipe in pipelines)
             for stage in range(enc.pp)
             for tp in range(enc.tp)
         ),
-        mp_groups=tuple(tuple(rank for ranks in pipe.stage_ranks for rank in ranks) for pipe in pipelines),
+        mp_groups=tuple(
+            tuple(rank for ranks in pipe.stage_ranks for rank in ranks) for pipe in pipelines
+        ),
         pipelines=pipelines,
         links=links,
         channels=_channels(pipelines, links),
     )
 
 
-def _channels(pipelines: tuple[EncoderPipeline, ...], links: tuple[EncoderLLMLink, ...]) -> tuple[Channel, ...]:
-    """Activations down each encoder pipeline's TP lanes and their gradients back; embeddings to the LLM
+def _channels(
+    pipelines: tuple[EncoderPipeline, ...], links: tuple[EncoderLLMLink, ...]
+) -> tuple[Channel, ...]:
+    """Activations down each encoder pipeline's TP lanes and their gradients back; embeddings to the
+    LLM
     and their gradient back, wherever the two ends are different ranks."""
     channels = []
     for pipe in pipelines:
@@ -232,7 +245,9 @@ def _gpu_rank(llm: ParallelPlan, llm_dp: int, gpu: int) -> int:
     return megatron_rank(llm, llm_dp, gpu // llm.tp, gpu % llm.tp)
 
 
-def _rank_coords(llm: ParallelPlan, pipe: EncoderPipeline, stage: int, tp: int, rank: int) -> RankCoords:
+def _rank_coords(
+    llm: ParallelPlan, pipe: EncoderPipeline, stage: int, tp: int, rank: int
+) -> RankCoords:
     coords = llm_coords(llm, rank)
     return RankCoords(
         rank=rank,
@@ -268,7 +283,8 @@ class EncoderProcessGroups:
     tp_group: ProcessGroup
     pp_group: ProcessGroup
     dp_group: ProcessGroup
-    dp_group_gloo: ProcessGroup  # dp_group over gloo (itself when gloo is the backend): checkpoint gathers
+    # dp_group over gloo (itself when gloo is the backend): checkpoint gathers
+    dp_group_gloo: ProcessGroup
     mp_group: ProcessGroup  # this rank's encoder pipeline: every stage and TP rank
     tp_ranks: Ranks
     pp_ranks: Ranks
@@ -299,7 +315,9 @@ def build_encoder_process_groups(layout: EncoderRankLayout, rank: int) -> Encode
     tp_group, tp_ranks = _create_groups(layout.tp_groups, rank)
     pp_group, pp_ranks = _create_groups(layout.pp_groups, rank)
     dp_group, dp_ranks = _create_groups(layout.dp_groups, rank)
-    dp_group_gloo = _create_groups(layout.dp_groups, rank, "gloo")[0] if _backend() != "gloo" else dp_group
+    dp_group_gloo = (
+        _create_groups(layout.dp_groups, rank, "gloo")[0] if _backend() != "gloo" else dp_group
+    )
     mp_group, _ = _create_groups(layout.mp_groups, rank)
     channels = _create_channel_groups(layout.channels, rank)
     coords = layout.coords[rank].encoder
@@ -328,7 +346,9 @@ def _backend() -> str:
     return dist.get_backend()
 
 
-def _create_groups(groups: tuple[Ranks, ...], rank: int, backend: str | None = None) -> tuple[ProcessGroup, Ranks]:
+def _create_groups(
+    groups: tuple[Ranks, ...], rank: int, backend: str | None = None
+) -> tuple[ProcessGroup, Ranks]:
     """Call ``new_group`` for every group (all ranks must), return the one holding ``rank``."""
     import torch.distributed as dist
 
@@ -341,4 +361,8 @@ def _create_channel_groups(channels: tuple[Channel, ...], rank: int) -> dict[Cha
     import torch.distributed as dist
 
     created = {channel: dist.new_group([channel.sender, channel.receiver]) for channel in channels}
-    return {channel: group for channel, group in created.items() if rank in (channel.sender, channel.receiver)}
+    return {
+        channel: group
+        for channel, group in created.items()
+        if rank in (channel.sender, channel.receiver)
+    }

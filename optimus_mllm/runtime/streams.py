@@ -102,7 +102,8 @@ class SideStream:
 
 
 def make_encoder_stream(device: torch.device | str, side_stream: bool = True) -> EncoderStream:
-    """A ``SideStream`` on a CUDA device (unless ``side_stream`` is False), else an ``InlineStream``."""
+    """A ``SideStream`` on a CUDA device (unless ``side_stream`` is False), else an
+    ``InlineStream``."""
     device = torch.device(device)
     if device.type == "cuda" and side_stream:
         return SideStream(device)
@@ -110,7 +111,8 @@ def make_encoder_stream(device: torch.device | str, side_stream: bool = True) ->
 
 
 def training_device() -> torch.device:
-    """This process's device: its CUDA GPU (``LOCAL_RANK`` under torchrun) when one is visible, else the CPU."""
+    """This process's device: its CUDA GPU (``LOCAL_RANK`` under torchrun) when one is visible, else
+    the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()

@@ -1,15 +1,16 @@
 """One training step of the ViT + projector + GPT model, Optimus-style or Megatron-style.
 
-``optimus``: every rank holds an LLM stage (megatron-core ``GPTModel`` chunks under ``parallel_state``)
-and an encoder stage under the encoder plan (its own process groups); the encoder's kernel-level ops
-run at the hook points that the schedule artifact names, and the image tokens reach the LLM by P2P.
-``baseline``: the encoders run whole in the first pipeline stage's pre-process, tensor-parallel
-with the LLM, as Megatron-LM does for multimodal models; the same weights, data and LLM plan.
-``balanced``: the paper's Megatron-LM balanced baseline (``runtime/balanced.py``): encoder and LLM layers
-split together into the LLM plan's virtual stages, tensor-parallel with the LLM.
-All three train with megatron-core's own stack (``runtime/optimizer.py``: DDP, the distributed optimizer,
-AdamW, clipping by one norm over LLM and encoder, the LR schedule), so their losses, gradient norms
-and weights can be compared number for number.
+``optimus``: every rank holds an LLM stage (megatron-core ``GPTModel`` chunks under
+``parallel_state``) and an encoder stage under the encoder plan (its own process groups); the
+encoder's kernel-level ops run at the hook points that the schedule artifact names, and the image
+tokens reach the LLM by P2P. ``baseline``: the encoders run whole in the first pipeline stage's
+pre-process, tensor-parallel with the LLM, as Megatron-LM does for multimodal models; the same
+weights, data and LLM plan. ``balanced``: the paper's Megatron-LM balanced baseline
+(``runtime/balanced.py``): encoder and LLM layers split together into the LLM plan's virtual stages,
+tensor-parallel with the LLM. All three train with megatron-core's own stack
+(``runtime/optimizer.py``: DDP, the distributed optimizer, AdamW, clipping by one norm over LLM and
+encoder, the LR schedule), so their losses, gradient norms and weights can be compared number for
+number.
 
 Device: the CPU (gloo), or this process's GPU when CUDA is visible, with the models in the config's
 precision there; the encoder ops then run on a CUDA side stream (``streams``) unless
@@ -50,11 +51,15 @@ from optimus_mllm.runtime.data import Microbatch, microbatch_source
 from optimus_mllm.runtime.dropout import llm_chunk_index, microbatch_seed, seed_llm_dropout
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import build_stage_ops
-from optimus_mllm.runtime.executor import EncoderExecutor, ExecutedOp, HookDriver, Mailbox, incoming_messages
+from optimus_mllm.runtime.executor import (
+    EncoderExecutor,
+    ExecutedOp,
+    HookDriver,
+    Mailbox,
+    incoming_messages,
+)
 from optimus_mllm.runtime.hook_plan import POST, PRE, build_hook_plan, planned_collectives
-from optimus_mllm.runtime.messages import Messenger
 from optimus_mllm.runtime.layer_ops import vision_transformer_config
-from optimus_mllm.runtime.optimizer import build_optimizer, build_scheduler, encoder_process_groups, wrap_ddp
 from optimus_mllm.runtime.llm import (
     build_llm_chunks,
     causal_mask,
@@ -64,7 +69,17 @@ from optimus_mllm.runtime.llm import (
     pre_post_process,
     transformer_config,
 )
-from optimus_mllm.runtime.process_groups import build_encoder_process_groups, build_encoder_rank_layout
+from optimus_mllm.runtime.messages import Messenger
+from optimus_mllm.runtime.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    encoder_process_groups,
+    wrap_ddp,
+)
+from optimus_mllm.runtime.process_groups import (
+    build_encoder_process_groups,
+    build_encoder_rank_layout,
+)
 from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
 from optimus_mllm.runtime.user_model import (
@@ -88,12 +103,17 @@ from optimus_mllm.scheduler.llm_timeline import default_warmup, pipeline_produce
 
 @dataclass
 class StepResult:
-    loss: float | None  # mean LM loss over the step's microbatches; None off the last pipeline stage
-    grad_norm: float | None  # over LLM and encoder, before clipping; None where fp16 skipped the update
+    # mean LM loss over the step's microbatches; None off the last pipeline stage
+    loss: float | None
+    # over LLM and encoder, before clipping; None where fp16 skipped the update
+    grad_norm: float | None
     lr: float  # the learning rate this step's update used
-    loss_scale: float | None  # fp16: the dynamic loss scale after this step (what Megatron logs); else None
-    encoder_record: list[ExecutedOp]  # every encoder op run here: where it ran, where it was scheduled
-    unplanned_collectives: int  # TP collectives megatron-core ran that the schedule's LLM kernels lack
+    # fp16: the dynamic loss scale after this step (what Megatron logs); else None
+    loss_scale: float | None
+    # every encoder op run here: where it ran, where it was scheduled
+    encoder_record: list[ExecutedOp]
+    # TP collectives megatron-core ran that the schedule's LLM kernels lack
+    unplanned_collectives: int
 
     @property
     def moved_ops(self) -> int:
@@ -105,23 +125,39 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, config: OptimusConfig, llm_plan: ParallelPlan, mode: Mode,
-                 artifact: dict[str, Any] | None = None, *, side_stream: bool = True, timers: Any = None,
-                 encoder_layer_specs: Mapping[str, ModuleSpec] | None = None, user_model: UserModel | None = None):
+    def __init__(
+        self,
+        config: OptimusConfig,
+        llm_plan: ParallelPlan,
+        mode: Mode,
+        artifact: dict[str, Any] | None = None,
+        *,
+        side_stream: bool = True,
+        timers: Any = None,
+        encoder_layer_specs: Mapping[str, ModuleSpec] | None = None,
+        user_model: UserModel | None = None,
+    ):
         """``timers``: the job's Megatron ``Timers`` (``megatron.core.timers``), which keep timing
-        megatron-core's schedule (``forward-compute``, ``backward-compute``, the P2P calls) under the
-        hooks the runtime sets in ``config.timers``. ``encoder_layer_specs``: the job's megatron-core
-        layer spec per encoder name (e.g. ``get_vit_layer_with_local_spec()``), which both runtimes build
-        the encoder's layers from; by default ``layer_ops.vision_layer_spec()``. ``user_model``: the job's
-        own ``model_provider``, ``forward_step`` and batches (``user_model``), run in place of this
-        project's model and data; its single encoder is ``config.encoders[0]``."""
+        megatron-core's schedule (``forward-compute``, ``backward-compute``, the P2P calls) under
+        the hooks the runtime sets in ``config.timers``. ``encoder_layer_specs``: the job's
+        megatron-core layer spec per encoder name (e.g. ``get_vit_layer_with_local_spec()``), which
+        both runtimes build the encoder's layers from; by default ``layer_ops.vision_layer_spec()``.
+        ``user_model``: the job's own ``model_provider``, ``forward_step`` and batches
+        (``user_model``), run in place of this project's model and data; its single encoder is
+        ``config.encoders[0]``."""
         if mode == "optimus" and artifact is None:
-            raise OptimusError("the Optimus runtime needs a schedule artifact (optimus-plan --artifact)")
+            raise OptimusError(
+                "the Optimus runtime needs a schedule artifact (optimus-plan --artifact)"
+            )
         if user_model is not None and mode == "balanced":
-            raise OptimusError("the balanced baseline runs this project's ViT and GPT; a model_provider's model "
-                               "runs under the Optimus schedule or the Megatron-style baseline")
+            raise OptimusError(
+                "the balanced baseline runs this project's ViT and GPT; a model_provider's model "
+                "runs under the Optimus schedule or the Megatron-style baseline"
+            )
         if user_model is not None and len(config.encoders) != 1:
-            raise OptimusError("model.encoders: a model_provider's model has one vision_model; give one encoder")
+            raise OptimusError(
+                "model.encoders: a model_provider's model has one vision_model; give one encoder"
+            )
         self.config, self.plan, self.mode, self.artifact = config, llm_plan, mode, artifact
         self.encoder_layer_specs = encoder_layer_specs
         self.user_model = user_model
@@ -139,40 +175,72 @@ class Trainer:
         self._owns_parallel_state = join_model_parallel(llm_plan)
         torch.manual_seed(config.training.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
-        self.embedding_group = None  # the balanced baseline's, for a word embedding tied across pipeline ranks
+        # the balanced baseline's, for a word embedding tied across pipeline ranks
+        self.embedding_group = None
         if mode == "balanced":
             ranges = balanced_layer_ranges(config, llm_plan)
             self.tconfig = balanced_transformer_config(config, llm_plan, ranges)
             self.embedding_group = tied_embedding_group(config, llm_plan, ranges)
-            self.modules = build_balanced_chunks(config, llm_plan, self.tconfig, ranges, encoder_layer_specs,
-                                                 synced_copy=self.embedding_group is not None)
+            self.modules = build_balanced_chunks(
+                config,
+                llm_plan,
+                self.tconfig,
+                ranges,
+                encoder_layer_specs,
+                synced_copy=self.embedding_group is not None,
+            )
             self.chunks = [chunk.llm for chunk in self.modules if chunk.llm is not None]
-            init_llm_plan_independent_(self.chunks, config.training.seed,
-                                       parallel_state.get_tensor_model_parallel_group())
+            init_llm_plan_independent_(
+                self.chunks, config.training.seed, parallel_state.get_tensor_model_parallel_group()
+            )
         elif user_model is None:
             self.tconfig = transformer_config(config, llm_plan)
             self.chunks = build_llm_chunks(config, llm_plan, self.tconfig)
-            init_llm_plan_independent_(self.chunks, config.training.seed,
-                                       parallel_state.get_tensor_model_parallel_group())
+            init_llm_plan_independent_(
+                self.chunks, config.training.seed, parallel_state.get_tensor_model_parallel_group()
+            )
             self.modules = list(self.chunks)  # what DDP wraps and the schedule runs
         else:  # the user's modules and initialisation, as Megatron-LM's get_model builds them
             self.modules = build_user_chunks(user_model.model_provider, pre_post_process(llm_plan))
             self.chunks = [language_model(chunk) for chunk in self.modules]
-            problem = config_problem("language model", "model.llm", transformer_config(config, llm_plan),
-                                     self.chunks[0].config)
+            problem = config_problem(
+                "language model",
+                "model.llm",
+                transformer_config(config, llm_plan),
+                self.chunks[0].config,
+            )
             if problem:  # every rank builds the same model, so every rank refuses
                 raise OptimusError(problem)
-            self.tconfig = get_model_config(self.modules[0])  # the config megatron-core's schedule reads
+            # the config megatron-core's schedule reads
+            self.tconfig = get_model_config(self.modules[0])
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.llm_dp = parallel_state.get_data_parallel_rank()
         self.num_microbatches = config.num_microbatches_total // llm_plan.dp
-        self.warmup = list(artifact["warmup"]) if artifact else [
-            default_warmup(llm_plan.pp, llm_plan.vp, self.num_microbatches, s) for s in range(llm_plan.pp)]
-        if llm_plan.vp == 1 and artifact and self.warmup != [default_warmup(llm_plan.pp, 1, self.num_microbatches, s)
-                                                            for s in range(llm_plan.pp)]:
-            raise OptimusError("schedule artifact: an adjusted warm-up needs the interleaved schedule (vp > 1)")
-        self.op_order = rank_op_order(self.num_microbatches, llm_plan.vp, self.warmup[self.stage], llm_plan.pp)
-        self.collectives = {} if artifact is None else planned_collectives(artifact, self.stage, self.op_order)
+        self.warmup = (
+            list(artifact["warmup"])
+            if artifact
+            else [
+                default_warmup(llm_plan.pp, llm_plan.vp, self.num_microbatches, s)
+                for s in range(llm_plan.pp)
+            ]
+        )
+        if (
+            llm_plan.vp == 1
+            and artifact
+            and self.warmup
+            != [
+                default_warmup(llm_plan.pp, 1, self.num_microbatches, s) for s in range(llm_plan.pp)
+            ]
+        ):
+            raise OptimusError(
+                "schedule artifact: an adjusted warm-up needs the interleaved schedule (vp > 1)"
+            )
+        self.op_order = rank_op_order(
+            self.num_microbatches, llm_plan.vp, self.warmup[self.stage], llm_plan.pp
+        )
+        self.collectives = (
+            {} if artifact is None else planned_collectives(artifact, self.stage, self.op_order)
+        )
         self.encoder: EncoderStage | None = None
         self.image_input: ImageEmbeddingsInput | None = None
         if user_model is not None:
@@ -180,13 +248,19 @@ class Trainer:
         elif mode == "optimus":
             self._build_optimus_encoder()
         elif mode == "baseline" and self.stage == 0:
-            self.encoder = EncoderStage(config, 0, 1, parallel_state.get_tensor_model_parallel_group(),
-                                        layer_specs=encoder_layer_specs)
+            self.encoder = EncoderStage(
+                config,
+                0,
+                1,
+                parallel_state.get_tensor_model_parallel_group(),
+                layer_specs=encoder_layer_specs,
+            )
         if user_model is None:
             for stage in self.encoder_stages:
                 init_plan_independent_(stage, config.training.seed)
-        # megatron-core leaves some parts (torch norm, position embedding) on the CPU and in fp32: every part
-        # in the training precision, on the training device (megatron-core's DDP then keeps fp32 main copies)
+        # megatron-core leaves some parts (torch norm, position embedding) on the CPU and in fp32:
+        # every part in the training precision, on the training device (megatron-core's DDP then
+        # keeps fp32 main copies)
         dtype = DTYPES[config.training.precision]
         for module in [*self.modules, *([self.encoder] if self.encoder is not None else [])]:
             module.to(self.device, dtype)
@@ -194,67 +268,99 @@ class Trainer:
         self._build_training_stack()
 
     def _build_training_stack(self) -> None:
-        """megatron-core's DDP around every model part, one optimizer and the LR schedule over them."""
+        """megatron-core's DDP around every model part, one optimizer and the LR schedule over
+        them."""
         self.models = [wrap_ddp(self.config, self.tconfig, module) for module in self.modules]
         self.encoder_ddp = None
         encoder_groups = encoder_process_groups(self.groups) if self.mode == "optimus" else None
         if self.encoder is not None:
-            self.encoder_ddp = wrap_ddp(self.config, self.tconfig, self.encoder, encoder_groups,
-                                        replicas=self.plan.dp if encoder_groups is not None else None)
-        self.optimizer = build_optimizer(self.config, self.models, self.encoder_ddp, encoder_groups,
-                                         self.groups.dp_group_gloo if self.mode == "optimus" else None)
+            self.encoder_ddp = wrap_ddp(
+                self.config,
+                self.tconfig,
+                self.encoder,
+                encoder_groups,
+                replicas=self.plan.dp if encoder_groups is not None else None,
+            )
+        self.optimizer = build_optimizer(
+            self.config,
+            self.models,
+            self.encoder_ddp,
+            encoder_groups,
+            self.groups.dp_group_gloo if self.mode == "optimus" else None,
+        )
         self.scheduler = build_scheduler(self.config, self.optimizer)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
 
     @property
     def encoder_stages(self) -> list[EncoderStage]:
-        """This rank's encoder layers: its encoder stage, or in the balanced baseline its virtual stages' parts."""
+        """This rank's encoder layers: its encoder stage, or in the balanced baseline its virtual
+        stages' parts."""
         if self.mode == "balanced":
-            return [chunk.encoder_stage for chunk in self.modules if chunk.encoder_stage is not None]
+            return [
+                chunk.encoder_stage for chunk in self.modules if chunk.encoder_stage is not None
+            ]
         return [self.encoder] if self.encoder is not None else []
 
     @property
     def ddp_models(self) -> list[Any]:
-        """Every megatron-core DDP wrapper on this rank: the LLM chunks', then the encoder stage's."""
+        """Every megatron-core DDP wrapper on this rank: the LLM chunks', then the encoder
+        stage's."""
         return [*self.models, *([self.encoder_ddp] if self.encoder_ddp is not None else [])]
 
     def _pipeline_communicator(self) -> ChannelP2PCommunicator | None:
-        """The LLM's P2P for the Optimus schedule: ops wait for their inputs only when they need them
-        (megatron_patches.p2p), so every warm-up the timeline accepts runs; with the interleaved
-        schedule's ``overlap_p2p_comm`` the sends leave right after their op, as the timeline assumes."""
+        """The LLM's P2P for the Optimus schedule: ops wait for their inputs only when they need
+        them (megatron_patches.p2p), so every warm-up the timeline accepts runs; with the
+        interleaved schedule's ``overlap_p2p_comm`` the sends leave right after their op, as the
+        timeline assumes."""
         if self.plan.pp == 1:
             return None
         self.tconfig.overlap_p2p_comm = self.plan.vp > 1
         channels = build_pipeline_channels([list(ranks) for ranks in llm_pipelines()], self.rank)
-        return ChannelP2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), self.tconfig, channels)
+        return ChannelP2PCommunicator(
+            parallel_state.get_pipeline_model_parallel_group(), self.tconfig, channels
+        )
 
     def _schedule_groups(self) -> dict[str, Any]:
-        """The communicator and megatron-core's own groups for its schedule (it takes both or neither)."""
+        """The communicator and megatron-core's own groups for its schedule (it takes both or
+        neither)."""
         if self.communicator is None:
             return {}
-        groups = ProcessGroupCollection.use_mpu_process_groups(["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"])
+        groups = ProcessGroupCollection.use_mpu_process_groups(
+            ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"]
+        )
         return {"p2p_communicator": self.communicator, "pg_collection": groups}
 
     def _wait_for_input(self, microbatch: int, chunk: int, phase: str) -> None:
         """Right before an LLM op: its pipeline input, if it has one, must have arrived."""
-        if self.communicator is not None and \
-                pipeline_producer(self.stage, chunk, phase, self.plan.pp, self.plan.vp) is not None:
+        if (
+            self.communicator is not None
+            and pipeline_producer(self.stage, chunk, phase, self.plan.pp, self.plan.vp) is not None
+        ):
             self.communicator.wait_for_input("prev" if phase == "fwd" else "next")
 
     def _adopt_user_vision(self) -> None:
-        """The user's vision model: left in the first stage for the baseline; with the flag, its weights
-        moved into the encoder stage under the encoder plan and ``ImageEmbeddingsInput`` in its place.
-        The first stage checks it and every rank hears the verdict, so all refuse or none does."""
+        """The user's vision model: left in the first stage for the baseline; with the flag, its
+        weights
+        moved into the encoder stage under the encoder plan and ``ImageEmbeddingsInput`` in its
+        place. The first stage checks it and every rank hears the verdict, so all refuse or none
+        does."""
         first = self.modules[0] if self.stage == 0 else None
         report = None
         encoder = self.config.encoders[0]
         if first is not None:
             try:
                 vision, _ = vision_modules(first)
-                # the encoder stage's layer config (its TP and init std are not among the fields compared)
-                expected = vision_transformer_config(encoder, 1, DTYPES[self.config.training.precision], 0.02)
-                report = (vision_layer_spec(vision),
-                          user_vision_problem(encoder, expected, vision) if self.mode == "optimus" else None)
+                # the encoder stage's layer config (its TP and init std are not among the fields
+                # compared)
+                expected = vision_transformer_config(
+                    encoder, 1, DTYPES[self.config.training.precision], 0.02
+                )
+                report = (
+                    vision_layer_spec(vision),
+                    user_vision_problem(encoder, expected, vision)
+                    if self.mode == "optimus"
+                    else None,
+                )
             except OptimusError as exc:
                 report = (None, str(exc))
         seen: list[Any] = [None] * dist.get_world_size()
@@ -267,8 +373,11 @@ class Trainer:
         self.encoder_layer_specs = {encoder.name: spec}
         self._build_optimus_encoder()
         source = {} if first is None else vision_sharded_state_dict(first)
-        copy_sharded_state(source, encoder_sharded_state_dict(self.config, self.encoder, self.groups.dp_group),
-                           "model_provider's vision model -> the Optimus encoder")
+        copy_sharded_state(
+            source,
+            encoder_sharded_state_dict(self.config, self.encoder, self.groups.dp_group),
+            "model_provider's vision model -> the Optimus encoder",
+        )
         if first is not None:
             self.image_input = take_vision(first)
 
@@ -279,17 +388,38 @@ class Trainer:
         self.m = encoder_pipelines_per_llm_pipeline(self.plan, enc_plan)
         layout = build_encoder_rank_layout(self.plan, enc_plan)
         self.groups = build_encoder_process_groups(layout, self.rank)
-        self.encoder = EncoderStage(self.config, self.groups.coords.pp, enc_plan.pp, self.groups.tp_group,
-                                    layer_specs=self.encoder_layer_specs)
+        self.encoder = EncoderStage(
+            self.config,
+            self.groups.coords.pp,
+            enc_plan.pp,
+            self.groups.tp_group,
+            layer_specs=self.encoder_layer_specs,
+        )
         self.ops = build_stage_ops(self.encoder.blocks(), self.config.training.recompute)
         hook_plan = build_hook_plan(a)
         self.stage_plan = hook_plan.for_gpu(layout.coords[self.rank].gpu)
         self.assignment = [tuple(x) for x in a["assignment"]]
-        first_stage_order = rank_op_order(self.num_microbatches, self.plan.vp, self.warmup[0], self.plan.pp)
-        incoming = incoming_messages(self.config, hook_plan, self.groups, self.ops.output_grad_encoders,
-                                     self.assignment, first_stage_order, self.m, self.llm_dp, enc_plan.pp)
-        self.messenger = Messenger(self.rank, self.groups.channels, incoming, DTYPES[self.config.training.precision],
-                                   self.device)
+        first_stage_order = rank_op_order(
+            self.num_microbatches, self.plan.vp, self.warmup[0], self.plan.pp
+        )
+        incoming = incoming_messages(
+            self.config,
+            hook_plan,
+            self.groups,
+            self.ops.output_grad_encoders,
+            self.assignment,
+            first_stage_order,
+            self.m,
+            self.llm_dp,
+            enc_plan.pp,
+        )
+        self.messenger = Messenger(
+            self.rank,
+            self.groups.channels,
+            incoming,
+            DTYPES[self.config.training.precision],
+            self.device,
+        )
 
     # ------------------------------------------------------------------------------------------
 
@@ -297,12 +427,26 @@ class Trainer:
         mailbox = Mailbox(self.stream)
         executor = None
         if self.mode == "optimus":
-            executor = EncoderExecutor(self.config, self.stage_plan, self.ops, self.groups, self.assignment,
-                                       self.llm_dp, self.enc_plan.pp, iteration, mailbox, self.images,
-                                       self.messenger)
+            executor = EncoderExecutor(
+                self.config,
+                self.stage_plan,
+                self.ops,
+                self.groups,
+                self.assignment,
+                self.llm_dp,
+                self.enc_plan.pp,
+                iteration,
+                mailbox,
+                self.images,
+                self.messenger,
+            )
         leaves: dict[int, torch.Tensor] = {}
-        driver = HookDriver(self.op_order, _LLMSide(self, executor, leaves, mailbox), self._wait_for_input,
-                            self.collectives)
+        driver = HookDriver(
+            self.op_order,
+            _LLMSide(self, executor, leaves, mailbox),
+            self._wait_for_input,
+            self.collectives,
+        )
         self.tconfig.timers = driver.timers(self.timers)
         for model in self.ddp_models:
             model.zero_grad_buffer()
@@ -316,14 +460,20 @@ class Trainer:
         forward_step = partial(step, driver, iteration, leaves, mailbox)
         iterators = self._data_iterators(iteration)
         driver.fire(PRE)
-        with tp_collective_hook(driver.on_reduction, self.chunks), warmup_override(lambda s: self.warmup[s]):
+        with (
+            tp_collective_hook(driver.on_reduction, self.chunks),
+            warmup_override(lambda s: self.warmup[s]),
+        ):
             outputs = get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iterators if self.plan.vp > 1 else iterators[0],
                 model=self.models if self.plan.vp > 1 else self.models[0],
-                num_microbatches=self.num_microbatches, seq_length=self._p2p_seq_length(),
-                micro_batch_size=self.config.training.micro_batch_size, forward_only=False,
-                **self._schedule_groups())
+                num_microbatches=self.num_microbatches,
+                seq_length=self._p2p_seq_length(),
+                micro_batch_size=self.config.training.micro_batch_size,
+                forward_only=False,
+                **self._schedule_groups(),
+            )
         driver.fire(POST)
         if self.communicator is not None:
             self.communicator.finish()
@@ -337,11 +487,24 @@ class Trainer:
             self.scheduler.step(increment=1)
         loss = mean_lm_loss(outputs) if outputs else None
         scaler = self.optimizer.loss_scaler
-        return StepResult(loss, grad_norm if updated else None, lr, None if scaler is None else scaler.scale.item(),
-                          executor.record if executor is not None else [], len(driver.unplanned))
+        return StepResult(
+            loss,
+            grad_norm if updated else None,
+            lr,
+            None if scaler is None else scaler.scale.item(),
+            executor.record if executor is not None else [],
+            len(driver.unplanned),
+        )
 
-    def _forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
-                      data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    def _forward_step(
+        self,
+        driver: HookDriver,
+        iteration: int,
+        leaves: dict,
+        mailbox: Mailbox,
+        data_iterator: Any,
+        model: Any,
+    ) -> tuple[torch.Tensor, Any]:
         microbatch, chunk, global_microbatch, seed = self._microbatch_in_flight(driver, iteration)
         mb = _text_on(self.data(iteration, global_microbatch), self.device)
         mask = causal_mask(self.config.llm.seq_length, self.device)
@@ -352,26 +515,39 @@ class Trainer:
                 images = images.detach().requires_grad_(True)
                 leaves[microbatch] = images  # its .grad after the backward is G_i
             decoder_input = decoder_input_with_images(self.chunks[chunk], mb, images)
-        output = model(mb.tokens, mb.position_ids, mask, decoder_input=decoder_input, labels=mb.labels)
+        output = model(
+            mb.tokens, mb.position_ids, mask, decoder_input=decoder_input, labels=mb.labels
+        )
         return output, partial(masked_lm_loss, loss_mask=mb.loss_mask)
 
-    def _balanced_forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
-                               data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    def _balanced_forward_step(
+        self,
+        driver: HookDriver,
+        iteration: int,
+        leaves: dict,
+        mailbox: Mailbox,
+        data_iterator: Any,
+        model: Any,
+    ) -> tuple[torch.Tensor, Any]:
         microbatch, chunk, global_microbatch, seed = self._microbatch_in_flight(driver, iteration)
         mb = _text_on(self.data(iteration, global_microbatch), self.device)
         images = to_device(mb.images[0], self.device) if self.modules[chunk].first else None
         return model(mb, images, seed), partial(masked_lm_loss, loss_mask=mb.loss_mask)
 
     def _p2p_seq_length(self) -> int:
-        """The ``seq_length`` megatron-core's schedule sizes its P2P tensors by: the LLM's, or in the balanced
+        """The ``seq_length`` megatron-core's schedule sizes its P2P tensors by: the LLM's, or in
+        the balanced
         baseline the packed boundary buffer's (whole over TP under sequence parallelism)."""
         if self.mode != "balanced":
             return self.config.llm.seq_length
         sp = self.tconfig.sequence_parallel
         return packed_shape(self.config, self.plan)[0] * (self.plan.tp if sp else 1)
 
-    def _microbatch_in_flight(self, driver: HookDriver, iteration: int) -> tuple[int, int, int, int]:
-        """(microbatch, chunk, global microbatch, seed) of the LLM op starting now; its LLM dropout seeded."""
+    def _microbatch_in_flight(
+        self, driver: HookDriver, iteration: int
+    ) -> tuple[int, int, int, int]:
+        """(microbatch, chunk, global microbatch, seed) of the LLM op starting now; its LLM dropout
+        seeded."""
         microbatch, chunk, _ = driver.current
         global_microbatch = self.llm_dp * self.num_microbatches + microbatch
         seed = microbatch_seed(self.config.training.seed, iteration, global_microbatch)
@@ -384,24 +560,46 @@ class Trainer:
         if self.user_model is None:
             return [None] * self.plan.vp
         first = self.llm_dp * self.num_microbatches
-        return [(self.user_model.batch(iteration, first + k) for k in range(self.num_microbatches))
-                for _ in range(self.plan.vp)]
+        return [
+            (self.user_model.batch(iteration, first + k) for k in range(self.num_microbatches))
+            for _ in range(self.plan.vp)
+        ]
 
-    def _user_forward_step(self, driver: HookDriver, iteration: int, leaves: dict, mailbox: Mailbox,
-                           data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
-        """The user's forward step; under Optimus with A_i handed to its model in its vision model's place."""
+    def _user_forward_step(
+        self,
+        driver: HookDriver,
+        iteration: int,
+        leaves: dict,
+        mailbox: Mailbox,
+        data_iterator: Any,
+        model: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        """The user's forward step; under Optimus with A_i handed to its model in its vision model's
+        place."""
         microbatch, chunk, _, seed = self._microbatch_in_flight(driver, iteration)
         if self.image_input is not None and chunk == 0:
-            images = self._image_embeddings(microbatch, None, mailbox, seed).detach().requires_grad_(True)
+            images = (
+                self._image_embeddings(microbatch, None, mailbox, seed)
+                .detach()
+                .requires_grad_(True)
+            )
             leaves[microbatch] = images  # its .grad after the backward is G_i
             self.image_input.embeddings = images
         return self.user_model.forward_step(data_iterator, model)
 
-    def _image_embeddings(self, microbatch: int, mb: Any, mailbox: Mailbox, seed: int) -> torch.Tensor:
-        """A_i: [image tokens, batch, hidden], from the encoder pipeline the global ordering assigns."""
+    def _image_embeddings(
+        self, microbatch: int, mb: Any, mailbox: Mailbox, seed: int
+    ) -> torch.Tensor:
+        """A_i: [image tokens, batch, hidden], from the encoder pipeline the global ordering
+        assigns."""
         if self.mode == "baseline":
-            outputs = self.encoder({e.name: to_device(image, self.device)
-                                    for e, image in zip(self.config.encoders, mb.images)}, seed)
+            outputs = self.encoder(
+                {
+                    e.name: to_device(image, self.device)
+                    for e, image in zip(self.config.encoders, mb.images)
+                },
+                seed,
+            )
             return torch.cat([outputs[e.name] for e in self.config.encoders], dim=0)
         link = self._link(microbatch)
         if link.encoder_rank == self.rank:
@@ -413,7 +611,8 @@ class Trainer:
         return next(link for link in self.groups.embedding_recvs if link.encoder_dp == encoder_dp)
 
     def send_gradient(self, microbatch: int, grad: torch.Tensor, mailbox: Mailbox) -> None:
-        """G_i back to the encoder's last stage, once the LLM's first stage finished microbatch i."""
+        """G_i back to the encoder's last stage, once the LLM's first stage finished microbatch
+        i."""
         link = self._link(microbatch)
         if not link.carries_gradient:
             return
@@ -423,11 +622,14 @@ class Trainer:
             self.messenger.send("embeddings_grad", link.encoder_rank, grad, (microbatch, 0))
 
     def _finalize_gradients(self) -> None:
-        """megatron-core's gradient reductions, once every op of the step (encoder ops included) ran: no
+        """megatron-core's gradient reductions, once every op of the step (encoder ops included)
+        ran: no
         rank then waits in a collective for a peer that still has a P2P message to send it."""
         groups = None
         if self.embedding_group is not None:
-            groups = ProcessGroupCollection.use_mpu_process_groups(["tp", "pos_embd", "pp", "dp_cp"])
+            groups = ProcessGroupCollection.use_mpu_process_groups(
+                ["tp", "pos_embd", "pp", "dp_cp"]
+            )
             groups.embd = self.embedding_group
         finalize_model_grads(self.models, pg_collection=groups)
         if self.encoder_ddp is None:
@@ -436,7 +638,8 @@ class Trainer:
         self.encoder_ddp.finish_grad_sync()
 
     def gather_gradients(self) -> None:
-        """After a step: every parameter's ``main_grad`` whole and reduced (``megatron_patches.ddp``)."""
+        """After a step: every parameter's ``main_grad`` whole and reduced
+        (``megatron_patches.ddp``)."""
         for model in self.ddp_models:
             gather_main_grads(model)
 
@@ -449,26 +652,34 @@ class Trainer:
 
 
 def join_model_parallel(plan: ParallelPlan) -> bool:
-    """megatron-core's ``parallel_state`` for the LLM plan: initialised here (True), or the job's own when
+    """megatron-core's ``parallel_state`` for the LLM plan: initialised here (True), or the job's
+    own when
     ``initialize_megatron`` has already set it up for the same plan (False)."""
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
-            virtual_pipeline_model_parallel_size=plan.vp if plan.vp > 1 else None)
+            tensor_model_parallel_size=plan.tp,
+            pipeline_model_parallel_size=plan.pp,
+            virtual_pipeline_model_parallel_size=plan.vp if plan.vp > 1 else None,
+        )
         return True
-    have = ParallelPlan(parallel_state.get_data_parallel_world_size(),
-                        parallel_state.get_pipeline_model_parallel_world_size(),
-                        parallel_state.get_tensor_model_parallel_world_size(),
-                        parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+    have = ParallelPlan(
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+    )
     if have != plan:
-        raise OptimusError(f"megatron-core's parallel state is already initialised for LLM {have}, but this job's "
-                           f"LLM plan is {plan}; give Megatron the plan's --tensor-model-parallel-size, "
-                           "--pipeline-model-parallel-size and virtual stages, or re-run optimus-plan")
+        raise OptimusError(
+            f"megatron-core's parallel state is already initialised for LLM {have}, but this job's "
+            f"LLM plan is {plan}; give Megatron the plan's --tensor-model-parallel-size, "
+            "--pipeline-model-parallel-size and virtual stages, or re-run optimus-plan"
+        )
     return False
 
 
 def mean_lm_loss(outputs: list[dict[str, torch.Tensor]]) -> float:
-    """The step's LM loss from the loss functions' reports: Megatron-LM's ``"lm loss"``, either a mean per
+    """The step's LM loss from the loss functions' reports: Megatron-LM's ``"lm loss"``, either a
+    mean per
     microbatch or a ``[loss sum, tokens]`` pair (its per-token form)."""
     reports = torch.stack([o["lm loss"].float().reshape(-1) for o in outputs])
     if reports.shape[1] == 2:
@@ -477,17 +688,25 @@ def mean_lm_loss(outputs: list[dict[str, torch.Tensor]]) -> float:
 
 
 def _text_on(mb: Microbatch, device: torch.device) -> Microbatch:
-    """The LLM's tensors of ``mb`` on ``device``; the images stay where the encoder takes them from."""
+    """The LLM's tensors of ``mb`` on ``device``; the images stay where the encoder takes them
+    from."""
     if device.type == "cpu":
         return mb
-    return replace(mb, tokens=to_device(mb.tokens, device), labels=to_device(mb.labels, device),
-                   loss_mask=to_device(mb.loss_mask, device), position_ids=to_device(mb.position_ids, device))
+    return replace(
+        mb,
+        tokens=to_device(mb.tokens, device),
+        labels=to_device(mb.labels, device),
+        loss_mask=to_device(mb.loss_mask, device),
+        position_ids=to_device(mb.position_ids, device),
+    )
 
 
 class _LLMSide:
     """Driver listener: the LLM's own actions at an event (send G_i), then the encoder's ops."""
 
-    def __init__(self, trainer: Trainer, executor: EncoderExecutor | None, leaves: dict, mailbox: Mailbox):
+    def __init__(
+        self, trainer: Trainer, executor: EncoderExecutor | None, leaves: dict, mailbox: Mailbox
+    ):
         self.trainer, self.executor, self.leaves, self.mailbox = trainer, executor, leaves, mailbox
 
     def on_event(self, event: tuple, ran_at: tuple) -> None:

@@ -1,17 +1,17 @@
 """A Megatron-LM user's own model and ``forward_step`` under either runtime.
 
-The user's ``model_provider`` builds megatron-core's LLaVA layout: a module whose ``language_model`` is
-a ``GPTModel`` and which, on the LLM's first pipeline stage, also holds ``vision_model`` (a
+The user's ``model_provider`` builds megatron-core's LLaVA layout: a module whose ``language_model``
+is a ``GPTModel`` and which, on the LLM's first pipeline stage, also holds ``vision_model`` (a
 ``CLIPViTModel`` without a class token) and ``vision_projection`` (a ``MultimodalProjector``), and
-whose forward embeds images as LLaVA does, ``vision_projection(vision_model(images).permute(1, 0, 2))``,
-then splices them in wherever its own code puts image tokens.
+whose forward embeds images as LLaVA does, ``vision_projection(vision_model(images).permute(1, 0,
+2))``, then splices them in wherever its own code puts image tokens.
 
-Without the flag the model runs as built: the encoder inside the first stage's forward. With it,
-the encoder runs under its own plan (``vit.EncoderStage``, split into kernels), starting from the
-weights the user's provider made (``sharded_state.copy_sharded_state``), and the first stage's ``vision_model`` is
-replaced by ``ImageEmbeddingsInput``, which hands the user's forward the projected image tokens A_i
-received from the encoder pipeline (the projector is then the identity). The user's code, loss and
-splice run unchanged either way.
+Without the flag the model runs as built: the encoder inside the first stage's forward. With it, the
+encoder runs under its own plan (``vit.EncoderStage``, split into kernels), starting from the
+weights the user's provider made (``sharded_state.copy_sharded_state``), and the first stage's
+``vision_model`` is replaced by ``ImageEmbeddingsInput``, which hands the user's forward the
+projected image tokens A_i received from the encoder pipeline (the projector is then the identity).
+The user's code, loss and splice run unchanged either way.
 """
 
 from __future__ import annotations
@@ -30,21 +30,22 @@ from optimus_mllm.config import EncoderConfig, OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.runtime.data import patchify
 
-
-ModelProvider = Callable[..., nn.Module]  # Megatron-LM's model_provider(pre_process, post_process, vp_stage)
+# Megatron-LM's model_provider(pre_process, post_process, vp_stage)
+ModelProvider = Callable[..., nn.Module]
 ForwardStep = Callable[[Iterator[Any], nn.Module], tuple[Tensor, Callable[..., Any]]]
-BatchSource = Callable[[int, int], dict[str, Any]]  # (iteration, global microbatch) -> forward_step's batch
+# (iteration, global microbatch) -> forward_step's batch
+BatchSource = Callable[[int, int], dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class UserModel:
     """What a Megatron-LM pretrain script passes to ``pretrain()``, in the form the runtimes take.
 
-    ``batch(iteration, global_microbatch)`` is the microbatch Megatron-LM's pretraining sampler gives
-    that position (global microbatches counted over the data-parallel replicas, in order): the data
-    iterator ``forward_step`` reads yields these, and with the flag the encoder's ranks read the same
-    batch's images, ``[micro batch, channels, img_h, img_w]`` under ``image_key`` (Megatron-LM's
-    multimodal datasets' ``"image"``).
+    ``batch(iteration, global_microbatch)`` is the microbatch Megatron-LM's pretraining sampler
+    gives that position (global microbatches counted over the data-parallel replicas, in order): the
+    data iterator ``forward_step`` reads yields these, and with the flag the encoder's ranks read
+    the same batch's images, ``[micro batch, channels, img_h, img_w]`` under ``image_key``
+    (Megatron-LM's multimodal datasets' ``"image"``).
     """
 
     model_provider: ModelProvider
@@ -53,50 +54,69 @@ class UserModel:
     image_key: str = "image"
 
 
-def pretraining_sampler_batches(dataset: Any, micro_batch_size: int, data_parallel_size: int,
-                                global_batch_size: int) -> BatchSource:
-    """The dataset's samples in Megatron-LM's ``MegatronPretrainingSampler`` order, collated as its data
-    loader does: iteration ``i`` reads samples ``[i * global_batch_size, (i + 1) * global_batch_size)``,
-    each microbatch step ``micro_batch_size`` of them per data-parallel rank, the ranks side by side."""
+def pretraining_sampler_batches(
+    dataset: Any, micro_batch_size: int, data_parallel_size: int, global_batch_size: int
+) -> BatchSource:
+    """The dataset's samples in Megatron-LM's ``MegatronPretrainingSampler`` order, collated as its
+    data
+    loader does: iteration ``i`` reads samples ``[i * global_batch_size, (i + 1) *
+    global_batch_size)``, each microbatch step ``micro_batch_size`` of them per data-parallel rank,
+    the ranks side by side."""
     per_replica = global_batch_size // (micro_batch_size * data_parallel_size)
 
     def batch(iteration: int, global_microbatch: int) -> dict[str, Any]:
         replica, step = divmod(global_microbatch, per_replica)
-        start = iteration * global_batch_size + (step * data_parallel_size + replica) * micro_batch_size
+        start = (
+            iteration * global_batch_size + (step * data_parallel_size + replica) * micro_batch_size
+        )
         return default_collate([dataset[index] for index in range(start, start + micro_batch_size)])
 
     return batch
 
 
-def build_user_chunks(provider: ModelProvider, pre_post: list[tuple[bool, bool]]) -> list[nn.Module]:
+def build_user_chunks(
+    provider: ModelProvider, pre_post: list[tuple[bool, bool]]
+) -> list[nn.Module]:
     """One model per virtual stage, as Megatron-LM's ``get_model`` calls the provider."""
     interleaved = len(pre_post) > 1
-    return [provider(pre_process=pre, post_process=post, **({"vp_stage": v} if interleaved else {}))
-            for v, (pre, post) in enumerate(pre_post)]
+    return [
+        provider(pre_process=pre, post_process=post, **({"vp_stage": v} if interleaved else {}))
+        for v, (pre, post) in enumerate(pre_post)
+    ]
 
 
 def language_model(chunk: nn.Module) -> nn.Module:
     """The chunk's ``GPTModel``: the LLM's layers, collectives and checkpoint keys are its."""
     model = getattr(chunk, "language_model", None)
     if model is None:
-        raise OptimusError(f"model_provider: {type(chunk).__name__} has no language_model; build megatron-core's "
-                           "LLaVA layout (language_model, vision_model, vision_projection)")
+        raise OptimusError(
+            f"model_provider: {type(chunk).__name__} has no language_model; build megatron-core's "
+            "LLaVA layout (language_model, vision_model, vision_projection)"
+        )
     return model
 
 
 def vision_modules(chunk: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The first stage's ``(vision_model, vision_projection)``."""
-    vision, projection = getattr(chunk, "vision_model", None), getattr(chunk, "vision_projection", None)
+    vision, projection = (
+        getattr(chunk, "vision_model", None),
+        getattr(chunk, "vision_projection", None),
+    )
     if vision is None or projection is None:
-        raise OptimusError(f"model_provider: the first pipeline stage's {type(chunk).__name__} lacks "
-                           "vision_model or vision_projection; build them when pre_process is set, as LLaVA does")
+        raise OptimusError(
+            f"model_provider: the first pipeline stage's {type(chunk).__name__} lacks "
+            "vision_model or vision_projection; build them when pre_process is set, as LLaVA does"
+        )
     return vision, projection
 
 
 def vision_sharded_state_dict(chunk: nn.Module) -> ShardedStateDict:
     """The first stage's vision model and projector under LLaVA's checkpoint keys."""
     vision, projection = vision_modules(chunk)
-    return {**vision.sharded_state_dict("vision_model."), **projection.sharded_state_dict("vision_projection.")}
+    return {
+        **vision.sharded_state_dict("vision_model."),
+        **projection.sharded_state_dict("vision_projection."),
+    }
 
 
 def vision_layer_spec(vision: nn.Module) -> ModuleSpec:
@@ -105,42 +125,79 @@ def vision_layer_spec(vision: nn.Module) -> ModuleSpec:
     return ModuleSpec(module=type(layer), submodules=layer.submodules_config)
 
 
-# TransformerConfig fields that change an encoder layer's math: the user's vision model must have the
-# values the Optimus config gives its layers (``layer_ops.vision_transformer_config``)
-_LAYER_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                 "ffn_hidden_size", "gated_linear_unit", "activation_func", "normalization", "layernorm_epsilon",
-                 "add_bias_linear", "add_qkv_bias", "hidden_dropout", "attention_dropout", "qk_layernorm",
-                 "apply_query_key_layer_scaling", "layernorm_zero_centered_gamma", "fp32_residual_connection",
-                 "apply_residual_connection_post_layernorm", "softmax_scale", "num_moe_experts")
+# TransformerConfig fields that change an encoder layer's math: the user's vision model must have
+# the values the Optimus config gives its layers (``layer_ops.vision_transformer_config``)
+_LAYER_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "gated_linear_unit",
+    "activation_func",
+    "normalization",
+    "layernorm_epsilon",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "hidden_dropout",
+    "attention_dropout",
+    "qk_layernorm",
+    "apply_query_key_layer_scaling",
+    "layernorm_zero_centered_gamma",
+    "fp32_residual_connection",
+    "apply_residual_connection_post_layernorm",
+    "softmax_scale",
+    "num_moe_experts",
+)
 
 
-def config_problem(part: str, section: str, expected: TransformerConfig, theirs: TransformerConfig) -> str | None:
-    """Why the config ``section`` (whose layers are ``expected``) does not describe the user's ``part``
-    built with ``theirs`` (one line naming the field), or None."""
+def config_problem(
+    part: str, section: str, expected: TransformerConfig, theirs: TransformerConfig
+) -> str | None:
+    """Why the config ``section`` (whose layers are ``expected``) does not describe the user's
+    ``part`` built with ``theirs`` (one line naming the field), or None."""
     for field in _LAYER_FIELDS:
         mine, got = getattr(expected, field, None), getattr(theirs, field, None)
         if mine != got:
-            return (f"model_provider: the {part}'s TransformerConfig.{field} is {_named(got)}, but {section} "
-                    f"describes {_named(mine)}; make the two agree")
+            return (
+                f"model_provider: the {part}'s TransformerConfig.{field} is {_named(got)}, but "
+                f"{section} "
+                f"describes {_named(mine)}; make the two agree"
+            )
     return None
 
 
-def user_vision_problem(encoder: EncoderConfig, expected: TransformerConfig, vision: nn.Module) -> str | None:
-    """Why the encoder config does not describe the user's vision model (one line naming the field), or None."""
+def user_vision_problem(
+    encoder: EncoderConfig, expected: TransformerConfig, vision: nn.Module
+) -> str | None:
+    """Why the encoder config does not describe the user's vision model (one line naming the field),
+    or None."""
     if encoder.projector.spatial_merge != 1:
-        return (f"model.encoders[0].projector.spatial_merge is {encoder.projector.spatial_merge}, but a user's model "
-                "(LLaVA's layout) merges no tokens before its projector; set it to 1")
+        return (
+            f"model.encoders[0].projector.spatial_merge is {encoder.projector.spatial_merge}, but "
+            "a user's model "
+            "(LLaVA's layout) merges no tokens before its projector; set it to 1"
+        )
     problem = config_problem("vision model", "model.encoders[0]", expected, vision.config)
     if problem:
         return problem
     if getattr(vision, "add_class_token", False):
-        return ("model_provider: the vision model has a class token, which the Optimus encoder does not run yet; "
-                "build CLIPViTModel with add_class_token=False, class_token_len=0")
-    for field, got, want in (("seq_length", vision.seq_length, encoder.seq_length),
-                             ("patch_size", vision.patch_dim, encoder.patch_size)):
+        return (
+            "model_provider: the vision model has a class token, which the Optimus encoder does "
+            "not run yet; "
+            "build CLIPViTModel with add_class_token=False, class_token_len=0"
+        )
+    for field, got, want in (
+        ("seq_length", vision.seq_length, encoder.seq_length),
+        ("patch_size", vision.patch_dim, encoder.patch_size),
+    ):
         if got != want:
-            return (f"model_provider: the vision model's {field} is {got}, but model.encoders[0].{field} is {want}; "
-                    "make the two agree")
+            return (
+                f"model_provider: the vision model's {field} is {got}, but "
+                f"model.encoders[0].{field} is {want}; "
+                "make the two agree"
+            )
     return None
 
 
@@ -149,9 +206,9 @@ def _named(value: Any) -> str:
 
 
 class ImageEmbeddingsInput(nn.Module):
-    """Stands in for the user's ``vision_model`` under Optimus: returns the projected image tokens A_i
-    of the microbatch in flight (set by the runtime before the user's forward step) as
-    ``[batch, tokens, hidden]``, the layout the user's code permutes before its projector."""
+    """Stands in for the user's ``vision_model`` under Optimus: returns the projected image tokens
+    A_i of the microbatch in flight (set by the runtime before the user's forward step) as ``[batch,
+    tokens, hidden]``, the layout the user's code permutes before its projector."""
 
     class_token_len = 0  # what LLaVA's code slices off before the projector
 
@@ -163,14 +220,17 @@ class ImageEmbeddingsInput(nn.Module):
         if self.embeddings is None:
             raise RuntimeError("ImageEmbeddingsInput ran outside a microbatch the runtime set up")
         if images.shape[0] != self.embeddings.shape[1]:
-            raise RuntimeError(f"the user's forward passed {images.shape[0]} images, but microbatch has "
-                               f"{self.embeddings.shape[1]}")
+            raise RuntimeError(
+                f"the user's forward passed {images.shape[0]} images, but microbatch has "
+                f"{self.embeddings.shape[1]}"
+            )
         embeddings, self.embeddings = self.embeddings, None
         return embeddings.transpose(0, 1)
 
 
 def take_vision(chunk: nn.Module) -> ImageEmbeddingsInput:
-    """Put ``ImageEmbeddingsInput`` and an identity projector in the chunk's vision modules' place."""
+    """Put ``ImageEmbeddingsInput`` and an identity projector in the chunk's vision modules'
+    place."""
     stand_in = ImageEmbeddingsInput()
     chunk.vision_model = stand_in
     chunk.vision_projection = nn.Identity()
@@ -182,6 +242,10 @@ def user_images(config: OptimusConfig, user: UserModel) -> Callable[[int, int], 
     encoder = config.encoders[0]
 
     def images(iteration: int, global_microbatch: int) -> tuple[Tensor, ...]:
-        return (patchify(user.batch(iteration, global_microbatch)[user.image_key].float(), encoder.patch_size),)
+        return (
+            patchify(
+                user.batch(iteration, global_microbatch)[user.image_key].float(), encoder.patch_size
+            ),
+        )
 
     return images

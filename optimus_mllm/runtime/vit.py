@@ -5,18 +5,19 @@ holds ``CLIPViTModel``'s parameters, the layers are megatron-core ``TransformerL
 layer spec (``layer_ops.vision_layer_spec`` by default) and the ``mlp`` projector is a
 ``MultimodalProjector``. None of their forwards runs: steps apply their weights (the layers' steps
 come from ``layer_ops.layer_steps``), so that every TP collective is a step of its own. The encoder
-has its own plan, so its TP group is always passed in; megatron-core's ``parallel_state`` is never read.
+has its own plan, so its TP group is always passed in; megatron-core's ``parallel_state`` is never
+read.
 
-Under sequence parallelism (TP > 1) the parameters applied to a rank's own tokens (norms, row-parallel
-biases, patch and position embedding) get partial gradients: they carry megatron-core's
-``sequence_parallel`` attribute, and ``EncoderStage.reduce_sequence_parallel_grads`` sums them over the
-TP group.
+Under sequence parallelism (TP > 1) the parameters applied to a rank's own tokens (norms,
+row-parallel biases, patch and position embedding) get partial gradients: they carry megatron-core's
+``sequence_parallel`` attribute, and ``EncoderStage.reduce_sequence_parallel_grads`` sums them over
+the TP group.
 
-Stage 0 embeds patches given as [batch, seq, in_channels * patch_size**2]; the last stage's projector
-(``mlp``: Linear, GELU, Linear; ``linear``: one Linear; each after the optional spatial merge of
-``projector.spatial_merge``) returns [image tokens, batch, llm_hidden], whole on
-every TP rank (one all-reduce, ``tp_ar_projector``); under sequence parallelism it first gathers
-the tokens (``tp_ag_projector``). Its backward collective follows its first GEMM's backward:
+Stage 0 embeds patches given as [batch, seq, in_channels * patch_size**2]; the last stage's
+projector (``mlp``: Linear, GELU, Linear; ``linear``: one Linear; each after the optional spatial
+merge of ``projector.spatial_merge``) returns [image tokens, batch, llm_hidden], whole on every TP
+rank (one all-reduce, ``tp_ar_projector``); under sequence parallelism it first gathers the tokens
+(``tp_ag_projector``). Its backward collective follows its first GEMM's backward:
 ``tp_ar_projector`` (mlp), ``tp_rs_projector`` (mlp, sequence parallel) or ``tp_ag_projector``
 (linear), none for a frozen encoder.
 
@@ -45,9 +46,19 @@ from torch.distributed import ProcessGroup
 from optimus_mllm.config import EncoderConfig, OptimusConfig, encoder_tp_problem
 from optimus_mllm.params import stage_layer_bounds
 from optimus_mllm.runtime.encoder_ops import Block, Step, run_steps
-from optimus_mllm.runtime.layer_ops import (all_gather, build_layer, check_decomposable, collective, compute,
-                                            layer_steps, tp_entry, tp_exit, vision_layer_spec,
-                                            vision_transformer_config, wants_grad)
+from optimus_mllm.runtime.layer_ops import (
+    all_gather,
+    build_layer,
+    check_decomposable,
+    collective,
+    compute,
+    layer_steps,
+    tp_entry,
+    tp_exit,
+    vision_layer_spec,
+    vision_transformer_config,
+    wants_grad,
+)
 
 Tensor = torch.Tensor
 InitMethod = Callable[[Tensor], Any]
@@ -62,21 +73,35 @@ def _own_chunk(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
 
 
 def spatial_merge(x: Tensor, merged_tokens: int) -> Tensor:
-    """[seq, batch, hidden] -> [seq / n, batch, n * hidden]: each n consecutive tokens (one spatial group
+    """[seq, batch, hidden] -> [seq / n, batch, n * hidden]: each n consecutive tokens (one spatial
+    group
     of the data's patch order) side by side, as Qwen2-VL's patch merger concatenates them."""
     s, b, h = x.shape
-    return x.view(s // merged_tokens, merged_tokens, b, h).transpose(1, 2).reshape(s // merged_tokens, b, -1)
+    return (
+        x.view(s // merged_tokens, merged_tokens, b, h)
+        .transpose(1, 2)
+        .reshape(s // merged_tokens, b, -1)
+    )
 
 
 def _merge_step(merged_tokens: int) -> Step:
-    # A rank's sequence-parallel share is whole groups (config.encoder_tp_problem), so it merges locally.
-    return Step(forward=lambda x: (spatial_merge(x, merged_tokens),), fwd_kernel=None, bwd_kernel=None,
-                trainable=False)
+    # A rank's sequence-parallel share is whole groups (config.encoder_tp_problem), so it merges
+    # locally.
+    return Step(
+        forward=lambda x: (spatial_merge(x, merged_tokens),),
+        fwd_kernel=None,
+        bwd_kernel=None,
+        trainable=False,
+    )
 
 
 def _bias_step(bias: Tensor | None) -> Step:
-    return Step(forward=lambda x: (x if bias is None else x + bias,), fwd_kernel=None, bwd_kernel=None,
-                trainable=wants_grad(bias))
+    return Step(
+        forward=lambda x: (x if bias is None else x + bias,),
+        fwd_kernel=None,
+        bwd_kernel=None,
+        trainable=wants_grad(bias),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,9 +117,17 @@ class PatchEmbedding(nn.Module):
     def __init__(self, encoder: EncoderConfig, init_method: InitMethod, dtype: torch.dtype):
         super().__init__()
         clip = encoder.model_subtype == "clip"
-        self.conv1 = nn.Conv2d(encoder.in_channels, encoder.hidden_size, encoder.patch_size, encoder.patch_size,
-                               bias=not clip, dtype=dtype)
-        self.position_embeddings = nn.Embedding(encoder.seq_length, encoder.hidden_size, dtype=dtype)
+        self.conv1 = nn.Conv2d(
+            encoder.in_channels,
+            encoder.hidden_size,
+            encoder.patch_size,
+            encoder.patch_size,
+            bias=not clip,
+            dtype=dtype,
+        )
+        self.position_embeddings = nn.Embedding(
+            encoder.seq_length, encoder.hidden_size, dtype=dtype
+        )
         norm = nn.RMSNorm if encoder.normalization == "RMSNorm" else nn.LayerNorm
         self.ln_pre = norm(encoder.hidden_size, eps=1e-5, dtype=dtype) if clip else None
         init_method(self.conv1.weight)
@@ -120,27 +153,50 @@ class PatchEmbedding(nn.Module):
 class Projector(nn.Module):
     """Encoder features -> the LLM's hidden size, TP-sharded with one all-reduce at the end.
 
-    ``mlp``: megatron-core's ``MultimodalProjector`` (LLaVA's: column-parallel fc1, GELU, row-parallel
-    fc2), applied by steps over its weights. ``linear``: one row-parallel GEMM over this rank's slice of
-    the features (its input gradient is gathered: ``tp_ag_projector``); megatron-core's ``affine``
-    projector gathers its output instead, which this runtime does not run.
+    ``mlp``: megatron-core's ``MultimodalProjector`` (LLaVA's: column-parallel fc1, GELU,
+    row-parallel fc2), applied by steps over its weights. ``linear``: one row-parallel GEMM over
+    this rank's slice of the features (its input gradient is gathered: ``tp_ag_projector``);
+    megatron-core's ``affine`` projector gathers its output instead, which this runtime does not
+    run.
     """
 
-    def __init__(self, encoder: EncoderConfig, llm_hidden_size: int, layer_config: TransformerConfig,
-                 group: ProcessGroup):
+    def __init__(
+        self,
+        encoder: EncoderConfig,
+        llm_hidden_size: int,
+        layer_config: TransformerConfig,
+        group: ProcessGroup,
+    ):
         super().__init__()
         self.mlp = encoder.projector.type == "mlp"
         self.merged_tokens = encoder.merged_tokens
         if self.mlp:
-            config = replace(layer_config, hidden_size=llm_hidden_size, ffn_hidden_size=llm_hidden_size,
-                             gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True)
-            self.projection = MultimodalProjector(config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                                        linear_fc2=RowParallelLinear),
-                                                  "mlp", encoder.projector_input_size, tp_group=group)
+            config = replace(
+                layer_config,
+                hidden_size=llm_hidden_size,
+                ffn_hidden_size=llm_hidden_size,
+                gated_linear_unit=False,
+                activation_func=F.gelu,
+                add_bias_linear=True,
+            )
+            self.projection = MultimodalProjector(
+                config,
+                MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                "mlp",
+                encoder.projector_input_size,
+                tp_group=group,
+            )
         else:
-            self.linear = RowParallelLinear(encoder.projector_input_size, llm_hidden_size, config=layer_config,
-                                            init_method=layer_config.init_method, bias=True, skip_bias_add=False,
-                                            input_is_parallel=True, tp_group=group)
+            self.linear = RowParallelLinear(
+                encoder.projector_input_size,
+                llm_hidden_size,
+                config=layer_config,
+                init_method=layer_config.init_method,
+                bias=True,
+                skip_bias_add=False,
+                input_is_parallel=True,
+                tp_group=group,
+            )
 
     def steps(self, group: ProcessGroup, sequence_parallel: bool) -> tuple[Step, ...]:
         tp = group.size() > 1
@@ -148,7 +204,12 @@ class Projector(nn.Module):
             fc1, fc2 = self.projection.encoder.linear_fc1, self.projection.encoder.linear_fc2
             head = [tp_entry(group, sequence_parallel, "projector")] if tp else []
             gemms = [
-                compute("projector_fc1", lambda x: F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc1.weight, fc1.bias),
+                compute(
+                    "projector_fc1",
+                    lambda x: F.gelu(F.linear(x, fc1.weight, fc1.bias)),
+                    fc1.weight,
+                    fc1.bias,
+                ),
                 compute("projector_fc2", lambda x: F.linear(x, fc2.weight), fc2.weight),
             ]
             bias = fc2.bias
@@ -156,28 +217,50 @@ class Projector(nn.Module):
             linear = self.linear
             head = []
             if sequence_parallel:  # replicated downstream: the adjoint keeps this rank's tokens
-                head.append(collective(lambda x: all_gather(x, group), lambda g: _own_chunk(g, group, 0),
-                                       "tp_ag_projector", None))
+                head.append(
+                    collective(
+                        lambda x: all_gather(x, group),
+                        lambda g: _own_chunk(g, group, 0),
+                        "tp_ag_projector",
+                        None,
+                    )
+                )
             if tp:
-                head.append(collective(lambda x: _own_chunk(x, group, -1), lambda g: _all_gather_last_dim(g, group),
-                                       None, "tp_ag_projector"))
+                head.append(
+                    collective(
+                        lambda x: _own_chunk(x, group, -1),
+                        lambda g: _all_gather_last_dim(g, group),
+                        None,
+                        "tp_ag_projector",
+                    )
+                )
             gemms = [compute("projector_fc1", lambda x: F.linear(x, linear.weight), linear.weight)]
             bias = linear.bias
-        tail = [tp_exit(group, False, "projector")] if tp else []  # whole output on every rank, SP or not
+        # whole output on every rank, SP or not
+        tail = [tp_exit(group, False, "projector")] if tp else []
         merge = [_merge_step(self.merged_tokens)] if self.merged_tokens > 1 else []
         return (*merge, *head, *gemms, *tail, _bias_step(bias))
 
 
 class VisionStage(nn.Module):
     """One encoder's global layers ``layers`` = [lo, hi): with the patch embedding if lo is 0, with
-    the projector if hi is the last; ``frozen`` freezes everything but the projector. The layers are built from
-    ``layer_spec`` (a megatron-core ``TransformerLayer`` spec; default ``vision_layer_spec()``) with the
-    encoder's sizes and TP, and split into steps by ``layer_ops.layer_steps``."""
+    the projector if hi is the last; ``frozen`` freezes everything but the projector. The layers are
+    built from ``layer_spec`` (a megatron-core ``TransformerLayer`` spec; default
+    ``vision_layer_spec()``) with the encoder's sizes and TP, and split into steps by
+    ``layer_ops.layer_steps``."""
 
-    def __init__(self, encoder: EncoderConfig, llm_hidden_size: int, layers: tuple[int, int],
-                 tp_group: ProcessGroup, *, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32, init_std: float = 0.02,
-                 layer_spec: ModuleSpec | None = None):
+    def __init__(
+        self,
+        encoder: EncoderConfig,
+        llm_hidden_size: int,
+        layers: tuple[int, int],
+        tp_group: ProcessGroup,
+        *,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        init_std: float = 0.02,
+        layer_spec: ModuleSpec | None = None,
+    ):
         super().__init__()
         tp = tp_group.size()
         self.encoder = encoder
@@ -189,20 +272,30 @@ class VisionStage(nn.Module):
         self.first_layer, last_layer = layers
         layer_config = vision_transformer_config(encoder, tp, params_dtype, init_std)
         first = self.first_layer == 0
-        self.patch_embed = PatchEmbedding(encoder, layer_config.init_method, params_dtype) if first else None
+        self.patch_embed = (
+            PatchEmbedding(encoder, layer_config.init_method, params_dtype) if first else None
+        )
         spec = layer_spec if layer_spec is not None else vision_layer_spec()
-        self.layers = nn.ModuleList(build_layer(spec, layer_config, tp_group, index)
-                                    for index in range(self.first_layer, last_layer))
-        for index, layer in enumerate(self.layers, self.first_layer):  # refused when built, not when first run
+        self.layers = nn.ModuleList(
+            build_layer(spec, layer_config, tp_group, index)
+            for index in range(self.first_layer, last_layer)
+        )
+        # refused when built, not when first run
+        for index, layer in enumerate(self.layers, self.first_layer):
             check_decomposable(layer, f"{encoder.name}:{index}")
         last = last_layer == encoder.num_layers
-        self.projector = Projector(encoder, llm_hidden_size, layer_config, tp_group) if last else None
+        self.projector = (
+            Projector(encoder, llm_hidden_size, layer_config, tp_group) if last else None
+        )
         for name, param in self.named_parameters():
             if encoder.frozen and not name.startswith("projector."):
                 param.requires_grad_(False)
             # megatron-core's mark for gradients that are partial sums over the TP group
-            if self.sequence_parallel and not name.startswith("projector.") \
-                    and not getattr(param, "tensor_model_parallel", False):
+            if (
+                self.sequence_parallel
+                and not name.startswith("projector.")
+                and not getattr(param, "tensor_model_parallel", False)
+            ):
                 param.sequence_parallel = True
 
     def blocks(self) -> list[Block]:
@@ -213,44 +306,72 @@ class VisionStage(nn.Module):
         if self.patch_embed is not None:
             share = self.encoder.seq_length // group.size() if sp else self.encoder.seq_length
             start = group.rank() * share if sp else 0
-            blocks.append(Block(name, -1, (self.patch_embed.step(slice(start, start + share)),), False))
+            blocks.append(
+                Block(name, -1, (self.patch_embed.step(slice(start, start + share)),), False)
+            )
         for i, layer in enumerate(self.layers):
             index = self.first_layer + i
-            blocks.append(Block(name, index, layer_steps(layer, group, sp, f"{name}:{index}"), trainable))
+            blocks.append(
+                Block(name, index, layer_steps(layer, group, sp, f"{name}:{index}"), trainable)
+            )
         if self.projector is not None:
             blocks.append(Block(name, -1, self.projector.steps(group, sp), trainable))
         return blocks
 
     def forward(self, x: Tensor, seed: int) -> Tensor:
-        """The whole stage as one autograd graph (patches on stage 0, hidden states elsewhere); ``seed``:
+        """The whole stage as one autograd graph (patches on stage 0, hidden states elsewhere);
+        ``seed``:
         the microbatch's dropout seed."""
         if self.patch_embed is not None and x.shape[1] != self.encoder.seq_length:
-            raise ValueError(f"{self.encoder.name}: {x.shape[1]} patches per image, seq_length is "
-                             f"{self.encoder.seq_length}")
+            raise ValueError(
+                f"{self.encoder.name}: {x.shape[1]} patches per image, seq_length is "
+                f"{self.encoder.seq_length}"
+            )
         return run_steps([step for block in self.blocks() for step in block.steps], x, seed)
 
 
 class EncoderStage(nn.Module):
     """Every encoder of the config on one encoder pipeline stage, sharing the encoder TP group."""
 
-    def __init__(self, config: OptimusConfig, stage: int, num_stages: int, tp_group: ProcessGroup, *,
-                 params_dtype: torch.dtype = torch.float32, init_std: float = 0.02,
-                 layer_specs: Mapping[str, ModuleSpec] | None = None,
-                 layers: Mapping[str, tuple[int, int]] | None = None):
-        """``layer_specs``: a megatron-core layer spec per encoder name (the others get ``vision_layer_spec()``).
+    def __init__(
+        self,
+        config: OptimusConfig,
+        stage: int,
+        num_stages: int,
+        tp_group: ProcessGroup,
+        *,
+        params_dtype: torch.dtype = torch.float32,
+        init_std: float = 0.02,
+        layer_specs: Mapping[str, ModuleSpec] | None = None,
+        layers: Mapping[str, tuple[int, int]] | None = None,
+    ):
+        """``layer_specs``: a megatron-core layer spec per encoder name (the others get
+        ``vision_layer_spec()``).
         ``layers``: each encoder's [lo, hi) layers, in place of stage ``stage``'s even share of
         ``num_stages`` (the balanced baseline's uneven virtual stages)."""
         super().__init__()
         self.tp_group = tp_group
         specs = layer_specs or {}
         if layers is None:
-            layers = {enc.name: stage_layer_bounds(enc.num_layers, num_stages)[stage] for enc in config.encoders}
-        self.encoders = nn.ModuleDict({
-            enc.name: VisionStage(enc, config.llm.hidden_size, layers[enc.name], tp_group,
-                                  sequence_parallel=config.training.sequence_parallel,
-                                  params_dtype=params_dtype, init_std=init_std, layer_spec=specs.get(enc.name))
-            for enc in config.encoders
-        })
+            layers = {
+                enc.name: stage_layer_bounds(enc.num_layers, num_stages)[stage]
+                for enc in config.encoders
+            }
+        self.encoders = nn.ModuleDict(
+            {
+                enc.name: VisionStage(
+                    enc,
+                    config.llm.hidden_size,
+                    layers[enc.name],
+                    tp_group,
+                    sequence_parallel=config.training.sequence_parallel,
+                    params_dtype=params_dtype,
+                    init_std=init_std,
+                    layer_spec=specs.get(enc.name),
+                )
+                for enc in config.encoders
+            }
+        )
 
     def blocks(self) -> list[Block]:
         return [block for stage in self.encoders.values() for block in stage.blocks()]
@@ -263,7 +384,11 @@ class EncoderStage(nn.Module):
         iteration after the last backward op (megatron-core's finalize_model_grads does the same
         for these parameters when given this TP group). Under megatron-core's DDP the gradient is
         the parameter's ``main_grad``."""
-        grads = [getattr(p, "main_grad", p.grad) for p in self.parameters() if getattr(p, "sequence_parallel", False)]
+        grads = [
+            getattr(p, "main_grad", p.grad)
+            for p in self.parameters()
+            if getattr(p, "sequence_parallel", False)
+        ]
         grads = [g for g in grads if g is not None]
         if not grads or self.tp_group.size() == 1:
             return

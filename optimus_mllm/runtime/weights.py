@@ -2,8 +2,9 @@
 
 Every matrix-shaped parameter is drawn whole from a generator seeded by its global name, then cut to
 this rank's shard the way megatron-core shards it (``partition_dim``, ``partition_stride``). Vectors
-keep megatron-core's constant initialisation (zero biases, unit norm weights). So a model built under
-any plan, Optimus's, the Megatron-style baseline's or a single rank's, starts from the same weights.
+keep megatron-core's constant initialisation (zero biases, unit norm weights). So a model built
+under any plan, Optimus's, the Megatron-style baseline's or a single rank's, starts from the same
+weights.
 
 Global names: an encoder parameter is named by its encoder, global layer index and parameter; an LLM
 parameter by its name inside megatron-core's ``GPTModel`` with the layer index replaced by the
@@ -57,7 +58,8 @@ def init_plan_independent_(stage: EncoderStage, seed: int) -> None:
 
 
 def llm_global_parameter_names(chunks: Sequence[GPTModel]) -> dict[str, torch.nn.Parameter]:
-    """This rank's LLM parameters (all its chunks) keyed by a name that is the same under every plan.
+    """This rank's LLM parameters (all its chunks) keyed by a name that is the same under every
+    plan.
 
     With tied embeddings across pipeline stages, the last stage's copy of the word embedding (its
     ``output_layer.weight``) is named as the embedding: both start equal and, gradients summed over
@@ -74,27 +76,38 @@ def llm_global_parameter_names(chunks: Sequence[GPTModel]) -> dict[str, torch.nn
     return names
 
 
-def init_llm_plan_independent_(chunks: Sequence[GPTModel], seed: int, tp_group: dist.ProcessGroup) -> None:
+def init_llm_plan_independent_(
+    chunks: Sequence[GPTModel], seed: int, tp_group: dist.ProcessGroup
+) -> None:
     """Re-draw the LLM chunks' matrices from ``seed`` and their global names.
 
     megatron-core's own initialisation draws from a stream whose position depends on the plan (which
     layers this rank builds, in which order), so two plans would start from different weights.
 
     Raises:
-        OptimusError: a gated linear unit whose fc1 is not marked stride 2 under TP > 1: its [gate; up]
-            halves would be cut as one block, so the TP ranks would not hold the whole tensor's rows.
+        OptimusError: a gated linear unit whose fc1 is not marked stride 2 under TP > 1: its [gate;
+        up]
+            halves would be cut as one block, so the TP ranks would not hold the whole tensor's
+            rows.
     """
     named = llm_global_parameter_names(chunks)
     if tp_group.size() > 1 and any(chunk.config.gated_linear_unit for chunk in chunks):
         for name, param in named.items():
-            if name.endswith("mlp.linear_fc1.weight") and getattr(param, "partition_stride", 1) != 2:
-                raise OptimusError(f"{name}: this megatron-core does not mark the gated linear unit's fc1 as "
-                                   "strided, so its weights cannot be made plan-independent; use "
-                                   "model.llm.gated_linear_unit: false or tp: 1")
+            if (
+                name.endswith("mlp.linear_fc1.weight")
+                and getattr(param, "partition_stride", 1) != 2
+            ):
+                raise OptimusError(
+                    f"{name}: this megatron-core does not mark the gated linear unit's fc1 as "
+                    "strided, so its weights cannot be made plan-independent; use "
+                    "model.llm.gated_linear_unit: false or tp: 1"
+                )
     _init_matrices_(named, seed, tp_group)
 
 
-def _init_matrices_(named: Mapping[str, torch.nn.Parameter], seed: int, group: dist.ProcessGroup) -> None:
+def _init_matrices_(
+    named: Mapping[str, torch.nn.Parameter], seed: int, group: dist.ProcessGroup
+) -> None:
     rank, size = group.rank(), group.size()
     with torch.no_grad():
         for name, param in named.items():
@@ -117,11 +130,14 @@ def whole(tensor: torch.Tensor, param: torch.Tensor, group: dist.ProcessGroup) -
     dist.all_gather(parts, tensor.contiguous(), group=group)
     stride = getattr(param, "partition_stride", 1)
     pieces = [part.chunk(stride, dim=param.partition_dim) for part in parts]
-    return torch.cat([pieces[r][k] for k in range(stride) for r in range(size)], dim=param.partition_dim)
+    return torch.cat(
+        [pieces[r][k] for k in range(stride) for r in range(size)], dim=param.partition_dim
+    )
 
 
-def whole_parameters(named: Mapping[str, torch.nn.Parameter],
-                     group: dist.ProcessGroup) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+def whole_parameters(
+    named: Mapping[str, torch.nn.Parameter], group: dist.ProcessGroup
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """(weight, gradient) of every parameter, whole, by global name; a collective over ``group``.
 
     Args:
@@ -137,6 +153,10 @@ def whole_parameters(named: Mapping[str, torch.nn.Parameter],
     """
     with torch.no_grad():
         grads = {name: getattr(param, "main_grad", param.grad) for name, param in named.items()}
-        return {name: (whole(param.detach(), param, group),
-                       None if grads[name] is None else whole(grads[name], param, group))
-                for name, param in named.items()}
+        return {
+            name: (
+                whole(param.detach(), param, group),
+                None if grads[name] is None else whole(grads[name], param, group),
+            )
+            for name, param in named.items()
+        }

@@ -2,18 +2,18 @@
 
 ``validate_artifact`` checks the file on its own: every field's type, and that the plans, the
 microbatch partition and global ordering, the warm-up, the LLM kernel lists and the encoder stages'
-op chains fit together as ``schedule_to_artifact`` writes them. ``validate_for_job`` checks what only
-the job's config knows: its microbatch count and the kernels its encoder and LLM run. A failure names
-the field's path in the file (``encoder_stages[3].ops[17].kernel_index``): a hand-edited or truncated
-artifact fails here, in one line, instead of with a traceback or a hang after the ranks connect.
+op chains fit together as ``schedule_to_artifact`` writes them. ``validate_for_job`` checks what
+only the job's config knows: its microbatch count and the kernels its encoder and LLM run. A failure
+names the field's path in the file (``encoder_stages[3].ops[17].kernel_index``): a hand-edited or
+truncated artifact fails here, in one line, instead of with a traceback or a hang after the ranks
+connect.
 """
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
 import json
+import math
 from typing import Any
 
 from optimus_mllm.config import OptimusConfig
@@ -28,14 +28,40 @@ REMEDY = "write a new one with optimus-plan --artifact"
 PHASES = ("fwd", "bwd")
 HOOK_KINDS = ("before_first_compute", "llm_kernel", "after_last_compute")
 
-_TOP_LEVEL = {"format": str, "version": int, "config": str, "num_gpus": int, "llm_plan": dict,
-              "encoder_plan": dict, "num_microbatches": int, "partition": list, "assignment": list,
-              "warmup": list, "default_warmup": list, "predicted": dict, "llm_kernels": dict,
-              "encoder_stages": list, "fingerprint": dict}
+_TOP_LEVEL = {
+    "format": str,
+    "version": int,
+    "config": str,
+    "num_gpus": int,
+    "llm_plan": dict,
+    "encoder_plan": dict,
+    "num_microbatches": int,
+    "partition": list,
+    "assignment": list,
+    "warmup": list,
+    "default_warmup": list,
+    "predicted": dict,
+    "llm_kernels": dict,
+    "encoder_stages": list,
+    "fingerprint": dict,
+}
 _PLAN_KEYS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
 _STAGE_KEYS = ("encoder_pipeline", "encoder_stage", "llm_stage", "gpus", "ops")
-_OP_KEYS = ("phase", "microbatch", "local_microbatch", "encoder", "layer", "kernel", "kernel_index", "piece",
-            "is_comm", "window", "start_us", "end_us", "hook")
+_OP_KEYS = (
+    "phase",
+    "microbatch",
+    "local_microbatch",
+    "encoder",
+    "layer",
+    "kernel",
+    "kernel_index",
+    "piece",
+    "is_comm",
+    "window",
+    "start_us",
+    "end_us",
+    "hook",
+)
 _LLM_HOOK_KEYS = ("at", "phase", "chunk", "microbatch", "kernel_index", "kernel", "layer", "after")
 
 
@@ -45,7 +71,8 @@ class _Invalid(Exception):
 
 
 def validate_artifact(data: dict[str, Any], where: str) -> None:
-    """Refuse an artifact that is not what ``schedule_to_artifact`` writes; ``where`` starts the message."""
+    """Refuse an artifact that is not what ``schedule_to_artifact`` writes; ``where`` starts the
+    message."""
     try:
         _check_artifact(data)
     except _Invalid as exc:
@@ -86,10 +113,20 @@ def _check_artifact(data: dict[str, Any]) -> None:
         field = f"encoder_stages[{i}]"
         j, e = _check_stage_place(stage, field, layout, llm)
         if (j, e) in seen:
-            raise _Invalid(field, f"encoder pipeline {j} stage {e} again (also encoder_stages[{seen[(j, e)]}])")
+            raise _Invalid(
+                field, f"encoder pipeline {j} stage {e} again (also encoder_stages[{seen[(j, e)]}])"
+            )
         seen[(j, e)] = i
-        _check_ops(stage["ops"], f"{field}.ops", j, partition[j], llm_microbatch, kernels[stage["llm_stage"]],
-                   llm, n_mb)
+        _check_ops(
+            stage["ops"],
+            f"{field}.ops",
+            j,
+            partition[j],
+            llm_microbatch,
+            kernels[stage["llm_stage"]],
+            llm,
+            n_mb,
+        )
     for j, stages in enumerate(layout):
         for e in range(len(stages)):
             if (j, e) not in seen:
@@ -98,14 +135,19 @@ def _check_artifact(data: dict[str, Any]) -> None:
 
 def _check_predicted(value: dict, n_mb: int) -> None:
     """The scheduler's predictions (times in us; F/B/EF/EB per microbatch): finite numbers."""
-    times, per_microbatch = ("iteration_us", "coarse_iteration_us", "llm_origin_us"), ("F", "B", "EF", "EB")
+    times, per_microbatch = (
+        ("iteration_us", "coarse_iteration_us", "llm_origin_us"),
+        ("F", "B", "EF", "EB"),
+    )
     _keys(value, times + per_microbatch, "predicted")
     for key in times:
         _finite(value[key], f"predicted.{key}")
     for key in per_microbatch:
         entries = _typed(value[key], list, f"predicted.{key}")
         if len(entries) != n_mb:
-            raise _Invalid(f"predicted.{key}", f"{len(entries)} entries, but there are {n_mb} microbatches")
+            raise _Invalid(
+                f"predicted.{key}", f"{len(entries)} entries, but there are {n_mb} microbatches"
+            )
         for i, entry in enumerate(entries):
             _finite(entry, f"predicted.{key}[{i}]")
 
@@ -121,7 +163,9 @@ def _check_plans(llm: ParallelPlan, enc: ParallelPlan, num_gpus: int) -> None:
         if plan.world_size != num_gpus:
             raise _Invalid(name, f"dp*pp*tp = {plan.world_size}, but num_gpus is {num_gpus}")
     if enc.vp != 1:
-        raise _Invalid("encoder_plan.vp", f"{enc.vp}, but the encoder has no virtual stages: must be 1")
+        raise _Invalid(
+            "encoder_plan.vp", f"{enc.vp}, but the encoder has no virtual stages: must be 1"
+        )
     if llm.pp % enc.pp:
         raise _Invalid("encoder_plan.pp", f"{enc.pp} does not divide llm_plan.pp={llm.pp}")
     if llm.tp % enc.tp:
@@ -134,56 +178,84 @@ def _check_partition(value: list, pipelines: int, n_mb: int) -> list[int]:
     for j, count in enumerate(partition):
         _int(count, f"partition[{j}]", 1)
     if sum(partition) != n_mb:
-        raise _Invalid("partition", f"{partition} adds up to {sum(partition)}, not num_microbatches={n_mb}")
+        raise _Invalid(
+            "partition", f"{partition} adds up to {sum(partition)}, not num_microbatches={n_mb}"
+        )
     return partition
 
 
 def _check_assignment(value: list, partition: list[int], n_mb: int) -> dict[tuple[int, int], int]:
-    """The global ordering: every (encoder pipeline, local microbatch) feeds exactly one LLM microbatch."""
+    """The global ordering: every (encoder pipeline, local microbatch) feeds exactly one LLM
+    microbatch."""
     if len(value) != n_mb:
-        raise _Invalid("assignment", f"{len(value)} entries, one per LLM microbatch: must be num_microbatches={n_mb}")
+        raise _Invalid(
+            "assignment",
+            f"{len(value)} entries, one per LLM microbatch: must be num_microbatches={n_mb}",
+        )
     llm_microbatch: dict[tuple[int, int], int] = {}
     for i, pair in enumerate(value):
         field = f"assignment[{i}]"
         if not isinstance(pair, list) or len(pair) != 2:
-            raise _Invalid(field, f"expected [encoder pipeline, local microbatch], got {_describe(pair)}")
+            raise _Invalid(
+                field, f"expected [encoder pipeline, local microbatch], got {_describe(pair)}"
+            )
         j = _int(pair[0], f"{field}[0]", 0, len(partition) - 1)
         k = _int(pair[1], f"{field}[1]", 0, partition[j] - 1)
         if (j, k) in llm_microbatch:
-            raise _Invalid(field, f"encoder pipeline {j}'s local microbatch {k} again (also assignment"
-                           f"[{llm_microbatch[(j, k)]}]): must be a permutation")
+            raise _Invalid(
+                field,
+                f"encoder pipeline {j}'s local microbatch {k} again (also assignment"
+                f"[{llm_microbatch[(j, k)]}]): must be a permutation",
+            )
         llm_microbatch[(j, k)] = i
-    return llm_microbatch  # n_mb distinct pairs out of sum(partition) == n_mb: each one exactly once
+    return (
+        llm_microbatch  # n_mb distinct pairs out of sum(partition) == n_mb: each one exactly once
+    )
 
 
 def _check_warmup(value: list, llm: ParallelPlan, n_mb: int) -> None:
     warmup = _int_list(value, "warmup", llm.pp)
     for s, w in enumerate(warmup):
         if w > n_mb * llm.vp:
-            raise _Invalid(f"warmup[{s}]", f"{w} forwards, but a stage runs {n_mb * llm.vp} (num_microbatches * vp)")
+            raise _Invalid(
+                f"warmup[{s}]",
+                f"{w} forwards, but a stage runs {n_mb * llm.vp} (num_microbatches * vp)",
+            )
     default = [default_warmup(llm.pp, llm.vp, n_mb, s) for s in range(llm.pp)]
     if llm.vp == 1 and warmup != default:
-        # megatron-core's non-interleaved schedule computes its warm-up inline: it cannot be adjusted
-        raise _Invalid("warmup", f"{warmup}, but without virtual stages megatron-core runs {default}")
+        # megatron-core's non-interleaved schedule computes its warm-up inline: it cannot be
+        # adjusted
+        raise _Invalid(
+            "warmup", f"{warmup}, but without virtual stages megatron-core runs {default}"
+        )
     unit = OpWork.sequential([("unit", 0, False, 1.0)])
     work = {(s, c, phase): unit for s in range(llm.pp) for c in range(llm.vp) for phase in PHASES}
     try:
         simulate(llm.pp, llm.vp, n_mb, work, 0.0, warmup)
     except PipelineDeadlock:
-        raise _Invalid("warmup", f"{warmup} deadlocks the LLM pipeline (pp={llm.pp}, vp={llm.vp}, {n_mb} "
-                       f"microbatches); megatron-core's default is {default}") from None
+        raise _Invalid(
+            "warmup",
+            f"{warmup} deadlocks the LLM pipeline (pp={llm.pp}, vp={llm.vp}, {n_mb} "
+            f"microbatches); megatron-core's default is {default}",
+        ) from None
 
 
-def _check_llm_kernels(value: dict, llm: ParallelPlan) -> dict[int, dict[tuple[int, str], list[str]]]:
+def _check_llm_kernels(
+    value: dict, llm: ParallelPlan
+) -> dict[int, dict[tuple[int, str], list[str]]]:
     """Kernel names of every (stage, chunk, phase) op; per stage {(chunk, phase): names}."""
-    expected = [f"{s}/{c}/{phase}" for s in range(llm.pp) for c in range(llm.vp) for phase in PHASES]
+    expected = [
+        f"{s}/{c}/{phase}" for s in range(llm.pp) for c in range(llm.vp) for phase in PHASES
+    ]
     _keys(value, tuple(expected), "llm_kernels")
     kernels: dict[int, dict[tuple[int, str], list[str]]] = {s: {} for s in range(llm.pp)}
     for key in expected:
         names = value[key]
         field = f"llm_kernels[{key!r}]"
         if not isinstance(names, list) or not names:
-            raise _Invalid(field, f"expected a non-empty list of kernel names, got {_describe(names)}")
+            raise _Invalid(
+                field, f"expected a non-empty list of kernel names, got {_describe(names)}"
+            )
         for n, name in enumerate(names):
             _typed(name, str, f"{field}[{n}]")
         s, c, phase = key.split("/")
@@ -194,32 +266,51 @@ def _check_llm_kernels(value: dict, llm: ParallelPlan) -> dict[int, dict[tuple[i
 def _check_fingerprint(value: dict) -> None:
     for key, setting in value.items():
         if setting is not None and not isinstance(setting, (str, int, float)):
-            raise _Invalid(f"fingerprint[{key!r}]", f"expected a number, string, true/false or null, got "
-                           f"{_describe(setting)}")
+            raise _Invalid(
+                f"fingerprint[{key!r}]",
+                f"expected a number, string, true/false or null, got {_describe(setting)}",
+            )
 
 
-def _check_stage_place(stage: Any, field: str, layout: list[list[list[int]]], llm: ParallelPlan) -> tuple[int, int]:
-    """(encoder pipeline, encoder stage) of an ``encoder_stages`` entry on the GPUs the plans give it."""
+def _check_stage_place(
+    stage: Any, field: str, layout: list[list[list[int]]], llm: ParallelPlan
+) -> tuple[int, int]:
+    """(encoder pipeline, encoder stage) of an ``encoder_stages`` entry on the GPUs the plans give
+    it."""
     _typed(stage, dict, field)
     _keys(stage, _STAGE_KEYS, field)
     j = _int(stage["encoder_pipeline"], f"{field}.encoder_pipeline", 0, len(layout) - 1)
     e = _int(stage["encoder_stage"], f"{field}.encoder_stage", 0, len(layout[j]) - 1)
     gpus = layout[j][e]
     if stage["gpus"] != gpus or not all(type(g) is int for g in stage["gpus"]):
-        raise _Invalid(f"{field}.gpus", f"{_describe(stage['gpus'])}, but the plans put encoder pipeline {j} stage "
-                       f"{e} on GPUs {gpus}")
+        raise _Invalid(
+            f"{field}.gpus",
+            f"{_describe(stage['gpus'])}, but the plans put encoder pipeline {j} stage "
+            f"{e} on GPUs {gpus}",
+        )
     if _int(stage["llm_stage"], f"{field}.llm_stage") != gpus[0] // llm.tp:
-        raise _Invalid(f"{field}.llm_stage", f"{stage['llm_stage']}, but GPUs {gpus} hold LLM stage "
-                       f"{gpus[0] // llm.tp}")
+        raise _Invalid(
+            f"{field}.llm_stage",
+            f"{stage['llm_stage']}, but GPUs {gpus} hold LLM stage {gpus[0] // llm.tp}",
+        )
     _typed(stage["ops"], list, f"{field}.ops")
     return j, e
 
 
-def _check_ops(ops: list, field: str, j: int, count: int, llm_microbatch: dict[tuple[int, int], int],
-               kernels: dict[tuple[int, str], list[str]], llm: ParallelPlan, n_mb: int) -> None:
-    """Every (phase, local microbatch, kernel_index) once, or as pieces that tile [0, 1]; each chain's kernel
-    indexes 0..n-1; a forward chain for every local microbatch, and a backward chain for all of them or
-    (frozen encoders) none; chains of the same phase equally long."""
+def _check_ops(
+    ops: list,
+    field: str,
+    j: int,
+    count: int,
+    llm_microbatch: dict[tuple[int, int], int],
+    kernels: dict[tuple[int, str], list[str]],
+    llm: ParallelPlan,
+    n_mb: int,
+) -> None:
+    """Every (phase, local microbatch, kernel_index) once, or as pieces that tile [0, 1]; each
+    chain's kernel
+    indexes 0..n-1; a forward chain for every local microbatch, and a backward chain for all of them
+    or (frozen encoders) none; chains of the same phase equally long."""
     # (phase, local microbatch) -> kernel_index -> its pieces: (lo, hi, op)
     chains: dict[tuple[str, int], dict[int, list[tuple[float, float, int]]]] = {}
     for n, op in enumerate(ops):
@@ -231,44 +322,69 @@ def _check_ops(ops: list, field: str, j: int, count: int, llm_microbatch: dict[t
             reached = 0.0
             for lo, hi, n in sorted(pieces):
                 if lo != reached:
-                    raise _Invalid(f"{field}[{n}].piece", f"[{lo}, {hi}], but the pieces of kernel_index {index} "
-                                   f"in the {phase} chain of local microbatch {k} must tile [0, 1]: the next "
-                                   f"starts at {reached}")
+                    raise _Invalid(
+                        f"{field}[{n}].piece",
+                        f"[{lo}, {hi}], but the pieces of kernel_index {index} "
+                        f"in the {phase} chain of local microbatch {k} must tile [0, 1]: the next "
+                        f"starts at {reached}",
+                    )
                 reached = hi
             if reached != 1.0:
-                raise _Invalid(f"{field}[{max(pieces)[2]}].piece", f"the pieces of kernel_index {index} in the "
-                               f"{phase} chain of local microbatch {k} end at {reached}, not 1")
+                raise _Invalid(
+                    f"{field}[{max(pieces)[2]}].piece",
+                    f"the pieces of kernel_index {index} in the "
+                    f"{phase} chain of local microbatch {k} end at {reached}, not 1",
+                )
     for k in range(count):
         if ("fwd", k) not in chains:
             raise _Invalid(field, f"no fwd op of local microbatch {k}")
     with_backward = sorted(k for phase, k in chains if phase == "bwd")
     if with_backward and len(with_backward) != count:
         k = min(set(range(count)) - set(with_backward))
-        raise _Invalid(field, f"no bwd op of local microbatch {k}, but local microbatch {with_backward[0]} has some")
+        raise _Invalid(
+            field,
+            f"no bwd op of local microbatch {k}, but local microbatch {with_backward[0]} has some",
+        )
     for (phase, k), chain in sorted(chains.items()):
         for position, index in enumerate(sorted(chain)):
             if index != position:
-                raise _Invalid(f"{field}[{chain[index][0][2]}].kernel_index", f"{index}, but the {phase} chain of "
-                               f"local microbatch {k} has no kernel_index {position}")
+                raise _Invalid(
+                    f"{field}[{chain[index][0][2]}].kernel_index",
+                    f"{index}, but the {phase} chain of "
+                    f"local microbatch {k} has no kernel_index {position}",
+                )
     for phase in PHASES:
         lengths = {k: len(chain) for (p, k), chain in sorted(chains.items()) if p == phase}
         whole = max(lengths, key=lengths.get, default=None)
         for k, length in lengths.items():
             if length < lengths[whole]:
-                raise _Invalid(field, f"no {phase} op of local microbatch {k} with kernel_index {length}, but local "
-                               f"microbatch {whole} has one")
+                raise _Invalid(
+                    field,
+                    f"no {phase} op of local microbatch {k} with kernel_index {length}, but local "
+                    f"microbatch {whole} has one",
+                )
 
 
-def _check_op(op: Any, at: str, j: int, count: int, llm_microbatch: dict[tuple[int, int], int],
-              kernels: dict[tuple[int, str], list[str]], llm: ParallelPlan,
-              n_mb: int) -> tuple[str, int, int, tuple[float, float]]:
+def _check_op(
+    op: Any,
+    at: str,
+    j: int,
+    count: int,
+    llm_microbatch: dict[tuple[int, int], int],
+    kernels: dict[tuple[int, str], list[str]],
+    llm: ParallelPlan,
+    n_mb: int,
+) -> tuple[str, int, int, tuple[float, float]]:
     _typed(op, dict, at)
     _keys(op, _OP_KEYS, at)
     phase = _choice(op["phase"], PHASES, f"{at}.phase")
     k = _int(op["local_microbatch"], f"{at}.local_microbatch", 0, count - 1)
     if _int(op["microbatch"], f"{at}.microbatch") != llm_microbatch[(j, k)]:
-        raise _Invalid(f"{at}.microbatch", f"{op['microbatch']}, but the assignment feeds LLM microbatch "
-                       f"{llm_microbatch[(j, k)]} from encoder pipeline {j}'s local microbatch {k}")
+        raise _Invalid(
+            f"{at}.microbatch",
+            f"{op['microbatch']}, but the assignment feeds LLM microbatch "
+            f"{llm_microbatch[(j, k)]} from encoder pipeline {j}'s local microbatch {k}",
+        )
     index = _int(op["kernel_index"], f"{at}.kernel_index")
     piece = _piece(op["piece"], f"{at}.piece")
     _typed(op["encoder"], str, f"{at}.encoder")
@@ -285,17 +401,21 @@ def _check_op(op: Any, at: str, j: int, count: int, llm_microbatch: dict[tuple[i
 def _piece(value: Any, field: str) -> tuple[float, float]:
     """[lo, hi): a share of a kernel's tokens, 0 <= lo < hi <= 1."""
     if not isinstance(value, list) or len(value) != 2:
-        raise _Invalid(field, f"expected [lo, hi], fractions of the kernel's tokens, got {_describe(value)}")
+        raise _Invalid(
+            field, f"expected [lo, hi], fractions of the kernel's tokens, got {_describe(value)}"
+        )
     lo, hi = (_finite(x, f"{field}[{i}]") for i, x in enumerate(value))
     if not 0.0 <= lo < hi <= 1.0:
         raise _Invalid(field, f"{_describe(value)}, but must have 0 <= lo < hi <= 1")
     return lo, hi
 
 
-def _check_hook(hook: Any, at: str, kernels: dict[tuple[int, str], list[str]], llm: ParallelPlan,
-                n_mb: int) -> None:
-    """A hook names a moment of this stage's LLM ops; ``llm_kernel`` names an op and one of its kernels
-    (its ``kernel`` and ``layer`` only describe it: the runtime goes by ``kernel_index``)."""
+def _check_hook(
+    hook: Any, at: str, kernels: dict[tuple[int, str], list[str]], llm: ParallelPlan, n_mb: int
+) -> None:
+    """A hook names a moment of this stage's LLM ops; ``llm_kernel`` names an op and one of its
+    kernels (its ``kernel`` and ``layer`` only describe it: the runtime goes by
+    ``kernel_index``)."""
     _typed(hook, dict, at)
     if "at" not in hook:
         raise _Invalid(f"{at}.at", "missing")
@@ -309,8 +429,11 @@ def _check_hook(hook: Any, at: str, kernels: dict[tuple[int, str], list[str]], l
     _int(hook["microbatch"], f"{at}.microbatch", 0, n_mb - 1)
     names = kernels[(chunk, phase)]
     if _int(hook["kernel_index"], f"{at}.kernel_index") >= len(names):
-        raise _Invalid(f"{at}.kernel_index", f"{hook['kernel_index']}, but the LLM's {phase} of chunk {chunk} on this "
-                       f"stage has {len(names)} kernels (llm_kernels)")
+        raise _Invalid(
+            f"{at}.kernel_index",
+            f"{hook['kernel_index']}, but the LLM's {phase} of chunk {chunk} on this "
+            f"stage has {len(names)} kernels (llm_kernels)",
+        )
     _typed(hook["kernel"], str, f"{at}.kernel")
     _int(hook["layer"], f"{at}.layer", -1)
     _typed(hook["after"], bool, f"{at}.after")
@@ -323,51 +446,90 @@ def _check_job(data: dict[str, Any], config: OptimusConfig) -> None:
     llm, enc = ParallelPlan(**data["llm_plan"]), ParallelPlan(**data["encoder_plan"])
     n_mb = config.num_microbatches_total // llm.dp
     if data["num_microbatches"] != n_mb:
-        raise _Invalid("num_microbatches", f"{data['num_microbatches']}, but this job runs {n_mb} per LLM pipeline "
-                       "(training.global_batch_size / micro_batch_size / dp)")
-    cost = CostModel(config.cluster, config.cost_model)  # kernel names and order only: no profile needed
+        raise _Invalid(
+            "num_microbatches",
+            f"{data['num_microbatches']}, but this job runs {n_mb} per LLM pipeline "
+            "(training.global_batch_size / micro_batch_size / dp)",
+        )
+    # kernel names and order only: no profile needed
+    cost = CostModel(config.cluster, config.cost_model)
     for (s, c, phase), work in llm_op_work(config, llm, cost).items():
         key, names = f"{s}/{c}/{phase}", [k.name for k in work.kernels]
         have = data["llm_kernels"][key]
         if have != names:
             n = next((n for n, (a, b) in enumerate(zip(have, names)) if a != b), None)
             if n is None:
-                raise _Invalid(f"llm_kernels[{key!r}]", f"{len(have)} kernels, but this job's LLM runs {len(names)}")
-            raise _Invalid(f"llm_kernels[{key!r}][{n}]", f"{have[n]!r}, but this job's LLM runs {names[n]!r} there")
+                raise _Invalid(
+                    f"llm_kernels[{key!r}]",
+                    f"{len(have)} kernels, but this job's LLM runs {len(names)}",
+                )
+            raise _Invalid(
+                f"llm_kernels[{key!r}][{n}]",
+                f"{have[n]!r}, but this job's LLM runs {names[n]!r} there",
+            )
     work = build_encoder_work(config, llm, enc, cost)
     for i, stage in enumerate(data["encoder_stages"]):
         e = stage["encoder_stage"]
-        _check_chains(stage["ops"], f"encoder_stages[{i}].ops", e, {"fwd": work.fwd[e], "bwd": work.bwd[e]})
+        _check_chains(
+            stage["ops"], f"encoder_stages[{i}].ops", e, {"fwd": work.fwd[e], "bwd": work.bwd[e]}
+        )
 
 
-def _check_chains(ops: list[dict[str, Any]], field: str, e: int, chains: dict[str, StageChain]) -> None:
-    """Each op is the kernel this job's encoder stage runs at its kernel_index, a piece of it only if it
-    can be split, and each chain is whole (``validate_artifact`` made the chains of a phase contiguous and
-    equally long)."""
+def _check_chains(
+    ops: list[dict[str, Any]], field: str, e: int, chains: dict[str, StageChain]
+) -> None:
+    """Each op is the kernel this job's encoder stage runs at its kernel_index, a piece of it only
+    if it
+    can be split, and each chain is whole (``validate_artifact`` made the chains of a phase
+    contiguous and equally long)."""
     length = {phase: 0 for phase in PHASES}
     names_of = {phase: [k.name for k in chain.kernels] for phase, chain in chains.items()}
     for n, op in enumerate(ops):
-        kernels, names, index = chains[op["phase"]].kernels, names_of[op["phase"]], op["kernel_index"]
+        kernels, names, index = (
+            chains[op["phase"]].kernels,
+            names_of[op["phase"]],
+            op["kernel_index"],
+        )
         if index >= len(names):
-            raise _Invalid(f"{field}[{n}].kernel_index", f"{index}, but encoder stage {e}'s {op['phase']} chain has "
-                           f"{len(names)} kernels" + (" (frozen encoders have no backward)" if not names else ""))
+            raise _Invalid(
+                f"{field}[{n}].kernel_index",
+                f"{index}, but encoder stage {e}'s {op['phase']} chain has "
+                f"{len(names)} kernels"
+                + (" (frozen encoders have no backward)" if not names else ""),
+            )
         if op["kernel"] != names[index]:
-            raise _Invalid(f"{field}[{n}].kernel", f"{op['kernel']!r}, but kernel {index} of encoder stage {e}'s "
-                           f"{op['phase']} chain is {names[index]!r}")
+            raise _Invalid(
+                f"{field}[{n}].kernel",
+                f"{op['kernel']!r}, but kernel {index} of encoder stage {e}'s "
+                f"{op['phase']} chain is {names[index]!r}",
+            )
         if op["piece"] != [0.0, 1.0] and not kernels[index].splittable:
-            raise _Invalid(f"{field}[{n}].piece", f"{_describe(op['piece'])}, but this job's encoder runs kernel "
-                           f"{index} ({names[index]!r}) whole: only a layer's compute kernels without dropout split")
+            raise _Invalid(
+                f"{field}[{n}].piece",
+                f"{_describe(op['piece'])}, but this job's encoder runs kernel "
+                f"{index} ({names[index]!r}) whole: only a layer's compute kernels without dropout "
+                "split",
+            )
         length[op["phase"]] = max(length[op["phase"]], index + 1)
     for phase, chain in chains.items():
         if length[phase] != len(chain.kernels):
-            raise _Invalid(field, f"the {phase} chains have {length[phase]} kernels, but encoder stage {e}'s "
-                           f"{phase} chain has {len(chain.kernels)}")
+            raise _Invalid(
+                field,
+                f"the {phase} chains have {length[phase]} kernels, but encoder stage {e}'s "
+                f"{phase} chain has {len(chain.kernels)}",
+            )
 
 
 # -- field types --------------------------------------------------------------------------------
 
-_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
-               dict: "an object"}
+_JSON_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    list: "a list",
+    dict: "an object",
+}
 
 
 def _typed(value: Any, kind: type, field: str) -> Any:

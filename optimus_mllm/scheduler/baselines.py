@@ -10,8 +10,8 @@
 Both reuse the LLM's pipeline simulator. Every stage boundary costs the LLM's P2P time (the LLM's
 hidden states), also where the balanced split cuts inside the encoder.
 
-Both are also placements the runtime runs (``optimus-train --baseline megatron-lm | balanced``), so the
-scheduler takes them as candidates beside its own schedules (``runnable_baselines``).
+Both are also placements the runtime runs (``optimus-train --baseline megatron-lm | balanced``), so
+the scheduler takes them as candidates beside its own schedules (``runnable_baselines``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from optimus_mllm.scheduler.encoder_costs import EncoderKernel, build_encoder_wo
 from optimus_mllm.scheduler.llm_costs import llm_op_work, timeline_from_work
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork, Phase
 
-KernelItem = tuple[str, int, bool, float]  # (name, layer, is_comm, duration_us), as OpWork.sequential takes
+# (name, layer, is_comm, duration_us), as OpWork.sequential takes
+KernelItem = tuple[str, int, bool, float]
 PATCH_EMBED = "patch_embed"  # encoder_costs' name for the patch embedding kernel
 
 
@@ -61,27 +62,37 @@ class _Layer:
         return sum(item[3] for item in self.fwd + self.bwd)
 
 
-def megatron_lm_baseline(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel) -> BaselineResult:
+def megatron_lm_baseline(
+    config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel
+) -> BaselineResult:
     """All encoders in the first stage's pre-process, under the given LLM plan."""
     encoder = _encoder_layers(config, llm_plan, cost)
     work = llm_op_work(config, llm_plan, cost)
     work[(0, 0, "fwd")] = OpWork.sequential(_flatten(encoder, "fwd") + _items(work[(0, 0, "fwd")]))
-    work[(0, 0, "bwd")] = OpWork.sequential(_items(work[(0, 0, "bwd")]) + _flatten(encoder[::-1], "bwd"))
+    work[(0, 0, "bwd")] = OpWork.sequential(
+        _items(work[(0, 0, "bwd")]) + _flatten(encoder[::-1], "bwd")
+    )
     stage_params = [float(p) for p in llm_params_per_stage(config.llm, llm_plan.pp)]
     stage_params[0] += sum(layer.params for layer in encoder)
     timeline = timeline_from_work(config, llm_plan, cost, work, stage_params=stage_params)
     return BaselineResult("Megatron-LM", "megatron-lm", timeline.iteration_us, timeline)
 
 
-def megatron_lm_balanced_baseline(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel,
-                                  vp: int | None = None) -> BaselineResult:
+def megatron_lm_balanced_baseline(
+    config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel, vp: int | None = None
+) -> BaselineResult:
     """Encoder and LLM layers balanced over V*PP virtual stages (V = ``vp``, default the plan's)."""
     if len(config.encoders) != 1:
         names = ", ".join(e.name for e in config.encoders)
-        raise OptimusError(f"Megatron-LM balanced needs a single encoder, the config has {len(config.encoders)} "
-                           f"({names}): the paper's layer-partition DP (Appendix B) handles a single encoder only, "
-                           "as independent encoders do not form one linear layer sequence")
-    plan = ParallelPlan(llm_plan.dp, llm_plan.pp, llm_plan.tp, vp if vp is not None else llm_plan.vp)
+        raise OptimusError(
+            f"Megatron-LM balanced needs a single encoder, the config has {len(config.encoders)} "
+            f"({names}): the paper's layer-partition DP (Appendix B) handles a single encoder "
+            "only, "
+            "as independent encoders do not form one linear layer sequence"
+        )
+    plan = ParallelPlan(
+        llm_plan.dp, llm_plan.pp, llm_plan.tp, vp if vp is not None else llm_plan.vp
+    )
     layers = _encoder_layers(config, plan, cost) + _llm_layers(config, plan, cost)
     _check_balanced_plan(config, plan, len(layers))
     ranges = balanced_partition([layer.time_us for layer in layers], plan.pp * plan.vp)
@@ -93,10 +104,14 @@ def megatron_lm_balanced_baseline(config: OptimusConfig, llm_plan: ParallelPlan,
         work[(stage, chunk, "bwd")] = OpWork.sequential(_flatten(layers[lo:hi][::-1], "bwd"))
         stage_params[stage] += sum(layer.params for layer in layers[lo:hi])
     timeline = timeline_from_work(config, plan, cost, work, stage_params=stage_params)
-    return BaselineResult("Megatron-LM balanced", "balanced", timeline.iteration_us, timeline, tuple(ranges))
+    return BaselineResult(
+        "Megatron-LM balanced", "balanced", timeline.iteration_us, timeline, tuple(ranges)
+    )
 
 
-def runnable_baselines(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel) -> list[BaselineResult]:
+def runnable_baselines(
+    config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel
+) -> list[BaselineResult]:
     """Both baselines under the LLM plan (its V), where the runtime can run them."""
     found = []
     if megatron_lm_problem(config, llm_plan) is None:
@@ -111,22 +126,33 @@ def runnable_baselines(config: OptimusConfig, llm_plan: ParallelPlan, cost: Cost
 def megatron_lm_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
     """Why the encoders cannot run at the LLM's TP, as both baselines run them, or None."""
     for enc in config.encoders:
-        problem = encoder_tp_problem(enc, config.llm.hidden_size, config.training.sequence_parallel, llm_plan.tp)
+        problem = encoder_tp_problem(
+            enc, config.llm.hidden_size, config.training.sequence_parallel, llm_plan.tp
+        )
         if problem:
-            return f"Megatron-LM baselines run encoder '{enc.name}' with the LLM's tp={llm_plan.tp}, but its {problem}"
+            return (
+                f"Megatron-LM baselines run encoder '{enc.name}' with the LLM's tp={llm_plan.tp}, "
+                f"but its {problem}"
+            )
     return None
 
 
-def balanced_layer_ranges(config: OptimusConfig, llm_plan: ParallelPlan) -> tuple[tuple[int, int], ...]:
-    """The balanced split the runtime runs: [lo, hi) of every virtual stage (``chunk * PP + stage``) over
+def balanced_layer_ranges(
+    config: OptimusConfig, llm_plan: ParallelPlan
+) -> tuple[tuple[int, int], ...]:
+    """The balanced split the runtime runs: [lo, hi) of every virtual stage (``chunk * PP + stage``)
+    over
     encoder layers, then LLM layers, by the config's cost model.
 
     Raises:
-        OptimusError: the runtime cannot run the balanced baseline under ``llm_plan`` (``balanced_problem``).
+        OptimusError: the runtime cannot run the balanced baseline under ``llm_plan``
+        (``balanced_problem``).
     """
     problem = _balanced_split_problem(config, llm_plan)
     if problem is None:
-        ranges = megatron_lm_balanced_baseline(config, llm_plan, CostModel.from_config(config)).layer_ranges
+        ranges = megatron_lm_balanced_baseline(
+            config, llm_plan, CostModel.from_config(config)
+        ).layer_ranges
         problem = tied_embedding_problem(config, llm_plan, ranges)
     if problem:
         raise OptimusError(problem)
@@ -143,37 +169,51 @@ def balanced_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | Non
 
 
 def _balanced_split_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
-    """Why the layers cannot be split, or their encoders not run, as the balanced baseline does; or None."""
+    """Why the layers cannot be split, or their encoders not run, as the balanced baseline does; or
+    None."""
     problem = megatron_lm_problem(config, llm_plan)
     if problem:
         return problem
     if len(config.encoders) != 1:
-        return "the balanced baseline splits one encoder's layers with the LLM's; give a single encoder"
+        return (
+            "the balanced baseline splits one encoder's layers with the LLM's; give a single "
+            "encoder"
+        )
     try:
-        _check_balanced_plan(config, llm_plan, sum(e.num_layers for e in config.encoders) + config.llm.num_layers)
+        _check_balanced_plan(
+            config, llm_plan, sum(e.num_layers for e in config.encoders) + config.llm.num_layers
+        )
     except OptimusError as exc:
         return str(exc)
     return None
 
 
 def embedding_stage(ranges: tuple[tuple[int, int], ...], encoder_layers: int) -> int:
-    """The balanced split's virtual stage that holds the first LLM layer (and so the word embedding)."""
+    """The balanced split's virtual stage that holds the first LLM layer (and so the word
+    embedding)."""
     return next(v for v, (_, hi) in enumerate(ranges) if hi > encoder_layers)
 
 
-def tied_embedding_problem(config: OptimusConfig, llm_plan: ParallelPlan,
-                           ranges: tuple[tuple[int, int], ...]) -> str | None:
-    """Why the balanced split's tied word embedding cannot be kept in sync, or None: the runtime sums its
-    two copies' gradients over the pipeline ranks holding them, which must differ unless one virtual stage
-    holds both."""
+def tied_embedding_problem(
+    config: OptimusConfig, llm_plan: ParallelPlan, ranges: tuple[tuple[int, int], ...]
+) -> str | None:
+    """Why the balanced split's tied word embedding cannot be kept in sync, or None: the runtime
+    sums its
+    two copies' gradients over the pipeline ranks holding them, which must differ unless one virtual
+    stage holds both."""
     if config.llm.untie_embeddings_and_output_weights or llm_plan.pp == 1:
         return None
     first, last = embedding_stage(ranges, config.encoders[0].num_layers), len(ranges) - 1
     if first != last and first % llm_plan.pp == last % llm_plan.pp:
-        return (f"the balanced split puts the tied word embedding (virtual stage {first}) and the output layer "
-                f"(virtual stage {last}) in two chunks of pipeline rank {last % llm_plan.pp}, whose copies this "
-                "runtime does not sync; set model.llm.untie_embeddings_and_output_weights: true or another "
-                "parallel.llm")
+        return (
+            f"the balanced split puts the tied word embedding (virtual stage {first}) and the "
+            "output layer "
+            f"(virtual stage {last}) in two chunks of pipeline rank {last % llm_plan.pp}, whose "
+            "copies this "
+            "runtime does not sync; set model.llm.untie_embeddings_and_output_weights: true or "
+            "another "
+            "parallel.llm"
+        )
     return None
 
 
@@ -193,8 +233,10 @@ def balanced_partition(layer_times: list[float], num_stages: int) -> list[tuple[
     cuts: list[list[int]] = []  # cuts[m - 2][l]: the best j of F(l, m)
     for m in range(2, num_stages + 1):
         row, cut = [float("inf")] * (n + 1), [0] * (n + 1)
-        for l in range(m, n + 1):
-            row[l], cut[l] = min((max(slowest[j], prefix[l] - prefix[j]), j) for j in range(m - 1, l))
+        for layers in range(m, n + 1):
+            row[layers], cut[layers] = min(
+                (max(slowest[j], prefix[layers] - prefix[j]), j) for j in range(m - 1, layers)
+            )
         slowest = row
         cuts.append(cut)
     ranges, hi = [], n
@@ -207,23 +249,31 @@ def balanced_partition(layer_times: list[float], num_stages: int) -> list[tuple[
 
 def max_virtual_stage_us(timeline: LLMTimeline) -> float:
     """The slowest virtual stage: one chunk's forward plus backward on one rank."""
-    return max(timeline.work[(s, c, "fwd")].duration_us + timeline.work[(s, c, "bwd")].duration_us
-               for s in range(timeline.pp) for c in range(timeline.vp))
+    return max(
+        timeline.work[(s, c, "fwd")].duration_us + timeline.work[(s, c, "bwd")].duration_us
+        for s in range(timeline.pp)
+        for c in range(timeline.vp)
+    )
 
 
 def _check_balanced_plan(config: OptimusConfig, plan: ParallelPlan, num_layers: int) -> None:
     stages = plan.pp * plan.vp
     if plan.vp < 1 or stages > num_layers:
-        raise OptimusError(f"Megatron-LM balanced: V*PP = {plan.vp}*{plan.pp} = {stages} virtual stages need "
-                           f"1 <= V and at most {num_layers} (encoder plus LLM layers), one layer each at least")
+        raise OptimusError(
+            f"Megatron-LM balanced: V*PP = {plan.vp}*{plan.pp} = {stages} virtual stages need "
+            f"1 <= V and at most {num_layers} (encoder plus LLM layers), one layer each at least"
+        )
     n_mb = config.num_microbatches_total // plan.dp
     if plan.vp > 1 and n_mb % plan.pp:
-        raise OptimusError(f"Megatron-LM balanced: the interleaved schedule needs the {n_mb} microbatches per "
-                           f"pipeline to be a multiple of pp={plan.pp}; use vp=1")
+        raise OptimusError(
+            f"Megatron-LM balanced: the interleaved schedule needs the {n_mb} microbatches per "
+            f"pipeline to be a multiple of pp={plan.pp}; use vp=1"
+        )
 
 
 def _encoder_layers(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel) -> list[_Layer]:
-    """Every encoder's layers at the LLM's TP: the patch embedding joins the first, the projector the last."""
+    """Every encoder's layers at the LLM's TP: the patch embedding joins the first, the projector
+    the last."""
     problem = megatron_lm_problem(config, llm_plan)
     if problem:
         raise OptimusError(problem)
@@ -240,8 +290,11 @@ def _encoder_layers(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostMod
     return layers
 
 
-def _by_layer(config: OptimusConfig, kernels: tuple[EncoderKernel, ...]) -> dict[tuple[str, int], list[KernelItem]]:
-    """Encoder kernels grouped by (encoder, layer); names carry the encoder, layer is -1 (not an LLM layer)."""
+def _by_layer(
+    config: OptimusConfig, kernels: tuple[EncoderKernel, ...]
+) -> dict[tuple[str, int], list[KernelItem]]:
+    """Encoder kernels grouped by (encoder, layer); names carry the encoder, layer is -1 (not an LLM
+    layer)."""
     last = {enc.name: enc.num_layers - 1 for enc in config.encoders}
     groups: dict[tuple[str, int], list[KernelItem]] = defaultdict(list)
     for k in kernels:
@@ -251,7 +304,8 @@ def _by_layer(config: OptimusConfig, kernels: tuple[EncoderKernel, ...]) -> dict
 
 
 def _encoder_layer_params(enc: EncoderConfig, llm: LLMConfig) -> list[float]:
-    """Trained parameters per layer (embeddings with the first, final norm and projector with the last);
+    """Trained parameters per layer (embeddings with the first, final norm and projector with the
+    last);
     a frozen encoder trains its projector only."""
     if enc.frozen:
         return [0.0] * (enc.num_layers - 1) + [float(projector_params(enc, llm))]
@@ -261,11 +315,14 @@ def _encoder_layer_params(enc: EncoderConfig, llm: LLMConfig) -> list[float]:
 def _llm_layers(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> list[_Layer]:
     """The LLM's layers with the embedding joined to the first and the output layer to the last."""
     llm = config.llm
-    # With one layer per stage, llm_op_work gives each layer's kernels, heads attached as in the LLM's timeline.
+    # With one layer per stage, llm_op_work gives each layer's kernels, heads attached as in the
+    # LLM's timeline.
     work = llm_op_work(config, ParallelPlan(plan.dp, llm.num_layers, plan.tp, 1), cost)
     params = _llm_layer_params(llm, plan.pp)
-    return [_Layer(tuple(_items(work[(i, 0, "fwd")])), tuple(_items(work[(i, 0, "bwd")])), params[i])
-            for i in range(llm.num_layers)]
+    return [
+        _Layer(tuple(_items(work[(i, 0, "fwd")])), tuple(_items(work[(i, 0, "bwd")])), params[i])
+        for i in range(llm.num_layers)
+    ]
 
 
 def _llm_layer_params(llm: LLMConfig, pp: int) -> list[float]:

@@ -44,7 +44,12 @@ from optimus_mllm.scheduler.dependencies import (
     get_enc_llm_dep,
     global_order,
 )
-from optimus_mllm.scheduler.encoder_costs import EncoderKernel, EncoderWork, StageChain, build_encoder_work
+from optimus_mllm.scheduler.encoder_costs import (
+    EncoderKernel,
+    EncoderWork,
+    StageChain,
+    build_encoder_work,
+)
 from optimus_mllm.scheduler.fine import Cut, LLMBubbles, Move, PipelineMoves, Placement, Resource
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
@@ -64,8 +69,11 @@ class ChainPlacement:
     local_microbatch: int
     phase: Phase
     window: Window
-    starts_us: tuple[float, ...]  # iteration time of each kernel of EncoderWork.fwd/bwd[stage] (cut: its first piece)
-    cuts: tuple[tuple[int, Cut], ...] = ()  # (kernel index, its pieces in iteration time) of the kernels cut to fit
+    # iteration time of each kernel of EncoderWork.fwd/bwd[stage] (cut: its first piece)
+    starts_us: tuple[float, ...]
+    cuts: tuple[
+        tuple[int, Cut], ...
+    ] = ()  # (kernel index, its pieces in iteration time) of the kernels cut to fit
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,8 @@ class Schedule:
     dep: EncLLMDep
     work: EncoderWork
     llm_origin_us: float  # t0
-    assignment: tuple[tuple[int, int], ...]  # LLM microbatch i <- (encoder pipeline, its local microbatch)
+    # LLM microbatch i <- (encoder pipeline, its local microbatch)
+    assignment: tuple[tuple[int, int], ...]
     encoder_forward_end_us: tuple[float, ...]  # EF_i: A_i has reached the first LLM stage
     encoder_backward_start_us: tuple[float, ...]  # EB_i: the encoder starts microbatch i's backward
     chains: tuple[ChainPlacement, ...]
@@ -129,9 +138,9 @@ class Schedule:
 
 @dataclass
 class _Evaluation:
-    """A partition's state laid out. A forward move's evaluation may leave out the global ordering and
-    the coarse backwards' layout (``assignment`` to ``backward_end`` None) when they cannot change the
-    latency: see ``_queued_tail``."""
+    """A partition's state laid out. A forward move's evaluation may leave out the global ordering
+    and the coarse backwards' layout (``assignment`` to ``backward_end`` None) when they cannot
+    change the latency: see ``_queued_tail``."""
 
     t0: float
     latency: float
@@ -140,28 +149,42 @@ class _Evaluation:
     assignment: list[tuple[int, int]] | None = None
     ef: list[float] | None = None
     eb: list[float] | None = None
-    # j -> its coarse backwards: (gradient ready at the top stage, tau; k; the top stage they start on there)
+    # j -> its coarse backwards: (gradient ready at the top stage, tau; k; the top stage they start
+    # on there)
     post: dict[int, tuple[tuple[float, int, int], ...]] | None = None
-    backward_start: dict[tuple[int, int], float] | None = None  # (j, k) -> start on the last stage (tau)
-    backward_end: dict[tuple[int, int], float] | None = None  # (j, e) -> end of the stage's last backward (tau)
+    # (j, k) -> start on the last stage (tau)
+    backward_start: dict[tuple[int, int], float] | None = None
+    # (j, e) -> end of the stage's last backward (tau)
+    backward_end: dict[tuple[int, int], float] | None = None
 
 
 class _PartitionScheduler:
     """Scheduling state for one microbatch partition (one element of InitSchedule's output)."""
 
-    def __init__(self, work: EncoderWork, dep: EncLLMDep, partition: tuple[int, ...],
-                 moves: list[PipelineMoves]):
+    def __init__(
+        self,
+        work: EncoderWork,
+        dep: EncLLMDep,
+        partition: tuple[int, ...],
+        moves: list[PipelineMoves],
+    ):
         self.work, self.dep, self.partition = work, dep, partition
         self.timeline = dep.timeline
         self.pp_enc = len(work.fwd)
         self.moves = moves
         self.resources: dict[tuple[int, int], Resource] = {}
-        # per pipeline: (LLM microbatch, lowest stage placed into bubbles) of its backward moves, in order
+        # per pipeline: (LLM microbatch, lowest stage placed into bubbles) of its backward moves, in
+        # order
         self.moved_backward: list[list[tuple[int, int]]] = [[] for _ in partition]
-        self.uncommitted: list[list[Move]] = [[] for _ in partition]  # backward moves not yet in resources
+        # backward moves not yet in resources
+        self.uncommitted: list[list[Move]] = [[] for _ in partition]
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
-        self.fine_fwd: dict[tuple[int, int], Move] = {}  # (j, k) -> its chains placed into bubbles (tau)
-        self.fine_bwd: dict[tuple[int, int], Move] = {}  # from its stage Move.low up; the rest in ``post``
+        self.fine_fwd: dict[
+            tuple[int, int], Move
+        ] = {}  # (j, k) -> its chains placed into bubbles (tau)
+        self.fine_bwd: dict[
+            tuple[int, int], Move
+        ] = {}  # from its stage Move.low up; the rest in ``post``
         self.has_backward = any(chain.kernels for chain in work.bwd)
         self.pre = [m.pre for m in moves]
         self.t0_low = all_gather_t0(work, self.timeline)
@@ -187,7 +210,8 @@ class _PartitionScheduler:
         return self.partition[j] - self.n_coarse_fwd[j]
 
     def place_backward(self, j: int, i: int, low: int = 0) -> Move | None:
-        """LLM microbatch i's encoder backward on pipeline j, from the last stage down to stage ``low`` as
+        """LLM microbatch i's encoder backward on pipeline j, from the last stage down to stage
+        ``low`` as
         its gradient arrives; None if it does not fit before the LLM's end."""
         key = self._backward_key(j, i, low)
         shared = self.moves[j].backward
@@ -195,7 +219,9 @@ class _PartitionScheduler:
             shared[key] = self._first_fit_backward(j, i, low)
         return shared[key]
 
-    def _backward_key(self, j: int, i: int, low: int) -> tuple[int, tuple[tuple[int, int], ...], int, int]:
+    def _backward_key(
+        self, j: int, i: int, low: int
+    ) -> tuple[int, tuple[tuple[int, int], ...], int, int]:
         return self.moved_forward(j), tuple(self.moved_backward[j]), i, low
 
     def _first_fit_backward(self, j: int, i: int, low: int) -> Move | None:
@@ -203,7 +229,9 @@ class _PartitionScheduler:
         ready = self.dep.backward[i] + w.to_llm_us[j]
         placements: list[Placement] = []  # from the last stage to the first
         for e in reversed(range(low, self.pp_enc)):
-            placement = self.resource(j, e).place_chain(w.bwd[e], ready, self.last(j, e), w.launch_us)
+            placement = self.resource(j, e).place_chain(
+                w.bwd[e], ready, self.last(j, e), w.launch_us
+            )
             if placement is None:
                 return None
             # a frozen stage passes the gradient on at once (its chain ends where it starts)
@@ -212,7 +240,8 @@ class _PartitionScheduler:
         return Move.of(placements[::-1], low)
 
     def commit_backward(self, j: int, i: int, low: int) -> None:
-        """Take the bubbles of the backward move just placed, once a later placement must search them."""
+        """Take the bubbles of the backward move just placed, once a later placement must search
+        them."""
         self.uncommitted[j].append(self.moves[j].backward[self._backward_key(j, i, low)])
         self.moved_backward[j].append((i, low))
 
@@ -224,8 +253,9 @@ class _PartitionScheduler:
     def evaluate(self, before: _Evaluation | None = None, pipeline: int = -1) -> _Evaluation | None:
         """Lay out the coarse windows around the fine chains; None if dependencies cannot hold.
 
-        ``before``: the evaluation before a backward move of ``pipeline``, which changes that pipeline's
-        backwards only; t0, the assignment and the other pipelines' backwards are taken from it.
+        ``before``: the evaluation before a backward move of ``pipeline``, which changes that
+        pipeline's backwards only; t0, the assignment and the other pipelines' backwards are taken
+        from it.
         """
         w, last = self.work, self.pp_enc - 1
         if before is None:
@@ -243,23 +273,38 @@ class _PartitionScheduler:
             backward_start: dict[tuple[int, int], float] = {}
             backward_end: dict[tuple[int, int], float] = {}
         else:
-            t0, assignment, ef, required = before.t0, before.assignment, before.ef, before.pre_required_t0
+            t0, assignment, ef, required = (
+                before.t0,
+                before.assignment,
+                before.ef,
+                before.pre_required_t0,
+            )
             changed = (pipeline,)
-            arrivals = {pipeline: [a for a in before.post.get(pipeline, ()) if (pipeline, a[1]) not in self.fine_bwd]}
+            arrivals = {
+                pipeline: [
+                    a
+                    for a in before.post.get(pipeline, ())
+                    if (pipeline, a[1]) not in self.fine_bwd
+                ]
+            }
             post = {j: coarse for j, coarse in before.post.items() if j != pipeline}
             backward_start = dict(before.backward_start)
-            backward_end = {key: end for key, end in before.backward_end.items() if key[0] != pipeline}
+            backward_end = {
+                key: end for key, end in before.backward_end.items() if key[0] != pipeline
+            }
         for (j, k), move in self.fine_bwd.items():
             if j not in changed:
                 continue
             backward_start[(j, k)] = move.starts[-1][0]
             for e in range(move.low, self.pp_enc):
                 backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), move.ends[e])
-            if move.low:  # its stages below run in the post window, from the gradient the move sent down
+            # its stages below run in the post window, from the gradient the move sent down
+            if move.low:
                 arrivals[j].append((move.ends[move.low] + w.p2p_us, k, move.low - 1))
         if self.has_backward:
-            # post: backwards after the LLM's last computation, in order of gradient arrival (tau); those
-            # whose upper stages ran in bubbles first, the furthest down first: they are that much further
+            # post: backwards after the LLM's last computation, in order of gradient arrival (tau);
+            # those whose upper stages ran in bubbles first, the furthest down first: they are that
+            # much further
             for j in changed:
                 coarse = tuple(sorted(arrivals[j], key=lambda a: (a[2], a[0], a[1])))
                 if not coarse:
@@ -271,8 +316,11 @@ class _PartitionScheduler:
                     backward_start.update(zip(zip(repeat(j), coarse_ks), starts))
                 else:
                     rows, ends = coarse_backward(ready, self.moves[j].post.origin, w, tops)
-                    backward_start.update(((j, k), row[-1]) for k, row, top in zip(coarse_ks, rows, tops)
-                                          if top == last)
+                    backward_start.update(
+                        ((j, k), row[-1])
+                        for k, row, top in zip(coarse_ks, rows, tops)
+                        if top == last
+                    )
                 for e, end in enumerate(ends):
                     backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), end)
             eb = list(map(add, map(backward_start.__getitem__, assignment), repeat(t0)))
@@ -282,14 +330,25 @@ class _PartitionScheduler:
         # checkEncLLMDep: its forward half is how _forward_side chose t0
         if not check_enc_llm_dep_backward(eb, map(add, self.dep.backward, repeat(t0))):
             return None
-        return _Evaluation(t0, t0 + tail, required, end_by_resource, assignment, ef, eb, post, backward_start,
-                           backward_end)
+        return _Evaluation(
+            t0,
+            t0 + tail,
+            required,
+            end_by_resource,
+            assignment,
+            ef,
+            eb,
+            post,
+            backward_start,
+            backward_end,
+        )
 
     def evaluate_forward_move(self) -> _Evaluation | None:
-        """``evaluate`` after a forward move, without the global ordering and the coarse backwards' layout
-        where they cannot change the latency (see ``_queued_tail``); ``optimize_schedule`` lays them out
-        when the forward pass ends. Each of those backwards starts after its gradient arrives, so
-        checkEncLLMDep's backward half holds."""
+        """``evaluate`` after a forward move, without the global ordering and the coarse backwards'
+        layout
+        where they cannot change the latency (see ``_queued_tail``); ``optimize_schedule`` lays them
+        out when the forward pass ends. Each of those backwards starts after its gradient arrives,
+        so checkEncLLMDep's backward half holds."""
         if self.queued_tail is None or self.fine_bwd:
             return self.evaluate()
         forward = self._forward_side(ordered=False)
@@ -301,25 +360,27 @@ class _PartitionScheduler:
 
     def _queued_tail(self) -> tuple[dict[tuple[int, int], tuple[float, bool]], float] | None:
         """The tail (end by resource, and the latest) while no backward has moved, if every coarse
-        backward then waits for its stage however the LLM's microbatches are assigned: the post windows
-        are then prefixes of the queued layout, so they and the tail do not depend on the assignment.
-        None where a gradient could come after the stage is free for it."""
+        backward then waits for its stage however the LLM's microbatches are assigned: the post
+        windows are then prefixes of the queued layout, so they and the tail do not depend on the
+        assignment. None where a gradient could come after the stage is free for it."""
         latest = sorted(self.dep.backward)
         backward_end: dict[tuple[int, int], float] = {}
         for j, n in enumerate(self.partition):
             if not (n and self.has_backward):
                 continue
             # pipeline j's k-th earliest gradient comes no later than the (N - n + k)-th of all N
-            ready = tuple(b + self.work.to_llm_us[j] for b in latest[len(latest) - n:])
+            ready = tuple(b + self.work.to_llm_us[j] for b in latest[len(latest) - n :])
             window = self.moves[j].post
             if not window.queued(ready):
                 return None
             backward_end.update(((j, e), end) for e, end in enumerate(window.ends[n]))
         return self._tail(backward_end)
 
-    def _tail(self, backward_end: dict[tuple[int, int], float]
-              ) -> tuple[dict[tuple[int, int], tuple[float, bool]], float]:
-        """Per encoder stage: when its GPUs' gradient reduce-scatters end (tau) and whether the encoder's
+    def _tail(
+        self, backward_end: dict[tuple[int, int], float]
+    ) -> tuple[dict[tuple[int, int], tuple[float, bool]], float]:
+        """Per encoder stage: when its GPUs' gradient reduce-scatters end (tau) and whether the
+        encoder's
         delays them; and the latest of these."""
         w, tl = self.work, self.timeline
         end_by_resource = {}
@@ -333,11 +394,12 @@ class _PartitionScheduler:
                 tail = max(tail, end)
         return end_by_resource, tail
 
-    def _forward_side(self, ordered: bool = True
-                      ) -> tuple[float, list[tuple[float, int, int]] | None, dict[int, float]] | None:
-        """t0, every encoder forward's (EF, j, k) earliest first, and the t0 each pipeline's pre window
-        needs; None if no t0 lets every EF_i come by F_i. Not ``ordered``: the EFs are only checked
-        against the dependency points, unless t0 has to be searched for."""
+    def _forward_side(
+        self, ordered: bool = True
+    ) -> tuple[float, list[tuple[float, int, int]] | None, dict[int, float]] | None:
+        """t0, every encoder forward's (EF, j, k) earliest first, and the t0 each pipeline's pre
+        window needs; None if no t0 lets every EF_i come by F_i. Not ``ordered``: the EFs are only
+        checked against the dependency points, unless t0 has to be searched for."""
         required: dict[int, float] = {}
         for j, window in enumerate(self.pre):
             n = self.n_coarse_fwd[j]
@@ -347,15 +409,16 @@ class _PartitionScheduler:
         if not ordered:
             times: list[float] = []
             for j, (window, m) in enumerate(zip(self.pre, self.moves)):
-                times.extend(window.ef_times[:self.n_coarse_fwd[j]])
-                times.extend(map(add, m.forward_ends[:self.moved_forward(j)], repeat(t0)))
+                times.extend(window.ef_times[: self.n_coarse_fwd[j]])
+                times.extend(map(add, m.forward_ends[: self.moved_forward(j)], repeat(t0)))
             times.sort()
             if check_enc_llm_dep_forward(times, map(add, self.dep.forward, repeat(t0))):
                 return t0, None, required
         pre_ef: list[tuple[float, int, int]] = []
         for j, window in enumerate(self.pre):
-            pre_ef.extend(window.ef[:self.n_coarse_fwd[j]])
-        # pipeline j's t-th forward move carries its microbatch partition[j] - 1 - t: (EFs in tau, j, ks)
+            pre_ef.extend(window.ef[: self.n_coarse_fwd[j]])
+        # pipeline j's t-th forward move carries its microbatch partition[j] - 1 - t: (EFs in tau,
+        # j, ks)
         fine: list[_FineForwards] = []
         for j, (m, p) in enumerate(zip(self.moves, self.partition)):
             t = self.moved_forward(j)
@@ -370,10 +433,13 @@ class _PartitionScheduler:
 
     def _forward_feasible(self, merged: list[tuple[float, int, int]], t0: float) -> bool:
         """The forward half of checkEncLLMDep: the i-th earliest EF_i <= F_i + t0."""
-        return check_enc_llm_dep_forward(map(itemgetter(0), merged), map(add, self.dep.forward, repeat(t0)))
+        return check_enc_llm_dep_forward(
+            map(itemgetter(0), merged), map(add, self.dep.forward, repeat(t0))
+        )
 
-    def _earliest_feasible_t0(self, infeasible: float, pre_ef: list[tuple[float, int, int]],
-                              fine: list[_FineForwards]) -> float | None:
+    def _earliest_feasible_t0(
+        self, infeasible: float, pre_ef: list[tuple[float, int, int]], fine: list[_FineForwards]
+    ) -> float | None:
         """Smallest feasible t0 above ``infeasible`` (feasibility is monotone in t0), to 0.01 us."""
 
         def feasible(t0: float) -> bool:
@@ -389,13 +455,15 @@ class _PartitionScheduler:
         return hi
 
 
-_FineForwards = tuple[list[float], int, range]  # one pipeline's fine forwards: EFs (tau), j, their ks
+# one pipeline's fine forwards: EFs (tau), j, their ks
+_FineForwards = tuple[list[float], int, range]
 
 
-def _merged_forward_ends(pre_ef: list[tuple[float, int, int]], fine: list[_FineForwards],
-                         t0: float) -> list[tuple[float, int, int]]:
-    """Every encoder forward's (EF, j, k) in iteration time, earliest first: pre EFs are in iteration
-    time already, fine ones in tau."""
+def _merged_forward_ends(
+    pre_ef: list[tuple[float, int, int]], fine: list[_FineForwards], t0: float
+) -> list[tuple[float, int, int]]:
+    """Every encoder forward's (EF, j, k) in iteration time, earliest first: pre EFs are in
+    iteration time already, fine ones in tau."""
     merged = list(pre_ef)
     for efs, j, ks in fine:
         merged.extend(zip(map(add, efs, repeat(t0)), repeat(j), ks))
@@ -407,15 +475,21 @@ def _merged_forward_ends(pre_ef: list[tuple[float, int, int]], fine: list[_FineF
 # Algorithm 2
 
 
-def init_schedule(work: EncoderWork, bubbles: LLMBubbles, partition: tuple[int, ...],
-                  moves: list[PipelineMoves] | None = None) -> _PartitionScheduler | None:
-    """InitSchedule for one microbatch partition: every encoder forward before the LLM's computation,
-    every backward after it (coarse-grained). None if the dependencies cannot be met.
+def init_schedule(
+    work: EncoderWork,
+    bubbles: LLMBubbles,
+    partition: tuple[int, ...],
+    moves: list[PipelineMoves] | None = None,
+) -> _PartitionScheduler | None:
+    """InitSchedule for one microbatch partition: every encoder forward before the LLM's
+    computation, every backward after it (coarse-grained). None if the dependencies cannot be met.
 
-    The paper builds these for all partitions up front; ``bubble_scheduler`` builds them one at a time
-    so that its lower bound can skip partitions that cannot win.
+    The paper builds these for all partitions up front; ``bubble_scheduler`` builds them one at a
+    time so that its lower bound can skip partitions that cannot win.
     """
-    state = _PartitionScheduler(work, bubbles.dep, partition, moves or PipelineMoves.of_pipelines(work, bubbles))
+    state = _PartitionScheduler(
+        work, bubbles.dep, partition, moves or PipelineMoves.of_pipelines(work, bubbles)
+    )
     return state if state.evaluation is not None else None
 
 
@@ -425,7 +499,9 @@ def find_critical(state: _PartitionScheduler, mode: Mode) -> int | None:
     if mode == FWD:
         if not ev.pre_required_t0:
             return None
-        j, need = max(ev.pre_required_t0.items(), key=lambda item: (item[1], state.n_coarse_fwd[item[0]]))
+        j, need = max(
+            ev.pre_required_t0.items(), key=lambda item: (item[1], state.n_coarse_fwd[item[0]])
+        )
         return j if need >= ev.t0 - EPS_US else None
     (j, _), (end, encoder_bound) = max(ev.end_by_resource.items(), key=lambda item: item[1][0])
     return j if encoder_bound else None
@@ -438,9 +514,10 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
     coarse microbatch whose gradient arrives first, from downstream to upstream. Kept only if the
     dependencies still hold (checkEncLLMDep) and the iteration gets no longer.
 
-    A backward move that does not fit (or lengthens the iteration) is tried again stopped above a stage
-    ``low``, from the lowest: stages ``low`` and up run in bubbles and send the gradient down to the rest
-    in the post window, which then need not wait for the encoder pipeline to drain after the LLM ends.
+    A backward move that does not fit (or lengthens the iteration) is tried again stopped above a
+    stage ``low``, from the lowest: stages ``low`` and up run in bubbles and send the gradient down
+    to the rest in the post window, which then need not wait for the encoder pipeline to drain after
+    the LLM ends.
     """
     before = state.evaluation
     if mode == FWD:
@@ -499,15 +576,21 @@ class SchedulerStats:
     partitions_pruned: int = 0  # skipped by the lower bound
 
 
-def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: EncoderPlanCandidate,
-                     bubbles: LLMBubbles, cost: CostModel, bound_us: float = float("inf"),
-                     fine: bool = True) -> tuple[Schedule | None, SchedulerStats]:
-    """BubbleScheduler (Algorithm 2): coarse schedules for every partition, refined, the fastest kept.
+def bubble_scheduler(
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    candidate: EncoderPlanCandidate,
+    bubbles: LLMBubbles,
+    cost: CostModel,
+    bound_us: float = float("inf"),
+    fine: bool = True,
+) -> tuple[Schedule | None, SchedulerStats]:
+    """BubbleScheduler (Algorithm 2): coarse schedules for every partition, refined, the fastest
+    kept.
 
-    Partitions whose lower bound (``PartitionBound``) cannot beat ``bound_us`` (the best
-    schedule of other plans) or this plan's best so far are skipped; this never drops a schedule that
-    could have won. Returns this plan's best schedule found, or None if no partition was feasible or
-    searched.
+    Partitions whose lower bound (``PartitionBound``) cannot beat ``bound_us`` (the best schedule of
+    other plans) or this plan's best so far are skipped; this never drops a schedule that could have
+    won. Returns this plan's best schedule found, or None if no partition was feasible or searched.
     """
     plan = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
     best, stats = _search_partitions(plan, llm_plan, bubbles, bound_us, fine)
@@ -516,15 +599,22 @@ def bubble_scheduler(config: OptimusConfig, llm_plan: ParallelPlan, candidate: E
 
 @dataclass(frozen=True)
 class _PlanInput:
-    """One encoder plan as the search takes it: its encoder work and each partition's lower bound."""
+    """One encoder plan as the search takes it: its encoder work and each partition's lower
+    bound."""
 
     candidate: EncoderPlanCandidate
     work: EncoderWork
     bounds: dict[tuple[int, ...], float]
 
     @classmethod
-    def of(cls, config: OptimusConfig, llm_plan: ParallelPlan, candidate: EncoderPlanCandidate,
-           bubbles: LLMBubbles, cost: CostModel) -> _PlanInput:
+    def of(
+        cls,
+        config: OptimusConfig,
+        llm_plan: ParallelPlan,
+        candidate: EncoderPlanCandidate,
+        bubbles: LLMBubbles,
+        cost: CostModel,
+    ) -> _PlanInput:
         work = build_encoder_work(config, llm_plan, candidate.plan, cost)
         bound = PartitionBound(work, bubbles.dep, bubbles.lengths)
         return cls(candidate, work, {p: bound(p) for p in candidate.partitions.partitions})
@@ -551,8 +641,9 @@ class _PlanBest:
         return _to_schedule(self.state, self.llm_plan, self.encoder_plan, self.coarse_us)
 
 
-def _search_partitions(plan: _PlanInput, llm_plan: ParallelPlan, bubbles: LLMBubbles, bound_us: float,
-                       fine: bool) -> tuple[_PlanBest | None, SchedulerStats]:
+def _search_partitions(
+    plan: _PlanInput, llm_plan: ParallelPlan, bubbles: LLMBubbles, bound_us: float, fine: bool
+) -> tuple[_PlanBest | None, SchedulerStats]:
     """``bubble_scheduler`` up to its fastest partition."""
     work, bounds = plan.work, plan.bounds
     stats = SchedulerStats(partitions_total=len(bounds))
@@ -578,9 +669,9 @@ def _search_partitions(plan: _PlanInput, llm_plan: ParallelPlan, bubbles: LLMBub
 
 @contextmanager
 def _cyclic_gc_paused() -> Iterator[None]:
-    """The search allocates millions of small objects (kernel starts, spans, layouts) and no reference
-    cycles; Python's cyclic collector would scan the growing heap again and again for nothing (about a
-    fifth of the 12288-GPU benchmark row)."""
+    """The search allocates millions of small objects (kernel starts, spans, layouts) and no
+    reference cycles; Python's cyclic collector would scan the growing heap again and again for
+    nothing (about a fifth of the 12288-GPU benchmark row)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -590,8 +681,9 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: ParallelPlan,
-                 coarse_us: float) -> Schedule:
+def _to_schedule(
+    state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: ParallelPlan, coarse_us: float
+) -> Schedule:
     ev, w = state.evaluation, state.work
     t0 = ev.t0
     chains = []
@@ -599,23 +691,46 @@ def _to_schedule(state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: P
         for k in range(state.n_coarse_fwd[j]):
             for e, start in enumerate(window.starts[k]):
                 chains.append(ChainPlacement(j, e, k, "fwd", "pre", chain_block(start, w.fwd[e])))
-    for (phase, fine) in (("fwd", state.fine_fwd), ("bwd", state.fine_bwd)):
+    for phase, fine in (("fwd", state.fine_fwd), ("bwd", state.fine_bwd)):
         for (j, k), move in fine.items():
             for e, (starts, cuts) in enumerate(zip(move.starts, move.cuts)):
                 if phase == "fwd" or (e >= move.low and w.bwd[e].kernels):
-                    chains.append(ChainPlacement(j, e, k, phase, "llm", tuple(s + t0 for s in starts), tuple(
-                        (i, tuple((lo, hi, a + t0, b + t0) for lo, hi, a, b in pieces)) for i, pieces in cuts.items())))
+                    chains.append(
+                        ChainPlacement(
+                            j,
+                            e,
+                            k,
+                            phase,
+                            "llm",
+                            tuple(s + t0 for s in starts),
+                            tuple(
+                                (i, tuple((lo, hi, a + t0, b + t0) for lo, hi, a, b in pieces))
+                                for i, pieces in cuts.items()
+                            ),
+                        )
+                    )
     for j, coarse in ev.post.items():
         ready, ks, tops = zip(*coarse)
         rows, _ = coarse_backward(ready, state.moves[j].post.origin, w, tops)
         for e in reversed(range(state.pp_enc)):
             if w.bwd[e].kernels:
-                chains.extend(ChainPlacement(j, e, k, "bwd", "post", chain_block(row[e] + t0, w.bwd[e]))
-                              for k, row, top in zip(ks, rows, tops) if e <= top)
+                chains.extend(
+                    ChainPlacement(j, e, k, "bwd", "post", chain_block(row[e] + t0, w.bwd[e]))
+                    for k, row, top in zip(ks, rows, tops)
+                    if e <= top
+                )
     return Schedule(
-        llm_plan=llm_plan, encoder_plan=enc_plan, partition=state.partition, dep=state.dep, work=w,
-        llm_origin_us=t0, assignment=tuple(ev.assignment), encoder_forward_end_us=tuple(ev.ef),
-        encoder_backward_start_us=tuple(ev.eb), chains=tuple(chains), iteration_us=ev.latency,
+        llm_plan=llm_plan,
+        encoder_plan=enc_plan,
+        partition=state.partition,
+        dep=state.dep,
+        work=w,
+        llm_origin_us=t0,
+        assignment=tuple(ev.assignment),
+        encoder_forward_end_us=tuple(ev.ef),
+        encoder_backward_start_us=tuple(ev.eb),
+        chains=tuple(chains),
+        iteration_us=ev.latency,
         coarse_iteration_us=coarse_us,
     )
 
@@ -629,7 +744,8 @@ class PlanOutcome:
     """What the bubble scheduler made of one encoder plan."""
 
     plan: ParallelPlan
-    status: Literal["scheduled", "bounded", "infeasible"]  # bounded: its lower bound cannot beat the best
+    # bounded: its lower bound cannot beat the best
+    status: Literal["scheduled", "bounded", "infeasible"]
     iteration_us: float | None  # best schedule found for this plan
     lower_bound_us: float
     stats: SchedulerStats
@@ -641,11 +757,13 @@ class OptimusResult:
     outcomes: list[PlanOutcome] = field(default_factory=list)
     llm_alone_us: float = 0.0
     runtime_s: float = 0.0
-    baseline: BaselineResult | None = None  # a baseline placement faster than ``best``: the job's choice then
+    # a baseline placement faster than ``best``: the job's choice then
+    baseline: BaselineResult | None = None
 
     @property
     def iteration_us(self) -> float | None:
-        """The chosen placement's iteration time: the baseline's if one beats Optimus, else Optimus's."""
+        """The chosen placement's iteration time: the baseline's if one beats Optimus, else
+        Optimus's."""
         if self.baseline is not None:
             return self.baseline.iteration_us
         return self.best.iteration_us if self.best is not None else None
@@ -654,13 +772,18 @@ class OptimusResult:
     def ranked(self) -> list[PlanOutcome]:
         """Scheduled plans fastest first, then plans the bound ruled out, then infeasible ones."""
         order = {"scheduled": 0, "bounded": 1, "infeasible": 2}
-        return sorted(self.outcomes, key=lambda o: (order[o.status], o.iteration_us or o.lower_bound_us))
+        return sorted(
+            self.outcomes, key=lambda o: (order[o.status], o.iteration_us or o.lower_bound_us)
+        )
 
 
-def optimus(config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine: bool = True) -> OptimusResult:
-    """Optimus (Algorithm 1): run the bubble scheduler on every encoder plan, keep the fastest schedule;
-    then the baseline placements the runtime can run (``runnable_baselines``, at the LLM plan's V) as
-    further candidates: one strictly faster than every schedule is the result's ``baseline``.
+def optimus(
+    config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine: bool = True
+) -> OptimusResult:
+    """Optimus (Algorithm 1): run the bubble scheduler on every encoder plan, keep the fastest
+    schedule;
+    then the baseline placements the runtime can run (``runnable_baselines``, at the LLM plan's V)
+    as further candidates: one strictly faster than every schedule is the result's ``baseline``.
 
     Plans are tried in order of their lower bound, so that the best schedule found early lets the
     bound skip plans (and partitions) that cannot beat it.
@@ -669,14 +792,18 @@ def optimus(config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine
     with _cyclic_gc_paused():
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
         result = OptimusResult(best=None, llm_alone_us=bubbles.dep.timeline.iteration_us)
-        plans = [_PlanInput.of(config, planned.llm_plan, c, bubbles, cost) for c in planned.candidates]
+        plans = [
+            _PlanInput.of(config, planned.llm_plan, c, bubbles, cost) for c in planned.candidates
+        ]
         best: _PlanBest | None = None
         for plan in sorted(plans, key=lambda p: p.lower_bound_us):
             bound = best.iteration_us if best else float("inf")
             plan_best, stats = _search_partitions(plan, planned.llm_plan, bubbles, bound, fine)
             enc_plan, lower_bound = plan.candidate.plan, plan.lower_bound_us
             if plan_best is not None:
-                outcome = PlanOutcome(enc_plan, "scheduled", plan_best.iteration_us, lower_bound, stats)
+                outcome = PlanOutcome(
+                    enc_plan, "scheduled", plan_best.iteration_us, lower_bound, stats
+                )
                 if best is None or plan_best.iteration_us < best.iteration_us:
                     best = plan_best
             elif stats.partitions_searched == 0:
@@ -685,8 +812,11 @@ def optimus(config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine
                 outcome = PlanOutcome(enc_plan, "infeasible", None, lower_bound, stats)
             result.outcomes.append(outcome)
         result.best = best.schedule() if best else None
-        faster = [b for b in runnable_baselines(config, planned.llm_plan, cost)
-                  if best is None or b.iteration_us < best.iteration_us - EPS_US]
+        faster = [
+            b
+            for b in runnable_baselines(config, planned.llm_plan, cost)
+            if best is None or b.iteration_us < best.iteration_us - EPS_US
+        ]
         result.baseline = min(faster, key=lambda b: b.iteration_us, default=None)
     result.runtime_s = time.perf_counter() - started
     return result

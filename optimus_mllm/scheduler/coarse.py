@@ -17,9 +17,9 @@ from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain
 
 @dataclass(frozen=True)
 class PreWindow:
-    """One encoder pipeline's coarse forwards before the LLM: GPipe-style from the end of the encoder's
-    all-gather (iteration time). The first n microbatches of the pipeline run there, so every layout
-    that ``evaluate`` needs is a prefix of this one, laid out once."""
+    """One encoder pipeline's coarse forwards before the LLM: GPipe-style from the end of the
+    encoder's all-gather (iteration time). The first n microbatches of the pipeline run there, so
+    every layout that ``evaluate`` needs is a prefix of this one, laid out once."""
 
     starts: list[list[float]]  # per microbatch k: its start on each stage
     ef: list[tuple[float, int, int]]  # per microbatch k: (EF, j, k)
@@ -45,21 +45,23 @@ class PreWindow:
 
 
 class PostWindow:
-    """One encoder pipeline's coarse backwards after the LLM (``coarse_backward`` from the LLM stages'
-    last computation), laid out once as if every gradient were already there: each microbatch starts on
-    the last stage as soon as that stage is free. Gradients arrive during the LLM's span, so they are
-    there by then almost always; a layout is this one's prefix up to the first microbatch whose gradient
-    comes later, and is laid out from there on from the state the prefix leaves."""
+    """One encoder pipeline's coarse backwards after the LLM (``coarse_backward`` from the LLM
+    stages' last computation), laid out once as if every gradient were already there: each
+    microbatch starts on the last stage as soon as that stage is free. Gradients arrive during the
+    LLM's span, so they are there by then almost always; a layout is this one's prefix up to the
+    first microbatch whose gradient comes later, and is laid out from there on from the state the
+    prefix leaves."""
 
     def __init__(self, origin: list[float], work: EncoderWork):
         self.origin, self.work = origin, work
         self.last_stage_starts: list[float] = []  # [k]: microbatch k's start on the last stage
-        self.ends: list[list[float]] = [list(origin)]  # [k]: each stage's end after microbatches 0..k-1
+        # [k]: each stage's end after microbatches 0..k-1
+        self.ends: list[list[float]] = [list(origin)]
         self.free = [origin[-1]]  # [k]: when the last stage is free for microbatch k
 
     def queued(self, ready: Sequence[float]) -> bool:
-        """Each gradient is there by the time the last stage is free for it: the layout is this one's
-        prefix, whose stage ends are ``ends[len(ready)]``."""
+        """Each gradient is there by the time the last stage is free for it: the layout is this
+        one's prefix, whose stage ends are ``ends[len(ready)]``."""
         while len(self.last_stage_starts) < len(ready):
             (row,), ends = coarse_backward([float("-inf")], self.ends[-1], self.work)
             self.last_stage_starts.append(row[-1])
@@ -68,7 +70,8 @@ class PostWindow:
         return not any(map(gt, ready, self.free))
 
     def layout(self, ready: tuple[float, ...]) -> tuple[list[float], list[float]]:
-        """``coarse_backward(ready, origin)``: each microbatch's start on the last stage, each stage's end."""
+        """``coarse_backward(ready, origin)``: each microbatch's start on the last stage, each
+        stage's end."""
         n = len(ready)
         if self.queued(ready):
             return self.last_stage_starts[:n], self.ends[n]
@@ -77,13 +80,17 @@ class PostWindow:
         return self.last_stage_starts[:k] + [row[-1] for row in rows], ends
 
 
-def coarse_backward(ready: Sequence[float], origin: list[float], work: EncoderWork,
-                    tops: Sequence[int] | None = None) -> tuple[list[list[float]], list[float]]:
-    """Backwards in a post window: GPipe-style from the last encoder stage to the first, each stage's
-    chain as one block, microbatches in the given order with their gradients ready at ``ready``, each
-    stage free from ``origin``. ``tops``: per microbatch, the stage it starts on there (its chains on the
-    stages above ran in the LLM's bubbles); the last by default. Returns every microbatch's start per
-    stage (0 above its top), and each stage's end."""
+def coarse_backward(
+    ready: Sequence[float],
+    origin: list[float],
+    work: EncoderWork,
+    tops: Sequence[int] | None = None,
+) -> tuple[list[list[float]], list[float]]:
+    """Backwards in a post window: GPipe-style from the last encoder stage to the first, each
+    stage's chain as one block, microbatches in the given order with their gradients ready at
+    ``ready``, each stage free from ``origin``. ``tops``: per microbatch, the stage it starts on
+    there (its chains on the stages above ran in the LLM's bubbles); the last by default. Returns
+    every microbatch's start per stage (0 above its top), and each stage's end."""
     cursor = list(origin)
     durations = [chain.duration_us for chain in work.bwd]
     last = len(cursor) - 1

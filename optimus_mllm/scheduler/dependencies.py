@@ -1,4 +1,5 @@
-"""Encoder-LLM dependency points (paper §4.3): F_i, B_i, the adjusted warm-up, and the global-ordering check."""
+"""Encoder-LLM dependency points (paper §4.3): F_i, B_i, the adjusted warm-up, and the
+global-ordering check."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def adjusted_warmup(default: list[int], compute_end: Callable[[list[int]], float
 
 
 def get_enc_llm_dep(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> EncLLMDep:
-    """GetEncLLMDep: F_i and B_i of the LLM timeline under the adjusted warm-up (``adjusted_warmup``)."""
+    """GetEncLLMDep: F_i and B_i of the LLM timeline under the adjusted warm-up
+    (``adjusted_warmup``)."""
     work = llm_op_work(config, plan, cost)
     timelines: dict[tuple[int, ...], LLMTimeline] = {}
 
@@ -65,25 +67,34 @@ def get_enc_llm_dep(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) 
     n_mb = config.num_microbatches_total // plan.dp
     default = [default_warmup(plan.pp, plan.vp, n_mb, s) for s in range(plan.pp)]
     best = timelines[tuple(adjusted_warmup(default, compute_end))]
-    return EncLLMDep(tuple(best.forward_dependency_points), tuple(best.backward_dependency_points),
-                     tuple(s.warmup for s in best.stages), tuple(default), best)
+    return EncLLMDep(
+        tuple(best.forward_dependency_points),
+        tuple(best.backward_dependency_points),
+        tuple(s.warmup for s in best.stages),
+        tuple(default),
+        best,
+    )
 
 
 def global_order(encoder_forward_ends: list[tuple[float, int, int]]) -> list[tuple[int, int]]:
     """Global ordering: the i-th finished encoder forward feeds LLM microbatch i.
 
-    Takes (EF, pipeline, local microbatch) and returns (pipeline, local microbatch) per LLM microbatch.
+    Takes (EF, pipeline, local microbatch) and returns (pipeline, local microbatch) per LLM
+    microbatch.
     """
     return list(map(itemgetter(1, 2), sorted(encoder_forward_ends)))
 
 
 # The bubble scheduler checks these once per move it tries, so they loop in C (map), not in Python.
 
+
 def check_enc_llm_dep_forward(forward_ends: Iterable[float], dep_forward: Iterable[float]) -> bool:
     """checkEncLLMDep, forward half: EF_i <= F_i for every LLM microbatch i (same time base)."""
     return all(map(le, forward_ends, map(add, dep_forward, repeat(EPS_US))))
 
 
-def check_enc_llm_dep_backward(backward_starts: Iterable[float], dep_backward: Iterable[float]) -> bool:
+def check_enc_llm_dep_backward(
+    backward_starts: Iterable[float], dep_backward: Iterable[float]
+) -> bool:
     """checkEncLLMDep, backward half: EB_i >= B_i for every LLM microbatch i (same time base)."""
     return all(map(ge, backward_starts, map(sub, dep_backward, repeat(EPS_US))))

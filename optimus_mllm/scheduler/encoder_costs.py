@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from optimus_mllm.config import EncoderConfig, OptimusConfig
-from optimus_mllm.cost_model import CostModel, Kernel, KernelWork, LayerShape, group_bandwidth_gbps, p2p_work
+from optimus_mllm.cost_model import (
+    CostModel,
+    Kernel,
+    KernelWork,
+    LayerShape,
+    group_bandwidth_gbps,
+    p2p_work,
+)
 from optimus_mllm.params import encoder_params_per_stage, projector_params, stage_layer_bounds
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
 from optimus_mllm.scheduler.llm_costs import activation_dtype_bytes, dp_comm_us, tp_bandwidth
@@ -26,8 +33,8 @@ class EncoderKernel:
     phase: Phase
     is_comm: bool
     duration_us: float
-    # can run as pieces of its tokens (``runtime/encoder_ops``): a transformer layer's compute kernel, not a
-    # recomputation, in an encoder without dropout (its masks are drawn whole)
+    # can run as pieces of its tokens (``runtime/encoder_ops``): a transformer layer's compute
+    # kernel, not a recomputation, in an encoder without dropout (its masks are drawn whole)
     splittable: bool = False
 
 
@@ -47,7 +54,8 @@ class StageChain:
 
     @cached_property
     def steps(self) -> tuple[tuple[float, bool, bool], ...]:
-        """(duration, is_comm, splittable) of each kernel: what the bubble scheduler's inner loops read."""
+        """(duration, is_comm, splittable) of each kernel: what the bubble scheduler's inner loops
+        read."""
         return tuple((k.duration_us, k.is_comm, k.splittable) for k in self.kernels)
 
 
@@ -60,9 +68,11 @@ class EncoderWork:
     to_llm_us: tuple[float, ...]  # per encoder pipeline: its last stage to the first LLM stage
     dp_all_gather_us: float  # exposed, before the first encoder forward
     dp_reduce_scatter_us: float  # exposed, after the last encoder backward
-    stage_gpus: tuple[tuple[tuple[int, ...], ...], ...]  # [pipeline][stage] -> GPUs in the LLM pipeline
+    # [pipeline][stage] -> GPUs in the LLM pipeline
+    stage_gpus: tuple[tuple[tuple[int, ...], ...], ...]
     llm_tp: int
-    launch_us: float = 0.0  # what cutting a kernel into one more piece adds: its launch (kernel_overhead_us)
+    # what cutting a kernel into one more piece adds: its launch (kernel_overhead_us)
+    launch_us: float = 0.0
 
     def llm_stage(self, pipeline: int, stage: int) -> int:
         return self.stage_gpus[pipeline][stage][0] // self.llm_tp
@@ -72,40 +82,64 @@ class EncoderWork:
         return len(self.stage_gpus)
 
 
-def build_encoder_work(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: ParallelPlan,
-                       cost: CostModel) -> EncoderWork:
+def build_encoder_work(
+    config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: ParallelPlan, cost: CostModel
+) -> EncoderWork:
     t = config.training
     dtype = activation_dtype_bytes(config)
     bw = tp_bandwidth(config, enc_plan.tp)
     fwd: list[list[EncoderKernel]] = [[] for _ in range(enc_plan.pp)]
     bwd: list[list[EncoderKernel]] = [[] for _ in range(enc_plan.pp)]
     for enc in config.encoders:
-        shape = LayerShape(enc, enc_plan.tp, t.micro_batch_size, t.sequence_parallel, dtype, t.recompute)
+        shape = LayerShape(
+            enc, enc_plan.tp, t.micro_batch_size, t.sequence_parallel, dtype, t.recompute
+        )
         layer = {phase: cost.layer(shape, phase, enc.name, bw) for phase in ("fwd", "bwd")}
         for e, (lo, hi) in enumerate(stage_layer_bounds(enc.num_layers, enc_plan.pp)):
             if e == 0:
                 fwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "fwd"))
             for i in range(lo, hi):
-                fwd[e] += [EncoderKernel(enc.name, i, k.name, "fwd", k.is_comm, k.duration_us, _splittable(enc, k))
-                           for k in layer["fwd"]]
+                fwd[e] += [
+                    EncoderKernel(
+                        enc.name, i, k.name, "fwd", k.is_comm, k.duration_us, _splittable(enc, k)
+                    )
+                    for k in layer["fwd"]
+                ]
             if e == enc_plan.pp - 1:
                 fwd[e] += _projector(config, enc, cost, enc_plan.tp, "fwd")
                 bwd[e] += _projector(config, enc, cost, enc_plan.tp, "bwd")
             if not enc.frozen:
                 for i in reversed(range(lo, hi)):
-                    bwd[e] += [EncoderKernel(enc.name, i, k.name, "bwd", k.is_comm, k.duration_us, _splittable(enc, k))
-                               for k in layer["bwd"]]
+                    bwd[e] += [
+                        EncoderKernel(
+                            enc.name,
+                            i,
+                            k.name,
+                            "bwd",
+                            k.is_comm,
+                            k.duration_us,
+                            _splittable(enc, k),
+                        )
+                        for k in layer["bwd"]
+                    ]
                 if e == 0:
                     bwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "bwd"))
     layout = encoder_stage_gpus(llm_plan, enc_plan)
-    ag, rs = dp_comm_us(config, max(trainable_params_per_stage(config, enc_plan.pp)) / enc_plan.tp,
-                        enc_plan.dp, enc_plan.tp, cost)
+    ag, rs = dp_comm_us(
+        config,
+        max(trainable_params_per_stage(config, enc_plan.pp)) / enc_plan.tp,
+        enc_plan.dp,
+        enc_plan.tp,
+        cost,
+    )
     return EncoderWork(
         plan=enc_plan,
         fwd=tuple(StageChain(tuple(c)) for c in fwd),
         bwd=tuple(StageChain(tuple(c)) for c in bwd),
         p2p_us=_encoder_p2p_us(config, llm_plan, enc_plan, cost),
-        to_llm_us=tuple(_to_llm_us(config, llm_plan, stages[-1][0] // llm_plan.tp, cost) for stages in layout),
+        to_llm_us=tuple(
+            _to_llm_us(config, llm_plan, stages[-1][0] // llm_plan.tp, cost) for stages in layout
+        ),
         dp_all_gather_us=ag,
         dp_reduce_scatter_us=rs,
         stage_gpus=tuple(tuple(tuple(g) for g in stages) for stages in layout),
@@ -115,19 +149,30 @@ def build_encoder_work(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: 
 
 
 def _splittable(enc: EncoderConfig, kernel: Kernel) -> bool:
-    return not (kernel.is_comm or kernel.name.startswith("recompute_") or enc.hidden_dropout or enc.attention_dropout)
+    return not (
+        kernel.is_comm
+        or kernel.name.startswith("recompute_")
+        or enc.hidden_dropout
+        or enc.attention_dropout
+    )
 
 
 def trainable_params_per_stage(config: OptimusConfig, pp: int) -> list[float]:
-    """Parameters with gradients per encoder stage: trainable encoders, plus every projector (a frozen
-    encoder's projector still trains)."""
+    """Parameters with gradients per encoder stage: trainable encoders, plus every projector (a
+    frozen encoder's projector still trains)."""
     trainable = tuple(e for e in config.encoders if not e.frozen)
-    per_stage = [float(p) for p in encoder_params_per_stage(trainable, config.llm, pp)] if trainable else [0.0] * pp
+    per_stage = (
+        [float(p) for p in encoder_params_per_stage(trainable, config.llm, pp)]
+        if trainable
+        else [0.0] * pp
+    )
     per_stage[-1] += sum(projector_params(e, config.llm) for e in config.encoders if e.frozen)
     return per_stage
 
 
-def _patch_embed(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase) -> EncoderKernel:
+def _patch_embed(
+    config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase
+) -> EncoderKernel:
     """The patch embedding as a GEMM over flattened patches; with sequence parallelism each TP rank
     embeds its own share of the tokens, otherwise all of them (replicated, like Megatron's CLIP)."""
     tokens = enc.seq_length * config.training.micro_batch_size
@@ -136,13 +181,23 @@ def _patch_embed(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp:
     patch_dim = enc.in_channels * enc.patch_size**2
     dtype = activation_dtype_bytes(config)
     scale = 1 if phase == "fwd" else 2
-    work = KernelWork("patch_embed", phase, "gemm", scale * 2.0 * tokens * patch_dim * enc.hidden_size,
-                      scale * (tokens * patch_dim + patch_dim * enc.hidden_size + tokens * enc.hidden_size) * dtype)
-    return EncoderKernel(enc.name, -1, "patch_embed", phase, False, cost.compute_us(work, enc.name, tp))
+    work = KernelWork(
+        "patch_embed",
+        phase,
+        "gemm",
+        scale * 2.0 * tokens * patch_dim * enc.hidden_size,
+        scale
+        * (tokens * patch_dim + patch_dim * enc.hidden_size + tokens * enc.hidden_size)
+        * dtype,
+    )
+    return EncoderKernel(
+        enc.name, -1, "patch_embed", phase, False, cost.compute_us(work, enc.name, tp)
+    )
 
 
-def _projector(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int,
-               phase: Phase) -> list[EncoderKernel]:
+def _projector(
+    config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase
+) -> list[EncoderKernel]:
     """Projector kernels as the runtime runs them (``runtime/vit.py``).
 
     ``mlp``: column-parallel fc1 (GELU fused), row-parallel fc2; ``linear``: one row-parallel GEMM.
@@ -162,14 +217,23 @@ def _projector(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: i
     sp = t.sequence_parallel and tp > 1
     mlp = enc.projector.type == "mlp"
     scale = 1 if phase == "fwd" else 2
-    shapes = [("projector_fc1", h_enc, h_llm // tp)] if mlp else [("projector_fc1", h_enc // tp, h_llm)]
+    shapes = (
+        [("projector_fc1", h_enc, h_llm // tp)] if mlp else [("projector_fc1", h_enc // tp, h_llm)]
+    )
     if mlp:
         shapes.append(("projector_fc2", h_llm // tp, h_llm))
     gemms = []
     for name, k_in, k_out in shapes:
-        work = KernelWork(name, phase, "gemm", scale * 2.0 * tokens * k_in * k_out,
-                          scale * (tokens * k_in + k_in * k_out + tokens * k_out) * dtype)
-        gemms.append(EncoderKernel(enc.name, -1, name, phase, False, cost.compute_us(work, enc.name, tp)))
+        work = KernelWork(
+            name,
+            phase,
+            "gemm",
+            scale * 2.0 * tokens * k_in * k_out,
+            scale * (tokens * k_in + k_in * k_out + tokens * k_out) * dtype,
+        )
+        gemms.append(
+            EncoderKernel(enc.name, -1, name, phase, False, cost.compute_us(work, enc.name, tp))
+        )
 
     def collective(name: str, kind: str, nbytes: float) -> EncoderKernel:
         work = KernelWork(name, phase, "comm", 0.0, nbytes, kind, tp)  # type: ignore[arg-type]
@@ -178,27 +242,42 @@ def _projector(config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: i
     features = tokens * h_enc * dtype
     if phase == "fwd":
         head = [collective("tp_ag_projector", "all_gather", features)] if sp else []
-        tail = [collective("tp_ar_projector", "all_reduce", tokens * h_llm * dtype)] if tp > 1 else []
+        tail = (
+            [collective("tp_ar_projector", "all_reduce", tokens * h_llm * dtype)] if tp > 1 else []
+        )
         return head + gemms + tail
     if tp == 1 or enc.frozen:
         return gemms[::-1]
     if not mlp:
         return gemms[::-1] + [collective("tp_ag_projector", "all_gather", features)]
-    return gemms[::-1] + [collective("tp_rs_projector", "reduce_scatter", features) if sp
-                          else collective("tp_ar_projector", "all_reduce", features)]
+    return gemms[::-1] + [
+        collective("tp_rs_projector", "reduce_scatter", features)
+        if sp
+        else collective("tp_ar_projector", "all_reduce", features)
+    ]
 
 
-def _encoder_p2p_us(config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: ParallelPlan, cost: CostModel) -> float:
+def _encoder_p2p_us(
+    config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: ParallelPlan, cost: CostModel
+) -> float:
     if enc_plan.pp == 1:
         return 0.0
     widest = max(config.encoders, key=lambda e: e.seq_length * e.hidden_size)
-    work = p2p_work("encoder_p2p", "fwd", widest, config.training.micro_batch_size, enc_plan.tp,
-                    activation_dtype_bytes(config))
+    work = p2p_work(
+        "encoder_p2p",
+        "fwd",
+        widest,
+        config.training.micro_batch_size,
+        enc_plan.tp,
+        activation_dtype_bytes(config),
+    )
     # consecutive encoder stages sit on consecutive LLM stages
     return cost.comm_us(work, group_bandwidth_gbps(config.cluster, 2, llm_plan.tp * llm_plan.dp))
 
 
-def _to_llm_us(config: OptimusConfig, llm_plan: ParallelPlan, llm_stage: int, cost: CostModel) -> float:
+def _to_llm_us(
+    config: OptimusConfig, llm_plan: ParallelPlan, llm_stage: int, cost: CostModel
+) -> float:
     """Send the projected image tokens (and later their gradient) to/from the first LLM stage."""
     if llm_stage == 0:
         return 0.0  # colocated on the first LLM stage: a local copy

@@ -1,12 +1,13 @@
-"""Fine-grained scheduling (paper §4.3, ScheduleKernels): encoder chains placed kernel by kernel into
-the LLM's bubbles, and the moves a plan's partitions share.
+"""Fine-grained scheduling (paper §4.3, ScheduleKernels): encoder chains placed kernel by kernel
+into the LLM's bubbles, and the moves a plan's partitions share.
 
 An encoder stage's compute kernels go into its LLM stage's idle compute-stream time (TP and PP
 bubbles), its communication kernels into time with no LLM TP collective (mostly under LLM compute,
-paper Fig. 7). Placement is first-fit, in tau (time from the LLM's origin t0). A kernel the runtime can
-split (``EncoderKernel.splittable``) that would start later than a bubble it could partly fill is cut to
-fit: that bubble gets a piece of its tokens and the rest goes on from the bubble's end, each further
-piece paying the kernel's launch again (``EncoderWork.launch_us``), so short TP bubbles are used too.
+paper Fig. 7). Placement is first-fit, in tau (time from the LLM's origin t0). A kernel the runtime
+can split (``EncoderKernel.splittable``) that would start later than a bubble it could partly fill
+is cut to fit: that bubble gets a piece of its tokens and the rest goes on from the bubble's end,
+each further piece paying the kernel's launch again (``EncoderWork.launch_us``), so short TP bubbles
+are used too.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from optimus_mllm.scheduler.lower_bound import Lengths
 
 @dataclass(frozen=True)
 class LLMBubbles:
-    """What every encoder plan's scheduling shares: dependency points and the LLM's bubbles per stage."""
+    """What every encoder plan's scheduling shares: dependency points and the LLM's bubbles per
+    stage."""
 
     dep: EncLLMDep
-    gaps: list[tuple[FreeIntervals, FreeIntervals]]  # per stage: (idle compute, no-TP-collective) time
+    # per stage: (idle compute, no-TP-collective) time
+    gaps: list[tuple[FreeIntervals, FreeIntervals]]
     lengths: list[Lengths]  # per stage: its idle compute time by bubble length, for the lower bound
 
     @classmethod
@@ -38,32 +41,41 @@ class LLMBubbles:
 
 
 def stage_gaps(timeline: LLMTimeline) -> list[tuple[FreeIntervals, FreeIntervals]]:
-    """Per LLM stage: (idle compute-stream time, time without an LLM TP collective) inside its span."""
+    """Per LLM stage: (idle compute-stream time, time without an LLM TP collective) inside its
+    span."""
     gaps = []
     for s, stage in enumerate(timeline.stages):
         compute, comm = timeline.kernel_intervals(s)
         lo, hi = stage.first_compute_us, stage.last_compute_us
-        gaps.append((FreeIntervals.complement(compute, lo, hi), FreeIntervals.complement(comm, lo, hi)))
+        gaps.append(
+            (FreeIntervals.complement(compute, lo, hi), FreeIntervals.complement(comm, lo, hi))
+        )
     return gaps
 
 
-MIN_PIECE_WORK_US = 2.0  # a bubble gets a piece of a kernel only if it holds this much work beside the launch
+# a bubble gets a piece of a kernel only if it holds this much work beside the launch
 
-Cut = list[tuple[float, float, float, float]]  # a cut kernel's pieces: (lo, hi) of its tokens, start, end
+
+MIN_PIECE_WORK_US = 2.0
+
+# a cut kernel's pieces: (lo, hi) of its tokens, start, end
+Cut = list[tuple[float, float, float, float]]
 
 
 class Placement(NamedTuple):
     """A chain as first-fit placed it (a plan keeps every move it placed)."""
 
     starts: list[float]  # per kernel (a cut one: its first piece's)
-    spans: tuple[array, array]  # (compute, comm) time taken, flat start, end, ...: back-to-back pieces as one span
+    # (compute, comm) time taken, flat start, end, ...: back-to-back pieces as one span
+    spans: tuple[array, array]
     end: float
     cuts: dict[int, Cut]  # kernel index -> its pieces, for the kernels cut to fit
 
 
 @dataclass
 class Resource:
-    """The GPUs of one encoder stage: their LLM stage's free compute time and comm-allowed time (tau)."""
+    """The GPUs of one encoder stage: their LLM stage's free compute time and comm-allowed time
+    (tau)."""
 
     llm_stage: int
     compute: FreeIntervals
@@ -72,15 +84,17 @@ class Resource:
     def copy(self) -> Resource:
         return Resource(self.llm_stage, self.compute.copy(), self.comm.copy())
 
-    def place_chain(self, chain: StageChain, ready: float, limit: float, launch_us: float) -> Placement | None:
-        """First-fit the chain's kernels in order into the bubbles, cutting the splittable ones to fit;
-        None if they do not fit."""
+    def place_chain(
+        self, chain: StageChain, ready: float, limit: float, launch_us: float
+    ) -> Placement | None:
+        """First-fit the chain's kernels in order into the bubbles, cutting the splittable ones to
+        fit; None if they do not fit."""
         starts, t = [], ready
         spans = (array("d"), array("d"))  # compute, comm
         cuts: dict[int, Cut] = {}
         min_room = launch_us + MIN_PIECE_WORK_US
-        # Per stream (compute, comm): the free interval of its last kernel. A kernel that fits in it from t
-        # starts at t, which is what first-fit returns, without searching.
+        # Per stream (compute, comm): the free interval of its last kernel. A kernel that fits in it
+        # from t starts at t, which is what first-fit returns, without searching.
         free, current = (self.compute, self.comm), [(0.0, -1.0), (0.0, -1.0)]
         for i, (d, is_comm, splittable) in enumerate(chain.steps):
             lo, hi = current[is_comm]
@@ -111,12 +125,14 @@ class Resource:
             t = end
         return Placement(starts, spans, t, cuts)
 
-    def _fit(self, d: float, t: float, limit: float, launch_us: float,
-             min_room: float) -> tuple[Cut, tuple[float, float]] | None:
-        """A splittable compute kernel of ``d`` us first-fit from ``t``, cut to fit: while a bubble it could
-        partly fill comes sooner than one that holds the rest, that bubble gets a piece up to its end. Its
-        pieces as fractions of its work (``d`` less one launch; one piece if it runs whole), and the last
-        one's bubble; None if it does not fit by ``limit``."""
+    def _fit(
+        self, d: float, t: float, limit: float, launch_us: float, min_room: float
+    ) -> tuple[Cut, tuple[float, float]] | None:
+        """A splittable compute kernel of ``d`` us first-fit from ``t``, cut to fit: while a bubble
+        it could
+        partly fill comes sooner than one that holds the rest, that bubble gets a piece up to its
+        end. Its pieces as fractions of its work (``d`` less one launch; one piece if it runs
+        whole), and the last one's bubble; None if it does not fit by ``limit``."""
         work = d - launch_us
         pieces, done, left = [], 0.0, d  # left: the rest as one more kernel, launch included
         while True:
@@ -144,27 +160,36 @@ def _take_span(stream: array, start: float, end: float) -> None:
 
 @dataclass(frozen=True)
 class Move:
-    """One microbatch's chains as placed on every stage of an encoder pipeline: the kernels' starts (tau)
-    and, per stage, the spans they take from the compute and the comm stream, where its chain ends and
-    its cut kernels' pieces. Moves are shared by a plan's partitions, and each partition takes the same
-    spans from its own copy of the bubbles."""
+    """One microbatch's chains as placed on every stage of an encoder pipeline: the kernels' starts
+    (tau)
+    and, per stage, the spans they take from the compute and the comm stream, where its chain ends
+    and its cut kernels' pieces. Moves are shared by a plan's partitions, and each partition takes
+    the same spans from its own copy of the bubbles."""
 
     starts: list[list[float]]
-    busy: list[tuple[array, array]]  # per stage: (compute, comm) spans as flat start, end, start, end, ...
+    # per stage: (compute, comm) spans as flat start, end, start, end, ...
+    busy: list[tuple[array, array]]
     ends: list[float]
     cuts: list[dict[int, Cut]]
-    low: int = 0  # a backward move's lowest stage: the stages below it run their chains in the post window
+    # a backward move's lowest stage: the stages below it run their chains in the post window
+    low: int = 0
 
     @classmethod
     def of(cls, placements: list[Placement], low: int = 0) -> Move:
         """From the placements of stages ``low`` and on (the ones below take nothing)."""
         none = [Placement([], (array("d"), array("d")), float("-inf"), {})] * low
         placements = none + placements
-        return cls([p.starts for p in placements], [p.spans for p in placements], [p.end for p in placements],
-                   [p.cuts for p in placements], low)
+        return cls(
+            [p.starts for p in placements],
+            [p.spans for p in placements],
+            [p.end for p in placements],
+            [p.cuts for p in placements],
+            low,
+        )
 
     def take(self, resources: list[Resource]) -> None:
-        """Occupy the move's spans in a pipeline's bubbles (a stage without kernels takes nothing)."""
+        """Occupy the move's spans in a pipeline's bubbles (a stage without kernels takes
+        nothing)."""
         for r, (compute, comm) in zip(resources, self.busy):
             for free, spans in ((r.compute, compute), (r.comm, comm)):
                 pairs = iter(spans)
@@ -173,17 +198,19 @@ class Move:
 
 
 class PipelineMoves:
-    """One encoder pipeline's microbatches moved into the LLM's bubbles, shared by all partitions of a plan.
+    """One encoder pipeline's microbatches moved into the LLM's bubbles, shared by all partitions of
+    a plan.
 
     OptimizeSchedule's forward pass moves pipeline j's microbatches one at a time, each from the
-    pipeline's first LLM computation up to the same limit, into bubbles that only j's earlier forward
-    moves have taken, and ends at the first move it rejects. So j's t-th move lands at the same times
-    whatever the partition, and is placed here once. The bubbles left after t moves are rebuilt from
-    a copy taken every ``SNAPSHOT_EVERY`` moves plus the moves since.
+    pipeline's first LLM computation up to the same limit, into bubbles that only j's earlier
+    forward moves have taken, and ends at the first move it rejects. So j's t-th move lands at the
+    same times whatever the partition, and is placed here once. The bubbles left after t moves are
+    rebuilt from a copy taken every ``SNAPSHOT_EVERY`` moves plus the moves since.
 
     A backward move of LLM microbatch i's encoder work lands where the bubbles left by j's t forward
-    moves and its earlier backward moves put it, so its placement is kept by (t, the LLM microbatches
-    moved before, i) too: partitions that move the same microbatches in the same order reuse it.
+    moves and its earlier backward moves put it, so its placement is kept by (t, the LLM
+    microbatches moved before, i) too: partitions that move the same microbatches in the same order
+    reuse it.
 
     The pipeline's coarse windows do not depend on the partition either: every layout a partition
     needs is a prefix of one pre window and, mostly, of one post window (see ``PostWindow``).
@@ -191,7 +218,13 @@ class PipelineMoves:
 
     SNAPSHOT_EVERY = 8
 
-    def __init__(self, work: EncoderWork, dep: EncLLMDep, gaps: list[tuple[FreeIntervals, FreeIntervals]], j: int):
+    def __init__(
+        self,
+        work: EncoderWork,
+        dep: EncLLMDep,
+        gaps: list[tuple[FreeIntervals, FreeIntervals]],
+        j: int,
+    ):
         self.work, self.j = work, j
         stages = [work.llm_stage(j, e) for e in range(len(work.fwd))]
         self.first = [dep.timeline.stages[s].first_compute_us for s in stages]
@@ -199,7 +232,9 @@ class PipelineMoves:
         self.limit = max(dep.forward) - work.to_llm_us[j]
         self.builder = [Resource(s, gaps[s][0].copy(), gaps[s][1].copy()) for s in stages]
         self.moves: list[Move] = []  # t -> the t-th forward move
-        self.forward_ends: list[float] = []  # t -> its EF (tau): when its output reaches the first LLM stage
+        self.forward_ends: list[
+            float
+        ] = []  # t -> its EF (tau): when its output reaches the first LLM stage
         self.exhausted = False  # move len(moves) does not fit
         self.snapshots = {0: [r.copy() for r in self.builder]}
         self.backward: dict[tuple[int, tuple[int, ...], int], Move | None] = {}
@@ -217,7 +252,9 @@ class PipelineMoves:
         while len(self.moves) <= t and not self.exhausted:
             placements, ready = [], self.first[0]
             for e, r in enumerate(self.builder):
-                placement = r.place_chain(w.fwd[e], max(ready, self.first[e]), self.limit, w.launch_us)
+                placement = r.place_chain(
+                    w.fwd[e], max(ready, self.first[e]), self.limit, w.launch_us
+                )
                 if placement is None:
                     self.exhausted = True
                     return None
@@ -232,8 +269,8 @@ class PipelineMoves:
         return self.moves[t] if t < len(self.moves) else None
 
     def resources_after(self, t: int) -> list[Resource]:
-        """Per stage: the bubbles left after the first t moves, as fresh copies. Partitions often end
-        their forward pass after the same number of moves, so that state is kept too."""
+        """Per stage: the bubbles left after the first t moves, as fresh copies. Partitions often
+        end their forward pass after the same number of moves, so that state is kept too."""
         if t not in self.snapshots:
             base = t - t % self.SNAPSHOT_EVERY
             resources = [r.copy() for r in self.snapshots[base]]

@@ -2,9 +2,9 @@
 
 A schedule artifact stores the fingerprint of the config it was made for, so that a job can name the
 first setting it differs in instead of failing after its ranks connect. Keys are written as
-``--override`` takes them (``model.encoders.0.num_layers``). Every config field is in it unless listed
-in ``_NOT_SCHEDULE`` (or, for the models, ``_NOT_SCHEDULE_IN_MODELS``), so a field added to the config
-later counts until someone says why it does not.
+``--override`` takes them (``model.encoders.0.num_layers``). Every config field is in it unless
+listed in ``_NOT_SCHEDULE`` (or, for the models, ``_NOT_SCHEDULE_IN_MODELS``), so a field added to
+the config later counts until someone says why it does not.
 """
 
 from __future__ import annotations
@@ -16,31 +16,45 @@ from typing import Any
 
 from optimus_mllm.config import OptimusConfig
 
-_NOT_SCHEDULE = frozenset({
-    "name",  # a label
-    "source",  # the file the config was read from
-    "training.train_iters",  # how many steps run, not what a step does: resuming a job raises it
-    # the optimizer's numbers, not the work of a step (its kind and SGD's momentum stay: they set the
-    # optimizer states' memory)
-    "training.lr", "training.min_lr", "training.lr_decay_style", "training.lr_warmup_iters", "training.lr_decay_iters",
-    "training.weight_decay", "training.adam_beta1", "training.adam_beta2", "training.adam_eps",
-    "training.clip_grad", "training.loss_scale", "training.initial_loss_scale",
-    "training.min_loss_scale", "training.loss_scale_window", "training.hysteresis",
-    "training.seed",
-    "data",  # synthetic or real samples have the same shapes
-    # The job compares the plans themselves (ScheduleArtifact.check_matches): a config that fixes the plan
-    # the planner would have chosen is the same job, and without parallel.encoder any plan the planner
-    # keeps will do.
-    "parallel",
-    "planner",  # search limits: where they matter, the plans they lead to are compared
-    # decides which encoder plans fit, which load_job_artifact checks against the planner's candidates;
-    # no kernel time depends on it (a Megatron job's config has the default)
-    "cluster.gpu_memory_gib",
-})
+_NOT_SCHEDULE = frozenset(
+    {
+        "name",  # a label
+        "source",  # the file the config was read from
+        # how many steps run, not what a step does: resuming a job raises it
+        "training.train_iters",
+        # the optimizer's numbers, not the work of a step (its kind and SGD's momentum stay: they
+        # set the optimizer states' memory)
+        "training.lr",
+        "training.min_lr",
+        "training.lr_decay_style",
+        "training.lr_warmup_iters",
+        "training.lr_decay_iters",
+        "training.weight_decay",
+        "training.adam_beta1",
+        "training.adam_beta2",
+        "training.adam_eps",
+        "training.clip_grad",
+        "training.loss_scale",
+        "training.initial_loss_scale",
+        "training.min_loss_scale",
+        "training.loss_scale_window",
+        "training.hysteresis",
+        "training.seed",
+        "data",  # synthetic or real samples have the same shapes
+        # The job compares the plans themselves (ScheduleArtifact.check_matches): a config that
+        # fixes the plan the planner would have chosen is the same job, and without parallel.encoder
+        # any plan the planner keeps will do.
+        "parallel",
+        "planner",  # search limits: where they matter, the plans they lead to are compared
+        # decides which encoder plans fit, which load_job_artifact checks against the planner's
+        # candidates; no kernel time depends on it (a Megatron job's config has the default)
+        "cluster.gpu_memory_gib",
+    }
+)
 
 
-# fields of any transformer (LLM or encoder) that no plan or priced kernel depends on: dropout's masks are
-# elementwise work the cost model does not count
+# fields of any transformer (LLM or encoder) that no plan or priced kernel depends on: dropout's
+# masks are elementwise work the cost model does not count
 _NOT_SCHEDULE_IN_MODELS = frozenset({"hidden_dropout", "attention_dropout"})
 
 
@@ -50,7 +64,9 @@ def schedule_fingerprint(config: OptimusConfig) -> dict[str, Any]:
 
 
 def _settings(value: Any, path: str) -> Iterator[tuple[str, Any]]:
-    if path in _NOT_SCHEDULE or (path.startswith("model.") and path.rsplit(".", 1)[-1] in _NOT_SCHEDULE_IN_MODELS):
+    if path in _NOT_SCHEDULE or (
+        path.startswith("model.") and path.rsplit(".", 1)[-1] in _NOT_SCHEDULE_IN_MODELS
+    ):
         return
     if dataclasses.is_dataclass(value):
         for f in dataclasses.fields(value):

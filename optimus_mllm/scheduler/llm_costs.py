@@ -26,15 +26,23 @@ def activation_dtype_bytes(config: OptimusConfig) -> int:
 
 def llm_layer_shape(config: OptimusConfig, plan: ParallelPlan) -> LayerShape:
     t = config.training
-    return LayerShape(config.llm, plan.tp, t.micro_batch_size, t.sequence_parallel,
-                      activation_dtype_bytes(config), t.recompute)
+    return LayerShape(
+        config.llm,
+        plan.tp,
+        t.micro_batch_size,
+        t.sequence_parallel,
+        activation_dtype_bytes(config),
+        t.recompute,
+    )
 
 
 def tp_bandwidth(config: OptimusConfig, tp: int) -> float:
     return group_bandwidth_gbps(config.cluster, tp, 1)
 
 
-def llm_op_work(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> dict[tuple[int, int, Phase], OpWork]:
+def llm_op_work(
+    config: OptimusConfig, plan: ParallelPlan, cost: CostModel
+) -> dict[tuple[int, int, Phase], OpWork]:
     """Kernels of every (stage, chunk, phase): the chunk's layers, plus the embedding on the first
     virtual stage and the output layer on the last (Megatron's interleaved layer assignment)."""
     shape = llm_layer_shape(config, plan)
@@ -47,19 +55,31 @@ def llm_op_work(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> d
         for c in range(plan.vp):
             first_layer = (c * plan.pp + s) * per_chunk
             for phase in ("fwd", "bwd"):
-                items = [(k.name, first_layer + i, k.is_comm, k.duration_us)
-                         for i in range(per_chunk) for k in layer[phase]]
+                items = [
+                    (k.name, first_layer + i, k.is_comm, k.duration_us)
+                    for i in range(per_chunk)
+                    for k in layer[phase]
+                ]
                 if phase == "bwd":  # layers run backwards in the backward pass
-                    items = [(k.name, first_layer + per_chunk - 1 - i, k.is_comm, k.duration_us)
-                             for i in range(per_chunk) for k in layer[phase]]
+                    items = [
+                        (k.name, first_layer + per_chunk - 1 - i, k.is_comm, k.duration_us)
+                        for i in range(per_chunk)
+                        for k in layer[phase]
+                    ]
                 first = s == 0 and c == 0
                 last = s == plan.pp - 1 and c == plan.vp - 1
                 if phase == "fwd":
-                    items = (head["embedding", "fwd"] if first else []) + items + (
-                        head["output_layer", "fwd"] if last else [])
+                    items = (
+                        (head["embedding", "fwd"] if first else [])
+                        + items
+                        + (head["output_layer", "fwd"] if last else [])
+                    )
                 else:
-                    items = (head["output_layer", "bwd"] if last else []) + items + (
-                        head["embedding", "bwd"] if first else [])
+                    items = (
+                        (head["output_layer", "bwd"] if last else [])
+                        + items
+                        + (head["embedding", "bwd"] if first else [])
+                    )
                 work[(s, c, phase)] = OpWork.sequential(items)
     return work
 
@@ -76,20 +96,30 @@ def _head_kernels(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) ->
     b = activation_dtype_bytes(config)
     vocab = llm.vocab_size // plan.tp
     emb = KernelWork("embedding", "fwd", "memory", 0.0, 2 * tokens * llm.hidden_size * b)
-    out = KernelWork("output_layer", "fwd", "gemm", 2.0 * tokens * llm.hidden_size * vocab,
-                     (tokens * llm.hidden_size + llm.hidden_size * vocab + tokens * vocab) * b)
+    out = KernelWork(
+        "output_layer",
+        "fwd",
+        "gemm",
+        2.0 * tokens * llm.hidden_size * vocab,
+        (tokens * llm.hidden_size + llm.hidden_size * vocab + tokens * vocab) * b,
+    )
     kernels = {}
     for work in (emb, out):
         for phase, scale in (("fwd", 1), ("bwd", 2)):
             scaled = KernelWork(work.name, phase, work.kind, work.flops * scale, work.bytes * scale)
-            kernels[(work.name, phase)] = [(work.name, -1, False, cost.compute_us(scaled, LLM, plan.tp))]
+            kernels[(work.name, phase)] = [
+                (work.name, -1, False, cost.compute_us(scaled, LLM, plan.tp))
+            ]
     if plan.tp > 1:
         # all-reduced even under sequence parallelism: the image tokens are spliced into the whole
         # sequence before it is scattered (runtime/llm.py, as megatron-core's LLaVA does)
         name, collective = "tp_ar_embed", "all_reduce"
-        reduce = KernelWork(name, "fwd", "comm", 0.0, tokens * llm.hidden_size * b, collective, plan.tp)
+        reduce = KernelWork(
+            name, "fwd", "comm", 0.0, tokens * llm.hidden_size * b, collective, plan.tp
+        )
         kernels[("embedding", "fwd")].append(
-            (name, -1, True, cost.comm_us(reduce, tp_bandwidth(config, plan.tp), LLM, plan.tp)))
+            (name, -1, True, cost.comm_us(reduce, tp_bandwidth(config, plan.tp), LLM, plan.tp))
+        )
     return kernels
 
 
@@ -97,12 +127,20 @@ def llm_p2p_us(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> fl
     """One pipeline send/receive between adjacent stages (ranks tp*dp apart in Megatron's order)."""
     if plan.pp == 1:
         return 0.0
-    work = p2p_work("p2p", "fwd", config.llm, config.training.micro_batch_size, plan.tp,
-                    activation_dtype_bytes(config))
+    work = p2p_work(
+        "p2p",
+        "fwd",
+        config.llm,
+        config.training.micro_batch_size,
+        plan.tp,
+        activation_dtype_bytes(config),
+    )
     return cost.comm_us(work, group_bandwidth_gbps(config.cluster, 2, plan.tp * plan.dp))
 
 
-def dp_comm_us(config: OptimusConfig, params_per_rank: float, dp: int, tp: int, cost: CostModel) -> tuple[float, float]:
+def dp_comm_us(
+    config: OptimusConfig, params_per_rank: float, dp: int, tp: int, cost: CostModel
+) -> tuple[float, float]:
     """Exposed (all-gather, reduce-scatter) time of ``params_per_rank`` over ``dp`` replicas.
 
     Without Megatron's --overlap-param-gather / --overlap-grad-reduce (its defaults) the whole
@@ -113,28 +151,42 @@ def dp_comm_us(config: OptimusConfig, params_per_rank: float, dp: int, tp: int, 
         return 0.0, 0.0
     bw = group_bandwidth_gbps(config.cluster, dp, tp)
     if not config.training.distributed_optimizer:
-        rs = KernelWork("dp_all_reduce", "bwd", "comm", 0.0, params_per_rank * MAIN_GRAD_BYTES, "all_reduce", dp)
+        rs = KernelWork(
+            "dp_all_reduce", "bwd", "comm", 0.0, params_per_rank * MAIN_GRAD_BYTES, "all_reduce", dp
+        )
         return 0.0, cost.comm_us(rs, bw)
     ag = dp_param_all_gather_work(int(params_per_rank), dp, param_bytes(config))
     rs = dp_grad_reduce_scatter_work(int(params_per_rank), dp, MAIN_GRAD_BYTES)
     return cost.comm_us(ag, bw), cost.comm_us(rs, bw)
 
 
-def build_llm_timeline(config: OptimusConfig, plan: ParallelPlan, cost: CostModel,
-                       warmup: list[int] | None = None) -> LLMTimeline:
-    """Simulate one LLM pipeline under ``plan``; ``warmup`` overrides megatron-core's warm-up counts."""
+def build_llm_timeline(
+    config: OptimusConfig, plan: ParallelPlan, cost: CostModel, warmup: list[int] | None = None
+) -> LLMTimeline:
+    """Simulate one LLM pipeline under ``plan``; ``warmup`` overrides megatron-core's warm-up
+    counts."""
     work = llm_op_work(config, plan, cost)
     return timeline_from_work(config, plan, cost, work, warmup)
 
 
-def timeline_from_work(config: OptimusConfig, plan: ParallelPlan, cost: CostModel,
-                       work: dict[tuple[int, int, Phase], OpWork], warmup: list[int] | None = None,
-                       stage_params: list[float] | None = None) -> LLMTimeline:
+def timeline_from_work(
+    config: OptimusConfig,
+    plan: ParallelPlan,
+    cost: CostModel,
+    work: dict[tuple[int, int, Phase], OpWork],
+    warmup: list[int] | None = None,
+    stage_params: list[float] | None = None,
+) -> LLMTimeline:
     """Simulate ``work``; ``stage_params`` (per stage, before TP sharding) replaces the LLM's own
-    parameter counts in the DP collectives, for layouts that move layers between stages (baselines)."""
+    parameter counts in the DP collectives, for layouts that move layers between stages
+    (baselines)."""
     n_mb = config.num_microbatches_total // plan.dp
     p2p = llm_p2p_us(config, plan, cost)
     stages = simulate(plan.pp, plan.vp, n_mb, work, p2p, warmup)
-    per_stage = stage_params if stage_params is not None else llm_params_per_stage(config.llm, plan.pp)
+    per_stage = (
+        stage_params if stage_params is not None else llm_params_per_stage(config.llm, plan.pp)
+    )
     dp = [dp_comm_us(config, p / plan.tp, plan.dp, plan.tp, cost) for p in per_stage]
-    return LLMTimeline(plan.pp, plan.vp, n_mb, stages, work, p2p, [a for a, _ in dp], [r for _, r in dp])
+    return LLMTimeline(
+        plan.pp, plan.vp, n_mb, stages, work, p2p, [a for a, _ in dp], [r for _, r in dp]
+    )

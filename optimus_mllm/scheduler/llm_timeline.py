@@ -99,8 +99,10 @@ class LLMTimeline:
         return [op.end_us for op in self._first_chunk_ops("bwd")]
 
     def _first_chunk_ops(self, phase: Phase) -> list[PipelineOp]:
-        ops = sorted((op for op in self.stages[0].ops if op.chunk == 0 and op.phase == phase),
-                     key=lambda op: op.microbatch)
+        ops = sorted(
+            (op for op in self.stages[0].ops if op.chunk == 0 and op.phase == phase),
+            key=lambda op: op.microbatch,
+        )
         return ops
 
     @property
@@ -110,8 +112,11 @@ class LLMTimeline:
 
     @property
     def origin_us(self) -> float:
-        """Earliest start of the LLM's computation: every stage's DP all-gather done before its first op."""
-        return max(0.0, max(ag - s.first_compute_us for s, ag in zip(self.stages, self.dp_all_gather_us)))
+        """Earliest start of the LLM's computation: every stage's DP all-gather done before its
+        first op."""
+        return max(
+            0.0, max(ag - s.first_compute_us for s, ag in zip(self.stages, self.dp_all_gather_us))
+        )
 
     @property
     def tail_us(self) -> float:
@@ -123,7 +128,9 @@ class LLMTimeline:
         """One training step of the LLM alone: all-gather, computation, reduce-scatter."""
         return self.origin_us + self.tail_us
 
-    def kernel_intervals(self, stage: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    def kernel_intervals(
+        self, stage: int
+    ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
         """(compute, tp_comm) intervals of a stage's compute stream, in time order."""
         compute: list[tuple[float, float]] = []
         comm: list[tuple[float, float]] = []
@@ -137,7 +144,8 @@ class LLMTimeline:
 
 
 def schedule_table(num_microbatches: int, vp: int, group_size: int) -> list[tuple[int, int]]:
-    """megatron-core's (microbatch, chunk) order of forwards on every rank (``get_schedule_table``)."""
+    """megatron-core's (microbatch, chunk) order of forwards on every rank
+    (``get_schedule_table``)."""
     table = []
     for lo in range(0, num_microbatches, group_size):
         hi = num_microbatches if lo + group_size >= num_microbatches else lo + group_size
@@ -145,7 +153,9 @@ def schedule_table(num_microbatches: int, vp: int, group_size: int) -> list[tupl
     return table
 
 
-def default_warmup(pp: int, vp: int, num_microbatches: int, stage: int, group_size: int | None = None) -> int:
+def default_warmup(
+    pp: int, vp: int, num_microbatches: int, stage: int, group_size: int | None = None
+) -> int:
     """megatron-core's number of warm-up forwards (``get_pp_rank_microbatches``)."""
     total = num_microbatches * vp
     if pp == 1:
@@ -157,7 +167,9 @@ def default_warmup(pp: int, vp: int, num_microbatches: int, stage: int, group_si
     return min(warmup, total)
 
 
-def rank_op_order(num_microbatches: int, vp: int, warmup: int, group_size: int) -> list[tuple[int, int, Phase]]:
+def rank_op_order(
+    num_microbatches: int, vp: int, warmup: int, group_size: int
+) -> list[tuple[int, int, Phase]]:
     """(microbatch, chunk, phase) in the order one pipeline rank runs them."""
     table = schedule_table(num_microbatches, vp, group_size)
     total = len(table)
@@ -166,7 +178,7 @@ def rank_op_order(num_microbatches: int, vp: int, warmup: int, group_size: int) 
     order: list[tuple[int, int, Phase]] = fwd[:warmup]
     for i in range(total - warmup):
         order += [fwd[warmup + i], bwd[i]]
-    order += bwd[total - warmup:]
+    order += bwd[total - warmup :]
     return order  # type: ignore[return-value]
 
 
@@ -174,17 +186,27 @@ class PipelineDeadlock(Exception):
     """The op orders cannot all make progress (only possible with a hand-made warm-up)."""
 
 
-def simulate(pp: int, vp: int, num_microbatches: int, work: dict[tuple[int, int, Phase], OpWork],
-             p2p_us: float, warmup: list[int] | None = None, group_size: int | None = None,
-             input_ready_us: list[float] | None = None) -> list[StageTimeline]:
+def simulate(
+    pp: int,
+    vp: int,
+    num_microbatches: int,
+    work: dict[tuple[int, int, Phase], OpWork],
+    p2p_us: float,
+    warmup: list[int] | None = None,
+    group_size: int | None = None,
+    input_ready_us: list[float] | None = None,
+) -> list[StageTimeline]:
     """Run the pipeline: every op starts when its rank is free and its input has arrived.
 
     ``input_ready_us[i]``, if given, is when microbatch i's input (the encoder output) reaches the
     first stage; by default inputs are ready at time 0.
     """
     group = group_size or pp
-    warmups = warmup if warmup is not None else [default_warmup(pp, vp, num_microbatches, s, group)
-                                                  for s in range(pp)]
+    warmups = (
+        warmup
+        if warmup is not None
+        else [default_warmup(pp, vp, num_microbatches, s, group) for s in range(pp)]
+    )
     orders = [rank_op_order(num_microbatches, vp, warmups[s], group) for s in range(pp)]
     done: dict[tuple[int, int, int, Phase], float] = {}
     stages = [StageTimeline(s, warmups[s]) for s in range(pp)]
@@ -209,13 +231,18 @@ def simulate(pp: int, vp: int, num_microbatches: int, work: dict[tuple[int, int,
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise PipelineDeadlock(f"warm-up {warmups} deadlocks with pp={pp}, vp={vp}, "
-                                   f"{num_microbatches} microbatches")
+            raise PipelineDeadlock(
+                f"warm-up {warmups} deadlocks with pp={pp}, vp={vp}, "
+                f"{num_microbatches} microbatches"
+            )
     return stages
 
 
-def pipeline_producer(stage: int, chunk: int, phase: Phase, pp: int, vp: int) -> tuple[int, int] | None:
-    """(stage, chunk) whose op of the same microbatch and phase sends op (stage, chunk, phase) its input.
+def pipeline_producer(
+    stage: int, chunk: int, phase: Phase, pp: int, vp: int
+) -> tuple[int, int] | None:
+    """(stage, chunk) whose op of the same microbatch and phase sends op (stage, chunk, phase) its
+    input.
 
     None where the input is no pipeline message: chunk 0's forward on the first stage takes the data
     (and A_i), and the last chunk's backward on the last stage starts from its own loss.
@@ -229,8 +256,17 @@ def pipeline_producer(stage: int, chunk: int, phase: Phase, pp: int, vp: int) ->
     return (0, chunk + 1) if chunk < vp - 1 else None
 
 
-def _input_ready(s: int, chunk: int, mb: int, phase: Phase, pp: int, vp: int, p2p_us: float,
-                 done: dict, input_ready_us: list[float] | None) -> float | None:
+def _input_ready(
+    s: int,
+    chunk: int,
+    mb: int,
+    phase: Phase,
+    pp: int,
+    vp: int,
+    p2p_us: float,
+    done: dict,
+    input_ready_us: list[float] | None,
+) -> float | None:
     """When op (s, chunk, mb, phase)'s input is available, or None if its producer has not run."""
     producer = pipeline_producer(s, chunk, phase, pp, vp)
     if producer is None:

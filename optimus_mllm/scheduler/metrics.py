@@ -1,4 +1,5 @@
-"""Figures of a schedule: iteration time, scheduling efficiency (paper §5.3.2), bubble breakdown (Table 1), MFU."""
+"""Figures of a schedule: iteration time, scheduling efficiency (paper §5.3.2), bubble breakdown
+(Table 1), MFU."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class BubbleBreakdown:
 
 
 def bubble_breakdown(tl: LLMTimeline) -> BubbleBreakdown:
-    """Classify the compute stream's idle time of each stage of the LLM-alone iteration, averaged over stages."""
+    """Classify the compute stream's idle time of each stage of the LLM-alone iteration, averaged
+    over stages."""
     total = dict.fromkeys(BUBBLE_KINDS, 0.0)
     origin, end = tl.origin_us, tl.iteration_us
     for s, stage in enumerate(tl.stages):
@@ -73,12 +75,15 @@ def bubble_breakdown(tl: LLMTimeline) -> BubbleBreakdown:
 
 
 def model_flops_per_iteration(config: OptimusConfig) -> float:
-    """Model FLOPs of one iteration (forward + backward = 3x forward; recomputation not counted), all GPUs."""
+    """Model FLOPs of one iteration (forward + backward = 3x forward; recomputation not counted),
+    all GPUs."""
     t = config.training
     flops = 0.0
     for spec, extra in [(config.llm, _lm_head_flops(config))] + [(e, 0.0) for e in config.encoders]:
         shape = LayerShape(spec, 1, 1, False, 2)
-        per_layer = sum(k.flops for k in layer_kernels(shape, "fwd") if k.kind in ("gemm", "attention"))
+        per_layer = sum(
+            k.flops for k in layer_kernels(shape, "fwd") if k.kind in ("gemm", "attention")
+        )
         trainable = not getattr(spec, "frozen", False)
         flops += (3 if trainable else 1) * (per_layer * spec.num_layers + extra)
     return flops * t.global_batch_size

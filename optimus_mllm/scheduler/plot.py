@@ -1,4 +1,5 @@
-"""A schedule drawn like the paper's Figures 9-11: encoder kernels filling the LLM pipeline's bubbles.
+"""A schedule drawn like the paper's Figures 9-11: encoder kernels filling the LLM pipeline's
+bubbles.
 
 One row per GPU of the LLM pipeline, not per LLM stage: the TP ranks of a stage share the LLM's
 timeline, but when TP_enc < TP_llm they hold different encoder pipelines, whose kernels differ.
@@ -70,7 +71,8 @@ def _category(event: dict[str, Any]) -> str:
 
 
 def _intervals_by_row(trace: dict[str, Any]) -> dict[tuple[int, str], list[tuple[float, float]]]:
-    """(GPU, category) -> [(start, end)] in microseconds, so each row draws one call per category."""
+    """(GPU, category) -> [(start, end)] in microseconds, so each row draws one call per
+    category."""
     rows: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
     for event in trace["traceEvents"]:
         if event["ph"] == "X" and event["dur"] > 0:
@@ -92,10 +94,24 @@ def _merged_ms(intervals: list[tuple[float, float]]) -> list[tuple[float, float]
 def _mark_dependency_points(ax: Any, schedule: Schedule) -> None:
     """F_i and B_i across the first LLM stage's rows, where the encoder hands over to the LLM."""
     top, bottom = 0.0, float(schedule.llm_plan.tp)
-    ax.vlines([f / 1e3 for f in schedule.forward_dependency_us], top, bottom, colors="black",
-              linestyles="dashed", linewidth=0.8, label="F_i: LLM needs encoder output i")
-    ax.vlines([b / 1e3 for b in schedule.backward_dependency_us], top, bottom, colors="#7b3294",
-              linestyles="dotted", linewidth=1.0, label="B_i: gradient of output i ready")
+    ax.vlines(
+        [f / 1e3 for f in schedule.forward_dependency_us],
+        top,
+        bottom,
+        colors="black",
+        linestyles="dashed",
+        linewidth=0.8,
+        label="F_i: LLM needs encoder output i",
+    )
+    ax.vlines(
+        [b / 1e3 for b in schedule.backward_dependency_us],
+        top,
+        bottom,
+        colors="#7b3294",
+        linestyles="dotted",
+        linewidth=1.0,
+        label="B_i: gradient of output i ready",
+    )
 
 
 def _decorate(ax: Any, schedule: Schedule) -> None:
@@ -107,8 +123,16 @@ def _decorate(ax: Any, schedule: Schedule) -> None:
     ax.set_yticklabels([f"GPU {g} (stage {g // tp}, TP {g % tp})" for g in range(gpus)])
     ax.set_xlim(0, schedule.iteration_us / 1e3)
     ax.set_xlabel("iteration time (ms)")
-    ax.set_title(f"LLM {schedule.llm_plan} | encoder {schedule.encoder_plan} | partition "
-                 f"{list(schedule.partition)} | iteration {schedule.iteration_us / 1e3:.3f} ms")
+    ax.set_title(
+        f"LLM {schedule.llm_plan} | encoder {schedule.encoder_plan} | partition "
+        f"{list(schedule.partition)} | iteration {schedule.iteration_us / 1e3:.3f} ms"
+    )
     handles = [Patch(facecolor=colour, label=name) for name, (_, colour) in _CATEGORIES.items()]
     handles += ax.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize="small",
+        frameon=False,
+    )

@@ -35,7 +35,12 @@ _SHORT_PHASE = {"fwd": "F", "bwd": "B"}
 
 def schedule_trace(schedule: Schedule) -> dict[str, Any]:
     """The Chrome trace of ``schedule``: metadata events, then kernels in time order."""
-    events = _llm_events(schedule) + _p2p_events(schedule) + _encoder_events(schedule) + _dp_events(schedule)
+    events = (
+        _llm_events(schedule)
+        + _p2p_events(schedule)
+        + _encoder_events(schedule)
+        + _dp_events(schedule)
+    )
     events.sort(key=lambda ev: (ev["ts"], ev["pid"]))
     return {
         "traceEvents": _metadata_events(schedule) + events,
@@ -67,12 +72,37 @@ def encoder_names(schedule: Schedule) -> str:
     return "+".join(names)
 
 
-def _event(name: str, ts: float, dur: float, pid: int, is_comm: bool, model: str, phase: str,
-           microbatch: int | None, stage: int, chunk: int | None, layer: int, kernel: str) -> dict[str, Any]:
+def _event(
+    name: str,
+    ts: float,
+    dur: float,
+    pid: int,
+    is_comm: bool,
+    model: str,
+    phase: str,
+    microbatch: int | None,
+    stage: int,
+    chunk: int | None,
+    layer: int,
+    kernel: str,
+) -> dict[str, Any]:
     return {
-        "name": name, "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": COMM if is_comm else COMPUTE,
-        "args": {"model": model, "phase": phase, "microbatch": microbatch, "stage": stage, "chunk": chunk,
-                 "layer": layer, "kernel": kernel, "is_comm": is_comm},
+        "name": name,
+        "ph": "X",
+        "ts": ts,
+        "dur": dur,
+        "pid": pid,
+        "tid": COMM if is_comm else COMPUTE,
+        "args": {
+            "model": model,
+            "phase": phase,
+            "microbatch": microbatch,
+            "stage": stage,
+            "chunk": chunk,
+            "layer": layer,
+            "kernel": kernel,
+            "is_comm": is_comm,
+        },
     }
 
 
@@ -87,7 +117,9 @@ def _metadata_events(schedule: Schedule) -> list[dict[str, Any]]:
     for g in range(num_gpus(schedule)):
         label = f"GPU {g} (LLM stage {g // tp}, TP rank {g % tp})"
         events.append({"name": "process_name", "ph": "M", "pid": g, "args": {"name": label}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": g, "args": {"sort_index": g}})
+        events.append(
+            {"name": "process_sort_index", "ph": "M", "pid": g, "args": {"sort_index": g}}
+        )
     return events
 
 
@@ -100,8 +132,23 @@ def _llm_events(schedule: Schedule) -> list[dict[str, Any]]:
             label = f"{_SHORT_PHASE[op.phase]}{op.microbatch}.{op.chunk}"
             for k in timeline.work[(op.stage, op.chunk, op.phase)].kernels:
                 ts = t0 + op.start_us + k.offset_us
-                events += [_event(f"{label} {k.name}", ts, k.duration_us, g, k.is_comm, LLM, op.phase,
-                                  op.microbatch, op.stage, op.chunk, k.layer, k.name) for g in gpus]
+                events += [
+                    _event(
+                        f"{label} {k.name}",
+                        ts,
+                        k.duration_us,
+                        g,
+                        k.is_comm,
+                        LLM,
+                        op.phase,
+                        op.microbatch,
+                        op.stage,
+                        op.chunk,
+                        k.layer,
+                        k.name,
+                    )
+                    for g in gpus
+                ]
     return events
 
 
@@ -124,8 +171,23 @@ def _p2p_events(schedule: Schedule) -> list[dict[str, Any]]:
             if not _feeds_other_stage(timeline, op):
                 continue
             name = f"{_SHORT_PHASE[op.phase]}{op.microbatch}.{op.chunk} p2p send"
-            events += [_event(name, t0 + op.end_us, timeline.p2p_us, g, True, LLM, "p2p", op.microbatch,
-                              op.stage, op.chunk, -1, "p2p_send") for g in _stage_gpus(schedule, op.stage)]
+            events += [
+                _event(
+                    name,
+                    t0 + op.end_us,
+                    timeline.p2p_us,
+                    g,
+                    True,
+                    LLM,
+                    "p2p",
+                    op.microbatch,
+                    op.stage,
+                    op.chunk,
+                    -1,
+                    "p2p_send",
+                )
+                for g in _stage_gpus(schedule, op.stage)
+            ]
     return events
 
 
@@ -139,8 +201,23 @@ def _encoder_events(schedule: Schedule) -> list[dict[str, Any]]:
             k = run.kernel
             piece = "" if run.piece == (0.0, 1.0) else f" [{run.piece[0]:.3f}, {run.piece[1]:.3f})"
             name = f"{k.encoder} {_SHORT_PHASE[chain.phase]}{mb} {k.name}{piece}"
-            events += [_event(name, run.start_us, run.end_us - run.start_us, g, k.is_comm, k.encoder, chain.phase,
-                              mb, chain.stage, None, k.layer, k.name) for g in gpus]
+            events += [
+                _event(
+                    name,
+                    run.start_us,
+                    run.end_us - run.start_us,
+                    g,
+                    k.is_comm,
+                    k.encoder,
+                    chain.phase,
+                    mb,
+                    chain.stage,
+                    None,
+                    k.layer,
+                    k.name,
+                )
+                for g in gpus
+            ]
     return events
 
 
@@ -153,16 +230,41 @@ def _dp_events(schedule: Schedule) -> list[dict[str, Any]]:
         for e, gpus in enumerate(stages):
             s = work.llm_stage(j, e)
             llm = timeline.stages[s]
-            gathers = [(t0 + llm.first_compute_us - timeline.dp_all_gather_us[s], timeline.dp_all_gather_us[s],
-                        LLM, s), (0.0, work.dp_all_gather_us, encoder, e)]
+            gathers = [
+                (
+                    t0 + llm.first_compute_us - timeline.dp_all_gather_us[s],
+                    timeline.dp_all_gather_us[s],
+                    LLM,
+                    s,
+                ),
+                (0.0, work.dp_all_gather_us, encoder, e),
+            ]
             reduces = [(t0 + llm.last_compute_us, timeline.dp_reduce_scatter_us[s], LLM, s)]
             if (j, e) in encoder_bwd_end:
                 reduces.append((encoder_bwd_end[(j, e)], work.dp_reduce_scatter_us, encoder, e))
-            for kernel, items in (("dp_all_gather", gathers), ("dp_reduce_scatter", _fifo(reduces))):
+            for kernel, items in (
+                ("dp_all_gather", gathers),
+                ("dp_reduce_scatter", _fifo(reduces)),
+            ):
                 for ts, dur, model, stage in items:
                     if dur > 0:
-                        events += [_event(f"{model} {kernel}", ts, dur, g, True, model, "dp", None, stage, None,
-                                          -1, kernel) for g in gpus]
+                        events += [
+                            _event(
+                                f"{model} {kernel}",
+                                ts,
+                                dur,
+                                g,
+                                True,
+                                model,
+                                "dp",
+                                None,
+                                stage,
+                                None,
+                                -1,
+                                kernel,
+                            )
+                            for g in gpus
+                        ]
     return events
 
 

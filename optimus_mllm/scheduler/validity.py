@@ -1,4 +1,5 @@
-"""Independent checks that a schedule is executable, recomputed from its kernels, not from the scheduler's state."""
+"""Independent checks that a schedule is executable, recomputed from its kernels, not from the
+scheduler's state."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ def schedule_violations(schedule: Schedule) -> list[str]:
     problems += _overlaps(schedule)
     problems += _dependencies(schedule)
     if schedule.iteration_us > schedule.coarse_iteration_us + TOLERANCE_US:
-        problems.append(f"iteration {schedule.iteration_us:.3f} us is longer than the coarse schedule's "
-                        f"{schedule.coarse_iteration_us:.3f} us")
+        problems.append(
+            f"iteration {schedule.iteration_us:.3f} us is longer than the coarse schedule's "
+            f"{schedule.coarse_iteration_us:.3f} us"
+        )
     return problems
 
 
@@ -56,7 +59,10 @@ def _coverage(schedule: Schedule) -> list[str]:
     for key in expected:
         n = len(chains.get(key, []))
         if n != 1:
-            problems.append(f"encoder pipeline {key[0]} stage {key[1]} microbatch {key[2]} {key[3]}: placed {n} times")
+            problems.append(
+                f"encoder pipeline {key[0]} stage {key[1]} microbatch {key[2]} {key[3]}: placed "
+                f"{n} times"
+            )
     for key in set(chains) - expected:
         problems.append(f"unexpected chain {key}")
     for c in schedule.chains:
@@ -71,7 +77,9 @@ def _coverage(schedule: Schedule) -> list[str]:
     qkv = Counter((k.encoder, k.layer) for chain in w.fwd for k in chain.kernels if k.name == "qkv")
     for encoder in {name for name, _ in qkv}:
         layers = sorted(layer for name, layer in qkv if name == encoder)
-        if layers != list(range(len(layers))) or any(qkv[(encoder, layer)] != 1 for layer in layers):
+        if layers != list(range(len(layers))) or any(
+            qkv[(encoder, layer)] != 1 for layer in layers
+        ):
             problems.append(f"encoder {encoder}: layers are not each placed on exactly one stage")
     return problems
 
@@ -79,11 +87,17 @@ def _coverage(schedule: Schedule) -> list[str]:
 def _cut_problems(where: str, kernel: EncoderKernel, pieces: Cut, launch_us: float) -> list[str]:
     if not kernel.splittable or kernel.is_comm:
         return [f"{where} ({kernel.name}): cut, but it runs whole"]
-    if pieces[0][0] != 0.0 or pieces[-1][1] != 1.0 or any(a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+    if (
+        pieces[0][0] != 0.0
+        or pieces[-1][1] != 1.0
+        or any(a[1] != b[0] for a, b in zip(pieces, pieces[1:]))
+    ):
         return [f"{where} ({kernel.name}): its pieces do not tile its tokens in order"]
     took = sum(end - start for _, _, start, end in pieces)
     due = kernel.duration_us + (len(pieces) - 1) * launch_us
-    if abs(took - due) > TOLERANCE_US * len(pieces) or any(end - start < launch_us for _, _, start, end in pieces):
+    if abs(took - due) > TOLERANCE_US * len(pieces) or any(
+        end - start < launch_us for _, _, start, end in pieces
+    ):
         return [f"{where} ({kernel.name}): its pieces take {took:.3f} us, not {due:.3f}"]
     return []
 
@@ -97,29 +111,42 @@ def _chain_order(schedule: Schedule) -> list[str]:
         runs = schedule.runs(placed[0])
         for a, b in zip(runs, runs[1:]):
             if b.start_us < a.end_us - TOLERANCE_US:
-                problems.append(f"chain {key}: kernel {a.kernel.name} of layer {a.kernel.layer} overlaps the next one")
+                problems.append(
+                    f"chain {key}: kernel {a.kernel.name} of layer {a.kernel.layer} overlaps the "
+                    "next one"
+                )
         if runs:
             span[key] = (runs[0].start_us, runs[-1].end_us)
     pp_enc = len(w.fwd)
     for (j, e, k, phase), (start, _) in span.items():
         if phase == "fwd" and e > 0 and (j, e - 1, k, "fwd") in span:
             if start < span[(j, e - 1, k, "fwd")][1] + w.p2p_us - TOLERANCE_US:
-                problems.append(f"pipeline {j} microbatch {k}: forward on stage {e} starts before stage {e - 1} "
-                                "finished and sent it")
+                problems.append(
+                    f"pipeline {j} microbatch {k}: forward on stage {e} starts before stage "
+                    f"{e - 1} "
+                    "finished and sent it"
+                )
         if phase == "bwd" and e < pp_enc - 1 and (j, e + 1, k, "bwd") in span:
             if start < span[(j, e + 1, k, "bwd")][1] + w.p2p_us - TOLERANCE_US:
-                problems.append(f"pipeline {j} microbatch {k}: backward on stage {e} starts before stage {e + 1} "
-                                "finished and sent it")
+                problems.append(
+                    f"pipeline {j} microbatch {k}: backward on stage {e} starts before stage "
+                    f"{e + 1} "
+                    "finished and sent it"
+                )
     return problems
 
 
 def _overlaps(schedule: Schedule) -> list[str]:
-    """Per encoder stage (its GPUs share one LLM stage's timeline): compute and comm stream conflicts."""
+    """Per encoder stage (its GPUs share one LLM stage's timeline): compute and comm stream
+    conflicts."""
     w, tl, t0 = schedule.work, schedule.timeline, schedule.llm_origin_us
     llm_by_stage = {}
     for s in range(tl.pp):
         compute, comm = tl.kernel_intervals(s)
-        llm_by_stage[s] = ([(a + t0, b + t0, "llm") for a, b in compute], [(a + t0, b + t0, "llm") for a, b in comm])
+        llm_by_stage[s] = (
+            [(a + t0, b + t0, "llm") for a, b in compute],
+            [(a + t0, b + t0, "llm") for a, b in comm],
+        )
     encoder_compute: dict[tuple[int, int], list] = defaultdict(list)
     encoder_comm: dict[tuple[int, int], list] = defaultdict(list)
     for c in schedule.chains:
@@ -127,14 +154,20 @@ def _overlaps(schedule: Schedule) -> list[str]:
             k = run.kernel
             if run.end_us <= run.start_us:
                 continue
-            item = (run.start_us, run.end_us, f"encoder {k.name} (layer {k.layer}, mb {c.local_microbatch})")
+            item = (
+                run.start_us,
+                run.end_us,
+                f"encoder {k.name} (layer {k.layer}, mb {c.local_microbatch})",
+            )
             (encoder_comm if k.is_comm else encoder_compute)[(c.pipeline, c.stage)].append(item)
     problems = []
     for j in range(w.num_pipelines):
         for e in range(len(w.fwd)):
             llm_compute, llm_comm = llm_by_stage[w.llm_stage(j, e)]
             where = f"GPUs {list(w.stage_gpus[j][e])}"
-            problems += _first_overlap(llm_compute + encoder_compute[(j, e)], f"{where} compute stream")
+            problems += _first_overlap(
+                llm_compute + encoder_compute[(j, e)], f"{where} compute stream"
+            )
             problems += _first_overlap(llm_comm + encoder_comm[(j, e)], f"{where} links")
     return problems
 
@@ -156,10 +189,15 @@ def _dependencies(schedule: Schedule) -> list[str]:
     for i, (j, k) in enumerate(schedule.assignment):
         ef = schedule.runs(chains[(j, last, k, "fwd")][0])[-1].end_us + w.to_llm_us[j]
         if ef > forward[i] + TOLERANCE_US:
-            problems.append(f"microbatch {i}: encoder output arrives at {ef:.3f} after F_{i} = {forward[i]:.3f}")
+            problems.append(
+                f"microbatch {i}: encoder output arrives at {ef:.3f} after F_{i} = {forward[i]:.3f}"
+            )
         if w.bwd[last].kernels:
             eb = chains[(j, last, k, "bwd")][0].starts_us[0]
             if eb < backward[i] + w.to_llm_us[j] - TOLERANCE_US:
-                problems.append(f"microbatch {i}: encoder backward starts at {eb:.3f} before B_{i} = {backward[i]:.3f} "
-                                "plus the gradient transfer")
+                problems.append(
+                    f"microbatch {i}: encoder backward starts at {eb:.3f} before B_{i} = "
+                    f"{backward[i]:.3f} "
+                    "plus the gradient transfer"
+                )
     return problems
