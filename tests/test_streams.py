@@ -7,6 +7,9 @@ synchronisation), its overlap with main-stream work and ``record_stream`` on cro
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -56,6 +59,84 @@ def test_mailbox_hands_embeddings_over_unchanged_inline():
 def test_to_device_keeps_cpu_tensors():
     x = torch.randn(2, 3)
     assert to_device(x, torch.device("cpu")) is x
+
+
+class _RecordingCuda:
+    """Stand-in for ``torch.cuda``'s streams on the CPU: which stream is current, who waited on
+    whom."""
+
+    def __init__(self) -> None:
+        self.main = _FakeStream("main", self)
+        self.current = self.main
+        self.waits: list[tuple[str, str]] = []
+
+    def Stream(self, device: object) -> _FakeStream:  # noqa: N802 - torch.cuda's name
+        return _FakeStream("side", self)
+
+    def current_stream(self, device: object = None) -> _FakeStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream: _FakeStream):
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+@dataclass
+class _FakeStream:
+    name: str
+    cuda: _RecordingCuda
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.cuda.waits.append((self.name, other.name))
+
+
+def _streams_at_ddp_hooks() -> tuple[set[str], set[str], str, list[tuple[str, str]]]:
+    """An Optimus trainer built with a recording side stream: the stream current where
+    megatron-core's DDP captured each parameter's gradient-accumulation node (encoder, LLM)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    import optimus_mllm.runtime.trainer as trainer_module
+    from optimus_mllm.config import load_config
+    from optimus_mllm.planner import plan
+    from optimus_mllm.scheduler.artifact import schedule_job_artifact
+
+    cuda = _RecordingCuda()
+    for name in ("Stream", "current_stream", "stream"):
+        setattr(torch.cuda, name, getattr(cuda, name))
+    trainer_module.make_encoder_stream = lambda device, side_stream=True: SideStream("cuda")
+    stream_of: dict[int, str] = {}
+    make_hook = DistributedDataParallel._make_backward_post_hook
+
+    def recording(ddp: DistributedDataParallel, param: torch.nn.Parameter):
+        stream_of[id(param)] = cuda.current.name  # DDP registers it on param's grad_acc node
+        return make_hook(ddp, param)
+
+    DistributedDataParallel._make_backward_post_hook = recording
+    config = load_config(CONFIGS / "tiny.yaml", ONE_GPU)
+    planned = plan(config)
+    trainer = trainer_module.Trainer(
+        config, planned.llm_plan, "optimus", schedule_job_artifact(config, planned)
+    )
+    try:
+        encoder = {stream_of[id(p)] for p in trainer.encoder.parameters() if p.requires_grad}
+        llm = {stream_of[id(p)] for c in trainer.chunks for p in c.parameters() if p.requires_grad}
+        return encoder, llm, cuda.current.name, cuda.waits
+    finally:
+        trainer.close()
+
+
+def test_encoder_ddp_captures_its_gradient_accumulation_on_the_side_stream():
+    (result,) = run_distributed(_streams_at_ddp_hooks, 1, timeout=180)
+    encoder, llm, current_after, waits = result
+    assert encoder == {"side"}, "the encoder's accumulation nodes would belong to the LLM's stream"
+    assert llm == {"main"}
+    assert current_after == "main"
+    # the side stream started after the main stream's work so far; the main stream waits for it
+    assert waits[0] == ("side", "main") and waits[-1] == ("main", "side"), waits
 
 
 # -- GPU ------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ precision there; the encoder ops then run on a CUDA side stream (``streams``) un
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
@@ -274,13 +275,21 @@ class Trainer:
         self.encoder_ddp = None
         encoder_groups = encoder_process_groups(self.groups) if self.mode == "optimus" else None
         if self.encoder is not None:
-            self.encoder_ddp = wrap_ddp(
-                self.config,
-                self.tconfig,
-                self.encoder,
-                encoder_groups,
-                replicas=self.plan.dp if encoder_groups is not None else None,
-            )
+            # DDP takes each parameter's gradient-accumulation node when it is built, and autograd
+            # runs that node, with DDP's hook into main_grad, on the stream current then. Under
+            # Optimus the encoder's backward runs on the side stream: built there, its accumulation
+            # neither runs on nor waits for the LLM's stream (and the LLM's for it)
+            on_side_stream = encoder_groups is not None
+            with self.stream.launch() if on_side_stream else contextlib.nullcontext():
+                self.encoder_ddp = wrap_ddp(
+                    self.config,
+                    self.tconfig,
+                    self.encoder,
+                    encoder_groups,
+                    replicas=self.plan.dp if on_side_stream else None,
+                )
+            if on_side_stream:
+                self.stream.finish()  # the LLM's stream ordered after the buffers DDP made there
         self.optimizer = build_optimizer(
             self.config,
             self.models,
