@@ -11,10 +11,11 @@ order from the hook plan, so a receive takes the channel's messages in that orde
 needs and keeps the others for later: no message is taken for another, and since the sender sent
 every earlier message before the wanted one, this waits for nothing more than the wanted message.
 
-Every message is preceded by a header naming what it carries (microbatch, tensor index). The
-receiver records the header next to what it expected and ``finish`` compares them, before the
-step's gradients are used: a mis-routed tensor is an error, never a wrong loss. The comparison is
-deferred to the end of the step so that a GPU never syncs with the host per message.
+Every message is preceded by a header naming what it carries (microbatch, tensor index), built
+on the host and copied to the GPU asynchronously (``streams.to_device``). The receiver records
+the header next to what it expected and ``finish`` compares them, before the step's gradients are
+used: a mis-routed tensor is an error, never a wrong loss. The comparison is deferred to the end
+of the step so that a GPU never syncs with the host per message.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from optimus_mllm.runtime.process_groups import Channel
+from optimus_mllm.runtime.streams import to_device
 
 Identity = tuple[int, int]  # (microbatch, tensor index) of a message
 # per channel: what arrives, in order, and its shape
@@ -66,7 +68,10 @@ class Messenger:
     def send(self, kind: str, receiver: int, tensor: torch.Tensor, identity: Identity) -> None:
         channel = Channel(kind, self.rank, receiver)
         group = self.channels[channel]
-        header = torch.tensor(identity, dtype=torch.int64, device=tensor.device)
+        # made on the host, copied from pinned memory without waiting: a plain host-to-GPU copy
+        # would hold the host until the stream's queued work (the encoder ops on the side stream,
+        # the LLM's backward at a gradient hand-back) had run
+        header = to_device(torch.tensor(identity, dtype=torch.int64), self.device)
         self._sends.append(dist.isend(header, receiver, group=group))
         self._sends.append(dist.isend(tensor.detach().contiguous(), receiver, group=group))
 
