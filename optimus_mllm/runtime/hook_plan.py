@@ -18,6 +18,18 @@ artifact's placement is cyclic (predicted times were wrong), the microbatch caug
 its encoder forward at ``pre`` or its backward at ``post``, as the coarse schedule would; the fully
 coarse placement is acyclic, so this terminates. A wrong prediction therefore costs overlap, never
 correctness. Pure Python: no torch.
+
+Collectives on two streams (GPU). The encoder's TP collectives run on the side stream on their own
+communicator while the LLM's run on the main stream on another, and NCCL can hang when ranks run
+two communicators' kernels in different orders. Every rank of an encoder TP group sits on one LLM
+stage (``encoder_stage_gpus``): it sees that stage's event sequence and runs the same stage plan at
+each event, so every rank of the group enqueues the LLM's TP collectives and the encoder's in one
+and the same interleaving. ``streams.training_device`` sets ``NCCL_LAUNCH_ORDER_IMPLICIT`` so that
+NCCL runs them on the GPU in that host order. The encoder's DP and model-parallel collectives run
+after the schedule, once the main stream has waited for the side stream, and every communicator
+exists before the first step (``communicators``), so no NCCL set-up blocks a hook. Not covered: in
+that launch order an NCCL send larger than its buffers holds the rank's later collectives until
+its receiver posts the receive, a wait the model above (where sends never block) leaves out.
 """
 
 from __future__ import annotations

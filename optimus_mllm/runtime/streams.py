@@ -115,6 +115,10 @@ def training_device() -> torch.device:
     the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
+    # NCCL runs kernels of different communicators (the LLM's, the encoder's on the side stream) in
+    # the order the host enqueued them, which is the same on every rank (hook_plan's docstring).
+    # NCCL reads it once: a job that ran NCCL collectives before the trainer sets it itself
+    os.environ.setdefault("NCCL_LAUNCH_ORDER_IMPLICIT", "1")
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     warn_unverified("training on a GPU")

@@ -48,6 +48,13 @@ from optimus_mllm.runtime.balanced import (
     tied_embedding_group,
 )
 from optimus_mllm.runtime.checkpoint_meta import Mode
+from optimus_mllm.runtime.communicators import (
+    FirstUse,
+    create_communicators,
+    encoder_uses,
+    llm_uses,
+    pipeline_channel_uses,
+)
 from optimus_mllm.runtime.data import Microbatch, microbatch_source
 from optimus_mllm.runtime.dropout import llm_chunk_index, microbatch_seed, seed_llm_dropout
 from optimus_mllm.runtime.dtypes import DTYPES
@@ -267,6 +274,8 @@ class Trainer:
             module.to(self.device, dtype)
         self.communicator = self._pipeline_communicator() if mode == "optimus" else None
         self._build_training_stack()
+        # NCCL's communicators made here, not at a first use inside the schedule (communicators)
+        create_communicators(self._communicator_uses(), self.rank, self.device)
 
     def _build_training_stack(self) -> None:
         """megatron-core's DDP around every model part, one optimizer and the LR schedule over
@@ -328,6 +337,15 @@ class Trainer:
         return ChannelP2PCommunicator(
             parallel_state.get_pipeline_model_parallel_group(), self.tconfig, channels
         )
+
+    def _communicator_uses(self) -> list[FirstUse]:
+        """Every group this rank's runtime communicates over, in the one order of all ranks."""
+        uses = llm_uses(self.embedding_group)
+        if self.communicator is not None:
+            uses += pipeline_channel_uses(llm_pipelines(), self.rank, self.communicator.channels)
+        if self.mode == "optimus":
+            uses += encoder_uses(self.groups)
+        return uses
 
     def _schedule_groups(self) -> dict[str, Any]:
         """The communicator and megatron-core's own groups for its schedule (it takes both or
