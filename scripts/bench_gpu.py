@@ -15,9 +15,12 @@
    measured time (target within 10 % with the profile);
 4. a training step (ViT + GPT on this GPU, world of 1) with the Optimus runtime and the
    Megatron-style baseline: step time and MFU (target >= 40 %; Optimus no more than 2 % slower,
-   there being no bubbles to fill on one GPU).
+   there being no bubbles to fill on one GPU). Each mode trains in a process of its own
+   (``--train-mode``): a closed trainer does not free all its tensors, and the two side by side
+   would not fit an 80 GB GPU.
 
-Every number is measured in this run; without a CUDA GPU the script exits with status 2.
+Before measuring, the memory model's figure for a training step is checked against the GPU's free
+memory. Every number is measured in this run; without a CUDA GPU the script exits with status 2.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import shlex
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +50,9 @@ from optimus_mllm.cost_model import CostModel, load_profile  # noqa: E402
 from optimus_mllm.errors import OptimusError  # noqa: E402
 from optimus_mllm.gpu_status import warn_unverified  # noqa: E402
 from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
+from optimus_mllm.memory_model import GIB  # noqa: E402
 from optimus_mllm.planner import plan  # noqa: E402
+from optimus_mllm.planner.planner import PlannerResult  # noqa: E402
 from optimus_mllm.planner.plans import ParallelPlan  # noqa: E402
 from optimus_mllm.profiler import cuda_timer, median_us, profile_kernels, write_profile  # noqa: E402
 from optimus_mllm.runtime.dtypes import DTYPES  # noqa: E402
@@ -59,6 +66,7 @@ from optimus_mllm.scheduler.encoder_costs import build_encoder_work  # noqa: E40
 from optimus_mllm.scheduler.metrics import model_flops_per_iteration  # noqa: E402
 
 PROG = "bench_gpu.py"
+MODES = ("baseline", "optimus")
 FORMAT, VERSION = "optimus-bench-gpu", 1
 TARGETS = {
     "kernel_level_ratio": 1.05,
@@ -87,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--steps", type=int, default=5, help="timed training steps per mode (default 5)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="untimed training steps first (default 2)"
+    )
+    parser.add_argument(
+        "--train-mode",
+        choices=MODES,
+        help="only step 4 for this mode, its results to --json: what the whole run starts once "
+        "per mode, in a process of its own (runs on the CPU too)",
     )
     return parser
 
@@ -405,32 +422,76 @@ def _time_group(encoder: Encoder, group: list) -> float:
 
 
 def measure_training(
-    config: OptimusConfig, artifact: dict[str, Any], peak_tflops: float, steps: int, warmup: int = 2
+    config: OptimusConfig, peak_tflops: float, steps: int, warmup: int = 2
 ) -> dict[str, Any]:
-    """4. Step time and MFU of the Optimus runtime and the Megatron-style baseline on this GPU."""
-    llm_plan = plan(config).llm_plan
+    """4. Step time and MFU of the Optimus runtime and the Megatron-style baseline on this GPU, each
+    trained in a process of its own, so that its memory is all returned before the next is built."""
     flops = model_flops_per_iteration(config)
     result: dict[str, Any] = {"model_tflops_per_step": flops / 1e12, "peak_tflops": peak_tflops}
-    for mode in ("baseline", "optimus"):
-        trainer = Trainer(config, llm_plan, mode, artifact if mode == "optimus" else None)
-        try:
-            # a step ends with the loss on the host
-            losses = [trainer.train_step(i).loss for i in range(warmup)]
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            losses += [trainer.train_step(warmup + i).loss for i in range(steps)]
-            step_s = (time.perf_counter() - started) / steps
-        finally:
-            trainer.close()
-        del trainer
-        torch.cuda.empty_cache()
-        result[mode] = {
-            "step_s": step_s,
-            "mfu": flops / step_s / (peak_tflops * 1e12),
-            "losses": losses,
-        }
+    for mode in MODES:
+        measured = train_in_subprocess(config, mode, steps, warmup)
+        result[mode] = {**measured, "mfu": flops / measured["step_s"] / (peak_tflops * 1e12)}
     result["optimus_slowdown"] = result["optimus"]["step_s"] / result["baseline"]["step_s"] - 1
     return result
+
+
+def train_in_subprocess(
+    config: OptimusConfig, mode: str, steps: int, warmup: int
+) -> dict[str, Any]:
+    """``train_one_mode`` in a new process (this script with ``--train-mode``); its output goes to
+    this process's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"{mode}.json"
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *("--config", str(config.source), "--train-mode", mode),
+            *("--steps", str(steps), "--warmup", str(warmup), "--json", str(out)),
+        ]
+        returncode = subprocess.run(command, check=False).returncode
+        if returncode != 0:
+            raise OptimusError(
+                f"the {mode} training step failed in its process (exit {returncode}); its output "
+                "is above"
+            )
+        return json.loads(out.read_text())
+
+
+def train_one_mode(config: OptimusConfig, mode: str, steps: int, warmup: int) -> dict[str, Any]:
+    """Train ``warmup`` then ``steps`` timed steps of ``mode`` in this process."""
+    planned = plan(config)
+    artifact = schedule_job_artifact(config, planned) if mode == "optimus" else None
+    trainer = Trainer(config, planned.llm_plan, mode, artifact)
+    try:
+        # a step ends with the loss on the host
+        losses = [trainer.train_step(i).loss for i in range(warmup)]
+        _synchronize()
+        started = time.perf_counter()
+        losses += [trainer.train_step(warmup + i).loss for i in range(steps)]
+        step_s = (time.perf_counter() - started) / steps
+    finally:
+        trainer.close()
+    return {"step_s": step_s, "losses": losses, "process": os.getpid()}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def memory_problem(config: OptimusConfig, planned: PlannerResult, free_bytes: int) -> str | None:
+    """The memory model's figure for one training step beside the GPU's free memory: a sentence
+    when it does not fit, else None. Both modes hold the same weights and states on this one GPU,
+    each in its own process; the figure is the fullest encoder plan's (LLM and encoder
+    colocated)."""
+    need = max(candidate.memory.total for candidate in planned.candidates)
+    if need <= free_bytes:
+        return None
+    return (
+        f"{config.source}: the memory model puts a training step at {need / GIB:.1f} GiB, but the "
+        f"GPU has {free_bytes / GIB:.1f} GiB free; shrink the model or the micro batch in the "
+        "config"
+    )
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -459,19 +520,26 @@ def _version(*names: str) -> str:
 
 
 def _init_world_of_one() -> None:
-    """A torch.distributed world of this one process (NCCL): megatron-core and the encoder need
-    groups."""
+    """A torch.distributed world of this one process (NCCL; gloo without a GPU): megatron-core and
+    the encoder need groups."""
     import torch.distributed as dist
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def run(config: OptimusConfig, peak_tflops: float, steps: int) -> dict[str, Any]:
-    artifact = schedule_job_artifact(config, plan(config))
+def run(config: OptimusConfig, peak_tflops: float, steps: int, warmup: int) -> dict[str, Any]:
+    planned = plan(config)
+    problem = memory_problem(config, planned, torch.cuda.mem_get_info()[0])
+    if problem:
+        raise OptimusError(problem)
+    artifact = schedule_job_artifact(config, planned)
     results: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
@@ -485,7 +553,7 @@ def run(config: OptimusConfig, peak_tflops: float, steps: int) -> dict[str, Any]
     results["bubble"] = measure_bubble(encoder, artifact)
     del encoder
     torch.cuda.empty_cache()
-    results["training"] = measure_training(config, artifact, peak_tflops, steps)
+    results["training"] = measure_training(config, peak_tflops, steps, warmup)
     return results
 
 
@@ -573,6 +641,8 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.train_mode:
+        return _train_mode_main(args)
     if not torch.cuda.is_available():
         print(
             f"{PROG}: error: no CUDA GPU is visible; run it on a machine with an NVIDIA GPU "
@@ -589,13 +659,34 @@ def main(argv: list[str] | None = None) -> int:
                 "trains on one GPU (see configs/gpu_single.yaml)"
             )
         _init_world_of_one()
-        results = run(config, args.peak_tflops or config.cluster.peak_tflops, args.steps)
+        results = run(
+            config, args.peak_tflops or config.cluster.peak_tflops, args.steps, args.warmup
+        )
     except OptimusError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     print(table(results))
     if args.json:
         atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def _train_mode_main(args: argparse.Namespace) -> int:
+    """``--train-mode``: one mode's training step, in this process, its results to ``--json``."""
+    if not args.json:
+        print(
+            f"{PROG}: error: --train-mode writes its results to --json OUT; give one",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = load_config(args.config)
+        _init_world_of_one()
+        results = train_one_mode(config, args.train_mode, args.steps, args.warmup)
+    except OptimusError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    atomic_write_text(args.json, json.dumps(results) + "\n")
     return 0
 
 
