@@ -94,8 +94,10 @@ def encoder_uses(groups: EncoderProcessGroups) -> list[FirstUse]:
 
 def create_communicators(uses: Sequence[FirstUse], rank: int, device: torch.device) -> None:
     """Give each group its first operation, in ``uses``' order (see the module docstring)."""
-    one = torch.zeros(1, device=device)
+    on_device, on_host = torch.zeros(1, device=device), torch.zeros(1)
     for use in uses:
+        # gloo connects when a group is made and sends host tensors only; the use is NCCL's
+        one = on_host if dist.get_backend(use.group) == "gloo" else on_device
         if use.sender is None:
             dist.all_reduce(one, group=use.group)
         elif use.sender == rank:
