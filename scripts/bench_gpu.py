@@ -42,28 +42,27 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from optimus_mllm.config import OptimusConfig, load_config
+from optimus_mllm.cost_model import CostModel, load_profile
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.gpu_status import warn_unverified
+from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.memory_model import GIB
+from optimus_mllm.planner import plan
+from optimus_mllm.planner.planner import PlannerResult
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.profiler import cuda_timer, median_us, profile_kernels, write_profile
+from optimus_mllm.runtime.dtypes import DTYPES
+from optimus_mllm.runtime.encoder_ops import MicrobatchRun, build_stage_ops
+from optimus_mllm.runtime.hook_plan import build_hook_plan
+from optimus_mllm.runtime.streams import SideStream
+from optimus_mllm.runtime.trainer import Trainer
+from optimus_mllm.runtime.vit import EncoderStage
+from optimus_mllm.scheduler.artifact import schedule_job_artifact
+from optimus_mllm.scheduler.encoder_costs import build_encoder_work
+from optimus_mllm.scheduler.metrics import model_flops_per_iteration
 
-from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
-from optimus_mllm.cost_model import CostModel, load_profile  # noqa: E402
-from optimus_mllm.errors import OptimusError  # noqa: E402
-from optimus_mllm.gpu_status import warn_unverified  # noqa: E402
-from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
-from optimus_mllm.memory_model import GIB  # noqa: E402
-from optimus_mllm.planner import plan  # noqa: E402
-from optimus_mllm.planner.planner import PlannerResult  # noqa: E402
-from optimus_mllm.planner.plans import ParallelPlan  # noqa: E402
-from optimus_mllm.profiler import cuda_timer, median_us, profile_kernels, write_profile  # noqa: E402
-from optimus_mllm.runtime.dtypes import DTYPES  # noqa: E402
-from optimus_mllm.runtime.encoder_ops import MicrobatchRun, build_stage_ops  # noqa: E402
-from optimus_mllm.runtime.hook_plan import build_hook_plan  # noqa: E402
-from optimus_mllm.runtime.streams import SideStream  # noqa: E402
-from optimus_mllm.runtime.trainer import Trainer  # noqa: E402
-from optimus_mllm.runtime.vit import EncoderStage  # noqa: E402
-from optimus_mllm.scheduler.artifact import schedule_job_artifact  # noqa: E402
-from optimus_mllm.scheduler.encoder_costs import build_encoder_work  # noqa: E402
-from optimus_mllm.scheduler.metrics import model_flops_per_iteration  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 PROG = "bench_gpu.py"
 MODES = ("baseline", "optimus")

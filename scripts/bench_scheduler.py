@@ -37,22 +37,21 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
-from optimus_mllm.cost_model import CostModel, MeasuredKernel, read_profile  # noqa: E402
-from optimus_mllm.errors import OptimusError  # noqa: E402
-from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
-from optimus_mllm.planner import ParallelPlan, plan  # noqa: E402
-from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline  # noqa: E402
-from optimus_mllm.scheduler.bubble_scheduler import optimus  # noqa: E402
-from optimus_mllm.scheduler.metrics import (  # noqa: E402
+from optimus_mllm.config import OptimusConfig, load_config
+from optimus_mllm.cost_model import CostModel, MeasuredKernel, read_profile
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.planner import ParallelPlan, plan
+from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
+from optimus_mllm.scheduler.bubble_scheduler import optimus
+from optimus_mllm.scheduler.metrics import (
     BUBBLE_KINDS,
     bubble_breakdown,
     mfu,
     scheduling_efficiency,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 # The paper's numbers (Tables 5, 7, 10; Figures 15, 16 give speedups only).
 PAPER_TABLE7 = {

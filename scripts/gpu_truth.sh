@@ -28,7 +28,7 @@ ENVIRONMENT='nvidia-smi --query-gpu=name,driver_version,memory.total --format=cs
 steps() {  # every step of the device run: step NAME LIMIT_S COMMAND...
   step environment 20 sh -c "$ENVIRONMENT"
   step gpu-tests 160 python3 -m pytest -q -p no:warnings -rs --timeout "$TEST_LIMIT_S" \
-    tests/test_streams.py tests/test_profiler.py
+    tests/distributed/test_streams.py tests/unit/test_profiler.py
   step profile-gpu-single 40 python3 -m optimus_mllm.cli.profile --config configs/gpu_single.yaml \
     --out "$out/profile_gpu_single.json"
   step profile-fig5 40 python3 -m optimus_mllm.cli.profile --config configs/paper/fig5_8gpu.yaml \

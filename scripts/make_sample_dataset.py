@@ -20,11 +20,10 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from optimus_mllm.cli.common import ArgumentParser, run
+from optimus_mllm.errors import OptimusError
 
-from optimus_mllm.cli.common import ArgumentParser, run  # noqa: E402
-from optimus_mllm.errors import OptimusError  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 PROG = "make_sample_dataset.py"
 COLOURS = {

@@ -26,30 +26,20 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from optimus_mllm.config import OptimusConfig, load_config
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.planner import plan
+from optimus_mllm.scheduler import bubble_scheduler
+from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
+from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain
+from optimus_mllm.scheduler.fine import stage_gaps
 
-from optimus_mllm.config import OptimusConfig, load_config  # noqa: E402
-from optimus_mllm.cost_model import CostModel  # noqa: E402
-from optimus_mllm.errors import OptimusError  # noqa: E402
-from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
-from optimus_mllm.planner import plan  # noqa: E402
-from optimus_mllm.scheduler import bubble_scheduler  # noqa: E402
-from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline  # noqa: E402
-from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain  # noqa: E402
-from optimus_mllm.scheduler.fine import stage_gaps  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CASES: dict[str, tuple[str, list[str]]] = {
-    "fig5_heavy": (
-        "fig5_8gpu.yaml",
-        [
-            "model.encoders.0.hidden_size=4096",
-            "model.encoders.0.num_attention_heads=32",
-            "model.encoders.0.ffn_hidden_size=16384",
-            "model.encoders.0.seq_length=1024",
-            "parallel.llm={dp: 1, pp: 4, tp: 2, vp: 10}",
-        ],
-    ),
+    "fig5_heavy": ("fig5_heavy.yaml", []),
     "strong_1536": ("strong_1536.yaml", []),
     "strong_2048": ("strong_2048.yaml", []),
     "strong_3072": ("strong_3072.yaml", []),

@@ -1,39 +1,22 @@
+"""Shared fixtures, and the rule behind the ``distributed`` marker: a test that starts ranks of a
+job (a process of ``multiprocessing``, as ``support.distributed_utils`` starts gloo ranks, or a
+subprocess that is torchrun or one of its ranks) must carry the marker, so that ``pytest -m "not
+distributed"`` runs every test that starts none. The rule is enforced, not trusted: an unmarked test
+that starts a rank fails, naming itself.
+"""
+
 from __future__ import annotations
 
 import copy
+import subprocess
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "configs"
-
-
-# _heavy_random_config(174) of test_scheduler with untied embeddings and 2 steps: a ViT as wide as
-# the LLM on 2 GPUs, where the cost model prices the balanced baseline 546 us against Optimus's best
-# 569 us.
-BALANCED_WINS = (
-    "name: balanced_wins\n"
-    "cluster: {num_gpus: 2, gpus_per_node: 4, gpu_memory_gib: 80, inter_node_bandwidth_gbps: 5.0}\n"
-    "model:\n"
-    "  encoders: [{name: enc0, num_layers: 4, hidden_size: 256, num_attention_heads: 4, "
-    "ffn_hidden_size: 1024,\n"
-    "              seq_length: 256, patch_size: 4}]\n"
-    "  llm: {num_layers: 4, hidden_size: 256, num_attention_heads: 8, ffn_hidden_size: 1024, "
-    "seq_length: 1024,\n"
-    "        vocab_size: 1024, untie_embeddings_and_output_weights: true}\n"
-    "training: {global_batch_size: 2, micro_batch_size: 1, recompute: selective, train_iters: 2}\n"
-    "parallel: {llm: {dp: 1, pp: 2, tp: 1, vp: 2}}\n"
-)
-
-
-def balanced_wins(folder: Path) -> Path:
-    """``BALANCED_WINS`` written into ``folder``."""
-    path = folder / "balanced_wins.yaml"
-    path.write_text(BALANCED_WINS)
-    return path
+from support.paths import CONFIGS
 
 
 @pytest.fixture
@@ -52,3 +35,44 @@ def write_config(tmp_path: Path):
         return path
 
     return write
+
+
+_current: dict[str, pytest.Item | None] = {"item": None}
+
+
+def _starts_ranks(args: Any, env: dict[str, str] | None) -> bool:
+    command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+    return "torch.distributed.run" in command or "torchrun" in command or "RANK" in (env or {})
+
+
+def _refuse_unmarked(what: str) -> None:
+    item = _current["item"]
+    if item is not None and item.get_closest_marker("distributed") is None:
+        raise RuntimeError(
+            f"{item.nodeid} starts {what}: mark it @pytest.mark.distributed (tests/conftest.py)"
+        )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    popen_init = subprocess.Popen.__init__
+    process_start = BaseProcess.start
+
+    def guarded_popen_init(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        if _starts_ranks(args, kwargs.get("env")):
+            _refuse_unmarked(f"ranks ({args[:6] if isinstance(args, list) else args})")
+        popen_init(self, args, *rest, **kwargs)
+
+    def guarded_start(self: BaseProcess) -> None:
+        _refuse_unmarked("a process of multiprocessing (a rank)")
+        process_start(self)
+
+    subprocess.Popen.__init__ = guarded_popen_init  # type: ignore[method-assign]
+    BaseProcess.start = guarded_start  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """The test being run (its fixtures' set-up and tear-down included) for the rule above."""
+    _current["item"] = item
+    yield
+    _current["item"] = None

@@ -36,7 +36,7 @@ def adjusted_warmup(default: list[int], compute_end: Callable[[list[int]], float
     does not end later. We lower the first stage's warm-up one forward at a time, each later stage
     following as ``min(default_s, w_0 - s)``, and keep the last setting that neither deadlocks nor
     lengthens the pipeline (``compute_end`` simulates one). On small pipelines this matches an
-    exhaustive search over all per-stage warm-ups (tests/test_scheduler.py).
+    exhaustive search over all per-stage warm-ups (tests/unit/test_scheduler.py).
     """
     limit = compute_end(default)
     best = list(default)

@@ -1,0 +1,179 @@
+"""Launching ``python -m optimus_mllm.train`` from tests: under torchrun, or rank by rank."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from .distributed_utils import free_port
+from .paths import CONFIGS, REPO
+
+TINY = str(CONFIGS / "tiny.yaml")
+TIMEOUT_S = 90
+STEP = re.compile(
+    r"^step (\d+)/(\d+) \| loss (\d+\.\d{4}) \| grad norm (?:\d+\.\d{4}|skipped \(inf/nan\)) \| "
+    r"lr \d\.\d{3}e[-+]\d\d \| (?:loss scale \d+\.\d \| )?[\d.]+ ms \| \d+ tokens/s \| (.+)$"
+)
+NUMBERS = re.compile(
+    r"^step (\d+)/\d+ \| (loss \S+ \| grad norm (?:\S+|skipped \(inf/nan\)) \| lr \S+"
+    r"(?: \| loss scale \S+)?) \|"
+)
+SUMMARY = re.compile(r"^done: (\d+) steps \| mean step [\d.]+ ms \| final loss (\d+\.\d{4})$")
+
+
+def torchrun(*args: str, nproc: int = 4) -> list[str]:
+    """Train under torchrun; its stdout lines, after checking exit 0."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "optimus_mllm.train",
+        "--config",
+        TINY,
+        *args,
+    ]
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def step_losses(lines: list[str]) -> dict[int, str]:
+    """{step: printed loss} of the step lines."""
+    return {int(m.group(1)): m.group(3) for m in map(STEP.match, lines) if m}
+
+
+def step_numbers(lines: list[str]) -> dict[int, str]:
+    """{step: "loss L | grad norm N | lr R[ | loss scale S]"} of the step lines: everything a step's
+    update
+    decides."""
+    return {int(m.group(1)): m.group(2) for m in map(NUMBERS.match, lines) if m}
+
+
+TRAIN = ("-m", "optimus_mllm.train", "--config", TINY)
+
+
+def ranks(
+    world: int, *args: str, program: tuple[str, ...] = TRAIN
+) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks of ``program`` the way torchrun does (its environment variables); wait
+    for each."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *program, *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+        return [
+            subprocess.CompletedProcess(p.args, p.returncode, *out)
+            for p, out in zip(procs, outputs)
+        ]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def assert_one_error_everywhere(
+    results: list[subprocess.CompletedProcess], expected: str, prog: str = "optimus-train"
+) -> None:
+    """Every rank exited 2, and rank 0 alone printed anything: one error line with ``expected`` (no
+    traceback,
+    no library warning)."""
+    assert [r.returncode for r in results] == [2] * len(results), [r.stderr for r in results]
+    errors = [
+        line
+        for r in results
+        for line in r.stderr.splitlines()
+        if line.startswith(f"{prog}: error:")
+    ]
+    assert len(errors) == 1 and expected in errors[0], errors
+    assert results[0].stderr.splitlines() == errors, results[0].stderr
+    assert all(r.stderr == "" for r in results[1:]), [r.stderr for r in results[1:]]
+
+
+def plain_vision_model(config: object) -> tuple[object, object]:
+    """The tiny encoder as a plain megatron-core job builds it: ``CLIPViTModel`` (its ``internvit``
+    subtype without a class token) over the local ViT layer, with the norms saved under the fused
+    names megatron-core's GPT local spec uses, and LLaVA's ``MultimodalProjector``."""
+    from dataclasses import replace
+
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+    from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    spec = get_vit_layer_with_local_spec()
+    spec = replace(
+        spec,
+        submodules=replace(
+            spec.submodules,
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+    vit = replace(
+        config,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        kv_channels=8,
+    )
+    clip = CLIPViTModel(
+        vit,
+        spec,
+        add_class_token=False,
+        class_token_len=0,
+        patch_dim=4,
+        img_h=16,
+        img_w=16,
+        model_subtype="internvit",
+    )
+    projection = replace(config, ffn_hidden_size=config.hidden_size, kv_channels=16)
+    projector = MultimodalProjector(
+        projection,
+        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        "mlp",
+        32,
+    )
+    return clip, projector
+
+
+def encoder_under_megatron_names(stage: object, name: str) -> dict:
+    """An encoder's parameters (of an ``EncoderStage`` holding all its layers) keyed as LLaVA's
+    ``vision_model.`` (CLIPViTModel) and ``vision_projection.`` (MultimodalProjector) name them."""
+    named = {}
+    for key, param in stage.encoders[name].named_parameters():
+        key = key.replace("patch_embed.", "vision_model.").replace(
+            "layers.", "vision_model.decoder.layers."
+        )
+        named[key.replace("projector.projection.", "vision_projection.")] = param
+    return named

@@ -1,0 +1,137 @@
+"""Megatron-LM baselines (paper §5.1, Appendix B): the layer-partition DP and both simulated
+baselines."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from optimus_mllm.config import load_config
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner import plan
+from optimus_mllm.scheduler.baselines import (
+    balanced_partition,
+    max_virtual_stage_us,
+    megatron_lm_balanced_baseline,
+    megatron_lm_baseline,
+)
+from optimus_mllm.scheduler.llm_costs import build_llm_timeline, llm_op_work
+
+from support.paths import CONFIGS
+
+PAPER = sorted(p.stem for p in (CONFIGS / "paper").glob("*.yaml"))
+SINGLE_ENCODER = [name for name in PAPER if not name.startswith("dualenc")]
+
+
+def _setup(name: str, overrides: tuple[str, ...] = ()):
+    config = load_config(CONFIGS / "paper" / f"{name}.yaml", overrides)
+    return config, plan(config).llm_plan, CostModel.from_config(config)
+
+
+def _slowest(times: list[float], ranges: list[tuple[int, int]]) -> float:
+    return max(sum(times[lo:hi]) for lo, hi in ranges)
+
+
+def _brute_force(times: list[float], stages: int) -> float:
+    n = len(times)
+    return min(
+        _slowest(times, list(zip((0, *cuts), (*cuts, n))))
+        for cuts in itertools.combinations(range(1, n), stages - 1)
+    )
+
+
+def test_balanced_partition_matches_brute_force():
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        stages = rng.randint(1, n)
+        # small integers give ties, floats heterogeneous layers
+        times = [
+            float(rng.randint(1, 4)) if rng.random() < 0.5 else rng.uniform(0.1, 10)
+            for _ in range(n)
+        ]
+        ranges = balanced_partition(times, stages)
+        assert len(ranges) == stages
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(lo < hi for lo, hi in ranges)
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert _slowest(times, ranges) == pytest.approx(_brute_force(times, stages), rel=1e-12)
+
+
+def test_balanced_partition_needs_a_layer_per_stage():
+    with pytest.raises(ValueError):
+        balanced_partition([1.0, 2.0], 3)
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_megatron_lm_is_never_faster_than_the_llm_alone(name):
+    config, llm_plan, cost = _setup(name)
+    alone = build_llm_timeline(config, llm_plan, cost)
+    result = megatron_lm_baseline(config, llm_plan, cost)
+    assert result.name == "Megatron-LM"
+    assert result.iteration_us == result.timeline.iteration_us >= alone.iteration_us
+    # the encoder parameters join the first stage's DP collectives only
+    assert result.timeline.dp_all_gather_us[1:] == alone.dp_all_gather_us[1:]
+    assert result.timeline.dp_all_gather_us[0] >= alone.dp_all_gather_us[0]
+
+
+@pytest.mark.parametrize("name", ["model_a", "dualenc_22b_5b"])
+def test_megatron_lm_runs_encoders_in_the_first_stages_pre_process(name):
+    config, llm_plan, cost = _setup(name)
+    work = megatron_lm_baseline(config, llm_plan, cost).timeline.work
+    llm = llm_op_work(config, llm_plan, cost)
+    fwd = [k.name for k in work[(0, 0, "fwd")].kernels]
+    bwd = [k.name for k in work[(0, 0, "bwd")].kernels]
+    for enc in config.encoders:
+        assert fwd.count(f"{enc.name}.qkv") == enc.num_layers == bwd.count(f"{enc.name}.qkv")
+        assert f"{enc.name}.patch_embed" in fwd and f"{enc.name}.projector_fc1" in fwd
+    assert fwd[0] == f"{config.encoders[0].name}.patch_embed"  # encoders before the LLM's embedding
+    assert fwd[-len(llm[(0, 0, "fwd")].kernels) :] == [k.name for k in llm[(0, 0, "fwd")].kernels]
+    assert bwd[: len(llm[(0, 0, "bwd")].kernels)] == [k.name for k in llm[(0, 0, "bwd")].kernels]
+    assert all(work[key] == op for key, op in llm.items() if key[:2] != (0, 0))
+
+
+def test_frozen_encoder_runs_only_its_projector_backward():
+    config, llm_plan, cost = _setup("model_a", ("model.encoders.0.frozen=true",))
+    bwd = [
+        k.name
+        for k in megatron_lm_baseline(config, llm_plan, cost).timeline.work[(0, 0, "bwd")].kernels
+    ]
+    assert "vit.projector_fc1" in bwd and "vit.qkv" not in bwd and "vit.patch_embed" not in bwd
+
+
+@pytest.mark.parametrize("name", SINGLE_ENCODER)
+def test_balanced_slowest_virtual_stage_is_no_slower_than_megatron_lms(name):
+    config, llm_plan, cost = _setup(name)
+    plain = megatron_lm_baseline(config, llm_plan, cost)
+    balanced = megatron_lm_balanced_baseline(config, llm_plan, cost)
+    assert balanced.name == "Megatron-LM balanced"
+    assert balanced.timeline.vp == llm_plan.vp
+    assert max_virtual_stage_us(balanced.timeline) <= max_virtual_stage_us(plain.timeline) * (
+        1 + 1e-12
+    )
+    ranges = balanced.layer_ranges
+    assert len(ranges) == llm_plan.pp * llm_plan.vp
+    assert ranges[-1][1] == config.encoders[0].num_layers + config.llm.num_layers
+
+
+def test_balanced_accepts_the_papers_virtual_stages():
+    config, llm_plan, cost = _setup("model_d")
+    result = megatron_lm_balanced_baseline(config, llm_plan, cost, vp=12)
+    assert result.timeline.vp == 12 and len(result.layer_ranges) == 96
+
+
+def test_balanced_needs_a_layer_per_virtual_stage():
+    config, llm_plan, cost = _setup("model_a")  # 48 + 80 layers
+    with pytest.raises(OptimusError, match="at most 128"):
+        megatron_lm_balanced_baseline(config, llm_plan, cost, vp=40)
+
+
+def test_balanced_rejects_several_encoders_but_megatron_lm_runs_them():
+    config, llm_plan, cost = _setup("dualenc_22b_5b")
+    with pytest.raises(OptimusError, match="single encoder only"):
+        megatron_lm_balanced_baseline(config, llm_plan, cost)
+    assert megatron_lm_baseline(config, llm_plan, cost).iteration_us > 0

@@ -1,0 +1,233 @@
+"""optimus-profile: the kernels it measures are the ones the scheduler looks up, its torch ops do
+the cost model's FLOPs, and its profile changes the cost model. GPU runs are skipped without a
+GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from optimus_mllm.config import load_config
+from optimus_mllm.cost_model import CostModel, KernelWork, load_profile
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner import plan
+from optimus_mllm.profiler import (
+    check_flops,
+    kernel_callable,
+    kernel_op,
+    median_us,
+    profile_entries,
+    profile_kernels,
+    wallclock_timer,
+    write_profile,
+)
+from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
+from optimus_mllm.scheduler.bubble_scheduler import optimus
+
+from support.paths import CONFIGS, REPO
+
+CONFIG_FILES = [CONFIGS / "tiny.yaml", CONFIGS / "paper" / "fig5_8gpu.yaml"]
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class RecordingCostModel(CostModel):
+    """Remembers the key of every compute and communication kernel the scheduler asks about."""
+
+    def __init__(self, config):
+        super().__init__(config.cluster, config.cost_model)
+        self.compute_keys: set[tuple] = set()
+        self.comm_keys: set[tuple] = set()
+
+    def compute_us(self, work: KernelWork, module: str, tp: int) -> float:
+        self.compute_keys.add((module, work.name, work.phase, tp))
+        return super().compute_us(work, module, tp)
+
+    def comm_us(
+        self, work: KernelWork, bandwidth_gbps: float, module: str = "", tp: int = 0
+    ) -> float:
+        self.comm_keys.add((module, work.name, work.phase, tp))
+        return super().comm_us(work, bandwidth_gbps, module, tp)
+
+
+def scheduler_lookups(config) -> RecordingCostModel:
+    """Run Optimus and both Megatron-LM baselines, as bench_scheduler does, recording the
+    lookups."""
+    planned = plan(config)
+    cost = RecordingCostModel(config)
+    optimus(config, planned, cost)
+    optimus(config, planned, cost, fine=False)
+    megatron_lm_baseline(config, planned.llm_plan, cost)
+    if len(config.encoders) == 1:
+        megatron_lm_balanced_baseline(config, planned.llm_plan, cost)
+    return cost
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_entries_are_exactly_the_compute_kernels_the_scheduler_looks_up(path):
+    config = load_config(path)
+    lookups = scheduler_lookups(config)
+    keys = [e.key for e in profile_entries(config)]
+    assert len(keys) == len(set(keys))
+    assert set(keys) == lookups.compute_keys
+    assert not set(keys) & lookups.comm_keys  # communication stays with the bandwidth model
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_gemm_callables_do_the_cost_models_flops(path):
+    """torch's FLOP counter over each GEMM callable, forward, backward and recompute; the paper
+    config runs on meta tensors (shapes only, no memory). CPU SDPA kernels are not counted by torch,
+    so the attention core's shape is held to the cost model by the profiler's own check_flops."""
+    config = load_config(path)
+    device = "cpu" if path.stem == "tiny" else "meta"
+    checked = 0
+    for entry in profile_entries(config):
+        if entry.work.kind != "gemm":
+            continue
+        fn = kernel_callable(
+            kernel_op(config, entry),
+            entry.work.phase,
+            entry.work.name.startswith("recompute_"),
+            device,
+            torch.float32,
+        )
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        assert counter.get_total_flops() == entry.work.flops, entry.key
+        checked += 1
+    assert checked >= 10
+
+
+def test_gemm_shapes_match_the_cost_model_flops():
+    config = load_config(CONFIG_FILES[1])
+    by_key = {e.key: e for e in profile_entries(config)}
+    for key in [
+        ("llm", "qkv", "fwd", 2),
+        ("llm", "fc1", "bwd", 2),
+        ("vit", "fc2", "fwd", 1),
+        ("vit", "projector_fc1", "fwd", 2),
+        ("llm", "output_layer", "fwd", 2),
+    ]:
+        entry = by_key[key]
+        op = kernel_op(config, entry)
+        m, k, n = op.dims
+        assert 2 * m * k * n * (2 if key[2] == "bwd" else 1) == entry.work.flops, key
+    llm, enc = config.llm, config.encoders[0]
+    assert kernel_op(config, by_key[("llm", "qkv", "fwd", 2)]).dims == (
+        llm.seq_length,
+        llm.hidden_size,
+        3 * llm.hidden_size // 2,
+    )
+    assert kernel_op(config, by_key[("vit", "fc1", "fwd", 1)]).dims == (
+        enc.seq_length,
+        enc.hidden_size,
+        enc.ffn_hidden_size,
+    )
+
+
+def test_median_us_warms_up_then_takes_the_median():
+    calls = []
+    times = iter([5.0, 1.0, 9.0])
+    assert (
+        median_us(
+            lambda: calls.append(1), warmup=2, repeats=3, timer=lambda fn: (fn(), next(times))[1]
+        )
+        == 5.0
+    )
+    assert len(calls) == 5
+
+
+def test_cpu_profile_loads_and_changes_the_cost_model(tmp_path):
+    config = load_config(CONFIG_FILES[0])
+    profile = profile_kernels(
+        config, warmup=1, repeats=2, device="cpu", dtype=torch.float32, timer=wallclock_timer
+    )
+    assert {(k["module"], k["kernel"], k["phase"], k["tp"]) for k in profile["kernels"]} == {
+        e.key for e in profile_entries(config)
+    }
+    assert all(k["time_us"] > 0 for k in profile["kernels"])
+    out = tmp_path / "profile.json"
+    write_profile(profile, out)
+    table = load_profile(out)
+    assert len(table) == len(profile["kernels"])
+    planned = plan(config)
+    roofline = optimus(config, planned, CostModel(config.cluster, config.cost_model))
+    measured = optimus(config, planned, CostModel(config.cluster, config.cost_model, table))
+    assert measured.llm_alone_us != roofline.llm_alone_us
+    # a measured kernel's key is what the cost model hits: its time comes back unchanged
+    entry = profile_entries(config)[0]
+    assert (
+        CostModel(config.cluster, config.cost_model, table).compute_us(
+            entry.work, entry.module, entry.tp
+        )
+        == table[entry.key]
+    )
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "optimus_mllm.cli.profile", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+        env={"PYTHONPATH": str(REPO), **_env()},
+    )
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the no-GPU error; a CUDA GPU is visible"
+)
+def test_cli_without_gpu_exits_2_in_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "profile.json"
+    proc = _cli("--config", str(CONFIG_FILES[0]), "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        (
+            "optimus-profile: error: no CUDA GPU is visible; run it on a GPU machine "
+            "(the cost model uses its roofline without a profile)"
+        )
+    ]
+    assert proc.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_gpu
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_cli_measures_on_gpu(tmp_path, path):
+    out = tmp_path / "profile.json"
+    proc = _cli(
+        "--config", str(path), "--out", str(out), "--warmup", "2", "--repeats", "5", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "roofline us" in proc.stdout and "not measured" in proc.stdout
+    config = load_config(path)
+    table = load_profile(out)
+    assert set(table) == {e.key for e in profile_entries(config)}
+    assert all(us > 0 for us in table.values())
+    data = json.loads(out.read_text())
+    assert data["device"] == torch.cuda.get_device_name(0)
+
+
+def test_a_shape_out_of_step_with_the_cost_model_is_refused():
+    config = load_config(CONFIG_FILES[0])
+    entry = next(e for e in profile_entries(config) if e.work.name == "fc1")
+    drifted = dataclasses.replace(
+        entry, work=dataclasses.replace(entry.work, flops=entry.work.flops * 2)
+    )
+    with pytest.raises(OptimusError, match="out of date"):
+        check_flops(drifted, kernel_op(config, drifted))
+    unknown = dataclasses.replace(entry, work=dataclasses.replace(entry.work, name="fc3"))
+    with pytest.raises(OptimusError, match="no torch op for kernel 'fc3'"):
+        kernel_op(config, unknown)

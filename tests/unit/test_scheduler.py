@@ -1,0 +1,634 @@
+"""Bubble scheduler: the LLM timeline, dependency points, and validity of every schedule it
+emits."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from optimus_mllm.config import config_from_dict, load_config
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner import ParallelPlan, plan
+from optimus_mllm.scheduler.artifact import load_artifact, schedule_to_artifact, write_artifact
+from optimus_mllm.scheduler.baselines import runnable_baselines
+from optimus_mllm.scheduler.bubble_scheduler import (
+    BWD,
+    FWD,
+    ChainPlacement,
+    OptimusResult,
+    bubble_scheduler,
+    find_critical,
+    init_schedule,
+    optimize_schedule,
+    optimus,
+    schedule_kernels,
+)
+from optimus_mllm.scheduler.coarse import PostWindow, coarse_backward
+from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
+from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, build_encoder_work
+from optimus_mllm.scheduler.fine import LLMBubbles, PipelineMoves, Resource
+from optimus_mllm.scheduler.intervals import FreeIntervals
+from optimus_mllm.scheduler.llm_costs import build_llm_timeline
+from optimus_mllm.scheduler.llm_timeline import (
+    OpWork,
+    PipelineDeadlock,
+    default_warmup,
+    rank_op_order,
+    schedule_table,
+    simulate,
+)
+from optimus_mllm.scheduler.metrics import bubble_breakdown, scheduling_efficiency
+
+from support.paths import CONFIGS
+from support.random_configs import heavy_random_config, random_config
+from support.validity import schedule_violations
+
+
+def _uniform_work(pp: int, vp: int, tf: float = 1.0, tb: float = 2.0):
+    return {
+        (s, c, phase): OpWork.sequential([(phase, 0, False, (tf if phase == "fwd" else tb) / vp)])
+        for s in range(pp)
+        for c in range(vp)
+        for phase in ("fwd", "bwd")
+    }
+
+
+@pytest.mark.parametrize(
+    "pp, vp, m",
+    [
+        (2, 1, 4),
+        (4, 1, 8),
+        (3, 1, 5),
+        (2, 2, 4),
+        (4, 2, 8),
+        (4, 2, 16),
+        (4, 4, 12),
+        (8, 2, 32),
+        (8, 12, 16),
+        (8, 6, 24),
+    ],
+)
+def test_idle_fraction_is_p_minus_1_over_v_m(pp, vp, m):
+    """Seed 002: with no communication the pipeline bubble is (p-1)/(v*m) of the ideal compute
+    time."""
+    stages = simulate(pp, vp, m, _uniform_work(pp, vp), p2p_us=0.0)
+    busy = m * 3.0
+    for stage in stages:
+        end = max(s.last_compute_us for s in stages)
+        idle = end - sum(op.end_us - op.start_us for op in stage.ops)
+        assert idle / busy == pytest.approx((pp - 1) / (vp * m))
+
+
+def test_schedule_table_and_warmup_match_megatron_core():
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    for m, vp, group in [(8, 2, 4), (16, 12, 8), (12, 3, 4), (6, 2, 4)]:
+        assert schedule_table(m, vp, group) == schedules.get_schedule_table(m, vp, group)
+    # megatron-core's formula: (PP - rank - 1) * 2 + (V - 1) * group, capped at the total
+    assert [default_warmup(4, 2, 8, s) for s in range(4)] == [10, 8, 6, 4]
+    assert [default_warmup(4, 1, 8, s) for s in range(4)] == [3, 2, 1, 0]
+    assert default_warmup(8, 12, 16, 0) == min(14 + 11 * 8, 16 * 12)
+
+
+def test_rank_order_is_1f1b():
+    order = rank_op_order(8, 2, warmup=4, group_size=4)
+    assert [p for _, _, p in order[:4]] == ["fwd"] * 4
+    assert [p for _, _, p in order[4:16]] == ["fwd", "bwd"] * 6
+    assert len(order) == 32 and sorted(order) == sorted(set(order))
+
+
+def test_bad_warmup_deadlock_is_detected():
+    with pytest.raises(PipelineDeadlock):
+        simulate(2, 2, 4, _uniform_work(2, 2), 0.0, warmup=[0, 4])
+
+
+@pytest.mark.parametrize(
+    "pp, vp, m, p2p", [(4, 2, 8, 0.05), (2, 2, 4, 0.0), (3, 2, 6, 0.1), (4, 1, 8, 0.05)]
+)
+def test_adjusted_warmup_rule_matches_exhaustive_search(pp, vp, m, p2p):
+    """The GetEncLLMDep rule w_s = min(default_s, w_0 - s) defers F as far as any per-stage
+    warm-up."""
+    work = _uniform_work(pp, vp)
+    base = simulate(pp, vp, m, work, p2p)
+    end = max(s.last_compute_us for s in base)
+    default = [s.warmup for s in base]
+
+    def forward_points(stages):
+        ops = [op for op in stages[0].ops if op.chunk == 0 and op.phase == "fwd"]
+        return sum(op.start_us for op in ops)
+
+    best = forward_points(base)
+    for warmup in itertools.product(*[range(d + 1) for d in default]):
+        try:
+            stages = simulate(pp, vp, m, work, p2p, list(warmup))
+        except PipelineDeadlock:
+            continue
+        if max(s.last_compute_us for s in stages) <= end + 1e-9:
+            best = max(best, forward_points(stages))
+
+    def compute_end(warmup: list[int]) -> float:
+        return max(s.last_compute_us for s in simulate(pp, vp, m, work, p2p, warmup))
+
+    rule = adjusted_warmup(default, compute_end)
+    assert forward_points(simulate(pp, vp, m, work, p2p, rule)) == pytest.approx(best)
+
+
+def test_adjusted_warmup_defers_forward_points_without_lengthening():
+    config = load_config(CONFIGS / "paper" / "fig5_8gpu.yaml")
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    dep = get_enc_llm_dep(config, planned.llm_plan, cost)
+    assert dep.warmup != dep.default_warmup
+    default = build_llm_timeline(config, planned.llm_plan, cost)  # megatron-core's own warm-up
+    assert [s.warmup for s in default.stages] == list(dep.default_warmup)
+    assert dep.timeline.compute_end_us <= default.compute_end_us + 1e-6
+    assert all(a >= b - 1e-6 for a, b in zip(dep.forward, default.forward_dependency_points))
+    assert sum(dep.forward) > sum(default.forward_dependency_points)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validity of emitted schedules
+
+
+def _all_plan_schedules(config):
+    """The best schedule of every encoder plan (no pruning across plans)."""
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    for candidate in planned.candidates:
+        schedule, _ = bubble_scheduler(config, planned.llm_plan, candidate, bubbles, cost)
+        if schedule is not None:
+            yield schedule
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_configs_give_valid_schedules(seed):
+    config = config_from_dict(random_config(seed))
+    schedules = list(_all_plan_schedules(config))
+    assert schedules, "every random config has at least the DP_enc = DP_llm plan"
+    for schedule in schedules:
+        assert schedule_violations(schedule) == []
+        assert schedule.iteration_us <= schedule.coarse_iteration_us + 1e-6
+        assert 0.0 <= scheduling_efficiency(schedule) <= 1.0 + 1e-9
+        ef = schedule.encoder_forward_end_us
+        assert list(ef) == sorted(ef), (
+            "global ordering feeds microbatches in order of encoder completion"
+        )
+
+
+def _shared_moves_config(case: str):
+    kind, _, seed = case.partition("-")
+    if kind == "paper":
+        return load_config(CONFIGS / "paper" / f"{seed}.yaml")
+    return config_from_dict((heavy_random_config if kind == "heavy" else random_config)(int(seed)))
+
+
+class _SnapshotEveryMove(PipelineMoves):
+    SNAPSHOT_EVERY = 1  # the bubbles after every move are kept, none rebuilt
+
+
+@pytest.mark.parametrize(
+    "case",
+    [f"random-{s}" for s in range(0, 30, 3)]
+    + [f"heavy-{s}" for s in range(0, 30, 3)]
+    + ["paper-strong_1536", "paper-fig5_8gpu"],
+)
+def test_partitions_sharing_their_moves_schedule_as_each_alone(case):
+    """A plan's partitions share each encoder pipeline's moves into the bubbles (PipelineMoves):
+    forward
+    moves laid out once, the bubbles left after them rebuilt from periodic copies, and backward
+    moves reused by partitions that moved the same microbatches before. Taken in an order unlike the
+    scheduler's, every partition still gets exactly the schedule it gets alone, from bubbles copied
+    after every move: the same fine chains, t0, assignment, EF/EB and latency. (That the moves
+    themselves are placed right, the validity checks on every schedule above say.)"""
+    config = _shared_moves_config(case)
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    for candidate in planned.candidates:
+        work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
+        shared = PipelineMoves.of_pipelines(work, bubbles)
+        for partition in reversed(candidate.partitions.partitions[:6]):
+            alone = init_schedule(
+                work, bubbles, partition, _SnapshotEveryMove.of_pipelines(work, bubbles)
+            )
+            together = init_schedule(work, bubbles, partition, shared)
+            assert (alone is None) == (together is None)
+            if alone is None:
+                continue
+            alone, together = (
+                optimize_schedule(optimize_schedule(s, FWD), BWD) for s in (alone, together)
+            )
+            assert together.fine_fwd == alone.fine_fwd, (candidate.plan, partition)
+            assert together.fine_bwd == alone.fine_bwd, (candidate.plan, partition)
+            assert together.evaluation == alone.evaluation, (candidate.plan, partition)
+
+
+def test_evaluation_after_each_move_equals_a_full_reevaluation():
+    """A backward move re-evaluates only its own pipeline: t0, the assignment and the other
+    pipelines' backwards are taken from the evaluation before it. A forward move leaves the global
+    ordering and the coarse backwards' layout out where they cannot change the latency. After every
+    move of both passes, that evaluation equals the one computed from the state alone (on what it
+    lays out), and each pass ends fully laid out."""
+    with_backward_moves = with_layout_left_out = stopped_above_a_stage = 0
+    for case in [f"{kind}-{s}" for kind in ("random", "heavy") for s in range(1, 30, 2)] + [
+        "paper-fig5_8gpu"
+    ]:
+        config = _shared_moves_config(case)
+        planned = plan(config)
+        cost = CostModel.from_config(config)
+        bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+        moved = 0
+        for candidate in planned.candidates:
+            work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
+            moves = PipelineMoves.of_pipelines(work, bubbles)
+            for partition in candidate.partitions.partitions[:4]:
+                state = init_schedule(work, bubbles, partition, moves)
+                if state is None:
+                    continue
+                for mode in (FWD, BWD):
+                    while (j := find_critical(state, mode)) is not None and schedule_kernels(
+                        state, j, mode
+                    ):
+                        full = state.evaluate()
+                        if state.evaluation.post is None:
+                            with_layout_left_out += 1
+                            full = dataclasses.replace(
+                                full,
+                                assignment=None,
+                                ef=None,
+                                eb=None,
+                                post=None,
+                                backward_start=None,
+                                backward_end=None,
+                            )
+                        assert state.evaluation == full, (case, candidate.plan, partition, mode, j)
+                        moved += mode == BWD
+                    optimize_schedule(state, mode)  # the pass ends: nothing left out
+                    assert state.evaluation == state.evaluate(), (
+                        case,
+                        candidate.plan,
+                        partition,
+                        mode,
+                    )
+                stopped_above_a_stage += sum(move.low > 0 for move in state.fine_bwd.values())
+        with_backward_moves += moved > 0
+    assert with_backward_moves >= 5 and with_layout_left_out and stopped_above_a_stage, (
+        with_backward_moves,
+        with_layout_left_out,
+        stopped_above_a_stage,
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_post_window_lays_out_backwards_as_coarse_backward(seed):
+    """A pipeline's coarse backwards come from one layout in which every gradient is already there,
+    up to
+    the first that comes later than that layout reaches it. Gradients arriving early and late, in
+    any number, give exactly the starts and stage ends of ``coarse_backward``."""
+    config = config_from_dict(heavy_random_config(seed))
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    rng = random.Random(seed)
+    for candidate in planned.candidates:
+        work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
+        origin = [rng.uniform(0.0, 100.0) for _ in work.bwd]
+        window = PostWindow(origin, work)
+        span = sum(chain.duration_us for chain in work.bwd) + work.p2p_us
+        for _ in range(50):
+            n = rng.randint(1, 16)
+            # none, some or most gradients later than the queue reaches them
+            late = rng.choice([0.0, 0.5, 2.0])
+            ready = tuple(
+                sorted(origin[-1] + rng.uniform(-span, late * span * n) for _ in range(n))
+            )
+            rows, ends = coarse_backward(ready, origin, work)
+            assert window.layout(ready) == ([row[-1] for row in rows], ends), (
+                candidate.plan,
+                ready,
+            )
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_scheduler_leaves_the_cyclic_gc_as_it_found_it(enabled):
+    """The search pauses Python's cyclic collector (it makes no cycles) and restores the caller's
+    setting."""
+    config = load_config(CONFIGS / "tiny.yaml")
+    (gc.enable if enabled else gc.disable)()
+    try:
+        assert optimus(config, plan(config), CostModel.from_config(config)).best is not None
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("name", ["tiny", "fig5_8gpu", "strong_3072", "dualenc_22b_5b", "model_a"])
+def test_shipped_configs_give_valid_schedules(name):
+    path = CONFIGS / f"{name}.yaml" if name == "tiny" else CONFIGS / "paper" / f"{name}.yaml"
+    config = load_config(path)
+    result = optimus(config, plan(config), CostModel.from_config(config))
+    assert result.best is not None
+    assert schedule_violations(result.best) == []
+    assert result.best.iteration_us >= result.llm_alone_us - 1e-6, (
+        "encoder work cannot make the LLM faster"
+    )
+
+
+def test_fine_scheduling_moves_work_into_bubbles():
+    """On the Figure 5 setup the coarse schedule delays the LLM; kernel-level placement recovers
+    time."""
+    config = load_config(CONFIGS / "paper" / "fig5_8gpu.yaml")
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    fine = optimus(config, planned, cost)
+    coarse = optimus(config, planned, cost, fine=False)
+    assert fine.best.iteration_us < coarse.best.iteration_us
+    assert any(c.window == "llm" for c in fine.best.chains)
+    assert all(c.window != "llm" for c in coarse.best.chains)
+    assert scheduling_efficiency(fine.best) > scheduling_efficiency(coarse.best)
+    assert any(c.cuts for c in fine.best.chains), "some kernels are cut to fit short bubbles"
+
+
+def test_backward_moves_stopped_above_a_stage_drain_the_encoder_pipeline_during_the_llm():
+    """Figure 5's shape with a 4096-wide ViT on 1024 tokens and the LLM at V10: no whole backward
+    move fits
+    its bubbles, but the upper stages' chains of the first microbatches do, so the post window's
+    stages need not wait for the encoder pipeline to drain, and Optimus beats both baselines."""
+    config = load_config(CONFIGS / "paper" / "fig5_heavy.yaml")
+    result = optimus(config, plan(config), CostModel.from_config(config))
+    best = result.best
+    assert schedule_violations(best) == []
+    windows: dict[int, set[str]] = {}
+    for c in best.chains:
+        if c.phase == "bwd":
+            windows.setdefault(c.local_microbatch, set()).add(c.window)
+    assert {"llm", "post"} in windows.values(), (
+        "a microbatch's backward runs partly in bubbles, partly after"
+    )
+    assert result.baseline is None and best.iteration_us < min(
+        b.iteration_us
+        for b in runnable_baselines(config, best.llm_plan, CostModel.from_config(config))
+    )
+
+
+def test_a_kernel_cut_to_fit_fills_each_bubble_with_a_piece_that_pays_the_launch():
+    def bubbles(*intervals: tuple[float, float]) -> Resource:
+        return Resource(0, FreeIntervals(list(intervals)), FreeIntervals([(0.0, 100.0)]))
+
+    fc1 = EncoderKernel("vit", 0, "fc1", "fwd", False, 25.0, splittable=True)
+    ag = EncoderKernel("vit", 0, "tp_ag_mlp", "fwd", True, 5.0)
+    placed = bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(
+        StageChain((fc1, ag)), 0.0, 100.0, 2.0
+    )
+    # 23 us of work and a 2 us launch: 8 of work in the first bubble, 8 in the second, the last 7 in
+    # the third
+    assert list(placed.spans[0]) == [0.0, 10.0, 20.0, 30.0, 40.0, 49.0]
+    assert placed.cuts == {
+        0: [(0.0, 8 / 23, 0.0, 10.0), (8 / 23, 16 / 23, 20.0, 30.0), (16 / 23, 1.0, 40.0, 49.0)]
+    }
+    assert (
+        list(placed.spans[1]) == [49.0, 54.0]
+        and placed.starts == [0.0, 49.0]
+        and placed.end == 54.0
+    )
+    # a kernel the runtime runs whole waits for a bubble it fits; a cut one must end by the limit
+    # too
+    whole = dataclasses.replace(fc1, splittable=False)
+    assert bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(
+        StageChain((whole,)), 0.0, 100.0, 2.0
+    ).starts == [40.0]
+    assert (
+        bubbles((0.0, 10.0), (20.0, 30.0), (40.0, 100.0)).place_chain(
+            StageChain((fc1,)), 0.0, 45.0, 2.0
+        )
+        is None
+    )
+    # a bubble shorter than the launch and 2 us of work gets no piece; the rest fits whole
+    placed = bubbles((0.0, 3.5), (5.0, 20.0), (30.0, 60.0)).place_chain(
+        StageChain((fc1,)), 0.0, 100.0, 2.0
+    )
+    assert list(placed.spans[0]) == [5.0, 20.0, 30.0, 42.0] and placed.end == 42.0
+
+
+def test_frozen_encoder_has_no_backward_layers():
+    raw = random_config(3)
+    raw["model"]["encoders"] = [dict(raw["model"]["encoders"][0], frozen=True)]
+    config = config_from_dict(raw)
+    schedule = next(_all_plan_schedules(config))
+    backward_layers = [
+        k for c in schedule.chains if c.phase == "bwd" for k in schedule.chain_kernels(c).kernels
+    ]
+    assert backward_layers and all(
+        k.layer == -1 and k.name.startswith(("projector", "tp_ar_projector"))
+        for k in backward_layers
+    )
+    assert schedule_violations(schedule) == []
+
+
+def test_two_encoders_are_scheduled_as_one():
+    config = load_config(CONFIGS / "paper" / "dualenc_22b_5b.yaml")
+    result = optimus(config, plan(config), CostModel.from_config(config))
+    names = {k.encoder for chain in result.best.work.fwd for k in chain.kernels}
+    assert names == {"vit_22b", "vit_5b"}
+
+
+def _schedule(name="fig5_8gpu"):
+    config = load_config(CONFIGS / "paper" / f"{name}.yaml")
+    return config, optimus(config, plan(config), CostModel.from_config(config)).best
+
+
+def test_validity_checker_catches_broken_schedules():
+    _, schedule = _schedule()
+    assert schedule_violations(schedule) == []
+    fine = next(c for c in schedule.chains if c.window == "llm" and c.phase == "fwd")
+    others = [c for c in schedule.chains if c is not fine]
+
+    dropped = dataclasses.replace(schedule, chains=tuple(others))
+    assert any("placed 0 times" in p for p in schedule_violations(dropped))
+
+    duplicated = dataclasses.replace(schedule, chains=schedule.chains + (fine,))
+    assert any("placed 2 times" in p for p in schedule_violations(duplicated))
+
+    # move a fine chain onto the LLM's compute: it must now overlap an LLM kernel
+    tl = schedule.timeline
+    stage = schedule.work.llm_stage(fine.pipeline, fine.stage)
+    compute, _ = tl.kernel_intervals(stage)
+    a, _ = max(compute, key=lambda ab: ab[1] - ab[0])
+    shift = a + schedule.llm_origin_us - fine.starts_us[0]
+    moved = dataclasses.replace(fine, starts_us=tuple(s + shift for s in fine.starts_us))
+    overlapping = dataclasses.replace(schedule, chains=tuple(others) + (moved,))
+    assert any("overlaps" in p for p in schedule_violations(overlapping))
+
+    # a last-stage forward that finishes after its F_i
+    last = len(schedule.work.fwd) - 1
+    j, k = schedule.assignment[0]
+    late_key = next(
+        c
+        for c in schedule.chains
+        if (c.pipeline, c.stage, c.local_microbatch, c.phase) == (j, last, k, "fwd")
+    )
+    late = ChainPlacement(
+        j, last, k, "fwd", late_key.window, tuple(s + 1e9 for s in late_key.starts_us)
+    )
+    chains = tuple(c for c in schedule.chains if c is not late_key) + (late,)
+    assert any(
+        "after F_0" in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains))
+    )
+
+    # a cut kernel whose pieces leave tokens out, or take less time than the kernel and its launches
+    cut = next(c for c in schedule.chains if c.cuts)
+    (i, pieces), *rest = cut.cuts
+    for broken, problem in (
+        ((pieces[0], *pieces[2:]), "do not tile"),
+        (tuple((lo, hi, a, b - 0.5) for lo, hi, a, b in pieces), "its pieces take"),
+    ):
+        chains = tuple(c for c in schedule.chains if c is not cut) + (
+            dataclasses.replace(cut, cuts=((i, broken), *rest)),
+        )
+        assert any(
+            problem in p for p in schedule_violations(dataclasses.replace(schedule, chains=chains))
+        )
+
+
+def test_bubble_breakdown_adds_up():
+    _, schedule = _schedule("strong_3072")
+    bb = bubble_breakdown(schedule.timeline)
+    assert all(v >= -1e-6 for v in bb.seconds_by_kind.values())
+    assert 0 < sum(bb.seconds_by_kind.values()) < bb.iteration_us
+
+
+def test_artifact_round_trip_and_hooks(tmp_path):
+    config, schedule = _schedule()
+    path = tmp_path / "schedule.json"
+    write_artifact(schedule, config, path)
+    artifact = load_artifact(path)
+    artifact.check_matches(schedule.llm_plan, schedule.encoder_plan, config.cluster.num_gpus)
+    data = artifact.data
+    assert data["assignment"] == [list(a) for a in schedule.assignment]
+    ops = [op for stage in data["encoder_stages"] for op in stage["ops"]]
+    runs = [run for c in schedule.chains for run in schedule.runs(c)]
+    assert (
+        len(ops) == len(runs) > sum(len(schedule.chain_kernels(c).kernels) for c in schedule.chains)
+    )
+    assert sorted(tuple(op["piece"]) for op in ops) == sorted(run.piece for run in runs)
+    windows = {op["window"]: op["hook"]["at"] for op in ops}
+    assert windows == {
+        "pre": "before_first_compute",
+        "llm": "llm_kernel",
+        "post": "after_last_compute",
+    }
+    # an llm-window kernel is launched at an LLM kernel that starts no later than it
+    tl, t0 = schedule.timeline, schedule.llm_origin_us
+    for stage in data["encoder_stages"]:
+        starts = {}
+        for op in tl.stages[stage["llm_stage"]].ops:
+            for index, k in enumerate(tl.work[(stage["llm_stage"], op.chunk, op.phase)].kernels):
+                starts[(op.phase, op.chunk, op.microbatch, index)] = t0 + op.start_us + k.offset_us
+        for op in stage["ops"]:
+            if op["window"] == "llm":
+                h = op["hook"]
+                assert (
+                    starts[(h["phase"], h["chunk"], h["microbatch"], h["kernel_index"])]
+                    <= op["start_us"] + 1e-3
+                )
+
+
+def test_artifact_mismatch_and_version_errors(tmp_path):
+    config, schedule = _schedule()
+    path = tmp_path / "schedule.json"
+    write_artifact(schedule, config, path)
+    artifact = load_artifact(path)
+    with pytest.raises(OptimusError, match="made for 8 GPUs, this job has 16"):
+        artifact.check_matches(schedule.llm_plan, schedule.encoder_plan, 16)
+    with pytest.raises(OptimusError, match="LLM plan"):
+        artifact.check_matches(ParallelPlan(1, 2, 4, 1), schedule.encoder_plan, 8)
+    with pytest.raises(OptimusError, match="encoder plan"):
+        artifact.check_matches(schedule.llm_plan, ParallelPlan(8, 1, 1), 8)
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(OptimusError, match="version 99"):
+        load_artifact(path)
+    with pytest.raises(OptimusError, match="does not exist"):
+        load_artifact(tmp_path / "missing.json")
+
+
+def test_artifact_of_tiny_config_is_json_serialisable():
+    config = load_config(CONFIGS / "tiny.yaml")
+    schedule = optimus(config, plan(config), CostModel.from_config(config)).best
+    json.dumps(schedule_to_artifact(schedule, config))
+
+
+def test_planner_and_scheduler_do_not_import_torch():
+    code = (
+        "import sys, optimus_mllm.cli.plan, optimus_mllm.scheduler.bubble_scheduler, "
+        "optimus_mllm.scheduler.artifact, optimus_mllm.scheduler.metrics; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _never_slower_than_the_baselines(config) -> OptimusResult:
+    """The scheduler's result (its fastest schedule, or a baseline placement that beats it) against
+    both
+    Megatron-LM baselines at the LLM plan's V, computed here on their own (balanced: single-encoder
+    models whose microbatches the interleaved schedule can take); a chosen baseline is one the
+    runtime runs."""
+    from optimus_mllm.scheduler.baselines import (
+        balanced_problem,
+        megatron_lm_balanced_baseline,
+        megatron_lm_baseline,
+    )
+
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    result = optimus(config, planned, cost)
+    baselines = [megatron_lm_baseline(config, planned.llm_plan, cost)]
+    interleavable = planned.llm_plan.vp == 1 or planned.num_microbatches % planned.llm_plan.pp == 0
+    if len(config.encoders) == 1 and interleavable:
+        baselines.append(megatron_lm_balanced_baseline(config, planned.llm_plan, cost))
+    for baseline in baselines:
+        assert result.iteration_us <= baseline.iteration_us + 1e-6, (
+            f"result {result.iteration_us:.1f} us > {baseline.name} {baseline.iteration_us:.1f} us"
+        )
+    if result.baseline is not None:
+        assert (
+            result.baseline.runtime == "balanced"
+            and balanced_problem(config, planned.llm_plan) is None
+        )
+        assert result.best is None or result.baseline.iteration_us < result.best.iteration_us
+    return result
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONFIGS / "paper").glob("*.yaml")))
+def test_optimus_never_slower_than_the_baselines_on_paper_setups(name):
+    _never_slower_than_the_baselines(load_config(CONFIGS / "paper" / f"{name}.yaml"))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_optimus_never_slower_than_the_baselines_on_random_configs(seed):
+    _never_slower_than_the_baselines(config_from_dict(random_config(seed)))
+
+
+# balanced 2754 us against Optimus's best 2938 us: each LLM stage fills one 4-GPU node, so every
+# encoder plan's DP4 gradient reduce-scatter crosses 5 GB/s links, where balanced keeps the encoder
+# on the LLM's DP2 inside a node; no colocated encoder plan has DP2 (2 encoder layers cannot span
+# PP4)
+BALANCED_WINS_SEED = 9
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_optimus_never_slower_than_the_baselines_on_heavy_encoder_configs(seed):
+    """Encoders 4-16x wider than the random configs'. On one seed the balanced baseline beats every
+    Optimus
+    schedule, so it is the scheduler's result."""
+    result = _never_slower_than_the_baselines(config_from_dict(heavy_random_config(seed)))
+    chosen = "Megatron-LM balanced" if seed == BALANCED_WINS_SEED else None
+    assert (result.baseline.name if result.baseline else None) == chosen
