@@ -2,21 +2,24 @@
 
     MEGATRON_LM_DIR=/path/to/Megatron-LM python scripts/megatron_lm_compare.py [MEGATRON_ARGS ...]
 
-trains the checkout's unmodified ``pretrain_vlm.py`` (Megatron-LM tag ``core_v0.16.1``, the one
-that goes with megatron-core 0.16.1) for 3 iterations on 4 gloo ranks at TP2 PP2, with Megatron's
-own mock data and tiny sizes (``TINY_VLM_ARGS``, dropout 0), through
-``optimus_mllm.megatron_lm_cpu`` (the CPU patches for ``megatron.training``), and prints Megatron's
-``lm loss`` / ``grad norm`` of each iteration. ``MEGATRON_ARGS`` are appended (a later flag
-wins), e.g. ``--swiglu``.
+trains the checkout's ``pretrain_vlm.py`` (Megatron-LM tag ``core_v0.16.1``, the one that goes
+with megatron-core 0.16.1) for 3 iterations on 4 gloo ranks at TP2 PP2, with Megatron's own mock
+data and tiny sizes (``TINY_VLM_ARGS``, dropout 0), through ``optimus_mllm.megatron_lm_cpu`` (the
+CPU patches for ``megatron.training``), twice: unmodified, and with the one-line opt-in
+(``from optimus_mllm.megatron import pretrain``, ``ONE_LINE``) in a copy of the script. It prints
+Megatron's ``lm loss`` / ``grad norm`` of each iteration of both and whether they agree.
+``MEGATRON_ARGS`` are appended to both (a later flag wins), e.g. ``--swiglu``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,10 @@ TINY_VLM_ARGS = (
     *("--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000"),
     *("--ckpt-format", "torch"),
 )
+
+ONE_LINE = "from optimus_mllm.megatron import pretrain"
+# the opt-in goes after the script's last import, where it shadows megatron.training's pretrain
+_LAST_IMPORT = "from pretrain_gpt import loss_func\n"
 
 # " [date] iteration        1/       3 | ... | lm loss: 5.551649E+00 | ... | grad norm: 2.131 | ..."
 _ITERATION = re.compile(
@@ -80,6 +87,30 @@ def parse_iterations(output: str) -> tuple[Iteration, ...]:
     return tuple(
         Iteration(int(match[1]), float(match[2]), float(match[3]), match[0])
         for match in _ITERATION.finditer(output)
+    )
+
+
+def with_one_line(checkout: Path, folder: Path) -> Path:
+    """A copy of ``checkout``'s ``pretrain_vlm.py`` in ``folder`` with the one-line opt-in.
+
+    The copy finds the checkout's modules through ``MEGATRON_LM_DIR``
+    (``optimus_mllm.megatron_lm_cpu``).
+    """
+    source = (checkout / "pretrain_vlm.py").read_text()
+    if source.count(_LAST_IMPORT) != 1:
+        raise SystemExit(f"megatron_lm_compare: {checkout}/pretrain_vlm.py: no {_LAST_IMPORT!r}")
+    script = folder / "pretrain_vlm.py"
+    script.write_text(source.replace(_LAST_IMPORT, f"{_LAST_IMPORT}{ONE_LINE}\n"))
+    return script
+
+
+def agree(first: Run, second: Run, rel: float = 1e-5) -> bool:
+    """The same iterations, with losses within ``rel`` and grad norms as printed (3 decimals)."""
+    return len(first.iterations) == len(second.iterations) > 0 and all(
+        a.number == b.number
+        and math.isclose(a.lm_loss, b.lm_loss, rel_tol=rel)
+        and abs(a.grad_norm - b.grad_norm) <= 2e-3
+        for a, b in zip(first.iterations, second.iterations)
     )
 
 
@@ -127,17 +158,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     parallel = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
-    plain = run_megatron_script(
-        checkout / "pretrain_vlm.py", 4, [*TINY_VLM_ARGS, *parallel, *options.megatron_args]
-    )
-    if plain.returncode != 0 or not plain.iterations:
-        print(plain.output[-4000:], file=sys.stderr)
-        print(f"megatron_lm_compare: error: the plain run failed (exit {plain.returncode})")
-        return 1
-    print("plain pretrain_vlm.py, 4 gloo ranks, TP2 PP2:")
-    for iteration in plain.iterations:
-        print(f"  {iteration.line}")
-    return 0
+    args = [*TINY_VLM_ARGS, *parallel, *options.megatron_args]
+    with tempfile.TemporaryDirectory() as folder:
+        scripts = {
+            "unmodified pretrain_vlm.py": checkout / "pretrain_vlm.py",
+            f"pretrain_vlm.py + {ONE_LINE!r}": with_one_line(checkout, Path(folder)),
+        }
+        runs = []
+        for title, script in scripts.items():
+            run = run_megatron_script(script, 4, args)
+            if run.returncode != 0 or not run.iterations:
+                print(run.output[-4000:], file=sys.stderr)
+                print(f"megatron_lm_compare: error: {title} failed (exit {run.returncode})")
+                return 1
+            print(f"{title}, 4 gloo ranks, TP2 PP2:")
+            for iteration in run.iterations:
+                print(f"  {iteration.line}")
+            runs.append(run)
+    same = agree(*runs)
+    print(f"same lm loss (relative 1e-5) and grad norm: {'yes' if same else 'NO'}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
