@@ -34,7 +34,9 @@ def _run_script(argv: list[str]) -> int:
     if not script.is_file():
         raise OptimusError(f"{argv[0]}: no such script (a Megatron-LM checkout's pretrain_*.py)")
 
-    quiet_library_warnings(cuda_available=False)
+    import torch
+
+    quiet_library_warnings(cuda_available=torch.cuda.is_available())
     import megatron.core  # noqa: F401  the installed megatron-core, before the checkout's
 
     sys.path.insert(0, str(script.parent))
