@@ -13,8 +13,9 @@ What is redirected, and why:
   model-parallel RNG tracker only when ``torch.cuda.device_count() > 0``: in ``initialize`` the CPU
   is counted as the one device, and setting it does nothing.
 - ``device="cuda"`` tensors, ``torch.cuda.current_device()`` and the DDP set-up's side stream in
-  ``training``, ``utils`` and ``initialize``, and ``tensor_parallel.broadcast_data``'s buffers: the
-  CPU, and a stream that orders nothing.
+  ``training``, ``utils``, ``checkpointing`` and ``initialize``, and
+  ``tensor_parallel.broadcast_data``'s buffers: the CPU, and a stream that orders nothing; a
+  checkpoint's CUDA RNG state is the CPU generator's, which plays its part on the CPU.
 - ``set_jit_fusion_options`` warms the GPU's fused kernels up with inputs drawn from the CUDA
   generator; on the CPU they would be drawn from the one the weights are initialized from, so the
   warm-up is skipped.
@@ -97,6 +98,16 @@ class _TrainingCuda(_CpuCuda):
     def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    # the default CPU generator plays the CUDA generator's part (as in _cpu.py's RNG tracker), so
+    # a checkpoint's "cuda_rng_state" is its state
+    @staticmethod
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        torch.set_rng_state(new_state)
+
 
 class _TrainingTorch(_CpuTorch):
     """The ``torch`` name inside one ``megatron.training`` module (``_CpuTorch`` plus the device
@@ -110,6 +121,7 @@ _TRAINING_LOOP_MODULES = (
     "megatron.training.initialize",  # device count and selection, the JIT warm-up's tensors
     "megatron.training.training",  # start-time and loss-sum tensors, the DDP side stream
     "megatron.training.utils",  # grad-norm and loss-average tensors
+    "megatron.training.checkpointing",  # the iteration agreed on the device, the RNG states
     "megatron.core.tensor_parallel.data",  # broadcast_data's size and payload buffers
 )
 

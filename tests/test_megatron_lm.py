@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +36,20 @@ needs_megatron_lm = pytest.mark.skipif(
 )
 
 
-def _train(nproc: int, tp: int, pp: int, script: Path | None = None) -> Run:
+def _train(
+    nproc: int,
+    tp: int,
+    pp: int,
+    script: Path | None = None,
+    more: tuple[str, ...] = (),
+    iterations: tuple[int, ...] = (1, 2, 3),
+) -> Run:
     assert CHECKOUT is not None
     parallel = ("--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp))
     script = CHECKOUT / "pretrain_vlm.py" if script is None else script
-    run = run_megatron_script(script, nproc, [*TINY_VLM_ARGS, *parallel])
+    run = run_megatron_script(script, nproc, [*TINY_VLM_ARGS, *parallel, *more])
     assert run.returncode == 0, run.output[-4000:]
-    assert [iteration.number for iteration in run.iterations] == [1, 2, 3], run.output[-4000:]
+    assert tuple(iteration.number for iteration in run.iterations) == iterations, run.output[-4000:]
     return run
 
 
@@ -97,6 +105,25 @@ def test_the_one_line_opt_in_trains_as_the_unmodified_script(
     opted_in = _train(4, tp=2, pp=2, script=with_one_line(CHECKOUT, tmp_path))
     printed = [(i.lm_loss, i.grad_norm) for i in plain_tp2_pp2.iterations]
     assert [(i.lm_loss, i.grad_norm) for i in opted_in.iterations] == printed
+
+
+@needs_megatron_lm
+def test_save_at_2_resumes_to_3_with_the_uninterrupted_numbers_and_evaluates(
+    plain_tp2_pp2: Run, tmp_path: Path
+) -> None:
+    # Megatron's own --save/--load (torch format, as pretrain_vlm.py requires) and evaluation,
+    # through the checkpointing and evaluate patches
+    save = ("--save", str(tmp_path), "--save-interval", "2", "--exit-interval", "2")
+    evaluation = ("--eval-interval", "2", "--eval-iters", "1")
+    first = _train(4, tp=2, pp=2, more=(*save, *evaluation), iterations=(1, 2))
+    validation = re.findall(
+        r"validation loss at iteration 2 \| lm loss value: ([0-9.E+-]+)", first.output
+    )
+    assert len(validation) == 1 and math.isfinite(float(validation[0])), first.output[-3000:]
+    resumed = _train(4, tp=2, pp=2, more=("--load", str(tmp_path)), iterations=(3,))
+    printed = [(i.lm_loss, i.grad_norm) for i in plain_tp2_pp2.iterations]
+    assert [(i.lm_loss, i.grad_norm) for i in first.iterations] == printed[:2]
+    assert [(i.lm_loss, i.grad_norm) for i in resumed.iterations] == printed[2:]
 
 
 def _one_process(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
