@@ -408,22 +408,62 @@ def runtime_for_args(
 
 
 def pretrain(
-    train_valid_test_datasets_provider: Callable[[list[int]], tuple[Any, Any, Any]],
+    train_valid_test_dataset_provider: Callable[..., Any],
     model_provider: Callable[..., Any],
     model_type: Any,
     forward_step_func: Callable[..., Any],
+    process_non_loss_data_func: Callable[..., Any] | None = None,
     extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
-    argv: list[str] | None = None,
-) -> int:
-    """Megatron-LM's ``pretrain()`` with ``--optimus-schedule``: what a script imports in its place
-    (``train_vlm``)."""
+    args_defaults: dict[str, Any] | None = None,
+    get_embedding_ranks: Callable[[list[int]], list[int]] | None = None,
+    get_position_embedding_ranks: Callable[[list[int]], list[int]] | None = None,
+    non_loss_data_func: Callable[..., Any] | None = None,
+    store: Any = None,
+    inprocess_call_wrapper: Any = None,
+) -> int | None:
+    """Megatron-LM's ``pretrain()`` with ``--optimus-schedule``: what a script imports in its place.
+
+    Where Megatron-LM's ``megatron.training`` is importable, it is Megatron-LM's own ``pretrain``
+    with the flag added (``optimus_mllm.megatron_lm``), same signature and arguments. Where it is
+    not (the megatron-core wheel alone), a script written against this project's stand-in
+    (``optimus_mllm.megatron_training``) trains in the project's loop (``train_vlm``); Megatron-LM's
+    own arguments there (``args_defaults``, the embedding ranks, ...) say in one line that
+    ``megatron.training`` cannot be imported.
+    """
+    from optimus_mllm import megatron_lm
+
+    if megatron_lm.megatron_training_importable():
+        return megatron_lm.pretrain(
+            train_valid_test_dataset_provider,
+            model_provider,
+            model_type,
+            forward_step_func,
+            process_non_loss_data_func=process_non_loss_data_func,
+            extra_args_provider=extra_args_provider,
+            args_defaults=args_defaults,
+            get_embedding_ranks=get_embedding_ranks,
+            get_position_embedding_ranks=get_position_embedding_ranks,
+            non_loss_data_func=non_loss_data_func,
+            store=store,
+            inprocess_call_wrapper=inprocess_call_wrapper,
+        )
+    megatron_lm_only = (
+        process_non_loss_data_func,
+        args_defaults,
+        get_embedding_ranks,
+        get_position_embedding_ranks,
+        non_loss_data_func,
+        store,
+        inprocess_call_wrapper,
+    )
+    if any(argument is not None for argument in megatron_lm_only):
+        megatron_lm.exit_on_error(megatron_lm.not_importable_error())
     return train_vlm(
-        train_valid_test_datasets_provider,
+        train_valid_test_dataset_provider,
         model_provider,
         model_type,
         forward_step_func,
         extra_args_provider,
-        argv,
         optimus_flag=True,
     )
 

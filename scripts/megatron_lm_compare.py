@@ -1,0 +1,184 @@
+"""Megatron-LM's own ``pretrain_vlm.py`` on this machine's CPUs: the one command to see its numbers.
+
+    MEGATRON_LM_DIR=/path/to/Megatron-LM python scripts/megatron_lm_compare.py [MEGATRON_ARGS ...]
+
+trains the checkout's ``pretrain_vlm.py`` (Megatron-LM tag ``core_v0.16.1``, the one that goes
+with megatron-core 0.16.1) for 3 iterations on 4 gloo ranks at TP2 PP2, with Megatron's own mock
+data and tiny sizes (``TINY_VLM_ARGS``, dropout 0), through ``optimus_mllm.megatron_lm_cpu`` (the
+CPU patches for ``megatron.training``), twice: unmodified, and with the one-line opt-in
+(``from optimus_mllm.megatron import pretrain``, ``ONE_LINE``) in a copy of the script. It prints
+Megatron's ``lm loss`` / ``grad norm`` of each iteration of both and whether they agree.
+``MEGATRON_ARGS`` are appended to both (a later flag wins), e.g. ``--swiglu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Megatron-LM's flags for a tiny LLaVA (CLIP with its class token, the MLP projector) on the CPU:
+# its mock data and null tokenizer, gloo, the local (torch) layers and no fused kernels. The vocab
+# (255 + the null tokenizer's end-of-document token) is a multiple of 128 * TP for TP 1 and 2, so
+# the padded vocab, and with it the weights --use-cpu-initialization draws, are the same at both.
+TINY_VLM_ARGS = (
+    *("--decoder-num-layers", "2", "--encoder-num-layers", "2"),
+    *("--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4"),
+    *("--seq-length", "16", "--dataloader-seq-length", "16", "--max-position-embeddings", "128"),
+    *("--img-h", "32", "--img-w", "32", "--patch-dim", "16"),
+    *("--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3"),
+    *("--lr", "1e-3", "--min-lr", "1e-3", "--lr-decay-style", "constant", "--seed", "1234"),
+    *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"),
+    *("--distributed-backend", "gloo", "--transformer-impl", "local"),
+    *("--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--rerun-mode", "disabled"),
+    *("--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"),
+    *("--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion"),
+    *("--hidden-dropout", "0", "--attention-dropout", "0"),
+    *("--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000"),
+    *("--ckpt-format", "torch"),
+)
+
+ONE_LINE = "from optimus_mllm.megatron import pretrain"
+# the opt-in goes after the script's last import, where it shadows megatron.training's pretrain
+_LAST_IMPORT = "from pretrain_gpt import loss_func\n"
+
+# " [date] iteration        1/       3 | ... | lm loss: 5.551649E+00 | ... | grad norm: 2.131 | ..."
+_ITERATION = re.compile(
+    r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.E+-]+) \|.*\| grad norm: ([0-9.]+) \|"
+)
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """What Megatron's training log prints for one iteration."""
+
+    number: int
+    lm_loss: float
+    grad_norm: float
+    line: str  # as printed
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: its exit status, the iterations it logged and its whole output."""
+
+    returncode: int
+    iterations: tuple[Iteration, ...]
+    output: str
+
+
+def megatron_lm_dir() -> Path | None:
+    """The Megatron-LM checkout named by ``MEGATRON_LM_DIR``, or None when it is unset."""
+    value = os.environ.get("MEGATRON_LM_DIR")
+    return Path(value) if value else None
+
+
+def parse_iterations(output: str) -> tuple[Iteration, ...]:
+    """Megatron's per-iteration log lines in ``output``."""
+    return tuple(
+        Iteration(int(match[1]), float(match[2]), float(match[3]), match[0])
+        for match in _ITERATION.finditer(output)
+    )
+
+
+def with_one_line(checkout: Path, folder: Path) -> Path:
+    """A copy of ``checkout``'s ``pretrain_vlm.py`` in ``folder`` with the one-line opt-in.
+
+    The copy finds the checkout's modules through ``MEGATRON_LM_DIR``
+    (``optimus_mllm.megatron_lm_cpu``).
+    """
+    source = (checkout / "pretrain_vlm.py").read_text()
+    if source.count(_LAST_IMPORT) != 1:
+        raise SystemExit(f"megatron_lm_compare: {checkout}/pretrain_vlm.py: no {_LAST_IMPORT!r}")
+    script = folder / "pretrain_vlm.py"
+    script.write_text(source.replace(_LAST_IMPORT, f"{_LAST_IMPORT}{ONE_LINE}\n"))
+    return script
+
+
+def agree(first: Run, second: Run, rel: float = 1e-5) -> bool:
+    """The same iterations, with losses within ``rel`` and grad norms as printed (3 decimals)."""
+    return len(first.iterations) == len(second.iterations) > 0 and all(
+        a.number == b.number
+        and math.isclose(a.lm_loss, b.lm_loss, rel_tol=rel)
+        and abs(a.grad_norm - b.grad_norm) <= 2e-3
+        for a, b in zip(first.iterations, second.iterations)
+    )
+
+
+def run_megatron_script(
+    script: Path, nproc: int, args: Sequence[str], timeout_s: float = 900
+) -> Run:
+    """``torchrun`` ``script`` on ``nproc`` local gloo ranks (``optimus_mllm.megatron_lm_cpu``).
+
+    ``PYTHONPATH`` starts with this repository (its ``optimus_mllm`` is the one run);
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as Megatron-LM's examples set it (its ``validate_args``
+    requires it at TP>1).
+    """
+    environment = dict(os.environ)
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, [environment.get("PYTHONPATH")])]
+    )
+    environment["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *("--nproc-per-node", str(nproc), "-m", "optimus_mllm.megatron_lm_cpu"),
+        *(str(script), *args),
+    ]
+    result = subprocess.run(
+        command,
+        cwd=REPO,  # not the checkout: its .python-version may name another interpreter
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout_s,
+    )
+    return Run(result.returncode, parse_iterations(result.stdout), result.stdout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER, help="more Megatron-LM flags")
+    options = parser.parse_args(argv)
+    checkout = megatron_lm_dir()
+    if checkout is None or not (checkout / "pretrain_vlm.py").is_file():
+        print(
+            "megatron_lm_compare: error: set MEGATRON_LM_DIR to a Megatron-LM checkout at tag "
+            "core_v0.16.1 (git clone -b core_v0.16.1 https://github.com/NVIDIA/Megatron-LM)",
+            file=sys.stderr,
+        )
+        return 2
+    parallel = ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    args = [*TINY_VLM_ARGS, *parallel, *options.megatron_args]
+    with tempfile.TemporaryDirectory() as folder:
+        scripts = {
+            "unmodified pretrain_vlm.py": checkout / "pretrain_vlm.py",
+            f"pretrain_vlm.py + {ONE_LINE!r}": with_one_line(checkout, Path(folder)),
+        }
+        runs = []
+        for title, script in scripts.items():
+            run = run_megatron_script(script, 4, args)
+            if run.returncode != 0 or not run.iterations:
+                print(run.output[-4000:], file=sys.stderr)
+                print(f"megatron_lm_compare: error: {title} failed (exit {run.returncode})")
+                return 1
+            print(f"{title}, 4 gloo ranks, TP2 PP2:")
+            for iteration in run.iterations:
+                print(f"  {iteration.line}")
+            runs.append(run)
+    same = agree(*runs)
+    print(f"same lm loss (relative 1e-5) and grad norm: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
