@@ -41,7 +41,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
 )
 from optimus_mllm.runtime.data import check_dataset
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
-from optimus_mllm.scheduler.baselines import balanced_problem
+from optimus_mllm.scheduler.baselines import balanced_problem, no_placement_problem
 from optimus_mllm.scheduler.bubble_scheduler import optimus
 
 if TYPE_CHECKING:
@@ -319,12 +319,11 @@ def _schedule_now(
 ) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
     """Optimus's fastest schedule, or the baseline placement that beats it (the scheduler's
     result)."""
-    result = optimus(config, planned, CostModel.from_config(config))
+    cost = CostModel.from_config(config)
+    result = optimus(config, planned, cost)
     if result.baseline is None:
         if result.best is None:
-            raise OptimusError(
-                "no encoder plan could be scheduled (see optimus-plan); try --baseline"
-            )
+            raise OptimusError(no_placement_problem(config, planned, cost))
         return schedule_to_artifact(result.best, config), None, notes
     b = result.baseline
     optimus_s = "none" if result.best is None else f"{result.best.iteration_us / 1e6:.4f} s"
