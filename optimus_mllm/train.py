@@ -113,6 +113,22 @@ def build_parser() -> ArgumentParser:
         "settings differ from the checkpoint's)",
     )
     parser.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        dest="override_opt_param_scheduler",
+        action="store_true",
+        help="with --resume: take this run's LR-schedule settings where the checkpoint's differ "
+        "(Megatron-LM's flag; training.override_opt_param_scheduler)",
+    )
+    parser.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+        dest="use_checkpoint_opt_param_scheduler",
+        action="store_true",
+        help="with --resume: take the checkpoint's LR-schedule settings where this run's differ "
+        "(Megatron-LM's flag; training.use_checkpoint_opt_param_scheduler)",
+    )
+    parser.add_argument(
         "--pretrained-checkpoint",
         metavar="DIR",
         help="start from this checkpoint's weights (LLM and encoders; not its optimizer state or "
@@ -136,6 +152,15 @@ def build_parser() -> ArgumentParser:
         help="write TensorBoard scalars there (rank 0; needs the tensorboard package)",
     )
     return parser
+
+
+def _scheduler_flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The LR-schedule flags as the config fields they set (after the user's own overrides)."""
+    return [
+        f"training.{name}=true"
+        for name in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
+        if getattr(args, name)
+    ]
 
 
 def _positive_int(text: str) -> int:
@@ -190,7 +215,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
             "--tensorboard-dir needs the tensorboard package; pip install tensorboard, or drop "
             "--tensorboard-dir"
         )
-    config = load_config(args.config, args.override)
+    config = load_config(args.config, [*args.override, *_scheduler_flag_overrides(args)])
     if world_size != config.cluster.num_gpus:
         raise OptimusError(
             f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "
