@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m optimus_mllm.train --config FILE.yaml [--override KEY=VALUE ...]
              [--schedule ARTIFACT.json] [--baseline [megatron-lm|balanced]] [--save DIR
-             [--save-interval N] [--resume [--no-load-optim]]] [--pretrained-checkpoint DIR]
+             [--save-interval N] [--resume [--no-load-optim]]] [--override-opt_param-scheduler |
+             --use-checkpoint-opt_param-scheduler] [--pretrained-checkpoint DIR]
              [--pretrained-llm DIR] [--pretrained-encoder NAME=DIR ...] [--tensorboard-dir DIR]
 
 Every rank loads the config, plans and schedules (pure Python and deterministic, so every rank gets
