@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,22 @@ def test_baselines_out_of_memory_are_not_runnable():
     assert runnable_baselines(tight, llm_plan, cost) == []
     roomy, _, _ = _setup("fig5_8gpu", (f"cluster.gpu_memory_gib={smaller * 1.001}",))
     assert len(runnable_baselines(roomy, llm_plan, cost)) == 1
+
+
+def test_huge_finite_times_do_not_stall_the_search(capsys):
+    """peak_tflops 1e-300 gives iterations of 1e300 s: the bisection for the earliest feasible t0
+    (to 0.01 us) used to loop forever once 0.01 us fell below the times' float spacing."""
+
+    def expire(signum, frame):
+        raise TimeoutError("the scheduler did not finish")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    try:
+        code = plan_main(
+            ["--config", str(CONFIGS / "tiny.yaml"), "--override", "cluster.peak_tflops=1e-300"]
+        )
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert code == 0 and "chosen: LLM" in capsys.readouterr().out
