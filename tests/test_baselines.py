@@ -181,7 +181,8 @@ def test_nothing_fitting_with_trace_names_the_pruned_plans(tmp_path, capsys):
         "--trace",
         str(trace),
     )
-    assert "6 placements out of memory" in err and not trace.exists()
+    assert "out of memory (GiB): DP4 PP1 TP1 8941, DP2 PP1 TP2 5364, " in err
+    assert "Megatron-LM balanced 7153" in err and not trace.exists()
 
 
 def test_an_infinite_kernel_time_names_the_efficiency(capsys):

@@ -173,23 +173,29 @@ def baseline_placements(
 
 def no_placement_problem(config: OptimusConfig, planned: PlannerResult, cost: CostModel) -> str:
     """Why neither an Optimus schedule nor a baseline can run, in one line: the smallest memory
-    shortfall where memory is what rules them out, else every pruned plan's reason."""
+    shortfall where memory is what rules them out, then every placement pruned and why."""
     capacity = gpu_memory_bytes(config)
-    needs = [(p.memory_bytes, f"encoder plan {p.plan}") for p in planned.pruned if p.memory_bytes]
+    # (bytes, what, its short name)
+    needs = [
+        (p.memory_bytes, f"encoder plan {p.plan}", str(p.plan))
+        for p in planned.pruned
+        if p.memory_bytes
+    ]
     needs += [
-        (b.memory.total, f"the {b.name} baseline")
+        (b.memory.total, f"the {b.name} baseline", b.name)
         for b in baseline_placements(config, planned.llm_plan, cost)
         if b.memory.total > capacity
     ]
     others = "; ".join(f"{p.plan}: {p.reason}" for p in planned.pruned if not p.memory_bytes)
     if needs:
-        need, what = min(needs)
+        need, what, _ = min(needs)
+        listed = ", ".join(f"{name} {size / GIB:.4g}" for size, _, name in needs)
         return (
             f"cluster.gpu_memory_gib: nothing fits in {config.cluster.gpu_memory_gib:g} GiB per "
             f"GPU under LLM plan {planned.llm_plan}: the smallest, {what}, needs "
-            f"{need / GIB:.4g} GiB ({(need - capacity) / GIB:.4g} GiB short; {len(needs)} "
-            "placements out of memory); give more GPU memory or GPUs, or enable "
-            "training.recompute" + (f"; pruned otherwise: {others}" if others else "")
+            f"{need / GIB:.4g} GiB ({(need - capacity) / GIB:.4g} GiB short); give more GPU "
+            f"memory or GPUs, or enable training.recompute; out of memory (GiB): {listed}"
+            + (f"; pruned otherwise: {others}" if others else "")
         )
     return (
         f"no encoder plan could be scheduled under LLM plan {planned.llm_plan} and no baseline "
