@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NoReturn
 
 from optimus_mllm.config import ClusterConfig, CostModelConfig, OptimusConfig, TransformerSpec
 from optimus_mllm.errors import ConfigError, OptimusError
@@ -285,7 +285,9 @@ class CostModel:
         return kernels
 
 
-def _raise_not_finite(work: KernelWork, field: str, efficiency: float, at_peak_us: float) -> None:
+def _raise_not_finite(
+    work: KernelWork, field: str, efficiency: float, at_peak_us: float
+) -> NoReturn:
     """A kernel time overflowed: name the efficiency that did it, or the cluster figure (peak
     FLOP/s or bandwidth) when the time overflows at efficiency 1 already."""
     if math.isfinite(at_peak_us):
