@@ -513,6 +513,8 @@ def _plain_megatron_weights(save: str) -> dict:
             "cluster.num_gpus=1",
             "cluster.gpus_per_node=1",
             "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}",
+            # the weights are compared, not the LR schedule, which first_half set otherwise
+            "training.use_checkpoint_opt_param_scheduler=true",
         ],
         "baseline",
     )
