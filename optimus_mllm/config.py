@@ -176,6 +176,12 @@ class TrainingConfig:
     lr_decay_style: LRDecayStyle = "linear"
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: train_iters
+    # Resuming with other LR-schedule settings than the checkpoint's (lr, min_lr, warm-up, decay
+    # iterations or style, weight decay): refused unless one says which side wins, as Megatron-LM's
+    # --override-opt_param-scheduler (this run's) / --use-checkpoint-opt_param-scheduler (the
+    # checkpoint's)
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -586,6 +592,12 @@ def _validate_optimizer(t: TrainingConfig) -> None:
     for name in ("weight_decay", "clip_grad", "sgd_momentum"):
         if getattr(t, name) < 0:
             raise ConfigError(f"training.{name}", f"must be >= 0, got {getattr(t, name)}")
+    if t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler:
+        raise ConfigError(
+            "training.use_checkpoint_opt_param_scheduler",
+            "and training.override_opt_param_scheduler are both set; keep the one whose LR "
+            "schedule a resumed run takes (the checkpoint's or this run's)",
+        )
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(t, name) < 1:
             raise ConfigError(f"training.{name}", f"must be in [0, 1), got {getattr(t, name)}")

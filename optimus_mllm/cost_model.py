@@ -12,12 +12,13 @@ the QKV/fc1 input gradient).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NoReturn
 
 from optimus_mllm.config import ClusterConfig, CostModelConfig, OptimusConfig, TransformerSpec
-from optimus_mllm.errors import OptimusError
+from optimus_mllm.errors import ConfigError, OptimusError
 from optimus_mllm.io_utils import read_versioned_json
 
 Phase = Literal["fwd", "bwd"]
@@ -236,9 +237,20 @@ class CostModel:
             return measured
         p = self.params
         peak = self.cluster.peak_tflops * 1e12
-        eff = p.attention_efficiency if work.kind == "attention" else p.gemm_efficiency
+        eff_field = "attention_efficiency" if work.kind == "attention" else "gemm_efficiency"
+        eff = getattr(p, eff_field)
         flop_time = work.flops / (peak * eff) if work.kind in ("gemm", "attention") else 0.0
-        mem_time = work.bytes / (self.cluster.hbm_bandwidth_gbps * 1e9 * p.memory_efficiency)
+        if not math.isfinite(flop_time * 1e6):
+            _raise_not_finite(work, f"cost_model.{eff_field}", eff, work.flops / peak * 1e6)
+        bandwidth = self.cluster.hbm_bandwidth_gbps * 1e9
+        mem_time = work.bytes / (bandwidth * p.memory_efficiency)
+        if not math.isfinite(mem_time * 1e6):
+            _raise_not_finite(
+                work,
+                "cost_model.memory_efficiency",
+                p.memory_efficiency,
+                work.bytes / bandwidth * 1e6,
+            )
         return max(flop_time, mem_time) * 1e6 + p.kernel_overhead_us
 
     def comm_us(
@@ -251,10 +263,13 @@ class CostModel:
         wire = collective_bytes_on_wire(work.collective, work.bytes, work.group_size)
         if wire == 0:
             return 0.0
-        return (
-            wire / (bandwidth_gbps * 1e9 * self.params.network_efficiency) * 1e6
-            + self.params.kernel_overhead_us
-        )
+        eff = self.params.network_efficiency
+        us = wire / (bandwidth_gbps * 1e9 * eff) * 1e6
+        if not math.isfinite(us):
+            _raise_not_finite(
+                work, "cost_model.network_efficiency", eff, wire / bandwidth_gbps / 1e3
+            )
+        return us + self.params.kernel_overhead_us
 
     def layer(
         self, shape: LayerShape, phase: Phase, module: str, tp_bandwidth_gbps: float
@@ -268,6 +283,24 @@ class CostModel:
                 us = self.compute_us(work, module, shape.tp)
             kernels.append(Kernel(work.name, work.phase, work.is_comm, us, work.flops))
         return kernels
+
+
+def _raise_not_finite(
+    work: KernelWork, field: str, efficiency: float, at_peak_us: float
+) -> NoReturn:
+    """A kernel time overflowed: name the efficiency that did it, or the cluster figure (peak
+    FLOP/s or bandwidth) when the time overflows at efficiency 1 already."""
+    if math.isfinite(at_peak_us):
+        raise ConfigError(
+            field,
+            f"{efficiency:g} makes kernel '{work.name}' ({work.phase}) take an infinite time "
+            f"({at_peak_us:.3g} us at efficiency 1); use a realistic efficiency, e.g. 0.5",
+        )
+    raise ConfigError(
+        "cluster",
+        f"kernel '{work.name}' ({work.phase}) takes an infinite time even at efficiency 1: the "
+        "cluster's peak_tflops or bandwidths are too small for this model",
+    )
 
 
 def p2p_work(

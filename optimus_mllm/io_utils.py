@@ -1,9 +1,13 @@
-"""File writing that never leaves a half-written file behind."""
+"""File writing that never leaves a half-written file behind, and reading that never waits: a path
+the user names is read only when it is a regular file, so that a FIFO with no writer (or a device)
+is refused in one line instead of blocking ``open`` or ``read`` forever."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -58,13 +62,63 @@ def fsync_tree(path: str | Path) -> None:
         fsync_dir(folder)
 
 
+def special_file_kind(mode: int) -> str | None:
+    """What a ``st_mode`` names when it is neither a regular file nor a directory, else None."""
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def read_regular_file(path: str | Path, limit: int = -1) -> bytes:
+    """The bytes (at most ``limit``, all when -1) of the regular file at ``path``.
+
+    Raises:
+        OSError: as ``open`` raises it; IsADirectoryError for a directory, and an OSError whose
+        ``strerror`` says what the path is for a FIFO, socket or device.
+    """
+    # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one; the
+    # file kind is then read from the open descriptor, so a rename in between cannot slip past.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        kind = special_file_kind(mode)
+        if kind:
+            raise OSError(errno.EINVAL, f"is {kind}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return handle.read(limit)
+
+
+def special_entries(folder: str | Path) -> list[str]:
+    """The names in ``folder`` (recursively) that are neither regular files nor directories, each
+    with what it is: reading one (a FIFO, a device) could block forever."""
+    found = []
+    for parent, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(parent, name)
+            try:
+                kind = special_file_kind(os.stat(path).st_mode)
+            except OSError:  # a dangling link: its reader reports it as missing
+                continue
+            if kind:
+                found.append(f"{os.path.relpath(path, folder)} ({kind})")
+    return sorted(found)
+
+
 def read_versioned_json(
     path: str | Path, what: str, file_format: str, version: int, remedy: str
 ) -> dict[str, Any]:
     """Read a JSON file of ``file_format`` at ``version``; ``remedy`` says how to make a good
     one."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(read_regular_file(path).decode("utf-8"))
     except FileNotFoundError:
         raise OptimusError(f"{what} {path} does not exist; {remedy}") from None
     except IsADirectoryError:

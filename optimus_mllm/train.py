@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m optimus_mllm.train --config FILE.yaml [--override KEY=VALUE ...]
              [--schedule ARTIFACT.json] [--baseline [megatron-lm|balanced]] [--save DIR
-             [--save-interval N] [--resume [--no-load-optim]]] [--pretrained-checkpoint DIR]
+             [--save-interval N] [--resume [--no-load-optim]]] [--override-opt_param-scheduler |
+             --use-checkpoint-opt_param-scheduler] [--pretrained-checkpoint DIR]
              [--pretrained-llm DIR] [--pretrained-encoder NAME=DIR ...] [--tensorboard-dir DIR]
 
 Every rank loads the config, plans and schedules (pure Python and deterministic, so every rank gets
@@ -41,7 +42,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
 )
 from optimus_mllm.runtime.data import check_dataset
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
-from optimus_mllm.scheduler.baselines import balanced_problem
+from optimus_mllm.scheduler.baselines import balanced_problem, no_placement_problem
 from optimus_mllm.scheduler.bubble_scheduler import optimus
 
 if TYPE_CHECKING:
@@ -113,6 +114,22 @@ def build_parser() -> ArgumentParser:
         "settings differ from the checkpoint's)",
     )
     parser.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        dest="override_opt_param_scheduler",
+        action="store_true",
+        help="with --resume: take this run's LR-schedule settings where the checkpoint's differ "
+        "(Megatron-LM's flag; training.override_opt_param_scheduler)",
+    )
+    parser.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+        dest="use_checkpoint_opt_param_scheduler",
+        action="store_true",
+        help="with --resume: take the checkpoint's LR-schedule settings where this run's differ "
+        "(Megatron-LM's flag; training.use_checkpoint_opt_param_scheduler)",
+    )
+    parser.add_argument(
         "--pretrained-checkpoint",
         metavar="DIR",
         help="start from this checkpoint's weights (LLM and encoders; not its optimizer state or "
@@ -136,6 +153,15 @@ def build_parser() -> ArgumentParser:
         help="write TensorBoard scalars there (rank 0; needs the tensorboard package)",
     )
     return parser
+
+
+def _scheduler_flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The LR-schedule flags as the config fields they set (after the user's own overrides)."""
+    return [
+        f"training.{name}=true"
+        for name in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
+        if getattr(args, name)
+    ]
 
 
 def _positive_int(text: str) -> int:
@@ -190,7 +216,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
             "--tensorboard-dir needs the tensorboard package; pip install tensorboard, or drop "
             "--tensorboard-dir"
         )
-    config = load_config(args.config, args.override)
+    config = load_config(args.config, [*args.override, *_scheduler_flag_overrides(args)])
     if world_size != config.cluster.num_gpus:
         raise OptimusError(
             f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "
@@ -319,12 +345,11 @@ def _schedule_now(
 ) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
     """Optimus's fastest schedule, or the baseline placement that beats it (the scheduler's
     result)."""
-    result = optimus(config, planned, CostModel.from_config(config))
+    cost = CostModel.from_config(config)
+    result = optimus(config, planned, cost)
     if result.baseline is None:
         if result.best is None:
-            raise OptimusError(
-                "no encoder plan could be scheduled (see optimus-plan); try --baseline"
-            )
+            raise OptimusError(no_placement_problem(config, planned, cost))
         return schedule_to_artifact(result.best, config), None, notes
     b = result.baseline
     optimus_s = "none" if result.best is None else f"{result.best.iteration_us / 1e6:.4f} s"

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from optimus_mllm.io_utils import read_regular_file
+
 MAX_FILE_BYTES = 1 << 20  # a config is a few KB; /dev/zero or a dataset named by mistake is not one
 MAX_DEPTH = 32  # a config nests four levels
 
@@ -65,10 +67,9 @@ def parse_yaml(text: str) -> Any:
 
 
 def read_yaml_file(path: Path) -> Any:
-    """The value of the YAML file at ``path``; OSError as ``open`` raises it, YAMLInputError
-    otherwise."""
-    with open(path, "rb") as handle:
-        data = handle.read(MAX_FILE_BYTES + 1)
+    """The value of the YAML file at ``path``; OSError as ``read_regular_file`` raises it (also for
+    a FIFO or device), YAMLInputError otherwise."""
+    data = read_regular_file(path, MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
         raise YAMLInputError(f"is larger than {MAX_FILE_BYTES >> 20} MiB, too large for a config")
     try:

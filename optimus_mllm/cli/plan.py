@@ -15,6 +15,7 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.memory_model import GIB, MemoryBreakdown
 from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
+from optimus_mllm.scheduler.baselines import no_placement_problem
 from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, optimus
 from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency
 
@@ -50,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         config = load_config(args.config, args.override)
         planned = plan(config)
-        scheduled = optimus(config, planned, CostModel.from_config(config))
+        cost = CostModel.from_config(config)
+        scheduled = optimus(config, planned, cost)
+        if scheduled.best is None and scheduled.baseline is None:
+            raise OptimusError(no_placement_problem(config, planned, cost))
         if (args.artifact or args.trace or args.png) and scheduled.best is None:
             raise OptimusError(
                 "no encoder plan could be scheduled, so there is no schedule to write; "

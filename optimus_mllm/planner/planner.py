@@ -36,6 +36,7 @@ from optimus_mllm.planner.plans import (
 class PrunedPlan:
     plan: ParallelPlan
     reason: str
+    memory_bytes: float | None = None  # the fullest GPU's need, where memory pruned it
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,7 @@ def enumerate_encoder_plans(
                         f"(LLM {llm_mem.total / GIB:.1f} + encoder "
                         f"{enc_mem.total / GIB:.1f}) > "
                         f"{config.cluster.gpu_memory_gib:g} GiB",
+                        mem.total,
                     )
                 )
                 continue

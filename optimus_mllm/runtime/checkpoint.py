@@ -48,6 +48,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedStateDict
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_patches.checkpoint import synchronous_writer
@@ -355,14 +356,10 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
     trainer.optimizer.reload_model_params()
     # megatron-core's load_state_dict counts the saved steps on from here
     trainer.scheduler.num_steps = 0
-    try:
-        trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    except (
-        AssertionError
-    ) as exc:  # megatron-core asserts that the schedule's settings are unchanged
-        raise AgreedError(
-            f"--resume: {exc}; resume with the training settings the checkpoint was written with"
-        ) from None
+    changed = lr_schedule_change(trainer.scheduler, loaded["opt_param_scheduler"])
+    if changed:  # the same on every rank: the schedule's state is replicated
+        raise AgreedError(changed)
+    trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_optimizer:
         _load_optimizer(
             trainer.optimizer, optimizer_requests, loaded["optimizer"], loaded["optimus"]
@@ -370,6 +367,40 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
     # the LR and weight decay of the loaded step: the optimizer's hyper-parameters are this job's
     # own
     trainer.scheduler.step(increment=0)
+
+
+# megatron-core's OptimizerParamScheduler settings, as its load_state_dict checks them
+# (_check_and_set): the state-dict key, what it is and the config field that sets it
+_LR_SCHEDULE_SETTINGS = {
+    "max_lr": ("learning rate", "training.lr"),
+    "min_lr": ("minimum learning rate", "training.min_lr"),
+    "lr_warmup_steps": ("warm-up iterations", "training.lr_warmup_iters"),
+    "lr_decay_steps": ("decay iterations", "training.lr_decay_iters, else train_iters"),
+    "lr_decay_style": ("decay style", "training.lr_decay_style"),
+    "start_wd": ("weight decay", "training.weight_decay"),
+    "end_wd": ("weight decay", "training.weight_decay"),
+    "wd_incr_steps": ("weight decay iterations", "training.lr_decay_iters, else train_iters"),
+    "wd_incr_style": ("weight decay style", "training.weight_decay"),
+}
+
+
+def lr_schedule_change(scheduler: OptimizerParamScheduler, saved: dict[str, Any]) -> str | None:
+    """Megatron-LM's rule for a resumed LR schedule whose settings differ from the checkpoint's:
+    refused unless ``--override-opt_param-scheduler`` (this run's settings win) or
+    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's win) says which; the message, or
+    None."""
+    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+        return None
+    for key, (name, field) in _LR_SCHEDULE_SETTINGS.items():
+        current = getattr(scheduler, key)
+        if key in saved and saved[key] != current:
+            return (
+                f"--resume: the LR schedule's {name} ({field}) is {current} in this run and "
+                f"{saved[key]} in the checkpoint; add --override-opt_param-scheduler to use this "
+                "run's settings or --use-checkpoint-opt_param-scheduler to use the checkpoint's "
+                "(training.override_opt_param_scheduler / use_checkpoint_opt_param_scheduler)"
+            )
+    return None
 
 
 def _copy_into_model(model_state: dict[str, ShardedStateDict], loaded: dict[str, Any]) -> None:

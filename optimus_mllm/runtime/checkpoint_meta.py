@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 
 from optimus_mllm.config import ModelConfig, OptimusConfig, model_config_from_dict
 from optimus_mllm.errors import ConfigError, OptimusError
-from optimus_mllm.io_utils import read_versioned_json
+from optimus_mllm.io_utils import read_regular_file, read_versioned_json, special_entries
 from optimus_mllm.planner.plans import ParallelPlan
 
 CHECKPOINT_FORMAT = "optimus-checkpoint"
@@ -87,7 +87,7 @@ def _tracked_iteration(root: Path) -> tuple[int | None, str]:
     """The iteration the tracker names, or None and why not."""
     marker = root / LATEST
     try:
-        raw = marker.read_bytes()
+        raw = read_regular_file(marker)
     except FileNotFoundError:
         return None, f"{LATEST} is missing"
     except OSError as exc:
@@ -174,8 +174,11 @@ def _missing_bytes(path: Path) -> str | None:
         FileSystemReader,
     )
 
+    special = special_entries(path)
+    if special:
+        return f"holds {special[0]}, which cannot be read without blocking"
     try:
-        if not isinstance(json.loads((path / "metadata.json").read_bytes()), dict):
+        if not isinstance(json.loads(read_regular_file(path / "metadata.json")), dict):
             return "has a metadata.json that is not megatron-core's"
     except FileNotFoundError:
         return "has no metadata.json"
@@ -223,6 +226,12 @@ def dist_checkpoint_folder(path: str | Path, flag: str) -> Path:
         raise OptimusError(
             f"{flag} {path}: not a megatron-core dist checkpoint (no metadata.json); point it at a "
             f"checkpoint folder (iter_NNNNNNN) or the folder holding {LATEST}"
+        )
+    special = special_entries(path)
+    if special:
+        raise OptimusError(
+            f"{flag} {path}: holds {special[0]}, not a regular file; a checkpoint folder holds "
+            "files and folders only"
         )
     return path
 

@@ -27,6 +27,7 @@ from PIL import Image
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import ConfigError
+from optimus_mllm.io_utils import read_regular_file
 
 
 @dataclass(frozen=True)
@@ -242,10 +243,11 @@ def check_dataset(config: OptimusConfig) -> None:
     _check_model(config)
     for caption in read_captions(Path(config.data.path)):
         if not caption.image.is_file():
+            what = "is not a regular file" if caption.image.exists() else "does not exist"
             raise ConfigError(
                 "data.path",
-                f"{CAPTIONS} line {caption.line}: image {caption.image} does not "
-                "exist; add the file or drop the line",
+                f"{CAPTIONS} line {caption.line}: image {caption.image} {what}; add the file or "
+                "drop the line",
             )
 
 
@@ -294,7 +296,7 @@ def read_captions(root: Path) -> tuple[Caption, ...]:
         )
     path = root / CAPTIONS
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_regular_file(path).decode("utf-8").splitlines()
     except FileNotFoundError:
         raise ConfigError(
             "data.path",

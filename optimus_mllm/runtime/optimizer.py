@@ -219,7 +219,9 @@ def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
 
 def build_scheduler(config: OptimusConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
     """Megatron's LR (warm-up from 0, then constant / linear / cosine decay to ``min_lr``) and
-    constant weight decay, counted in iterations."""
+    constant weight decay, counted in iterations; on resuming, its settings are the checkpoint's or
+    this run's as ``training.use_checkpoint_opt_param_scheduler`` / ``override_opt_param_scheduler``
+    say (``checkpoint.lr_schedule_change`` refuses a difference when neither is set)."""
     t = config.training
     return OptimizerParamScheduler(
         optimizer,
@@ -233,4 +235,6 @@ def build_scheduler(config: OptimusConfig, optimizer: MegatronOptimizer) -> Opti
         end_wd=t.weight_decay,
         wd_incr_steps=t.decay_iters,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=t.override_opt_param_scheduler,
     )

@@ -11,7 +11,9 @@ Both reuse the LLM's pipeline simulator. Every stage boundary costs the LLM's P2
 hidden states), also where the balanced split cuts inside the encoder.
 
 Both are also placements the runtime runs (``optimus-train --baseline megatron-lm | balanced``), so
-the scheduler takes them as candidates beside its own schedules (``runnable_baselines``).
+the scheduler takes them as candidates beside its own schedules (``runnable_baselines``), after the
+memory model the planner prunes Optimus plans with: model states of the fullest rank's parameters
+(``model_state_memory``) plus Korthikanti activations of the microbatches 1F1B keeps in flight.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from dataclasses import dataclass
 from optimus_mllm.config import EncoderConfig, LLMConfig, OptimusConfig, encoder_tp_problem
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.memory_model import (
+    GIB,
+    MemoryBreakdown,
+    interleaving_factor,
+    layer_activation_bytes,
+    model_state_memory,
+    param_bytes,
+)
 from optimus_mllm.params import (
     encoder_params_per_stage,
     layer_params,
@@ -30,6 +40,7 @@ from optimus_mllm.params import (
     llm_params_per_stage,
     projector_params,
 )
+from optimus_mllm.planner.planner import PlannerResult, gpu_memory_bytes, llm_memory
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, build_encoder_work
 from optimus_mllm.scheduler.llm_costs import llm_op_work, timeline_from_work
@@ -46,16 +57,20 @@ class BaselineResult:
     runtime: str  # the optimus-train --baseline that runs it
     iteration_us: float
     timeline: LLMTimeline
+    memory: MemoryBreakdown  # the fullest GPU, by the planner's memory model
     layer_ranges: tuple[tuple[int, int], ...] | None = None  # balanced: [lo, hi) per virtual stage
 
 
 @dataclass(frozen=True)
 class _Layer:
-    """One entry of the layer sequence: its kernels and the parameters it adds to DP collectives."""
+    """One entry of the layer sequence: its kernels, the parameters it adds to DP collectives, the
+    frozen parameters it holds besides, and its activation bytes per microbatch on one TP rank."""
 
     fwd: tuple[KernelItem, ...]
     bwd: tuple[KernelItem, ...]
     params: float
+    frozen_params: float
+    activation_bytes: float
 
     @property
     def time_us(self) -> float:
@@ -75,7 +90,8 @@ def megatron_lm_baseline(
     stage_params = [float(p) for p in llm_params_per_stage(config.llm, llm_plan.pp)]
     stage_params[0] += sum(layer.params for layer in encoder)
     timeline = timeline_from_work(config, llm_plan, cost, work, stage_params=stage_params)
-    return BaselineResult("Megatron-LM", "megatron-lm", timeline.iteration_us, timeline)
+    memory = llm_memory(config, llm_plan) + _rank_memory(config, llm_plan, encoder)
+    return BaselineResult("Megatron-LM", "megatron-lm", timeline.iteration_us, timeline, memory)
 
 
 def megatron_lm_balanced_baseline(
@@ -104,15 +120,47 @@ def megatron_lm_balanced_baseline(
         work[(stage, chunk, "bwd")] = OpWork.sequential(_flatten(layers[lo:hi][::-1], "bwd"))
         stage_params[stage] += sum(layer.params for layer in layers[lo:hi])
     timeline = timeline_from_work(config, plan, cost, work, stage_params=stage_params)
-    return BaselineResult(
-        "Megatron-LM balanced", "balanced", timeline.iteration_us, timeline, tuple(ranges)
+    memory = max(
+        (
+            _rank_memory(
+                config, plan, [layer for lo, hi in ranges[r :: plan.pp] for layer in layers[lo:hi]]
+            )
+            for r in range(plan.pp)
+        ),
+        key=lambda m: m.total,
     )
+    return BaselineResult(
+        "Megatron-LM balanced", "balanced", timeline.iteration_us, timeline, memory, tuple(ranges)
+    )
+
+
+def _rank_memory(
+    config: OptimusConfig, plan: ParallelPlan, layers: list[_Layer]
+) -> MemoryBreakdown:
+    """What ``layers`` add to one rank of ``plan``: their model states, and activations of the
+    microbatches the (interleaved) 1F1B schedule keeps in flight, as ``llm_activation_memory``."""
+    states = model_state_memory(config, sum(layer.params for layer in layers) / plan.tp, plan.dp)
+    frozen = param_bytes(config) * sum(layer.frozen_params for layer in layers) / plan.tp
+    n_mb = config.num_microbatches_total // plan.dp
+    in_flight = min(plan.pp, n_mb) * interleaving_factor(plan.pp, plan.vp)
+    acts = sum(layer.activation_bytes for layer in layers) * in_flight
+    return MemoryBreakdown(states.params + frozen, states.grads, states.optimizer, acts)
 
 
 def runnable_baselines(
     config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel
 ) -> list[BaselineResult]:
-    """Both baselines under the LLM plan (its V), where the runtime can run them."""
+    """Both baselines under the LLM plan (its V), where the runtime can run them and they fit in
+    GPU memory."""
+    capacity = gpu_memory_bytes(config)
+    return [b for b in baseline_placements(config, llm_plan, cost) if b.memory.total <= capacity]
+
+
+def baseline_placements(
+    config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel
+) -> list[BaselineResult]:
+    """Both baselines under the LLM plan (its V), where the runtime can run them, fitting in GPU
+    memory or not."""
     found = []
     if megatron_lm_problem(config, llm_plan) is None:
         found.append(megatron_lm_baseline(config, llm_plan, cost))
@@ -121,6 +169,38 @@ def runnable_baselines(
         if tied_embedding_problem(config, llm_plan, balanced.layer_ranges) is None:
             found.append(balanced)
     return found
+
+
+def no_placement_problem(config: OptimusConfig, planned: PlannerResult, cost: CostModel) -> str:
+    """Why neither an Optimus schedule nor a baseline can run, in one line: the smallest memory
+    shortfall where memory is what rules them out, then every placement pruned and why."""
+    capacity = gpu_memory_bytes(config)
+    # (bytes, what, its short name)
+    needs = [
+        (p.memory_bytes, f"encoder plan {p.plan}", str(p.plan))
+        for p in planned.pruned
+        if p.memory_bytes
+    ]
+    needs += [
+        (b.memory.total, f"the {b.name} baseline", b.name)
+        for b in baseline_placements(config, planned.llm_plan, cost)
+        if b.memory.total > capacity
+    ]
+    others = "; ".join(f"{p.plan}: {p.reason}" for p in planned.pruned if not p.memory_bytes)
+    if needs:
+        need, what, _ = min(needs)
+        listed = ", ".join(f"{name} {size / GIB:.4g}" for size, _, name in needs)
+        return (
+            f"cluster.gpu_memory_gib: nothing fits in {config.cluster.gpu_memory_gib:g} GiB per "
+            f"GPU under LLM plan {planned.llm_plan}: the smallest, {what}, needs "
+            f"{need / GIB:.4g} GiB ({(need - capacity) / GIB:.4g} GiB short); give more GPU "
+            f"memory or GPUs, or enable training.recompute; out of memory (GiB): {listed}"
+            + (f"; pruned otherwise: {others}" if others else "")
+        )
+    return (
+        f"no encoder plan could be scheduled under LLM plan {planned.llm_plan} and no baseline "
+        f"runs there; pruned encoder plans: {others or 'none'}"
+    )
 
 
 def megatron_lm_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
@@ -281,12 +361,23 @@ def _encoder_layers(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostMod
     single_stage = ParallelPlan(llm_plan.dp, 1, llm_plan.tp)
     work = build_encoder_work(config, llm_plan, single_stage, cost)
     fwd, bwd = _by_layer(config, work.fwd[0].kernels), _by_layer(config, work.bwd[0].kernels)
+    t = config.training
     layers = []
     for enc in config.encoders:
         params = _encoder_layer_params(enc, config.llm)
+        held = encoder_params_per_stage((enc,), config.llm, enc.num_layers)
+        acts = (
+            0.0  # forward only: nothing is kept for a backward pass
+            if enc.frozen
+            else layer_activation_bytes(
+                enc, t.micro_batch_size, llm_plan.tp, t.sequence_parallel, t.recompute
+            )
+        )
         for i in range(enc.num_layers):
             key = (enc.name, i)
-            layers.append(_Layer(tuple(fwd[key]), tuple(bwd[key]), params[i]))
+            layers.append(
+                _Layer(tuple(fwd[key]), tuple(bwd[key]), params[i], held[i] - params[i], acts)
+            )
     return layers
 
 
@@ -319,8 +410,18 @@ def _llm_layers(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> l
     # LLM's timeline.
     work = llm_op_work(config, ParallelPlan(plan.dp, llm.num_layers, plan.tp, 1), cost)
     params = _llm_layer_params(llm, plan.pp)
+    t = config.training
+    acts = layer_activation_bytes(
+        llm, t.micro_batch_size, plan.tp, t.sequence_parallel, t.recompute
+    )
     return [
-        _Layer(tuple(_items(work[(i, 0, "fwd")])), tuple(_items(work[(i, 0, "bwd")])), params[i])
+        _Layer(
+            tuple(_items(work[(i, 0, "fwd")])),
+            tuple(_items(work[(i, 0, "bwd")])),
+            params[i],
+            0.0,
+            acts,
+        )
         for i in range(llm.num_layers)
     ]
 

@@ -451,6 +451,8 @@ class _PartitionScheduler:
         lo = infeasible
         while hi - lo > 0.01:
             mid = (lo + hi) / 2
+            if not lo < mid < hi:  # times so long that 0.01 us is below their float spacing
+                break
             lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
         return hi
 

@@ -7,7 +7,9 @@ paper Fig. 7). Placement is first-fit, in tau (time from the LLM's origin t0). A
 can split (``EncoderKernel.splittable``) that would start later than a bubble it could partly fill
 is cut to fit: that bubble gets a piece of its tokens and the rest goes on from the bubble's end,
 each further piece paying the kernel's launch again (``EncoderWork.launch_us``), so short TP bubbles
-are used too.
+are used too. Every piece, the last included, holds at least ``MIN_PIECE_WORK_US`` of the kernel's
+work beside its launch: a cut never leaves a sliver (such as the rest of a kernel that missed a
+bubble by floating-point rounding) that would pay a whole launch for next to no tokens.
 """
 
 from __future__ import annotations
@@ -53,9 +55,8 @@ def stage_gaps(timeline: LLMTimeline) -> list[tuple[FreeIntervals, FreeIntervals
     return gaps
 
 
-# a bubble gets a piece of a kernel only if it holds this much work beside the launch
-
-
+# every piece of a cut kernel holds at least this much of its work beside the launch: a bubble gets
+# a piece only if it has that room, and only if the rest keeps as much
 MIN_PIECE_WORK_US = 2.0
 
 # a cut kernel's pieces: (lo, hi) of its tokens, start, end
@@ -131,13 +132,15 @@ class Resource:
         """A splittable compute kernel of ``d`` us first-fit from ``t``, cut to fit: while a bubble
         it could
         partly fill comes sooner than one that holds the rest, that bubble gets a piece up to its
-        end. Its pieces as fractions of its work (``d`` less one launch; one piece if it runs
-        whole), and the last one's bubble; None if it does not fit by ``limit``."""
+        end, or up to where the rest keeps ``MIN_PIECE_WORK_US`` of work. Its pieces as fractions
+        of its work (``d`` less one launch; one piece if it runs whole), and the last one's bubble;
+        None if it does not fit by ``limit``."""
         work = d - launch_us
         pieces, done, left = [], 0.0, d  # left: the rest as one more kernel, launch included
         while True:
             whole = self.compute.earliest_fit(t, left, limit)
-            piece = self.compute.earliest_fit(t, min_room, limit) if left > min_room else None
+            can_cut = left - launch_us >= 2 * MIN_PIECE_WORK_US  # a piece and a rest of the minimum
+            piece = self.compute.earliest_fit(t, min_room, limit) if can_cut else None
             if piece is None or (whole is not None and whole[0] <= piece[0]):
                 if whole is None:
                     return None
@@ -145,8 +148,10 @@ class Resource:
                 pieces.append((done / work, 1.0, start, start + left))
                 return pieces, (lo, hi)
             start, lo, hi = piece
-            t = min(hi, limit)  # the rest does not fit this bubble, or ``whole`` would start here
-            share = t - start - launch_us
+            # up to the bubble's end (the rest does not fit this bubble, or ``whole`` would start
+            # here), short of it where the rest would keep less than the minimum
+            share = min(min(hi, limit) - start, left - MIN_PIECE_WORK_US) - launch_us
+            t = start + launch_us + share
             pieces.append((done / work, (done + share) / work, start, t))
             done, left = done + share, left - share
 

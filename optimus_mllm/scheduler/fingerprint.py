@@ -29,6 +29,8 @@ _NOT_SCHEDULE = frozenset(
         "training.lr_decay_style",
         "training.lr_warmup_iters",
         "training.lr_decay_iters",
+        "training.override_opt_param_scheduler",
+        "training.use_checkpoint_opt_param_scheduler",
         "training.weight_decay",
         "training.adam_beta1",
         "training.adam_beta2",

@@ -232,7 +232,15 @@ def test_killed_writer_leftovers_do_not_count(first_half, tmp_path):
     (save / "latest_checkpointed_iteration.txt").write_text("2\n")
     shutil.copytree(first_half / "iter_0000003", save / "iter_0000003.tmp")
     (save / "iter_0000003.tmp" / "meta.json").unlink()
-    lines = torchrun("--override", "training.train_iters=3", "--save", str(save), "--resume")
+    lines = torchrun(
+        "--override",
+        *RUN,
+        "training.train_iters=3",
+        "training.lr_decay_iters=6",
+        "--save",
+        str(save),
+        "--resume",
+    )
     assert lines[0] == f"resumed from {save / 'iter_0000002'} at step 2"
     assert (
         not (save / "iter_0000003.tmp").exists() and (save / "iter_0000003" / "meta.json").is_file()
@@ -507,6 +515,8 @@ def _plain_megatron_weights(save: str) -> dict:
             "cluster.num_gpus=1",
             "cluster.gpus_per_node=1",
             "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}",
+            # the weights are compared, not the LR schedule, which first_half set otherwise
+            "training.use_checkpoint_opt_param_scheduler=true",
         ],
         "baseline",
     )
@@ -616,3 +626,58 @@ def test_saving_gathers_nothing_beyond_a_ranks_own_shard(tmp_path):
     for result, tensors in zip(results, received):
         assert all(group in result["dp_groups"] for _, group, _ in tensors), tensors
         assert sum(size for _, _, size in tensors) <= 3 * result["params"]
+
+
+# -- a resumed LR schedule with changed settings (Megatron-LM's rule) ----------------------------
+
+ONE_RANK = [
+    "cluster.num_gpus=1",
+    "cluster.gpus_per_node=1",
+    "parallel.llm={dp: 1, pp: 1, tp: 1, vp: 1}",
+]
+
+
+def _lrs(lines: list[str]) -> dict[int, str]:
+    return {step: numbers.split("| lr ")[1] for step, numbers in step_numbers(lines).items()}
+
+
+def test_a_changed_lr_schedule_resumes_only_as_told(tmp_path):
+    """Saved with train_iters=2 (linear decay over 2 steps), resumed with train_iters=4: refused in
+    one line naming Megatron-LM's two flags; --override-opt_param-scheduler (or its YAML field)
+    decays over this run's 4 steps, --use-checkpoint-opt_param-scheduler keeps the checkpoint's 2,
+    so steps 3-4 train at min_lr, as Megatron-LM documents."""
+    first = tmp_path / "first"
+    torchrun("--override", *ONE_RANK, "training.train_iters=2", "--save", str(first), nproc=1)
+    four = ("--override", *ONE_RANK, "training.train_iters=4")
+    uninterrupted = _lrs(torchrun(*four, nproc=1))
+
+    def resumed(name: str, *extra: str) -> list[str]:
+        save = tmp_path / name
+        shutil.copytree(first, save)
+        return torchrun(*four, *extra, "--save", str(save), "--resume", nproc=1)
+
+    assert_one_error_everywhere(
+        ranks(1, *four, "--save", str(first), "--resume"),
+        "--resume: the LR schedule's decay iterations (training.lr_decay_iters, else train_iters) "
+        "is 4 in this run and 2 in the checkpoint; add --override-opt_param-scheduler to use this "
+        "run's settings or --use-checkpoint-opt_param-scheduler to use the checkpoint's",
+    )
+    override = _lrs(resumed("override", "--override-opt_param-scheduler"))
+    assert override == {step: uninterrupted[step] for step in (3, 4)}
+    assert override[3] != "0.000e+00"
+    yaml_field = _lrs(resumed("yaml", "training.override_opt_param_scheduler=true"))
+    assert yaml_field == override
+    checkpoint = _lrs(resumed("checkpoint", "--use-checkpoint-opt_param-scheduler"))
+    assert checkpoint == {3: "0.000e+00", 4: "0.000e+00"}
+    assert_one_error_everywhere(
+        ranks(
+            1,
+            *four,
+            "--save",
+            str(first),
+            "--resume",
+            "--override-opt_param-scheduler",
+            "--use-checkpoint-opt-param-scheduler",
+        ),
+        "training.override_opt_param_scheduler are both set",
+    )

@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 
 from optimus_mllm.scheduler.bubble_scheduler import ChainPlacement, Schedule
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel
-from optimus_mllm.scheduler.fine import Cut
+from optimus_mllm.scheduler.fine import MIN_PIECE_WORK_US, Cut
 
 TOLERANCE_US = 1e-6
 
@@ -18,8 +18,9 @@ def schedule_violations(schedule: Schedule) -> list[str]:
     - on each GPU no two compute kernels overlap (LLM and encoder together), encoder communication
       kernels never overlap an LLM TP collective or each other;
     - every encoder kernel of every microbatch, stage and layer is placed exactly once (backward
-      only for trainable work), a cut one as pieces of a splittable kernel that tile its tokens and
-      take its time plus one launch per extra piece;
+      only for trainable work), a cut one as pieces of a splittable kernel that tile its tokens,
+      take its time plus one launch per extra piece, and each hold at least
+      ``fine.MIN_PIECE_WORK_US`` of its work;
     - kernels of a chain (and a cut kernel's pieces) run in order; a microbatch's forward reaches
       encoder stage e+1 only after stage e finished it, its backward the other way round;
     - EF_i <= F_i and EB_i >= B_i for every LLM microbatch i;
@@ -99,6 +100,13 @@ def _cut_problems(where: str, kernel: EncoderKernel, pieces: Cut, launch_us: flo
         end - start < launch_us for _, _, start, end in pieces
     ):
         return [f"{where} ({kernel.name}): its pieces take {took:.3f} us, not {due:.3f}"]
+    work = kernel.duration_us - launch_us
+    smallest = min(hi - lo for lo, hi, _, _ in pieces)
+    if smallest * work < MIN_PIECE_WORK_US - TOLERANCE_US:
+        return [
+            f"{where} ({kernel.name}): a piece holds {smallest * work:.3g} us of its work, below "
+            f"the minimum {MIN_PIECE_WORK_US} us (a launch for next to no tokens)"
+        ]
     return []
 
 

@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import itertools
 import random
+import signal
+from pathlib import Path
 
 import pytest
 
+from optimus_mllm.cli.plan import main as plan_main
 from optimus_mllm.config import load_config
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.memory_model import GIB
 from optimus_mllm.planner import plan
+from optimus_mllm.planner.planner import llm_memory
 from optimus_mllm.scheduler.baselines import (
     balanced_partition,
+    baseline_placements,
     max_virtual_stage_us,
     megatron_lm_balanced_baseline,
     megatron_lm_baseline,
+    runnable_baselines,
 )
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline, llm_op_work
 
@@ -135,3 +142,85 @@ def test_balanced_rejects_several_encoders_but_megatron_lm_runs_them():
     with pytest.raises(OptimusError, match="single encoder only"):
         megatron_lm_balanced_baseline(config, llm_plan, cost)
     assert megatron_lm_baseline(config, llm_plan, cost).iteration_us > 0
+
+
+def _plan_error(config: Path, overrides: tuple[str, ...], capsys, *extra: str) -> str:
+    """optimus-plan's one-line refusal (exit 2) of ``config`` with ``overrides``."""
+    argv = ["--config", str(config), *extra]
+    for override in overrides:
+        argv += ["--override", override]
+    assert plan_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("optimus-plan: error: ")
+    return err
+
+
+@pytest.mark.parametrize(
+    "config, override, needs",
+    [
+        # every placement is out of memory, the baselines included: they were recommended before
+        ("tiny.yaml", "cluster.gpu_memory_gib=1e-300", "the Megatron-LM balanced baseline, needs"),
+        ("tiny.yaml", "model.encoders.0.patch_size=100000", "encoder plan DP2 PP1 TP2, needs 5364"),
+        ("tiny.yaml", "model.llm.kv_channels=100000", "needs 1.546 GiB"),
+        # perturbed paper configs whose LLM alone is larger than the GPU
+        ("paper/fig5_8gpu.yaml", "model.llm.seq_length=16384", "needs 120.9 GiB"),
+        ("paper/dualenc_11b_5b.yaml", "model.llm.seq_length=8192", "needs 105.1 GiB"),
+    ],
+)
+def test_nothing_fitting_is_one_line_naming_the_smallest_shortfall(config, override, needs, capsys):
+    err = _plan_error(CONFIGS / config, (override,), capsys)
+    assert "cluster.gpu_memory_gib: nothing fits in" in err and needs in err
+    assert "GiB short" in err and "baseline is faster" not in err
+
+
+def test_nothing_fitting_with_trace_names_the_pruned_plans(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    err = _plan_error(
+        CONFIGS / "tiny.yaml",
+        ("model.encoders.0.patch_size=100000",),
+        capsys,
+        "--trace",
+        str(trace),
+    )
+    assert "out of memory (GiB): DP4 PP1 TP1 8941, DP2 PP1 TP2 5364, " in err
+    assert "Megatron-LM balanced 7153" in err and not trace.exists()
+
+
+def test_an_infinite_kernel_time_names_the_efficiency(capsys):
+    err = _plan_error(CONFIGS / "tiny.yaml", ("cost_model.gemm_efficiency=1e-320",), capsys)
+    assert "cost_model.gemm_efficiency:" in err and "infinite time" in err
+    assert "inf s" not in err
+
+
+def test_baselines_out_of_memory_are_not_runnable():
+    config, llm_plan, cost = _setup("fig5_8gpu")
+    placements = baseline_placements(config, llm_plan, cost)
+    assert [b.runtime for b in placements] == ["megatron-lm", "balanced"]
+    assert runnable_baselines(config, llm_plan, cost) == placements
+    # the Megatron-LM baseline holds the LLM's fullest rank plus every encoder
+    plain = placements[0]
+    assert plain.memory.total > llm_memory(config, llm_plan).total
+    smaller = min(b.memory.total for b in placements) / GIB
+    tight, _, _ = _setup("fig5_8gpu", (f"cluster.gpu_memory_gib={smaller * 0.999}",))
+    assert runnable_baselines(tight, llm_plan, cost) == []
+    roomy, _, _ = _setup("fig5_8gpu", (f"cluster.gpu_memory_gib={smaller * 1.001}",))
+    assert len(runnable_baselines(roomy, llm_plan, cost)) == 1
+
+
+def test_huge_finite_times_do_not_stall_the_search(capsys):
+    """peak_tflops 1e-300 gives iterations of 1e300 s: the bisection for the earliest feasible t0
+    (to 0.01 us) used to loop forever once 0.01 us fell below the times' float spacing."""
+
+    def expire(signum, frame):
+        raise TimeoutError("the scheduler did not finish")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    try:
+        code = plan_main(
+            ["--config", str(CONFIGS / "tiny.yaml"), "--override", "cluster.peak_tflops=1e-300"]
+        )
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert code == 0 and "chosen: LLM" in capsys.readouterr().out

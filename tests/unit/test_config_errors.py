@@ -3,6 +3,7 @@ traceback."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -325,6 +326,11 @@ def _write(path: Path, data: bytes) -> Path:
     return path
 
 
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
 FILES = {
     "not UTF-8": (
         lambda d: _write(d / "c.yaml", b"name: x\n\xff\xfe bad\n"),
@@ -334,7 +340,9 @@ FILES = {
         lambda d: _write(d / "c.yaml", b"a: " + b"[" * 5000 + b"]" * 5000),
         "nests deeper than 32",
     ),
-    "/dev/zero": (lambda d: Path("/dev/zero"), "is larger than 1 MiB"),
+    "/dev/zero": (lambda d: Path("/dev/zero"), "is a device, not a regular file"),
+    # open() of a FIFO with no writer used to wait forever
+    "a FIFO with no writer": (lambda d: _fifo(d / "c.yaml"), "is a FIFO, not a regular file"),
     "a directory": (lambda d: d, "cannot read"),
     "a second training block": (
         lambda d: _write(d / "c.yaml", (CONFIG_TEXT + "training:\n  train_iters: 5\n").encode()),

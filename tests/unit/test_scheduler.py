@@ -34,7 +34,7 @@ from optimus_mllm.scheduler.bubble_scheduler import (
 from optimus_mllm.scheduler.coarse import PostWindow, coarse_backward
 from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, build_encoder_work
-from optimus_mllm.scheduler.fine import LLMBubbles, PipelineMoves, Resource
+from optimus_mllm.scheduler.fine import MIN_PIECE_WORK_US, LLMBubbles, PipelineMoves, Resource
 from optimus_mllm.scheduler.intervals import FreeIntervals
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline
 from optimus_mllm.scheduler.llm_timeline import (
@@ -415,6 +415,63 @@ def test_a_kernel_cut_to_fit_fills_each_bubble_with_a_piece_that_pays_the_launch
         StageChain((fc1,)), 0.0, 100.0, 2.0
     )
     assert list(placed.spans[0]) == [5.0, 20.0, 30.0, 42.0] and placed.end == 42.0
+
+
+def _piece_works(schedule) -> list[float]:
+    """The work (us, beside the launch) of every piece of every cut kernel."""
+    launch = schedule.work.launch_us
+    return [
+        (hi - lo) * (schedule.chain_kernels(c).kernels[i].duration_us - launch)
+        for c in schedule.chains
+        for i, pieces in c.cuts
+        for lo, hi, _, _ in pieces
+    ]
+
+
+def test_a_whole_fit_missed_by_rounding_leaves_no_sliver_of_a_piece():
+    """The kernel misses the first bubble by 1e-11 us: cutting it there whole used to leave a rest
+    of 1e-11 us of work (pieces like [0.9999999999987, 1.0)) that paid a whole launch. The rest
+    now keeps the minimum work, taken off the first piece."""
+    fc1 = EncoderKernel("vit", 0, "fc1", "fwd", False, 10.0, splittable=True)
+    resource = Resource(
+        0, FreeIntervals([(0.0, 10.0 - 1e-11), (20.0, 100.0)]), FreeIntervals([(0.0, 100.0)])
+    )
+    placed = resource.place_chain(StageChain((fc1,)), 0.0, 100.0, 2.0)
+    # 8 us of work and a 2 us launch: 6 of work in the first bubble, the last 2 in the second
+    assert placed.cuts == {0: [(0.0, 0.75, 0.0, 8.0), (0.75, 1.0, 20.0, 24.0)]}
+    # a kernel with less than twice the minimum work is not cut: it waits for a bubble it fits
+    short = dataclasses.replace(fc1, duration_us=2.0 + 2 * MIN_PIECE_WORK_US - 0.5)
+    resource = Resource(0, FreeIntervals([(0.0, 4.5), (20.0, 100.0)]), FreeIntervals([]))
+    placed = resource.place_chain(StageChain((short,)), 0.0, 100.0, 2.0)
+    assert placed.cuts == {} and placed.starts == [20.0]
+
+
+def test_the_validity_check_refuses_a_piece_below_the_minimum():
+    _, schedule = _schedule()
+    cut = next(c for c in schedule.chains if c.cuts)
+    (i, pieces), *rest = cut.cuts
+    kernel = schedule.chain_kernels(cut).kernels[i]
+    launch, (_, _, a, _), (_, _, b, _) = schedule.work.launch_us, pieces[0], pieces[-1]
+    sliver = 1.0 - 1e-12
+    # the tokens tiled and the time right: only the last piece's share is wrong
+    broken = ((0.0, sliver, a, a + kernel.duration_us), (sliver, 1.0, b, b + launch))
+    chains = tuple(c for c in schedule.chains if c is not cut) + (
+        dataclasses.replace(cut, cuts=((i, broken), *rest)),
+    )
+    problems = schedule_violations(dataclasses.replace(schedule, chains=chains))
+    assert any("below the minimum 2.0 us" in p for p in problems), problems
+
+
+def test_strong_1536_with_4096_token_images_cuts_no_piece_below_the_minimum():
+    """The issue's case: 17 pieces of its best schedule held less than 2 us of work (some 1e-11 us,
+    a whole launch each); the schedule is as fast without them."""
+    config = load_config(
+        CONFIGS / "paper" / "strong_1536.yaml", ["model.encoders.0.seq_length=4096"]
+    )
+    best = optimus(config, plan(config), CostModel.from_config(config)).best
+    works = _piece_works(best)
+    assert len(works) > 10000 and min(works) >= MIN_PIECE_WORK_US - 1e-6
+    assert schedule_violations(best) == []
 
 
 def test_frozen_encoder_has_no_backward_layers():
