@@ -75,7 +75,6 @@ def test_pretrain_vlm_tp2_pp2_trains_as_tp1_pp2(plain_tp2_pp2: Run) -> None:
 _RESTORE_CHECK = """
 import sys
 import megatron.core
-sys.path.append(sys.argv[1])
 import megatron.core.tensor_parallel as tensor_parallel
 import megatron.training.initialize as initialize
 import megatron.training.training as training
@@ -186,9 +185,10 @@ def test_megatron_lm_arguments_without_megatron_training_are_one_line(capsys) ->
 
 @needs_megatron_lm
 def test_training_patches_install_and_restore() -> None:
-    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the checkout's megatron.training beside the installed megatron-core, as the launcher runs it
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(CHECKOUT)])}
     result = subprocess.run(
-        [sys.executable, "-c", _RESTORE_CHECK, str(CHECKOUT)],
+        [sys.executable, "-c", _RESTORE_CHECK],
         cwd=REPO,
         env=environment,
         capture_output=True,

@@ -24,7 +24,8 @@ from optimus_mllm.runtime.checkpoint_meta import (
 )
 from optimus_mllm.runtime.data import read_captions
 from optimus_mllm.scheduler.artifact import load_job_artifact
-from tests.conftest import CONFIGS
+
+from support.paths import CONFIGS
 
 
 @pytest.fixture(autouse=True)
