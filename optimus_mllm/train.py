@@ -42,7 +42,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
 from optimus_mllm.runtime.data import check_dataset
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
 from optimus_mllm.scheduler.baselines import balanced_problem
-from optimus_mllm.scheduler.bubble_scheduler import optimus
+from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 
 if TYPE_CHECKING:
     from optimus_mllm.runtime.trainer import StepResult
@@ -319,7 +319,7 @@ def _schedule_now(
 ) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
     """Optimus's fastest schedule, or the baseline placement that beats it (the scheduler's
     result)."""
-    result = optimus(config, planned, CostModel.from_config(config))
+    result = best_schedule(config, planned, CostModel.from_config(config))
     if result.baseline is None:
         if result.best is None:
             raise OptimusError(

@@ -12,9 +12,9 @@ from optimus_mllm.scheduler import bubble_scheduler
 from optimus_mllm.scheduler.bubble_scheduler import (
     BWD,
     FWD,
+    best_schedule,
     init_schedule,
     optimize_schedule,
-    optimus,
 )
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, build_encoder_work
@@ -103,10 +103,10 @@ def test_pruning_keeps_the_fastest_schedule(monkeypatch):
         config = _config(kind, seed)
         planned = plan(config)
         cost = CostModel.from_config(config)
-        bounded = optimus(config, planned, cost)
+        bounded = best_schedule(config, planned, cost)
         with monkeypatch.context() as patch:
             patch.setattr(bubble_scheduler, "PartitionBound", _NoBound)
-            exhaustive = optimus(config, planned, cost)
+            exhaustive = best_schedule(config, planned, cost)
         assert bounded.best.iteration_us == pytest.approx(exhaustive.best.iteration_us, abs=1e-6), (
             kind,
             seed,

@@ -15,7 +15,7 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.memory_model import GIB, MemoryBreakdown
 from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
-from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, optimus
+from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, best_schedule
 from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency
 
 PROG = "optimus-plan"
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         config = load_config(args.config, args.override)
         planned = plan(config)
-        scheduled = optimus(config, planned, CostModel.from_config(config))
+        scheduled = best_schedule(config, planned, CostModel.from_config(config))
         if (args.artifact or args.trace or args.png) and scheduled.best is None:
             raise OptimusError(
                 "no encoder plan could be scheduled, so there is no schedule to write; "

@@ -226,7 +226,7 @@ def _state_dict(trainer: Any, iteration: int) -> dict[str, Any]:
     )
     state = {
         **model_state,
-        "opt_param_scheduler": trainer.scheduler.state_dict(),
+        "opt_param_scheduler": trainer.opt_param_scheduler.state_dict(),
         "iteration": iteration,
         "checkpoint_version": CHECKPOINT_VERSION_MEGATRON,
         "optimus": _optimus_state(trainer.optimizer),
@@ -354,9 +354,9 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
     # load_checkpoint; a loaded optimizer state then puts its own in their place
     trainer.optimizer.reload_model_params()
     # megatron-core's load_state_dict counts the saved steps on from here
-    trainer.scheduler.num_steps = 0
+    trainer.opt_param_scheduler.num_steps = 0
     try:
-        trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        trainer.opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
     except (
         AssertionError
     ) as exc:  # megatron-core asserts that the schedule's settings are unchanged
@@ -369,7 +369,7 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
         )
     # the LR and weight decay of the loaded step: the optimizer's hyper-parameters are this job's
     # own
-    trainer.scheduler.step(increment=0)
+    trainer.opt_param_scheduler.step(increment=0)
 
 
 def _copy_into_model(model_state: dict[str, ShardedStateDict], loaded: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from operator import add, itemgetter
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.cost_model import CostModel, Phase
 from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.baselines import BaselineResult, runnable_baselines
@@ -51,13 +51,12 @@ from optimus_mllm.scheduler.encoder_costs import (
     build_encoder_work,
 )
 from optimus_mllm.scheduler.fine import Cut, LLMBubbles, Move, PipelineMoves, Placement, Resource
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
 
 Window = Literal["pre", "llm", "post"]
-Mode = Literal["fwd", "bwd"]
-FWD: Mode = "fwd"
-BWD: Mode = "bwd"
+FWD: Phase = "fwd"
+BWD: Phase = "bwd"
 
 
 @dataclass(frozen=True)
@@ -493,10 +492,10 @@ def init_schedule(
     return state if state.evaluation is not None else None
 
 
-def find_critical(state: _PartitionScheduler, mode: Mode) -> int | None:
+def find_critical(state: _PartitionScheduler, phase: Phase) -> int | None:
     """findCritical: the encoder pipeline on the critical path, or None if the LLM itself is."""
     ev = state.evaluation
-    if mode == FWD:
+    if phase == FWD:
         if not ev.pre_required_t0:
             return None
         j, need = max(
@@ -507,7 +506,7 @@ def find_critical(state: _PartitionScheduler, mode: Mode) -> int | None:
     return j if encoder_bound else None
 
 
-def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
+def schedule_kernels(state: _PartitionScheduler, j: int, phase: Phase) -> bool:
     """ScheduleKernels: move one microbatch of pipeline j into the LLM's bubbles, kernel by kernel.
 
     Forward: its last coarse microbatch, stage by stage from upstream to downstream; backward: the
@@ -520,7 +519,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
     the LLM ends.
     """
     before = state.evaluation
-    if mode == FWD:
+    if phase == FWD:
         if state.n_coarse_fwd[j] == 0:
             return False
         k = state.n_coarse_fwd[j] - 1
@@ -557,13 +556,13 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
     return True
 
 
-def optimize_schedule(state: _PartitionScheduler, mode: Mode) -> _PartitionScheduler:
+def optimize_schedule(state: _PartitionScheduler, phase: Phase) -> _PartitionScheduler:
     """OptimizeSchedule: keep moving the critical pipeline's work into bubbles while it helps."""
-    if mode == BWD and not state.has_backward:
+    if phase == BWD and not state.has_backward:
         return state
     while True:
-        j = find_critical(state, mode)
-        if j is None or not schedule_kernels(state, j, mode):
+        j = find_critical(state, phase)
+        if j is None or not schedule_kernels(state, j, phase):
             if state.evaluation.post is None:  # left out by the forward moves
                 state.evaluation = state.evaluate()
             return state
@@ -777,7 +776,7 @@ class OptimusResult:
         )
 
 
-def optimus(
+def best_schedule(
     config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine: bool = True
 ) -> OptimusResult:
     """Optimus (Algorithm 1): run the bubble scheduler on every encoder plan, keep the fastest
