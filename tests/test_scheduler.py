@@ -337,8 +337,8 @@ def test_evaluation_after_each_move_equals_a_full_reevaluation():
                             full = dataclasses.replace(
                                 full,
                                 assignment=None,
-                                ef=None,
-                                eb=None,
+                                encoder_forward_end_us=None,
+                                encoder_backward_start_us=None,
                                 post=None,
                                 backward_start=None,
                                 backward_end=None,
