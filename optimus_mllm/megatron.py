@@ -22,8 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from optimus_mllm.cli.common import quiet_library_warnings
 from optimus_mllm.config import OptimusConfig, config_from_dict
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.megatron_arguments import ExtraArgsProvider, parse_args, set_args
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.artifact import load_job_artifact
 
@@ -412,7 +414,7 @@ def pretrain(
     model_provider: Callable[..., Any],
     model_type: Any,
     forward_step_func: Callable[..., Any],
-    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+    extra_args_provider: ExtraArgsProvider | None = None,
     argv: list[str] | None = None,
 ) -> int:
     """Megatron-LM's ``pretrain()`` with ``--optimus-schedule``: what a script imports in its place
@@ -433,7 +435,7 @@ def train_vlm(
     model_provider: Callable[..., Any],
     model_type: Any,
     forward_step_func: Callable[..., Any],
-    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+    extra_args_provider: ExtraArgsProvider | None = None,
     argv: list[str] | None = None,
     *,
     optimus_flag: bool,
@@ -458,17 +460,14 @@ def train_vlm(
     import sys
 
     import torch
+
+    # before megatron-core's imports, as megatron.training's import does: an error stays one line
+    quiet_library_warnings(torch.cuda.is_available())
     import torch.distributed as dist
     from megatron.core.enums import ModelType
     from megatron.core.timers import Timers
 
     import megatron_patches
-
-    # its import quiets the library warnings
-    from optimus_mllm.megatron_training import (
-        parse_args,
-        set_args,
-    )
 
     def parser_hook(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser = add_optimus_args(parser) if optimus_flag else parser
