@@ -159,3 +159,17 @@ for name in {PLANNER_AND_SCHEDULER!r}:
     )
     assert done.returncode == 0, done.stderr
     assert len(PLANNER_AND_SCHEDULER) > 10  # the table still finds the planner's and scheduler's
+
+
+def test_the_production_seams_do_not_import_the_cpu_emulation() -> None:
+    """megatron_patches' seams run on GPUs; only the package's apply() reaches the emulation."""
+    seams = [n for n in SOURCES if n.startswith("megatron_patches.") and layer_of(n) == "runtime"]
+    seams = [n for n in seams if not n.startswith("megatron_patches.cpu")]
+    found = [
+        f"{name} imports {target}"
+        for name in seams
+        for target in sorted(IMPORTS[name])
+        if target == "megatron_patches.cpu" or target.startswith("megatron_patches.cpu.")
+    ]
+    assert not found, "\n".join(found)
+    assert {"megatron_patches.p2p", "megatron_patches.hooks", "megatron_patches.ddp"} <= set(seams)
