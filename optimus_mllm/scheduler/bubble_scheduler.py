@@ -645,8 +645,8 @@ def bubble_scheduler(
     other plans) or this plan's best so far are skipped; this never drops a schedule that could have
     won. Returns this plan's best schedule found, or None if no partition was feasible or searched.
     """
-    plan = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
-    best, stats = _search_partitions(plan, llm_plan, bubbles, bound_us, fine)
+    plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
+    best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine)
     return (best.schedule() if best else None), stats
 
 
@@ -695,10 +695,14 @@ class _PlanBest:
 
 
 def _search_partitions(
-    plan: _PlanInput, llm_plan: ParallelPlan, bubbles: LLMBubbles, bound_us: float, fine: bool
+    plan_input: _PlanInput,
+    llm_plan: ParallelPlan,
+    bubbles: LLMBubbles,
+    bound_us: float,
+    fine: bool,
 ) -> tuple[_PlanBest | None, SchedulerStats]:
     """``bubble_scheduler`` up to its fastest partition."""
-    work, bounds = plan.work, plan.bounds
+    work, bounds = plan_input.work, plan_input.bounds
     stats = SchedulerStats(partitions_total=len(bounds))
     with _cyclic_gc_paused():
         moves = PipelineMoves.of_pipelines(work, bubbles)
@@ -716,7 +720,7 @@ def _search_partitions(
                 state = optimize_schedule(state, FWD)
                 state = optimize_schedule(state, BWD)
             if best is None or state.evaluation.iteration_us < best.iteration_us - EPS_US:
-                best = _PlanBest(state, llm_plan, plan.candidate.plan, coarse_us)
+                best = _PlanBest(state, llm_plan, plan_input.candidate.plan, coarse_us)
     return best, stats
 
 
@@ -845,14 +849,16 @@ def best_schedule(
     with _cyclic_gc_paused():
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
         result = OptimusResult(best=None, llm_alone_us=bubbles.dep.timeline.iteration_us)
-        plans = [
+        plan_inputs = [
             _PlanInput.of(config, planned.llm_plan, c, bubbles, cost) for c in planned.candidates
         ]
         best: _PlanBest | None = None
-        for plan in sorted(plans, key=lambda p: p.lower_bound_us):
+        for plan_input in sorted(plan_inputs, key=lambda p: p.lower_bound_us):
             bound = best.iteration_us if best else float("inf")
-            plan_best, stats = _search_partitions(plan, planned.llm_plan, bubbles, bound, fine)
-            enc_plan, lower_bound = plan.candidate.plan, plan.lower_bound_us
+            plan_best, stats = _search_partitions(
+                plan_input, planned.llm_plan, bubbles, bound, fine
+            )
+            enc_plan, lower_bound = plan_input.candidate.plan, plan_input.lower_bound_us
             if plan_best is not None:
                 outcome = PlanOutcome(
                     enc_plan, "scheduled", plan_best.iteration_us, lower_bound, stats

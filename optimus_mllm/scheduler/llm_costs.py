@@ -18,7 +18,7 @@ from optimus_mllm.params import llm_params_per_stage
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork, simulate
 
-LLM = "llm"
+LLM = "llm"  # the LLM's module name: in kernel profiles and schedule traces
 
 
 def activation_dtype_bytes(config: OptimusConfig) -> int:
