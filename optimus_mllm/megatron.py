@@ -447,7 +447,7 @@ def train_vlm(
     read in Megatron-LM's pretraining-sampler order), a ``model_provider(pre_process, post_process,
     vp_stage)`` building megatron-core's LLaVA layout (``runtime.user_model``), the model type
     (``ModelType.encoder_or_decoder``) and ``forward_step(data_iterator, model)``. It parses
-    Megatron-LM's flags (``megatron_training``) plus ``--optimus-schedule`` and the script's own,
+    Megatron-LM's flags (``megatron_arguments``) plus ``--optimus-schedule`` and the script's own,
     sets up ``torch.distributed`` and megatron-core's ``parallel_state``, and trains
     ``--train-iters`` steps with megatron-core's DDP, optimizer and pipeline schedule, logging
     Megatron-LM's ``lm loss`` and its ``forward-compute`` / ``backward-compute`` timers. Without the
