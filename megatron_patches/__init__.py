@@ -1,60 +1,23 @@
-"""The only place in optimus-mllm that patches megatron-core.
+"""The only place in optimus-mllm that patches megatron-core, in two parts.
 
-megatron-core's pipeline schedules hard-code CUDA in a few spots (see ``_cpu.py``). On a host
-without CUDA, ``apply()`` points exactly those at the CPU so the schedules run under gloo (tests,
-CI); where CUDA is available it installs nothing. ``remove()`` puts back the original objects.
+Production seams, used on GPUs as on the CPU, each a hook megatron-core has no API for:
+- ``p2p``: pipeline P2P with one process group per direction, for any warm-up (the paper's
+  adjusted warm-up hangs or mismatches messages under megatron-core's own communicator);
+- ``hooks``: hook points around the tensor-parallel reductions inside megatron-core's layers, where
+  the runtime launches encoder kernels, and the warm-up count of megatron-core's schedule;
+- ``ddp``: gradient averaging over fewer replicas than the DP group, and whole reduced gradients;
+- ``optimizer``: the optimizer checkpoint state where torch's optimizers stand in for apex / TE;
+- ``checkpoint``: megatron-core's checkpoint writer run synchronously, without its extra process.
+
+CPU emulation, for tests and CI on hosts without CUDA (``cpu``): megatron-core's CUDA device
+lookups, CUDA generator and ``Tensor.type`` / ``.cuda`` answered with the CPU. ``apply()``,
+``remove()``, ``is_applied()`` and ``patched()`` install and restore it; with CUDA they install
+nothing. Every target is resolved through ``lookup``, checked against the installed version.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-import torch
-
-from megatron_patches._cpu import MegatronPatchError, cpu_patches
+from megatron_patches.cpu import apply, is_applied, patched, remove
+from megatron_patches.lookup import MegatronPatchError
 
 __all__ = ["MegatronPatchError", "apply", "is_applied", "patched", "remove"]
-
-_ABSENT = object()  # the attribute was inherited, not set on its owner
-_originals: list[tuple[object, str, object]] = []  # (owner, name, owner's own value or _ABSENT)
-
-
-def apply() -> None:
-    """Install the CPU patches; a no-op if they are installed or CUDA is available.
-
-    Raises MegatronPatchError, installing nothing, if this megatron-core lacks a patched attribute.
-    """
-    if _originals or torch.cuda.is_available():
-        return
-    patches = cpu_patches()  # resolves every target first: a missing one installs nothing
-    for patch in patches:
-        _originals.append((patch.owner, patch.name, vars(patch.owner).get(patch.name, _ABSENT)))
-        setattr(patch.owner, patch.name, patch.replacement)
-
-
-def remove() -> None:
-    """Restore every patched attribute to its original object; a no-op if nothing is installed."""
-    while _originals:
-        owner, name, original = _originals.pop()
-        if original is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
-
-
-def is_applied() -> bool:
-    """Whether the CPU patches are installed now."""
-    return bool(_originals)
-
-
-@contextlib.contextmanager
-def patched() -> Iterator[None]:
-    """apply() for the duration of the block; leaves patches that were already installed."""
-    was_applied = is_applied()
-    apply()
-    try:
-        yield
-    finally:
-        if not was_applied:
-            remove()

@@ -15,14 +15,14 @@ import contextlib
 import queue
 from collections.abc import Iterator
 
-from megatron_patches._cpu import _module, _require
+from megatron_patches.lookup import import_module, require
 
 
 @contextlib.contextmanager
 def synchronous_writer() -> Iterator[None]:
     """Within the block, megatron-core's writer collects its results in an in-process queue."""
-    writer = _module("megatron.core.dist_checkpointing.strategies.filesystem_async")
-    original = _require(writer, "_get_write_results_queue")
+    writer = import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    original = require(writer, "_get_write_results_queue")
     results: queue.Queue = queue.Queue()
     writer._get_write_results_queue = lambda: results
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_patches._cpu import MegatronPatchError, _megatron_version
+from megatron_patches.lookup import MegatronPatchError, megatron_version
 
 
 def average_over(ddp: Any, replicas: int) -> None:
@@ -29,7 +29,7 @@ def average_over(ddp: Any, replicas: int) -> None:
             if not hasattr(owner, "gradient_scaling_factor"):
                 raise MegatronPatchError(
                     f"average_over: {type(owner).__name__} has no gradient_scaling_factor "
-                    f"(megatron-core {_megatron_version()}); update megatron_patches/ddp.py"
+                    f"(megatron-core {megatron_version()}); update megatron_patches/ddp.py"
                 )
             owner.gradient_scaling_factor = factor
 
@@ -58,7 +58,7 @@ def gather_main_grads(ddp: Any) -> None:
 def _attr(ddp: Any, name: str) -> Any:
     if not hasattr(ddp, name):
         raise MegatronPatchError(
-            f"DistributedDataParallel has no {name!r} (megatron-core {_megatron_version()}); "
+            f"DistributedDataParallel has no {name!r} (megatron-core {megatron_version()}); "
             "update megatron_patches/ddp.py"
         )
     return getattr(ddp, name)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from megatron_patches._cpu import MegatronPatchError
+from megatron_patches.lookup import MegatronPatchError
 
 _REDUCTIONS = {
     "reduce_from_tensor_model_parallel_region": "ar",

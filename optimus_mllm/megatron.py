@@ -22,24 +22,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from optimus_mllm.cli.common import quiet_library_warnings
 from optimus_mllm.config import OptimusConfig, config_from_dict
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.megatron_arguments import (
+    ExtraArgsProvider,
+    add_optimus_args,
+    parse_args,
+    set_args,
+)
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.artifact import load_job_artifact
-
-
-def add_optimus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron's ``extra_args_provider``: the one flag Optimus needs."""
-    group = parser.add_argument_group(title="optimus")
-    group.add_argument(
-        "--optimus-schedule",
-        metavar="PLAN_JSON",
-        default=None,
-        help="run the encoders with this Optimus schedule (optimus-plan --artifact); "
-        "left out, the job runs Megatron-style",
-    )
-    return parser
-
 
 # Megatron-LM's optimizer flags that the training config takes under the same names
 _OPTIMIZER_ARGS = (
@@ -473,7 +466,7 @@ def train_vlm(
     model_provider: Callable[..., Any],
     model_type: Any,
     forward_step_func: Callable[..., Any],
-    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+    extra_args_provider: ExtraArgsProvider | None = None,
     argv: list[str] | None = None,
     *,
     optimus_flag: bool,
@@ -485,7 +478,7 @@ def train_vlm(
     read in Megatron-LM's pretraining-sampler order), a ``model_provider(pre_process, post_process,
     vp_stage)`` building megatron-core's LLaVA layout (``runtime.user_model``), the model type
     (``ModelType.encoder_or_decoder``) and ``forward_step(data_iterator, model)``. It parses
-    Megatron-LM's flags (``megatron_training``) plus ``--optimus-schedule`` and the script's own,
+    Megatron-LM's flags (``megatron_arguments``) plus ``--optimus-schedule`` and the script's own,
     sets up ``torch.distributed`` and megatron-core's ``parallel_state``, and trains
     ``--train-iters`` steps with megatron-core's DDP, optimizer and pipeline schedule, logging
     Megatron-LM's ``lm loss`` and its ``forward-compute`` / ``backward-compute`` timers. Without the
@@ -498,17 +491,14 @@ def train_vlm(
     import sys
 
     import torch
+
+    # before megatron-core's imports, as megatron.training's import does: an error stays one line
+    quiet_library_warnings(torch.cuda.is_available())
     import torch.distributed as dist
     from megatron.core.enums import ModelType
     from megatron.core.timers import Timers
 
     import megatron_patches
-
-    # its import quiets the library warnings
-    from optimus_mllm.megatron_training import (
-        parse_args,
-        set_args,
-    )
 
     def parser_hook(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser = add_optimus_args(parser) if optimus_flag else parser

@@ -5,9 +5,9 @@ A Megatron-LM script (``pretrain_vlm.py``) opts in with one line after its impor
     from optimus_mllm.megatron import pretrain
 
 and keeps every argument of its ``pretrain(...)`` call. This ``pretrain`` is Megatron-LM's, called
-with the same arguments; the only difference is that the script's ``extra_args_provider`` is
-chained after one that adds ``--optimus-schedule`` (``optimus_mllm.megatron.add_optimus_args``), so
-Megatron's argument parsing, ``initialize_megatron``, ``get_model``, optimizer, train and eval
+with the same arguments; the only difference is that the script's ``extra_args_provider`` is chained
+after one that adds ``--optimus-schedule`` (``optimus_mllm.megatron_arguments.add_optimus_args``),
+so Megatron's argument parsing, ``initialize_megatron``, ``get_model``, optimizer, train and eval
 loops, ``--save``/``--load`` and logging are the job's own. Without the flag nothing else changes.
 
 With the flag, Optimus has to enter through Megatron's seams (the ``model_provider`` it is given,
@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.megatron_arguments import add_optimus_args
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -57,16 +58,12 @@ def _optimus_schedule_given(argv: list[str]) -> str | None:
     """``--optimus-schedule``'s value in the command line, read the way Megatron's parser reads it
     (no abbreviations), before Megatron parses it: the decision is made before any rank
     connects."""
-    from optimus_mllm.megatron import add_optimus_args
-
     parser = add_optimus_args(argparse.ArgumentParser(allow_abbrev=False, add_help=False))
     known, _ = parser.parse_known_args(argv)
     return known.optimus_schedule
 
 
 def _with_optimus_args(extra_args_provider: ExtraArgsProvider | None) -> ExtraArgsProvider:
-    from optimus_mllm.megatron import add_optimus_args
-
     def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser = add_optimus_args(parser)
         return extra_args_provider(parser) if extra_args_provider is not None else parser

@@ -4,7 +4,7 @@
         $MEGATRON_LM_DIR/pretrain_vlm.py --distributed-backend gloo --transformer-impl local ...
 
 installs the CPU patches for megatron-core and Megatron-LM's ``megatron.training``
-(``megatron_patches.training_cpu``; nothing where CUDA is available) and runs the script as
+(``megatron_patches.cpu.training``; nothing where CUDA is available) and runs the script as
 ``python SCRIPT ARGS`` would: as ``__main__``, with its folder first on ``sys.path`` and ``ARGS`` as
 its ``sys.argv``. ``MEGATRON_LM_DIR``, when set, goes last on the path, for a script kept outside
 the checkout (``megatron.training``, ``pretrain_gpt``). megatron-core is the installed one (imported
@@ -51,7 +51,7 @@ def _run_script(argv: list[str]) -> int:
             "pip install 'optimus-mllm[megatron-lm]'"
         ) from error
 
-    import megatron_patches.training_cpu as training_cpu
+    import megatron_patches.cpu.training as training_cpu
 
     try:
         training_cpu.apply()

@@ -43,7 +43,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
 from optimus_mllm.runtime.data import check_dataset
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
 from optimus_mllm.scheduler.baselines import balanced_problem, no_placement_problem
-from optimus_mllm.scheduler.bubble_scheduler import optimus
+from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 
 if TYPE_CHECKING:
     from optimus_mllm.runtime.trainer import StepResult
@@ -346,7 +346,7 @@ def _schedule_now(
     """Optimus's fastest schedule, or the baseline placement that beats it (the scheduler's
     result)."""
     cost = CostModel.from_config(config)
-    result = optimus(config, planned, cost)
+    result = best_schedule(config, planned, cost)
     if result.baseline is None:
         if result.best is None:
             raise OptimusError(no_placement_problem(config, planned, cost))

@@ -43,7 +43,7 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.planner import ParallelPlan, plan
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
-from optimus_mllm.scheduler.bubble_scheduler import optimus
+from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 from optimus_mllm.scheduler.metrics import (
     BUBBLE_KINDS,
     bubble_breakdown,
@@ -169,9 +169,9 @@ def run_setup(name: str, config: OptimusConfig, profile: dict[tuple, float] | No
     llm_plan = planned.llm_plan
     cost = CostModel(config.cluster, config.cost_model, profile)
     started = time.perf_counter()
-    fine = optimus(config, planned, cost)
+    fine = best_schedule(config, planned, cost)
     runtime = time.perf_counter() - started
-    coarse = optimus(config, planned, cost, fine=False)
+    coarse = best_schedule(config, planned, cost, fine=False)
     at_v = {v: replace(llm_plan, vp=v) for v in range(1, MAX_BASELINE_V + 1)}
     megatron_by_v = {
         v: megatron_lm_baseline(config, at_v[v], cost).iteration_us / 1e6
@@ -245,7 +245,7 @@ def run_scaling(gpus: int, microbatches: int, repeat: int = 1) -> ScalingRow:
     runs, iterations = [], set()
     for _ in range(repeat):
         started = time.perf_counter()
-        result = optimus(config, planned, CostModel(config.cluster, config.cost_model))
+        result = best_schedule(config, planned, CostModel(config.cluster, config.cost_model))
         runs.append(time.perf_counter() - started)
         iterations.add(result.best.iteration_us)
     if len(iterations) > 1:

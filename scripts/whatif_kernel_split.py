@@ -108,8 +108,8 @@ def run_case(config: OptimusConfig, rows: list[Row]) -> dict:
             "build_encoder_work",
             encoder_work(bubble_scheduler.build_encoder_work, row),
         ):
-            fine = bubble_scheduler.optimus(config, planned, cost)
-            coarse = bubble_scheduler.optimus(config, planned, cost, fine=False)
+            fine = bubble_scheduler.best_schedule(config, planned, cost)
+            coarse = bubble_scheduler.best_schedule(config, planned, cost, fine=False)
         split, piece, charged = row
         out["rows"].append(
             {

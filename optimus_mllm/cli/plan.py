@@ -16,7 +16,7 @@ from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.memory_model import GIB, MemoryBreakdown
 from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
 from optimus_mllm.scheduler.baselines import no_placement_problem
-from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, optimus
+from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, best_schedule
 from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency
 
 PROG = "optimus-plan"
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.override)
         planned = plan(config)
         cost = CostModel.from_config(config)
-        scheduled = optimus(config, planned, cost)
+        scheduled = best_schedule(config, planned, cost)
         if scheduled.best is None and scheduled.baseline is None:
             raise OptimusError(no_placement_problem(config, planned, cost))
         if (args.artifact or args.trace or args.png) and scheduled.best is None:

@@ -227,7 +227,7 @@ def _state_dict(trainer: Any, iteration: int) -> dict[str, Any]:
     )
     state = {
         **model_state,
-        "opt_param_scheduler": trainer.scheduler.state_dict(),
+        "opt_param_scheduler": trainer.opt_param_scheduler.state_dict(),
         "iteration": iteration,
         "checkpoint_version": CHECKPOINT_VERSION_MEGATRON,
         "optimus": _optimus_state(trainer.optimizer),
@@ -355,18 +355,18 @@ def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = T
     # load_checkpoint; a loaded optimizer state then puts its own in their place
     trainer.optimizer.reload_model_params()
     # megatron-core's load_state_dict counts the saved steps on from here
-    trainer.scheduler.num_steps = 0
-    changed = lr_schedule_change(trainer.scheduler, loaded["opt_param_scheduler"])
+    trainer.opt_param_scheduler.num_steps = 0
+    changed = lr_schedule_change(trainer.opt_param_scheduler, loaded["opt_param_scheduler"])
     if changed:  # the same on every rank: the schedule's state is replicated
         raise AgreedError(changed)
-    trainer.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    trainer.opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if load_optimizer:
         _load_optimizer(
             trainer.optimizer, optimizer_requests, loaded["optimizer"], loaded["optimus"]
         )
     # the LR and weight decay of the loaded step: the optimizer's hyper-parameters are this job's
     # own
-    trainer.scheduler.step(increment=0)
+    trainer.opt_param_scheduler.step(increment=0)
 
 
 # megatron-core's OptimizerParamScheduler settings, as its load_state_dict checks them

@@ -217,7 +217,9 @@ def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     )
 
 
-def build_scheduler(config: OptimusConfig, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
+def build_opt_param_scheduler(
+    config: OptimusConfig, optimizer: MegatronOptimizer
+) -> OptimizerParamScheduler:
     """Megatron's LR (warm-up from 0, then constant / linear / cosine decay to ``min_lr``) and
     constant weight decay, counted in iterations; on resuming, its settings are the checkpoint's or
     this run's as ``training.use_checkpoint_opt_param_scheduler`` / ``override_opt_param_scheduler``

@@ -79,8 +79,8 @@ from optimus_mllm.runtime.llm import (
 )
 from optimus_mllm.runtime.messages import Messenger
 from optimus_mllm.runtime.optimizer import (
+    build_opt_param_scheduler,
     build_optimizer,
-    build_scheduler,
     encoder_process_groups,
     wrap_ddp,
 )
@@ -98,8 +98,8 @@ from optimus_mllm.runtime.user_model import (
     language_model,
     take_vision,
     user_images,
+    user_vision_layer_spec,
     user_vision_problem,
-    vision_layer_spec,
     vision_modules,
     vision_sharded_state_dict,
 )
@@ -306,7 +306,7 @@ class Trainer:
             encoder_groups,
             self.groups.dp_group_gloo if self.mode == "optimus" else None,
         )
-        self.scheduler = build_scheduler(self.config, self.optimizer)
+        self.opt_param_scheduler = build_opt_param_scheduler(self.config, self.optimizer)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
 
     @property
@@ -383,7 +383,7 @@ class Trainer:
                     encoder, 1, DTYPES[self.config.training.precision], 0.02
                 )
                 report = (
-                    vision_layer_spec(vision),
+                    user_vision_layer_spec(vision),
                     user_vision_problem(encoder, expected, vision)
                     if self.mode == "optimus"
                     else None,
@@ -511,7 +511,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
-            self.scheduler.step(increment=1)
+            self.opt_param_scheduler.step(increment=1)
         loss = mean_lm_loss(outputs) if outputs else None
         scaler = self.optimizer.loss_scaler
         return StepResult(

@@ -119,7 +119,7 @@ def vision_sharded_state_dict(chunk: nn.Module) -> ShardedStateDict:
     }
 
 
-def vision_layer_spec(vision: nn.Module) -> ModuleSpec:
+def user_vision_layer_spec(vision: nn.Module) -> ModuleSpec:
     """The megatron-core spec the user's vision layers were built from, read off the built layer."""
     layer = vision.decoder.layers[0]
     return ModuleSpec(module=type(layer), submodules=layer.submodules_config)

@@ -38,7 +38,7 @@ from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
 from optimus_mllm.planner import PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.artifact_checks import validate_artifact, validate_for_job
-from optimus_mllm.scheduler.bubble_scheduler import Schedule, optimus
+from optimus_mllm.scheduler.bubble_scheduler import Schedule, best_schedule
 from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_fingerprint
 
 ARTIFACT_FORMAT = "optimus-schedule"
@@ -232,7 +232,7 @@ def load_job_artifact(
 
 def schedule_job_artifact(config: OptimusConfig, planned: PlannerResult) -> dict[str, Any]:
     """Schedule the job now (what ``optimus-plan --artifact`` would write)."""
-    best = optimus(config, planned, CostModel.from_config(config)).best
+    best = best_schedule(config, planned, CostModel.from_config(config)).best
     if best is None:
         raise OptimusError(
             "no encoder plan could be scheduled (see optimus-plan); try the Megatron-style baseline"

@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from optimus_mllm.config import EncoderConfig, LLMConfig, OptimusConfig, encoder_tp_problem
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.cost_model import CostModel, Phase
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.memory_model import (
     GIB,
@@ -44,7 +44,7 @@ from optimus_mllm.planner.planner import PlannerResult, gpu_memory_bytes, llm_me
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, build_encoder_work
 from optimus_mllm.scheduler.llm_costs import llm_op_work, timeline_from_work
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork, Phase
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork
 
 # (name, layer, is_comm, duration_us), as OpWork.sequential takes
 KernelItem = tuple[str, int, bool, float]

@@ -31,7 +31,7 @@ from operator import add, itemgetter
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.cost_model import CostModel, Phase
 from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.baselines import BaselineResult, runnable_baselines
@@ -51,13 +51,12 @@ from optimus_mllm.scheduler.encoder_costs import (
     build_encoder_work,
 )
 from optimus_mllm.scheduler.fine import Cut, LLMBubbles, Move, PipelineMoves, Placement, Resource
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, Phase
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
 
 Window = Literal["pre", "llm", "post"]
-Mode = Literal["fwd", "bwd"]
-FWD: Mode = "fwd"
-BWD: Mode = "bwd"
+FWD: Phase = "fwd"
+BWD: Phase = "bwd"
 
 
 @dataclass(frozen=True)
@@ -136,26 +135,39 @@ class Schedule:
 # One partition's scheduling state
 
 
+# A coarse backward in the post window: (its gradient ready at its top stage, tau; its local
+# microbatch k; that top stage: the encoder's last, or the stage below a move stopped above one)
+_PostBackward = tuple[float, int, int]
+
+
 @dataclass
 class _Evaluation:
     """A partition's state laid out. A forward move's evaluation may leave out the global ordering
     and the coarse backwards' layout (``assignment`` to ``backward_end`` None) when they cannot
     change the latency: see ``_queued_tail``."""
 
-    t0: float
-    latency: float
-    pre_required_t0: dict[int, float]  # per pipeline: the t0 its pre-window work needs
-    end_by_resource: dict[tuple[int, int], tuple[float, bool]]  # (j, e) -> (end tau, encoder-bound)
+    llm_origin_us: float  # t0
+    iteration_us: float  # the latency
+    # per pipeline j: the t0 its pre-window work needs
+    pre_required_origin_us: dict[int, float]
+    # (j, e) -> (end of its gradient reduce-scatters, tau; whether the encoder delays it)
+    end_by_resource: dict[tuple[int, int], tuple[float, bool]]
+    # LLM microbatch i <- (encoder pipeline j, its local microbatch k)
     assignment: list[tuple[int, int]] | None = None
-    ef: list[float] | None = None
-    eb: list[float] | None = None
-    # j -> its coarse backwards: (gradient ready at the top stage, tau; k; the top stage they start
-    # on there)
-    post: dict[int, tuple[tuple[float, int, int], ...]] | None = None
-    # (j, k) -> start on the last stage (tau)
+    encoder_forward_end_us: list[float] | None = None  # EF_i, iteration time
+    encoder_backward_start_us: list[float] | None = None  # EB_i, iteration time
+    # j -> its coarse backwards, in the order the post window runs them
+    post: dict[int, tuple[_PostBackward, ...]] | None = None
+    # (j, k) -> its backward's start on the last stage (tau)
     backward_start: dict[tuple[int, int], float] | None = None
     # (j, e) -> end of the stage's last backward (tau)
     backward_end: dict[tuple[int, int], float] | None = None
+
+
+def _post_order(coarse: _PostBackward) -> tuple[int, float, int]:
+    """The post window's order: by top stage, the lowest first, then by gradient arrival."""
+    ready_us, microbatch, top = coarse
+    return top, ready_us, microbatch
 
 
 class _PartitionScheduler:
@@ -250,98 +262,133 @@ class _PartitionScheduler:
 
     # -- evaluation: windows, t0, global ordering, latency ------------------------------------
 
-    def evaluate(self, before: _Evaluation | None = None, pipeline: int = -1) -> _Evaluation | None:
+    def evaluate(
+        self, before: _Evaluation | None = None, moved_pipeline: int = -1
+    ) -> _Evaluation | None:
         """Lay out the coarse windows around the fine chains; None if dependencies cannot hold.
 
-        ``before``: the evaluation before a backward move of ``pipeline``, which changes that
+        ``before``: the evaluation before a backward move of ``moved_pipeline``, which changes that
         pipeline's backwards only; t0, the assignment and the other pipelines' backwards are taken
         from it.
         """
-        w, last = self.work, self.pp_enc - 1
+        work, top_stage = self.work, self.pp_enc - 1
         if before is None:
             forward = self._forward_side()
             if forward is None:
                 return None
-            t0, merged, required = forward
-            assignment, ef = global_order(merged), list(map(itemgetter(0), merged))
-            changed: Sequence[int] = range(w.num_pipelines)
-            arrivals: dict[int, list[tuple[float, int, int]]] = {j: [] for j in changed}
-            for b, (j, k) in zip(self.dep.backward, assignment):
-                if (j, k) not in self.fine_bwd:
-                    arrivals[j].append((b + w.to_llm_us[j], k, last))
-            post: dict[int, tuple[tuple[float, int, int], ...]] = {}
+            origin_us, forward_ends, required_origin_us = forward
+            assignment = global_order(forward_ends)
+            forward_end_us = [end_us for end_us, _, _ in forward_ends]
+            changed: Sequence[int] = range(work.num_pipelines)
+            # per pipeline: its coarse backwards in order of LLM microbatch, to be laid out
+            arrivals: dict[int, list[_PostBackward]] = {pipeline: [] for pipeline in changed}
+            for gradient_us, (pipeline, microbatch) in zip(self.dep.backward, assignment):
+                if (pipeline, microbatch) not in self.fine_bwd:
+                    ready_us = gradient_us + work.to_llm_us[pipeline]
+                    arrivals[pipeline].append((ready_us, microbatch, top_stage))
+            post: dict[int, tuple[_PostBackward, ...]] = {}
             backward_start: dict[tuple[int, int], float] = {}
             backward_end: dict[tuple[int, int], float] = {}
         else:
-            t0, assignment, ef, required = (
-                before.t0,
-                before.assignment,
-                before.ef,
-                before.pre_required_t0,
-            )
-            changed = (pipeline,)
+            origin_us, required_origin_us = before.llm_origin_us, before.pre_required_origin_us
+            assignment, forward_end_us = before.assignment, before.encoder_forward_end_us
+            changed = (moved_pipeline,)
             arrivals = {
-                pipeline: [
-                    a
-                    for a in before.post.get(pipeline, ())
-                    if (pipeline, a[1]) not in self.fine_bwd
+                moved_pipeline: [
+                    (ready_us, microbatch, top)
+                    for ready_us, microbatch, top in before.post.get(moved_pipeline, ())
+                    if (moved_pipeline, microbatch) not in self.fine_bwd
                 ]
             }
-            post = {j: coarse for j, coarse in before.post.items() if j != pipeline}
+            post = {
+                pipeline: ps for pipeline, ps in before.post.items() if pipeline != moved_pipeline
+            }
             backward_start = dict(before.backward_start)
             backward_end = {
-                key: end for key, end in before.backward_end.items() if key[0] != pipeline
+                key: end_us
+                for key, end_us in before.backward_end.items()
+                if key[0] != moved_pipeline
             }
-        for (j, k), move in self.fine_bwd.items():
-            if j not in changed:
+        self._place_fine_backwards(changed, arrivals, backward_start, backward_end)
+        # B_i, iteration time
+        backward_dependency_us = [gradient_us + origin_us for gradient_us in self.dep.backward]
+        if self.has_backward:
+            self._lay_out_post(changed, arrivals, post, backward_start, backward_end)
+            backward_start_us = [backward_start[key] + origin_us for key in assignment]
+            # checkEncLLMDep: its forward half is how _forward_side chose t0
+            if not check_enc_llm_dep_backward(backward_start_us, backward_dependency_us):
+                return None
+        else:
+            backward_start_us = backward_dependency_us  # nothing to order against
+        end_by_resource, tail_us = self._tail(backward_end)
+        return _Evaluation(
+            llm_origin_us=origin_us,
+            iteration_us=origin_us + tail_us,
+            pre_required_origin_us=required_origin_us,
+            end_by_resource=end_by_resource,
+            assignment=assignment,
+            encoder_forward_end_us=forward_end_us,
+            encoder_backward_start_us=backward_start_us,
+            post=post,
+            backward_start=backward_start,
+            backward_end=backward_end,
+        )
+
+    def _place_fine_backwards(
+        self,
+        changed: Sequence[int],
+        arrivals: dict[int, list[_PostBackward]],
+        backward_start: dict[tuple[int, int], float],
+        backward_end: dict[tuple[int, int], float],
+    ) -> None:
+        """The ``changed`` pipelines' backward moves: their starts and stage ends (tau), and, for a
+        move stopped above a stage, the coarse backward of the stages below it in ``arrivals``."""
+        for (pipeline, microbatch), move in self.fine_bwd.items():
+            if pipeline not in changed:
                 continue
-            backward_start[(j, k)] = move.starts[-1][0]
-            for e in range(move.low, self.pp_enc):
-                backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), move.ends[e])
+            backward_start[(pipeline, microbatch)] = move.starts[-1][0]
+            for stage in range(move.low, self.pp_enc):
+                key = (pipeline, stage)
+                backward_end[key] = max(backward_end.get(key, float("-inf")), move.ends[stage])
             # its stages below run in the post window, from the gradient the move sent down
             if move.low:
-                arrivals[j].append((move.ends[move.low] + w.p2p_us, k, move.low - 1))
-        if self.has_backward:
-            # post: backwards after the LLM's last computation, in order of gradient arrival (tau);
-            # those whose upper stages ran in bubbles first, the furthest down first: they are that
-            # much further
-            for j in changed:
-                coarse = tuple(sorted(arrivals[j], key=lambda a: (a[2], a[0], a[1])))
-                if not coarse:
-                    continue
-                post[j] = coarse
-                ready, coarse_ks, tops = zip(*coarse)
-                if all(top == last for top in tops):
-                    starts, ends = self.moves[j].post.layout(ready)
-                    backward_start.update(zip(zip(repeat(j), coarse_ks), starts))
-                else:
-                    rows, ends = coarse_backward(ready, self.moves[j].post.origin, w, tops)
-                    backward_start.update(
-                        ((j, k), row[-1])
-                        for k, row, top in zip(coarse_ks, rows, tops)
-                        if top == last
-                    )
-                for e, end in enumerate(ends):
-                    backward_end[(j, e)] = max(backward_end.get((j, e), float("-inf")), end)
-            eb = list(map(add, map(backward_start.__getitem__, assignment), repeat(t0)))
-        else:
-            eb = list(map(add, self.dep.backward, repeat(t0)))  # nothing to order against
-        end_by_resource, tail = self._tail(backward_end)
-        # checkEncLLMDep: its forward half is how _forward_side chose t0
-        if not check_enc_llm_dep_backward(eb, map(add, self.dep.backward, repeat(t0))):
-            return None
-        return _Evaluation(
-            t0,
-            t0 + tail,
-            required,
-            end_by_resource,
-            assignment,
-            ef,
-            eb,
-            post,
-            backward_start,
-            backward_end,
-        )
+                ready_us = move.ends[move.low] + self.work.p2p_us
+                arrivals[pipeline].append((ready_us, microbatch, move.low - 1))
+
+    def _lay_out_post(
+        self,
+        changed: Sequence[int],
+        arrivals: dict[int, list[_PostBackward]],
+        post: dict[int, tuple[_PostBackward, ...]],
+        backward_start: dict[tuple[int, int], float],
+        backward_end: dict[tuple[int, int], float],
+    ) -> None:
+        """The ``changed`` pipelines' coarse backwards after the LLM's last computation, in order of
+        gradient arrival (tau): those whose upper stages ran in bubbles first, the furthest down
+        first (they are that much further)."""
+        top_stage = self.pp_enc - 1
+        for pipeline in changed:
+            coarse = tuple(sorted(arrivals[pipeline], key=_post_order))
+            if not coarse:
+                continue
+            post[pipeline] = coarse
+            ready_us, microbatches, top_stages = zip(*coarse)
+            window = self.moves[pipeline].post
+            if all(top == top_stage for top in top_stages):
+                starts_us, stage_ends_us = window.layout(ready_us)
+                backward_start.update(zip(zip(repeat(pipeline), microbatches), starts_us))
+            else:
+                rows, stage_ends_us = coarse_backward(
+                    ready_us, window.origin, self.work, top_stages
+                )
+                backward_start.update(
+                    ((pipeline, microbatch), row[-1])
+                    for microbatch, row, top in zip(microbatches, rows, top_stages)
+                    if top == top_stage
+                )
+            for stage, end_us in enumerate(stage_ends_us):
+                key = (pipeline, stage)
+                backward_end[key] = max(backward_end.get(key, float("-inf")), end_us)
 
     def evaluate_forward_move(self) -> _Evaluation | None:
         """``evaluate`` after a forward move, without the global ordering and the coarse backwards'
@@ -354,9 +401,14 @@ class _PartitionScheduler:
         forward = self._forward_side(ordered=False)
         if forward is None:
             return None
-        t0, _, required = forward
-        end_by_resource, tail = self.queued_tail
-        return _Evaluation(t0, t0 + tail, required, end_by_resource)
+        origin_us, _, required_origin_us = forward
+        end_by_resource, tail_us = self.queued_tail
+        return _Evaluation(
+            llm_origin_us=origin_us,
+            iteration_us=origin_us + tail_us,
+            pre_required_origin_us=required_origin_us,
+            end_by_resource=end_by_resource,
+        )
 
     def _queued_tail(self) -> tuple[dict[tuple[int, int], tuple[float, bool]], float] | None:
         """The tail (end by resource, and the latest) while no backward has moved, if every coarse
@@ -495,21 +547,22 @@ def init_schedule(
     return state if state.evaluation is not None else None
 
 
-def find_critical(state: _PartitionScheduler, mode: Mode) -> int | None:
+def find_critical(state: _PartitionScheduler, phase: Phase) -> int | None:
     """findCritical: the encoder pipeline on the critical path, or None if the LLM itself is."""
     ev = state.evaluation
-    if mode == FWD:
-        if not ev.pre_required_t0:
+    if phase == FWD:
+        if not ev.pre_required_origin_us:
             return None
         j, need = max(
-            ev.pre_required_t0.items(), key=lambda item: (item[1], state.n_coarse_fwd[item[0]])
+            ev.pre_required_origin_us.items(),
+            key=lambda item: (item[1], state.n_coarse_fwd[item[0]]),
         )
-        return j if need >= ev.t0 - EPS_US else None
+        return j if need >= ev.llm_origin_us - EPS_US else None
     (j, _), (end, encoder_bound) = max(ev.end_by_resource.items(), key=lambda item: item[1][0])
     return j if encoder_bound else None
 
 
-def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
+def schedule_kernels(state: _PartitionScheduler, j: int, phase: Phase) -> bool:
     """ScheduleKernels: move one microbatch of pipeline j into the LLM's bubbles, kernel by kernel.
 
     Forward: its last coarse microbatch, stage by stage from upstream to downstream; backward: the
@@ -522,7 +575,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
     the LLM ends.
     """
     before = state.evaluation
-    if mode == FWD:
+    if phase == FWD:
         if state.n_coarse_fwd[j] == 0:
             return False
         k = state.n_coarse_fwd[j] - 1
@@ -532,7 +585,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
         state.n_coarse_fwd[j] -= 1
         state.fine_fwd[(j, k)] = move
         after = state.evaluate_forward_move()
-        if after is None or after.latency > before.latency + EPS_US:
+        if after is None or after.iteration_us > before.iteration_us + EPS_US:
             state.n_coarse_fwd[j] += 1
             del state.fine_fwd[(j, k)]
             return False
@@ -549,7 +602,7 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
                 continue
             state.fine_bwd[(j, k)] = move
             after = state.evaluate(before, j)
-            if after is not None and after.latency <= before.latency + EPS_US:
+            if after is not None and after.iteration_us <= before.iteration_us + EPS_US:
                 state.commit_backward(j, i, low)
                 break
             del state.fine_bwd[(j, k)]
@@ -559,13 +612,13 @@ def schedule_kernels(state: _PartitionScheduler, j: int, mode: Mode) -> bool:
     return True
 
 
-def optimize_schedule(state: _PartitionScheduler, mode: Mode) -> _PartitionScheduler:
+def optimize_schedule(state: _PartitionScheduler, phase: Phase) -> _PartitionScheduler:
     """OptimizeSchedule: keep moving the critical pipeline's work into bubbles while it helps."""
-    if mode == BWD and not state.has_backward:
+    if phase == BWD and not state.has_backward:
         return state
     while True:
-        j = find_critical(state, mode)
-        if j is None or not schedule_kernels(state, j, mode):
+        j = find_critical(state, phase)
+        if j is None or not schedule_kernels(state, j, phase):
             if state.evaluation.post is None:  # left out by the forward moves
                 state.evaluation = state.evaluate()
             return state
@@ -594,8 +647,8 @@ def bubble_scheduler(
     other plans) or this plan's best so far are skipped; this never drops a schedule that could have
     won. Returns this plan's best schedule found, or None if no partition was feasible or searched.
     """
-    plan = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
-    best, stats = _search_partitions(plan, llm_plan, bubbles, bound_us, fine)
+    plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
+    best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine)
     return (best.schedule() if best else None), stats
 
 
@@ -637,17 +690,21 @@ class _PlanBest:
 
     @property
     def iteration_us(self) -> float:
-        return self.state.evaluation.latency
+        return self.state.evaluation.iteration_us
 
     def schedule(self) -> Schedule:
         return _to_schedule(self.state, self.llm_plan, self.encoder_plan, self.coarse_us)
 
 
 def _search_partitions(
-    plan: _PlanInput, llm_plan: ParallelPlan, bubbles: LLMBubbles, bound_us: float, fine: bool
+    plan_input: _PlanInput,
+    llm_plan: ParallelPlan,
+    bubbles: LLMBubbles,
+    bound_us: float,
+    fine: bool,
 ) -> tuple[_PlanBest | None, SchedulerStats]:
     """``bubble_scheduler`` up to its fastest partition."""
-    work, bounds = plan.work, plan.bounds
+    work, bounds = plan_input.work, plan_input.bounds
     stats = SchedulerStats(partitions_total=len(bounds))
     with _cyclic_gc_paused():
         moves = PipelineMoves.of_pipelines(work, bubbles)
@@ -660,12 +717,12 @@ def _search_partitions(
             state = init_schedule(work, bubbles, partition, moves)
             if state is None:
                 continue
-            coarse_us = state.evaluation.latency
+            coarse_us = state.evaluation.iteration_us
             if fine:
                 state = optimize_schedule(state, FWD)
                 state = optimize_schedule(state, BWD)
-            if best is None or state.evaluation.latency < best.iteration_us - EPS_US:
-                best = _PlanBest(state, llm_plan, plan.candidate.plan, coarse_us)
+            if best is None or state.evaluation.iteration_us < best.iteration_us - EPS_US:
+                best = _PlanBest(state, llm_plan, plan_input.candidate.plan, coarse_us)
     return best, stats
 
 
@@ -687,7 +744,7 @@ def _to_schedule(
     state: _PartitionScheduler, llm_plan: ParallelPlan, enc_plan: ParallelPlan, coarse_us: float
 ) -> Schedule:
     ev, w = state.evaluation, state.work
-    t0 = ev.t0
+    t0 = ev.llm_origin_us
     chains = []
     for j, window in enumerate(state.pre):
         for k in range(state.n_coarse_fwd[j]):
@@ -729,10 +786,10 @@ def _to_schedule(
         work=w,
         llm_origin_us=t0,
         assignment=tuple(ev.assignment),
-        encoder_forward_end_us=tuple(ev.ef),
-        encoder_backward_start_us=tuple(ev.eb),
+        encoder_forward_end_us=tuple(ev.encoder_forward_end_us),
+        encoder_backward_start_us=tuple(ev.encoder_backward_start_us),
         chains=tuple(chains),
-        iteration_us=ev.latency,
+        iteration_us=ev.iteration_us,
         coarse_iteration_us=coarse_us,
     )
 
@@ -779,7 +836,7 @@ class OptimusResult:
         )
 
 
-def optimus(
+def best_schedule(
     config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine: bool = True
 ) -> OptimusResult:
     """Optimus (Algorithm 1): run the bubble scheduler on every encoder plan, keep the fastest
@@ -794,14 +851,16 @@ def optimus(
     with _cyclic_gc_paused():
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
         result = OptimusResult(best=None, llm_alone_us=bubbles.dep.timeline.iteration_us)
-        plans = [
+        plan_inputs = [
             _PlanInput.of(config, planned.llm_plan, c, bubbles, cost) for c in planned.candidates
         ]
         best: _PlanBest | None = None
-        for plan in sorted(plans, key=lambda p: p.lower_bound_us):
+        for plan_input in sorted(plan_inputs, key=lambda p: p.lower_bound_us):
             bound = best.iteration_us if best else float("inf")
-            plan_best, stats = _search_partitions(plan, planned.llm_plan, bubbles, bound, fine)
-            enc_plan, lower_bound = plan.candidate.plan, plan.lower_bound_us
+            plan_best, stats = _search_partitions(
+                plan_input, planned.llm_plan, bubbles, bound, fine
+            )
+            enc_plan, lower_bound = plan_input.candidate.plan, plan_input.lower_bound_us
             if plan_best is not None:
                 outcome = PlanOutcome(
                     enc_plan, "scheduled", plan_best.iteration_us, lower_bound, stats

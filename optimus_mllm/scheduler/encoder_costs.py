@@ -16,13 +16,13 @@ from optimus_mllm.cost_model import (
     Kernel,
     KernelWork,
     LayerShape,
+    Phase,
     group_bandwidth_gbps,
     p2p_work,
 )
 from optimus_mllm.params import encoder_params_per_stage, projector_params, stage_layer_bounds
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
 from optimus_mllm.scheduler.llm_costs import activation_dtype_bytes, dp_comm_us, tp_bandwidth
-from optimus_mllm.scheduler.llm_timeline import Phase
 
 
 @dataclass(frozen=True)

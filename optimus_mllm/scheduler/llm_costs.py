@@ -7,6 +7,7 @@ from optimus_mllm.cost_model import (
     CostModel,
     KernelWork,
     LayerShape,
+    Phase,
     dp_grad_reduce_scatter_work,
     dp_param_all_gather_work,
     group_bandwidth_gbps,
@@ -15,9 +16,9 @@ from optimus_mllm.cost_model import (
 from optimus_mllm.memory_model import MAIN_GRAD_BYTES, param_bytes
 from optimus_mllm.params import llm_params_per_stage
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork, Phase, simulate
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork, simulate
 
-LLM = "llm"
+LLM = "llm"  # the LLM's module name: in kernel profiles and schedule traces
 
 
 def activation_dtype_bytes(config: OptimusConfig) -> int:

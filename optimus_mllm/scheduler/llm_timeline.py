@@ -14,9 +14,8 @@ all-gather before it and the reduce-scatter after are kept separately.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-Phase = Literal["fwd", "bwd"]
+from optimus_mllm.cost_model import Phase
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from collections import defaultdict
 from typing import Any
 
 from optimus_mllm.scheduler.bubble_scheduler import Schedule
-from optimus_mllm.scheduler.trace import LLM, num_gpus, schedule_trace
+from optimus_mllm.scheduler.llm_costs import LLM
+from optimus_mllm.scheduler.trace import num_gpus, schedule_trace
 
 # category -> (lane, colour); the order is the legend's
 _CATEGORIES: dict[str, tuple[str, str]] = {

@@ -25,9 +25,9 @@ from typing import Any
 
 from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.scheduler.bubble_scheduler import Schedule
+from optimus_mllm.scheduler.llm_costs import LLM
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, PipelineOp
 
-LLM = "llm"
 COMPUTE = "compute"
 COMM = "comm"
 _SHORT_PHASE = {"fwd": "F", "bwd": "B"}

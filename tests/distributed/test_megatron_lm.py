@@ -1,5 +1,5 @@
 """Megatron-LM's own ``pretrain_vlm.py`` trained on gloo ranks through the CPU patches for
-``megatron.training`` (``megatron_patches.training_cpu``, ``optimus_mllm.megatron_lm_cpu``),
+``megatron.training`` (``megatron_patches.cpu.training``, ``optimus_mllm.megatron_lm_cpu``),
 unmodified and with the one-line opt-in (``optimus_mllm.megatron.pretrain``).
 
 The tests that run Megatron-LM need a checkout at tag ``core_v0.16.1`` named by
@@ -79,7 +79,7 @@ import megatron.core.tensor_parallel as tensor_parallel
 import megatron.training.initialize as initialize
 import megatron.training.training as training
 import megatron_patches
-import megatron_patches.training_cpu as training_cpu
+import megatron_patches.cpu.training as training_cpu
 
 watched = [(training, "initialize_megatron"), (training, "get_model"), (training, "torch"),
            (initialize, "_warmup_jit_function"), (tensor_parallel, "broadcast_data")]

@@ -28,7 +28,7 @@ from optimus_mllm.profiler import (
     write_profile,
 )
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
-from optimus_mllm.scheduler.bubble_scheduler import optimus
+from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 
 from support.paths import CONFIGS, REPO
 
@@ -60,8 +60,8 @@ def scheduler_lookups(config) -> RecordingCostModel:
     lookups."""
     planned = plan(config)
     cost = RecordingCostModel(config)
-    optimus(config, planned, cost)
-    optimus(config, planned, cost, fine=False)
+    best_schedule(config, planned, cost)
+    best_schedule(config, planned, cost, fine=False)
     megatron_lm_baseline(config, planned.llm_plan, cost)
     if len(config.encoders) == 1:
         megatron_lm_balanced_baseline(config, planned.llm_plan, cost)
@@ -156,8 +156,8 @@ def test_cpu_profile_loads_and_changes_the_cost_model(tmp_path):
     table = load_profile(out)
     assert len(table) == len(profile["kernels"])
     planned = plan(config)
-    roofline = optimus(config, planned, CostModel(config.cluster, config.cost_model))
-    measured = optimus(config, planned, CostModel(config.cluster, config.cost_model, table))
+    roofline = best_schedule(config, planned, CostModel(config.cluster, config.cost_model))
+    measured = best_schedule(config, planned, CostModel(config.cluster, config.cost_model, table))
     assert measured.llm_alone_us != roofline.llm_alone_us
     # a measured kernel's key is what the cost model hits: its time comes back unchanged
     entry = profile_entries(config)[0]

@@ -24,11 +24,11 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     FWD,
     ChainPlacement,
     OptimusResult,
+    best_schedule,
     bubble_scheduler,
     find_critical,
     init_schedule,
     optimize_schedule,
-    optimus,
     schedule_kernels,
 )
 from optimus_mllm.scheduler.coarse import PostWindow, coarse_backward
@@ -253,9 +253,9 @@ def test_evaluation_after_each_move_equals_a_full_reevaluation():
                 state = init_schedule(work, bubbles, partition, moves)
                 if state is None:
                     continue
-                for mode in (FWD, BWD):
-                    while (j := find_critical(state, mode)) is not None and schedule_kernels(
-                        state, j, mode
+                for phase in (FWD, BWD):
+                    while (j := find_critical(state, phase)) is not None and schedule_kernels(
+                        state, j, phase
                     ):
                         full = state.evaluate()
                         if state.evaluation.post is None:
@@ -263,20 +263,20 @@ def test_evaluation_after_each_move_equals_a_full_reevaluation():
                             full = dataclasses.replace(
                                 full,
                                 assignment=None,
-                                ef=None,
-                                eb=None,
+                                encoder_forward_end_us=None,
+                                encoder_backward_start_us=None,
                                 post=None,
                                 backward_start=None,
                                 backward_end=None,
                             )
-                        assert state.evaluation == full, (case, candidate.plan, partition, mode, j)
-                        moved += mode == BWD
-                    optimize_schedule(state, mode)  # the pass ends: nothing left out
+                        assert state.evaluation == full, (case, candidate.plan, partition, phase, j)
+                        moved += phase == BWD
+                    optimize_schedule(state, phase)  # the pass ends: nothing left out
                     assert state.evaluation == state.evaluate(), (
                         case,
                         candidate.plan,
                         partition,
-                        mode,
+                        phase,
                     )
                 stopped_above_a_stage += sum(move.low > 0 for move in state.fine_bwd.values())
         with_backward_moves += moved > 0
@@ -323,7 +323,7 @@ def test_scheduler_leaves_the_cyclic_gc_as_it_found_it(enabled):
     config = load_config(CONFIGS / "tiny.yaml")
     (gc.enable if enabled else gc.disable)()
     try:
-        assert optimus(config, plan(config), CostModel.from_config(config)).best is not None
+        assert best_schedule(config, plan(config), CostModel.from_config(config)).best is not None
         assert gc.isenabled() == enabled
     finally:
         gc.enable()
@@ -333,7 +333,7 @@ def test_scheduler_leaves_the_cyclic_gc_as_it_found_it(enabled):
 def test_shipped_configs_give_valid_schedules(name):
     path = CONFIGS / f"{name}.yaml" if name == "tiny" else CONFIGS / "paper" / f"{name}.yaml"
     config = load_config(path)
-    result = optimus(config, plan(config), CostModel.from_config(config))
+    result = best_schedule(config, plan(config), CostModel.from_config(config))
     assert result.best is not None
     assert schedule_violations(result.best) == []
     assert result.best.iteration_us >= result.llm_alone_us - 1e-6, (
@@ -347,8 +347,8 @@ def test_fine_scheduling_moves_work_into_bubbles():
     config = load_config(CONFIGS / "paper" / "fig5_8gpu.yaml")
     planned = plan(config)
     cost = CostModel.from_config(config)
-    fine = optimus(config, planned, cost)
-    coarse = optimus(config, planned, cost, fine=False)
+    fine = best_schedule(config, planned, cost)
+    coarse = best_schedule(config, planned, cost, fine=False)
     assert fine.best.iteration_us < coarse.best.iteration_us
     assert any(c.window == "llm" for c in fine.best.chains)
     assert all(c.window != "llm" for c in coarse.best.chains)
@@ -362,7 +362,7 @@ def test_backward_moves_stopped_above_a_stage_drain_the_encoder_pipeline_during_
     its bubbles, but the upper stages' chains of the first microbatches do, so the post window's
     stages need not wait for the encoder pipeline to drain, and Optimus beats both baselines."""
     config = load_config(CONFIGS / "paper" / "fig5_heavy.yaml")
-    result = optimus(config, plan(config), CostModel.from_config(config))
+    result = best_schedule(config, plan(config), CostModel.from_config(config))
     best = result.best
     assert schedule_violations(best) == []
     windows: dict[int, set[str]] = {}
@@ -468,7 +468,7 @@ def test_strong_1536_with_4096_token_images_cuts_no_piece_below_the_minimum():
     config = load_config(
         CONFIGS / "paper" / "strong_1536.yaml", ["model.encoders.0.seq_length=4096"]
     )
-    best = optimus(config, plan(config), CostModel.from_config(config)).best
+    best = best_schedule(config, plan(config), CostModel.from_config(config)).best
     works = _piece_works(best)
     assert len(works) > 10000 and min(works) >= MIN_PIECE_WORK_US - 1e-6
     assert schedule_violations(best) == []
@@ -491,14 +491,14 @@ def test_frozen_encoder_has_no_backward_layers():
 
 def test_two_encoders_are_scheduled_as_one():
     config = load_config(CONFIGS / "paper" / "dualenc_22b_5b.yaml")
-    result = optimus(config, plan(config), CostModel.from_config(config))
+    result = best_schedule(config, plan(config), CostModel.from_config(config))
     names = {k.encoder for chain in result.best.work.fwd for k in chain.kernels}
     assert names == {"vit_22b", "vit_5b"}
 
 
 def _schedule(name="fig5_8gpu"):
     config = load_config(CONFIGS / "paper" / f"{name}.yaml")
-    return config, optimus(config, plan(config), CostModel.from_config(config)).best
+    return config, best_schedule(config, plan(config), CostModel.from_config(config)).best
 
 
 def test_validity_checker_catches_broken_schedules():
@@ -619,7 +619,7 @@ def test_artifact_mismatch_and_version_errors(tmp_path):
 
 def test_artifact_of_tiny_config_is_json_serialisable():
     config = load_config(CONFIGS / "tiny.yaml")
-    schedule = optimus(config, plan(config), CostModel.from_config(config)).best
+    schedule = best_schedule(config, plan(config), CostModel.from_config(config)).best
     json.dumps(schedule_to_artifact(schedule, config))
 
 
@@ -646,7 +646,7 @@ def _never_slower_than_the_baselines(config) -> OptimusResult:
 
     planned = plan(config)
     cost = CostModel.from_config(config)
-    result = optimus(config, planned, cost)
+    result = best_schedule(config, planned, cost)
     baselines = [megatron_lm_baseline(config, planned.llm_plan, cost)]
     interleavable = planned.llm_plan.vp == 1 or planned.num_microbatches % planned.llm_plan.pp == 0
     if len(config.encoders) == 1 and interleavable:

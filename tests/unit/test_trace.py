@@ -12,7 +12,7 @@ import pytest
 from optimus_mllm.config import load_config
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.planner import plan
-from optimus_mllm.scheduler.bubble_scheduler import Schedule, optimus
+from optimus_mllm.scheduler.bubble_scheduler import Schedule, best_schedule
 from optimus_mllm.scheduler.plot import draw_schedule
 from optimus_mllm.scheduler.trace import schedule_trace, write_trace
 
@@ -33,16 +33,16 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @cache
-def best_schedule(config_name: str) -> Schedule:
+def schedule_of(config_name: str) -> Schedule:
     config = load_config(CONFIGS / config_name)
-    schedule = optimus(config, plan(config), CostModel.from_config(config)).best
+    schedule = best_schedule(config, plan(config), CostModel.from_config(config)).best
     assert schedule is not None
     return schedule
 
 
 @pytest.fixture(scope="module", params=["tiny.yaml", "paper/fig5_8gpu.yaml"])
 def case(request: pytest.FixtureRequest) -> tuple[Schedule, dict[str, Any]]:
-    schedule = best_schedule(request.param)
+    schedule = schedule_of(request.param)
     return schedule, schedule_trace(schedule)
 
 
@@ -200,7 +200,7 @@ def test_other_data(case):
 
 
 def test_write_trace_round_trips(tmp_path):
-    schedule = best_schedule("tiny.yaml")  # the format is the same for all; fig5's is 26 MB
+    schedule = schedule_of("tiny.yaml")  # the format is the same for all; fig5's is 26 MB
     path = tmp_path / "trace.json"
     write_trace(schedule, path)
     assert json.loads(path.read_text()) == json.loads(json.dumps(schedule_trace(schedule)))

@@ -1,11 +1,11 @@
 """CPU stand-ins for the spots where Megatron-LM's ``megatron.training`` hard-codes CUDA.
 
-megatron-core's own CUDA spots are ``_cpu.py``'s; this module adds those of Megatron-LM's training
-loop (a checkout, not the megatron-core wheel), so that Megatron-LM's unmodified scripts
-(``pretrain_vlm.py``) train on gloo ranks of a host without CUDA. It is CPU emulation only: where
-CUDA is available ``apply()`` installs nothing. Each ``_patch_*`` names one Megatron-LM attribute,
-checked to exist when the patches are built (a missing one installs nothing), and ``remove()`` puts
-back every original object, megatron-core's included.
+megatron-core's own CUDA spots are ``megatron_patches.cpu``'s; this module adds those of
+Megatron-LM's training loop (a checkout, not the megatron-core wheel), so that Megatron-LM's
+unmodified scripts (``pretrain_vlm.py``) train on gloo ranks of a host without CUDA. It is CPU
+emulation only: where CUDA is available ``apply()`` installs nothing. Each ``_patch_*`` names one
+Megatron-LM attribute, checked to exist when the patches are built (a missing one installs nothing),
+and ``remove()`` puts back every original object, megatron-core's included.
 
 What is redirected, and why:
 - ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda=True``, which ``pretrain`` does not
@@ -42,16 +42,11 @@ from typing import Any
 import torch
 
 import megatron_patches
-from megatron_patches._cpu import (
-    MegatronPatchError,
-    Patch,
-    _CpuCuda,
-    _CpuTorch,
-    _cuda_stays_on_cpu,
-    _module,
-    _require,
-    _within,
-)
+from megatron_patches.cpu.devices import _CpuCuda, _CpuTorch
+from megatron_patches.cpu.tensor_methods import _cuda_stays_on_cpu, _within
+from megatron_patches.lookup import MegatronPatchError, Patch
+from megatron_patches.lookup import import_module as _module
+from megatron_patches.lookup import require as _require
 
 __all__ = [
     "MegatronPatchError",
@@ -98,7 +93,7 @@ class _TrainingCuda(_CpuCuda):
     def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    # the default CPU generator plays the CUDA generator's part (as in _cpu.py's RNG tracker), so
+    # the default CPU generator plays the CUDA generator's part (as in cpu/rng.py's RNG tracker), so
     # a checkpoint's "cuda_rng_state" is its state
     @staticmethod
     def get_rng_state(device: Any = "cuda") -> torch.Tensor:
