@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from optimus_mllm.calibration import calibrate
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.yaml_input import YAMLInputError, parse_yaml, read_yaml_file
 
@@ -235,7 +236,10 @@ class CostModelConfig:
     attention_efficiency: float = 0.5
     memory_efficiency: float = 0.7
     network_efficiency: float = 0.7
+    nvlink_efficiency: float | None = None  # collectives inside a node; None: network_efficiency
     kernel_overhead_us: float = 2.0  # launch and tail latency added to every kernel
+    # roofline (these constants), paper, or a calibration file: see optimus_mllm/calibration.py
+    calibration: str = "roofline"
     # JSON of measured kernel times (optimus-profile); overrides the roofline
     profile: str | None = None
 
@@ -297,7 +301,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     for item in overrides:
         _apply_override(raw, item)
     raw["source"] = str(path)
-    config = _build(OptimusConfig, raw, "")
+    config = calibrate(_build(OptimusConfig, raw, ""))
     validate(config)
     return config
 
@@ -305,7 +309,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def config_from_dict(raw: dict[str, Any], base_dir: str | Path = ".") -> OptimusConfig:
     """Build and validate a config from an in-memory mapping (tests, programmatic use)."""
     raw = _resolve_model_bases(dict(raw), Path(base_dir))
-    config = _build(OptimusConfig, raw, "")
+    config = calibrate(_build(OptimusConfig, raw, ""))
     validate(config)
     return config
 
@@ -549,9 +553,10 @@ def validate(config: OptimusConfig) -> None:
         "attention_efficiency",
         "memory_efficiency",
         "network_efficiency",
+        "nvlink_efficiency",
     ):
         value = getattr(cm, name)
-        if not 0 < value <= 1:
+        if value is not None and not 0 < value <= 1:
             raise ConfigError(f"cost_model.{name}", f"must be in (0, 1], got {value}")
     if cm.kernel_overhead_us < 0:
         raise ConfigError(

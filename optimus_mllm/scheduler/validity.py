@@ -94,7 +94,7 @@ def _cut_problems(where: str, kernel: EncoderKernel, pieces: Cut, launch_us: flo
     ):
         return [f"{where} ({kernel.name}): its pieces do not tile its tokens in order"]
     took = sum(end - start for _, _, start, end in pieces)
-    due = kernel.duration_us + (len(pieces) - 1) * launch_us
+    due = sum(kernel.piece_us(lo, hi, launch_us) for lo, hi, _, _ in pieces)
     if abs(took - due) > TOLERANCE_US * len(pieces) or any(
         end - start < launch_us for _, _, start, end in pieces
     ):
