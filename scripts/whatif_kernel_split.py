@@ -173,7 +173,7 @@ def print_case(name: str, case: dict) -> None:
         "kernels' plan) "
         f"and {case['bubbles_ms']:.1f} ms of LLM bubbles"
     )
-    print(f"{'kernels':<28}{'encoder plan':<16}{'coarse s':>10}{'Optimus s':>11}{'vs whole':>10}")
+    print(f"{'kernels':<32}{'encoder plan':<16}{'coarse s':>10}{'Optimus s':>11}{'vs whole':>10}")
     whole_s = case["rows"][0]["optimus_s"]
     for row in case["rows"]:
         label = (
@@ -184,7 +184,7 @@ def print_case(name: str, case: dict) -> None:
         if row["split"] != "whole":
             label += {"shape": " by shape", "launch": "", "free": " free"}[row["pricing"]]
         print(
-            f"{label:<28}{row['encoder_plan']:<16}{row['coarse_s']:>10.4f}{row['optimus_s']:>11.4f}"
+            f"{label:<32}{row['encoder_plan']:<16}{row['coarse_s']:>10.4f}{row['optimus_s']:>11.4f}"
             f"{100 * (row['optimus_s'] / whole_s - 1):>+9.2f}%"
         )
     print()
