@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from optimus_mllm.calibration import load_calibration
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.yaml_input import YAMLInputError, parse_yaml, read_yaml_file
 
@@ -241,7 +242,10 @@ class CostModelConfig:
     attention_efficiency: float = 0.5
     memory_efficiency: float = 0.7
     network_efficiency: float = 0.7
+    nvlink_efficiency: float | None = None  # collectives inside a node; None: network_efficiency
     kernel_overhead_us: float = 2.0  # launch and tail latency added to every kernel
+    # roofline (these constants), paper, or a calibration file: see optimus_mllm/calibration.py
+    calibration: str = "roofline"
     # JSON of measured kernel times (optimus-profile); overrides the roofline
     profile: str | None = None
 
@@ -303,7 +307,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     for item in overrides:
         _apply_override(raw, item)
     raw["source"] = str(path)
-    config = _build(OptimusConfig, raw, "")
+    config = calibrate(_build(OptimusConfig, raw, ""))
     validate(config)
     return config
 
@@ -311,7 +315,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def config_from_dict(raw: dict[str, Any], base_dir: str | Path = ".") -> OptimusConfig:
     """Build and validate a config from an in-memory mapping (tests, programmatic use)."""
     raw = _resolve_model_bases(dict(raw), Path(base_dir))
-    config = _build(OptimusConfig, raw, "")
+    config = calibrate(_build(OptimusConfig, raw, ""))
     validate(config)
     return config
 
@@ -555,9 +559,10 @@ def validate(config: OptimusConfig) -> None:
         "attention_efficiency",
         "memory_efficiency",
         "network_efficiency",
+        "nvlink_efficiency",
     ):
         value = getattr(cm, name)
-        if not 0 < value <= 1:
+        if value is not None and not 0 < value <= 1:
             raise ConfigError(f"cost_model.{name}", f"must be in (0, 1], got {value}")
     if cm.kernel_overhead_us < 0:
         raise ConfigError(
@@ -816,3 +821,18 @@ def _divisors_text(n: int) -> str:
     if len(divs) > 12:
         return f"the divisors of {n}"
     return _join_ints(divs)
+
+
+def calibrate(config: OptimusConfig) -> OptimusConfig:
+    """``config`` under its ``cost_model.calibration``."""
+    calibration = load_calibration(config.cost_model.calibration)
+    if calibration is None:
+        return config
+    training = config.training
+    if calibration.recompute is not None:
+        training = dataclasses.replace(training, recompute=calibration.recompute)
+    return dataclasses.replace(
+        config,
+        cost_model=dataclasses.replace(config.cost_model, **calibration.constants),
+        training=training,
+    )

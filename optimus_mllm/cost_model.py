@@ -13,6 +13,7 @@ the QKV/fc1 input gradient).
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NoReturn
@@ -33,6 +34,59 @@ PROFILE_VERSION = 2
 # yet.
 KERNEL_SET = "torch-sdpa"
 
+# Pieces of a kernel (a share of its token rows, cut to fit a short bubble) are priced as an
+# H100-class GPU runs them. A GEMM computes its output in TILE x TILE tiles, one per SM at a time,
+# in waves of SMS tiles: a piece of a few rows fills only part of a wave, so it takes a whole wave's
+# time for a fraction of its work (tile and wave quantization); flash-style attention does the same
+# per (batch, head, TILE queries). A GEMM with fewer tiles than SMs splits its inner dimension over
+# the idle SMs (cuBLAS's split-K; the partial sums' reduction is not charged), attention does not.
+# Every piece also streams what it cannot share with the other pieces (a GEMM's weights) from HBM.
+# cuBLAS picks its tile per shape; 128 x 128 is its usual bf16 tile on Hopper and what the model
+# assumes. A measured profile times whole kernels only, so the pieces of a measured kernel keep
+# this shape, scaled to the measured time.
+SMS = 132  # streaming multiprocessors of an H100 SXM
+TILE = 128  # rows and columns of one output tile; pieces are whole blocks of TILE token rows
+
+
+@dataclass(frozen=True)
+class PieceShape:
+    """How a splittable kernel's work divides over its token rows (see ``CostModel.piece_us``).
+
+    ``in_tiles`` / ``out_tiles``: the output tiles one block of TILE rows makes in backward (a
+    GEMM's input gradient, as wide as its input) and forward (as wide as its output); attention's
+    are its (batch, head) pairs both ways; 0 for a memory-bound kernel, whose time is its rows'
+    share. ``fixed_bytes``: the HBM traffic every piece repeats in forward, whatever its rows (a
+    GEMM's weights, attention's keys and values); a backward piece repeats it twice (a GEMM also
+    writes its weight gradient).
+    """
+
+    rows: int
+    in_tiles: int = 0
+    out_tiles: int = 0
+    fixed_bytes: float = 0.0
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.rows // TILE)
+
+
+@dataclass(frozen=True)
+class PiecePrices:
+    """What the pieces of one splittable kernel take: ``us[k]`` a piece of k of its ``blocks`` row
+    blocks, for 0 < k < blocks, launch and any recomputation included (``us[0]`` is 0). Found once
+    per kernel, so the scheduler's inner loop only looks them up; a piece is never the whole kernel,
+    whose time is its own duration."""
+
+    us: tuple[float, ...]
+
+    @property
+    def blocks(self) -> int:
+        return len(self.us)
+
+    def most_blocks(self, room_us: float) -> int:
+        """The most blocks a piece of at most ``room_us`` holds (0: not even one)."""
+        return bisect_right(self.us, room_us) - 1
+
 
 @dataclass(frozen=True)
 class KernelWork:
@@ -49,6 +103,7 @@ class KernelWork:
     bytes: float = 0.0
     collective: Collective | None = None
     group_size: int = 1
+    piece: PieceShape | None = None  # a layer's compute kernel: how its rows can be cut
 
     @property
     def is_comm(self) -> bool:
@@ -117,19 +172,21 @@ def _half_backward(half: list[KernelWork], recompute: str) -> list[KernelWork]:
         if k.kind == "attention" and recompute == "selective":
             out.append(_renamed(k, "recompute_attn_core", "bwd"))
         scale = 2 if k.kind in ("gemm", "attention") else 1  # dgrad + wgrad
-        out.append(KernelWork(k.name, "bwd", k.kind, scale * k.flops, 2 * k.bytes))
+        out.append(KernelWork(k.name, "bwd", k.kind, scale * k.flops, 2 * k.bytes, piece=k.piece))
     if any(k.collective == "all_gather" for k in comm):
         out.append(
             _adjoint(next(k for k in comm if k.collective == "all_gather"), "reduce_scatter")
         )
     elif any(k.collective == "all_reduce" for k in comm):
         out.append(_adjoint(next(k for k in comm if k.collective == "all_reduce"), "all_reduce"))
-    out.append(KernelWork(norm.name, "bwd", norm.kind, norm.flops, 2 * norm.bytes))
+    out.append(
+        KernelWork(norm.name, "bwd", norm.kind, norm.flops, 2 * norm.bytes, piece=norm.piece)
+    )
     return out
 
 
 def _renamed(k: KernelWork, name: str, phase: Phase) -> KernelWork:
-    return KernelWork(name, phase, k.kind, k.flops, k.bytes, k.collective, k.group_size)
+    return KernelWork(name, phase, k.kind, k.flops, k.bytes, k.collective, k.group_size, k.piece)
 
 
 def _adjoint(k: KernelWork, collective: Collective) -> KernelWork:
@@ -152,23 +209,38 @@ def _forward_kernels(shape: LayerShape) -> list[KernelWork]:
     act = n * h * b  # one full activation tensor
 
     def gemm(name: str, k_in: int, k_out: int) -> KernelWork:
+        piece = PieceShape(n, -(-k_in // TILE), -(-k_out // TILE), k_in * k_out * b)
         return KernelWork(
-            name, "fwd", "gemm", 2.0 * n * k_in * k_out, (n * k_in + k_in * k_out + n * k_out) * b
+            name,
+            "fwd",
+            "gemm",
+            2.0 * n * k_in * k_out,
+            (n * k_in + k_in * k_out + n * k_out) * b,
+            piece=piece,
         )
 
     def norm(name: str) -> KernelWork:
-        return KernelWork(name, "fwd", "memory", 8.0 * local_tokens * h, 2 * local_tokens * h * b)
+        return KernelWork(
+            name,
+            "fwd",
+            "memory",
+            8.0 * local_tokens * h,
+            2 * local_tokens * h * b,
+            piece=PieceShape(local_tokens),
+        )
 
     def tp_comm(name: str, collective: Collective) -> KernelWork:
         return KernelWork(name, "fwd", "comm", 0.0, act, collective, t)
 
     heads = s.num_attention_heads // t
+    pairs = shape.micro_batch_size * heads  # a piece takes some queries of every sequence
     attn_core = KernelWork(
         "attn_core",
         "fwd",
         "attention",
         4.0 * shape.micro_batch_size * heads * s.seq_length**2 * d,  # QK^T and PV
         (n * (q_width + 2 * kv_width) + n * q_width) * b,  # flash-style: no s^2 tensor in HBM
+        piece=PieceShape(s.seq_length, pairs, pairs, 2 * n * kv_width * b),  # every key, value
     )
     kernels = [norm("ln_attn")]
     if t > 1 and sp:
@@ -183,7 +255,14 @@ def _forward_kernels(shape: LayerShape) -> list[KernelWork]:
         kernels.append(tp_comm("tp_ag_mlp", "all_gather"))
     kernels += [
         gemm("fc1", h, fc1_out),
-        KernelWork("act", "fwd", "memory", 8.0 * n * fc1_out, (n * fc1_out + n * ffn) * b),
+        KernelWork(
+            "act",
+            "fwd",
+            "memory",
+            8.0 * n * fc1_out,
+            (n * fc1_out + n * ffn) * b,
+            piece=PieceShape(n),
+        ),
         gemm("fc2", ffn, h),
     ]
     if t > 1:
@@ -263,13 +342,73 @@ class CostModel:
         wire = collective_bytes_on_wire(work.collective, work.bytes, work.group_size)
         if wire == 0:
             return 0.0
-        eff = self.params.network_efficiency
+        eff = self._link_efficiency(bandwidth_gbps)
         us = wire / (bandwidth_gbps * 1e9 * eff) * 1e6
         if not math.isfinite(us):
-            _raise_not_finite(
-                work, "cost_model.network_efficiency", eff, wire / bandwidth_gbps / 1e3
+            field = (
+                "cost_model.nvlink_efficiency"
+                if eff != self.params.network_efficiency
+                else "cost_model.network_efficiency"
             )
+            _raise_not_finite(work, field, eff, wire / bandwidth_gbps / 1e3)
         return us + self.params.kernel_overhead_us
+
+    def _link_efficiency(self, bandwidth_gbps: float) -> float:
+        """NVLink's own efficiency where one is set (a group inside a node gets the node's
+        bandwidth from ``group_bandwidth_gbps``), else the one for every link."""
+        nvlink = self.params.nvlink_efficiency
+        if nvlink is not None and bandwidth_gbps == self.cluster.intra_node_bandwidth_gbps:
+            return nvlink
+        return self.params.network_efficiency
+
+    def piece_us(
+        self, work: KernelWork, whole_us: float, lo: float, hi: float, recompute_us: float = 0.0
+    ) -> float:
+        """A piece [lo, hi) (fractions of its row blocks) of a kernel whose whole run takes
+        ``whole_us`` (launch included: the roofline's or a measured time).
+
+        Compute: the whole kernel's time (less its launch) over the waves its tiles fill, times the
+        waves the piece's tiles fill; a backward GEMM's weight gradient (half its FLOPs) reduces
+        over the rows, so that half scales with the piece's rows instead. Memory: the piece's share
+        of the kernel's traffic plus what every piece repeats (``PieceShape.fixed_bytes``). A
+        backward piece of a kernel that is not a GEMM first recomputes its forward on the piece's
+        rows (``runtime/encoder_ops``), ``recompute_us`` being that whole forward, launch excluded.
+        """
+        piece = work.piece
+        assert piece is not None, f"{work.name} cannot run as pieces"
+        share = hi - lo
+        body = whole_us - self.params.kernel_overhead_us
+        if piece.out_tiles == 0:  # memory-bound: its rows' share
+            compute = body * share
+        else:
+            tiles, depth = (
+                (piece.in_tiles, piece.out_tiles)
+                if work.phase == "bwd"
+                else (piece.out_tiles, piece.in_tiles)
+            )
+            depth = depth if work.kind == "gemm" else 1  # split-K is a GEMM's
+            blocks = round(share * piece.blocks)
+            quantized = _waves(blocks * tiles, depth) / _waves(piece.blocks * tiles, depth)
+            weight_grad = 0.5 if work.phase == "bwd" and work.kind == "gemm" else 0.0
+            compute = body * ((1 - weight_grad) * quantized + weight_grad * share)
+        repeated = piece.fixed_bytes * (2 if work.phase == "bwd" else 1)
+        memory = ((work.bytes - repeated) * share + repeated) / self._hbm_bytes_per_us()
+        return max(compute, memory) + self.params.kernel_overhead_us + recompute_us * share
+
+    def piece_prices(
+        self, work: KernelWork, whole_us: float, recompute_us: float = 0.0
+    ) -> PiecePrices | None:
+        """Every piece of the kernel, by its number of row blocks; None if it has fewer than two."""
+        if work.piece is None or work.piece.blocks < 2:
+            return None
+        n = work.piece.blocks
+        return PiecePrices(
+            (0.0,)
+            + tuple(self.piece_us(work, whole_us, 0.0, k / n, recompute_us) for k in range(1, n))
+        )
+
+    def _hbm_bytes_per_us(self) -> float:
+        return self.cluster.hbm_bandwidth_gbps * 1e3 * self.params.memory_efficiency
 
     def layer(
         self, shape: LayerShape, phase: Phase, module: str, tp_bandwidth_gbps: float
@@ -301,6 +440,14 @@ def _raise_not_finite(
         f"kernel '{work.name}' ({work.phase}) takes an infinite time even at efficiency 1: the "
         "cluster's peak_tflops or bandwidths are too small for this model",
     )
+
+
+def _waves(tiles: int, depth_tiles: int) -> float:
+    """The waves of SMS tiles that ``tiles`` output tiles take; fewer than one wave's split their
+    ``depth_tiles`` inner steps over the idle SMs, so take a fraction of a wave."""
+    if tiles >= SMS:
+        return -(-tiles // SMS)
+    return 1 / max(1, min(SMS // tiles, depth_tiles))
 
 
 def p2p_work(

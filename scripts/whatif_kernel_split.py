@@ -1,15 +1,20 @@
 """What-if: encoder kernels whole, in equal pieces, or cut to fit the bubbles they go into. What
 does each buy?
 
-    python scripts/whatif_kernel_split.py [--pieces US ...] [--only CASE ...] [--json OUT]
+    python scripts/whatif_kernel_split.py [--pieces US ...] [--only CASE ...] [--calibration NAME]
+        [--json OUT]
 
 The bubble scheduler cuts a kernel the runtime can split (a transformer layer's compute kernel) to
-fit the bubble it goes into (``scheduler/fine.py``): that is the ``fit`` row. For comparison, with
-every kernel whole (the paper's Algorithm 1 as it stands: ``whole``), and with every compute kernel
-longer than a piece size cut into the fewest equal pieces no longer than it, wherever it runs
-(``equal``). Each extra piece pays the cost model's launch overhead
-(``cost_model.kernel_overhead_us``); the rows marked ``free`` drop it, the most any split could buy.
-The Megatron-LM baselines keep whole kernels at the LLM plan's V. Cases:
+fit the bubble it goes into (``scheduler/fine.py``), each piece priced by its shape: whole blocks
+of 128 rows, tile and wave quantization of an H100-class GPU, a non-GEMM backward piece recomputing
+its forward rows (``CostModel.piece_us``): that is the ``fit ... by shape`` row. For comparison,
+with every kernel whole (the paper's Algorithm 1 as it stands: ``whole``); cut to fit with each
+piece priced as its share of the work plus the cost model's launch overhead
+(``cost_model.kernel_overhead_us``), as if the GPU ran any piece at the whole kernel's efficiency
+(``fit``); and with every compute kernel longer than a piece size cut into the fewest equal pieces
+no longer than it, wherever it runs, priced the same way (``equal``). The rows marked ``free`` drop
+the launch too, the most any split could buy. The Megatron-LM baselines keep whole kernels at the
+LLM plan's V. Cases:
 - ``fig5_heavy``: the paper's Figure 5 shape (8 GPUs, LLM DP1 PP4 TP2) with a 4096-wide ViT on
   1024 tokens and the LLM at V10, where Optimus with whole kernels loses to balanced;
 - the strong-scaling setups in the configs' reading (2048-token ViT inputs): ``strong_1536`` ...
@@ -24,6 +29,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 from unittest import mock
 
 from optimus_mllm.config import OptimusConfig, load_config
@@ -64,29 +70,37 @@ def split_chain(chain: StageChain, piece_us: float, overhead_us: float) -> Stage
     return StageChain(tuple(kernels))
 
 
-def whole(chain: StageChain) -> StageChain:
-    return StageChain(tuple(dataclasses.replace(k, splittable=False) for k in chain.kernels))
-
-
-# The rows: how the encoder's kernels are split, and whether the extra launches are charged
-Row = tuple[str, float | None, bool]  # ("whole" | "equal" | "fit", piece size, overhead charged)
+# The rows: how the encoder's kernels are split, and how a piece is priced: by its shape (the cost
+# model's tile and wave quantization and recomputation, ``CostModel.piece_us``), as its share of the
+# work plus a launch, or as its share alone
+Pricing = Literal["shape", "launch", "free"]
+Row = tuple[str, float | None, Pricing]  # ("whole" | "equal" | "fit", piece size, pricing)
 
 
 def encoder_work(build: Callable[..., EncoderWork], row: Row) -> Callable[..., EncoderWork]:
     """``build_encoder_work`` with the row's kernels."""
-    split, piece, charged = row
+    split, piece, pricing = row
 
     def build_row(config: OptimusConfig, *args: object) -> EncoderWork:
         work = build(config, *args)
-        paid = config.cost_model.kernel_overhead_us if charged else 0.0
+        if split == "whole" or (split, pricing) == ("fit", "shape"):
+            return work.whole() if split == "whole" else work
+        paid = 0.0 if pricing == "free" else config.cost_model.kernel_overhead_us
         if split == "fit":
-            return dataclasses.replace(work, launch_us=paid)
-        chain = whole if split == "whole" else (lambda c: split_chain(c, piece, paid))
+            chain = unpriced
+            work = dataclasses.replace(work, launch_us=paid)
+        else:
+            chain = lambda c: split_chain(c, piece, paid)  # noqa: E731
         return dataclasses.replace(
             work, fwd=tuple(map(chain, work.fwd)), bwd=tuple(map(chain, work.bwd))
         )
 
     return build_row
+
+
+def unpriced(chain: StageChain) -> StageChain:
+    """Its kernels' pieces priced as their share of the work plus a launch, not by their shape."""
+    return StageChain(tuple(dataclasses.replace(k, prices=None) for k in chain.kernels))
 
 
 def run_case(config: OptimusConfig, rows: list[Row]) -> dict:
@@ -102,7 +116,7 @@ def run_case(config: OptimusConfig, rows: list[Row]) -> dict:
         "balanced_s": balanced,
         "rows": [],
     }
-    for row in [("whole", None, True), *rows]:
+    for row in [("whole", None, "launch"), *rows]:
         with mock.patch.object(
             bubble_scheduler,
             "build_encoder_work",
@@ -110,12 +124,12 @@ def run_case(config: OptimusConfig, rows: list[Row]) -> dict:
         ):
             fine = bubble_scheduler.best_schedule(config, planned, cost)
             coarse = bubble_scheduler.best_schedule(config, planned, cost, fine=False)
-        split, piece, charged = row
+        split, piece, pricing = row
         out["rows"].append(
             {
                 "split": split,
                 "piece_us": piece,
-                "overhead": charged,
+                "pricing": pricing,
                 "optimus_s": fine.best.iteration_us / 1e6,
                 "coarse_s": coarse.best.iteration_us / 1e6,
                 "encoder_plan": str(fine.best.encoder_plan),
@@ -149,7 +163,7 @@ def print_case(name: str, case: dict) -> None:
         "kernels' plan) "
         f"and {case['bubbles_ms']:.1f} ms of LLM bubbles"
     )
-    print(f"{'kernels':<28}{'encoder plan':<16}{'coarse s':>10}{'Optimus s':>11}{'vs whole':>10}")
+    print(f"{'kernels':<32}{'encoder plan':<16}{'coarse s':>10}{'Optimus s':>11}{'vs whole':>10}")
     whole_s = case["rows"][0]["optimus_s"]
     for row in case["rows"]:
         label = (
@@ -157,9 +171,10 @@ def print_case(name: str, case: dict) -> None:
             if row["split"] == "equal"
             else {"whole": "whole", "fit": "pieces fit to bubbles"}[row["split"]]
         )
-        label += "" if row["overhead"] else " free"
+        if row["split"] != "whole":
+            label += {"shape": " by shape", "launch": "", "free": " free"}[row["pricing"]]
         print(
-            f"{label:<28}{row['encoder_plan']:<16}{row['coarse_s']:>10.4f}{row['optimus_s']:>11.4f}"
+            f"{label:<32}{row['encoder_plan']:<16}{row['coarse_s']:>10.4f}{row['optimus_s']:>11.4f}"
             f"{100 * (row['optimus_s'] / whole_s - 1):>+9.2f}%"
         )
     print()
@@ -183,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="CASE",
         help=f"cases to run (default all: {', '.join(CASES)})",
     )
+    parser.add_argument(
+        "--calibration",
+        default="roofline",
+        metavar="NAME",
+        help="the cost model's calibration (default roofline; paper; or a calibration YAML file)",
+    )
     parser.add_argument("--json", metavar="OUT", help="write every figure as JSON")
     args = parser.parse_args(argv)
     if not all(math.isfinite(p) and p > 0 for p in args.pieces):
@@ -199,14 +220,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    rows: list[Row] = [("equal", p, charged) for p in args.pieces for charged in (True, False)]
-    rows += [("fit", None, charged) for charged in (True, False)]
+    rows: list[Row] = [("equal", p, pricing) for p in args.pieces for pricing in ("launch", "free")]
+    rows += [("fit", None, pricing) for pricing in ("shape", "launch", "free")]
     results = {}
     try:
         for name in args.only or CASES:
             path, overrides = CASES[name]
+            calibration = f"cost_model.calibration={args.calibration}"
             results[name] = run_case(
-                load_config(REPO / "configs" / "paper" / path, overrides), rows
+                load_config(REPO / "configs" / "paper" / path, [*overrides, calibration]), rows
             )
             print_case(name, results[name])
         if args.json:

@@ -669,8 +669,10 @@ class _PlanInput:
         candidate: EncoderPlanCandidate,
         bubbles: LLMBubbles,
         cost: CostModel,
+        cut_kernels: bool = True,
     ) -> _PlanInput:
         work = build_encoder_work(config, llm_plan, candidate.plan, cost)
+        work = work if cut_kernels else work.whole()
         bound = PartitionBound(work, bubbles.dep, bubbles.lengths)
         return cls(candidate, work, {p: bound(p) for p in candidate.partitions.partitions})
 
@@ -837,7 +839,11 @@ class OptimusResult:
 
 
 def best_schedule(
-    config: OptimusConfig, planned: PlannerResult, cost: CostModel, fine: bool = True
+    config: OptimusConfig,
+    planned: PlannerResult,
+    cost: CostModel,
+    fine: bool = True,
+    cut_kernels: bool = True,
 ) -> OptimusResult:
     """Optimus (Algorithm 1): run the bubble scheduler on every encoder plan, keep the fastest
     schedule;
@@ -845,14 +851,16 @@ def best_schedule(
     as further candidates: one strictly faster than every schedule is the result's ``baseline``.
 
     Plans are tried in order of their lower bound, so that the best schedule found early lets the
-    bound skip plans (and partitions) that cannot beat it.
+    bound skip plans (and partitions) that cannot beat it. ``cut_kernels=False`` runs every encoder
+    kernel whole, as the paper's Algorithm 1 does.
     """
     started = time.perf_counter()
     with _cyclic_gc_paused():
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
         result = OptimusResult(best=None, llm_alone_us=bubbles.dep.timeline.iteration_us)
         plan_inputs = [
-            _PlanInput.of(config, planned.llm_plan, c, bubbles, cost) for c in planned.candidates
+            _PlanInput.of(config, planned.llm_plan, c, bubbles, cost, cut_kernels)
+            for c in planned.candidates
         ]
         best: _PlanBest | None = None
         for plan_input in sorted(plan_inputs, key=lambda p: p.lower_bound_us):

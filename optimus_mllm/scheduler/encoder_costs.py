@@ -7,7 +7,7 @@ no backward; its projector still trains (paper §6).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from optimus_mllm.config import EncoderConfig, OptimusConfig
@@ -17,7 +17,9 @@ from optimus_mllm.cost_model import (
     KernelWork,
     LayerShape,
     Phase,
+    PiecePrices,
     group_bandwidth_gbps,
+    layer_kernels,
     p2p_work,
 )
 from optimus_mllm.params import encoder_params_per_stage, projector_params, stage_layer_bounds
@@ -36,6 +38,17 @@ class EncoderKernel:
     # can run as pieces of its tokens (``runtime/encoder_ops``): a transformer layer's compute
     # kernel, not a recomputation, in an encoder without dropout (its masks are drawn whole)
     splittable: bool = False
+    # what its pieces take, by their shape (``CostModel.piece_prices``); None: a piece takes its
+    # share of the kernel's work plus a launch
+    prices: PiecePrices | None = None
+
+    def piece_us(self, lo: float, hi: float, launch_us: float) -> float:
+        """The time of its piece [lo, hi) of its tokens (the whole kernel: its duration)."""
+        if hi - lo == 1.0:
+            return self.duration_us
+        if self.prices is not None:
+            return self.prices.us[round((hi - lo) * self.prices.blocks)]
+        return launch_us + (hi - lo) * (self.duration_us - launch_us)
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,15 @@ class EncoderWork:
     # what cutting a kernel into one more piece adds: its launch (kernel_overhead_us)
     launch_us: float = 0.0
 
+    def whole(self) -> EncoderWork:
+        """The same work with every kernel run whole: the paper's Algorithm 1, which places
+        kernels and never cuts one."""
+
+        def whole(chain: StageChain) -> StageChain:
+            return StageChain(tuple(replace(k, splittable=False) for k in chain.kernels))
+
+        return replace(self, fwd=tuple(map(whole, self.fwd)), bwd=tuple(map(whole, self.bwd)))
+
     def llm_stage(self, pipeline: int, stage: int) -> int:
         return self.stage_gpus[pipeline][stage][0] // self.llm_tp
 
@@ -95,15 +117,23 @@ def build_encoder_work(
             enc, enc_plan.tp, t.micro_batch_size, t.sequence_parallel, dtype, t.recompute
         )
         layer = {phase: cost.layer(shape, phase, enc.name, bw) for phase in ("fwd", "bwd")}
+        prices = _piece_prices(shape, layer, cost)
         for e, (lo, hi) in enumerate(stage_layer_bounds(enc.num_layers, enc_plan.pp)):
             if e == 0:
                 fwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "fwd"))
             for i in range(lo, hi):
                 fwd[e] += [
                     EncoderKernel(
-                        enc.name, i, k.name, "fwd", k.is_comm, k.duration_us, _splittable(enc, k)
+                        enc.name,
+                        i,
+                        k.name,
+                        "fwd",
+                        k.is_comm,
+                        k.duration_us,
+                        _splittable(enc, k),
+                        p,
                     )
-                    for k in layer["fwd"]
+                    for k, p in zip(layer["fwd"], prices["fwd"])
                 ]
             if e == enc_plan.pp - 1:
                 fwd[e] += _projector(config, enc, cost, enc_plan.tp, "fwd")
@@ -119,8 +149,9 @@ def build_encoder_work(
                             k.is_comm,
                             k.duration_us,
                             _splittable(enc, k),
+                            p,
                         )
-                        for k in layer["bwd"]
+                        for k, p in zip(layer["bwd"], prices["bwd"])
                     ]
                 if e == 0:
                     bwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "bwd"))
@@ -146,6 +177,25 @@ def build_encoder_work(
         llm_tp=llm_plan.tp,
         launch_us=config.cost_model.kernel_overhead_us,
     )
+
+
+def _piece_prices(
+    shape: LayerShape, layer: dict[Phase, list[Kernel]], cost: CostModel
+) -> dict[Phase, list[PiecePrices | None]]:
+    """Per phase, per kernel of one layer: its pieces' times (None where it has no pieces). A
+    backward piece of a kernel that is not a GEMM recomputes that kernel's forward on its rows."""
+    launch = cost.params.kernel_overhead_us
+    forward_us = {k.name: k.duration_us - launch for k in layer["fwd"]}
+    prices: dict[Phase, list[PiecePrices | None]] = {}
+    for phase, kernels in layer.items():
+        prices[phase] = []
+        for work, k in zip(layer_kernels(shape, phase), kernels):
+            if k.is_comm or k.name.startswith("recompute_"):
+                prices[phase].append(None)
+                continue
+            redo = forward_us[k.name] if phase == "bwd" and work.kind != "gemm" else 0.0
+            prices[phase].append(cost.piece_prices(work, k.duration_us, redo))
+    return prices
 
 
 def _splittable(enc: EncoderConfig, kernel: Kernel) -> bool:

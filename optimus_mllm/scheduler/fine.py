@@ -6,18 +6,23 @@ bubbles), its communication kernels into time with no LLM TP collective (mostly 
 paper Fig. 7). Placement is first-fit, in tau (time from the LLM's origin t0). A kernel the runtime
 can split (``EncoderKernel.splittable``) that would start later than a bubble it could partly fill
 is cut to fit: that bubble gets a piece of its tokens and the rest goes on from the bubble's end,
-each further piece paying the kernel's launch again (``EncoderWork.launch_us``), so short TP bubbles
-are used too. Every piece, the last included, holds at least ``MIN_PIECE_WORK_US`` of the kernel's
-work beside its launch: a cut never leaves a sliver (such as the rest of a kernel that missed a
-bubble by floating-point rounding) that would pay a whole launch for next to no tokens.
+so short TP bubbles are used too. A piece takes what the cost model prices it at by its shape
+(``EncoderKernel.prices``: whole blocks of rows, tile and wave quantization, recomputation), so a
+cut is made only where a piece at that price still fits; a kernel without prices pays its share of
+the work plus its launch again (``EncoderWork.launch_us``). Every piece, the last included, holds
+at least ``MIN_PIECE_WORK_US`` of the kernel's work beside its launch: a cut never leaves a sliver
+(such as the rest of a kernel that missed a bubble by floating-point rounding) that would pay a
+whole launch for next to no tokens.
 """
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from optimus_mllm.cost_model import PiecePrices
 from optimus_mllm.scheduler.coarse import PostWindow, PreWindow
 from optimus_mllm.scheduler.dependencies import EncLLMDep
 from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain
@@ -103,7 +108,12 @@ class Resource:
             if lo <= t < hi and end <= hi and end <= limit:
                 start = t
             elif splittable and d > min_room:
-                placed = self._fit(d, t, limit, launch_us, min_room)
+                prices = chain.kernels[i].prices
+                placed = (
+                    self._fit_priced(prices, d, t, limit, launch_us)
+                    if prices is not None
+                    else self._fit(d, t, limit, launch_us, min_room)
+                )
                 if placed is None:
                     return None
                 pieces, current[0] = placed
@@ -154,6 +164,33 @@ class Resource:
             t = start + launch_us + share
             pieces.append((done / work, (done + share) / work, start, t))
             done, left = done + share, left - share
+
+    def _fit_priced(
+        self, prices: PiecePrices, d: float, t: float, limit: float, launch_us: float
+    ) -> tuple[Cut, tuple[float, float]] | None:
+        """``_fit`` for a kernel whose pieces are priced by their shape: each piece is the most
+        whole row blocks its bubble holds at ``prices``, the rest runs on from there. A piece, and
+        the rest, hold at least ``MIN_PIECE_WORK_US`` of the kernel's work (``least`` blocks), as
+        ``_fit``'s do."""
+        n = prices.blocks
+        least = max(1, math.ceil(MIN_PIECE_WORK_US * n / (d - launch_us) - 1e-9))
+        pieces, done = [], 0
+        while True:
+            left = d if done == 0 else prices.us[n - done]  # the rest as one more kernel
+            whole = self.compute.earliest_fit(t, left, limit)
+            can_cut = n - done >= 2 * least
+            piece = self.compute.earliest_fit(t, prices.us[least], limit) if can_cut else None
+            if piece is None or (whole is not None and whole[0] <= piece[0]):
+                if whole is None:
+                    return None
+                start, lo, hi = whole
+                pieces.append((done / n, 1.0, start, start + left))
+                return pieces, (lo, hi)
+            start, lo, hi = piece
+            k = min(prices.most_blocks(min(hi, limit) - start), n - done - least)
+            t = start + prices.us[k]
+            pieces.append((done / n, (done + k) / n, start, t))
+            done += k
 
 
 def _take_span(stream: array, start: float, end: float) -> None:

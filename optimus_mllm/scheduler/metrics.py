@@ -74,18 +74,25 @@ def bubble_breakdown(tl: LLMTimeline) -> BubbleBreakdown:
     return BubbleBreakdown(end, {k: v / tl.pp for k, v in total.items()})
 
 
-def model_flops_per_iteration(config: OptimusConfig) -> float:
-    """Model FLOPs of one iteration (forward + backward = 3x forward; recomputation not counted),
-    all GPUs."""
+def model_flops_per_iteration(config: OptimusConfig, recompute: bool = False) -> float:
+    """Model FLOPs of one iteration (forward + backward = 3x forward), all GPUs; with
+    ``recompute``, also the forward FLOPs that activation recomputation runs again (a trained
+    transformer's layers once more under full recomputation, their attention core under selective),
+    as hardware-FLOP MFU counts them."""
     t = config.training
     flops = 0.0
     for spec, extra in [(config.llm, _lm_head_flops(config))] + [(e, 0.0) for e in config.encoders]:
         shape = LayerShape(spec, 1, 1, False, 2)
-        per_layer = sum(
-            k.flops for k in layer_kernels(shape, "fwd") if k.kind in ("gemm", "attention")
-        )
+        kernels = layer_kernels(shape, "fwd")
+        per_layer = sum(k.flops for k in kernels if k.kind in ("gemm", "attention"))
         trainable = not getattr(spec, "frozen", False)
         flops += (3 if trainable else 1) * (per_layer * spec.num_layers + extra)
+        if recompute and trainable:
+            again = {
+                "full": per_layer,
+                "selective": sum(k.flops for k in kernels if k.kind == "attention"),
+            }.get(t.recompute, 0.0)
+            flops += again * spec.num_layers
     return flops * t.global_batch_size
 
 
@@ -94,7 +101,8 @@ def _lm_head_flops(config: OptimusConfig) -> float:
     return 2.0 * llm.seq_length * llm.hidden_size * llm.vocab_size
 
 
-def mfu(config: OptimusConfig, iteration_us: float) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over the cluster's peak."""
+def mfu(config: OptimusConfig, iteration_us: float, recompute: bool = False) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the cluster's peak; with ``recompute``,
+    recomputed FLOPs count too (``model_flops_per_iteration``)."""
     peak = config.cluster.num_gpus * config.cluster.peak_tflops * 1e12
-    return model_flops_per_iteration(config) / (iteration_us * 1e-6) / peak
+    return model_flops_per_iteration(config, recompute) / (iteration_us * 1e-6) / peak

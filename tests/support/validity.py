@@ -94,12 +94,6 @@ def _cut_problems(where: str, kernel: EncoderKernel, pieces: Cut, launch_us: flo
         or any(a[1] != b[0] for a, b in zip(pieces, pieces[1:]))
     ):
         return [f"{where} ({kernel.name}): its pieces do not tile its tokens in order"]
-    took = sum(end - start for _, _, start, end in pieces)
-    due = kernel.duration_us + (len(pieces) - 1) * launch_us
-    if abs(took - due) > TOLERANCE_US * len(pieces) or any(
-        end - start < launch_us for _, _, start, end in pieces
-    ):
-        return [f"{where} ({kernel.name}): its pieces take {took:.3f} us, not {due:.3f}"]
     work = kernel.duration_us - launch_us
     smallest = min(hi - lo for lo, hi, _, _ in pieces)
     if smallest * work < MIN_PIECE_WORK_US - TOLERANCE_US:
@@ -107,6 +101,18 @@ def _cut_problems(where: str, kernel: EncoderKernel, pieces: Cut, launch_us: flo
             f"{where} ({kernel.name}): a piece holds {smallest * work:.3g} us of its work, below "
             f"the minimum {MIN_PIECE_WORK_US} us (a launch for next to no tokens)"
         ]
+    if kernel.prices is not None:
+        blocks = kernel.prices.blocks
+        if any(
+            abs(x * blocks - round(x * blocks)) > 1e-9 for lo, hi, _, _ in pieces for x in (lo, hi)
+        ):
+            return [f"{where} ({kernel.name}): its pieces are not whole blocks of {blocks}"]
+    took = sum(end - start for _, _, start, end in pieces)
+    due = sum(kernel.piece_us(lo, hi, launch_us) for lo, hi, _, _ in pieces)
+    if abs(took - due) > TOLERANCE_US * len(pieces) or any(
+        end - start < launch_us for _, _, start, end in pieces
+    ):
+        return [f"{where} ({kernel.name}): its pieces take {took:.3f} us, not {due:.3f}"]
     return []
 
 

@@ -12,9 +12,12 @@ from optimus_mllm.cost_model import (
     KERNEL_SET,
     PROFILE_FORMAT,
     PROFILE_VERSION,
+    SMS,
+    TILE,
     CostModel,
     KernelWork,
     LayerShape,
+    PieceShape,
     collective_bytes_on_wire,
     layer_kernels,
     load_profile,
@@ -199,3 +202,48 @@ def test_backward_all_reduce_follows_the_gemm_whose_input_gradient_it_reduces():
         "tp_ar_attn",
         "ln_attn",
     ]
+
+
+def _gemm(out_tiles: int, blocks: int = 8, in_tiles: int = 4, fixed_bytes: float = 0.0):
+    """A forward GEMM of ``blocks`` blocks of TILE rows, compute-bound (no HBM traffic of its
+    own)."""
+    shape = PieceShape(TILE * blocks, in_tiles, out_tiles, fixed_bytes)
+    return KernelWork("fc1", "fwd", "gemm", 1e12, fixed_bytes, piece=shape)
+
+
+def test_a_gemm_piece_pays_for_the_waves_its_tiles_fill():
+    cost = CostModel(ClusterConfig(num_gpus=1), CostModelConfig(kernel_overhead_us=2.0))
+    work, whole = _gemm(out_tiles=SMS // 2), 402.0  # 8 blocks of 66 tiles: 4 waves of 100 us
+    piece = [cost.piece_us(work, whole, 0.0, k / 8) for k in range(1, 9)]
+    # one block: half a wave's tiles, their inner dimension split over the idle SMs (split-K);
+    # two: one full wave; three: a second wave for half of it
+    assert piece[:4] == pytest.approx([52.0, 102.0, 202.0, 202.0])
+    assert piece[7] == pytest.approx(whole)  # all blocks: the whole kernel
+    # never cheaper than its share of the work plus a launch
+    assert all(p >= k / 8 * (whole - 2.0) + 2.0 - 1e-9 for k, p in enumerate(piece, 1))
+    # without an inner dimension to split (attention), one block takes a whole wave
+    attention = KernelWork("attn_core", "fwd", "attention", 1e12, 0.0, piece=work.piece)
+    assert cost.piece_us(attention, whole, 0.0, 1 / 8) == pytest.approx(102.0)
+
+
+def test_a_piece_streams_the_weights_again_and_a_backward_piece_recomputes_its_rows():
+    cluster, params = ClusterConfig(num_gpus=1), CostModelConfig(kernel_overhead_us=2.0)
+    cost = CostModel(cluster, params)
+    hbm_us = 1 / (cluster.hbm_bandwidth_gbps * 1e3 * params.memory_efficiency)
+    weights = 256 * 2**20  # 115 us of HBM traffic, more than the piece's 50 us of compute
+    work = _gemm(out_tiles=SMS // 2, fixed_bytes=weights)
+    assert cost.piece_us(work, 402.0, 0.0, 1 / 8) == pytest.approx(weights * hbm_us + 2.0)
+    act = next(k for k in layer_kernels(_shape(tp=8), "bwd") if k.name == "act")
+    whole = cost.compute_us(act, "llm", 8)
+    plain = cost.piece_us(act, whole, 0.0, 0.25)
+    assert plain == pytest.approx((whole - 2.0) / 4 + 2.0)  # memory-bound: its rows' share
+    assert cost.piece_us(act, whole, 0.0, 0.25, recompute_us=40.0) == pytest.approx(plain + 10.0)
+
+
+def test_piece_prices_list_every_piece_short_of_the_whole_kernel():
+    cost = CostModel(ClusterConfig(num_gpus=1), CostModelConfig(kernel_overhead_us=2.0))
+    prices = cost.piece_prices(_gemm(out_tiles=SMS // 2), 402.0)
+    assert prices.blocks == 8 and prices.us[0] == 0.0
+    assert prices.us[1:4] == pytest.approx((52.0, 102.0, 202.0))
+    assert [prices.most_blocks(t) for t in (40.0, 52.0, 150.0, 202.0)] == [0, 1, 2, 4]
+    assert cost.piece_prices(_gemm(out_tiles=4, blocks=1), 50.0) is None  # one block: no pieces

@@ -10,13 +10,15 @@ import json
 import random
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
 from optimus_mllm.config import config_from_dict, load_config
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.cost_model import CostModel, PiecePrices
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import ParallelPlan, plan
+from optimus_mllm.scheduler import bubble_scheduler as scheduler_module
 from optimus_mllm.scheduler.artifact import load_artifact, schedule_to_artifact, write_artifact
 from optimus_mllm.scheduler.baselines import runnable_baselines
 from optimus_mllm.scheduler.bubble_scheduler import (
@@ -47,9 +49,11 @@ from optimus_mllm.scheduler.llm_timeline import (
 )
 from optimus_mllm.scheduler.metrics import bubble_breakdown, scheduling_efficiency
 
-from support.paths import CONFIGS
+from support.paths import CONFIGS, load_script
 from support.random_configs import heavy_random_config, random_config
 from support.validity import schedule_violations
+
+encoder_work = load_script("whatif_kernel_split").encoder_work
 
 
 def _uniform_work(pp: int, vp: int, tf: float = 1.0, tb: float = 2.0):
@@ -358,11 +362,15 @@ def test_fine_scheduling_moves_work_into_bubbles():
 
 def test_backward_moves_stopped_above_a_stage_drain_the_encoder_pipeline_during_the_llm():
     """Figure 5's shape with a 4096-wide ViT on 1024 tokens and the LLM at V10: no whole backward
-    move fits
-    its bubbles, but the upper stages' chains of the first microbatches do, so the post window's
-    stages need not wait for the encoder pipeline to drain, and Optimus beats both baselines."""
+    move fits its bubbles, but the upper stages' chains of the first microbatches do, so the post
+    window's stages need not wait for the encoder pipeline to drain, and Optimus beats both
+    baselines. With a kernel's pieces priced as their share of its work plus a launch: by their
+    shape no GEMM piece fits the 20-30 us TP bubbles of this case (a piece streams all of its
+    GEMM's weights, up to 64 MiB: 29 us alone), so no backward move fits (whatif_kernel_split)."""
     config = load_config(CONFIGS / "paper" / "fig5_heavy.yaml")
-    result = best_schedule(config, plan(config), CostModel.from_config(config))
+    launch_priced = encoder_work(scheduler_module.build_encoder_work, ("fit", None, "launch"))
+    with mock.patch.object(scheduler_module, "build_encoder_work", launch_priced):
+        result = best_schedule(config, plan(config), CostModel.from_config(config))
     best = result.best
     assert schedule_violations(best) == []
     windows: dict[int, set[str]] = {}
@@ -472,6 +480,25 @@ def test_strong_1536_with_4096_token_images_cuts_no_piece_below_the_minimum():
     works = _piece_works(best)
     assert len(works) > 10000 and min(works) >= MIN_PIECE_WORK_US - 1e-6
     assert schedule_violations(best) == []
+
+
+def test_a_kernel_priced_by_shape_is_cut_into_whole_blocks_at_their_prices():
+    """A piece of k of the kernel's 4 row blocks takes ``prices.us[k]`` (launch and tile
+    quantization included): each bubble gets the most blocks it holds, none one shorter than a
+    block's piece, and the rest runs whole at its own price."""
+    fc1 = EncoderKernel(
+        "vit", 0, "fc1", "fwd", False, 16.0, splittable=True, prices=PiecePrices((0, 6, 8, 14))
+    )
+    compute = FreeIntervals([(0.0, 5.0), (10.0, 17.0), (20.0, 30.0), (40.0, 100.0)])
+    placed = Resource(0, compute, FreeIntervals([(0.0, 100.0)])).place_chain(
+        StageChain((fc1,)), 0.0, 100.0, 2.0
+    )
+    # (0, 5) holds no block; (10, 17) one (6 us); (20, 30) two (8 us); the last block alone (6 us)
+    assert placed.cuts == {
+        0: [(0.0, 0.25, 10.0, 16.0), (0.25, 0.75, 20.0, 28.0), (0.75, 1.0, 40.0, 46.0)]
+    }
+    assert list(placed.spans[0]) == [10.0, 16.0, 20.0, 28.0, 40.0, 46.0] and placed.end == 46.0
+    assert [fc1.piece_us(lo, hi, 2.0) for lo, hi, _, _ in placed.cuts[0]] == [6.0, 8.0, 6.0]
 
 
 def test_frozen_encoder_has_no_backward_layers():

@@ -1,0 +1,168 @@
+"""Fit the ``paper`` calibration to the Optimus paper's Tables 5 and 7, print the fit and its
+residuals, and write ``optimus_mllm/calibrations/paper.yaml``.
+
+    python scripts/fit_calibration.py [--out PATH]
+
+What is fitted: the GEMM and attention efficiencies of the cost model and those of its collectives
+inside a node (NVLink: TP) and across nodes (DP, PP), with full recomputation, which the paper's
+own FLOP accounting implies (its aggregate PFLOP/s times its iteration time is 5.12e18 FLOPs in
+every Table 5 row: the configs' workload with recomputation as a fourth pass, 3.82e18 without).
+What they are fitted to, on the three strong-scaling setups
+(configs/paper/strong_*.yaml): Megatron-LM balanced at V12 (Table 12) and Optimus (Table 5),
+within 5 %, and Eff_coarse and Eff_fine (Table 7), within 5 points, Optimus running every kernel
+whole as the paper's Algorithm 1 does. Megatron-LM's own column is left out: no calibration fits
+it together with the rest (``scripts/bench_scheduler.py`` states why under its table).
+
+The search is a coordinate descent from START on grids of 0.04, 0.02, then 0.01: each step tries
+one grid step up and down of every constant and keeps the best, until none improves, then the grid
+is refined. The score is the worst residual in units of its bound, then the sum of their squares;
+so the fit is deterministic and a rerun writes the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from multiprocessing import Pool
+from pathlib import Path
+from types import ModuleType
+
+from optimus_mllm.calibration import CALIBRATIONS
+from optimus_mllm.config import load_config
+from optimus_mllm.io_utils import atomic_write_text
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bench_scheduler() -> ModuleType:
+    """scripts/bench_scheduler.py, loaded from its file beside this one (scripts are programs, not
+    a package): the paper's tables and how the benchmark reads a setup."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_scheduler", REPO / "scripts" / "bench_scheduler.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+_bench = _bench_scheduler()
+PAPER_TABLE5, PAPER_TABLE7, paper_figures = (
+    _bench.PAPER_TABLE5,
+    _bench.PAPER_TABLE7,
+    _bench.paper_figures,
+)
+
+START = {
+    "gemm_efficiency": 0.45,
+    "attention_efficiency": 0.32,
+    "nvlink_efficiency": 0.60,
+    "network_efficiency": 0.70,
+}
+STEPS = (0.04, 0.02, 0.01)
+RECOMPUTE = "full"
+BOUNDS = {"balanced_s": 5.0, "optimus_s": 5.0, "eff_coarse": 5.0, "eff_fine": 5.0}
+
+
+def _setup_residuals(args: tuple[str, tuple[tuple[str, float], ...]]) -> dict[str, float]:
+    name, constants = args
+    overrides = [f"training.recompute={RECOMPUTE}"]
+    overrides += [f"cost_model.{k}={v:.2f}" for k, v in constants]
+    ours = paper_figures(load_config(REPO / "configs" / "paper" / f"{name}.yaml", overrides))
+    _, paper_bal, paper_opt, *_ = PAPER_TABLE5[name]
+    _, paper_coarse, paper_fine, _ = PAPER_TABLE7[name]
+    return {
+        "balanced_s": 100 * (ours["balanced_s"] / paper_bal - 1),
+        "optimus_s": 100 * (ours["optimus_s"] / paper_opt - 1),
+        "eff_coarse": 100 * ours["eff_coarse"] - paper_coarse,
+        "eff_fine": 100 * ours["eff_fine"] - paper_fine,
+    }
+
+
+Constants = tuple[tuple[str, float], ...]
+_RESIDUALS: dict[Constants, dict[str, dict[str, float]]] = {}
+WORKERS = 6  # (constants, setup) pairs scheduled at once
+
+
+def residuals_of(trials: list[dict[str, float]]) -> list[dict[str, dict[str, float]]]:
+    """Per trial, per setup, per figure: ours less the paper's (times in %, efficiencies in
+    points); each trial's setups run in parallel, and a trial run before is not run again."""
+    keys = [tuple(sorted(t.items())) for t in trials]
+    todo = [(name, k) for k in dict.fromkeys(keys) if k not in _RESIDUALS for name in PAPER_TABLE7]
+    if todo:
+        with Pool(min(WORKERS, len(todo))) as pool:
+            rows = pool.map(_setup_residuals, todo)
+        for (name, k), row in zip(todo, rows):
+            _RESIDUALS.setdefault(k, {})[name] = row
+    return [{name: _RESIDUALS[k][name] for name in PAPER_TABLE7} for k in keys]
+
+
+def score(res: dict[str, dict[str, float]]) -> tuple[float, float]:
+    scaled = [abs(v) / BOUNDS[k] for row in res.values() for k, v in row.items()]
+    return max(scaled), sum(x * x for x in scaled)
+
+
+def fit() -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    best = dict(START)
+    [best_res] = residuals_of([best])
+    print(f"start {_fmt(best)}: worst {score(best_res)[0]:.2f} of its bound", flush=True)
+    for step in STEPS:
+        while True:
+            trials = []
+            for key in best:
+                for delta in (-step, step):
+                    trial = dict(best, **{key: round(best[key] + delta, 2)})
+                    if 0 < trial[key] <= 1:
+                        trials.append(trial)
+            res, trial = min(zip(residuals_of(trials), trials), key=lambda x: score(x[0]))
+            if score(res) >= score(best_res):
+                break
+            best, best_res = trial, res
+            print(f"step {step:.2f} {_fmt(best)}: worst {score(res)[0]:.2f}", flush=True)
+    return best, best_res
+
+
+def _fmt(constants: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in constants.items())
+
+
+def report(constants: dict[str, float], res: dict[str, dict[str, float]]) -> list[str]:
+    lines = [f"recompute: {RECOMPUTE}; " + _fmt(constants)]
+    lines.append(
+        f"{'setup':<13}{'balanced %':>12}{'Optimus %':>11}{'Eff_c pts':>11}{'Eff_f pts':>11}"
+    )
+    for name, row in res.items():
+        lines.append(
+            f"{name:<13}{row['balanced_s']:>+12.1f}{row['optimus_s']:>+11.1f}"
+            f"{row['eff_coarse']:>+11.1f}{row['eff_fine']:>+11.1f}"
+        )
+    worst = score(res)[0]
+    lines.append(
+        f"worst residual: {worst:.2f} of its bound (5 % or 5 points): "
+        + ("within" if worst <= 1 else "NOT within")
+        + " the bounds"
+    )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(CALIBRATIONS / "paper.yaml"), help="file to write")
+    args = parser.parse_args(argv)
+    constants, res = fit()
+    lines = report(constants, res)
+    print("\n".join(lines))
+    body = "\n".join(
+        ["# The paper calibration, written by scripts/fit_calibration.py (rerun it to reproduce):"]
+        + [f"#   {line}" for line in lines]
+        + [f"recompute: {RECOMPUTE}", "cost_model:"]
+        + [f"  {k}: {v:.2f}" for k, v in constants.items()]
+    )
+    atomic_write_text(args.out, body + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
