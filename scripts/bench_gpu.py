@@ -46,7 +46,6 @@ from optimus_mllm.errors import OptimusError  # noqa: E402
 from optimus_mllm.gpu_status import warn_unverified  # noqa: E402
 from optimus_mllm.io_utils import atomic_write_text  # noqa: E402
 from optimus_mllm.planner import plan  # noqa: E402
-from optimus_mllm.planner.plans import ParallelPlan  # noqa: E402
 from optimus_mllm.profiler import cuda_timer, median_us, profile_kernels, write_profile  # noqa: E402
 from optimus_mllm.runtime.dtypes import DTYPES  # noqa: E402
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, build_stage_ops  # noqa: E402
@@ -55,6 +54,7 @@ from optimus_mllm.runtime.streams import SideStream  # noqa: E402
 from optimus_mllm.runtime.trainer import Trainer  # noqa: E402
 from optimus_mllm.runtime.vit import EncoderStage  # noqa: E402
 from optimus_mllm.scheduler.artifact import schedule_job_artifact  # noqa: E402
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact  # noqa: E402
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work  # noqa: E402
 from optimus_mllm.scheduler.metrics import model_flops_per_iteration  # noqa: E402
 
@@ -311,7 +311,9 @@ def _gemm_slowdown(
 # -- 3. one bubble -------------------------------------------------------------------------------
 
 
-def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3) -> dict[str, Any]:
+def measure_bubble(
+    encoder: Encoder, artifact: ScheduleArtifact, repeats: int = 3
+) -> dict[str, Any]:
     """3. The encoder ops at the artifact's heaviest hook point: roofline and profile predictions vs
     measured."""
     config = encoder.config
@@ -336,10 +338,10 @@ def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3)
     measured = statistics.median(_time_group(encoder, group) for _ in range(repeats))
     predicted = sum(share(roofline, op) for op in group) / 1e3
     predicted_profile = sum(share(profiled, op) for op in group) / 1e3
-    tp = artifact["encoder_plan"]["tp"]
+    tp = artifact.encoder_plan.tp
     covered = sum(1 for op in group if (op.encoder, op.kernel, op.phase, tp) in profile)
     return {
-        "event": list(event),
+        "event": [event.kind.value, event.op, event.collective],
         "ops": len(group),
         "microbatches": len({op.local_microbatch for op in group}),
         "measured_ms": measured,
@@ -352,14 +354,14 @@ def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3)
 
 
 def _op_costs(
-    encoder: Encoder, artifact: dict[str, Any], cost: Any
+    encoder: Encoder, artifact: ScheduleArtifact, cost: Any
 ) -> dict[tuple[str, int], float]:
     """Predicted µs per (phase, op index) of the stage chain; checks that the chains match the
     runtime's ops."""
     work = build_encoder_work(
         encoder.config,
-        ParallelPlan(**artifact["llm_plan"]),
-        ParallelPlan(**artifact["encoder_plan"]),
+        artifact.llm_plan,
+        artifact.encoder_plan,
         cost,
     )
     costs = {}
@@ -405,7 +407,11 @@ def _time_group(encoder: Encoder, group: list) -> float:
 
 
 def measure_training(
-    config: OptimusConfig, artifact: dict[str, Any], peak_tflops: float, steps: int, warmup: int = 2
+    config: OptimusConfig,
+    artifact: ScheduleArtifact,
+    peak_tflops: float,
+    steps: int,
+    warmup: int = 2,
 ) -> dict[str, Any]:
     """4. Step time and MFU of the Optimus runtime and the Megatron-style baseline on this GPU."""
     llm_plan = plan(config).llm_plan

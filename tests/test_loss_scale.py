@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from tests.artifact_utils import artifact_for
 from tests.distributed_utils import run_distributed
 from tests.train_utils import TINY, step_numbers, torchrun
@@ -25,7 +26,7 @@ ONE_RANK = [
 ]
 
 
-def _overflow_in_the_llm_only(artifact: dict) -> dict:
+def _overflow_in_the_llm_only(artifact: ScheduleArtifact) -> dict:
     """One Optimus step whose LLM gradients hold an inf and whose encoder gradients are all 1."""
     from optimus_mllm.config import load_config
     from optimus_mllm.planner import plan

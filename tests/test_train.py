@@ -254,6 +254,6 @@ def test_an_encoder_the_llms_tp_cannot_split_is_refused_for_the_baseline_only():
     ):
         prepare(args, 4)
     job = prepare(build_parser().parse_args(["--config", TINY, "--override", *ODD_TOKENS]), 4)
-    assert job.artifact["encoder_plan"]["tp"] == 1
+    assert job.artifact.encoder_plan.tp == 1
     pruned = plan(load_config(TINY, list(ODD_TOKENS))).pruned
     assert {p.plan.tp for p in pruned if "seq_length=9 is not divisible by tp=2" in p.reason} == {2}
