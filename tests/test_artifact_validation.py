@@ -520,3 +520,26 @@ def test_an_artifact_for_another_config_exits_2_on_every_rank(tmp_path):
         f"schedule artifact {path} was made with model.llm.num_layers=8, this job has 4; "
         "re-run optimus-plan --artifact for this config",
     )
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (_reversed_ops, "encoder_stages[0].ops[1]: kernel_index "),
+        (_warmup_3_2, "llm_op_order[0][4]: the fwd of microbatch 2, chunk 0, but with warmup[0]=3"),
+    ],
+    ids=["reversed-stage", "warmup-3-2"],
+)
+def test_an_artifact_the_runtime_would_not_run_as_written_exits_2_on_every_rank(
+    tiny, tmp_path, edit, expected
+):
+    """Issue 39: a stage's ops listed in reverse, or the warm-up edited to [3, 2], once trained with
+    the order ignored or ops moved; ``optimus-train --schedule`` now refuses them before training.
+    """
+    artifact = copy.deepcopy(tiny)
+    edit(artifact)
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(artifact))
+    assert_one_error_everywhere(
+        ranks(4, "--schedule", str(path)), f"schedule artifact {path}: {expected}"
+    )
