@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import types
@@ -47,8 +48,7 @@ def load_typed(cls: type[T], data: Any, where: str) -> T:
         raise ConfigError(
             label, f"expected a mapping of {cls.__name__} fields, got {describe(data)}"
         )
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints, fields = _schema(cls)
     for key in data:
         if key not in fields:
             raise ConfigError(join(where, str(key)), _unknown_key_message(str(key), fields))
@@ -62,10 +62,22 @@ def load_typed(cls: type[T], data: Any, where: str) -> T:
     return cls(**kwargs)
 
 
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A dataclass's field types and fields, worked out once: resolving the annotations is most of
+    the time of a large file's load otherwise."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def _shape(tp: Any) -> tuple[Any, tuple[Any, ...], bool]:
+    """A type's origin, arguments and whether it is a dataclass, worked out once per type."""
+    return typing.get_origin(tp), typing.get_args(tp), dataclasses.is_dataclass(tp)
+
+
 def coerce(tp: Any, value: Any, path: str) -> Any:
     """``value`` as type ``tp``, or a ConfigError naming ``path``."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
+    origin, args, is_dataclass = _shape(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -83,7 +95,7 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(path, f"expected a mapping, got {describe(value)}")
         return {key: coerce(args[1], v, f"{path}[{key!r}]") for key, v in value.items()}
-    if dataclasses.is_dataclass(tp):
+    if is_dataclass:
         return load_typed(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
