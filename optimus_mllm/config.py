@@ -12,17 +12,13 @@ relative to the file that names it; the section's own keys override the base's. 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from optimus_mllm.calibration import load_calibration
 from optimus_mllm.errors import ConfigError
+from optimus_mllm.typed_load import load_typed
 from optimus_mllm.yaml_input import YAMLInputError, parse_yaml, read_yaml_file
 
 # The bounds of what is planned, each far above any job of today: the planner's and scheduler's work
@@ -38,8 +34,6 @@ MAX_MODEL_SIZES = {
     "ffn_hidden_size": 1 << 22,
     "seq_length": 1 << 22,
 }
-MAX_NUMBER = 1e15  # above every size, count, rate and bandwidth a config holds (1e15 B/s is 1 PB/s)
-_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
 Optimizer = Literal["adam", "sgd"]
@@ -269,7 +263,8 @@ class OptimusConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    source: str | None = None  # the file this config was read from; set by load_config
+    # the file this config was read from; set by load_config
+    source: str | None = field(default=None, metadata={"set_by_loader": True})
 
     @property
     def encoders(self) -> tuple[EncoderConfig, ...]:
@@ -307,7 +302,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     for item in overrides:
         _apply_override(raw, item)
     raw["source"] = str(path)
-    config = calibrate(_build(OptimusConfig, raw, ""))
+    config = calibrate(load_typed(OptimusConfig, raw, ""))
     validate(config)
     return config
 
@@ -315,7 +310,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def config_from_dict(raw: dict[str, Any], base_dir: str | Path = ".") -> OptimusConfig:
     """Build and validate a config from an in-memory mapping (tests, programmatic use)."""
     raw = _resolve_model_bases(dict(raw), Path(base_dir))
-    config = calibrate(_build(OptimusConfig, raw, ""))
+    config = calibrate(load_typed(OptimusConfig, raw, ""))
     validate(config)
     return config
 
@@ -394,103 +389,7 @@ def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     """A ``model`` section as written out (e.g. in a checkpoint's meta.json): fields it lacks, added
     to the schema since, take their defaults. ConfigError on keys or values this schema does not
     know."""
-    return _build(ModelConfig, data, "model")
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    """Instantiate dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
-    label = where or "config"
-    if not isinstance(data, dict):
-        raise ConfigError(
-            label, f"expected a mapping of {cls.__name__} fields, got {_describe(data)}"
-        )
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            raise ConfigError(_join(where, str(key)), _unknown_key_message(str(key), fields))
-    kwargs = {}
-    for name, f in fields.items():
-        path = _join(where, name)
-        if name in data:
-            kwargs[name] = _coerce(hints[name], data[name], path)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(path, "is required but missing")
-    return cls(**kwargs)
-
-
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(inner, value, path)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(path, f"must be one of {', '.join(map(str, args))}; got {value!r}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, list) or not value:
-            raise ConfigError(path, f"expected a non-empty list, got {_describe(value)}")
-        return tuple(_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {_describe(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"expected an integer, got {_describe(value)}")
-        if abs(value) > MAX_NUMBER:
-            raise ConfigError(
-                path, f"{_short(value)} is beyond any config value (at most {MAX_NUMBER:.0e})"
-            )
-        return value
-    if tp is float:
-        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
-            # YAML 1.1 (PyYAML) reads 1e-4 as a string; a Megatron user writes lr: 1e-4
-            value = float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected a number, got {_describe(value)}")
-        if isinstance(value, float) and not math.isfinite(value) or abs(value) > MAX_NUMBER:
-            raise ConfigError(
-                path, f"must be a finite number of at most {MAX_NUMBER:.0e}, got {_short(value)}"
-            )
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {_describe(value)}")
-        return value
-    # a bug in this module, not user input
-    raise TypeError(f"unsupported schema type {tp!r} at {path}")
-
-
-def _describe(value: Any) -> str:
-    return f"{_short(value)} ({type(value).__name__})"
-
-
-def _short(value: Any) -> str:
-    """``repr`` cut to a readable length (an integer of 5000 digits is not one)."""
-    text = (
-        repr(value)
-        if not isinstance(value, int) or abs(value) < 10**30
-        else f"a {len(str(abs(value)))}-digit integer"
-    )
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _join(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
-
-
-def _unknown_key_message(key: str, fields: dict[str, Any]) -> str:
-    valid = [k for k in fields if k != "source"]
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    return f"unknown key; {hint}valid keys: {', '.join(valid)}"
+    return load_typed(ModelConfig, data, "model")
 
 
 # --------------------------------------------------------------------------------------------

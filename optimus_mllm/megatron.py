@@ -530,7 +530,6 @@ def train_vlm(
     megatron_patches.apply()
     from megatron.core import parallel_state
 
-    from optimus_mllm.planner import ParallelPlan
     from optimus_mllm.runtime.trainer import Trainer, join_model_parallel
     from optimus_mllm.runtime.user_model import UserModel, pretraining_sampler_batches
 
@@ -564,11 +563,7 @@ def train_vlm(
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
     )
-    label = (
-        "plain"
-        if artifact is None
-        else f"optimus, encoder plan {ParallelPlan(**artifact['encoder_plan'])}"
-    )
+    label = "plain" if artifact is None else f"optimus, encoder plan {artifact.encoder_plan}"
     for iteration in range(args.train_iters):
         result = trainer.train_step(iteration)
         if reports_loss:

@@ -42,6 +42,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
 )
 from optimus_mllm.runtime.data import check_dataset
 from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.scheduler.baselines import balanced_problem, no_placement_problem
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 
@@ -174,7 +175,7 @@ def _positive_int(text: str) -> int:
 class Job:
     config: OptimusConfig
     llm_plan: ParallelPlan
-    artifact: dict[str, Any] | None  # None in baseline mode
+    artifact: ScheduleArtifact | None  # None in baseline mode
     baseline: str | None = None  # which of BASELINES runs, None under Optimus
     resume: CheckpointInfo | None = None
     notes: tuple[str, ...] = ()  # what rank 0 says before the first step
@@ -308,7 +309,7 @@ def _job_artifact(
     planned: PlannerResult,
     world_size: int,
     resume: CheckpointInfo | None,
-) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
+) -> tuple[ScheduleArtifact | None, str | None, tuple[str, ...]]:
     """The schedule the job runs (None for a baseline), the baseline it runs (None under Optimus),
     and what
     to say about where they came from: ``--baseline``, ``--schedule``, else the checkpoint's
@@ -342,7 +343,7 @@ def _job_artifact(
 
 def _schedule_now(
     config: OptimusConfig, planned: PlannerResult, notes: tuple[str, ...]
-) -> tuple[dict[str, Any] | None, str | None, tuple[str, ...]]:
+) -> tuple[ScheduleArtifact | None, str | None, tuple[str, ...]]:
     """Optimus's fastest schedule, or the baseline placement that beats it (the scheduler's
     result)."""
     cost = CostModel.from_config(config)
@@ -376,23 +377,50 @@ def _resume_point(save: str, config: OptimusConfig) -> CheckpointInfo:
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _StepTotals:
+    """One step over all ranks."""
+
+    loss: float  # the mean over the DP replicas
+    inside: int  # encoder ops that ran between the LLM's first and last op
+    total: int  # all encoder ops
+    moved: int  # encoder ops that ran away from their scheduled hook point: ...
+    moved_by_repair: int  # ... before or after the LLM, as their hooks would wait in a cycle
+    moved_to_op_end: int  # ... at their LLM op's end, as a TP collective planned there never ran
+
+    def moved_text(self) -> str:
+        """The step line's report of moved ops: a warning that says why when there are any."""
+        text = f"ops moved from their hook {self.moved}"
+        why = []
+        if self.moved_by_repair:
+            why.append(
+                f"{self.moved_by_repair} to before/after the LLM, as the schedule's hooks would "
+                "have waited in a cycle (predicted times wrong)"
+            )
+        if self.moved_to_op_end:
+            why.append(
+                f"{self.moved_to_op_end} to their LLM op's end, as a TP collective the schedule "
+                "planned there did not run"
+            )
+        return f"{text} (warning: {'; '.join(why)})" if why else text
+
+
 def _step_totals(
     loss: float | None, result: StepResult, is_loss_reporter: bool, dp: int
-) -> tuple[float, int, int, int]:
-    """Over all ranks: (mean loss over the DP replicas, encoder ops that ran between the LLM's first
-    and
-    last op, all encoder ops, encoder ops that ran away from their scheduled hook point).
-
-    One all-reduce; it also waits for the slowest rank, so rank 0's clock covers the whole step."""
+) -> _StepTotals:
+    """Over all ranks. One all-reduce; it also waits for the slowest rank, so rank 0's clock covers
+    the whole step."""
     local = [
         loss / dp if is_loss_reporter and loss is not None else 0.0,
         float(result.ops_inside_llm),
         float(len(result.encoder_record)),
         float(result.moved_ops),
+        float(result.moved_by_repair),
+        float(result.moved_to_op_end),
     ]
     totals = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(totals)
-    return float(totals[0]), int(totals[1]), int(totals[2]), int(totals[3])
+    return _StepTotals(float(totals[0]), *(int(t) for t in totals[1:]))
 
 
 def _is_loss_reporter() -> bool:
@@ -434,11 +462,10 @@ def train(
         for i in range(first, iters):
             started = time.perf_counter()
             result = trainer.train_step(i)
-            loss, inside, total, moved = _step_totals(
-                result.loss, result, reporter, job.llm_plan.dp
-            )
+            totals = _step_totals(result.loss, result, reporter, job.llm_plan.dp)
+            loss = totals.loss
             times.append(time.perf_counter() - started)
-            share = None if job.artifact is None else inside / max(total, 1)
+            share = None if job.artifact is None else totals.inside / max(totals.total, 1)
             norm = "skipped (inf/nan)" if result.grad_norm is None else f"{result.grad_norm:.4f}"
             scale = "" if result.loss_scale is None else f"loss scale {result.loss_scale:.1f} | "
             _say(
@@ -449,8 +476,7 @@ def train(
                 + (
                     {"megatron-lm": "baseline", "balanced": "balanced baseline"}[job.baseline]
                     if share is None
-                    else f"encoder ops inside LLM span {share:.1%} | "
-                    f"ops moved from their hook {moved}"
+                    else f"encoder ops inside LLM span {share:.1%} | {totals.moved_text()}"
                 )
             )
             if board is not None:

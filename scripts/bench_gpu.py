@@ -50,7 +50,6 @@ from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.memory_model import GIB
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.planner import PlannerResult
-from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.profiler import cuda_timer, median_us, profile_kernels, write_profile
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, build_stage_ops
@@ -59,6 +58,7 @@ from optimus_mllm.runtime.streams import SideStream
 from optimus_mllm.runtime.trainer import Trainer
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.scheduler.artifact import schedule_job_artifact
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 from optimus_mllm.scheduler.metrics import model_flops_per_iteration
 
@@ -327,7 +327,9 @@ def _gemm_slowdown(
 # -- 3. one bubble -------------------------------------------------------------------------------
 
 
-def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3) -> dict[str, Any]:
+def measure_bubble(
+    encoder: Encoder, artifact: ScheduleArtifact, repeats: int = 3
+) -> dict[str, Any]:
     """3. The encoder ops at the artifact's heaviest hook point: roofline and profile predictions vs
     measured."""
     config = encoder.config
@@ -352,10 +354,10 @@ def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3)
     measured = statistics.median(_time_group(encoder, group) for _ in range(repeats))
     predicted = sum(share(roofline, op) for op in group) / 1e3
     predicted_profile = sum(share(profiled, op) for op in group) / 1e3
-    tp = artifact["encoder_plan"]["tp"]
+    tp = artifact.encoder_plan.tp
     covered = sum(1 for op in group if (op.encoder, op.kernel, op.phase, tp) in profile)
     return {
-        "event": list(event),
+        "event": [event.kind.value, event.op, event.collective],
         "ops": len(group),
         "microbatches": len({op.local_microbatch for op in group}),
         "measured_ms": measured,
@@ -368,14 +370,14 @@ def measure_bubble(encoder: Encoder, artifact: dict[str, Any], repeats: int = 3)
 
 
 def _op_costs(
-    encoder: Encoder, artifact: dict[str, Any], cost: Any
+    encoder: Encoder, artifact: ScheduleArtifact, cost: Any
 ) -> dict[tuple[str, int], float]:
     """Predicted µs per (phase, op index) of the stage chain; checks that the chains match the
     runtime's ops."""
     work = build_encoder_work(
         encoder.config,
-        ParallelPlan(**artifact["llm_plan"]),
-        ParallelPlan(**artifact["encoder_plan"]),
+        artifact.llm_plan,
+        artifact.encoder_plan,
         cost,
     )
     costs = {}

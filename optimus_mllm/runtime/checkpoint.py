@@ -72,6 +72,7 @@ from optimus_mllm.runtime.sharded_state import (
     part_layout,
 )
 from optimus_mllm.runtime.user_model import vision_sharded_state_dict
+from optimus_mllm.scheduler.artifact_format import artifact_to_json
 
 CHECKPOINT_VERSION_MEGATRON = 3.0  # Megatron-LM's checkpoint_version of its dist checkpoints
 # megatron-core's optimizer format keyed by the model's tensors; gathered over gloo onto DP rank 0
@@ -291,7 +292,9 @@ def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -
     ``checkpoint_meta.latest_checkpoint`` a complete checkpoint to resume from (this one or the one
     before)."""
     if trainer.artifact is not None:
-        atomic_write_text(tmp / "schedule.json", json.dumps(trainer.artifact) + "\n")
+        atomic_write_text(
+            tmp / "schedule.json", json.dumps(artifact_to_json(trainer.artifact)) + "\n"
+        )
     meta = {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,

@@ -27,10 +27,12 @@ from optimus_mllm.config import OptimusConfig
 from optimus_mllm.runtime.data import ImageSource
 from optimus_mllm.runtime.dropout import microbatch_seed
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, Piece, StageOps
-from optimus_mllm.runtime.hook_plan import Event, HookPlan, StageHookPlan
+from optimus_mllm.runtime.hook_plan import Event, EventKind, HookPlan, StageHookPlan
 from optimus_mllm.runtime.messages import Incoming, Messenger
+from optimus_mllm.runtime.microbatches import MicrobatchNumbering
 from optimus_mllm.runtime.process_groups import Channel, EncoderProcessGroups
 from optimus_mllm.runtime.streams import EncoderStream, InlineStream, to_device
+from optimus_mllm.scheduler.artifact_format import LLMOp
 
 
 class EventListener(Protocol):
@@ -48,11 +50,24 @@ class ExecutedOp:
     piece: Piece
     ran_at: Event  # the event megatron-core's own callbacks had reached
     scheduled_at: Event  # the artifact's hook point
+    # where the hook plan ran it: ``scheduled_at``, or pre / post where the deadlock repair moved
+    # its microbatch (``hook_plan``)
+    planned_at: Event
     stream: str
 
     @property
     def moved(self) -> bool:
         return self.ran_at != self.scheduled_at
+
+    @property
+    def moved_by_repair(self) -> bool:
+        """Moved because the artifact's placement would have waited in a cycle."""
+        return self.planned_at != self.scheduled_at
+
+    @property
+    def moved_to_op_end(self) -> bool:
+        """Moved because a TP collective planned in its LLM op never ran (``HookDriver``)."""
+        return self.ran_at != self.planned_at
 
 
 class HookDriver:
@@ -68,9 +83,9 @@ class HookDriver:
 
     def __init__(
         self,
-        op_order: list[tuple[int, int, str]],
+        op_order: tuple[LLMOp, ...],
         listener: EventListener | None,
-        wait_for_input: Callable[[int, int, str], None] | None = None,
+        wait_for_input: Callable[[LLMOp], None] | None = None,
         collectives: dict[int, list[str]] | None = None,
     ):
         self.op_order = op_order
@@ -86,8 +101,8 @@ class HookDriver:
         ] = []  # (op, collective) run by megatron-core, not planned
 
     @property
-    def current(self) -> tuple[int, int, str]:
-        """(microbatch, chunk, phase) of the LLM op running now."""
+    def current(self) -> LLMOp:
+        """The LLM op running now."""
         return self.op_order[self.op]
 
     def fire(self, event: Event, ran_at: Event | None = None) -> None:
@@ -107,27 +122,28 @@ class HookDriver:
         if edge == "start":
             self.op += 1
             self.seen = 0
-            if self.op_order[self.op][2] != phase:
+            if self.current.phase != phase:
                 raise RuntimeError(
                     f"megatron-core ran a {phase} as op {self.op}; the plan expects "
-                    f"{self.op_order[self.op]}: the schedule artifact's warm-up does not match"
+                    f"{self.current}: the schedule artifact's warm-up does not match"
                 )
-            self.fire(("op_start", self.op))
+            self.fire(Event(EventKind.OP_START, self.op))
             if self.wait_for_input is not None:
-                self.wait_for_input(*self.op_order[self.op])
+                self.wait_for_input(self.current)
         else:
-            end = ("op_end", self.op)
+            end = Event(EventKind.OP_END, self.op)
             for n in range(self.seen, len(self.collectives.get(self.op, ()))):
-                self.fire(("tp_before", self.op, n), end)
-                self.fire(("tp_after", self.op, n), end)
+                self.fire(Event(EventKind.TP_BEFORE, self.op, n), end)
+                self.fire(Event(EventKind.TP_AFTER, self.op, n), end)
             self.fire(end)
 
     def on_reduction(self, edge: str, collective: str | None) -> None:
-        if self.op < 0 or self.current[2] != "fwd":
+        if self.op < 0 or self.current.phase != "fwd":
             return
         planned = self.collectives.get(self.op, ())
         if self.seen < len(planned) and planned[self.seen] == collective:
-            self.fire(("tp_before" if edge == "before" else "tp_after", self.op, self.seen))
+            kind = EventKind.TP_BEFORE if edge == "before" else EventKind.TP_AFTER
+            self.fire(Event(kind, self.op, self.seen))
             self.seen += edge == "after"
         elif edge == "before":
             self.unplanned.append((self.op, collective))
@@ -193,31 +209,23 @@ class EncoderExecutor:
     def __init__(
         self,
         config: OptimusConfig,
-        plan: StageHookPlan,
+        stage_plan: StageHookPlan,
         ops: StageOps,
         groups: EncoderProcessGroups,
-        assignment: list[tuple[int, int]],
-        llm_dp: int,
+        numbering: MicrobatchNumbering,
         num_stages: int,
         iteration: int,
         mailbox: Mailbox,
         images: ImageSource,
         messenger: Messenger,
     ):
-        self.config, self.plan, self.ops, self.groups, self.messenger = (
-            config,
-            plan,
-            ops,
-            groups,
-            messenger,
-        )
+        self.config, self.stage_plan, self.ops = config, stage_plan, ops
+        self.groups, self.messenger, self.numbering = groups, messenger, numbering
         self.iteration, self.mailbox, self.images = iteration, mailbox, images
         self.stream = mailbox.stream
-        self.llm_microbatch = {tuple(a): i for i, a in enumerate(assignment)}
-        self.llm_dp = llm_dp
         self.first, self.last = groups.coords.pp == 0, groups.coords.pp == num_stages - 1
         self.by_event: dict[Event, list] = defaultdict(list)
-        for op in plan.ops:
+        for op in stage_plan.ops:
             self.by_event[op.event].append(op)
         self.runs: dict[int, MicrobatchRun] = {}
         self.record: list[ExecutedOp] = []
@@ -238,6 +246,7 @@ class EncoderExecutor:
                         op.piece,
                         ran_at,
                         op.assigned,
+                        op.event,
                         stream,
                     )
                 )
@@ -278,8 +287,11 @@ class EncoderExecutor:
     # -- where inputs come from and outputs go ---------------------------------------------------
 
     def _global_microbatch(self, k: int) -> int:
-        i = self.llm_microbatch[(self.groups.coords.pipeline, k)]
-        return self.llm_dp * len(self.llm_microbatch) + i
+        return self.numbering.global_index(self._llm_microbatch(k))
+
+    def _llm_microbatch(self, k: int) -> int:
+        """The LLM microbatch this encoder pipeline's local microbatch ``k`` feeds."""
+        return self.numbering.llm(self.groups.coords.pipeline, k)
 
     def _forward_input(self, k: int) -> dict[str, torch.Tensor]:
         if self.first:
@@ -303,7 +315,7 @@ class EncoderExecutor:
             return
         # [image tokens, b, h]
         embeddings = torch.cat([run.output[e.name] for e in self.config.encoders], dim=0)
-        i = self.llm_microbatch[(self.groups.coords.pipeline, k)]
+        i = self._llm_microbatch(k)
         for link in self.groups.embedding_sends:
             if link.llm_rank == self.groups.rank:
                 self.mailbox.put_embeddings(i, embeddings.detach())
@@ -317,7 +329,7 @@ class EncoderExecutor:
                 for i, e in enumerate(self.config.encoders)
                 if e.name in self.ops.output_grad_encoders
             }
-        i = self.llm_microbatch[(self.groups.coords.pipeline, k)]
+        i = self._llm_microbatch(k)
         link = self.groups.gradient_recv
         if link.llm_rank == self.groups.rank:
             grad = self.stream.adopt(self.mailbox.gradients.pop(i))  # made on the LLM's stream
@@ -360,15 +372,12 @@ def incoming_messages(
     plan: HookPlan,
     groups: EncoderProcessGroups,
     output_grad_encoders: frozenset[str],
-    assignment: list[tuple[int, int]],
-    llm_first_stage_order: list[tuple[int, int, str]],
+    numbering: MicrobatchNumbering,
     m: int,
-    llm_dp: int,
     num_stages: int,
 ) -> Incoming:
     """What arrives on each channel this rank receives on, in its sender's order (hook plan, LLM op
     order)."""
-    llm_microbatch = {tuple(a): i for i, a in enumerate(assignment)}
     j, e, tp = groups.coords.pipeline, groups.coords.pp, groups.tp_group.size()
     rank = groups.rank
     incoming: Incoming = {}
@@ -387,16 +396,18 @@ def incoming_messages(
         ]
     for link in groups.embedding_recvs:
         if not link.local:
-            pipeline = link.encoder_dp - llm_dp * m
+            pipeline = link.encoder_dp - numbering.llm_dp * m
             order = plan.stage(pipeline, num_stages - 1).completion_order("fwd")
             incoming[Channel("embeddings", link.encoder_rank, rank)] = [
-                ((llm_microbatch[(pipeline, k)], 0), embeddings_shape(config)) for k in order
+                ((numbering.llm(pipeline, k), 0), embeddings_shape(config)) for k in order
             ]
     link = groups.gradient_recv
     if link is not None and not link.local:
         incoming[Channel("embeddings_grad", link.llm_rank, rank)] = [
-            ((mb, 0), embeddings_shape(config))
-            for mb, chunk, phase in llm_first_stage_order
-            if chunk == 0 and phase == "bwd" and assignment[mb][0] == j
+            ((op.microbatch, 0), embeddings_shape(config))
+            for op in plan.op_order[0]
+            if op.chunk == 0
+            and op.phase == "bwd"
+            and numbering.encoder(op.microbatch).encoder_pipeline == j
         ]
     return incoming

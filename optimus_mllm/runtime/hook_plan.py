@@ -1,10 +1,12 @@
 """From a schedule artifact to what each encoder stage runs at each hook point, free of deadlock.
 
 The runtime observes a fixed sequence of events on every LLM pipeline stage, the same on each of its
-TP ranks: ``pre`` (before the first LLM op), for each op in megatron-core's order ``op_start``,
-around each observable TP collective of a forward op ``tp_before``/``tp_after``, ``op_end``, and
-``post``. An artifact hook names an LLM kernel and a time; it maps to the last event at or before
-it.
+TP ranks: ``pre`` (before the first LLM op), for each op in the artifact's op order for the stage
+(megatron-core's, under the artifact's warm-up) ``op_start``, around each observable TP collective
+of a forward op ``tp_before``/``tp_after``, ``op_end``, and ``post`` (``Event``). An artifact hook
+names an LLM kernel; it maps to the last event at or before it. A stage runs its ops in the order
+the artifact lists them, each at its hook's event (``artifact_checks`` refuses a list whose hooks or
+chains are out of order, so that order is one the stage can run).
 
 Encoder ops block on their inputs (CPU execution is inline), so a placement whose waits form a cycle
 would hang. We model each event as two nodes, ``arrive`` (the LLM got there) and ``done`` (the
@@ -36,14 +38,32 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any
+from enum import Enum
+from typing import NamedTuple
 
-from optimus_mllm.scheduler.llm_timeline import pipeline_producer, rank_op_order
+from optimus_mllm.pipeline_order import pipeline_producer
+from optimus_mllm.scheduler.artifact_format import Hook, LLMOp, ScheduleArtifact
 
-# ("pre",) | ("op_start", k) | ("tp_before", k, n) | ("tp_after", k, n) | ("op_end", k) | ("post",)
-Event = tuple
-PRE: Event = ("pre",)
-POST: Event = ("post",)
+
+class EventKind(Enum):
+    PRE = "pre"  # before the stage's first LLM op
+    OP_START = "op_start"
+    TP_BEFORE = "tp_before"  # an observable TP collective of a forward op is about to run
+    TP_AFTER = "tp_after"  # ... has run
+    OP_END = "op_end"
+    POST = "post"  # after the stage's last LLM op
+
+
+class Event(NamedTuple):
+    """A moment of the LLM's execution on one stage that the runtime observes."""
+
+    kind: EventKind
+    op: int = -1  # the LLM op's index in the stage's op order; -1 for pre and post
+    collective: int = -1  # for tp_*: the index among the op's observable collectives
+
+
+PRE = Event(EventKind.PRE)
+POST = Event(EventKind.POST)
 
 # TP collectives that megatron-core's RowParallelLinear and VocabParallelEmbedding issue through a
 # patchable call in forward
@@ -57,16 +77,16 @@ class PlannedOp:
     """One encoder kernel-op of this stage, where the artifact put it and where it will run."""
 
     phase: str
-    microbatch: int  # global LLM microbatch
-    local_microbatch: int
+    microbatch: int  # the LLM pipeline's numbering (the LLM microbatch it feeds)
+    local_microbatch: int  # its encoder pipeline's numbering
     kernel_index: int  # position in the stage's forward or backward chain
     piece: tuple[float, float]  # the share of the kernel's tokens it runs: (0, 1) whole
     kernel: str
     encoder: str
     layer: int
     is_comm: bool
-    assigned: Event
-    event: Event
+    assigned: Event  # where the artifact's hook falls
+    event: Event  # where it runs: ``assigned`` unless the deadlock repair moved it
 
 
 @dataclass(frozen=True)
@@ -94,8 +114,7 @@ class StageHookPlan:
 @dataclass(frozen=True)
 class HookPlan:
     events: dict[int, tuple[Event, ...]]  # per LLM stage, in order
-    # per LLM stage: (microbatch, chunk, phase) per op
-    op_order: dict[int, list[tuple[int, int, str]]]
+    op_order: dict[int, tuple[LLMOp, ...]]  # per LLM stage: the artifact's
     stages: tuple[StageHookPlan, ...]
     # (LLM microbatch, phase) moved to pre/post by the repair
     moved_microbatches: tuple[tuple[int, str], ...]
@@ -112,152 +131,110 @@ class HookPlan:
 
 
 def build_hook_plan(
-    artifact: dict[str, Any], observable: frozenset[str] = OBSERVABLE_COLLECTIVES
+    artifact: ScheduleArtifact, observable: frozenset[str] = OBSERVABLE_COLLECTIVES
 ) -> HookPlan:
-    llm = artifact["llm_plan"]
-    pp, vp, n_mb = llm["pp"], llm["vp"], artifact["num_microbatches"]
-    kernels = artifact["llm_kernels"]
-    op_order = {s: rank_op_order(n_mb, vp, artifact["warmup"][s], pp) for s in range(pp)}
-    events = {s: _stage_events(s, op_order[s], kernels, observable) for s in range(pp)}
-    mapper = {s: _HookMapper(s, op_order[s], kernels, observable) for s in range(pp)}
+    """Every encoder stage's ops at the events their hooks fall on, in the artifact's order (which
+    ``artifact_checks`` made one the stage can run: hooks in order, a chain's kernels in order)."""
+    pp = artifact.llm_plan.pp
+    op_order = dict(enumerate(artifact.llm_op_order))
+    events = {s: _stage_events(artifact, s, observable) for s in range(pp)}
+    mapper = {s: _HookMapper(artifact, s, observable) for s in range(pp)}
     stages = []
-    for stage in artifact["encoder_stages"]:
-        s = stage["llm_stage"]
-        ops = [
-            PlannedOp(
-                op["phase"],
-                op["microbatch"],
-                op["local_microbatch"],
-                op["kernel_index"],
-                tuple(op["piece"]),
-                op["kernel"],
-                op["encoder"],
-                op["layer"],
-                op["is_comm"],
-                mapper[s].event(op["hook"]),
-                mapper[s].event(op["hook"]),
+    for stage in artifact.encoder_stages:
+        s = stage.llm_stage
+        ops = []
+        for op in stage.ops:
+            event = mapper[s].event(op.hook)
+            ops.append(
+                PlannedOp(
+                    phase=op.phase,
+                    microbatch=op.microbatch,
+                    local_microbatch=op.local_microbatch,
+                    kernel_index=op.kernel_index,
+                    piece=op.piece,
+                    kernel=op.kernel,
+                    encoder=op.encoder,
+                    layer=op.layer,
+                    is_comm=op.is_comm,
+                    assigned=event,
+                    event=event,
+                )
             )
-            for op in stage["ops"]
-        ]
-        ops = _chain_ordered(ops, events[s])
         stages.append(
-            StageHookPlan(
-                stage["encoder_pipeline"], stage["encoder_stage"], s, tuple(stage["gpus"]), ops
-            )
+            StageHookPlan(stage.encoder_pipeline, stage.encoder_stage, s, stage.gpus, tuple(ops))
         )
     plan = HookPlan(events, op_order, tuple(stages), ())
     return _repair(plan, artifact)
 
 
-def _chain_ordered(ops: list[PlannedOp], events: tuple[Event, ...]) -> tuple[PlannedOp, ...]:
-    """A chain's ops run in kernel order (a kernel's pieces in token order): an op never runs at an
-    earlier
-    event than its predecessor."""
-    position = {e: i for i, e in enumerate(events)}
-    latest: dict[tuple[int, str], int] = {}
-    fixed = []
-    for op in sorted(
-        ops, key=lambda op: (op.phase, op.local_microbatch, op.kernel_index, op.piece)
-    ):
-        key = (op.local_microbatch, op.phase)
-        at = max(position[op.event], latest.get(key, 0))
-        latest[key] = at
-        fixed.append(replace(op, event=events[at]))
-    # execution order: by event; chains in the order the artifact predicted them there; kernel order
-    # inside
-    rank = {
-        (op.phase, op.local_microbatch, op.kernel_index, op.piece): i for i, op in enumerate(ops)
-    }
-    first: dict[tuple, int] = {}
-    for op in fixed:
-        key = (op.event, op.phase, op.local_microbatch)
-        first[key] = min(
-            first.get(key, len(ops)),
-            rank[(op.phase, op.local_microbatch, op.kernel_index, op.piece)],
-        )
-    return tuple(
-        sorted(
-            fixed,
-            key=lambda op: (
-                position[op.event],
-                first[(op.event, op.phase, op.local_microbatch)],
-                op.kernel_index,
-                op.piece,
-            ),
-        )
-    )
-
-
 def _stage_events(
-    stage: int, order: list[tuple[int, int, str]], kernels: dict, observable: frozenset[str]
-):
+    artifact: ScheduleArtifact, stage: int, observable: frozenset[str]
+) -> tuple[Event, ...]:
     events: list[Event] = [PRE]
-    for k, (_, chunk, phase) in enumerate(order):
-        events.append(("op_start", k))
-        for n in range(
-            len(_observed_collectives(kernels[f"{stage}/{chunk}/{phase}"], phase, observable))
-        ):
-            events += [("tp_before", k, n), ("tp_after", k, n)]
-        events.append(("op_end", k))
+    for k, op in enumerate(artifact.llm_op_order[stage]):
+        events.append(Event(EventKind.OP_START, k))
+        for n in range(len(_observed_collectives(artifact.kernels_of(stage, op), op, observable))):
+            events += [Event(EventKind.TP_BEFORE, k, n), Event(EventKind.TP_AFTER, k, n)]
+        events.append(Event(EventKind.OP_END, k))
     events.append(POST)
     return tuple(events)
 
 
 def planned_collectives(
-    artifact: dict[str, Any],
+    artifact: ScheduleArtifact,
     stage: int,
-    order: list[tuple[int, int, str]],
     observable: frozenset[str] = OBSERVABLE_COLLECTIVES,
 ) -> dict[int, list[str]]:
-    """Per forward op of ``stage`` (index in ``order``): its observable TP collectives, in order."""
+    """Per forward op of ``stage`` (index in its op order): its observable TP collectives, in
+    order."""
     return {
-        k: _observed_collectives(artifact["llm_kernels"][f"{stage}/{chunk}/fwd"], phase, observable)
-        for k, (_, chunk, phase) in enumerate(order)
-        if phase == "fwd"
+        k: _observed_collectives(artifact.kernels_of(stage, op), op, observable)
+        for k, op in enumerate(artifact.llm_op_order[stage])
+        if op.phase == "fwd"
     }
 
 
-def _observed_collectives(names: list[str], phase: str, observable: frozenset[str]) -> list[str]:
+def _observed_collectives(
+    names: tuple[str, ...], op: LLMOp, observable: frozenset[str]
+) -> list[str]:
     # backward collectives run inside autograd, where no hook is reached: only op boundaries there
-    return [name for name in names if name in observable] if phase == "fwd" else []
+    return [name for name in names if name in observable] if op.phase == "fwd" else []
 
 
 class _HookMapper:
     """Maps an artifact hook to the last observable event at or before the moment it names."""
 
-    def __init__(
-        self,
-        stage: int,
-        order: list[tuple[int, int, str]],
-        kernels: dict,
-        observable: frozenset[str],
-    ):
-        self.stage, self.kernels, self.observable = stage, kernels, observable
-        self.index = {op: k for k, op in enumerate(order)}
+    def __init__(self, artifact: ScheduleArtifact, stage: int, observable: frozenset[str]):
+        self.artifact, self.stage, self.observable = artifact, stage, observable
+        self.index = {op: k for k, op in enumerate(artifact.llm_op_order[stage])}
 
-    def event(self, hook: dict[str, Any]) -> Event:
-        if hook["at"] == "before_first_compute":
+    def event(self, hook: Hook) -> Event:
+        if hook.at == "before_first_compute":
             return PRE
-        if hook["at"] == "after_last_compute":
+        if hook.at == "after_last_compute":
             return POST
-        phase, chunk = hook["phase"], hook["chunk"]
-        k = self.index[(hook["microbatch"], chunk, phase)]
-        names = self.kernels[f"{self.stage}/{chunk}/{phase}"]
-        x = hook["kernel_index"]
-        observed = [i for i, name in enumerate(names) if phase == "fwd" and name in self.observable]
+        kernel = hook.llm_kernel
+        k = self.index[kernel.op]
+        names = self.artifact.kernels_of(self.stage, kernel.op)
+        x = kernel.kernel_index
+        fwd = kernel.op.phase == "fwd"
+        observed = [i for i, name in enumerate(names) if fwd and name in self.observable]
         if x in observed:  # under the collective, or right after it
-            return ("tp_after" if hook["after"] else "tp_before", k, observed.index(x))
-        if hook["after"] and x == len(names) - 1:
-            return ("op_end", k)
+            kind = EventKind.TP_AFTER if kernel.after else EventKind.TP_BEFORE
+            return Event(kind, k, observed.index(x))
+        if kernel.after and x == len(names) - 1:
+            return Event(EventKind.OP_END, k)
         earlier = [i for i in observed if i < x]
-        return ("tp_after", k, len(earlier) - 1) if earlier else ("op_start", k)
+        if earlier:
+            return Event(EventKind.TP_AFTER, k, len(earlier) - 1)
+        return Event(EventKind.OP_START, k)
 
 
 # --------------------------------------------------------------------------------------------
 # deadlock check and repair
 
 
-def _repair(plan: HookPlan, artifact: dict[str, Any]) -> HookPlan:
+def _repair(plan: HookPlan, artifact: ScheduleArtifact) -> HookPlan:
     moved: list[tuple[int, str]] = []
     while True:
         stuck = _stuck_microbatches(plan, artifact)
@@ -295,7 +272,7 @@ def _reordered(ops: tuple[PlannedOp, ...], events: tuple[Event, ...]) -> tuple[P
     return tuple(sorted(ops, key=lambda op: position[op.event]))
 
 
-def _stuck_microbatches(plan: HookPlan, artifact: dict[str, Any]) -> set[tuple[int, str]]:
+def _stuck_microbatches(plan: HookPlan, artifact: ScheduleArtifact) -> set[tuple[int, str]]:
     """(microbatch, phase) of encoder work on a wait cycle; empty when the placement cannot
     deadlock."""
     nodes: dict[tuple[int, Event, str], int] = {}
@@ -314,15 +291,18 @@ def _stuck_microbatches(plan: HookPlan, artifact: dict[str, Any]) -> set[tuple[i
             edge((s, a, "arrive"), (s, a, "done"))
             edge((s, a, "done"), (s, b, "arrive"))
         edge((s, events[-1], "arrive"), (s, events[-1], "done"))
-    pp, vp = artifact["llm_plan"]["pp"], artifact["llm_plan"]["vp"]
+    pp, vp = artifact.llm_plan.pp, artifact.llm_plan.vp
     where = {s: {op: k for k, op in enumerate(order)} for s, order in plan.op_order.items()}
     for s, order in plan.op_order.items():  # the LLM's own P2P: an op needs its producer's output
-        for k, (mb, chunk, phase) in enumerate(order):
-            producer = pipeline_producer(s, chunk, phase, pp, vp)
+        for k, op in enumerate(order):
+            producer = pipeline_producer(s, op.chunk, op.phase, pp, vp)
             if producer is not None:
                 ps, pchunk = producer
-                pk = where[ps][(mb, pchunk, phase)]
-                edge((ps, ("op_end", pk), "arrive"), (s, _after_start(plan.events[s], k), "arrive"))
+                pk = where[ps][LLMOp(op.microbatch, pchunk, op.phase)]
+                edge(
+                    (ps, Event(EventKind.OP_END, pk), "arrive"),
+                    (s, _after_start(plan.events[s], k), "arrive"),
+                )
     chains: dict[tuple[int, int, int, str], list[Event]] = defaultdict(list)
     for st in plan.stages:
         for op in st.ops:
@@ -332,7 +312,8 @@ def _stuck_microbatches(plan: HookPlan, artifact: dict[str, Any]) -> set[tuple[i
             owner[nodes[(st.llm_stage, op.event, "done")]].add((op.microbatch, op.phase))
     llm_stage = {(st.encoder_pipeline, st.encoder_stage): st.llm_stage for st in plan.stages}
     last = max(e for _, e in llm_stage)
-    for i, (j, k) in enumerate(artifact["assignment"]):
+    for i, source in enumerate(artifact.assignment):
+        j, k = source.encoder_pipeline, source.local_microbatch
         for e in range(last + 1):  # the encoder pipeline's own P2P, forward then backward
             if e > 0:
                 edge(
@@ -344,15 +325,15 @@ def _stuck_microbatches(plan: HookPlan, artifact: dict[str, Any]) -> set[tuple[i
                     (llm_stage[(j, e + 1)], chains[(j, e + 1, k, "bwd")][-1], "done"),
                     (llm_stage[(j, e)], chains[(j, e, k, "bwd")][0], "done"),
                 )
-        first_fwd = where[0][(i, 0, "fwd")]  # A_i into the first LLM stage's chunk 0
+        first_fwd = where[0][LLMOp(i, 0, "fwd")]  # A_i into the first LLM stage's chunk 0
         edge(
             (llm_stage[(j, last)], chains[(j, last, k, "fwd")][-1], "done"),
             (0, _after_start(plan.events[0], first_fwd), "arrive"),
         )
         if chains.get((j, last, k, "bwd")):  # G_i out of it
-            last_bwd = where[0][(i, 0, "bwd")]
+            last_bwd = where[0][LLMOp(i, 0, "bwd")]
             edge(
-                (0, ("op_end", last_bwd), "arrive"),
+                (0, Event(EventKind.OP_END, last_bwd), "arrive"),
                 (llm_stage[(j, last)], chains[(j, last, k, "bwd")][0], "done"),
             )
     remaining = _nodes_on_or_after_cycles(len(nodes), edges)
@@ -361,7 +342,7 @@ def _stuck_microbatches(plan: HookPlan, artifact: dict[str, Any]) -> set[tuple[i
 
 def _after_start(events: tuple[Event, ...], k: int) -> Event:
     """The event right after op k starts: where the LLM has needed its input."""
-    return events[events.index(("op_start", k)) + 1]
+    return events[events.index(Event(EventKind.OP_START, k)) + 1]
 
 
 def _nodes_on_or_after_cycles(n: int, edges: dict[int, list[int]]) -> set[int]:

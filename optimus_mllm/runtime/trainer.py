@@ -40,6 +40,7 @@ from megatron_patches.hooks import tp_collective_hook, warmup_override
 from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.pipeline_order import default_warmup, pipeline_producer, rank_op_order
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
 from optimus_mllm.runtime.balanced import (
     balanced_transformer_config,
@@ -66,7 +67,14 @@ from optimus_mllm.runtime.executor import (
     Mailbox,
     incoming_messages,
 )
-from optimus_mllm.runtime.hook_plan import POST, PRE, build_hook_plan, planned_collectives
+from optimus_mllm.runtime.hook_plan import (
+    POST,
+    PRE,
+    Event,
+    EventKind,
+    build_hook_plan,
+    planned_collectives,
+)
 from optimus_mllm.runtime.layer_ops import vision_transformer_config
 from optimus_mllm.runtime.llm import (
     build_llm_chunks,
@@ -78,6 +86,7 @@ from optimus_mllm.runtime.llm import (
     transformer_config,
 )
 from optimus_mllm.runtime.messages import Messenger
+from optimus_mllm.runtime.microbatches import MicrobatchNumbering
 from optimus_mllm.runtime.optimizer import (
     build_opt_param_scheduler,
     build_optimizer,
@@ -105,8 +114,8 @@ from optimus_mllm.runtime.user_model import (
 )
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
+from optimus_mllm.scheduler.artifact_format import LLMOp, ScheduleArtifact
 from optimus_mllm.scheduler.baselines import balanced_layer_ranges
-from optimus_mllm.scheduler.llm_timeline import default_warmup, pipeline_producer, rank_op_order
 
 
 @dataclass
@@ -128,6 +137,16 @@ class StepResult:
         return sum(op.moved for op in self.encoder_record)
 
     @property
+    def moved_by_repair(self) -> int:
+        """Ops run before or after the LLM because their hooks would have waited in a cycle."""
+        return sum(op.moved_by_repair for op in self.encoder_record)
+
+    @property
+    def moved_to_op_end(self) -> int:
+        """Ops run at their LLM op's end because a TP collective planned there never ran."""
+        return sum(op.moved_to_op_end for op in self.encoder_record)
+
+    @property
     def ops_inside_llm(self) -> int:
         return sum(op.ran_at not in (PRE, POST) for op in self.encoder_record)
 
@@ -138,7 +157,7 @@ class Trainer:
         config: OptimusConfig,
         llm_plan: ParallelPlan,
         mode: Mode,
-        artifact: dict[str, Any] | None = None,
+        artifact: ScheduleArtifact | None = None,
         *,
         side_stream: bool = True,
         timers: Any = None,
@@ -224,31 +243,26 @@ class Trainer:
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.llm_dp = parallel_state.get_data_parallel_rank()
         self.num_microbatches = config.num_microbatches_total // llm_plan.dp
-        self.warmup = (
-            list(artifact["warmup"])
-            if artifact
-            else [
+        self.numbering = MicrobatchNumbering(
+            self.num_microbatches, self.llm_dp, artifact.assignment if artifact else ()
+        )
+        # the artifact's warm-up and op order (artifact_checks made them megatron-core's under that
+        # warm-up); without one, megatron-core's own
+        if artifact is not None:
+            self.warmup = list(artifact.warmup)
+            self.op_order = artifact.llm_op_order[self.stage]
+        else:
+            self.warmup = [
                 default_warmup(llm_plan.pp, llm_plan.vp, self.num_microbatches, s)
                 for s in range(llm_plan.pp)
             ]
-        )
-        if (
-            llm_plan.vp == 1
-            and artifact
-            and self.warmup
-            != [
-                default_warmup(llm_plan.pp, 1, self.num_microbatches, s) for s in range(llm_plan.pp)
-            ]
-        ):
-            raise OptimusError(
-                "schedule artifact: an adjusted warm-up needs the interleaved schedule (vp > 1)"
+            self.op_order = tuple(
+                LLMOp(*op)
+                for op in rank_op_order(
+                    self.num_microbatches, llm_plan.vp, self.warmup[self.stage], llm_plan.pp
+                )
             )
-        self.op_order = rank_op_order(
-            self.num_microbatches, llm_plan.vp, self.warmup[self.stage], llm_plan.pp
-        )
-        self.collectives = (
-            {} if artifact is None else planned_collectives(artifact, self.stage, self.op_order)
-        )
+        self.collectives = {} if artifact is None else planned_collectives(artifact, self.stage)
         self.encoder: EncoderStage | None = None
         self.image_input: ImageEmbeddingsInput | None = None
         if user_model is not None:
@@ -357,13 +371,14 @@ class Trainer:
         )
         return {"p2p_communicator": self.communicator, "pg_collection": groups}
 
-    def _wait_for_input(self, microbatch: int, chunk: int, phase: str) -> None:
+    def _wait_for_input(self, op: LLMOp) -> None:
         """Right before an LLM op: its pipeline input, if it has one, must have arrived."""
         if (
             self.communicator is not None
-            and pipeline_producer(self.stage, chunk, phase, self.plan.pp, self.plan.vp) is not None
+            and pipeline_producer(self.stage, op.chunk, op.phase, self.plan.pp, self.plan.vp)
+            is not None
         ):
-            self.communicator.wait_for_input("prev" if phase == "fwd" else "next")
+            self.communicator.wait_for_input("prev" if op.phase == "fwd" else "next")
 
     def _adopt_user_vision(self) -> None:
         """The user's vision model: left in the first stage for the baseline; with the flag, its
@@ -409,8 +424,7 @@ class Trainer:
             self.image_input = take_vision(first)
 
     def _build_optimus_encoder(self) -> None:
-        a = self.artifact
-        enc_plan = ParallelPlan(**a["encoder_plan"])
+        enc_plan = self.artifact.encoder_plan
         self.enc_plan = enc_plan
         self.m = encoder_pipelines_per_llm_pipeline(self.plan, enc_plan)
         layout = build_encoder_rank_layout(self.plan, enc_plan)
@@ -423,21 +437,15 @@ class Trainer:
             layer_specs=self.encoder_layer_specs,
         )
         self.ops = build_stage_ops(self.encoder.blocks(), self.config.training.recompute)
-        hook_plan = build_hook_plan(a)
+        hook_plan = build_hook_plan(self.artifact)
         self.stage_plan = hook_plan.for_gpu(layout.coords[self.rank].gpu)
-        self.assignment = [tuple(x) for x in a["assignment"]]
-        first_stage_order = rank_op_order(
-            self.num_microbatches, self.plan.vp, self.warmup[0], self.plan.pp
-        )
         incoming = incoming_messages(
             self.config,
             hook_plan,
             self.groups,
             self.ops.output_grad_encoders,
-            self.assignment,
-            first_stage_order,
+            self.numbering,
             self.m,
-            self.llm_dp,
             enc_plan.pp,
         )
         self.messenger = Messenger(
@@ -459,8 +467,7 @@ class Trainer:
                 self.stage_plan,
                 self.ops,
                 self.groups,
-                self.assignment,
-                self.llm_dp,
+                self.numbering,
                 self.enc_plan.pp,
                 iteration,
                 mailbox,
@@ -575,8 +582,8 @@ class Trainer:
     ) -> tuple[int, int, int, int]:
         """(microbatch, chunk, global microbatch, seed) of the LLM op starting now; its LLM dropout
         seeded."""
-        microbatch, chunk, _ = driver.current
-        global_microbatch = self.llm_dp * self.num_microbatches + microbatch
+        microbatch, chunk = driver.current.microbatch, driver.current.chunk
+        global_microbatch = self.numbering.global_index(microbatch)
         seed = microbatch_seed(self.config.training.seed, iteration, global_microbatch)
         seed_llm_dropout(seed, llm_chunk_index(chunk))
         return microbatch, chunk, global_microbatch, seed
@@ -586,9 +593,11 @@ class Trainer:
         project's model (the step reads its own source), for a user's model its batches in order."""
         if self.user_model is None:
             return [None] * self.plan.vp
-        first = self.llm_dp * self.num_microbatches
         return [
-            (self.user_model.batch(iteration, first + k) for k in range(self.num_microbatches))
+            (
+                self.user_model.batch(iteration, self.numbering.global_index(k))
+                for k in range(self.num_microbatches)
+            )
             for _ in range(self.plan.vp)
         ]
 
@@ -634,7 +643,7 @@ class Trainer:
         return self.messenger.recv("embeddings", link.encoder_rank, (microbatch, 0))
 
     def _link(self, microbatch: int):
-        encoder_dp = self.llm_dp * self.m + self.assignment[microbatch][0]
+        encoder_dp = self.llm_dp * self.m + self.numbering.encoder(microbatch).encoder_pipeline
         return next(link for link in self.groups.embedding_recvs if link.encoder_dp == encoder_dp)
 
     def send_gradient(self, microbatch: int, grad: torch.Tensor, mailbox: Mailbox) -> None:
@@ -736,12 +745,12 @@ class _LLMSide:
     ):
         self.trainer, self.executor, self.leaves, self.mailbox = trainer, executor, leaves, mailbox
 
-    def on_event(self, event: tuple, ran_at: tuple) -> None:
+    def on_event(self, event: Event, ran_at: Event) -> None:
         if self.executor is None:
             return
-        if event[0] == "op_end":
-            microbatch, chunk, phase = self.trainer.op_order[event[1]]
-            if phase == "bwd" and chunk == 0 and self.trainer.stage == 0:
-                leaf = self.leaves.pop(microbatch)
-                self.trainer.send_gradient(microbatch, leaf.grad.detach(), self.mailbox)
+        if event.kind is EventKind.OP_END:
+            op = self.trainer.op_order[event.op]
+            if op.phase == "bwd" and op.chunk == 0 and self.trainer.stage == 0:
+                leaf = self.leaves.pop(op.microbatch)
+                self.trainer.send_gradient(op.microbatch, leaf.grad.detach(), self.mailbox)
         self.executor.on_event(event, ran_at)

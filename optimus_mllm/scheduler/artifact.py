@@ -1,51 +1,56 @@
 """The schedule artifact: the versioned JSON contract between the scheduler and the runtime.
 
-It holds the settings of the config it was made for that shape its schedule (``fingerprint``), the
-plans, the microbatch partition, the global ordering (which encoder pipeline's local microbatch
-feeds each LLM microbatch), the LLM warm-up counts to run with, and for every encoder stage (the
-GPUs of one LLM pipeline that hold it) the ordered encoder kernels with the LLM hook point each is
+Its fields are ``artifact_format``'s dataclasses, written with ``to_json`` and read back by the
+config's loader (``typed_load``). It holds the settings of the config it was made for that shape its
+schedule (``fingerprint``), the plans, the microbatch partition, the global ordering (which encoder
+pipeline's local microbatch feeds each LLM microbatch), the LLM warm-up counts to run with and the
+op order each LLM stage runs under them, and for every encoder stage (the GPUs of one LLM pipeline
+that hold it) its encoder kernels in the order they run, each with the LLM hook point it is
 launched at and its predicted start and end.
 
-A hook point names a moment of the LLM's own execution on that GPU, never a time:
-- ``{"at": "before_first_compute"}``: before the LLM's first forward on this GPU (coarse forward);
-- ``{"at": "llm_kernel", "phase", "chunk", "microbatch", "kernel_index", "kernel", "layer",
-  "after"}``: at that kernel of that LLM op (fine-grained): ``after`` true means once it has
-  finished (the encoder kernel fills the bubble that follows), false means while it runs (an encoder
-  compute kernel in a TP collective's bubble, or an encoder collective under LLM compute);
-- ``{"at": "after_last_compute"}``: after the LLM's last backward on this GPU (coarse backward).
-An op's ``piece`` [lo, hi) is the share of its kernel's tokens it runs, as fractions ([0, 1]: the
-whole kernel); a kernel the job's encoder can split (``EncoderKernel.splittable``) may run as
-several pieces that tile [0, 1], in order. ``llm_kernels["stage/chunk/phase"]`` lists the names of
-the LLM op's kernels, which ``kernel_index`` counts. All LLM pipelines of the job run the same
-schedule, so GPUs are numbered within one LLM pipeline: ``llm_stage * TP_llm + tp_rank``.
+A hook point (``Hook``) names a moment of the LLM's own execution on that GPU, never a time: before
+the LLM's first forward on the GPU (``before_first_compute``), at a kernel of one of its LLM ops
+(``llm_kernel``: the op, the kernel's index among the op's ``llm_kernels``, and whether the encoder
+kernel follows it or runs under it), or after its last backward (``after_last_compute``). An op's
+``piece`` [lo, hi) is the share of its kernel's tokens it runs, as fractions ((0, 1): the whole
+kernel). GPUs are numbered within one LLM pipeline: ``llm_stage * TP_llm + tp_rank``.
 
 A job runs an artifact only if its fingerprint and plans are the job's and its contents are whole
-and consistent (``artifact_checks``), all decided before any rank connects.
+and consistent (``artifact_checks``), all decided before any rank connects: the runtime then runs
+each stage's ops in the order listed, at their hooks, and the LLM's ops in ``llm_op_order``.
 """
 
 from __future__ import annotations
 
 import json
 from bisect import bisect_right
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel
-from optimus_mllm.errors import OptimusError
+from optimus_mllm.errors import ConfigError, OptimusError
 from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
 from optimus_mllm.planner import PlannerResult
-from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.scheduler.artifact_checks import validate_artifact, validate_for_job
+from optimus_mllm.scheduler.artifact_checks import REMEDY, validate_artifact, validate_for_job
+from optimus_mllm.scheduler.artifact_format import (
+    ARTIFACT_FORMAT,
+    ARTIFACT_VERSION,
+    EncoderMicrobatch,
+    EncoderOp,
+    EncoderStageSchedule,
+    Hook,
+    LLMKernelHook,
+    LLMOp,
+    Prediction,
+    ScheduleArtifact,
+    artifact_from_json,
+    artifact_to_json,
+)
 from optimus_mllm.scheduler.bubble_scheduler import Schedule, best_schedule
 from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_fingerprint
 
-ARTIFACT_FORMAT = "optimus-schedule"
-ARTIFACT_VERSION = 3  # 2: the config's fingerprint; 3: pieces of kernels
 
-
-def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> dict[str, Any]:
+def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> ScheduleArtifact:
     w, tl, t0 = schedule.work, schedule.timeline, schedule.llm_origin_us
     llm_mb = {a: i for i, a in enumerate(schedule.assignment)}
     hooks = [_HookIndex(tl, s, t0) for s in range(tl.pp)]
@@ -57,61 +62,66 @@ def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> dict[str,
             for c in (c for c in schedule.chains if c.pipeline == j and c.stage == e):
                 for run in schedule.runs(c):
                     k = run.kernel
-                    ops.append(
-                        {
-                            "phase": c.phase,
-                            "microbatch": llm_mb[(j, c.local_microbatch)],
-                            "local_microbatch": c.local_microbatch,
-                            "encoder": k.encoder,
-                            "layer": k.layer,
-                            "kernel": k.name,
-                            "kernel_index": run.index,
-                            "piece": list(run.piece),
-                            "is_comm": k.is_comm,
-                            "window": c.window,
-                            "start_us": round(run.start_us, 3),
-                            "end_us": round(run.end_us, 3),
-                            "hook": hooks[s].hook(c.window, run.start_us),
-                        }
+                    op = EncoderOp(
+                        phase=c.phase,
+                        microbatch=llm_mb[(j, c.local_microbatch)],
+                        local_microbatch=c.local_microbatch,
+                        encoder=k.encoder,
+                        layer=k.layer,
+                        kernel=k.name,
+                        kernel_index=run.index,
+                        piece=(float(run.piece[0]), float(run.piece[1])),
+                        is_comm=k.is_comm,
+                        window=c.window,
+                        start_us=round(run.start_us, 3),
+                        end_us=round(run.end_us, 3),
+                        hook=hooks[s].hook(c.window, run.start_us),
                     )
-            ops.sort(key=lambda op: (op["start_us"], op["phase"] == "bwd"))
+                    ops.append((run.start_us, c.phase == "bwd", op))
+            # the order they run in: by start (a chain's kernels start one after the other; the
+            # sort is stable), a backward after a forward that starts at the same time
+            ops.sort(key=lambda item: item[:2])
             stages.append(
-                {
-                    "encoder_pipeline": j,
-                    "encoder_stage": e,
-                    "llm_stage": s,
-                    "gpus": list(gpus),
-                    "ops": ops,
-                }
+                EncoderStageSchedule(
+                    encoder_pipeline=j,
+                    encoder_stage=e,
+                    llm_stage=s,
+                    gpus=tuple(gpus),
+                    ops=tuple(op for *_, op in ops),
+                )
             )
-    return {
-        "format": ARTIFACT_FORMAT,
-        "version": ARTIFACT_VERSION,
-        "config": config.name,
-        "fingerprint": schedule_fingerprint(config),
-        "num_gpus": config.cluster.num_gpus,
-        "llm_plan": schedule.llm_plan.as_dict(),
-        "encoder_plan": schedule.encoder_plan.as_dict(),
-        "num_microbatches": tl.num_microbatches,
-        "partition": list(schedule.partition),
-        "assignment": [list(a) for a in schedule.assignment],
-        "warmup": list(schedule.dep.warmup),
-        "default_warmup": list(schedule.dep.default_warmup),
-        "predicted": {
-            "iteration_us": schedule.iteration_us,
-            "coarse_iteration_us": schedule.coarse_iteration_us,
-            "llm_origin_us": t0,
-            "F": list(schedule.forward_dependency_us),
-            "B": list(schedule.backward_dependency_us),
-            "EF": list(schedule.encoder_forward_end_us),
-            "EB": list(schedule.encoder_backward_start_us),
-        },
-        "llm_kernels": {
-            f"{s}/{c}/{phase}": [k.name for k in work.kernels]
+    return ScheduleArtifact(
+        format=ARTIFACT_FORMAT,
+        version=ARTIFACT_VERSION,
+        config=config.name,
+        fingerprint=schedule_fingerprint(config),
+        num_gpus=config.cluster.num_gpus,
+        llm_plan=schedule.llm_plan,
+        encoder_plan=schedule.encoder_plan,
+        num_microbatches=tl.num_microbatches,
+        partition=tuple(schedule.partition),
+        assignment=tuple(EncoderMicrobatch(j, k) for j, k in schedule.assignment),
+        warmup=tuple(schedule.dep.warmup),
+        default_warmup=tuple(schedule.dep.default_warmup),
+        llm_op_order=tuple(
+            tuple(LLMOp(op.microbatch, op.chunk, op.phase) for op in stage.ops)
+            for stage in tl.stages
+        ),
+        predicted=Prediction(
+            iteration_us=schedule.iteration_us,
+            coarse_iteration_us=schedule.coarse_iteration_us,
+            llm_origin_us=t0,
+            forward_dependency_us=tuple(schedule.forward_dependency_us),
+            backward_dependency_us=tuple(schedule.backward_dependency_us),
+            encoder_forward_end_us=tuple(schedule.encoder_forward_end_us),
+            encoder_backward_start_us=tuple(schedule.encoder_backward_start_us),
+        ),
+        llm_kernels={
+            f"{s}/{c}/{phase}": tuple(k.name for k in work.kernels)
             for (s, c, phase), work in sorted(tl.work.items())
         },
-        "encoder_stages": stages,
-    }
+        encoder_stages=tuple(stages),
+    )
 
 
 class _HookIndex:
@@ -120,81 +130,47 @@ class _HookIndex:
     def __init__(self, tl, stage: int, t0: float):
         self.starts: list[float] = []
         self.ends: list[float] = []
-        self.names: list[dict[str, Any]] = []
+        self.kernels: list[tuple[LLMOp, int, str, int]] = []
         for op in tl.stages[stage].ops:
             for index, k in enumerate(tl.work[(stage, op.chunk, op.phase)].kernels):
                 self.starts.append(t0 + op.start_us + k.offset_us)
                 self.ends.append(t0 + op.start_us + k.offset_us + k.duration_us)
-                self.names.append(
-                    {
-                        "at": "llm_kernel",
-                        "phase": op.phase,
-                        "chunk": op.chunk,
-                        "microbatch": op.microbatch,
-                        "kernel_index": index,
-                        "kernel": k.name,
-                        "layer": k.layer,
-                    }
+                self.kernels.append(
+                    (LLMOp(op.microbatch, op.chunk, op.phase), index, k.name, k.layer)
                 )
 
-    def hook(self, window: str, start: float) -> dict[str, Any]:
+    def hook(self, window: str, start: float) -> Hook:
         if window == "pre":
-            return {"at": "before_first_compute"}
+            return Hook("before_first_compute")
         if window == "post":
-            return {"at": "after_last_compute"}
+            return Hook("after_last_compute")
         i = max(bisect_right(self.starts, start + 1e-6) - 1, 0)
-        return {**self.names[i], "after": start >= self.ends[i] - 1e-6}
+        op, index, name, layer = self.kernels[i]
+        return Hook(
+            "llm_kernel", LLMKernelHook(op, index, name, layer, start >= self.ends[i] - 1e-6)
+        )
 
 
 def write_artifact(schedule: Schedule, config: OptimusConfig, path: str | Path) -> None:
-    atomic_write_text(path, json.dumps(schedule_to_artifact(schedule, config)) + "\n")
+    atomic_write_text(path, artifact_text(schedule_to_artifact(schedule, config)))
 
 
-@dataclass(frozen=True)
-class ScheduleArtifact:
-    data: dict[str, Any]
-
-    @property
-    def llm_plan(self) -> ParallelPlan:
-        return ParallelPlan(**self.data["llm_plan"])
-
-    @property
-    def encoder_plan(self) -> ParallelPlan:
-        return ParallelPlan(**self.data["encoder_plan"])
-
-    def check_matches(
-        self, llm_plan: ParallelPlan, encoder_plan: ParallelPlan, num_gpus: int
-    ) -> None:
-        """Refuse to run a schedule made for another job."""
-        if self.data["num_gpus"] != num_gpus:
-            raise OptimusError(
-                f"schedule artifact was made for {self.data['num_gpus']} GPUs, this job has "
-                f"{num_gpus}; re-run optimus-plan for this world size"
-            )
-        if self.llm_plan != llm_plan:
-            raise OptimusError(
-                f"schedule artifact has LLM plan {self.llm_plan}, this job uses {llm_plan}; "
-                "re-run optimus-plan with this job's plan"
-            )
-        if self.encoder_plan != encoder_plan:
-            raise OptimusError(
-                f"schedule artifact has encoder plan {self.encoder_plan}, this job uses "
-                f"{encoder_plan}; re-run optimus-plan with this job's plan"
-            )
+def artifact_text(artifact: ScheduleArtifact) -> str:
+    """The file's text: one line of JSON."""
+    return json.dumps(artifact_to_json(artifact)) + "\n"
 
 
 def load_artifact(path: str | Path) -> ScheduleArtifact:
     """Read a schedule artifact and refuse it unless it is whole and consistent
     (``artifact_checks``)."""
-    data = read_versioned_json(
-        path,
-        "schedule artifact",
-        ARTIFACT_FORMAT,
-        ARTIFACT_VERSION,
-        "write one with optimus-plan --artifact",
-    )
-    validate_artifact(data, f"schedule artifact {path}")
-    return ScheduleArtifact(data)
+    where = f"schedule artifact {path}"
+    data = read_versioned_json(path, "schedule artifact", ARTIFACT_FORMAT, ARTIFACT_VERSION, REMEDY)
+    try:
+        artifact = artifact_from_json(data)
+    except ConfigError as exc:
+        raise OptimusError(f"{where}: {exc}; {REMEDY}") from None
+    validate_artifact(artifact, where)
+    return artifact
 
 
 # -- the schedule a training job runs ----------------------------------------------------------
@@ -202,13 +178,13 @@ def load_artifact(path: str | Path) -> ScheduleArtifact:
 
 def load_job_artifact(
     path: str | Path, planned: PlannerResult, config: OptimusConfig, num_gpus: int
-) -> dict[str, Any]:
+) -> ScheduleArtifact:
     """An artifact from ``optimus-plan --artifact``, refused unless it was made for this job.
 
     Everything here is decided from the files alone, so every rank refuses the same artifact before
     any of them connects."""
     artifact = load_artifact(path)
-    difference = fingerprint_difference(artifact.data["fingerprint"], schedule_fingerprint(config))
+    difference = fingerprint_difference(artifact.fingerprint, schedule_fingerprint(config))
     if difference is not None:
         raise OptimusError(
             f"schedule artifact {path} was made with {difference}; re-run optimus-plan "
@@ -226,11 +202,11 @@ def load_job_artifact(
             f"schedule artifact has encoder plan {expected}, which the planner rejects for this "
             "config (see optimus-plan); re-run optimus-plan for this config"
         )
-    validate_for_job(artifact.data, config, f"schedule artifact {path}")
-    return artifact.data
+    validate_for_job(artifact, config, f"schedule artifact {path}")
+    return artifact
 
 
-def schedule_job_artifact(config: OptimusConfig, planned: PlannerResult) -> dict[str, Any]:
+def schedule_job_artifact(config: OptimusConfig, planned: PlannerResult) -> ScheduleArtifact:
     """Schedule the job now (what ``optimus-plan --artifact`` would write)."""
     best = best_schedule(config, planned, CostModel.from_config(config)).best
     if best is None:

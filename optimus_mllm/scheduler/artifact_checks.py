@@ -1,328 +1,275 @@
 """Checks of a schedule artifact's contents, before any rank connects. Pure Python: no torch.
 
-``validate_artifact`` checks the file on its own: every field's type, and that the plans, the
-microbatch partition and global ordering, the warm-up, the LLM kernel lists and the encoder stages'
-op chains fit together as ``schedule_to_artifact`` writes them. ``validate_for_job`` checks what
-only the job's config knows: its microbatch count and the kernels its encoder and LLM run. A failure
-names the field's path in the file (``encoder_stages[3].ops[17].kernel_index``): a hand-edited or
-truncated artifact fails here, in one line, instead of with a traceback or a hang after the ranks
-connect.
+The typed loader (``artifact_format.artifact_from_json``) has checked every field's type.
+``validate_artifact`` checks that the plans, the microbatch partition and global ordering, the
+warm-up and the LLM op order, the LLM kernel lists and the encoder stages' op chains fit together as
+``schedule_to_artifact`` writes them, and that every stage lists its ops in an order the runtime can
+run as written: a chain's kernels in order, hooks never earlier than the op before.
+``validate_for_job`` checks what only the job's config knows: its microbatch count and the kernels
+its encoder and LLM run. A failure is a ``ConfigError`` naming the field's path in the file
+(``encoder_stages[3].ops[17].kernel_index``), in the config's format: a hand-edited or truncated
+artifact fails here, in one line, instead of with a traceback, a hang, or a schedule other than the
+one written.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-from typing import Any
-
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel
-from optimus_mllm.errors import OptimusError
+from optimus_mllm.errors import ConfigError, OptimusError
+from optimus_mllm.pipeline_order import default_warmup, rank_op_order
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
+from optimus_mllm.scheduler.artifact_format import (
+    EncoderMicrobatch,
+    EncoderOp,
+    EncoderStageSchedule,
+    Hook,
+    LLMOp,
+    ScheduleArtifact,
+)
 from optimus_mllm.scheduler.encoder_costs import StageChain, build_encoder_work
 from optimus_mllm.scheduler.llm_costs import llm_op_work
-from optimus_mllm.scheduler.llm_timeline import OpWork, PipelineDeadlock, default_warmup, simulate
+from optimus_mllm.scheduler.llm_timeline import OpWork, PipelineDeadlock, simulate
 
-REMEDY = "write a new one with optimus-plan --artifact"
+REMEDY = "re-run optimus-plan --artifact"
 PHASES = ("fwd", "bwd")
-HOOK_KINDS = ("before_first_compute", "llm_kernel", "after_last_compute")
-
-_TOP_LEVEL = {
-    "format": str,
-    "version": int,
-    "config": str,
-    "num_gpus": int,
-    "llm_plan": dict,
-    "encoder_plan": dict,
-    "num_microbatches": int,
-    "partition": list,
-    "assignment": list,
-    "warmup": list,
-    "default_warmup": list,
-    "predicted": dict,
-    "llm_kernels": dict,
-    "encoder_stages": list,
-    "fingerprint": dict,
-}
-_PLAN_KEYS = tuple(f.name for f in dataclasses.fields(ParallelPlan))
-_STAGE_KEYS = ("encoder_pipeline", "encoder_stage", "llm_stage", "gpus", "ops")
-_OP_KEYS = (
-    "phase",
-    "microbatch",
-    "local_microbatch",
-    "encoder",
-    "layer",
-    "kernel",
-    "kernel_index",
-    "piece",
-    "is_comm",
-    "window",
-    "start_us",
-    "end_us",
-    "hook",
-)
-_LLM_HOOK_KEYS = ("at", "phase", "chunk", "microbatch", "kernel_index", "kernel", "layer", "after")
 
 
-class _Invalid(Exception):
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"{field}: {problem}")
-
-
-def validate_artifact(data: dict[str, Any], where: str) -> None:
+def validate_artifact(artifact: ScheduleArtifact, where: str) -> None:
     """Refuse an artifact that is not what ``schedule_to_artifact`` writes; ``where`` starts the
     message."""
     try:
-        _check_artifact(data)
-    except _Invalid as exc:
+        _check_artifact(artifact)
+    except ConfigError as exc:
         raise OptimusError(f"{where}: {exc}; {REMEDY}") from None
 
 
-def validate_for_job(data: dict[str, Any], config: OptimusConfig, where: str) -> None:
+def validate_for_job(artifact: ScheduleArtifact, config: OptimusConfig, where: str) -> None:
     """Refuse a valid artifact whose microbatches or kernels are not the ones this job runs.
 
     Call after ``validate_artifact`` and after the job's plans matched the artifact's."""
     try:
-        _check_job(data, config)
-    except _Invalid as exc:
+        _check_job(artifact, config)
+    except ConfigError as exc:
         raise OptimusError(f"{where}: {exc}; {REMEDY}") from None
 
 
 # -- the artifact on its own ------------------------------------------------------------------
 
 
-def _check_artifact(data: dict[str, Any]) -> None:
-    _keys(data, tuple(_TOP_LEVEL), "")
-    for key, kind in _TOP_LEVEL.items():
-        _typed(data[key], kind, key)
-    llm, enc = _plan(data["llm_plan"], "llm_plan"), _plan(data["encoder_plan"], "encoder_plan")
-    num_gpus = _int(data["num_gpus"], "num_gpus", 1)
+def _check_artifact(a: ScheduleArtifact) -> None:
+    llm, enc = a.llm_plan, a.encoder_plan
+    for name, plan in (("llm_plan", llm), ("encoder_plan", enc)):
+        for key in ("dp", "pp", "tp", "vp"):
+            _at_least(getattr(plan, key), 1, f"{name}.{key}")
+    num_gpus = _at_least(a.num_gpus, 1, "num_gpus")
     _check_plans(llm, enc, num_gpus)
-    n_mb = _int(data["num_microbatches"], "num_microbatches", 1)
+    n_mb = _at_least(a.num_microbatches, 1, "num_microbatches")
     layout = encoder_stage_gpus(llm, enc)
-    partition = _check_partition(data["partition"], len(layout), n_mb)
-    llm_microbatch = _check_assignment(data["assignment"], partition, n_mb)
-    _check_warmup(data["warmup"], llm, n_mb)
-    _int_list(data["default_warmup"], "default_warmup", llm.pp)
-    _check_predicted(data["predicted"], n_mb)
-    kernels = _check_llm_kernels(data["llm_kernels"], llm)
-    _check_fingerprint(data["fingerprint"])
+    partition = _check_partition(a.partition, len(layout), n_mb)
+    llm_microbatch = _check_assignment(a.assignment, partition, n_mb)
+    _check_warmup(a.warmup, llm, n_mb)
+    _check_length(a.default_warmup, "default_warmup", llm.pp, "the plans need")
+    _check_op_order(a.llm_op_order, a.warmup, llm, n_mb)
+    _check_predicted(a, n_mb)
+    _check_llm_kernels(a.llm_kernels, llm)
     seen: dict[tuple[int, int], int] = {}
-    for i, stage in enumerate(data["encoder_stages"]):
+    for i, stage in enumerate(a.encoder_stages):
         field = f"encoder_stages[{i}]"
         j, e = _check_stage_place(stage, field, layout, llm)
         if (j, e) in seen:
-            raise _Invalid(
+            raise ConfigError(
                 field, f"encoder pipeline {j} stage {e} again (also encoder_stages[{seen[(j, e)]}])"
             )
         seen[(j, e)] = i
-        _check_ops(
-            stage["ops"],
-            f"{field}.ops",
-            j,
-            partition[j],
-            llm_microbatch,
-            kernels[stage["llm_stage"]],
-            llm,
-            n_mb,
-        )
+        _check_ops(stage.ops, f"{field}.ops", j, partition[j], llm_microbatch, a, stage.llm_stage)
     for j, stages in enumerate(layout):
         for e in range(len(stages)):
             if (j, e) not in seen:
-                raise _Invalid("encoder_stages", f"no entry for encoder pipeline {j} stage {e}")
+                raise ConfigError("encoder_stages", f"no entry for encoder pipeline {j} stage {e}")
 
 
-def _check_predicted(value: dict, n_mb: int) -> None:
-    """The scheduler's predictions (times in us; F/B/EF/EB per microbatch): finite numbers."""
-    times, per_microbatch = (
-        ("iteration_us", "coarse_iteration_us", "llm_origin_us"),
-        ("F", "B", "EF", "EB"),
-    )
-    _keys(value, times + per_microbatch, "predicted")
-    for key in times:
-        _finite(value[key], f"predicted.{key}")
-    for key in per_microbatch:
-        entries = _typed(value[key], list, f"predicted.{key}")
+def _check_predicted(a: ScheduleArtifact, n_mb: int) -> None:
+    """The scheduler's per-microbatch predictions: one per LLM microbatch."""
+    for name in (
+        "forward_dependency_us",
+        "backward_dependency_us",
+        "encoder_forward_end_us",
+        "encoder_backward_start_us",
+    ):
+        entries = getattr(a.predicted, name)
         if len(entries) != n_mb:
-            raise _Invalid(
-                f"predicted.{key}", f"{len(entries)} entries, but there are {n_mb} microbatches"
+            raise ConfigError(
+                f"predicted.{name}", f"{len(entries)} entries, but there are {n_mb} microbatches"
             )
-        for i, entry in enumerate(entries):
-            _finite(entry, f"predicted.{key}[{i}]")
-
-
-def _finite(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _Invalid(field, f"expected a finite number, got {_describe(value)}")
-    return value
 
 
 def _check_plans(llm: ParallelPlan, enc: ParallelPlan, num_gpus: int) -> None:
     for name, plan in (("llm_plan", llm), ("encoder_plan", enc)):
         if plan.world_size != num_gpus:
-            raise _Invalid(name, f"dp*pp*tp = {plan.world_size}, but num_gpus is {num_gpus}")
+            raise ConfigError(name, f"dp*pp*tp = {plan.world_size}, but num_gpus is {num_gpus}")
     if enc.vp != 1:
-        raise _Invalid(
+        raise ConfigError(
             "encoder_plan.vp", f"{enc.vp}, but the encoder has no virtual stages: must be 1"
         )
     if llm.pp % enc.pp:
-        raise _Invalid("encoder_plan.pp", f"{enc.pp} does not divide llm_plan.pp={llm.pp}")
+        raise ConfigError("encoder_plan.pp", f"{enc.pp} does not divide llm_plan.pp={llm.pp}")
     if llm.tp % enc.tp:
-        raise _Invalid("encoder_plan.tp", f"{enc.tp} does not divide llm_plan.tp={llm.tp}")
+        raise ConfigError("encoder_plan.tp", f"{enc.tp} does not divide llm_plan.tp={llm.tp}")
 
 
-def _check_partition(value: list, pipelines: int, n_mb: int) -> list[int]:
+def _check_partition(value: tuple[int, ...], pipelines: int, n_mb: int) -> tuple[int, ...]:
     """Microbatches per encoder pipeline: every pipeline gets at least one, all of them together."""
-    partition = _int_list(value, "partition", pipelines)
-    for j, count in enumerate(partition):
-        _int(count, f"partition[{j}]", 1)
-    if sum(partition) != n_mb:
-        raise _Invalid(
-            "partition", f"{partition} adds up to {sum(partition)}, not num_microbatches={n_mb}"
+    _check_length(value, "partition", pipelines, "the plans need")
+    for j, count in enumerate(value):
+        _at_least(count, 1, f"partition[{j}]")
+    if sum(value) != n_mb:
+        raise ConfigError(
+            "partition",
+            f"{list(value)} adds up to {sum(value)}, not num_microbatches={n_mb}",
         )
-    return partition
+    return value
 
 
-def _check_assignment(value: list, partition: list[int], n_mb: int) -> dict[tuple[int, int], int]:
-    """The global ordering: every (encoder pipeline, local microbatch) feeds exactly one LLM
-    microbatch."""
+def _check_assignment(
+    value: tuple[EncoderMicrobatch, ...], partition: tuple[int, ...], n_mb: int
+) -> dict[EncoderMicrobatch, int]:
+    """The global ordering: every encoder microbatch feeds exactly one LLM microbatch."""
     if len(value) != n_mb:
-        raise _Invalid(
+        raise ConfigError(
             "assignment",
             f"{len(value)} entries, one per LLM microbatch: must be num_microbatches={n_mb}",
         )
-    llm_microbatch: dict[tuple[int, int], int] = {}
+    llm_microbatch: dict[EncoderMicrobatch, int] = {}
     for i, pair in enumerate(value):
         field = f"assignment[{i}]"
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise _Invalid(
-                field, f"expected [encoder pipeline, local microbatch], got {_describe(pair)}"
-            )
-        j = _int(pair[0], f"{field}[0]", 0, len(partition) - 1)
-        k = _int(pair[1], f"{field}[1]", 0, partition[j] - 1)
-        if (j, k) in llm_microbatch:
-            raise _Invalid(
+        j = _within(pair.encoder_pipeline, 0, len(partition) - 1, f"{field}.encoder_pipeline")
+        k = _within(pair.local_microbatch, 0, partition[j] - 1, f"{field}.local_microbatch")
+        if pair in llm_microbatch:
+            raise ConfigError(
                 field,
                 f"encoder pipeline {j}'s local microbatch {k} again (also assignment"
-                f"[{llm_microbatch[(j, k)]}]): must be a permutation",
+                f"[{llm_microbatch[pair]}]): must be a permutation",
             )
-        llm_microbatch[(j, k)] = i
-    return (
-        llm_microbatch  # n_mb distinct pairs out of sum(partition) == n_mb: each one exactly once
-    )
+        llm_microbatch[pair] = i
+    # n_mb distinct pairs out of sum(partition) == n_mb: each one exactly once
+    return llm_microbatch
 
 
-def _check_warmup(value: list, llm: ParallelPlan, n_mb: int) -> None:
-    warmup = _int_list(value, "warmup", llm.pp)
+def _check_warmup(warmup: tuple[int, ...], llm: ParallelPlan, n_mb: int) -> None:
+    _check_length(warmup, "warmup", llm.pp, "the plans need")
     for s, w in enumerate(warmup):
+        _at_least(w, 0, f"warmup[{s}]")
         if w > n_mb * llm.vp:
-            raise _Invalid(
+            raise ConfigError(
                 f"warmup[{s}]",
                 f"{w} forwards, but a stage runs {n_mb * llm.vp} (num_microbatches * vp)",
             )
     default = [default_warmup(llm.pp, llm.vp, n_mb, s) for s in range(llm.pp)]
-    if llm.vp == 1 and warmup != default:
+    if llm.vp == 1 and list(warmup) != default:
         # megatron-core's non-interleaved schedule computes its warm-up inline: it cannot be
         # adjusted
-        raise _Invalid(
-            "warmup", f"{warmup}, but without virtual stages megatron-core runs {default}"
+        raise ConfigError(
+            "warmup", f"{list(warmup)}, but without virtual stages megatron-core runs {default}"
         )
     unit = OpWork.sequential([("unit", 0, False, 1.0)])
     work = {(s, c, phase): unit for s in range(llm.pp) for c in range(llm.vp) for phase in PHASES}
     try:
-        simulate(llm.pp, llm.vp, n_mb, work, 0.0, warmup)
+        simulate(llm.pp, llm.vp, n_mb, work, 0.0, list(warmup))
     except PipelineDeadlock:
-        raise _Invalid(
+        raise ConfigError(
             "warmup",
-            f"{warmup} deadlocks the LLM pipeline (pp={llm.pp}, vp={llm.vp}, {n_mb} "
+            f"{list(warmup)} deadlocks the LLM pipeline (pp={llm.pp}, vp={llm.vp}, {n_mb} "
             f"microbatches); megatron-core's default is {default}",
         ) from None
 
 
-def _check_llm_kernels(
-    value: dict, llm: ParallelPlan
-) -> dict[int, dict[tuple[int, str], list[str]]]:
-    """Kernel names of every (stage, chunk, phase) op; per stage {(chunk, phase): names}."""
+def _check_op_order(
+    order: tuple[tuple[LLMOp, ...], ...], warmup: tuple[int, ...], llm: ParallelPlan, n_mb: int
+) -> None:
+    """Each LLM stage's ops are the ones megatron-core's schedule runs there, in its order, under
+    the artifact's warm-up: the runtime sets the warm-up, megatron-core the order that follows."""
+    _check_length(order, "llm_op_order", llm.pp, "the plans need")
+    for s, ops in enumerate(order):
+        runs = [LLMOp(*op) for op in rank_op_order(n_mb, llm.vp, warmup[s], llm.pp)]
+        for k, (written, run) in enumerate(zip(ops, runs)):
+            if written != run:
+                raise ConfigError(
+                    f"llm_op_order[{s}][{k}]",
+                    f"{_op_text(written)}, but with warmup[{s}]={warmup[s]} megatron-core runs "
+                    f"{_op_text(run)} there; the runtime can run only megatron-core's order",
+                )
+        if len(ops) != len(runs):
+            raise ConfigError(
+                f"llm_op_order[{s}]",
+                f"{len(ops)} ops, but megatron-core runs {len(runs)} on a stage "
+                "(num_microbatches * vp forwards and as many backwards)",
+            )
+
+
+def _check_llm_kernels(value: dict[str, tuple[str, ...]], llm: ParallelPlan) -> None:
+    """Kernel names of every (stage, chunk, phase) op."""
     expected = [
         f"{s}/{c}/{phase}" for s in range(llm.pp) for c in range(llm.vp) for phase in PHASES
     ]
-    _keys(value, tuple(expected), "llm_kernels")
-    kernels: dict[int, dict[tuple[int, str], list[str]]] = {s: {} for s in range(llm.pp)}
+    for key in value:
+        if key not in expected:
+            raise ConfigError(
+                f"llm_kernels[{key!r}]", f"unknown key; valid keys: {', '.join(expected)}"
+            )
     for key in expected:
-        names = value[key]
-        field = f"llm_kernels[{key!r}]"
-        if not isinstance(names, list) or not names:
-            raise _Invalid(
-                field, f"expected a non-empty list of kernel names, got {_describe(names)}"
-            )
-        for n, name in enumerate(names):
-            _typed(name, str, f"{field}[{n}]")
-        s, c, phase = key.split("/")
-        kernels[int(s)][(int(c), phase)] = names
-    return kernels
-
-
-def _check_fingerprint(value: dict) -> None:
-    for key, setting in value.items():
-        if setting is not None and not isinstance(setting, (str, int, float)):
-            raise _Invalid(
-                f"fingerprint[{key!r}]",
-                f"expected a number, string, true/false or null, got {_describe(setting)}",
-            )
+        if key not in value:
+            raise ConfigError(f"llm_kernels[{key!r}]", "is required but missing")
 
 
 def _check_stage_place(
-    stage: Any, field: str, layout: list[list[list[int]]], llm: ParallelPlan
+    stage: EncoderStageSchedule, field: str, layout: list[list[list[int]]], llm: ParallelPlan
 ) -> tuple[int, int]:
     """(encoder pipeline, encoder stage) of an ``encoder_stages`` entry on the GPUs the plans give
     it."""
-    _typed(stage, dict, field)
-    _keys(stage, _STAGE_KEYS, field)
-    j = _int(stage["encoder_pipeline"], f"{field}.encoder_pipeline", 0, len(layout) - 1)
-    e = _int(stage["encoder_stage"], f"{field}.encoder_stage", 0, len(layout[j]) - 1)
+    j = _within(stage.encoder_pipeline, 0, len(layout) - 1, f"{field}.encoder_pipeline")
+    e = _within(stage.encoder_stage, 0, len(layout[j]) - 1, f"{field}.encoder_stage")
     gpus = layout[j][e]
-    if stage["gpus"] != gpus or not all(type(g) is int for g in stage["gpus"]):
-        raise _Invalid(
+    if list(stage.gpus) != gpus:
+        raise ConfigError(
             f"{field}.gpus",
-            f"{_describe(stage['gpus'])}, but the plans put encoder pipeline {j} stage "
-            f"{e} on GPUs {gpus}",
+            f"{list(stage.gpus)}, but the plans put encoder pipeline {j} stage {e} on GPUs {gpus}",
         )
-    if _int(stage["llm_stage"], f"{field}.llm_stage") != gpus[0] // llm.tp:
-        raise _Invalid(
+    if stage.llm_stage != gpus[0] // llm.tp:
+        raise ConfigError(
             f"{field}.llm_stage",
-            f"{stage['llm_stage']}, but GPUs {gpus} hold LLM stage {gpus[0] // llm.tp}",
+            f"{stage.llm_stage}, but GPUs {gpus} hold LLM stage {gpus[0] // llm.tp}",
         )
-    _typed(stage["ops"], list, f"{field}.ops")
     return j, e
 
 
 def _check_ops(
-    ops: list,
+    ops: tuple[EncoderOp, ...],
     field: str,
     j: int,
     count: int,
-    llm_microbatch: dict[tuple[int, int], int],
-    kernels: dict[tuple[int, str], list[str]],
-    llm: ParallelPlan,
-    n_mb: int,
+    llm_microbatch: dict[EncoderMicrobatch, int],
+    a: ScheduleArtifact,
+    llm_stage: int,
 ) -> None:
     """Every (phase, local microbatch, kernel_index) once, or as pieces that tile [0, 1]; each
-    chain's kernel
-    indexes 0..n-1; a forward chain for every local microbatch, and a backward chain for all of them
-    or (frozen encoders) none; chains of the same phase equally long."""
+    chain's kernel indexes 0..n-1; a forward chain for every local microbatch, and a backward chain
+    for all of them or (frozen encoders) none; chains of the same phase equally long; the ops listed
+    in an order the runtime runs as written."""
+    order = {op: k for k, op in enumerate(a.llm_op_order[llm_stage])}
     # (phase, local microbatch) -> kernel_index -> its pieces: (lo, hi, op)
     chains: dict[tuple[str, int], dict[int, list[tuple[float, float, int]]]] = {}
     for n, op in enumerate(ops):
-        at = f"{field}[{n}]"
-        phase, k, index, (lo, hi) = _check_op(op, at, j, count, llm_microbatch, kernels, llm, n_mb)
-        chains.setdefault((phase, k), {}).setdefault(index, []).append((lo, hi, n))
+        _check_op(op, f"{field}[{n}]", j, count, llm_microbatch, a, llm_stage, order)
+        chains.setdefault((op.phase, op.local_microbatch), {}).setdefault(
+            op.kernel_index, []
+        ).append((*op.piece, n))
     for (phase, k), chain in chains.items():
         for index, pieces in chain.items():
             reached = 0.0
             for lo, hi, n in sorted(pieces):
                 if lo != reached:
-                    raise _Invalid(
+                    raise ConfigError(
                         f"{field}[{n}].piece",
                         f"[{lo}, {hi}], but the pieces of kernel_index {index} "
                         f"in the {phase} chain of local microbatch {k} must tile [0, 1]: the next "
@@ -330,25 +277,25 @@ def _check_ops(
                     )
                 reached = hi
             if reached != 1.0:
-                raise _Invalid(
+                raise ConfigError(
                     f"{field}[{max(pieces)[2]}].piece",
                     f"the pieces of kernel_index {index} in the "
                     f"{phase} chain of local microbatch {k} end at {reached}, not 1",
                 )
     for k in range(count):
         if ("fwd", k) not in chains:
-            raise _Invalid(field, f"no fwd op of local microbatch {k}")
+            raise ConfigError(field, f"no fwd op of local microbatch {k}")
     with_backward = sorted(k for phase, k in chains if phase == "bwd")
     if with_backward and len(with_backward) != count:
         k = min(set(range(count)) - set(with_backward))
-        raise _Invalid(
+        raise ConfigError(
             field,
             f"no bwd op of local microbatch {k}, but local microbatch {with_backward[0]} has some",
         )
     for (phase, k), chain in sorted(chains.items()):
         for position, index in enumerate(sorted(chain)):
             if index != position:
-                raise _Invalid(
+                raise ConfigError(
                     f"{field}[{chain[index][0][2]}].kernel_index",
                     f"{index}, but the {phase} chain of "
                     f"local microbatch {k} has no kernel_index {position}",
@@ -358,227 +305,215 @@ def _check_ops(
         whole = max(lengths, key=lengths.get, default=None)
         for k, length in lengths.items():
             if length < lengths[whole]:
-                raise _Invalid(
+                raise ConfigError(
                     field,
                     f"no {phase} op of local microbatch {k} with kernel_index {length}, but local "
                     f"microbatch {whole} has one",
                 )
+    _check_run_order(ops, field, order)
+
+
+def _check_run_order(ops: tuple[EncoderOp, ...], field: str, order: dict[LLMOp, int]) -> None:
+    """The runtime runs a stage's ops in the order listed, each at its hook: so a chain's kernels
+    (and a kernel's pieces) must be listed in order, and no op hooked earlier than the one before
+    it."""
+    last: dict[tuple[str, int], tuple[int, tuple[float, float], int]] = {}
+    previous = None
+    for n, op in enumerate(ops):
+        chain = (op.phase, op.local_microbatch)
+        if chain in last and last[chain][:2] > (op.kernel_index, op.piece):
+            index, piece, m = last[chain]
+            raise ConfigError(
+                f"{field}[{n}]",
+                f"kernel_index {op.kernel_index} (piece {list(op.piece)}) of the {op.phase} chain "
+                f"of local microbatch {op.local_microbatch} is listed after its kernel_index "
+                f"{index} (piece {list(piece)}, ops[{m}]); a chain runs in kernel order: list the "
+                "stage's ops in the order they run",
+            )
+        last[chain] = (op.kernel_index, op.piece, n)
+        moment = _hook_moment(op.hook, order)
+        if previous is not None and moment < previous:
+            raise ConfigError(
+                f"{field}[{n}].hook",
+                f"{_hook_text(op.hook)}, earlier than the hook of ops[{n - 1}]; the runtime runs a "
+                "stage's ops in the order listed: list them in the order of their hooks",
+            )
+        previous = moment
+
+
+def _hook_moment(hook: Hook, order: dict[LLMOp, int]) -> tuple[int, ...]:
+    """Where a hook falls in the stage's execution, to compare hooks by."""
+    if hook.at == "before_first_compute":
+        return (0,)
+    if hook.at == "after_last_compute":
+        return (2,)
+    kernel = hook.llm_kernel
+    return (1, order[kernel.op], kernel.kernel_index, kernel.after)
 
 
 def _check_op(
-    op: Any,
+    op: EncoderOp,
     at: str,
     j: int,
     count: int,
-    llm_microbatch: dict[tuple[int, int], int],
-    kernels: dict[tuple[int, str], list[str]],
-    llm: ParallelPlan,
-    n_mb: int,
-) -> tuple[str, int, int, tuple[float, float]]:
-    _typed(op, dict, at)
-    _keys(op, _OP_KEYS, at)
-    phase = _choice(op["phase"], PHASES, f"{at}.phase")
-    k = _int(op["local_microbatch"], f"{at}.local_microbatch", 0, count - 1)
-    if _int(op["microbatch"], f"{at}.microbatch") != llm_microbatch[(j, k)]:
-        raise _Invalid(
+    llm_microbatch: dict[EncoderMicrobatch, int],
+    a: ScheduleArtifact,
+    llm_stage: int,
+    order: dict[LLMOp, int],
+) -> None:
+    k = _within(op.local_microbatch, 0, count - 1, f"{at}.local_microbatch")
+    feeds = llm_microbatch[EncoderMicrobatch(j, k)]
+    if op.microbatch != feeds:
+        raise ConfigError(
             f"{at}.microbatch",
-            f"{op['microbatch']}, but the assignment feeds LLM microbatch "
-            f"{llm_microbatch[(j, k)]} from encoder pipeline {j}'s local microbatch {k}",
+            f"{op.microbatch}, but the assignment feeds LLM microbatch "
+            f"{feeds} from encoder pipeline {j}'s local microbatch {k}",
         )
-    index = _int(op["kernel_index"], f"{at}.kernel_index")
-    piece = _piece(op["piece"], f"{at}.piece")
-    _typed(op["encoder"], str, f"{at}.encoder")
-    _int(op["layer"], f"{at}.layer", -1)
-    _typed(op["kernel"], str, f"{at}.kernel")
-    _typed(op["is_comm"], bool, f"{at}.is_comm")
-    _choice(op["window"], ("pre", "llm", "post"), f"{at}.window")
-    for key in ("start_us", "end_us"):
-        _finite(op[key], f"{at}.{key}")
-    _check_hook(op["hook"], f"{at}.hook", kernels, llm, n_mb)
-    return phase, k, index, piece
-
-
-def _piece(value: Any, field: str) -> tuple[float, float]:
-    """[lo, hi): a share of a kernel's tokens, 0 <= lo < hi <= 1."""
-    if not isinstance(value, list) or len(value) != 2:
-        raise _Invalid(
-            field, f"expected [lo, hi], fractions of the kernel's tokens, got {_describe(value)}"
-        )
-    lo, hi = (_finite(x, f"{field}[{i}]") for i, x in enumerate(value))
+    _at_least(op.kernel_index, 0, f"{at}.kernel_index")
+    lo, hi = op.piece
     if not 0.0 <= lo < hi <= 1.0:
-        raise _Invalid(field, f"{_describe(value)}, but must have 0 <= lo < hi <= 1")
-    return lo, hi
+        raise ConfigError(f"{at}.piece", f"{list(op.piece)}, but must have 0 <= lo < hi <= 1")
+    _at_least(op.layer, -1, f"{at}.layer")
+    _check_hook(op.hook, f"{at}.hook", a.llm_kernels, llm_stage, order)
 
 
 def _check_hook(
-    hook: Any, at: str, kernels: dict[tuple[int, str], list[str]], llm: ParallelPlan, n_mb: int
+    hook: Hook,
+    at: str,
+    llm_kernels: dict[str, tuple[str, ...]],
+    llm_stage: int,
+    order: dict[LLMOp, int],
 ) -> None:
-    """A hook names a moment of this stage's LLM ops; ``llm_kernel`` names an op and one of its
-    kernels (its ``kernel`` and ``layer`` only describe it: the runtime goes by
-    ``kernel_index``)."""
-    _typed(hook, dict, at)
-    if "at" not in hook:
-        raise _Invalid(f"{at}.at", "missing")
-    kind = _choice(hook["at"], HOOK_KINDS, f"{at}.at")
-    if kind != "llm_kernel":
-        _keys(hook, ("at",), at)
+    """A hook names a moment of this stage's LLM ops; ``llm_kernel`` names an op of the stage and
+    one of its kernels."""
+    kernel = hook.llm_kernel
+    if hook.at != "llm_kernel":
+        if kernel is not None:
+            raise ConfigError(
+                f"{at}.llm_kernel", f"set, but a {hook.at} hook names no LLM kernel: must be null"
+            )
         return
-    _keys(hook, _LLM_HOOK_KEYS, at)
-    phase = _choice(hook["phase"], PHASES, f"{at}.phase")
-    chunk = _int(hook["chunk"], f"{at}.chunk", 0, llm.vp - 1)
-    _int(hook["microbatch"], f"{at}.microbatch", 0, n_mb - 1)
-    names = kernels[(chunk, phase)]
-    if _int(hook["kernel_index"], f"{at}.kernel_index") >= len(names):
-        raise _Invalid(
-            f"{at}.kernel_index",
-            f"{hook['kernel_index']}, but the LLM's {phase} of chunk {chunk} on this "
-            f"stage has {len(names)} kernels (llm_kernels)",
+    if kernel is None:
+        raise ConfigError(f"{at}.llm_kernel", "is required for at: llm_kernel")
+    if kernel.op not in order:
+        raise ConfigError(
+            f"{at}.llm_kernel.op",
+            f"{_op_text(kernel.op)}, but this LLM stage runs no such op (llm_op_order)",
         )
-    _typed(hook["kernel"], str, f"{at}.kernel")
-    _int(hook["layer"], f"{at}.layer", -1)
-    _typed(hook["after"], bool, f"{at}.after")
+    names = llm_kernels[f"{llm_stage}/{kernel.op.chunk}/{kernel.op.phase}"]
+    _at_least(kernel.kernel_index, 0, f"{at}.llm_kernel.kernel_index")
+    if kernel.kernel_index >= len(names):
+        raise ConfigError(
+            f"{at}.llm_kernel.kernel_index",
+            f"{kernel.kernel_index}, but the LLM's {kernel.op.phase} of chunk {kernel.op.chunk} on "
+            f"this stage has {len(names)} kernels (llm_kernels)",
+        )
+    _at_least(kernel.layer, -1, f"{at}.llm_kernel.layer")
 
 
 # -- the artifact against the job -------------------------------------------------------------
 
 
-def _check_job(data: dict[str, Any], config: OptimusConfig) -> None:
-    llm, enc = ParallelPlan(**data["llm_plan"]), ParallelPlan(**data["encoder_plan"])
+def _check_job(a: ScheduleArtifact, config: OptimusConfig) -> None:
+    llm, enc = a.llm_plan, a.encoder_plan
     n_mb = config.num_microbatches_total // llm.dp
-    if data["num_microbatches"] != n_mb:
-        raise _Invalid(
+    if a.num_microbatches != n_mb:
+        raise ConfigError(
             "num_microbatches",
-            f"{data['num_microbatches']}, but this job runs {n_mb} per LLM pipeline "
+            f"{a.num_microbatches}, but this job runs {n_mb} per LLM pipeline "
             "(training.global_batch_size / micro_batch_size / dp)",
         )
     # kernel names and order only: no profile needed
     cost = CostModel(config.cluster, config.cost_model)
     for (s, c, phase), work in llm_op_work(config, llm, cost).items():
         key, names = f"{s}/{c}/{phase}", [k.name for k in work.kernels]
-        have = data["llm_kernels"][key]
+        have = list(a.llm_kernels[key])
         if have != names:
-            n = next((n for n, (a, b) in enumerate(zip(have, names)) if a != b), None)
+            n = next((n for n, (x, y) in enumerate(zip(have, names)) if x != y), None)
             if n is None:
-                raise _Invalid(
+                raise ConfigError(
                     f"llm_kernels[{key!r}]",
                     f"{len(have)} kernels, but this job's LLM runs {len(names)}",
                 )
-            raise _Invalid(
+            raise ConfigError(
                 f"llm_kernels[{key!r}][{n}]",
                 f"{have[n]!r}, but this job's LLM runs {names[n]!r} there",
             )
     work = build_encoder_work(config, llm, enc, cost)
-    for i, stage in enumerate(data["encoder_stages"]):
-        e = stage["encoder_stage"]
+    for i, stage in enumerate(a.encoder_stages):
+        e = stage.encoder_stage
         _check_chains(
-            stage["ops"], f"encoder_stages[{i}].ops", e, {"fwd": work.fwd[e], "bwd": work.bwd[e]}
+            stage.ops, f"encoder_stages[{i}].ops", e, {"fwd": work.fwd[e], "bwd": work.bwd[e]}
         )
 
 
 def _check_chains(
-    ops: list[dict[str, Any]], field: str, e: int, chains: dict[str, StageChain]
+    ops: tuple[EncoderOp, ...], field: str, e: int, chains: dict[str, StageChain]
 ) -> None:
     """Each op is the kernel this job's encoder stage runs at its kernel_index, a piece of it only
-    if it
-    can be split, and each chain is whole (``validate_artifact`` made the chains of a phase
+    if it can be split, and each chain is whole (``validate_artifact`` made the chains of a phase
     contiguous and equally long)."""
     length = {phase: 0 for phase in PHASES}
     names_of = {phase: [k.name for k in chain.kernels] for phase, chain in chains.items()}
     for n, op in enumerate(ops):
-        kernels, names, index = (
-            chains[op["phase"]].kernels,
-            names_of[op["phase"]],
-            op["kernel_index"],
-        )
+        kernels, names, index = chains[op.phase].kernels, names_of[op.phase], op.kernel_index
         if index >= len(names):
-            raise _Invalid(
+            raise ConfigError(
                 f"{field}[{n}].kernel_index",
-                f"{index}, but encoder stage {e}'s {op['phase']} chain has "
+                f"{index}, but encoder stage {e}'s {op.phase} chain has "
                 f"{len(names)} kernels"
                 + (" (frozen encoders have no backward)" if not names else ""),
             )
-        if op["kernel"] != names[index]:
-            raise _Invalid(
+        if op.kernel != names[index]:
+            raise ConfigError(
                 f"{field}[{n}].kernel",
-                f"{op['kernel']!r}, but kernel {index} of encoder stage {e}'s "
-                f"{op['phase']} chain is {names[index]!r}",
+                f"{op.kernel!r}, but kernel {index} of encoder stage {e}'s "
+                f"{op.phase} chain is {names[index]!r}",
             )
-        if op["piece"] != [0.0, 1.0] and not kernels[index].splittable:
-            raise _Invalid(
+        if op.piece != (0.0, 1.0) and not kernels[index].splittable:
+            raise ConfigError(
                 f"{field}[{n}].piece",
-                f"{_describe(op['piece'])}, but this job's encoder runs kernel "
+                f"{list(op.piece)}, but this job's encoder runs kernel "
                 f"{index} ({names[index]!r}) whole: only a layer's compute kernels without dropout "
                 "split",
             )
-        length[op["phase"]] = max(length[op["phase"]], index + 1)
+        length[op.phase] = max(length[op.phase], index + 1)
     for phase, chain in chains.items():
         if length[phase] != len(chain.kernels):
-            raise _Invalid(
+            raise ConfigError(
                 field,
                 f"the {phase} chains have {length[phase]} kernels, but encoder stage {e}'s "
                 f"{phase} chain has {len(chain.kernels)}",
             )
 
 
-# -- field types --------------------------------------------------------------------------------
-
-_JSON_NAMES = {
-    str: "a string",
-    int: "an integer",
-    float: "a number",
-    bool: "true or false",
-    list: "a list",
-    dict: "an object",
-}
+# -- values -------------------------------------------------------------------------------------
 
 
-def _typed(value: Any, kind: type, field: str) -> Any:
-    if kind is int:
-        return _int(value, field)
-    if not isinstance(value, kind):
-        raise _Invalid(field, f"expected {_JSON_NAMES[kind]}, got {_describe(value)}")
+def _at_least(value: int, lo: int, field: str) -> int:
+    if value < lo:
+        raise ConfigError(field, f"{value}, but must be >= {lo}")
     return value
 
 
-def _int(value: Any, field: str, lo: int = 0, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _Invalid(field, f"expected an integer, got {_describe(value)}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-        raise _Invalid(field, f"{value}, but must be {bound}")
+def _within(value: int, lo: int, hi: int, field: str) -> int:
+    if not lo <= value <= hi:
+        raise ConfigError(field, f"{value}, but must be in {lo}..{hi}")
     return value
 
 
-def _int_list(value: list, field: str, length: int) -> list[int]:
+def _check_length(value: tuple, field: str, length: int, who: str) -> None:
     if len(value) != length:
-        raise _Invalid(field, f"{len(value)} entries, but the plans need {length}")
-    for n, item in enumerate(value):
-        _int(item, f"{field}[{n}]")
-    return value
+        raise ConfigError(field, f"{len(value)} entries, but {who} {length}")
 
 
-def _choice(value: Any, allowed: tuple[str, ...], field: str) -> str:
-    if value not in allowed:
-        raise _Invalid(field, f"{_describe(value)}, but must be one of {', '.join(allowed)}")
-    return value
+def _op_text(op: LLMOp) -> str:
+    return f"the {op.phase} of microbatch {op.microbatch}, chunk {op.chunk}"
 
 
-def _keys(mapping: dict, expected: tuple[str, ...], field: str) -> None:
-    prefix = f"{field}." if field else ""
-    for key in mapping:
-        if key not in expected:
-            raise _Invalid(f"{prefix}{key}", f"unknown key; valid keys: {', '.join(expected)}")
-    for key in expected:
-        if key not in mapping:
-            raise _Invalid(f"{prefix}{key}", "missing")
-
-
-def _plan(value: dict, field: str) -> ParallelPlan:
-    _keys(value, _PLAN_KEYS, field)
-    return ParallelPlan(**{key: _int(value[key], f"{field}.{key}", 1) for key in _PLAN_KEYS})
-
-
-def _describe(value: Any) -> str:
-    """A JSON value as the file has it, shortened."""
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+def _hook_text(hook: Hook) -> str:
+    if hook.llm_kernel is None:
+        return hook.at
+    k = hook.llm_kernel
+    when = "after" if k.after else "under"
+    return f"{when} kernel {k.kernel_index} of {_op_text(k.op)}"

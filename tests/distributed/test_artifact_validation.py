@@ -14,20 +14,21 @@ import pytest
 from optimus_mllm.config import load_config
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
-from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_job_artifact
-from optimus_mllm.scheduler.artifact_checks import validate_artifact
+from optimus_mllm.scheduler.artifact import artifact_text, load_job_artifact, schedule_job_artifact
+from optimus_mllm.scheduler.artifact_format import artifact_from_json, artifact_to_json
 from optimus_mllm.scheduler.fingerprint import schedule_fingerprint
 
 from support.artifact_utils import shuffled_hooks, split_kernels
 from support.paths import CONFIGS
 from support.train_utils import TINY, assert_one_error_everywhere, ranks
 
-REMEDY = "write a new one with optimus-plan --artifact"
+REMEDY = "re-run optimus-plan --artifact"
 
 
 def _made_with(*overrides: str) -> dict:
+    """The artifact's JSON, as the file holds it: what the tests here edit."""
     config = load_config(TINY, list(overrides))
-    return schedule_job_artifact(config, plan(config))
+    return artifact_to_json(schedule_job_artifact(config, plan(config)))
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +37,11 @@ def tiny() -> dict:
 
 
 def _load(artifact: dict, tmp_path: Path, *overrides: str) -> dict:
-    """``load_job_artifact`` of the artifact written to a file, for the tiny job."""
+    """``load_job_artifact`` of the artifact written to a file, for the tiny job, as JSON again."""
     path = tmp_path / "a.json"
     path.write_text(json.dumps(artifact))
     config = load_config(TINY, list(overrides))
-    return load_job_artifact(path, plan(config), config, config.cluster.num_gpus)
+    return artifact_to_json(load_job_artifact(path, plan(config), config, config.cluster.num_gpus))
 
 
 def _refused(artifact: dict, tmp_path: Path) -> str:
@@ -185,7 +186,7 @@ def _hook_kind(a):
 
 def _hook_kernel_index(a):
     n = next(n for n, op in enumerate(_ops(a)) if op["hook"]["at"] == "llm_kernel")
-    _ops(a)[n]["hook"]["kernel_index"] = 99
+    _ops(a)[n]["hook"]["llm_kernel"]["kernel_index"] = 99
 
 
 def _missing_field(a):
@@ -209,6 +210,29 @@ def _nan_prediction(a):
     a["predicted"]["iteration_us"] = float("nan")  # json writes NaN, and reads it back
 
 
+def _reversed_ops(a):
+    """A stage's ops listed in reverse: a chain's kernels after its later ones."""
+    _ops(a).reverse()
+
+
+def _warmup_3_2(a):
+    """The warm-up edited, the op order left as the scheduler ran it under [4, 2]."""
+    a["warmup"] = [3, 2]
+
+
+def _hook_before_the_previous_ops(a):
+    """Two ops of different chains, hooked at different LLM kernels, listed in swapped order."""
+    ops = _ops(a)
+    n = next(
+        n
+        for n in range(len(ops) - 1)
+        if ops[n]["hook"] != ops[n + 1]["hook"]
+        and (ops[n]["phase"], ops[n]["local_microbatch"])
+        != (ops[n + 1]["phase"], ops[n + 1]["local_microbatch"])
+    )
+    ops[n], ops[n + 1] = ops[n + 1], ops[n]
+
+
 def _infinite_op_start(a):
     a["encoder_stages"][0]["ops"][2]["start_us"] = float("inf")
 
@@ -216,12 +240,15 @@ def _infinite_op_start(a):
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        (_nan_prediction, "predicted.iteration_us: expected a finite number, got NaN"),
+        (
+            _nan_prediction,
+            "predicted.iteration_us: must be a finite number of at most 1e+15, got nan",
+        ),
         (
             _infinite_op_start,
-            "encoder_stages[0].ops[2].start_us: expected a finite number, got Infinity",
+            "encoder_stages[0].ops[2].start_us: must be a finite number of at most 1e+15, got inf",
         ),
-        (_num_gpus_as_string, 'num_gpus: expected an integer, got "4"'),
+        (_num_gpus_as_string, "num_gpus: expected an integer, got '4' (str)"),
         (_unknown_plan_key, "llm_plan.pp_size: unknown key; valid keys: dp, pp, tp, vp"),
         (
             _warmup_out_of_bounds,
@@ -258,12 +285,31 @@ def _infinite_op_start(a):
         ),
         (
             _hook_kind,
-            'encoder_stages[0].ops[3].hook.at: "somewhere", but must be one of '
-            "before_first_compute, "
-            "llm_kernel, after_last_compute",
+            "encoder_stages[0].ops[3].hook.at: must be one of before_first_compute, "
+            "llm_kernel, after_last_compute; got 'somewhere'",
         ),
-        (_hook_kernel_index, "encoder_stages[0].ops[{hook}].hook.kernel_index: 99, but the LLM's"),
-        (_missing_field, "fingerprint: missing"),
+        (
+            _hook_kernel_index,
+            "encoder_stages[0].ops[{hook}].hook.llm_kernel.kernel_index: 99, but the LLM's",
+        ),
+        (_missing_field, "fingerprint: is required but missing"),
+        (
+            _reversed_ops,
+            "encoder_stages[0].ops[1]: kernel_index {rev_index} (piece [0.0, 1.0]) of the "
+            "{rev_phase} chain of local microbatch {rev_k} is listed after its kernel_index "
+            "{rev_prev} (piece [0.0, 1.0], ops[0]); a chain runs in kernel order: list the stage's "
+            "ops in the order they run",
+        ),
+        (
+            _warmup_3_2,
+            "llm_op_order[0][4]: the fwd of microbatch 2, chunk 0, but with warmup[0]=3 "
+            "megatron-core runs the bwd of microbatch 0, chunk 1 there; the runtime can run only "
+            "megatron-core's order",
+        ),
+        (
+            _hook_before_the_previous_ops,
+            "encoder_stages[0].ops[{swap}].hook: ",
+        ),
         (
             _llm_kernel_renamed,
             "llm_kernels['0/0/fwd'][1]: 'ln', but this job's LLM runs 'tp_ar_embed' there",
@@ -289,6 +335,18 @@ def test_a_broken_artifact_names_the_field(tiny, tmp_path, edit, expected):
         "hook": next(n for n, op in enumerate(ops) if op["hook"]["at"] == "llm_kernel"),
         "fwd": fwd,
         "last_fwd": fwd - 1,
+        "rev_index": ops[-2]["kernel_index"],
+        "rev_phase": ops[-2]["phase"],
+        "rev_k": ops[-2]["local_microbatch"],
+        "rev_prev": ops[-1]["kernel_index"],
+        "swap": 1
+        + next(
+            n
+            for n in range(len(ops) - 1)
+            if ops[n]["hook"] != ops[n + 1]["hook"]
+            and (ops[n]["phase"], ops[n]["local_microbatch"])
+            != (ops[n + 1]["phase"], ops[n + 1]["local_microbatch"])
+        ),
     }
     message = _refused(artifact, tmp_path)
     assert message.startswith(
@@ -297,8 +355,39 @@ def test_a_broken_artifact_names_the_field(tiny, tmp_path, edit, expected):
     assert message.endswith(f"; {REMEDY}")
 
 
+def test_an_op_hooked_before_its_chains_predecessor_is_refused(tiny, tmp_path):
+    """The runtime would have to run it later than its hook, or its predecessor earlier: it refuses
+    the artifact instead of running another schedule than the one written."""
+    artifact = copy.deepcopy(tiny)
+    stage, n = next(
+        (i, n)
+        for i, s in enumerate(artifact["encoder_stages"])
+        for n, op in enumerate(s["ops"])
+        if op["hook"]["at"] == "llm_kernel" and op["kernel_index"] > 0
+    )
+    artifact["encoder_stages"][stage]["ops"][n]["hook"] = {
+        "at": "before_first_compute",
+        "llm_kernel": None,
+    }
+    assert _refused(artifact, tmp_path) == (
+        f"schedule artifact {tmp_path / 'a.json'}: encoder_stages[{stage}].ops[{n}].hook: "
+        f"before_first_compute, earlier than the hook of ops[{n - 1}]; the runtime runs a stage's "
+        f"ops in the order listed: list them in the order of their hooks; {REMEDY}"
+    )
+
+
+def test_the_artifact_round_trips_through_the_typed_loader(tiny):
+    """JSON -> dataclasses -> JSON -> dataclasses: equal, and the same text."""
+    artifact = artifact_from_json(tiny)
+    text = artifact_text(artifact)
+    again = artifact_from_json(json.loads(text))
+    assert again == artifact
+    assert artifact_text(again) == text
+    assert json.loads(text) == tiny
+
+
 def test_pieces_of_the_kernels_the_job_splits_pass(tiny, tmp_path):
-    split = split_kernels(tiny, TINY, [0.25, 0.5])
+    split = artifact_to_json(split_kernels(artifact_from_json(tiny), TINY, [0.25, 0.5]))
     assert len(_ops(split)) > len(_ops(tiny))
     assert _load(split, tmp_path) == split
 
@@ -332,13 +421,12 @@ def _first(ops: list[dict], **fields) -> dict:
         ),
         (
             lambda ops: _first(ops, kernel="fc1", phase="fwd", piece=[0.25, 0.5]).update(piece=0.5),
-            "encoder_stages[0].ops[{fc1}].piece: expected [lo, hi], fractions of the kernel's "
-            "tokens, got 0.5",
+            "encoder_stages[0].ops[{fc1}].piece: expected a list of 2 entries, got 0.5 (float)",
         ),
     ],
 )
 def test_a_broken_piece_names_the_field(tiny, tmp_path, edit, expected):
-    split = split_kernels(tiny, TINY, [0.25, 0.5])
+    split = artifact_to_json(split_kernels(artifact_from_json(tiny), TINY, [0.25, 0.5]))
     ops = _ops(split)
     fc1 = ops.index(_first(ops, kernel="fc1", phase="fwd", piece=[0.25, 0.5], local_microbatch=0))
     names = {
@@ -367,12 +455,12 @@ def test_a_piece_of_a_kernel_the_job_runs_whole_is_refused(tiny, tmp_path):
     )
 
 
-def test_a_version_1_artifact_is_refused(tiny, tmp_path):
-    old = {**copy.deepcopy(tiny), "version": 1}
-    del old["fingerprint"]
+@pytest.mark.parametrize("version", [1, 3])
+def test_an_older_artifact_is_refused(tiny, tmp_path, version):
+    old = {**copy.deepcopy(tiny), "version": version}
     assert _refused(old, tmp_path) == (
-        f"schedule artifact {tmp_path / 'a.json'} has version 1, this release reads "
-        "version 3; write one with optimus-plan --artifact"
+        f"schedule artifact {tmp_path / 'a.json'} has version {version}, this release reads "
+        "version 4; re-run optimus-plan --artifact"
     )
 
 
@@ -395,8 +483,7 @@ def test_a_file_that_is_not_json_is_one_line(tmp_path, content, expected):
     with pytest.raises(OptimusError) as caught:
         load_job_artifact(path, plan(config), config, 4)
     assert (
-        str(caught.value)
-        == f"schedule artifact {path} {expected}; write one with optimus-plan --artifact"
+        str(caught.value) == f"schedule artifact {path} {expected}; re-run optimus-plan --artifact"
     )
 
 
@@ -415,14 +502,15 @@ def test_what_the_scheduler_writes_passes(config, overrides, tmp_path):
     job = load_config(config, overrides)
     artifact = schedule_job_artifact(job, plan(job))
     path = tmp_path / "a.json"
-    path.write_text(json.dumps(artifact))
+    path.write_text(artifact_text(artifact))
     assert load_job_artifact(path, plan(job), job, job.cluster.num_gpus) == artifact
 
 
-def test_hooks_anywhere_in_the_stage_are_well_formed(tiny):
-    """Any LLM kernel of the stage is a valid hook: the runtime copes with wrong predictions."""
-    artifact = shuffled_hooks(tiny, seed=0)
-    validate_artifact(artifact, "a.json")
+def test_hooks_anywhere_in_the_stage_are_well_formed(tiny, tmp_path):
+    """Any LLM kernel of the stage is a valid hook, listed in hook order: the runtime copes with
+    wrong predictions."""
+    artifact = artifact_to_json(shuffled_hooks(artifact_from_json(tiny), seed=0))
+    assert _load(artifact, tmp_path) == artifact
 
 
 @pytest.mark.distributed
@@ -433,4 +521,28 @@ def test_an_artifact_for_another_config_exits_2_on_every_rank(tmp_path):
         ranks(4, "--schedule", str(path)),
         f"schedule artifact {path} was made with model.llm.num_layers=8, this job has 4; "
         "re-run optimus-plan --artifact for this config",
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (_reversed_ops, "encoder_stages[0].ops[1]: kernel_index "),
+        (_warmup_3_2, "llm_op_order[0][4]: the fwd of microbatch 2, chunk 0, but with warmup[0]=3"),
+    ],
+    ids=["reversed-stage", "warmup-3-2"],
+)
+def test_an_artifact_the_runtime_would_not_run_as_written_exits_2_on_every_rank(
+    tiny, tmp_path, edit, expected
+):
+    """Issue 39: a stage's ops listed in reverse, or the warm-up edited to [3, 2], once trained with
+    the order ignored or ops moved; ``optimus-train --schedule`` now refuses them before training.
+    """
+    artifact = copy.deepcopy(tiny)
+    edit(artifact)
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(artifact))
+    assert_one_error_everywhere(
+        ranks(4, "--schedule", str(path)), f"schedule artifact {path}: {expected}"
     )

@@ -17,6 +17,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
+
 from support.check_plans import (
     Row,
     check_seed,
@@ -66,14 +68,14 @@ def test_seed_trains_like_one_rank(seed, expected):
     assert row.status == "PASS", row
 
 
-def _split_backward(artifact: dict) -> bool:
+def _split_backward(artifact: ScheduleArtifact) -> bool:
     """Some microbatch's backward runs partly in the LLM's bubbles and partly after the LLM."""
     windows: dict[tuple[int, int], set[str]] = {}
-    for stage in artifact["encoder_stages"]:
-        for op in stage["ops"]:
-            if op["phase"] == "bwd":
-                windows.setdefault((stage["encoder_pipeline"], op["local_microbatch"]), set()).add(
-                    op["window"]
+    for stage in artifact.encoder_stages:
+        for op in stage.ops:
+            if op.phase == "bwd":
+                windows.setdefault((stage.encoder_pipeline, op.local_microbatch), set()).add(
+                    op.window
                 )
     return any(len(w) > 1 for w in windows.values())
 

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
+
 from support.artifact_utils import artifact_for
 from support.distributed_utils import run_distributed
 from support.paths import CONFIGS
@@ -111,7 +113,7 @@ def _recorded_steps(config_path: str, overrides: list[str], artifact: dict) -> d
 
 
 def _modelled_elements(
-    config_path: str, overrides: list[str], artifact: dict
+    config_path: str, overrides: list[str], artifact: ScheduleArtifact
 ) -> tuple[list[float], list[float]]:
     """The timeline's parameters per rank: by LLM stage, and by encoder stage."""
     from optimus_mllm.config import load_config
@@ -120,10 +122,10 @@ def _modelled_elements(
     from optimus_mllm.scheduler.encoder_costs import trainable_params_per_stage
 
     config = load_config(config_path, overrides)
-    llm, enc = plan(config).llm_plan, artifact["encoder_plan"]
+    llm, enc = plan(config).llm_plan, artifact.encoder_plan
     return (
         [p / llm.tp for p in llm_params_per_stage(config.llm, llm.pp)],
-        [p / enc["tp"] for p in trainable_params_per_stage(config, enc["pp"])],
+        [p / enc.tp for p in trainable_params_per_stage(config, enc.pp)],
     )
 
 
@@ -156,7 +158,7 @@ def launches() -> dict:
             f"training.distributed_optimizer={str(distributed_optimizer).lower()}",
         ]
         artifact = artifact_for(config_path, overrides)
-        world = artifact["llm_plan"]["dp"] * artifact["llm_plan"]["pp"] * artifact["llm_plan"]["tp"]
+        world = artifact.llm_plan.world_size
         prepared[name] = (config_path, overrides, artifact)
         by_world.setdefault(world, {})[name] = prepared[name]
     records = {}

@@ -13,6 +13,8 @@ import shutil
 
 import pytest
 
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
+
 from support.artifact_utils import artifact_for
 from support.distributed_utils import run_distributed
 from support.train_utils import TINY, step_numbers, torchrun
@@ -29,7 +31,7 @@ ONE_RANK = [
 ]
 
 
-def _overflow_in_the_llm_only(artifact: dict) -> dict:
+def _overflow_in_the_llm_only(artifact: ScheduleArtifact) -> dict:
     """One Optimus step whose LLM gradients hold an inf and whose encoder gradients are all 1."""
     from optimus_mllm.config import load_config
     from optimus_mllm.planner import plan

@@ -10,7 +10,6 @@ flags are Megatron-LM's, read as ``pretrain_vlm.py`` reads them; each is honoure
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -129,7 +128,7 @@ def test_the_readmes_diff_is_the_whole_opt_in_and_gives_the_user_scripts_losses(
     forward, the Optimus encoder per kernel, so with dropout the two draw different (equally valid)
     masks."""
     from optimus_mllm.planner import plan
-    from optimus_mllm.scheduler.artifact import schedule_job_artifact
+    from optimus_mllm.scheduler.artifact import artifact_text, schedule_job_artifact
 
     before, after = readme_diff()
     script = Path(SCRIPT).read_text()
@@ -145,7 +144,7 @@ def test_the_readmes_diff_is_the_whole_opt_in_and_gives_the_user_scripts_losses(
         2,
     )
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps(schedule_job_artifact(config, plan(config))))
+    path.write_text(artifact_text(schedule_job_artifact(config, plan(config))))
     plain = _run(*llama, "--timing-log-level", "2", script=str(user_path))
     optimus = _run(*llama, "--timing-log-level", "2", "--optimus-schedule", str(path))
     plain_lines, optimus_lines = _lines(plain), _lines(optimus)

@@ -6,11 +6,11 @@ tests/p2p_audit.py's ``nccl_violations`` then holds the records to NCCL's rules.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
-from support.artifact_utils import artifact_for
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact, artifact_to_json
+
+from support.artifact_utils import artifact_for, checked
 from support.distributed_utils import run_distributed
 from support.p2p_audit import nccl_violations, recorded_p2p
 from support.paths import CONFIGS
@@ -50,14 +50,24 @@ def test_the_checker_finds_tags_shared_groups_opposing_sends_and_order_mismatche
     assert "sends [((2,), 'f')] but receives [((3,), 'f')]" in text
 
 
-def _shuffled_hooks(artifact: dict) -> dict:
-    """Every encoder op's hook at the first LLM op of its stage, reversed chain order: consumption
-    order
+def _reversed_chains(artifact: ScheduleArtifact) -> ScheduleArtifact:
+    """Every stage's forward chains before the LLM and backward chains after it, each phase's
+    chains in reverse microbatch order (a chain's kernels still in order): consumption order
     differs from the order the channels deliver in."""
-    artifact = copy.deepcopy(artifact)
-    for stage in artifact["encoder_stages"]:
-        stage["ops"].reverse()
-    return artifact
+    data = artifact_to_json(artifact)
+    for stage in data["encoder_stages"]:
+        ops = []
+        for phase, at in (("fwd", "before_first_compute"), ("bwd", "after_last_compute")):
+            chains = sorted(
+                {op["local_microbatch"] for op in stage["ops"] if op["phase"] == phase},
+                reverse=True,
+            )
+            for k in chains:
+                for op in stage["ops"]:
+                    if (op["phase"], op["local_microbatch"]) == (phase, k):
+                        ops.append({**op, "hook": {"at": at, "llm_kernel": None}})
+        stage["ops"] = ops
+    return checked(data)
 
 
 CASES = {
@@ -79,7 +89,7 @@ def recorded() -> list[dict[str, list[tuple]]]:
     cases = {}
     for name, (overrides, shuffle) in CASES.items():
         artifact = artifact_for(TINY, overrides)
-        cases[name] = (overrides, _shuffled_hooks(artifact) if shuffle else artifact)
+        cases[name] = (overrides, _reversed_chains(artifact) if shuffle else artifact)
     return run_distributed(_recorded_steps, 4, cases, timeout=400)
 
 

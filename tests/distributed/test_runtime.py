@@ -8,12 +8,14 @@ ops run at the hook points the artifact names.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 
-from support.artifact_utils import artifact_for, shuffled_hooks, split_kernels
+from optimus_mllm.runtime.hook_plan import EventKind
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
+
+from support.artifact_utils import artifact_for, shuffled_hooks, split_kernels, with_warmup
 from support.distributed_utils import run_distributed
 from support.paths import CONFIGS
 
@@ -25,7 +27,11 @@ LLM_DP2 = ["parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}"]
 
 
 def _train(
-    config_path: str, overrides: list[str], mode: str, artifact: dict | None, steps: int = STEPS
+    config_path: str,
+    overrides: list[str],
+    mode: str,
+    artifact: ScheduleArtifact | None,
+    steps: int = STEPS,
 ) -> dict:
     """One rank: train, then report losses, grad norms, (weight, gradient) pairs (encoder ones
     whole, by
@@ -88,7 +94,7 @@ def _train(
 
 def _artifact(
     overrides: list[str], encoder_plan: dict | None = None, cost_overrides: tuple = ()
-) -> dict:
+) -> ScheduleArtifact:
     extra = (
         [f"parallel.encoder={{pp: {encoder_plan['pp']}, tp: {encoder_plan['tp']}}}"]
         if encoder_plan
@@ -98,7 +104,7 @@ def _artifact(
 
 
 def _train_runs(
-    config_path: str, runs: list[tuple[list[str], str, dict | None, int]]
+    config_path: str, runs: list[tuple[list[str], str, ScheduleArtifact | None, int]]
 ) -> list[dict]:
     """One rank: each (overrides, mode, artifact, steps) run in turn, a trainer each, closed before
     the next
@@ -112,7 +118,7 @@ def _train_runs(
 def _both(
     world: int,
     overrides: list[str],
-    artifact: dict,
+    artifact: ScheduleArtifact,
     steps: int = STEPS,
     config: str = TINY,
     timeout: int = 300,
@@ -152,35 +158,18 @@ def _assert_tensors_equal(got: dict, expected: dict, where: str) -> None:
             assert abs(got[name][1] - grad).max() <= 1e-5, f"{where}: gradient {name}"
 
 
-def _displaced(artifact: dict) -> tuple[dict, tuple[str, int, int]]:
-    """The artifact with one op hooked before its chain's predecessor, and that op."""
-    artifact = copy.deepcopy(artifact)
-    stage = next(
-        s
-        for s in artifact["encoder_stages"]
-        if any(op["hook"]["at"] == "llm_kernel" and op["kernel_index"] > 0 for op in s["ops"])
-    )
-    op = next(
-        op for op in stage["ops"] if op["hook"]["at"] == "llm_kernel" and op["kernel_index"] > 0
-    )
-    op["hook"] = {"at": "before_first_compute"}
-    return artifact, (op["phase"], op["local_microbatch"], op["kernel_index"])
-
-
 @pytest.fixture(scope="module")
 def tiny4() -> dict:
     """configs/tiny.yaml on 4 ranks (LLM PP2 TP2 V2), one launch: the baseline, then the Optimus
     runtime
     with the scheduler's encoder plan (DP4 PP1 TP1), with encoder DP2 PP2 TP1, with that artifact's
-    hook points from shuffled predictions, with one of its ops displaced, and with its layers'
-    kernels run as pieces of their tokens."""
+    hook points from shuffled predictions, and with its layers' kernels run as pieces of their
+    tokens."""
     pp2 = _artifact([], {"pp": 2, "tp": 1})
-    displaced, op = _displaced(pp2)
     artifacts = {
         "scheduler-choice": _artifact([]),
         "enc-DP2-PP2-TP1": pp2,
         "shuffled": shuffled_hooks(pp2, seed=1),
-        "displaced": displaced,
         "pieces": split_kernels(pp2, TINY, [0.3, 0.55]),
     }
     runs = [([], "baseline", None, STEPS)] + [([], "optimus", a, STEPS) for a in artifacts.values()]
@@ -190,7 +179,6 @@ def tiny4() -> dict:
         "baseline": [r[0] for r in per_rank],
         **results,
         "artifacts": artifacts,
-        "displaced_op": op,
     }
 
 
@@ -201,7 +189,7 @@ def test_optimus_equals_megatron_baseline_on_4_ranks(tiny4, encoder_plan):
     _assert_same(tiny4[encoder_plan], tiny4["baseline"])
     if encoder_plan == "enc-DP2-PP2-TP1":
         artifact = tiny4["artifacts"][encoder_plan]
-        assert (artifact["encoder_plan"]["pp"], artifact["encoder_plan"]["tp"]) == (2, 1)
+        assert (artifact.encoder_plan.pp, artifact.encoder_plan.tp) == (2, 1)
         _assert_ran_at_the_hook_points(tiny4[encoder_plan], artifact)
 
 
@@ -219,7 +207,7 @@ def test_wrong_predictions_change_nothing_but_timing(tiny4):
     _assert_same(tiny4["shuffled"], tiny4["baseline"])
 
 
-def _assert_ran_at_the_hook_points(results: list[dict], artifact: dict) -> None:
+def _assert_ran_at_the_hook_points(results: list[dict], artifact: ScheduleArtifact) -> None:
     inside = 0
     for rank, r in enumerate(results):
         ran = [
@@ -232,7 +220,7 @@ def _assert_ran_at_the_hook_points(results: list[dict], artifact: dict) -> None:
         assert r["unplanned"] == [0] * STEPS, (
             f"rank {rank}: megatron-core ran TP collectives the plan lacks"
         )
-        inside += sum(1 for event, *_ in ran if event[0] not in ("pre", "post"))
+        inside += sum(1 for event, *_ in ran if event.kind not in (EventKind.PRE, EventKind.POST))
     assert inside > 0, "some encoder ops run inside the LLM's ops, not only before or after it"
     from optimus_mllm.runtime.hook_plan import build_hook_plan
 
@@ -296,12 +284,6 @@ def test_optimus_equals_megatron_baseline_with_two_llm_replicas():
 PP4_V2 = ["model.llm.num_layers=8", "parallel.llm={dp: 1, pp: 4, tp: 1, vp: 2}"]
 
 
-def _with_warmup(artifact: dict, warmup: list[int]) -> dict:
-    artifact = copy.deepcopy(artifact)
-    artifact["warmup"] = warmup
-    return artifact
-
-
 @pytest.mark.parametrize(
     "overrides, warmup",
     [([], [3, 2]), (PP4_V2, None)],
@@ -315,11 +297,9 @@ def test_adjusted_warmups_train_like_the_baseline(overrides, warmup):
     """
     artifact = _artifact(overrides)
     if warmup is None:
-        assert artifact["warmup"] != artifact["default_warmup"], (
-            "the scheduler adjusted nothing here"
-        )
+        assert artifact.warmup != artifact.default_warmup, "the scheduler adjusted nothing here"
     else:
-        artifact = _with_warmup(artifact, warmup)
+        artifact = with_warmup(artifact, warmup)
     _assert_same(*_both(4, overrides, artifact))
 
 
@@ -336,23 +316,11 @@ def test_dropout_draws_the_baselines_masks_under_an_adjusted_warmup():
     the PP2 warm-up forced to [3, 2]. Optimus runs the encoder under another plan than the
     baseline's TP2, its ops at hook points inside the LLM's: the same masks, so the same numbers."""
     overrides = DROPOUT + SP_TIED
-    artifact = _with_warmup(_artifact(overrides), [3, 2])
-    assert artifact["encoder_plan"]["tp"] != 2, (
+    artifact = with_warmup(_artifact(overrides), [3, 2])
+    assert artifact.encoder_plan.tp != 2, (
         "the encoder plan is the baseline's (TP2 in the first stage)"
     )
     _assert_same(*_both(4, overrides, artifact))
-
-
-def test_a_displaced_op_is_counted_as_moved(tiny4):
-    """An op hooked before its chain's predecessor cannot run there: the record says where it
-    ran."""
-    moved = [
-        (rank, r) for rank, r in enumerate(tiny4["displaced"]) for r in r["record"] if r[0] != r[1]
-    ]
-    displaced = [(r[2], r[3], r[4]) for _, r in moved]
-    assert displaced and set(displaced) == {tiny4["displaced_op"]}, moved
-    assert all(r[1] == ("pre",) and r[0] != ("pre",) for _, r in moved)
-    _assert_same(tiny4["displaced"], tiny4["baseline"])
 
 
 def test_five_steps_of_adamw_with_warmup_and_cosine_decay():

@@ -256,6 +256,19 @@ def test_an_encoder_the_llms_tp_cannot_split_is_refused_for_the_baseline_only():
     ):
         prepare(args, 4)
     job = prepare(build_parser().parse_args(["--config", TINY, "--override", *ODD_TOKENS]), 4)
-    assert job.artifact["encoder_plan"]["tp"] == 1
+    assert job.artifact.encoder_plan.tp == 1
     pruned = plan(load_config(TINY, list(ODD_TOKENS))).pruned
     assert {p.plan.tp for p in pruned if "seq_length=9 is not divisible by tp=2" in p.reason} == {2}
+
+
+def test_moved_ops_on_the_step_line_say_why():
+    """Issue 39: "ops moved from their hook" above 0 is a warning naming each cause."""
+    from optimus_mllm.train import _StepTotals
+
+    assert _StepTotals(5.5, 10, 20, 0, 0, 0).moved_text() == "ops moved from their hook 0"
+    text = _StepTotals(5.5, 10, 20, 7, 4, 3).moved_text()
+    assert text.startswith("ops moved from their hook 7 (warning: 4 to before/after the LLM, as ")
+    assert "would have waited in a cycle" in text
+    assert "3 to their LLM op's end, as a TP collective the schedule planned there did not run" in (
+        text
+    )

@@ -38,7 +38,6 @@ code 1 if any seed failed, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import random
 import sys
@@ -53,11 +52,12 @@ from optimus_mllm.cost_model import CostModel
 from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.planner import ParallelPlan, plan
 from optimus_mllm.scheduler.artifact import schedule_job_artifact
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.scheduler.baselines import balanced_problem
 from optimus_mllm.scheduler.llm_costs import llm_op_work, llm_p2p_us
 from optimus_mllm.scheduler.llm_timeline import PipelineDeadlock, simulate
 
-from .artifact_utils import split_kernels
+from .artifact_utils import split_kernels, with_warmup
 from .distributed_utils import run_distributed
 from .p2p_audit import nccl_violations, recorded_p2p
 from .paths import REPO
@@ -234,7 +234,7 @@ class Setup:
 
     job: Job
     overrides: tuple[str, ...]
-    artifact: dict[str, Any]
+    artifact: ScheduleArtifact
     encoder_plan_forced: bool
     warmup_kind: WarmupKind
 
@@ -253,12 +253,12 @@ def schedule_job(job: Job) -> Setup:
     config = load_config(TINY, overrides)
     planned = plan(config)
     artifact = schedule_job_artifact(config, planned)
-    kind: WarmupKind = "adjusted" if artifact["warmup"] != artifact["default_warmup"] else "default"
+    kind: WarmupKind = "adjusted" if artifact.warmup != artifact.default_warmup else "default"
     if job.force_warmup:
-        avoid = {tuple(artifact["warmup"]), tuple(artifact["default_warmup"])}
-        warmup = reduced_warmup(config, planned.llm_plan, artifact["default_warmup"], avoid, rng)
+        avoid = {artifact.warmup, artifact.default_warmup}
+        warmup = reduced_warmup(config, planned.llm_plan, list(artifact.default_warmup), avoid, rng)
         if warmup is not None:
-            artifact = {**copy.deepcopy(artifact), "warmup": list(warmup)}
+            artifact = with_warmup(artifact, list(warmup))
             kind = "forced"
     if job.cut_kernels:
         artifact = split_kernels(
@@ -309,7 +309,7 @@ def reduced_warmup(
 
 
 def train_rank(
-    overrides: list[str], mode: str, artifact: dict[str, Any] | None, steps: int
+    overrides: list[str], mode: str, artifact: ScheduleArtifact | None, steps: int
 ) -> dict[str, Any]:
     """On one rank: train ``steps`` steps; the losses, every whole (weight, gradient) held here, and
     the rank's P2P calls (tests/p2p_audit.py).
@@ -512,13 +512,13 @@ def _row(
     if runtime == "balanced":
         encoder_plan, warmup, kind = "balanced", "-", "default"
     elif setup is not None:
-        e = setup.artifact["encoder_plan"]
+        e = setup.artifact.encoder_plan
         encoder_plan = (
-            f"{e['dp']}/{e['pp']}/{e['tp']}"
+            f"{e.dp}/{e.pp}/{e.tp}"
             + ("*" if setup.encoder_plan_forced else "")
             + ("c" if job.cut_kernels else "")
         )
-        warmup, kind = ",".join(map(str, setup.artifact["warmup"])), setup.warmup_kind
+        warmup, kind = ",".join(map(str, setup.artifact.warmup)), setup.warmup_kind
     return Row(
         seed=job.seed,
         world=job.world,

@@ -141,13 +141,15 @@ class Inputs:
         from optimus_mllm.config import load_config
         from optimus_mllm.planner import plan
         from optimus_mllm.scheduler.artifact import schedule_job_artifact
+        from optimus_mllm.scheduler.artifact_format import artifact_to_json
 
         self.root = root
         self.config_text = TINY.read_text()
         self.raw = parse_yaml(self.config_text)
         self.config = load_config(TINY)
         self.planned = plan(self.config)
-        self.artifact = schedule_job_artifact(self.config, self.planned)
+        # the JSON a file holds, which the artifact cases edit
+        self.artifact = artifact_to_json(schedule_job_artifact(self.config, self.planned))
         self.dataset = root / "dataset"
         subprocess.run(
             [

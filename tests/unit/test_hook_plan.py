@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import copy
-import random
-
 import pytest
 
 from optimus_mllm.runtime.hook_plan import (
     OBSERVABLE_COLLECTIVES,
     POST,
     PRE,
+    EventKind,
     _stuck_microbatches,
     build_hook_plan,
 )
+from optimus_mllm.scheduler.artifact_format import artifact_to_json
 
-from support.artifact_utils import artifact_for
+from support.artifact_utils import artifact_for, checked, shuffled_hooks
 from support.paths import CONFIGS
 
 
@@ -55,47 +54,43 @@ def test_scheduler_artifact_needs_no_repair(artifacts, name):
     hp = build_hook_plan(artifact)
     assert hp.moved_microbatches == ()
     assert all(op.event == op.assigned for st in hp.stages for op in st.ops)
-    assert sum(len(st.ops) for st in hp.stages) == sum(
-        len(st["ops"]) for st in artifact["encoder_stages"]
-    )
+    for stage, written in zip(hp.stages, artifact.encoder_stages, strict=True):
+        assert [(op.phase, op.local_microbatch, op.kernel_index, op.piece) for op in stage.ops] == [
+            (op.phase, op.local_microbatch, op.kernel_index, op.piece) for op in written.ops
+        ], "the stage runs its ops in the order the artifact lists them"
     _chain_positions(hp)
-    windows = {op["window"] for st in artifact["encoder_stages"] for op in st["ops"]}
+    windows = {op.window for st in artifact.encoder_stages for op in st.ops}
     assert "llm" in windows  # the schedule really uses hooks inside the LLM's ops
-    events = {op.event[0] for st in hp.stages for op in st.ops}
-    assert {"pre"} <= events and events - {"pre", "post"}
+    events = {op.event.kind for st in hp.stages for op in st.ops}
+    assert {EventKind.PRE} <= events and events - {EventKind.PRE, EventKind.POST}
 
 
 def test_hook_mapping_to_observable_events(artifacts):
     # TP2 with sequence parallelism: tp_rs_attn / tp_rs_mlp are observable
     artifact = artifacts["fig5"]
     hp = build_hook_plan(artifact)
-    names = artifact["llm_kernels"]
     seen = set()
-    for stage, raw_stage in zip(hp.stages, artifact["encoder_stages"]):
-        ops = sorted(
-            stage.ops, key=lambda o: (o.phase, o.local_microbatch, o.kernel_index, o.piece)
-        )
-        raws = sorted(
-            raw_stage["ops"],
-            key=lambda o: (o["phase"], o["local_microbatch"], o["kernel_index"], tuple(o["piece"])),
-        )
-        for op, raw in zip(ops, raws):
-            hook = raw["hook"]
-            if hook["at"] != "llm_kernel":
-                assert op.assigned == (PRE if hook["at"] == "before_first_compute" else POST)
-                seen.add(hook["at"])
+    for stage, written in zip(hp.stages, artifact.encoder_stages, strict=True):
+        for op, raw in zip(stage.ops, written.ops, strict=True):
+            hook = raw.hook
+            if hook.at != "llm_kernel":
+                assert op.assigned == (PRE if hook.at == "before_first_compute" else POST)
+                seen.add(hook.at)
                 continue
-            kernel = names[f"{stage.llm_stage}/{hook['chunk']}/{hook['phase']}"][
-                hook["kernel_index"]
-            ]
-            if hook["phase"] == "fwd" and kernel in OBSERVABLE_COLLECTIVES:
-                assert op.assigned[0] == ("tp_after" if hook["after"] else "tp_before")
+            at = hook.llm_kernel
+            kernel = artifact.kernels_of(stage.llm_stage, at.op)[at.kernel_index]
+            if at.op.phase == "fwd" and kernel in OBSERVABLE_COLLECTIVES:
+                assert op.assigned.kind == (EventKind.TP_AFTER if at.after else EventKind.TP_BEFORE)
                 seen.add("collective")
-            elif hook["phase"] == "bwd":
-                assert op.assigned[0] in ("op_start", "op_end")
+            elif at.op.phase == "bwd":
+                assert op.assigned.kind in (EventKind.OP_START, EventKind.OP_END)
                 seen.add("bwd")
             else:
-                assert op.assigned[0] in ("op_start", "tp_after", "op_end")
+                assert op.assigned.kind in (
+                    EventKind.OP_START,
+                    EventKind.TP_AFTER,
+                    EventKind.OP_END,
+                )
                 seen.add("fwd compute")
     assert seen == {
         "before_first_compute",
@@ -106,33 +101,10 @@ def test_hook_mapping_to_observable_events(artifacts):
     }
 
 
-def _shuffled(artifact, seed):
-    """Hooks at random LLM kernels: what arbitrarily wrong time predictions could produce."""
-    rng = random.Random(seed)
-    artifact = copy.deepcopy(artifact)
-    n = artifact["num_microbatches"]
-    for stage in artifact["encoder_stages"]:
-        keys = [k for k in artifact["llm_kernels"] if k.startswith(f"{stage['llm_stage']}/")]
-        for op in stage["ops"]:
-            key = rng.choice(keys)
-            _, chunk, phase = key.split("/")
-            op["hook"] = {
-                "at": "llm_kernel",
-                "phase": phase,
-                "chunk": int(chunk),
-                "microbatch": rng.randrange(n),
-                "kernel_index": rng.randrange(len(artifact["llm_kernels"][key])),
-                "kernel": "?",
-                "layer": 0,
-                "after": rng.random() < 0.5,
-            }
-    return artifact
-
-
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("name", ["tiny", "fig5"])
 def test_wrong_predictions_are_repaired_into_a_deadlock_free_plan(artifacts, name, seed):
-    artifact = _shuffled(artifacts[name], seed)
+    artifact = shuffled_hooks(artifacts[name], seed)
     hp = build_hook_plan(artifact)
     assert hp.moved_microbatches, "random hooks put some encoder work before its inputs exist"
     assert _stuck_microbatches(hp, artifact) == set()
@@ -150,12 +122,14 @@ def test_wrong_predictions_are_repaired_into_a_deadlock_free_plan(artifacts, nam
 def test_cycle_detection_sees_an_encoder_output_needed_before_it_exists(artifacts):
     """Encoder forward of microbatch 0 placed after the LLM's last op: the LLM would wait
     forever."""
-    artifact = copy.deepcopy(artifacts["tiny"])
-    for stage in artifact["encoder_stages"]:
-        for op in stage["ops"]:
-            if op["microbatch"] == 0 and op["phase"] == "fwd":
-                op["hook"] = {"at": "after_last_compute"}
-    hp = build_hook_plan(artifact)
+    data = artifact_to_json(artifacts["tiny"])
+    for stage in data["encoder_stages"]:
+        late = [op for op in stage["ops"] if (op["microbatch"], op["phase"]) == (0, "fwd")]
+        for op in late:
+            op["hook"] = {"at": "after_last_compute", "llm_kernel": None}
+        # listed last, in chain order: where they are hooked
+        stage["ops"] = [op for op in stage["ops"] if op not in late] + late
+    hp = build_hook_plan(checked(data))
     assert (0, "fwd") in hp.moved_microbatches
     assert all(
         op.event == PRE

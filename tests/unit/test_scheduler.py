@@ -17,9 +17,11 @@ import pytest
 from optimus_mllm.config import config_from_dict, load_config
 from optimus_mllm.cost_model import CostModel, PiecePrices
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.pipeline_order import default_warmup, rank_op_order, schedule_table
 from optimus_mllm.planner import ParallelPlan, plan
 from optimus_mllm.scheduler import bubble_scheduler as scheduler_module
 from optimus_mllm.scheduler.artifact import load_artifact, schedule_to_artifact, write_artifact
+from optimus_mllm.scheduler.artifact_format import artifact_to_json
 from optimus_mllm.scheduler.baselines import runnable_baselines
 from optimus_mllm.scheduler.bubble_scheduler import (
     BWD,
@@ -39,14 +41,7 @@ from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, buil
 from optimus_mllm.scheduler.fine import MIN_PIECE_WORK_US, LLMBubbles, PipelineMoves, Resource
 from optimus_mllm.scheduler.intervals import FreeIntervals
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline
-from optimus_mllm.scheduler.llm_timeline import (
-    OpWork,
-    PipelineDeadlock,
-    default_warmup,
-    rank_op_order,
-    schedule_table,
-    simulate,
-)
+from optimus_mllm.scheduler.llm_timeline import OpWork, PipelineDeadlock, simulate
 from optimus_mllm.scheduler.metrics import bubble_breakdown, scheduling_efficiency
 
 from support.paths import CONFIGS, load_script
@@ -594,15 +589,16 @@ def test_artifact_round_trip_and_hooks(tmp_path):
     write_artifact(schedule, config, path)
     artifact = load_artifact(path)
     artifact.check_matches(schedule.llm_plan, schedule.encoder_plan, config.cluster.num_gpus)
-    data = artifact.data
-    assert data["assignment"] == [list(a) for a in schedule.assignment]
-    ops = [op for stage in data["encoder_stages"] for op in stage["ops"]]
+    assert [(a.encoder_pipeline, a.local_microbatch) for a in artifact.assignment] == list(
+        schedule.assignment
+    )
+    ops = [op for stage in artifact.encoder_stages for op in stage.ops]
     runs = [run for c in schedule.chains for run in schedule.runs(c)]
     assert (
         len(ops) == len(runs) > sum(len(schedule.chain_kernels(c).kernels) for c in schedule.chains)
     )
-    assert sorted(tuple(op["piece"]) for op in ops) == sorted(run.piece for run in runs)
-    windows = {op["window"]: op["hook"]["at"] for op in ops}
+    assert sorted(op.piece for op in ops) == sorted(run.piece for run in runs)
+    windows = {op.window: op.hook.at for op in ops}
     assert windows == {
         "pre": "before_first_compute",
         "llm": "llm_kernel",
@@ -610,17 +606,17 @@ def test_artifact_round_trip_and_hooks(tmp_path):
     }
     # an llm-window kernel is launched at an LLM kernel that starts no later than it
     tl, t0 = schedule.timeline, schedule.llm_origin_us
-    for stage in data["encoder_stages"]:
+    for stage in artifact.encoder_stages:
         starts = {}
-        for op in tl.stages[stage["llm_stage"]].ops:
-            for index, k in enumerate(tl.work[(stage["llm_stage"], op.chunk, op.phase)].kernels):
+        for op in tl.stages[stage.llm_stage].ops:
+            for index, k in enumerate(tl.work[(stage.llm_stage, op.chunk, op.phase)].kernels):
                 starts[(op.phase, op.chunk, op.microbatch, index)] = t0 + op.start_us + k.offset_us
-        for op in stage["ops"]:
-            if op["window"] == "llm":
-                h = op["hook"]
+        for op in stage.ops:
+            if op.window == "llm":
+                h = op.hook.llm_kernel
                 assert (
-                    starts[(h["phase"], h["chunk"], h["microbatch"], h["kernel_index"])]
-                    <= op["start_us"] + 1e-3
+                    starts[(h.op.phase, h.op.chunk, h.op.microbatch, h.kernel_index)]
+                    <= op.start_us + 1e-3
                 )
 
 
@@ -647,7 +643,7 @@ def test_artifact_mismatch_and_version_errors(tmp_path):
 def test_artifact_of_tiny_config_is_json_serialisable():
     config = load_config(CONFIGS / "tiny.yaml")
     schedule = best_schedule(config, plan(config), CostModel.from_config(config)).best
-    json.dumps(schedule_to_artifact(schedule, config))
+    json.dumps(artifact_to_json(schedule_to_artifact(schedule, config)))
 
 
 def test_planner_and_scheduler_do_not_import_torch():
