@@ -1,0 +1,63 @@
+"""The YAML config: its schema (``schema``), how a file becomes one (``loader``: base files,
+overrides, typed loading, calibration) and the checks a field's type cannot make
+(``validation``)."""
+
+from optimus_mllm.config.loader import config_from_dict, load_config, model_config_from_dict
+from optimus_mllm.config.schema import (
+    MAX_GPUS,
+    MAX_MICROBATCHES_PER_PIPELINE,
+    MAX_MODEL_SIZES,
+    ClusterConfig,
+    CostModelConfig,
+    DataConfig,
+    EncoderConfig,
+    EncoderPlanConfig,
+    LLMConfig,
+    LLMPlanConfig,
+    ModelConfig,
+    OptimusConfig,
+    ParallelConfig,
+    PlannerConfig,
+    ProjectorConfig,
+    Recompute,
+    TrainingConfig,
+    TransformerSpec,
+)
+from optimus_mllm.config.validation import (
+    divisors,
+    encoder_tp_problem,
+    tp_divisibility_problem,
+    validate,
+    validate_encoder_plan,
+    validate_llm_plan,
+)
+
+__all__ = [
+    "MAX_GPUS",
+    "MAX_MICROBATCHES_PER_PIPELINE",
+    "MAX_MODEL_SIZES",
+    "ClusterConfig",
+    "CostModelConfig",
+    "DataConfig",
+    "EncoderConfig",
+    "EncoderPlanConfig",
+    "LLMConfig",
+    "LLMPlanConfig",
+    "ModelConfig",
+    "OptimusConfig",
+    "ParallelConfig",
+    "PlannerConfig",
+    "ProjectorConfig",
+    "Recompute",
+    "TrainingConfig",
+    "TransformerSpec",
+    "config_from_dict",
+    "divisors",
+    "encoder_tp_problem",
+    "load_config",
+    "model_config_from_dict",
+    "tp_divisibility_problem",
+    "validate",
+    "validate_encoder_plan",
+    "validate_llm_plan",
+]
