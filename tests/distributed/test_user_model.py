@@ -21,7 +21,8 @@ STEPS = 2
 
 def _user_model(config: Any, llm_plan: Any, without_vision: bool = False, **changes: Any) -> Any:
     from optimus_mllm.runtime.user_model import UserModel
-    from tests import user_vlm
+
+    from support import user_vlm
 
     provider = partial(
         user_vlm.model_provider,
