@@ -49,3 +49,25 @@ def require(owner: object, name: str) -> Any:
             f"(megatron-core {megatron_version()}); update megatron_patches for this version"
         )
     return getattr(owner, name)
+
+
+# What ``install`` records per patched attribute: (owner, name, the owner's own value or ABSENT)
+Originals = list[tuple[object, str, object]]
+ABSENT = object()  # the attribute was inherited, not set on its owner
+
+
+def install(patches: list[Patch], originals: Originals) -> None:
+    """Set every patch's replacement, recording in ``originals`` what it replaced."""
+    for patch in patches:
+        originals.append((patch.owner, patch.name, vars(patch.owner).get(patch.name, ABSENT)))
+        setattr(patch.owner, patch.name, patch.replacement)
+
+
+def restore(originals: Originals) -> None:
+    """Put back, last first, everything ``install`` recorded in ``originals``, emptying it."""
+    while originals:
+        owner, name, original = originals.pop()
+        if original is ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)

@@ -18,10 +18,9 @@ import torch
 from megatron_patches.cpu.devices import device_patches
 from megatron_patches.cpu.rng import rng_patches
 from megatron_patches.cpu.tensor_methods import tensor_method_patches
-from megatron_patches.lookup import Patch
+from megatron_patches.lookup import Originals, Patch, install, restore
 
-_ABSENT = object()  # the attribute was inherited, not set on its owner
-_originals: list[tuple[object, str, object]] = []  # (owner, name, owner's own value or _ABSENT)
+_originals: Originals = []
 
 
 def cpu_patches() -> list[Patch]:
@@ -37,19 +36,12 @@ def apply() -> None:
     if _originals or torch.cuda.is_available():
         return
     patches = cpu_patches()  # resolves every target first: a missing one installs nothing
-    for patch in patches:
-        _originals.append((patch.owner, patch.name, vars(patch.owner).get(patch.name, _ABSENT)))
-        setattr(patch.owner, patch.name, patch.replacement)
+    install(patches, _originals)
 
 
 def remove() -> None:
     """Restore every patched attribute to its original object; a no-op if nothing is installed."""
-    while _originals:
-        owner, name, original = _originals.pop()
-        if original is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
+    restore(_originals)
 
 
 def is_applied() -> bool:

@@ -44,7 +44,7 @@ import torch
 import megatron_patches
 from megatron_patches.cpu.devices import _CpuCuda, _CpuTorch
 from megatron_patches.cpu.tensor_methods import _cuda_stays_on_cpu, _within
-from megatron_patches.lookup import MegatronPatchError, Patch
+from megatron_patches.lookup import MegatronPatchError, Originals, Patch, install, restore
 from megatron_patches.lookup import import_module as _module
 from megatron_patches.lookup import require as _require
 
@@ -57,8 +57,7 @@ __all__ = [
     "training_cpu_patches",
 ]
 
-_ABSENT = object()  # the attribute was inherited, not set on its owner
-_originals: list[tuple[object, str, object]] = []  # (owner, name, owner's own value or _ABSENT)
+_originals: Originals = []
 _installed_core = False  # whether apply() installed megatron-core's patches (remove() takes them)
 
 
@@ -236,21 +235,14 @@ def apply() -> None:
     except MegatronPatchError:
         remove()
         raise
-    for patch in patches:
-        _originals.append((patch.owner, patch.name, vars(patch.owner).get(patch.name, _ABSENT)))
-        setattr(patch.owner, patch.name, patch.replacement)
+    install(patches, _originals)
 
 
 def remove() -> None:
     """Restore every patched attribute to its original object, and megatron-core's if apply()
     installed them; a no-op if nothing is installed."""
     global _installed_core
-    while _originals:
-        owner, name, original = _originals.pop()
-        if original is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
+    restore(_originals)
     if _installed_core:
         megatron_patches.remove()
         _installed_core = False
