@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,7 +52,6 @@ __all__ = [
     "MegatronPatchError",
     "apply",
     "is_applied",
-    "patched",
     "remove",
     "training_cpu_patches",
 ]
@@ -251,15 +250,3 @@ def remove() -> None:
 def is_applied() -> bool:
     """Whether these patches are installed now."""
     return bool(_originals)
-
-
-@contextlib.contextmanager
-def patched() -> Iterator[None]:
-    """apply() for the duration of the block; leaves patches that were already installed."""
-    was_applied = is_applied()
-    apply()
-    try:
-        yield
-    finally:
-        if not was_applied:
-            remove()
