@@ -177,9 +177,6 @@ REFUSED_FLAGS = (
     RefusedFlag(
         "--expert-model-parallel-size", "expert_model_parallel_size", 1, "there are no experts"
     ),
-    RefusedFlag(
-        "--decoder-num-layers", "decoder_num_layers", None, "give the LLM's depth as --num-layers"
-    ),
     RefusedFlag("--freeze-LM", "freeze_LM", False, "a frozen LLM is not planned; leave it out"),
     RefusedFlag(
         "--disable-vision-class-token",
@@ -278,7 +275,8 @@ def config_from_megatron_args(
             ],
             "llm": {
                 **layers,
-                "num_layers": args.num_layers,
+                # pretrain_vlm.py: the LLM's depth is --decoder-num-layers when given
+                "num_layers": getattr(args, "decoder_num_layers", None) or args.num_layers,
                 "seq_length": text_tokens + image_tokens,
                 "vocab_size": args.vocab_size,
                 "position_embedding_type": getattr(

@@ -10,14 +10,16 @@ after one that adds ``--optimus-schedule`` (``optimus_mllm.megatron_arguments.ad
 so Megatron's argument parsing, ``initialize_megatron``, ``get_model``, optimizer, train and eval
 loops, ``--save``/``--load`` and logging are the job's own. Without the flag nothing else changes.
 
-With the flag, Optimus has to enter through Megatron's seams (the ``model_provider`` it is given,
-the ``forward_step_func``, the pipeline config's hooks, the optimizer's parameter groups and the
-model's ``sharded_state_dict``); that is not built yet, and the flag is refused in one line.
+With ``--optimus-schedule auto`` (or a saved artifact's path) Optimus enters through Megatron's
+seams only (``optimus_mllm.megatron_lm_seams``): the ``model_provider`` it is given, its optimizer,
+its pipeline schedule and its checkpoint calls. A problem with the job found at start-up is one
+line and exit code 2 on every rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -89,33 +91,36 @@ def pretrain(
     ``--optimus-schedule`` among its flags.
 
     Args and behaviour are Megatron-LM's; see the module docstring. Where ``megatron.training``
-    cannot be imported or ``--optimus-schedule`` is given (not built yet): one line and exit 2.
+    cannot be imported: one line and exit 2.
     """
     if not megatron_training_importable():
         exit_on_error(not_importable_error())
-    if _optimus_schedule_given(sys.argv[1:]) is not None:
-        exit_on_error(
-            OptimusError(
-                "--optimus-schedule: Optimus inside Megatron-LM's own pretrain is not built yet "
-                "(issue 32); leave the flag out to train as Megatron-LM does"
-            )
-        )
-    from megatron.training import training
+    from megatron.training import get_args, training
 
-    training.pretrain(
-        train_valid_test_dataset_provider,
-        model_provider,
-        model_type,
-        forward_step_func,
-        process_non_loss_data_func=process_non_loss_data_func,
-        extra_args_provider=_with_optimus_args(extra_args_provider),
-        args_defaults={} if args_defaults is None else args_defaults,
-        get_embedding_ranks=get_embedding_ranks,
-        get_position_embedding_ranks=get_position_embedding_ranks,
-        non_loss_data_func=non_loss_data_func,
-        store=store,
-        inprocess_call_wrapper=inprocess_call_wrapper,
-    )
+    from megatron_patches.training_seams import training_seams
+    from optimus_mllm.megatron_lm_seams import OptimusInMegatron
+
+    schedule = _optimus_schedule_given(sys.argv[1:])
+    optimus = None if schedule is None else OptimusInMegatron(schedule, get_args)
+    seams = contextlib.nullcontext() if optimus is None else training_seams(optimus.seams())
+    try:
+        with seams:
+            training.pretrain(
+                train_valid_test_dataset_provider,
+                model_provider if optimus is None else optimus.model_provider(model_provider),
+                model_type,
+                forward_step_func,
+                process_non_loss_data_func=process_non_loss_data_func,
+                extra_args_provider=_with_optimus_args(extra_args_provider),
+                args_defaults={} if args_defaults is None else args_defaults,
+                get_embedding_ranks=get_embedding_ranks,
+                get_position_embedding_ranks=get_position_embedding_ranks,
+                non_loss_data_func=non_loss_data_func,
+                store=store,
+                inprocess_call_wrapper=inprocess_call_wrapper,
+            )
+    except OptimusError as error:  # decided alike on every rank: each leaves with the same line
+        exit_on_error(error)
 
 
 def exit_on_error(error: OptimusError) -> NoReturn:

@@ -109,6 +109,10 @@ class VisionLanguageModel(MegatronModule):
     def set_input_tensor(self, input_tensor: Any) -> None:
         self.language_model.set_input_tensor(input_tensor)
 
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        """LLaVAModel's: megatron-core's gradient finalisation reads the word embedding here."""
+        return self.language_model.shared_embedding_or_output_weight()
+
     def forward(
         self,
         images: torch.Tensor,

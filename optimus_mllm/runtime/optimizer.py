@@ -136,10 +136,10 @@ def build_optimizer(
     opt_config = optimizer_config(config)
     if encoder_groups is None:
         models = [*llm, *([encoder] if encoder is not None else [])]
-        return OneLossScaleOptimizer(_parts(get_megatron_optimizer(opt_config, models)))
-    parts = _parts(get_megatron_optimizer(opt_config, list(llm)))
+        return OneLossScaleOptimizer(optimizer_parts(get_megatron_optimizer(opt_config, models)))
+    parts = optimizer_parts(get_megatron_optimizer(opt_config, list(llm)))
     if encoder is not None:
-        encoder_parts = _parts(
+        encoder_parts = optimizer_parts(
             get_megatron_optimizer(
                 opt_config, [encoder], use_gloo_process_groups=False, pg_collection=encoder_groups
             )
@@ -209,7 +209,8 @@ class _PartOfLossScale(MegatronGradScaler):
         self.owner.load_state_dict(state_dict)
 
 
-def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+def optimizer_parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    """A megatron-core optimizer's parts: a ``ChainedOptimizer``'s, or itself."""
     return (
         list(optimizer.chained_optimizers)
         if isinstance(optimizer, ChainedOptimizer)

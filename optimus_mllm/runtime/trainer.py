@@ -37,11 +37,10 @@ from megatron.core.utils import get_model_config
 import megatron_patches
 from megatron_patches.ddp import gather_main_grads
 from megatron_patches.hooks import tp_collective_hook, warmup_override
-from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.pipeline_order import default_warmup, pipeline_producer, rank_op_order
-from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
+from optimus_mllm.pipeline_order import default_warmup, rank_op_order
+from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.balanced import (
     balanced_transformer_config,
     build_balanced_chunks,
@@ -59,23 +58,8 @@ from optimus_mllm.runtime.communicators import (
 from optimus_mllm.runtime.data import Microbatch, microbatch_source
 from optimus_mllm.runtime.dropout import llm_chunk_index, microbatch_seed, seed_llm_dropout
 from optimus_mllm.runtime.dtypes import DTYPES
-from optimus_mllm.runtime.encoder_ops import build_stage_ops
-from optimus_mllm.runtime.executor import (
-    EncoderExecutor,
-    ExecutedOp,
-    HookDriver,
-    Mailbox,
-    incoming_messages,
-)
-from optimus_mllm.runtime.hook_plan import (
-    POST,
-    PRE,
-    Event,
-    EventKind,
-    build_hook_plan,
-    planned_collectives,
-)
-from optimus_mllm.runtime.layer_ops import vision_transformer_config
+from optimus_mllm.runtime.executor import ExecutedOp, HookDriver
+from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
 from optimus_mllm.runtime.llm import (
     build_llm_chunks,
     causal_mask,
@@ -85,7 +69,6 @@ from optimus_mllm.runtime.llm import (
     pre_post_process,
     transformer_config,
 )
-from optimus_mllm.runtime.messages import Messenger
 from optimus_mllm.runtime.microbatches import MicrobatchNumbering
 from optimus_mllm.runtime.optimizer import (
     build_opt_param_scheduler,
@@ -93,24 +76,23 @@ from optimus_mllm.runtime.optimizer import (
     encoder_process_groups,
     wrap_ddp,
 )
-from optimus_mllm.runtime.process_groups import (
-    build_encoder_process_groups,
-    build_encoder_rank_layout,
+from optimus_mllm.runtime.optimus_encoder import (
+    OptimusEncoder,
+    OptimusStep,
+    UserVision,
+    input_waiter,
+    optimus_communicator,
+    schedule_groups,
+    take_user_vision,
+    user_vision_spec,
 )
-from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
 from optimus_mllm.runtime.user_model import (
-    ImageEmbeddingsInput,
     UserModel,
     build_user_chunks,
     config_problem,
     language_model,
-    take_vision,
     user_images,
-    user_vision_layer_spec,
-    user_vision_problem,
-    vision_modules,
-    vision_sharded_state_dict,
 )
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
@@ -264,7 +246,8 @@ class Trainer:
             )
         self.collectives = {} if artifact is None else planned_collectives(artifact, self.stage)
         self.encoder: EncoderStage | None = None
-        self.image_input: ImageEmbeddingsInput | None = None
+        self.optimus: OptimusEncoder | None = None
+        self.user_vision: UserVision | None = None
         if user_model is not None:
             self._adopt_user_vision()
         elif mode == "optimus":
@@ -286,7 +269,10 @@ class Trainer:
         dtype = DTYPES[config.training.precision]
         for module in [*self.modules, *([self.encoder] if self.encoder is not None else [])]:
             module.to(self.device, dtype)
-        self.communicator = self._pipeline_communicator() if mode == "optimus" else None
+        self.communicator = (
+            optimus_communicator(self.tconfig, llm_plan, self.rank) if mode == "optimus" else None
+        )
+        self._wait_for_input = input_waiter(self.communicator, self.stage, llm_plan)
         self._build_training_stack()
         # NCCL's communicators made here, not at a first use inside the schedule (communicators)
         create_communicators(self._communicator_uses(), self.rank, self.device)
@@ -339,19 +325,6 @@ class Trainer:
         stage's."""
         return [*self.models, *([self.encoder_ddp] if self.encoder_ddp is not None else [])]
 
-    def _pipeline_communicator(self) -> ChannelP2PCommunicator | None:
-        """The LLM's P2P for the Optimus schedule: ops wait for their inputs only when they need
-        them (megatron_patches.p2p), so every warm-up the timeline accepts runs; with the
-        interleaved schedule's ``overlap_p2p_comm`` the sends leave right after their op, as the
-        timeline assumes."""
-        if self.plan.pp == 1:
-            return None
-        self.tconfig.overlap_p2p_comm = self.plan.vp > 1
-        channels = build_pipeline_channels([list(ranks) for ranks in llm_pipelines()], self.rank)
-        return ChannelP2PCommunicator(
-            parallel_state.get_pipeline_model_parallel_group(), self.tconfig, channels
-        )
-
     def _communicator_uses(self) -> list[FirstUse]:
         """Every group this rank's runtime communicates over, in the one order of all ranks."""
         uses = llm_uses(self.embedding_group)
@@ -361,137 +334,59 @@ class Trainer:
             uses += encoder_uses(self.groups)
         return uses
 
-    def _schedule_groups(self) -> dict[str, Any]:
-        """The communicator and megatron-core's own groups for its schedule (it takes both or
-        neither)."""
-        if self.communicator is None:
-            return {}
-        groups = ProcessGroupCollection.use_mpu_process_groups(
-            ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"]
-        )
-        return {"p2p_communicator": self.communicator, "pg_collection": groups}
-
-    def _wait_for_input(self, op: LLMOp) -> None:
-        """Right before an LLM op: its pipeline input, if it has one, must have arrived."""
-        if (
-            self.communicator is not None
-            and pipeline_producer(self.stage, op.chunk, op.phase, self.plan.pp, self.plan.vp)
-            is not None
-        ):
-            self.communicator.wait_for_input("prev" if op.phase == "fwd" else "next")
-
     def _adopt_user_vision(self) -> None:
         """The user's vision model: left in the first stage for the baseline; with the flag, its
-        weights
-        moved into the encoder stage under the encoder plan and ``ImageEmbeddingsInput`` in its
-        place. The first stage checks it and every rank hears the verdict, so all refuse or none
-        does."""
+        weights moved into the encoder stage under the encoder plan and ``ImageEmbeddingsInput`` in
+        its place. The first stage checks it and every rank hears the verdict, so all refuse or
+        none does."""
         first = self.modules[0] if self.stage == 0 else None
-        report = None
-        encoder = self.config.encoders[0]
-        if first is not None:
-            try:
-                vision, _ = vision_modules(first)
-                # the encoder stage's layer config (its TP and init std are not among the fields
-                # compared)
-                expected = vision_transformer_config(
-                    encoder, 1, DTYPES[self.config.training.precision], 0.02
-                )
-                report = (
-                    user_vision_layer_spec(vision),
-                    user_vision_problem(encoder, expected, vision)
-                    if self.mode == "optimus"
-                    else None,
-                )
-            except OptimusError as exc:
-                report = (None, str(exc))
-        seen: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, report)
-        spec, problem = next(r for r in seen if r is not None)
-        if problem:
-            raise OptimusError(problem)
+        spec = user_vision_spec(self.config, first, check=self.mode == "optimus")
         if self.mode == "baseline":
             return
-        self.encoder_layer_specs = {encoder.name: spec}
+        self.encoder_layer_specs = {self.config.encoders[0].name: spec}
         self._build_optimus_encoder()
-        source = {} if first is None else vision_sharded_state_dict(first)
-        copy_sharded_state(
-            source,
-            encoder_sharded_state_dict(self.config, self.encoder, self.groups.dp_group),
-            "model_provider's vision model -> the Optimus encoder",
-        )
-        if first is not None:
-            self.image_input = take_vision(first)
+        self.user_vision = take_user_vision(self.config, self.optimus, first)
 
     def _build_optimus_encoder(self) -> None:
-        enc_plan = self.artifact.encoder_plan
-        self.enc_plan = enc_plan
-        self.m = encoder_pipelines_per_llm_pipeline(self.plan, enc_plan)
-        layout = build_encoder_rank_layout(self.plan, enc_plan)
-        self.groups = build_encoder_process_groups(layout, self.rank)
-        self.encoder = EncoderStage(
+        self.optimus = OptimusEncoder.build(
             self.config,
-            self.groups.coords.pp,
-            enc_plan.pp,
-            self.groups.tp_group,
-            layer_specs=self.encoder_layer_specs,
-        )
-        self.ops = build_stage_ops(self.encoder.blocks(), self.config.training.recompute)
-        hook_plan = build_hook_plan(self.artifact)
-        self.stage_plan = hook_plan.for_gpu(layout.coords[self.rank].gpu)
-        incoming = incoming_messages(
-            self.config,
-            hook_plan,
-            self.groups,
-            self.ops.output_grad_encoders,
+            self.plan,
+            self.artifact,
             self.numbering,
-            self.m,
-            enc_plan.pp,
-        )
-        self.messenger = Messenger(
             self.rank,
-            self.groups.channels,
-            incoming,
-            DTYPES[self.config.training.precision],
             self.device,
+            self.encoder_layer_specs,
         )
+        self.groups, self.encoder = self.optimus.groups, self.optimus.encoder
 
     # ------------------------------------------------------------------------------------------
 
     def train_step(self, iteration: int) -> StepResult:
-        mailbox = Mailbox(self.stream)
-        executor = None
-        if self.mode == "optimus":
-            executor = EncoderExecutor(
-                self.config,
-                self.stage_plan,
-                self.ops,
-                self.groups,
-                self.numbering,
-                self.enc_plan.pp,
+        step = None
+        if self.optimus is not None:
+            step = self.optimus.begin_step(
                 iteration,
-                mailbox,
                 self.images,
-                self.messenger,
+                self.stream,
+                self.op_order,
+                self.stage,
+                self.collectives,
+                self._wait_for_input,
             )
-        leaves: dict[int, torch.Tensor] = {}
-        driver = HookDriver(
-            self.op_order,
-            _LLMSide(self, executor, leaves, mailbox),
-            self._wait_for_input,
-            self.collectives,
-        )
+            driver = step.driver
+        else:
+            driver = HookDriver(self.op_order, None, self._wait_for_input, self.collectives)
         self.tconfig.timers = driver.timers(self.timers)
         for model in self.ddp_models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self.user_model is not None:
-            step = self._user_forward_step
+            forward = self._user_forward_step
         elif self.mode == "balanced":
-            step = self._balanced_forward_step
+            forward = self._balanced_forward_step
         else:
-            step = self._forward_step
-        forward_step = partial(step, driver, iteration, leaves, mailbox)
+            forward = self._forward_step
+        forward_step = partial(forward, driver, iteration, step)
         iterators = self._data_iterators(iteration)
         driver.fire(PRE)
         with (
@@ -506,14 +401,13 @@ class Trainer:
                 seq_length=self._p2p_seq_length(),
                 micro_batch_size=self.config.training.micro_batch_size,
                 forward_only=False,
-                **self._schedule_groups(),
+                **schedule_groups(self.communicator),
             )
         driver.fire(POST)
         if self.communicator is not None:
             self.communicator.finish()
-        if executor is not None:
-            executor.finish()
-            self.messenger.finish()
+        if step is not None:
+            step.finish()
         self._finalize_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         updated, grad_norm, _ = self.optimizer.step()
@@ -526,7 +420,7 @@ class Trainer:
             grad_norm if updated else None,
             lr,
             None if scaler is None else scaler.scale.item(),
-            executor.record if executor is not None else [],
+            step.executor.record if step is not None else [],
             len(driver.unplanned),
         )
 
@@ -534,8 +428,7 @@ class Trainer:
         self,
         driver: HookDriver,
         iteration: int,
-        leaves: dict,
-        mailbox: Mailbox,
+        step: OptimusStep | None,
         data_iterator: Any,
         model: Any,
     ) -> tuple[torch.Tensor, Any]:
@@ -544,10 +437,10 @@ class Trainer:
         mask = causal_mask(self.config.llm.seq_length, self.device)
         decoder_input = None
         if self.chunks[chunk].pre_process:
-            images = self._image_embeddings(microbatch, mb, mailbox, seed)
-            if self.mode == "optimus":
-                images = images.detach().requires_grad_(True)
-                leaves[microbatch] = images  # its .grad after the backward is G_i
+            if step is not None:
+                images = step.image_embeddings(microbatch)
+            else:
+                images = self._baseline_image_embeddings(mb, seed)
             decoder_input = decoder_input_with_images(self.chunks[chunk], mb, images)
         output = model(
             mb.tokens, mb.position_ids, mask, decoder_input=decoder_input, labels=mb.labels
@@ -558,8 +451,7 @@ class Trainer:
         self,
         driver: HookDriver,
         iteration: int,
-        leaves: dict,
-        mailbox: Mailbox,
+        step: OptimusStep | None,
         data_iterator: Any,
         model: Any,
     ) -> tuple[torch.Tensor, Any]:
@@ -605,57 +497,27 @@ class Trainer:
         self,
         driver: HookDriver,
         iteration: int,
-        leaves: dict,
-        mailbox: Mailbox,
+        step: OptimusStep | None,
         data_iterator: Any,
         model: Any,
     ) -> tuple[torch.Tensor, Any]:
         """The user's forward step; under Optimus with A_i handed to its model in its vision model's
         place."""
-        microbatch, chunk, _, seed = self._microbatch_in_flight(driver, iteration)
-        if self.image_input is not None and chunk == 0:
-            images = (
-                self._image_embeddings(microbatch, None, mailbox, seed)
-                .detach()
-                .requires_grad_(True)
-            )
-            leaves[microbatch] = images  # its .grad after the backward is G_i
-            self.image_input.embeddings = images
+        microbatch, chunk, _, _ = self._microbatch_in_flight(driver, iteration)
+        if self.user_vision is not None and chunk == 0:
+            self.user_vision.stand_in.embeddings = step.image_embeddings(microbatch)
         return self.user_model.forward_step(data_iterator, model)
 
-    def _image_embeddings(
-        self, microbatch: int, mb: Any, mailbox: Mailbox, seed: int
-    ) -> torch.Tensor:
-        """A_i: [image tokens, batch, hidden], from the encoder pipeline the global ordering
-        assigns."""
-        if self.mode == "baseline":
-            outputs = self.encoder(
-                {
-                    e.name: to_device(image, self.device)
-                    for e, image in zip(self.config.encoders, mb.images)
-                },
-                seed,
-            )
-            return torch.cat([outputs[e.name] for e in self.config.encoders], dim=0)
-        link = self._link(microbatch)
-        if link.encoder_rank == self.rank:
-            return mailbox.take_embeddings(microbatch)
-        return self.messenger.recv("embeddings", link.encoder_rank, (microbatch, 0))
-
-    def _link(self, microbatch: int):
-        encoder_dp = self.llm_dp * self.m + self.numbering.encoder(microbatch).encoder_pipeline
-        return next(link for link in self.groups.embedding_recvs if link.encoder_dp == encoder_dp)
-
-    def send_gradient(self, microbatch: int, grad: torch.Tensor, mailbox: Mailbox) -> None:
-        """G_i back to the encoder's last stage, once the LLM's first stage finished microbatch
-        i."""
-        link = self._link(microbatch)
-        if not link.carries_gradient:
-            return
-        if link.encoder_rank == self.rank:
-            mailbox.gradients[microbatch] = grad
-        else:
-            self.messenger.send("embeddings_grad", link.encoder_rank, grad, (microbatch, 0))
+    def _baseline_image_embeddings(self, mb: Microbatch, seed: int) -> torch.Tensor:
+        """A_i: [image tokens, batch, hidden], from the encoders in the first stage's forward."""
+        outputs = self.encoder(
+            {
+                e.name: to_device(image, self.device)
+                for e, image in zip(self.config.encoders, mb.images)
+            },
+            seed,
+        )
+        return torch.cat([outputs[e.name] for e in self.config.encoders], dim=0)
 
     def _finalize_gradients(self) -> None:
         """megatron-core's gradient reductions, once every op of the step (encoder ops included)
@@ -735,22 +597,3 @@ def _text_on(mb: Microbatch, device: torch.device) -> Microbatch:
         loss_mask=to_device(mb.loss_mask, device),
         position_ids=to_device(mb.position_ids, device),
     )
-
-
-class _LLMSide:
-    """Driver listener: the LLM's own actions at an event (send G_i), then the encoder's ops."""
-
-    def __init__(
-        self, trainer: Trainer, executor: EncoderExecutor | None, leaves: dict, mailbox: Mailbox
-    ):
-        self.trainer, self.executor, self.leaves, self.mailbox = trainer, executor, leaves, mailbox
-
-    def on_event(self, event: Event, ran_at: Event) -> None:
-        if self.executor is None:
-            return
-        if event.kind is EventKind.OP_END:
-            op = self.trainer.op_order[event.op]
-            if op.phase == "bwd" and op.chunk == 0 and self.trainer.stage == 0:
-                leaf = self.leaves.pop(op.microbatch)
-                self.trainer.send_gradient(op.microbatch, leaf.grad.detach(), self.mailbox)
-        self.executor.on_event(event, ran_at)

@@ -158,7 +158,7 @@ def config_problem(
     """Why the config ``section`` (whose layers are ``expected``) does not describe the user's
     ``part`` built with ``theirs`` (one line naming the field), or None."""
     for field in _LAYER_FIELDS:
-        mine, got = getattr(expected, field, None), getattr(theirs, field, None)
+        mine, got = _effective(expected, field), _effective(theirs, field)
         if mine != got:
             return (
                 f"model_provider: the {part}'s TransformerConfig.{field} is {_named(got)}, but "
@@ -201,6 +201,14 @@ def user_vision_problem(
     return None
 
 
+def _effective(config: TransformerConfig, field: str) -> Any:
+    """``config.field`` as the layers use it: megatron-core gives QKV a bias under either of
+    ``add_bias_linear`` and ``add_qkv_bias`` (Megatron-LM sets both)."""
+    if field == "add_qkv_bias":
+        return bool(config.add_qkv_bias or config.add_bias_linear)
+    return getattr(config, field, None)
+
+
 def _named(value: Any) -> str:
     return getattr(value, "__name__", repr(value))
 
@@ -226,15 +234,6 @@ class ImageEmbeddingsInput(nn.Module):
             )
         embeddings, self.embeddings = self.embeddings, None
         return embeddings.transpose(0, 1)
-
-
-def take_vision(chunk: nn.Module) -> ImageEmbeddingsInput:
-    """Put ``ImageEmbeddingsInput`` and an identity projector in the chunk's vision modules'
-    place."""
-    stand_in = ImageEmbeddingsInput()
-    chunk.vision_model = stand_in
-    chunk.vision_projection = nn.Identity()
-    return stand_in
 
 
 def user_images(config: OptimusConfig, user: UserModel) -> Callable[[int, int], tuple[Tensor, ...]]:

@@ -73,7 +73,7 @@ def _train(
     if mode == "optimus":
         planned = [
             (op.event, op.phase, op.local_microbatch, op.kernel_index, op.piece)
-            for op in trainer.stage_plan.ops
+            for op in trainer.optimus.stage_plan.ops
         ]
     trainer.close()
     record = [

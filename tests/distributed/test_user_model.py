@@ -111,7 +111,7 @@ def _both_runtimes(overrides: list[str]) -> dict:
     work = build_encoder_work(
         config,
         ParallelPlan(llm.dp, llm.pp, llm.tp),
-        optimus.enc_plan,
+        optimus.optimus.enc_plan,
         CostModel.from_config(config),
     )
     stage = optimus.groups.coords.pp
@@ -121,7 +121,7 @@ def _both_runtimes(overrides: list[str]) -> dict:
                 (k.encoder, k.layer, k.name, k.splittable)
                 for k in getattr(work, phase)[stage].kernels
             ],
-            optimus.ops.chain(phase),
+            optimus.optimus.ops.chain(phase),
         )
         for phase in ("fwd", "bwd")
     }
@@ -139,7 +139,7 @@ def _both_runtimes(overrides: list[str]) -> dict:
             for k, g in runs["optimus"]["vision"].items()
         ),
         "chains_equal": all(expected == got for expected, got in chains.values()),
-        "encoder_plan": str(optimus.enc_plan),
+        "encoder_plan": str(optimus.optimus.enc_plan),
         "warmup": optimus.warmup,
         "ops_run": len(steps[-1].encoder_record),
         "ops_inside_llm": steps[-1].ops_inside_llm,

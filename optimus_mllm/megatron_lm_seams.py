@@ -1,0 +1,476 @@
+"""Optimus inside Megatron-LM's own ``pretrain``, entered only through Megatron's seams.
+
+``OptimusInMegatron`` gives Megatron-LM's ``pretrain`` a wrapped ``model_provider`` and wraps four
+names of ``megatron.training.training`` (``megatron_patches.training_seams``):
+
+- **the model provider**: the user's provider builds each chunk as it always does. After this
+  rank's last chunk, the job's Optimus config is read from Megatron's arguments
+  (``config_from_megatron_args``), the schedule is made (``auto``) or loaded (a saved artifact),
+  the encoder stage is built under the schedule's encoder plan on every rank from the user's own
+  vision weights, and the first stage's ``vision_model`` / ``vision_projection`` give way to
+  ``ImageEmbeddingsInput`` / identity (``optimus_encoder``), before Megatron wraps the chunks in
+  its DDP. The user's modules are kept for evaluation and checkpoints.
+- **``get_megatron_optimizer``**: Megatron's optimizer over its chunks, chained with one over the
+  encoder stage under megatron-core's DDP with the encoder plan's groups; one gradient norm and one
+  loss scale span both (``runtime.optimizer.OneLossScaleOptimizer``).
+- **``get_forward_backward_func``**: a training step reads the step's images from the data
+  iterator megatron-core's schedule will read (the same batches, replayed to the user's
+  ``forward_step``), broadcasts them over the LLM's TP group as Megatron's ``get_batch`` does, and
+  runs megatron-core's schedule with the encoder ops at the hook points, the artifact's warm-up and
+  LLM P2P, and megatron-core's gradient finalisation once every encoder op ran. A forward-only
+  call (evaluation) runs the user's model as built, with the encoder's current weights.
+- **``save_checkpoint`` / ``load_checkpoint``**: around Megatron's own, the user's vision modules
+  stand in the model again, holding the encoder's weights, so a checkpoint has LLaVA's keys.
+
+Without ``--optimus-schedule`` none of this is installed (``megatron_lm.pretrain``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.utils import get_model_config
+from torch import nn
+
+from megatron_patches.ddp import average_over
+from megatron_patches.hooks import tp_collective_hook, warmup_override
+from megatron_patches.optimizer import use_gloo_group
+from megatron_patches.p2p import ChannelP2PCommunicator
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.megatron import config_from_megatron_args
+from optimus_mllm.planner import plan
+from optimus_mllm.planner.planner import PlannerResult
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.runtime.communicators import (
+    create_communicators,
+    encoder_uses,
+    llm_uses,
+    pipeline_channel_uses,
+)
+from optimus_mllm.runtime.data import patchify
+from optimus_mllm.runtime.dtypes import DTYPES
+from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
+from optimus_mllm.runtime.llm import llm_pipelines, transformer_config
+from optimus_mllm.runtime.microbatches import MicrobatchNumbering
+from optimus_mllm.runtime.optimizer import (
+    OneLossScaleOptimizer,
+    encoder_process_groups,
+    optimizer_parts,
+)
+from optimus_mllm.runtime.optimus_encoder import (
+    OptimusEncoder,
+    UserVision,
+    input_waiter,
+    optimus_communicator,
+    schedule_groups,
+    take_user_vision,
+    user_vision_spec,
+)
+from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
+from optimus_mllm.runtime.streams import EncoderStream, make_encoder_stream, training_device
+from optimus_mllm.runtime.trainer import join_model_parallel
+from optimus_mllm.runtime.user_model import (
+    config_problem,
+    language_model,
+    vision_sharded_state_dict,
+)
+from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
+from optimus_mllm.scheduler.baselines import runnable_baselines
+from optimus_mllm.scheduler.bubble_scheduler import best_schedule
+
+IMAGE_KEY = "image"  # Megatron-LM's multimodal datasets' (pretrain_vlm.py's get_batch)
+
+
+@dataclass
+class _Job:
+    """What the flag built on this rank, once its chunks exist."""
+
+    config: OptimusConfig
+    llm_plan: ParallelPlan
+    artifact: ScheduleArtifact
+    optimus: OptimusEncoder
+    stream: EncoderStream
+    stage: int
+    collectives: dict[int, list[str]]
+    communicator: ChannelP2PCommunicator | None
+    first_chunk: nn.Module | None  # the first pipeline stage's first chunk, built by the user
+    user_vision: UserVision | None  # its vision modules, set aside
+    encoder_ddp: DistributedDataParallel | None = None
+
+
+class OptimusInMegatron:
+    """``--optimus-schedule SCHEDULE`` (``auto`` or an artifact's path) for one Megatron-LM job."""
+
+    def __init__(self, schedule: str, get_args: Callable[[], argparse.Namespace]):
+        """``get_args``: Megatron's parsed arguments once it parsed them (``megatron.training``'s
+        ``get_args``)."""
+        self.schedule, self.get_args = schedule, get_args
+        self.chunks: list[nn.Module] = []
+        self.job: _Job | None = None
+        self.steps = 0
+
+    def model_provider(self, provider: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        """The user's provider, followed on this rank's last chunk by the Optimus set-up."""
+
+        def provide(*args: Any, **kwargs: Any) -> nn.Module:
+            chunk = provider(*args, **kwargs)
+            self.chunks.append(chunk)
+            if len(self.chunks) == (
+                parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+            ):
+                self.job = self._start()
+            return chunk
+
+        return provide
+
+    def seams(self) -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
+        """The wrappers of ``megatron_patches.training_seams``."""
+        return {
+            "get_megatron_optimizer": self._optimizer,
+            "get_forward_backward_func": self._forward_backward,
+            "save_checkpoint": self._save_checkpoint,
+            "load_checkpoint": self._load_checkpoint,
+        }
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    def _start(self) -> _Job | None:
+        args = self.get_args()
+        world_size = dist.get_world_size()
+        config = config_from_megatron_args(
+            args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        )
+        planned = plan(config)
+        llm_plan = planned.llm_plan
+        join_model_parallel(llm_plan)  # refuses a Megatron parallel state of another plan
+        problem = config_problem(
+            "language model",
+            "model.llm (from the Megatron-LM flags)",
+            transformer_config(config, llm_plan),
+            language_model(self.chunks[0]).config,
+        )
+        if problem:
+            raise OptimusError(problem)
+        artifact = self._artifact(config, planned)
+        if artifact is None:
+            return None
+        rank = dist.get_rank()
+        device = training_device()
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        numbering = MicrobatchNumbering(
+            get_num_microbatches(), parallel_state.get_data_parallel_rank(), artifact.assignment
+        )
+        first = self.chunks[0] if stage == 0 else None
+        spec = user_vision_spec(config, first, check=True)
+        optimus = OptimusEncoder.build(
+            config, llm_plan, artifact, numbering, rank, device, {config.encoders[0].name: spec}
+        )
+        optimus.encoder.to(device, DTYPES[config.training.precision])
+        user_vision = take_user_vision(config, optimus, first)
+        communicator = optimus_communicator(get_model_config(self.chunks[0]), llm_plan, rank)
+        uses = llm_uses()
+        if communicator is not None:
+            uses += pipeline_channel_uses(llm_pipelines(), rank, communicator.channels)
+        create_communicators([*uses, *encoder_uses(optimus.groups)], rank, device)
+        _say(
+            f"optimus: encoder plan {artifact.encoder_plan}, warm-up {list(artifact.warmup)}, "
+            f"{artifact.predicted.iteration_us / 1e6:.4f} s per iteration predicted"
+        )
+        return _Job(
+            config,
+            llm_plan,
+            artifact,
+            optimus,
+            make_encoder_stream(device),
+            stage,
+            planned_collectives(artifact, stage),
+            communicator,
+            first,
+            user_vision,
+        )
+
+    def _artifact(self, config: OptimusConfig, planned: PlannerResult) -> ScheduleArtifact | None:
+        """The schedule this job runs; None where Megatron-LM's own placement is predicted faster
+        (``auto`` only; said in one line)."""
+        if self.schedule != "auto":
+            return load_job_artifact(self.schedule, planned, config, config.cluster.num_gpus)
+        cost = CostModel.from_config(config)
+        best = best_schedule(config, planned, cost).best
+        megatron = [
+            b for b in runnable_baselines(config, planned.llm_plan, cost) if b.runtime == "baseline"
+        ]
+        if best is None or (megatron and megatron[0].iteration_us < best.iteration_us):
+            optimus_s = "none" if best is None else f"{best.iteration_us / 1e6:.4f} s"
+            _say(
+                "optimus: --optimus-schedule auto: Megatron-LM's placement (the vision model in "
+                "the first pipeline stage) is predicted faster than every Optimus schedule (best "
+                f"{optimus_s}); training as Megatron-LM does"
+            )
+            return None
+        return schedule_to_artifact(best, config)
+
+    # -- the optimizer ----------------------------------------------------------------------------
+
+    def _optimizer(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def get_megatron_optimizer(config: Any, model_chunks: list[Any], *args: Any, **kwargs: Any):
+            llm = original(config, model_chunks, *args, **kwargs)
+            job = self.job
+            if job is None:
+                return llm
+            groups = encoder_process_groups(job.optimus.groups)
+            # built on the encoder's stream: its gradient accumulation runs there (trainer)
+            with job.stream.launch():
+                job.encoder_ddp = DistributedDataParallel(
+                    get_model_config(model_chunks[0]),
+                    model_chunks[0].ddp_config,
+                    job.optimus.encoder,
+                    pg_collection=groups,
+                )
+                average_over(job.encoder_ddp, parallel_state.get_data_parallel_world_size())
+            job.stream.finish()
+            encoder = original(
+                config,
+                [job.encoder_ddp],
+                use_gloo_process_groups=False,
+                pg_collection=groups,
+                config_overrides=kwargs.get("config_overrides"),
+            )
+            encoder_parts = optimizer_parts(encoder)
+            for part in encoder_parts:
+                use_gloo_group(part, job.optimus.groups.dp_group_gloo)
+            return OneLossScaleOptimizer([*optimizer_parts(llm), *encoder_parts])
+
+        return get_megatron_optimizer
+
+    # -- a step -----------------------------------------------------------------------------------
+
+    def _forward_backward(self, original: Callable[[], Callable[..., Any]]) -> Callable[[], Any]:
+        def get_forward_backward_func() -> Callable[..., Any]:
+            schedule = original()
+            return schedule if self.job is None else partial(self._step, self.job, schedule)
+
+        return get_forward_backward_func
+
+    def _step(
+        self,
+        job: _Job,
+        schedule: Callable[..., Any],
+        *,
+        forward_step_func: Callable[..., Any],
+        data_iterator: Any,
+        model: list[Any],
+        num_microbatches: int,
+        forward_only: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        if forward_only:  # evaluation: the model as the user built it, with the encoder's weights
+            with self._user_vision_restored(job):
+                return schedule(
+                    forward_step_func=forward_step_func,
+                    data_iterator=data_iterator,
+                    model=model,
+                    num_microbatches=num_microbatches,
+                    forward_only=True,
+                    **kwargs,
+                )
+        data_iterator, images = self._step_images(job, data_iterator, num_microbatches)
+        op_order = job.artifact.llm_op_order[job.stage]
+        step = job.optimus.begin_step(
+            self.get_args().curr_iteration,
+            images,
+            job.stream,
+            op_order,
+            job.stage,
+            job.collectives,
+            input_waiter(job.communicator, job.stage, job.llm_plan),
+        )
+        driver = step.driver
+
+        def forward_step(data: Any, chunk_model: Any, *rest: Any) -> Any:
+            if job.user_vision is not None and driver.current.chunk == 0:
+                job.user_vision.stand_in.embeddings = step.image_embeddings(
+                    driver.current.microbatch
+                )
+            return forward_step_func(data, chunk_model, *rest)
+
+        config = get_model_config(model[0])
+        timers, finalize = config.timers, config.finalize_model_grads_func
+        deferred: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        config.timers = driver.timers(timers)
+        # megatron-core reduces the gradients at the schedule's end; under Optimus, once every
+        # encoder op (some run at ``post``) ran, so no rank waits in a collective for a peer that
+        # still has a message to send it
+        config.finalize_model_grads_func = lambda *a, **k: deferred.append((a, k))
+        assert job.encoder_ddp is not None, "the optimizer seam builds the encoder's DDP"
+        job.encoder_ddp.zero_grad_buffer()
+        warmup = job.artifact.warmup
+        try:
+            driver.fire(PRE)
+            with (
+                tp_collective_hook(
+                    driver.on_reduction, [language_model(m) for m in _unwrapped(model)]
+                ),
+                warmup_override(lambda s: warmup[s]),
+            ):
+                outputs = schedule(
+                    forward_step_func=forward_step,
+                    data_iterator=data_iterator,
+                    model=model,
+                    num_microbatches=num_microbatches,
+                    forward_only=False,
+                    **kwargs,
+                    **schedule_groups(job.communicator),
+                )
+            driver.fire(POST)
+            if job.communicator is not None:
+                job.communicator.finish()
+            step.finish()
+        finally:
+            config.timers, config.finalize_model_grads_func = timers, finalize
+        for args, kw in deferred:
+            finalize(*args, **kw)
+        job.optimus.encoder.reduce_sequence_parallel_grads()
+        job.encoder_ddp.finish_grad_sync()
+        self.steps += 1
+        if self.steps == 1:
+            record = step.executor.record
+            inside = sum(op.ran_at not in (PRE, POST) for op in record)
+            _say(
+                f"optimus: first step: {inside} of {len(record)} encoder ops on rank 0 ran inside "
+                f"LLM ops, {sum(op.moved for op in record)} moved from their hook"
+            )
+        return outputs
+
+    def _step_images(
+        self, job: _Job, data_iterator: Any, num_microbatches: int
+    ) -> tuple[Any, Callable[[int, int], tuple[torch.Tensor, ...]]]:
+        """The step's batches read ahead from the first chunk's data iterator (and replayed to the
+        schedule), their images on every rank of this LLM stage's TP group; and the encoder's
+        image source over them."""
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        data = None
+        if iterators[0] is not None:
+            batches = [next(iterators[0]) for _ in range(num_microbatches)]
+            iterators = [iter(batches), *iterators[1:]]
+            data = torch.cat([batch[IMAGE_KEY] for batch in batches]).float()
+        elif parallel_state.get_tensor_model_parallel_rank() == 0:
+            raise OptimusError(
+                f"pipeline stage {job.stage} has no data iterator, but the Optimus encoder needs "
+                "the images there; give every pipeline stage the data, as pretrain_vlm.py does"
+            )
+        images = _broadcast_over_tp(data, job.stream.device)
+        per_microbatch = images.chunk(num_microbatches)
+        numbering = job.optimus.numbering
+        patch = job.config.encoders[0].patch_size
+        by_global = {numbering.global_index(i): x for i, x in enumerate(per_microbatch)}
+
+        def source(iteration: int, global_microbatch: int) -> tuple[torch.Tensor, ...]:
+            return (patchify(by_global[global_microbatch], patch),)
+
+        replayed = iterators if isinstance(data_iterator, list) else iterators[0]
+        return replayed, source
+
+    # -- evaluation and checkpoints ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _user_vision_restored(self, job: _Job) -> Iterator[None]:
+        """The user's vision modules in the model again, holding the encoder's weights (every rank
+        takes part in the copy)."""
+        first, taken = job.first_chunk, job.user_vision
+        if first is not None and taken is not None:
+            for module in (taken.vision_model, taken.vision_projection):
+                module.train(first.training)
+            first.vision_model, first.vision_projection = (
+                taken.vision_model,
+                taken.vision_projection,
+            )
+        try:
+            copy_sharded_state(
+                encoder_sharded_state_dict(
+                    job.config, job.optimus.encoder, job.optimus.groups.dp_group
+                ),
+                {} if first is None else vision_sharded_state_dict(first),
+                "the Optimus encoder -> the model's vision model",
+            )
+            yield
+        finally:
+            if first is not None and taken is not None:
+                first.vision_model, first.vision_projection = taken.stand_in, nn.Identity()
+
+    def _save_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            if self.job is None:
+                return original(*args, **kwargs)
+            with self._user_vision_restored(self.job):
+                return original(*args, **kwargs)
+
+        return save_checkpoint
+
+    def _load_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            job = self.job
+            if job is None:
+                return original(*args, **kwargs)
+            with self._user_vision_restored(job):
+                loaded = original(*args, **kwargs)
+                first = job.first_chunk
+                copy_sharded_state(
+                    {} if first is None else vision_sharded_state_dict(first),
+                    encoder_sharded_state_dict(
+                        job.config, job.optimus.encoder, job.optimus.groups.dp_group
+                    ),
+                    "the checkpoint's vision model -> the Optimus encoder",
+                )
+            return loaded
+
+        return load_checkpoint
+
+
+def _broadcast_over_tp(images: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``images`` ([n, channels, height, width]) of the LLM's TP rank 0 on every rank of its TP
+    group, as Megatron's ``get_batch`` hands its ranks the batch."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if group.size() == 1:
+        assert images is not None
+        return images.to(device)
+    src = parallel_state.get_tensor_model_parallel_src_rank()
+    shape = torch.tensor(
+        [0] * 4 if images is None else list(images.shape), dtype=torch.long, device=device
+    )
+    dist.broadcast(shape, src, group)
+    out = (
+        images.to(device)
+        if images is not None
+        else torch.empty(shape.tolist(), dtype=torch.float32, device=device)
+    )
+    dist.broadcast(out, src, group)
+    return out
+
+
+def _unwrapped(model: list[Any]) -> list[nn.Module]:
+    """The user's chunks inside Megatron's DDP and Float16Module wrappers."""
+    chunks = []
+    for chunk in model:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        chunks.append(chunk)
+    return chunks
+
+
+def _say(line: str) -> None:
+    if dist.get_rank() == 0:
+        print(line, flush=True)

@@ -1,0 +1,302 @@
+"""The Optimus side of a training job, for any loop that runs megatron-core's pipeline schedule.
+
+``OptimusEncoder`` is this rank's part of the encoder under the schedule artifact's encoder plan:
+its stage (``vit.EncoderStage``), process groups, kernel-level ops, hook plan and messenger, built
+once per job. ``OptimusStep`` is one training step's context: the mailbox, the executor that runs
+the encoder ops at the hook points, the image-token leaves whose gradients go back to the encoder,
+and the ``HookDriver`` that turns megatron-core's timer and reduction callbacks into hook events.
+The project's ``Trainer`` and the Megatron-LM seams (``optimus_mllm.megatron_lm_seams``) drive the
+same two objects, so the encoder runs alike under either loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import nn
+
+from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.pipeline_order import pipeline_producer
+from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
+from optimus_mllm.runtime.data import ImageSource
+from optimus_mllm.runtime.dtypes import DTYPES
+from optimus_mllm.runtime.encoder_ops import StageOps, build_stage_ops
+from optimus_mllm.runtime.executor import EncoderExecutor, HookDriver, Mailbox, incoming_messages
+from optimus_mllm.runtime.hook_plan import Event, EventKind, StageHookPlan, build_hook_plan
+from optimus_mllm.runtime.layer_ops import vision_transformer_config
+from optimus_mllm.runtime.llm import llm_pipelines
+from optimus_mllm.runtime.messages import Messenger
+from optimus_mllm.runtime.microbatches import MicrobatchNumbering
+from optimus_mllm.runtime.process_groups import (
+    EncoderLLMLink,
+    EncoderProcessGroups,
+    build_encoder_process_groups,
+    build_encoder_rank_layout,
+)
+from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
+from optimus_mllm.runtime.streams import EncoderStream
+from optimus_mllm.runtime.user_model import (
+    ImageEmbeddingsInput,
+    user_vision_layer_spec,
+    user_vision_problem,
+    vision_modules,
+    vision_sharded_state_dict,
+)
+from optimus_mllm.runtime.vit import EncoderStage
+from optimus_mllm.scheduler.artifact_format import LLMOp, ScheduleArtifact
+
+
+@dataclass
+class OptimusEncoder:
+    """This rank's encoder stage under the artifact's encoder plan, and how it reaches the LLM."""
+
+    config: OptimusConfig
+    enc_plan: ParallelPlan
+    m: int  # encoder pipelines per LLM pipeline
+    groups: EncoderProcessGroups
+    encoder: EncoderStage
+    ops: StageOps
+    stage_plan: StageHookPlan
+    messenger: Messenger
+    numbering: MicrobatchNumbering
+
+    @classmethod
+    def build(
+        cls,
+        config: OptimusConfig,
+        llm_plan: ParallelPlan,
+        artifact: ScheduleArtifact,
+        numbering: MicrobatchNumbering,
+        rank: int,
+        device: torch.device,
+        layer_specs: dict[str, ModuleSpec] | None = None,
+    ) -> OptimusEncoder:
+        """The stage, its groups (created here: every rank calls this, in the same order) and the
+        messages it will receive, in their senders' order."""
+        enc_plan = artifact.encoder_plan
+        m = encoder_pipelines_per_llm_pipeline(llm_plan, enc_plan)
+        layout = build_encoder_rank_layout(llm_plan, enc_plan)
+        groups = build_encoder_process_groups(layout, rank)
+        encoder = EncoderStage(
+            config, groups.coords.pp, enc_plan.pp, groups.tp_group, layer_specs=layer_specs
+        )
+        ops = build_stage_ops(encoder.blocks(), config.training.recompute)
+        hook_plan = build_hook_plan(artifact)
+        incoming = incoming_messages(
+            config, hook_plan, groups, ops.output_grad_encoders, numbering, m, enc_plan.pp
+        )
+        messenger = Messenger(
+            rank, groups.channels, incoming, DTYPES[config.training.precision], device
+        )
+        return cls(
+            config,
+            enc_plan,
+            m,
+            groups,
+            encoder,
+            ops,
+            hook_plan.for_gpu(layout.coords[rank].gpu),
+            messenger,
+            numbering,
+        )
+
+    def link(self, microbatch: int) -> EncoderLLMLink:
+        """The link LLM microbatch ``microbatch``'s image tokens arrive over on this rank."""
+        encoder_dp = (
+            self.numbering.llm_dp * self.m + self.numbering.encoder(microbatch).encoder_pipeline
+        )
+        return next(link for link in self.groups.embedding_recvs if link.encoder_dp == encoder_dp)
+
+    def begin_step(
+        self,
+        iteration: int,
+        images: ImageSource,
+        stream: EncoderStream,
+        op_order: tuple[LLMOp, ...],
+        llm_stage: int,
+        collectives: dict[int, list[str]],
+        wait_for_input: Callable[[LLMOp], None] | None,
+    ) -> OptimusStep:
+        return OptimusStep(
+            self, iteration, images, stream, op_order, llm_stage, collectives, wait_for_input
+        )
+
+
+class OptimusStep:
+    """One training step's encoder side: the executor at the hook points, A_i into the LLM's first
+    stage and G_i back once the LLM's first stage finished microbatch i's backward."""
+
+    def __init__(
+        self,
+        optimus: OptimusEncoder,
+        iteration: int,
+        images: ImageSource,
+        stream: EncoderStream,
+        op_order: tuple[LLMOp, ...],
+        llm_stage: int,
+        collectives: dict[int, list[str]],
+        wait_for_input: Callable[[LLMOp], None] | None,
+    ):
+        self.optimus, self.op_order, self.llm_stage = optimus, op_order, llm_stage
+        self.mailbox = Mailbox(stream)
+        self.executor = EncoderExecutor(
+            optimus.config,
+            optimus.stage_plan,
+            optimus.ops,
+            optimus.groups,
+            optimus.numbering,
+            optimus.enc_plan.pp,
+            iteration,
+            self.mailbox,
+            images,
+            optimus.messenger,
+        )
+        self.leaves: dict[int, torch.Tensor] = {}
+        self.driver = HookDriver(op_order, self, wait_for_input, collectives)
+
+    def image_embeddings(self, microbatch: int) -> torch.Tensor:
+        """A_i, [image tokens, batch, hidden], as a leaf: its gradient after the backward is G_i."""
+        link = self.optimus.link(microbatch)
+        if link.encoder_rank == self.optimus.groups.rank:
+            embeddings = self.mailbox.take_embeddings(microbatch)
+        else:
+            embeddings = self.optimus.messenger.recv(
+                "embeddings", link.encoder_rank, (microbatch, 0)
+            )
+        leaf = embeddings.detach().requires_grad_(True)
+        self.leaves[microbatch] = leaf
+        return leaf
+
+    def on_event(self, event: Event, ran_at: Event) -> None:
+        """The LLM's own action at an event (send G_i), then the encoder ops placed there."""
+        if event.kind is EventKind.OP_END:
+            op = self.op_order[event.op]
+            if op.phase == "bwd" and op.chunk == 0 and self.llm_stage == 0:
+                self._send_gradient(op.microbatch, self.leaves.pop(op.microbatch).grad.detach())
+        self.executor.on_event(event, ran_at)
+
+    def _send_gradient(self, microbatch: int, grad: torch.Tensor) -> None:
+        link = self.optimus.link(microbatch)
+        if not link.carries_gradient:
+            return
+        if link.encoder_rank == self.optimus.groups.rank:
+            self.mailbox.gradients[microbatch] = grad
+        else:
+            self.optimus.messenger.send("embeddings_grad", link.encoder_rank, grad, (microbatch, 0))
+
+    def finish(self) -> None:
+        """After the schedule and the ``post`` event: every encoder op ran, every message left."""
+        self.executor.finish()
+        self.optimus.messenger.finish()
+
+
+def optimus_communicator(
+    tconfig: TransformerConfig, llm_plan: ParallelPlan, rank: int
+) -> ChannelP2PCommunicator | None:
+    """The LLM's P2P for the Optimus schedule: ops wait for their inputs only when they need them
+    (megatron_patches.p2p), so every warm-up the timeline accepts runs; with the interleaved
+    schedule's ``overlap_p2p_comm`` the sends leave right after their op, as the timeline
+    assumes. Collective (it creates the channels' groups)."""
+    if llm_plan.pp == 1:
+        return None
+    tconfig.overlap_p2p_comm = llm_plan.vp > 1
+    channels = build_pipeline_channels([list(ranks) for ranks in llm_pipelines()], rank)
+    return ChannelP2PCommunicator(
+        parallel_state.get_pipeline_model_parallel_group(), tconfig, channels
+    )
+
+
+def schedule_groups(communicator: ChannelP2PCommunicator | None) -> dict[str, Any]:
+    """The communicator and megatron-core's own groups for its schedule (it takes both or
+    neither)."""
+    if communicator is None:
+        return {}
+    groups = ProcessGroupCollection.use_mpu_process_groups(
+        ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"]
+    )
+    return {"p2p_communicator": communicator, "pg_collection": groups}
+
+
+def input_waiter(
+    communicator: ChannelP2PCommunicator | None, stage: int, llm_plan: ParallelPlan
+) -> Callable[[LLMOp], None]:
+    """Called right before an LLM op: its pipeline input, if it has one, must have arrived."""
+
+    def wait_for_input(op: LLMOp) -> None:
+        if (
+            communicator is not None
+            and pipeline_producer(stage, op.chunk, op.phase, llm_plan.pp, llm_plan.vp) is not None
+        ):
+            communicator.wait_for_input("prev" if op.phase == "fwd" else "next")
+
+    return wait_for_input
+
+
+@dataclass(frozen=True)
+class UserVision:
+    """The user's vision model and projector as their provider built them (first pipeline stage
+    only), and the stand-in that took their place in the model."""
+
+    vision_model: nn.Module
+    vision_projection: nn.Module
+    stand_in: ImageEmbeddingsInput
+
+
+def user_vision_spec(
+    config: OptimusConfig, first_chunk: nn.Module | None, check: bool
+) -> ModuleSpec:
+    """The layer spec of the user's vision layers, read on the first stage and heard by every rank,
+    which all refuse together when ``check`` finds the model is not the one the config describes."""
+    report = None
+    encoder = config.encoders[0]
+    if first_chunk is not None:
+        try:
+            vision, _ = vision_modules(first_chunk)
+            # the encoder stage's layer config (its TP and init std are not among the fields
+            # compared)
+            expected = vision_transformer_config(
+                encoder, 1, DTYPES[config.training.precision], 0.02
+            )
+            report = (
+                user_vision_layer_spec(vision),
+                user_vision_problem(encoder, expected, vision) if check else None,
+            )
+        except OptimusError as exc:
+            report = (None, str(exc))
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, report)
+    spec, problem = next(r for r in seen if r is not None)
+    if problem:
+        raise OptimusError(problem)
+    return spec
+
+
+def take_user_vision(
+    config: OptimusConfig, optimus: OptimusEncoder, first_chunk: nn.Module | None
+) -> UserVision | None:
+    """Start the encoder stage from the user's vision weights (every rank takes part) and put
+    ``ImageEmbeddingsInput`` and an identity projector in their place in the first stage."""
+    source = {} if first_chunk is None else vision_sharded_state_dict(first_chunk)
+    copy_sharded_state(
+        source,
+        encoder_sharded_state_dict(config, optimus.encoder, optimus.groups.dp_group),
+        "model_provider's vision model -> the Optimus encoder",
+    )
+    if first_chunk is None:
+        return None
+    taken = UserVision(
+        first_chunk.vision_model, first_chunk.vision_projection, ImageEmbeddingsInput()
+    )
+    first_chunk.vision_model = taken.stand_in
+    first_chunk.vision_projection = nn.Identity()
+    return taken

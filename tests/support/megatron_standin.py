@@ -1,0 +1,203 @@
+"""A stand-in of the Megatron-LM calls that ``optimus_mllm.megatron_lm_seams`` wraps, for tests that
+run without a Megatron-LM checkout.
+
+``standin_pretrain`` does what ``megatron.training.pretrain`` does with a user's script, in the
+order it does it, through megatron-core's public API: its ``get_model`` (the provider per virtual
+stage, ``model_type``, megatron-core's DDP), ``get_megatron_optimizer``, its ``train_step`` (grad
+buffers zeroed, ``get_forward_backward_func()(...)`` with its keyword arguments,
+``optimizer.step()``) and its ``evaluate`` (a forward-only call under ``torch.no_grad``), with
+``config.finalize_model_grads_func`` and ``config.timers`` set as its ``train`` sets them. With a
+schedule, the four calls go through ``OptimusInMegatron``'s seams exactly as
+``megatron_patches.training_seams`` installs them. The user's script is
+``scripts/pretrain_vlm_megatron.py`` (its provider, forward step and mock data), its flags parsed by
+``optimus_mllm.megatron_arguments`` and read back through its ``get_args``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.enums import ModelType
+from megatron.core.num_microbatches_calculator import (
+    destroy_num_microbatches_calculator,
+    init_num_microbatches_calculator,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.timers import Timers
+from megatron.core.utils import get_model_config
+
+import megatron_patches
+from optimus_mllm import megatron_arguments
+from optimus_mllm.megatron_lm_seams import OptimusInMegatron
+from optimus_mllm.runtime.user_model import pretraining_sampler_batches
+
+from .paths import load_script
+
+script = load_script("pretrain_vlm_megatron")
+
+
+@dataclass(frozen=True)
+class StandinRun:
+    losses: list[float | None]  # per iteration, on the last pipeline stage
+    grad_norms: list[float]
+    validation_loss: float | None  # one forward-only pass after training, last stage
+
+
+def standin_pretrain(argv: list[str], schedule: str | None) -> StandinRun:
+    """Train ``--train-iters`` iterations of the script under the flags ``argv`` on the world's
+    ranks; with ``schedule``, as ``--optimus-schedule schedule`` would."""
+    args = megatron_arguments.parse_args(None, argv)
+    megatron_arguments.set_args(args)
+    megatron_patches.apply()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=_virtual_stages(args),
+    )
+    dp = parallel_state.get_data_parallel_world_size()
+    init_num_microbatches_calculator(
+        dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, dp
+    )
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    optimus = None if schedule is None else OptimusInMegatron(schedule, megatron_arguments.get_args)
+    seams = {} if optimus is None else optimus.seams()
+    try:
+        model = _get_model(
+            script.model_provider
+            if optimus is None
+            else optimus.model_provider(script.model_provider),
+            args,
+        )
+        build_optimizer = seams.get("get_megatron_optimizer", lambda f: f)(get_megatron_optimizer)
+        optimizer = build_optimizer(_optimizer_config(args), model)
+        config = get_model_config(model[0])
+        config.finalize_model_grads_func = finalize_model_grads
+        config.timers = Timers(0, "minmax")
+        config.grad_scale_func = optimizer.scale_loss
+        schedule_func = seams.get("get_forward_backward_func", lambda f: f)(
+            get_forward_backward_func
+        )()
+        train_ds, _, _ = script.train_valid_test_datasets_provider(
+            [(args.train_iters + 1) * args.global_batch_size, 0, 0]
+        )
+        batches = pretraining_sampler_batches(
+            train_ds, args.micro_batch_size, dp, args.global_batch_size
+        )
+        num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+        losses, norms = [], []
+        for iteration in range(args.train_iters):
+            args.curr_iteration = iteration
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            reports = schedule_func(
+                **_schedule_kwargs(
+                    args, model, batches, iteration, num_microbatches, dp, forward_only=False
+                )
+            )
+            _, grad_norm, _ = optimizer.step()
+            losses.append(_mean_loss(reports))
+            norms.append(grad_norm)
+        evaluate = seams.get("get_forward_backward_func", lambda f: f)(get_forward_backward_func)()
+        for chunk in model:
+            chunk.eval()
+        with torch.no_grad():
+            reports = evaluate(
+                **_schedule_kwargs(
+                    args, model, batches, args.train_iters, num_microbatches, dp, forward_only=True
+                )
+            )
+        return StandinRun(losses, norms, _mean_loss(reports))
+    finally:
+        parallel_state.destroy_model_parallel()
+        destroy_num_microbatches_calculator()
+        megatron_patches.remove()
+
+
+def _virtual_stages(args: Any) -> int | None:
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if not per_chunk:
+        return None
+    vp = args.num_layers // (args.pipeline_model_parallel_size * per_chunk)
+    return vp if vp > 1 else None
+
+
+def _get_model(provider: Any, args: Any) -> list[DistributedDataParallel]:
+    """Megatron-LM's ``get_model``: the provider per virtual stage, ``model_type`` set, DDP."""
+    vp = _virtual_stages(args) or 1
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp = args.pipeline_model_parallel_size
+    chunks = []
+    for v in range(vp):
+        pre = pp_rank == 0 and v == 0
+        post = pp_rank == pp - 1 and v == vp - 1
+        chunk = provider(pre_process=pre, post_process=post, **({"vp_stage": v} if vp > 1 else {}))
+        chunk.model_type = ModelType.encoder_or_decoder
+        chunks.append(chunk)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return [
+        DistributedDataParallel(get_model_config(chunk), ddp_config, chunk, disable_bucketing=v > 0)
+        for v, chunk in enumerate(chunks)
+    ]
+
+
+def _optimizer_config(args: Any) -> OptimizerConfig:
+    names = {f.name for f in fields(OptimizerConfig)}
+    return OptimizerConfig(
+        **{name: getattr(args, name) for name in names if hasattr(args, name)},
+        params_dtype=torch.float32,
+    )
+
+
+def _schedule_kwargs(
+    args: Any,
+    model: list[Any],
+    batches: Any,
+    iteration: int,
+    num_microbatches: int,
+    dp: int,
+    *,
+    forward_only: bool,
+) -> dict[str, Any]:
+    """``train_step``'s (``evaluate``'s) call of the schedule: one data iterator per virtual stage,
+    each reading this replica's microbatches of the iteration in order."""
+    replica = parallel_state.get_data_parallel_rank()
+    iterators = [
+        iter([batches(iteration, replica * num_microbatches + k) for k in range(num_microbatches)])
+        for _ in model
+    ]
+    # the LLM's sequence: the text and the image tokens (pretrain_vlm.py's decoder_seq_length)
+    image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    decoder_seq_length = (args.dataloader_seq_length or args.seq_length) + image_tokens
+    return {
+        "forward_step_func": script.forward_step,
+        "data_iterator": iterators if len(model) > 1 else iterators[0],
+        "model": model,
+        "num_microbatches": num_microbatches,
+        "seq_length": decoder_seq_length,
+        "micro_batch_size": args.micro_batch_size,
+        "decoder_seq_length": decoder_seq_length,
+        "forward_only": forward_only,
+    }
+
+
+def _mean_loss(reports: list[dict[str, torch.Tensor]]) -> float | None:
+    if not reports:
+        return None
+    return float(torch.stack([r["lm loss"].float() for r in reports]).mean())
