@@ -24,6 +24,7 @@ from typing import Any
 
 from optimus_mllm.cli.common import quiet_library_warnings
 from optimus_mllm.config import OptimusConfig, config_from_dict
+from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.megatron_arguments import (
     ExtraArgsProvider,
@@ -32,7 +33,11 @@ from optimus_mllm.megatron_arguments import (
     set_args,
 )
 from optimus_mllm.planner import plan
-from optimus_mllm.scheduler.artifact import load_job_artifact
+from optimus_mllm.planner.planner import PlannerResult
+from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
+from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
+from optimus_mllm.scheduler.baselines import runnable_baselines
+from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 
 # Megatron-LM's optimizer flags that the training config takes under the same names
 _OPTIMIZER_ARGS = (
@@ -389,12 +394,43 @@ def _shown(value: Any) -> str:
 def runtime_for_args(
     args: argparse.Namespace, config: OptimusConfig
 ) -> tuple[str, dict[str, Any] | None]:
-    """("optimus", the checked artifact) with ``--optimus-schedule``; ("baseline", None) without
-    it."""
+    """("optimus", the checked artifact, or with ``auto`` the schedule made now) with
+    ``--optimus-schedule``; ("baseline", None) without it."""
     if args.optimus_schedule is None:
         return "baseline", None
-    return "optimus", load_job_artifact(
-        args.optimus_schedule, plan(config), config, config.cluster.num_gpus
+    artifact, _ = flag_schedule(args.optimus_schedule, config, plan(config))
+    return ("baseline", None) if artifact is None else ("optimus", artifact)
+
+
+def flag_schedule(
+    value: str, config: OptimusConfig, planned: PlannerResult
+) -> tuple[ScheduleArtifact | None, str]:
+    """What ``--optimus-schedule value`` runs, and the line that says so: a saved artifact, checked
+    against the job; with ``auto``, the fastest Optimus schedule made now, or None where
+    Megatron-LM's own placement (the vision model in the first pipeline stage) is predicted
+    faster. The same on every rank: it is computed from the arguments alone."""
+    if value != "auto":
+        artifact = load_job_artifact(value, planned, config, config.cluster.num_gpus)
+        source = f"the schedule {value}"
+    else:
+        cost = CostModel.from_config(config)
+        best = best_schedule(config, planned, cost).best
+        megatron = [
+            b for b in runnable_baselines(config, planned.llm_plan, cost) if b.runtime == "baseline"
+        ]
+        if best is None or (megatron and megatron[0].iteration_us < best.iteration_us):
+            optimus_s = "none" if best is None else f"{best.iteration_us / 1e6:.4f} s"
+            return None, (
+                "optimus: --optimus-schedule auto: Megatron-LM's placement (the vision model in "
+                "the first pipeline stage) is predicted faster than every Optimus schedule (best "
+                f"{optimus_s}); training as Megatron-LM does"
+            )
+        artifact = schedule_to_artifact(best, config)
+        source = "--optimus-schedule auto"
+    return artifact, (
+        f"optimus: {source}: encoder plan {artifact.encoder_plan}, warm-up "
+        f"{list(artifact.warmup)}, {artifact.predicted.iteration_us / 1e6:.4f} s per iteration "
+        "predicted"
     )
 
 

@@ -141,9 +141,10 @@ def add_optimus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group = parser.add_argument_group(title="optimus")
     group.add_argument(
         "--optimus-schedule",
-        metavar="PLAN_JSON",
+        metavar="auto|PLAN_JSON",
         default=None,
-        help="run the encoders with this Optimus schedule (optimus-plan --artifact); "
-        "left out, the job runs Megatron-style",
+        help="run the encoders in the LLM's pipeline bubbles: 'auto' plans and schedules the job "
+        "at start-up, PLAN_JSON is a saved schedule (optimus-plan --artifact); left out, the job "
+        "runs Megatron-style",
     )
     return parser

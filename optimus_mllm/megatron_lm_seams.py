@@ -48,11 +48,9 @@ from megatron_patches.hooks import tp_collective_hook, warmup_override
 from megatron_patches.optimizer import use_gloo_group
 from megatron_patches.p2p import ChannelP2PCommunicator
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron import config_from_megatron_args
+from optimus_mllm.megatron import config_from_megatron_args, flag_schedule
 from optimus_mllm.planner import plan
-from optimus_mllm.planner.planner import PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.communicators import (
     create_communicators,
@@ -87,10 +85,7 @@ from optimus_mllm.runtime.user_model import (
     language_model,
     vision_sharded_state_dict,
 )
-from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
-from optimus_mllm.scheduler.baselines import runnable_baselines
-from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 
 IMAGE_KEY = "image"  # Megatron-LM's multimodal datasets' (pretrain_vlm.py's get_batch)
 
@@ -165,7 +160,8 @@ class OptimusInMegatron:
         )
         if problem:
             raise OptimusError(problem)
-        artifact = self._artifact(config, planned)
+        artifact, said = flag_schedule(self.schedule, config, planned)
+        _say(said)
         if artifact is None:
             return None
         rank = dist.get_rank()
@@ -186,10 +182,6 @@ class OptimusInMegatron:
         if communicator is not None:
             uses += pipeline_channel_uses(llm_pipelines(), rank, communicator.channels)
         create_communicators([*uses, *encoder_uses(optimus.groups)], rank, device)
-        _say(
-            f"optimus: encoder plan {artifact.encoder_plan}, warm-up {list(artifact.warmup)}, "
-            f"{artifact.predicted.iteration_us / 1e6:.4f} s per iteration predicted"
-        )
         return _Job(
             config,
             llm_plan,
@@ -202,26 +194,6 @@ class OptimusInMegatron:
             first,
             user_vision,
         )
-
-    def _artifact(self, config: OptimusConfig, planned: PlannerResult) -> ScheduleArtifact | None:
-        """The schedule this job runs; None where Megatron-LM's own placement is predicted faster
-        (``auto`` only; said in one line)."""
-        if self.schedule != "auto":
-            return load_job_artifact(self.schedule, planned, config, config.cluster.num_gpus)
-        cost = CostModel.from_config(config)
-        best = best_schedule(config, planned, cost).best
-        megatron = [
-            b for b in runnable_baselines(config, planned.llm_plan, cost) if b.runtime == "baseline"
-        ]
-        if best is None or (megatron and megatron[0].iteration_us < best.iteration_us):
-            optimus_s = "none" if best is None else f"{best.iteration_us / 1e6:.4f} s"
-            _say(
-                "optimus: --optimus-schedule auto: Megatron-LM's placement (the vision model in "
-                "the first pipeline stage) is predicted faster than every Optimus schedule (best "
-                f"{optimus_s}); training as Megatron-LM does"
-            )
-            return None
-        return schedule_to_artifact(best, config)
 
     # -- the optimizer ----------------------------------------------------------------------------
 

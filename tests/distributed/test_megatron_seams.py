@@ -43,26 +43,23 @@ def _both(argv: list[str], schedule: str) -> tuple:
     return standin_pretrain(argv, None), standin_pretrain(argv, schedule)
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param(
-            ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
-            id="tp2-pp2-vp2",
-        ),
-        pytest.param(
-            (
-                "--tensor-model-parallel-size",
-                "1",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--num-layers-per-virtual-pipeline-stage",
-                "2",
-            ),
-            id="dp2-pp2",
-        ),
-    ],
-)
+# the look-alike parser's defaults are TP2 PP2 with one layer per virtual stage
+LAYOUTS = {
+    "tp2-pp2-vp2": (),
+    "dp2-pp2": (
+        "--tensor-model-parallel-size",
+        "1",
+        "--num-layers-per-virtual-pipeline-stage",
+        "2",
+    ),
+    "pp4-vp2": (
+        *("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4"),
+        *("--num-layers", "8"),
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_the_flag_trains_with_the_plain_numbers_through_megatron_s_seams(
     layout: tuple[str, ...], tmp_path: Path
 ) -> None:
