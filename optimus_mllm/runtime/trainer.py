@@ -399,7 +399,7 @@ class Trainer:
                 )
                 report = (
                     user_vision_layer_spec(vision),
-                    user_vision_problem(encoder, expected, vision)
+                    user_vision_problem(encoder, expected, first, self.config.llm.hidden_size)
                     if self.mode == "optimus"
                     else None,
                 )
