@@ -134,7 +134,7 @@ class LayerShape:
 
     @property
     def tokens(self) -> int:
-        return self.spec.seq_length * self.micro_batch_size
+        return self.spec.layer_tokens * self.micro_batch_size
 
 
 def layer_kernels(shape: LayerShape, phase: Phase) -> list[KernelWork]:
@@ -238,9 +238,9 @@ def _forward_kernels(shape: LayerShape) -> list[KernelWork]:
         "attn_core",
         "fwd",
         "attention",
-        4.0 * shape.micro_batch_size * heads * s.seq_length**2 * d,  # QK^T and PV
+        4.0 * shape.micro_batch_size * heads * s.layer_tokens**2 * d,  # QK^T and PV
         (n * (q_width + 2 * kv_width) + n * q_width) * b,  # flash-style: no s^2 tensor in HBM
-        piece=PieceShape(s.seq_length, pairs, pairs, 2 * n * kv_width * b),  # every key, value
+        piece=PieceShape(s.layer_tokens, pairs, pairs, 2 * n * kv_width * b),  # every key, value
     )
     kernels = [norm("ln_attn")]
     if t > 1 and sp:
@@ -458,7 +458,7 @@ def p2p_work(
     Megatron's scatter/gather optimisation (and sequence parallelism) sends 1/tp of the tensor per
     rank.
     """
-    tensor = spec.seq_length * micro_batch_size * spec.hidden_size * dtype_bytes / tp
+    tensor = spec.layer_tokens * micro_batch_size * spec.hidden_size * dtype_bytes / tp
     return KernelWork(name, phase, "comm", 0.0, tensor, "p2p", 2)
 
 

@@ -107,7 +107,7 @@ def layer_activation_bytes(
     recompute: Recompute,
 ) -> float:
     """Korthikanti et al.'s activation memory of one layer and one microbatch on one TP rank."""
-    s, b, h, a = spec.seq_length, micro_batch_size, spec.hidden_size, spec.num_attention_heads
+    s, b, h, a = spec.layer_tokens, micro_batch_size, spec.hidden_size, spec.num_attention_heads
     sbh = s * b * h
     sp = sequence_parallel and tp > 1
     if recompute == "full":

@@ -30,24 +30,30 @@ def layer_params(spec: TransformerSpec) -> int:
 
 
 def encoder_params(enc: EncoderConfig) -> int:
-    """The ViT alone (patch embedding, position embedding, layers), without projector. Like the
-    runtime's ViT (and the cost model's encoder kernels) it has no final norm: the last layer's
-    output goes to the projector."""
+    """The ViT alone (patch embedding, class token, position embedding, layers), without projector.
+    Like the runtime's ViT (and the cost model's encoder kernels) it has no final norm: the last
+    layer's output goes to the projector."""
     clip = enc.model_subtype == "clip"  # a conv without a bias, and ln_pre
     patch_embed = enc.in_channels * enc.patch_size**2 * enc.hidden_size + (
         0 if clip else enc.hidden_size
     )
-    pos_embed = enc.seq_length * enc.hidden_size
+    class_token = enc.class_tokens * enc.hidden_size
+    pos_embed = enc.layer_tokens * enc.hidden_size  # the class token has its own
     ln_pre = norm_params(enc) if clip else 0
-    return patch_embed + pos_embed + ln_pre + enc.num_layers * layer_params(enc)
+    return patch_embed + class_token + pos_embed + ln_pre + enc.num_layers * layer_params(enc)
 
 
 def projector_params(enc: EncoderConfig, llm: LLMConfig) -> int:
-    """LLaVA-style projector from the encoder's (merged) width into the LLM's."""
-    first = enc.projector_input_size * llm.hidden_size + llm.hidden_size
-    if enc.projector.type == "linear":
-        return first
-    return first + llm.hidden_size * llm.hidden_size + llm.hidden_size
+    """LLaVA-style projector from the encoder's (merged) width into the LLM's: one GEMM
+    (``linear``) or megatron-core's MLP (``mlp``: fc1 to the projector's ffn width, twice that when
+    gated, fc2 to the LLM's hidden size)."""
+    projector, h_in, h_llm = enc.projector, enc.projector_input_size, llm.hidden_size
+    bias = projector.add_bias_linear
+    if projector.type == "linear":
+        return h_in * h_llm + (h_llm if bias else 0)
+    ffn = projector.mlp_ffn_hidden_size(h_llm)
+    fc1_out = 2 * ffn if projector.gated_linear_unit else ffn
+    return h_in * fc1_out + ffn * h_llm + ((fc1_out + h_llm) if bias else 0)
 
 
 def llm_embedding_params(llm: LLMConfig) -> int:

@@ -131,9 +131,11 @@ class KernelOp:
     kind: str
     dims: tuple[int, ...]
     bias: bool = False
-    gelu: bool = False  # linear: GELU fused after the GEMM (the projector's fc1)
-    gated: bool = False  # act: act(gate) * up over a 2*ffn-wide input
-    silu: bool = False  # act: SiLU instead of GELU (Megatron-LM's --swiglu)
+    # linear: its activation fused after the GEMM (the projector's fc1), GELU or, with ``silu``,
+    # SiLU; gated as ``act`` is
+    fused_act: bool = False
+    gated: bool = False  # act (or a fused_act linear): act(gate) * up over a 2*ffn-wide input
+    silu: bool = False  # act (or a fused_act linear): SiLU instead of GELU (--swiglu)
     rms: bool = False  # norm: RMSNorm instead of LayerNorm
     causal: bool = False  # attention
 
@@ -173,10 +175,10 @@ def kernel_op(config: OptimusConfig, entry: ProfileEntry) -> KernelOp:
                 "LLM nor an encoder of the config"
             )
         spec = enc
-        tokens = enc.seq_length * mbs
         h_enc, h_llm = enc.hidden_size, config.llm.hidden_size
-        if name == "patch_embed":
-            local = tokens // t if config.training.sequence_parallel and t > 1 else tokens
+        if name == "patch_embed":  # the class token is no GEMM row (scheduler/encoder_costs.py)
+            sp = config.training.sequence_parallel and t > 1
+            local = enc.layer_tokens // t * mbs if sp else enc.seq_length * mbs
             return KernelOp(
                 "linear",
                 (local, enc.in_channels * enc.patch_size**2, h_enc),
@@ -187,13 +189,23 @@ def kernel_op(config: OptimusConfig, entry: ProfileEntry) -> KernelOp:
             enc.image_tokens * mbs,
             enc.projector_input_size,
         )
+        projector = enc.projector
+        ffn = projector.mlp_ffn_hidden_size(h_llm) // t
         if name == "projector_fc1":
-            if enc.projector.type == "mlp":  # column-parallel, GELU fused (runtime/vit.py)
-                return KernelOp("linear", (merged, h_in, h_llm // t), bias=True, gelu=True)
+            if projector.type == "mlp":  # column-parallel, its activation fused (runtime/vit.py)
+                gated = projector.gated_linear_unit
+                return KernelOp(
+                    "linear",
+                    (merged, h_in, 2 * ffn if gated else ffn),
+                    bias=projector.add_bias_linear,
+                    fused_act=True,
+                    gated=gated,
+                    silu=projector.activation == "silu",
+                )
             # row-parallel, bias after the reduce
             return KernelOp("linear", (merged, h_in // t, h_llm))
         if name == "projector_fc2":
-            return KernelOp("linear", (merged, h_llm // t, h_llm))
+            return KernelOp("linear", (merged, ffn, h_llm))
     return _layer_op(
         spec, name, t, mbs, config.training.sequence_parallel, causal=entry.module == LLM
     )
@@ -203,7 +215,7 @@ def _layer_op(
     spec: TransformerSpec, name: str, t: int, mbs: int, sequence_parallel: bool, causal: bool
 ) -> KernelOp:
     """A transformer layer's kernel on one TP rank (Megatron's column/row-parallel split)."""
-    n, h, d = spec.seq_length * mbs, spec.hidden_size, spec.head_dim
+    n, h, d = spec.layer_tokens * mbs, spec.hidden_size, spec.head_dim
     heads, groups, ffn = (
         spec.num_attention_heads // t,
         spec.query_groups // t,
@@ -215,7 +227,9 @@ def _layer_op(
         "ln_attn": KernelOp("norm", (local, h), rms=spec.normalization == "RMSNorm"),
         "ln_mlp": KernelOp("norm", (local, h), rms=spec.normalization == "RMSNorm"),
         "qkv": KernelOp("linear", (n, h, (heads + 2 * groups) * d), bias=spec.add_bias_linear),
-        "attn_core": KernelOp("attention", (mbs, heads, groups, spec.seq_length, d), causal=causal),
+        "attn_core": KernelOp(
+            "attention", (mbs, heads, groups, spec.layer_tokens, d), causal=causal
+        ),
         # row-parallel GEMMs: their bias is added after the TP reduction, outside the kernel
         "attn_proj": KernelOp("linear", (n, heads * d, h)),
         "fc1": KernelOp("linear", (n, h, fc1_out), bias=spec.add_bias_linear),
@@ -256,8 +270,9 @@ def _forward(
     if op.kind == "linear":
         m, k, n = op.dims
         inputs = [rand(m, k), rand(n, k)] + ([rand(n)] if op.bias else [])
-        if op.gelu:
-            return lambda x, w, *b: F.gelu(F.linear(x, w, *b)), inputs
+        if op.fused_act:
+            act = _activation(op)
+            return lambda x, w, *b: act(F.linear(x, w, *b)), inputs
         return F.linear, inputs
     if op.kind == "norm":
         n, h = op.dims
@@ -266,10 +281,7 @@ def _forward(
         return lambda x, w, b: F.layer_norm(x, (h,), w, b), [rand(n, h), rand(h), rand(h)]
     if op.kind == "act":
         n, ffn = op.dims
-        act = F.silu if op.silu else F.gelu
-        if op.gated:  # runtime/layer_ops.py and megatron-core's GLU: act(gate) * up
-            return lambda x: act(x[:, :ffn]) * x[:, ffn:], [rand(n, 2 * ffn)]
-        return act, [rand(n, ffn)]
+        return _activation(op), [rand(n, 2 * ffn if op.gated else ffn)]
     if op.kind == "embedding":
         tokens, vocab, h = op.dims
         ids = torch.randint(0, vocab, (tokens,), device=device)
@@ -277,6 +289,19 @@ def _forward(
     if op.kind == "attention":
         return _attention(op, device, dtype, rand)
     raise OptimusError(f"profiler: unknown op kind '{op.kind}'")
+
+
+def _activation(op: KernelOp) -> Callable[[torch.Tensor], torch.Tensor]:
+    """GELU or SiLU, gated as megatron-core's GLU (and runtime/layer_ops.py): act(gate) * up."""
+    act = F.silu if op.silu else F.gelu
+    if not op.gated:
+        return act
+
+    def glu(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return glu
 
 
 def _attention(

@@ -68,6 +68,11 @@ class TransformerSpec:
     attention_dropout: float = 0.0
 
     @property
+    def layer_tokens(self) -> int:
+        """Tokens each layer runs per sample (an encoder adds its class token to ``seq_length``)."""
+        return self.seq_length
+
+    @property
     def head_dim(self) -> int:
         return (
             self.kv_channels
@@ -91,10 +96,26 @@ class ProjectorConfig:
     pixel shuffle), so the encoder sees all its patches while the LLM gets ``spatial_merge**2``
     times fewer image tokens. The data orders patches so that each group is contiguous (as
     Qwen2-VL's processor does), which makes the merge a reshape of consecutive tokens.
+
+    The ``mlp`` projector is megatron-core's ``MLP`` (a ``MultimodalProjector`` of type ``mlp``):
+    fc1 from the encoder's width to ``ffn_hidden_size`` (twice that with ``gated_linear_unit``),
+    ``activation``, fc2 to the LLM's hidden size. Megatron-LM's ``pretrain_vlm.py`` builds it from a
+    copy of the LLM's ``TransformerConfig``: the LLM's ``ffn_hidden_size``, SiLU with a gated linear
+    unit under ``--swiglu``, no biases under ``--disable-bias-linear``. The defaults are LLaVA's
+    ``mlp2x_gelu``: fc1 as wide as the LLM, GELU, biases. ``add_bias_linear`` is the ``linear``
+    projector's bias too; the other MLP fields do not apply to it.
     """
 
     type: ProjectorType = "mlp"
     spatial_merge: int = 1
+    ffn_hidden_size: int | None = None  # None: the LLM's hidden size
+    activation: Activation = "gelu"
+    gated_linear_unit: bool = False
+    add_bias_linear: bool = True
+
+    def mlp_ffn_hidden_size(self, llm_hidden_size: int) -> int:
+        """The ``mlp`` projector's fc1 width (per half under ``gated_linear_unit``)."""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else llm_hidden_size
 
 
 @dataclass(frozen=True)
@@ -108,7 +129,30 @@ class EncoderConfig(TransformerSpec):
     # and a norm (ln_pre) before the first layer, as Megatron-LM's pretrain_vlm.py builds it
     model_subtype: VisionSubtype = "internvit"
     frozen: bool = False  # frozen encoders run forward only; their backward is never scheduled
+    # CLIPViTModel's class token (add_class_token, class_token_len=1): one learned token before the
+    # patches, with its own position embedding, run through ln_pre and every layer
+    class_token: bool = False
+    # LLaVA's drop_vision_class_token (Megatron-LM's --disable-vision-class-token): the class
+    # token's output is dropped before the projector, so the LLM gets the patch tokens alone;
+    # kept, the LLM gets it as one more image token
+    drop_class_token: bool = False
     projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+
+    @property
+    def class_tokens(self) -> int:
+        """Class tokens before the patches (CLIPViTModel's ``class_token_len``, 0 without)."""
+        return 1 if self.class_token else 0
+
+    @property
+    def layer_tokens(self) -> int:
+        """Tokens each layer runs per image: the patches and the class token."""
+        return self.seq_length + self.class_tokens
+
+    @property
+    def projected_tokens(self) -> int:
+        """Tokens into the projector per image, before its spatial merge: the layers' tokens less a
+        dropped class token."""
+        return self.layer_tokens - (self.class_tokens if self.drop_class_token else 0)
 
     @property
     def merged_tokens(self) -> int:
@@ -117,9 +161,8 @@ class EncoderConfig(TransformerSpec):
 
     @property
     def image_tokens(self) -> int:
-        """Tokens this encoder gives the LLM per image (``seq_length`` patches, merged by the
-        projector)."""
-        return self.seq_length // self.merged_tokens
+        """Tokens this encoder gives the LLM per image (the projector's tokens, merged by it)."""
+        return self.projected_tokens // self.merged_tokens
 
     @property
     def projector_input_size(self) -> int:

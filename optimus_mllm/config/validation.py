@@ -43,7 +43,9 @@ def validate(config: OptimusConfig) -> None:
         _validate_transformer(enc, f"model.encoders[{i}]")
         _positive(enc.patch_size, f"model.encoders[{i}].patch_size")
         _positive(enc.in_channels, f"model.encoders[{i}].in_channels")
+        _validate_class_token(enc, f"model.encoders[{i}]")
         _validate_spatial_merge(enc, f"model.encoders[{i}].projector.spatial_merge")
+        _validate_projector_mlp(enc, f"model.encoders[{i}].projector")
     _validate_transformer(config.llm, "model.llm")
     _positive(config.llm.vocab_size, "model.llm.vocab_size")
     _at_most(config.llm.vocab_size, 1 << 24, "model.llm.vocab_size")
@@ -148,10 +150,25 @@ def _at_most(value: int, limit: int, path: str, what: str = "") -> None:
         )
 
 
+def _validate_class_token(enc: EncoderConfig, where: str) -> None:
+    if enc.drop_class_token and not enc.class_token:
+        raise ConfigError(
+            f"{where}.drop_class_token",
+            "drops a class token the encoder does not have; set class_token: true (CLIP's) or "
+            "leave drop_class_token out",
+        )
+
+
 def _validate_spatial_merge(enc: EncoderConfig, where: str) -> None:
     merge = enc.projector.spatial_merge
     _positive(merge, where)
     _at_most(merge, 64, where)
+    if merge > 1 and enc.projected_tokens != enc.seq_length:
+        raise ConfigError(
+            where,
+            f"{merge} would merge the class token with patch tokens; set drop_class_token: true "
+            "(LLaVA's --disable-vision-class-token) or spatial_merge: 1",
+        )
     if enc.seq_length % enc.merged_tokens:
         raise ConfigError(
             where,
@@ -159,6 +176,30 @@ def _validate_spatial_merge(enc: EncoderConfig, where: str) -> None:
             f"which do not divide seq_length={enc.seq_length}; use a spatial_merge whose square "
             f"divides {enc.seq_length}, or 1",
         )
+
+
+def _validate_projector_mlp(enc: EncoderConfig, where: str) -> None:
+    projector = enc.projector
+    if projector.ffn_hidden_size is not None:
+        _positive(projector.ffn_hidden_size, f"{where}.ffn_hidden_size")
+        _at_most(
+            projector.ffn_hidden_size,
+            MAX_MODEL_SIZES["ffn_hidden_size"],
+            f"{where}.ffn_hidden_size",
+        )
+    if projector.type == "mlp":
+        return
+    for name, default in (
+        ("ffn_hidden_size", None),
+        ("activation", "gelu"),
+        ("gated_linear_unit", False),
+    ):
+        if getattr(projector, name) != default:
+            raise ConfigError(
+                f"{where}.{name}",
+                f"shapes the mlp projector's MLP, but projector.type is {projector.type}; leave "
+                f"{name} out or use type: mlp",
+            )
 
 
 def _validate_transformer(spec: TransformerSpec, where: str) -> None:
@@ -211,24 +252,28 @@ def encoder_tp_problem(
     enc: EncoderConfig, llm_hidden_size: int, sequence_parallel: bool, tp: int
 ) -> str | None:
     """Why tensor parallel size ``tp`` cannot split encoder ``enc`` and its projector as the runtime
-    shards them, or None if it can: its layers; the projector's TP-split width (the LLM's hidden
-    size for ``mlp``, the encoder's for ``linear``); its tokens under sequence parallelism."""
+    shards them, or None if it can: its layers; the projector's TP-split width (the ``mlp``'s fc1
+    width, the encoder's for ``linear``); its tokens (patches and class token) under sequence
+    parallelism."""
     problem = tp_divisibility_problem(enc, tp)
-    if problem is None and enc.projector.type == "mlp" and llm_hidden_size % tp:
+    width = enc.projector.mlp_ffn_hidden_size(llm_hidden_size)
+    if problem is None and enc.projector.type == "mlp" and width % tp:
         problem = (
             f"projector.type=mlp splits model.llm.hidden_size={llm_hidden_size}, not divisible by "
             f"tp={tp}"
+            if enc.projector.ffn_hidden_size is None
+            else f"projector.ffn_hidden_size={width} is not divisible by tp={tp}"
         )
     if problem is None and enc.projector.type == "linear" and enc.hidden_size % tp:
         problem = (
             f"hidden_size={enc.hidden_size} (split by its linear projector) is not divisible by "
             f"tp={tp}"
         )
-    if problem is None and sequence_parallel and tp > 1 and enc.seq_length % tp:
-        problem = (
-            f"seq_length={enc.seq_length} is not divisible by tp={tp} (training.sequence_parallel "
-            "splits it)"
+    if problem is None and sequence_parallel and tp > 1 and enc.layer_tokens % tp:
+        tokens = f"seq_length={enc.seq_length}" + (
+            f" and the class token ({enc.layer_tokens} tokens)" if enc.class_token else ""
         )
+        problem = f"{tokens} is not divisible by tp={tp} (training.sequence_parallel splits it)"
     if (
         problem is None
         and sequence_parallel

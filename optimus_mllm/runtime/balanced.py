@@ -91,7 +91,7 @@ def boundary_shapes(config: OptimusConfig, plan: ParallelPlan) -> tuple[Shape, S
     enc, llm, b = config.encoders[0], config.llm, config.training.micro_batch_size
     shard = plan.tp if config.training.sequence_parallel and plan.tp > 1 else 1
     return (
-        (enc.seq_length // shard, b, enc.hidden_size),
+        (enc.layer_tokens // shard, b, enc.hidden_size),
         (enc.image_tokens, b, llm.hidden_size),
         (llm.seq_length // shard, b, llm.hidden_size),
     )

@@ -357,11 +357,12 @@ def embeddings_shape(config: OptimusConfig) -> tuple[int, int, int]:
 
 
 def hidden_shape(config: OptimusConfig, encoder: int, tp: int) -> tuple[int, int, int]:
-    """Activations between encoder stages: [tokens on this TP rank, batch, hidden]."""
+    """Activations between encoder stages: [tokens on this TP rank (patches and class token),
+    batch, hidden]."""
     e = config.encoders[encoder]
     sp = config.training.sequence_parallel and tp > 1
     return (
-        e.seq_length // tp if sp else e.seq_length,
+        e.layer_tokens // tp if sp else e.layer_tokens,
         config.training.micro_batch_size,
         e.hidden_size,
     )

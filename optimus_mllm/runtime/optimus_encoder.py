@@ -269,7 +269,9 @@ def user_vision_spec(
             )
             report = (
                 user_vision_layer_spec(vision),
-                user_vision_problem(encoder, expected, vision) if check else None,
+                user_vision_problem(encoder, expected, first_chunk, config.llm.hidden_size)
+                if check
+                else None,
             )
         except OptimusError as exc:
             report = (None, str(exc))

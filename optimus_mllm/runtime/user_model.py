@@ -2,9 +2,13 @@
 
 The user's ``model_provider`` builds megatron-core's LLaVA layout: a module whose ``language_model``
 is a ``GPTModel`` and which, on the LLM's first pipeline stage, also holds ``vision_model`` (a
-``CLIPViTModel`` without a class token) and ``vision_projection`` (a ``MultimodalProjector``), and
-whose forward embeds images as LLaVA does, ``vision_projection(vision_model(images).permute(1, 0,
-2))``, then splices them in wherever its own code puts image tokens.
+``CLIPViTModel``, with its class token or without) and ``vision_projection`` (a
+``MultimodalProjector`` of type ``mlp``), and whose forward embeds images as LLaVA does,
+``vision_projection(vision_model(images)[:, dropped:].permute(1, 0, 2))`` (``dropped``: the class
+token under ``drop_vision_class_token``, else 0), then splices them in wherever its own code puts
+image tokens. The encoder config must describe both modules: the layers' ``TransformerConfig``, the
+class token and its drop, the projector's MLP (``Megatron-LM``'s ``pretrain_vlm.py`` builds it from
+the LLM's config: its ffn width, ``--swiglu``, ``--disable-bias-linear``).
 
 Without the flag the model runs as built: the encoder inside the first stage's forward. With it, the
 encoder runs under its own plan (``vit.EncoderStage``, split into kernels), starting from the
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor, nn
@@ -29,6 +34,7 @@ from torch.utils.data import default_collate
 from optimus_mllm.config import EncoderConfig, OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.runtime.data import patchify
+from optimus_mllm.runtime.dtypes import ACTIVATIONS
 
 # Megatron-LM's model_provider(pre_process, post_process, vp_stage)
 ModelProvider = Callable[..., nn.Module]
@@ -169,34 +175,68 @@ def config_problem(
 
 
 def user_vision_problem(
-    encoder: EncoderConfig, expected: TransformerConfig, vision: nn.Module
+    encoder: EncoderConfig, expected: TransformerConfig, chunk: nn.Module, llm_hidden_size: int
 ) -> str | None:
-    """Why the encoder config does not describe the user's vision model (one line naming the field),
-    or None."""
+    """Why the encoder config does not describe the user's first-stage vision model and projector
+    (one line naming what differs), or None.
+
+    Args:
+        encoder: the config's encoder.
+        expected: the ``TransformerConfig`` the Optimus encoder gives its layers.
+        chunk: the user's first pipeline stage (LLaVA's layout).
+        llm_hidden_size: the LLM's hidden size, the projector's output.
+    """
     if encoder.projector.spatial_merge != 1:
         return (
             f"model.encoders[0].projector.spatial_merge is {encoder.projector.spatial_merge}, but "
             "a user's model "
             "(LLaVA's layout) merges no tokens before its projector; set it to 1"
         )
+    vision, projection = vision_modules(chunk)
     problem = config_problem("vision model", "model.encoders[0]", expected, vision.config)
-    if problem:
-        return problem
-    if getattr(vision, "add_class_token", False):
+    return (
+        problem
+        or _class_token_problem(encoder, vision, chunk)
+        or _patches_problem(encoder, vision)
+        or projector_problem(encoder, projection, llm_hidden_size)
+    )
+
+
+def _class_token_problem(encoder: EncoderConfig, vision: nn.Module, chunk: nn.Module) -> str | None:
+    theirs = vision.class_token_len if getattr(vision, "add_class_token", False) else 0
+    if theirs != encoder.class_tokens:
         return (
-            "model_provider: the vision model has a class token, which the Optimus encoder does "
-            "not run yet; "
-            "build CLIPViTModel with add_class_token=False, class_token_len=0"
+            f"model_provider: the vision model has {theirs} class token(s) (CLIPViTModel's "
+            f"add_class_token, class_token_len), but model.encoders[0].class_token is "
+            f"{_yaml(encoder.class_token)}; "
+            + (
+                "the Optimus encoder runs one (class_token_len=1)"
+                if theirs > 1
+                else "make the two agree"
+            )
         )
+    # LLaVAModel's own record of drop_vision_class_token (a model without it drops nothing)
+    drop = getattr(chunk, "_drop_vision_class_token", False) and theirs > 0
+    if drop != encoder.drop_class_token:
+        return (
+            f"model_provider: the model {'drops' if drop else 'keeps'} the vision class token "
+            "before its projector (LLaVA's drop_vision_class_token), but "
+            f"model.encoders[0].drop_class_token is {_yaml(encoder.drop_class_token)}; make the "
+            "two agree"
+        )
+    return None
+
+
+def _patches_problem(encoder: EncoderConfig, vision: nn.Module) -> str | None:
     for field, got, want in (
-        ("seq_length", vision.seq_length, encoder.seq_length),
-        ("patch_size", vision.patch_dim, encoder.patch_size),
+        ("patch tokens", vision.num_patches, encoder.seq_length),
+        ("patch_dim", vision.patch_dim, encoder.patch_size),
     ):
         if got != want:
+            config_field = "seq_length" if field == "patch tokens" else "patch_size"
             return (
                 f"model_provider: the vision model's {field} is {got}, but "
-                f"model.encoders[0].{field} is {want}; "
-                "make the two agree"
+                f"model.encoders[0].{config_field} is {want}; make the two agree"
             )
     return None
 
@@ -207,6 +247,50 @@ def _effective(config: TransformerConfig, field: str) -> Any:
     if field == "add_qkv_bias":
         return bool(config.add_qkv_bias or config.add_bias_linear)
     return getattr(config, field, None)
+
+
+def projector_problem(
+    encoder: EncoderConfig, projection: nn.Module, llm_hidden_size: int
+) -> str | None:
+    """Why ``model.encoders[0].projector`` does not describe the user's ``vision_projection`` (one
+    line naming what differs), or None: it must be megatron-core's ``MultimodalProjector`` of type
+    ``mlp`` whose ``config`` has the configured MLP."""
+    if not isinstance(projection, MultimodalProjector):
+        return (
+            f"model_provider: vision_projection is a {type(projection).__name__}; the Optimus "
+            "encoder runs megatron-core's MultimodalProjector"
+        )
+    if projection.projector_type != "mlp" or encoder.projector.type != "mlp":
+        return (
+            f"model_provider: vision_projection is a MultimodalProjector of type "
+            f"{projection.projector_type!r} and model.encoders[0].projector.type is "
+            f"{encoder.projector.type}; the Optimus encoder runs the 'mlp' projector, build that"
+        )
+    projector = encoder.projector
+    theirs = projection.config
+    for field, config_field, want in (
+        ("ffn_hidden_size", "ffn_hidden_size", projector.mlp_ffn_hidden_size(llm_hidden_size)),
+        ("activation_func", "activation", ACTIVATIONS[projector.activation]),
+        ("gated_linear_unit", "gated_linear_unit", projector.gated_linear_unit),
+        ("add_bias_linear", "add_bias_linear", projector.add_bias_linear),
+        ("hidden_size", None, llm_hidden_size),
+    ):
+        got = getattr(theirs, field)
+        if got != want:
+            section = (
+                f"model.encoders[0].projector.{config_field}"
+                if config_field
+                else "model.llm.hidden_size"
+            )
+            return (
+                f"model_provider: the projector's TransformerConfig.{field} is {_named(got)}, but "
+                f"{section} describes {_named(want)}; make the two agree"
+            )
+    return None
+
+
+def _yaml(flag: bool) -> str:
+    return "true" if flag else "false"
 
 
 def _named(value: Any) -> str:

@@ -13,11 +13,13 @@ row-parallel biases, patch and position embedding) get partial gradients: they c
 ``sequence_parallel`` attribute, and ``EncoderStage.reduce_sequence_parallel_grads`` sums them over
 the TP group.
 
-Stage 0 embeds patches given as [batch, seq, in_channels * patch_size**2]; the last stage's
-projector (``mlp``: Linear, GELU, Linear; ``linear``: one Linear; each after the optional spatial
-merge of ``projector.spatial_merge``) returns [image tokens, batch, llm_hidden], whole on every TP
-rank (one all-reduce, ``tp_ar_projector``); under sequence parallelism it first gathers the tokens
-(``tp_ag_projector``). Its backward collective follows its first GEMM's backward:
+Stage 0 embeds patches given as [batch, seq, in_channels * patch_size**2], after ``CLIPViTModel``'s
+class token when the encoder has one; the last stage's projector (``mlp``: megatron-core's MLP, fc1,
+its activation (gated or not), fc2; ``linear``: one Linear; each after LLaVA's drop of the class
+token and the optional spatial merge of ``projector.spatial_merge``) returns [image tokens, batch,
+llm_hidden], whole on every TP rank (one all-reduce, ``tp_ar_projector``); under sequence
+parallelism it first gathers the tokens (``tp_ag_projector``), then drops and merges them. Its
+backward collective follows its first GEMM's backward:
 ``tp_ar_projector`` (mlp), ``tp_rs_projector`` (mlp, sequence parallel) or ``tp_ag_projector``
 (linear), none for a frozen encoder.
 
@@ -45,6 +47,7 @@ from torch.distributed import ProcessGroup
 
 from optimus_mllm.config import EncoderConfig, OptimusConfig, encoder_tp_problem
 from optimus_mllm.params import stage_layer_bounds
+from optimus_mllm.runtime.dtypes import ACTIVATIONS
 from optimus_mllm.runtime.encoder_ops import Block, Step, run_steps
 from optimus_mllm.runtime.layer_ops import (
     all_gather,
@@ -85,14 +88,17 @@ def spatial_merge(x: Tensor, merged_tokens: int) -> Tensor:
 
 
 def _merge_step(merged_tokens: int) -> Step:
-    # A rank's sequence-parallel share is whole groups (config.encoder_tp_problem), so it merges
-    # locally.
     return Step(
         forward=lambda x: (spatial_merge(x, merged_tokens),),
         fwd_kernel=None,
         bwd_kernel=None,
         trainable=False,
     )
+
+
+def _drop_step(tokens: int) -> Step:
+    # LLaVA's drop_vision_class_token: the class tokens lead the sequence
+    return Step(forward=lambda x: (x[tokens:],), fwd_kernel=None, bwd_kernel=None, trainable=False)
 
 
 def _bias_step(bias: Tensor | None) -> Step:
@@ -110,9 +116,10 @@ def _bias_step(bias: Tensor | None) -> Step:
 
 class PatchEmbedding(nn.Module):
     """Patches -> hidden plus a learned position embedding, replicated over TP: megatron-core's
-    ``CLIPViTModel`` embedding without a class token, under its names: ``conv1``, a patch-sized
-    stride-``patch`` Conv2d (with a bias for the ``internvit`` subtype, without for ``clip``),
-    ``position_embeddings`` and, for ``clip``, the norm ``ln_pre``."""
+    ``CLIPViTModel`` embedding, under its names: ``conv1``, a patch-sized stride-``patch`` Conv2d
+    (with a bias for the ``internvit`` subtype, without for ``clip``), the ``class_token`` [1,
+    class tokens, hidden] put before the patches when the encoder has one, ``position_embeddings``
+    over every token and, for ``clip``, the norm ``ln_pre``."""
 
     def __init__(self, encoder: EncoderConfig, init_method: InitMethod, dtype: torch.dtype):
         super().__init__()
@@ -126,24 +133,40 @@ class PatchEmbedding(nn.Module):
             dtype=dtype,
         )
         self.position_embeddings = nn.Embedding(
-            encoder.seq_length, encoder.hidden_size, dtype=dtype
+            encoder.layer_tokens, encoder.hidden_size, dtype=dtype
         )
+        class_token = (
+            nn.Parameter(torch.empty(1, encoder.class_tokens, encoder.hidden_size, dtype=dtype))
+            if encoder.class_token
+            else None
+        )
+        self.register_parameter("class_token", class_token)
         norm = nn.RMSNorm if encoder.normalization == "RMSNorm" else nn.LayerNorm
         self.ln_pre = norm(encoder.hidden_size, eps=1e-5, dtype=dtype) if clip else None
         init_method(self.conv1.weight)
         if self.conv1.bias is not None:
             nn.init.zeros_(self.conv1.bias)
         init_method(self.position_embeddings.weight)
+        if self.class_token is not None:
+            init_method(self.class_token)
 
     def step(self, tokens: slice) -> Step:
-        """Embed the patches of ``tokens`` (a rank's own share under sequence parallelism). The data
-        gives each patch flattened channel-last, so the convolution is one GEMM over it."""
+        """Embed the sequence positions ``tokens`` (a rank's own share under sequence parallelism):
+        the class tokens first, then the patches. The data gives each patch flattened channel-last,
+        so the convolution is one GEMM over it."""
         conv, position, ln_pre = self.conv1, self.position_embeddings.weight, self.ln_pre
+        class_token = self.class_token
+        leading = 0 if class_token is None else class_token.shape[1]
+        patches_of = slice(max(tokens.start - leading, 0), tokens.stop - leading)
 
         def forward(patches: Tensor) -> Tensor:
             weight = conv.weight.permute(0, 2, 3, 1).reshape(conv.out_channels, -1)
             # pixels arrive in fp32 (the data loader's); the weights are in the training precision
-            x = F.linear(patches[:, tokens].to(weight.dtype), weight, conv.bias) + position[tokens]
+            x = F.linear(patches[:, patches_of].to(weight.dtype), weight, conv.bias)
+            if tokens.start < leading:  # this share holds class tokens: CLIPViTModel's concat
+                own = class_token[:, tokens.start : min(tokens.stop, leading)]
+                x = torch.cat([own.expand(x.shape[0], -1, -1), x], dim=1)
+            x = x + position[tokens]
             x = x if ln_pre is None else ln_pre(x)
             return x.transpose(0, 1).contiguous()
 
@@ -153,11 +176,12 @@ class PatchEmbedding(nn.Module):
 class Projector(nn.Module):
     """Encoder features -> the LLM's hidden size, TP-sharded with one all-reduce at the end.
 
-    ``mlp``: megatron-core's ``MultimodalProjector`` (LLaVA's: column-parallel fc1, GELU,
-    row-parallel fc2), applied by steps over its weights. ``linear``: one row-parallel GEMM over
-    this rank's slice of the features (its input gradient is gathered: ``tp_ag_projector``);
+    ``mlp``: megatron-core's ``MultimodalProjector`` (LLaVA's: column-parallel fc1, the
+    activation, gated as megatron-core's MLP gates it, row-parallel fc2) of the configured width,
+    activation and biases, applied by steps over its weights. ``linear``: one row-parallel GEMM
+    over this rank's slice of the features (its input gradient is gathered: ``tp_ag_projector``);
     megatron-core's ``affine`` projector gathers its output instead, which this runtime does not
-    run.
+    run. Before either, LLaVA's drop of the class token and the spatial merge select the tokens.
     """
 
     def __init__(
@@ -168,16 +192,18 @@ class Projector(nn.Module):
         group: ProcessGroup,
     ):
         super().__init__()
-        self.mlp = encoder.projector.type == "mlp"
+        projector = encoder.projector
+        self.mlp = projector.type == "mlp"
         self.merged_tokens = encoder.merged_tokens
+        self.dropped_tokens = encoder.layer_tokens - encoder.projected_tokens
         if self.mlp:
             config = replace(
                 layer_config,
                 hidden_size=llm_hidden_size,
-                ffn_hidden_size=llm_hidden_size,
-                gated_linear_unit=False,
-                activation_func=F.gelu,
-                add_bias_linear=True,
+                ffn_hidden_size=projector.mlp_ffn_hidden_size(llm_hidden_size),
+                gated_linear_unit=projector.gated_linear_unit,
+                activation_func=ACTIVATIONS[projector.activation],
+                add_bias_linear=projector.add_bias_linear,
             )
             self.projection = MultimodalProjector(
                 config,
@@ -192,32 +218,43 @@ class Projector(nn.Module):
                 llm_hidden_size,
                 config=layer_config,
                 init_method=layer_config.init_method,
-                bias=True,
+                bias=projector.add_bias_linear,
                 skip_bias_add=False,
                 input_is_parallel=True,
                 tp_group=group,
             )
 
     def steps(self, group: ProcessGroup, sequence_parallel: bool) -> tuple[Step, ...]:
+        """Under sequence parallelism: gather the tokens, drop and merge them, the GEMMs; otherwise
+        drop and merge, enter the TP region, the GEMMs. Either way the output is reduced whole."""
         tp = group.size() > 1
+        gather: list[Step] = []  # the sequence-parallel gather of every token
+        entry: list[Step] = []  # into the TP region, on whole sequences
         if self.mlp:
-            fc1, fc2 = self.projection.encoder.linear_fc1, self.projection.encoder.linear_fc2
-            head = [tp_entry(group, sequence_parallel, "projector")] if tp else []
+            mlp = self.projection.encoder
+            fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+            act, gated = mlp.config.activation_func, mlp.config.gated_linear_unit
+
+            def fc1_activation(x: Tensor) -> Tensor:
+                y = F.linear(x, fc1.weight, fc1.bias)
+                if gated:  # megatron-core's MLP: this rank's [gate; up] halves
+                    gate, up = y.chunk(2, dim=-1)
+                    return act(gate) * up
+                return act(y)
+
+            if tp:
+                (gather if sequence_parallel else entry).append(
+                    tp_entry(group, sequence_parallel, "projector")
+                )
             gemms = [
-                compute(
-                    "projector_fc1",
-                    lambda x: F.gelu(F.linear(x, fc1.weight, fc1.bias)),
-                    fc1.weight,
-                    fc1.bias,
-                ),
+                compute("projector_fc1", fc1_activation, fc1.weight, fc1.bias),
                 compute("projector_fc2", lambda x: F.linear(x, fc2.weight), fc2.weight),
             ]
             bias = fc2.bias
         else:
             linear = self.linear
-            head = []
             if sequence_parallel:  # replicated downstream: the adjoint keeps this rank's tokens
-                head.append(
+                gather.append(
                     collective(
                         lambda x: all_gather(x, group),
                         lambda g: _own_chunk(g, group, 0),
@@ -226,7 +263,7 @@ class Projector(nn.Module):
                     )
                 )
             if tp:
-                head.append(
+                entry.append(
                     collective(
                         lambda x: _own_chunk(x, group, -1),
                         lambda g: _all_gather_last_dim(g, group),
@@ -238,8 +275,10 @@ class Projector(nn.Module):
             bias = linear.bias
         # whole output on every rank, SP or not
         tail = [tp_exit(group, False, "projector")] if tp else []
-        merge = [_merge_step(self.merged_tokens)] if self.merged_tokens > 1 else []
-        return (*merge, *head, *gemms, *tail, _bias_step(bias))
+        select = [_drop_step(self.dropped_tokens)] if self.dropped_tokens else []
+        if self.merged_tokens > 1:
+            select.append(_merge_step(self.merged_tokens))
+        return (*gather, *select, *entry, *gemms, *tail, _bias_step(bias))
 
 
 class VisionStage(nn.Module):
@@ -304,7 +343,8 @@ class VisionStage(nn.Module):
         trainable = not self.encoder.frozen
         blocks = []
         if self.patch_embed is not None:
-            share = self.encoder.seq_length // group.size() if sp else self.encoder.seq_length
+            tokens = self.encoder.layer_tokens
+            share = tokens // group.size() if sp else tokens
             start = group.rank() * share if sp else 0
             blocks.append(
                 Block(name, -1, (self.patch_embed.step(slice(start, start + share)),), False)
@@ -383,15 +423,19 @@ class EncoderStage(nn.Module):
         """Sum the partial gradients of sequence-parallel parameters over the TP group; once per
         iteration after the last backward op (megatron-core's finalize_model_grads does the same
         for these parameters when given this TP group). Under megatron-core's DDP the gradient is
-        the parameter's ``main_grad``."""
-        grads = [
-            getattr(p, "main_grad", p.grad)
+        the parameter's ``main_grad``. The class token has no gradient on the ranks whose share
+        does not hold it: theirs is zero."""
+        params = [
+            p
             for p in self.parameters()
-            if getattr(p, "sequence_parallel", False)
+            if getattr(p, "sequence_parallel", False) and p.requires_grad
         ]
-        grads = [g for g in grads if g is not None]
-        if not grads or self.tp_group.size() == 1:
+        if not params or self.tp_group.size() == 1:
             return
+        for p in params:
+            if getattr(p, "main_grad", p.grad) is None:
+                p.grad = torch.zeros_like(p)
+        grads = [getattr(p, "main_grad", p.grad) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.tp_group)
         for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):

@@ -224,10 +224,13 @@ def _patch_embed(
     config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase
 ) -> EncoderKernel:
     """The patch embedding as a GEMM over flattened patches; with sequence parallelism each TP rank
-    embeds its own share of the tokens, otherwise all of them (replicated, like Megatron's CLIP)."""
-    tokens = enc.seq_length * config.training.micro_batch_size
+    embeds its own share of the tokens, otherwise all of them (replicated, like Megatron's CLIP).
+    The class token is a learned row put before them, no GEMM: the rank whose share holds it
+    embeds one patch fewer than the others, whose share is priced."""
     if config.training.sequence_parallel and tp > 1:
-        tokens //= tp
+        tokens = enc.layer_tokens // tp * config.training.micro_batch_size
+    else:
+        tokens = enc.seq_length * config.training.micro_batch_size
     patch_dim = enc.in_channels * enc.patch_size**2
     dtype = activation_dtype_bytes(config)
     scale = 1 if phase == "fwd" else 2
@@ -250,28 +253,30 @@ def _projector(
 ) -> list[EncoderKernel]:
     """Projector kernels as the runtime runs them (``runtime/vit.py``).
 
-    ``mlp``: column-parallel fc1 (GELU fused), row-parallel fc2; ``linear``: one row-parallel GEMM.
-    They run on the spatially merged tokens (``projector.spatial_merge``: fewer, wider), the merge
-    itself being a reshape of each rank's tokens.
-    Forward: with sequence parallelism the tokens are gathered first; the output is all-reduced so
-    every TP rank holds it whole. Backward: the GEMMs in reverse, then the collective that forms the
-    encoder features' gradient (none when the encoder is frozen): the input copy's all-reduce, its
-    reduce-scatter under sequence parallelism (``mlp``), or the all-gather of the row-parallel input
-    slices (``linear``).
+    ``mlp``: column-parallel fc1 (its activation fused; twice as wide with a gated linear unit),
+    row-parallel fc2; ``linear``: one row-parallel GEMM. They run on the tokens the LLM gets (a
+    dropped class token left out, then ``projector.spatial_merge``: fewer, wider), the drop and
+    merge being a slice and a reshape, no kernel.
+    Forward: with sequence parallelism every token of the layers is gathered first; the output is
+    all-reduced so every TP rank holds it whole. Backward: the GEMMs in reverse, then the collective
+    that forms the encoder features' gradient (none when the encoder is frozen): the input copy's
+    all-reduce, its reduce-scatter over the layers' tokens under sequence parallelism (``mlp``), or
+    the all-gather of the row-parallel input slices (``linear``).
     """
     t = config.training
-    tokens = enc.image_tokens * t.micro_batch_size  # after the spatial merge (a reshape, no kernel)
+    tokens = enc.image_tokens * t.micro_batch_size
     dtype = activation_dtype_bytes(config)
     h_enc, h_llm = enc.projector_input_size, config.llm.hidden_size
     bw = tp_bandwidth(config, tp)
     sp = t.sequence_parallel and tp > 1
     mlp = enc.projector.type == "mlp"
     scale = 1 if phase == "fwd" else 2
-    shapes = (
-        [("projector_fc1", h_enc, h_llm // tp)] if mlp else [("projector_fc1", h_enc // tp, h_llm)]
-    )
     if mlp:
-        shapes.append(("projector_fc2", h_llm // tp, h_llm))
+        ffn = enc.projector.mlp_ffn_hidden_size(h_llm) // tp
+        fc1_out = 2 * ffn if enc.projector.gated_linear_unit else ffn
+        shapes = [("projector_fc1", h_enc, fc1_out), ("projector_fc2", ffn, h_llm)]
+    else:
+        shapes = [("projector_fc1", h_enc // tp, h_llm)]
     gemms = []
     for name, k_in, k_out in shapes:
         work = KernelWork(
@@ -290,8 +295,10 @@ def _projector(
         return EncoderKernel(enc.name, -1, name, phase, True, cost.comm_us(work, bw, enc.name, tp))
 
     features = tokens * h_enc * dtype
+    # the sequence-parallel gather holds every token the layers ran (the class token too)
+    gathered = enc.layer_tokens * t.micro_batch_size * enc.hidden_size * dtype
     if phase == "fwd":
-        head = [collective("tp_ag_projector", "all_gather", features)] if sp else []
+        head = [collective("tp_ag_projector", "all_gather", gathered)] if sp else []
         tail = (
             [collective("tp_ar_projector", "all_reduce", tokens * h_llm * dtype)] if tp > 1 else []
         )
@@ -301,7 +308,7 @@ def _projector(
     if not mlp:
         return gemms[::-1] + [collective("tp_ag_projector", "all_gather", features)]
     return gemms[::-1] + [
-        collective("tp_rs_projector", "reduce_scatter", features)
+        collective("tp_rs_projector", "reduce_scatter", gathered)
         if sp
         else collective("tp_ar_projector", "all_reduce", features)
     ]
@@ -312,7 +319,7 @@ def _encoder_p2p_us(
 ) -> float:
     if enc_plan.pp == 1:
         return 0.0
-    widest = max(config.encoders, key=lambda e: e.seq_length * e.hidden_size)
+    widest = max(config.encoders, key=lambda e: e.layer_tokens * e.hidden_size)
     work = p2p_work(
         "encoder_p2p",
         "fwd",

@@ -435,21 +435,35 @@ def test_the_spatial_merge_is_a_pixel_shuffle_of_megatron_cores_clip_output(
     assert len(errors) > 10 and max(errors.values()) <= TOL, errors
 
 
+SWIGLU_PROJECTOR = {
+    "ffn_hidden_size": 48,
+    "gated_linear_unit": True,
+    "activation": "silu",
+    "add_bias_linear": False,
+}
+
+
 @pytest.mark.parametrize(
-    "projector",
-    [{"spatial_merge": 2}, {"type": "linear", "spatial_merge": 2}, {}],
-    ids=["mlp-merge2", "linear-merge2", "mlp"],
+    "encoder",
+    [
+        {"projector": {"spatial_merge": 2}},
+        {"projector": {"type": "linear", "spatial_merge": 2}},
+        {},
+        {"class_token": True, "projector": SWIGLU_PROJECTOR},
+        {"class_token": True, "drop_class_token": True, "projector": {"spatial_merge": 2}},
+    ],
+    ids=["mlp-merge2", "linear-merge2", "mlp", "class-token-swiglu", "class-token-dropped-merge2"],
 )
 def test_the_projectors_flops_are_the_cost_models(
-    one_rank: dist.ProcessGroup, projector: dict[str, Any]
+    one_rank: dist.ProcessGroup, encoder: dict[str, Any]
 ) -> None:
-    """torch's FLOP counter over the runtime's projector steps (merge, GEMMs, bias), forward and
-    backward, against the FLOPs the cost model gives its kernels."""
-    config = _tiny(projector=projector)
+    """torch's FLOP counter over the runtime's projector steps (drop, merge, GEMMs, bias), forward
+    and backward, against the FLOPs the cost model gives its kernels."""
+    config = _tiny(**encoder)
     enc = config.encoders[0]
     stage = EncoderStage(config, 0, 1, one_rank)
     steps = stage.encoders["vit"].projector.steps(one_rank, False)
-    x = torch.randn(enc.seq_length, BATCH, enc.hidden_size, requires_grad=True)
+    x = torch.randn(enc.layer_tokens, BATCH, enc.hidden_size, requires_grad=True)
     with FlopCounterMode(display=False) as forward:
         out = run_steps(steps, x, seed=0)
     with FlopCounterMode(display=False) as backward:
@@ -468,8 +482,15 @@ def test_the_projectors_flops_are_the_cost_models(
 
 @pytest.mark.parametrize(
     "encoder",
-    [{}, {"model_subtype": "clip"}, GATED_GQA_RMS, {"projector": {"spatial_merge": 2}}],
-    ids=["internvit", "clip", "gated", "merge"],
+    [
+        {},
+        {"model_subtype": "clip"},
+        GATED_GQA_RMS,
+        {"projector": {"spatial_merge": 2}},
+        {"model_subtype": "clip", "class_token": True, "projector": SWIGLU_PROJECTOR},
+        {"projector": {"type": "linear", "add_bias_linear": False}},
+    ],
+    ids=["internvit", "clip", "gated", "merge", "class-token-swiglu", "linear-nobias"],
 )
 def test_the_parameter_count_is_the_planners(
     one_rank: dist.ProcessGroup, encoder: dict[str, Any]

@@ -359,7 +359,7 @@ def test_a_spatial_merge_is_refused_for_a_users_llava_model() -> None:
 
     encoder = load_config(REPO / "configs" / "megatron_tiny.yaml").encoders[0]
     merged = dataclasses.replace(encoder, projector=ProjectorConfig(spatial_merge=2))
-    assert user_vision_problem(merged, None, None) == (
+    assert user_vision_problem(merged, None, None, 64) == (
         "model.encoders[0].projector.spatial_merge is 2, but a user's model (LLaVA's layout) "
         "merges no tokens "
         "before its projector; set it to 1"

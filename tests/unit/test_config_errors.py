@@ -161,6 +161,68 @@ BAD = [
     ),
     (lambda r: _set(r, "model.llm.seq_length", 16), ["model.llm.seq_length", "no room for text"]),
     (
+        lambda r: _set(
+            r, "model.encoders", [dict(r["model"]["encoders"][0], drop_class_token=True)]
+        ),
+        ["model.encoders[0].drop_class_token", "set class_token: true"],
+    ),
+    (
+        lambda r: _set(
+            r,
+            "model.encoders",
+            [dict(r["model"]["encoders"][0], class_token=True, projector={"spatial_merge": 2})],
+        ),
+        ["model.encoders[0].projector.spatial_merge", "merge the class token", "drop_class_token"],
+    ),
+    (
+        lambda r: _set(
+            _set(
+                _set(r, "training.sequence_parallel", True), "parallel.encoder", {"pp": 1, "tp": 2}
+            ),
+            "model.encoders",
+            [dict(r["model"]["encoders"][0], class_token=True)],
+        ),
+        [
+            "parallel.encoder.tp",
+            "seq_length=16 and the class token (17 tokens) is not divisible by tp=2",
+        ],
+    ),
+    (
+        lambda r: _set(
+            r,
+            "model.encoders",
+            [dict(r["model"]["encoders"][0], projector={"type": "linear", "activation": "silu"})],
+        ),
+        ["model.encoders[0].projector.activation", "projector.type is linear"],
+    ),
+    (
+        lambda r: _set(
+            r,
+            "model.encoders",
+            [dict(r["model"]["encoders"][0], projector={"ffn_hidden_size": 0})],
+        ),
+        ["model.encoders[0].projector.ffn_hidden_size", "must be positive"],
+    ),
+    (
+        lambda r: _set(
+            r,
+            "model.encoders",
+            [dict(r["model"]["encoders"][0], projector={"activation": "relu"})],
+        ),
+        ["model.encoders[0].projector.activation", "must be one of gelu, silu"],
+    ),
+    (
+        lambda r: (
+            _set(r, "parallel.encoder", {"pp": 1, "tp": 2})
+            and _set(
+                r,
+                "model.encoders",
+                [dict(r["model"]["encoders"][0], projector={"ffn_hidden_size": 33})],
+            )
+        ),
+        ["parallel.encoder.tp", "projector.ffn_hidden_size=33 is not divisible by tp=2"],
+    ),
+    (
         lambda r: _set(r, "cost_model.gemm_efficiency", 1.5),
         ["cost_model.gemm_efficiency", "(0, 1]"],
     ),

@@ -1,0 +1,274 @@
+"""The Optimus encoder stage computes the vision path of Megatron-LM's ``pretrain_vlm.py``.
+
+The reference is megatron-core's own modules built as ``pretrain_vlm.py`` (core_v0.16.1) builds
+them: ``CLIPViTModel`` (``clip``, with its class token, ``ln_pre``) over a copy of the language
+model's ``TransformerConfig``, LLaVA's drop of the class token under ``drop_vision_class_token``,
+and ``MultimodalProjector`` of type ``mlp`` whose config is a copy of the language model's (its ffn
+width, GELU or SwiGLU, biases) and whose submodules are the language layer spec's MLP. The
+``EncoderStage`` takes the reference's weights through ``copy_sharded_state`` (LLaVA's checkpoint
+keys), runs as kernel steps, and its output and every weight gradient (compared under the same
+keys) must match, at TP 1 and TP 2 (with and without sequence parallelism)."""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.multimodal.llava_spec import decoder_model_with_local_default_spec
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+import megatron_patches
+from optimus_mllm.config import config_from_dict
+from optimus_mllm.runtime.data import patchify
+from optimus_mllm.runtime.encoder_ops import MicrobatchRun, build_stage_ops
+from optimus_mllm.runtime.layer_ops import vision_transformer_config
+from optimus_mllm.runtime.llm import unfused_settings
+from optimus_mllm.runtime.sharded_state import (
+    copy_sharded_state,
+    encoder_sharded_state_dict,
+    global_shapes,
+    whole_tensors,
+)
+from optimus_mllm.runtime.user_model import (
+    config_problem,
+    projector_problem,
+    user_vision_layer_spec,
+)
+from optimus_mllm.runtime.vit import EncoderStage
+
+from support.distributed_utils import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+HIDDEN, HEADS, FFN, LAYERS = 32, 4, 48, 2
+IMG, PATCH, BATCH = 6, 2, 2  # 9 patches, 10 tokens with the class token: TP 2 splits them
+PATCHES = (IMG // PATCH) ** 2
+TOL = 1e-5
+CASES = {
+    f"{projector}{'-drop' if drop else ''}": (projector == "swiglu", drop)
+    for projector in ("gelu", "swiglu")
+    for drop in (False, True)
+}
+
+
+def _language_config(tp: int, swiglu: bool) -> TransformerConfig:
+    """Megatron-LM's ``core_transformer_config_from_args`` for a tiny LLM on the CPU (``--swiglu``
+    also drops the biases here, ``--disable-bias-linear``, to cover both)."""
+    return TransformerConfig(
+        num_layers=4,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=not swiglu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_epsilon=1e-5,
+        init_method_std=0.2,  # activations and gradients of order 1, so that errors show
+        tensor_model_parallel_size=tp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        **unfused_settings(),
+    )
+
+
+def _pretrain_vlm_vision(tp: int, swiglu: bool) -> tuple[CLIPViTModel, MultimodalProjector]:
+    """``pretrain_vlm.py``'s ``model_provider``, the vision half: the configs copied from the
+    language model's, CLIP with one class token, the projector of the language spec's MLP."""
+    language = _language_config(tp, swiglu)
+    vision = deepcopy(language)
+    vision.num_layers = LAYERS
+    vision.pipeline_model_parallel_size = 1
+    projection = deepcopy(language)
+    projection.pipeline_model_parallel_size = 1
+    clip = CLIPViTModel(
+        vision,
+        get_vit_layer_with_local_spec(),
+        ln_pre_impl=WrappedTorchNorm,  # CLIPViTModel's default needs TE or a torch norm's args
+        add_class_token=True,
+        class_token_len=1,
+        patch_dim=PATCH,
+        img_h=IMG,
+        img_w=IMG,
+        model_subtype="clip",
+    )
+    projector = MultimodalProjector(
+        projection,
+        deepcopy(decoder_model_with_local_default_spec().submodules.mlp.submodules),
+        "mlp",
+        vision.hidden_size,
+    )
+    with torch.no_grad():  # nonzero biases and norm weights, the same on every rank
+        for name, p in [*clip.named_parameters(), *projector.named_parameters()]:
+            if p.dim() == 1:
+                p.add_(
+                    0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+                )
+    return clip, projector
+
+
+def _optimus_config(swiglu: bool, drop: bool, sequence_parallel: bool) -> Any:
+    """The job's config as ``optimus_mllm.megatron`` makes it from pretrain_vlm.py's flags."""
+    layer = {
+        "hidden_size": HIDDEN,
+        "num_attention_heads": HEADS,
+        "ffn_hidden_size": FFN,
+        "gated_linear_unit": swiglu,
+        "activation": "silu" if swiglu else "gelu",
+        "add_bias_linear": not swiglu,
+    }
+    return config_from_dict(
+        {
+            "name": "pretrain-vlm-vision",
+            "cluster": {"num_gpus": 2, "gpus_per_node": 2},
+            "model": {
+                "encoders": [
+                    {
+                        "name": "vit",
+                        **layer,
+                        "num_layers": LAYERS,
+                        "seq_length": PATCHES,
+                        "patch_size": PATCH,
+                        "model_subtype": "clip",
+                        "class_token": True,
+                        "drop_class_token": drop,
+                        "projector": {
+                            "ffn_hidden_size": FFN,
+                            "activation": layer["activation"],
+                            "gated_linear_unit": swiglu,
+                            "add_bias_linear": not swiglu,
+                        },
+                    }
+                ],
+                "llm": {**layer, "num_layers": 4, "seq_length": 64, "vocab_size": 64},
+            },
+            "training": {
+                "global_batch_size": 4,
+                "micro_batch_size": BATCH,
+                "precision": "fp32",
+                "sequence_parallel": sequence_parallel,
+            },
+        }
+    )
+
+
+def _gradients_as_weights(modules: list[torch.nn.Module]) -> None:
+    """Each parameter takes its gradient's values, so that the modules' own sharded state dicts
+    give the gradients under their checkpoint keys (megatron-core's SwiGLU factory chunks the
+    parameter itself)."""
+    with torch.no_grad():
+        for module in modules:
+            for p in module.parameters():
+                p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+
+
+def _whole(state: dict) -> dict[str, torch.Tensor]:
+    return whole_tensors(state, global_shapes(state), "test")
+
+
+def _compare(
+    group: dist.ProcessGroup, dp_group: dist.ProcessGroup, case: str, sequence_parallel: bool
+) -> dict[str, float]:
+    """Largest relative differences, Optimus stage vs pretrain_vlm.py's modules, of the projected
+    image tokens and of every weight gradient (by LLaVA's key)."""
+    swiglu, drop = CASES[case]
+    config = _optimus_config(swiglu, drop, sequence_parallel)
+    torch.manual_seed(0)  # megatron-core's CPU init draws whole matrices: every rank agrees
+    clip, projector = _pretrain_vlm_vision(group.size(), swiglu)
+    expected_layers = vision_transformer_config(config.encoders[0], 1, torch.float32, 0.02)
+    assert config_problem("vision model", "encoder", expected_layers, clip.config) is None
+    assert projector_problem(config.encoders[0], projector, HIDDEN) is None
+
+    stage = EncoderStage(config, 0, 1, group, layer_specs={"vit": user_vision_layer_spec(clip)})
+    copy_sharded_state(
+        {
+            **clip.sharded_state_dict("vision_model."),
+            **projector.sharded_state_dict("vision_projection."),
+        },
+        encoder_sharded_state_dict(config, stage, dp_group),
+        "pretrain_vlm.py's vision model -> the Optimus encoder",
+    )
+
+    gen = torch.Generator().manual_seed(2)
+    images = torch.randn(BATCH, 3, IMG, IMG, generator=gen)
+    tokens = config.encoders[0].image_tokens
+    assert tokens == PATCHES + (0 if drop else 1)
+    grad = torch.randn(tokens, BATCH, HIDDEN, generator=gen)
+
+    embeddings = clip(images)  # [b, class token + patches, h]
+    if drop:  # LLaVAModel.forward under drop_vision_class_token
+        embeddings = embeddings[:, clip.class_token_len :, :]
+    out = projector(embeddings.permute(1, 0, 2).contiguous())
+    out.backward(grad)
+
+    ops = build_stage_ops(stage.blocks())
+    run = MicrobatchRun(ops, {"vit": patchify(images, PATCH)}, seed=0)
+    for k in range(len(ops.fwd)):
+        run.run_forward(k)
+    run.set_output_grad({"vit": grad})
+    for k in range(len(ops.bwd)):
+        run.run_backward(k)
+    stage.reduce_sequence_parallel_grads()
+
+    errors = {"output": _relative(run.output["vit"], out.detach())}
+    _gradients_as_weights([clip, projector])
+    _gradients_as_weights([stage])
+    theirs = _whole(
+        {
+            **clip.sharded_state_dict("vision_model."),
+            **projector.sharded_state_dict("vision_projection."),
+        }
+    )
+    ours = _whole(encoder_sharded_state_dict(config, stage, dp_group))
+    assert theirs.keys() == ours.keys(), sorted(theirs.keys() ^ ours.keys())
+    assert "vision_model.class_token" in ours
+    errors |= {f"grad {key}": _relative(ours[key], value) for key, value in theirs.items()}
+    return errors
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.abs().max().item()
+    assert scale > 0, "a reference tensor is all zeros"
+    return (got - expected).abs().max().item() / scale
+
+
+def _rank(sequence_parallel: bool) -> dict[str, dict[str, float]]:
+    with megatron_patches.patched():
+        tp = dist.get_world_size()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        group = parallel_state.get_tensor_model_parallel_group()
+        # the encoder's data-parallel group: each rank alone
+        singles = [dist.new_group([r]) for r in range(tp)]
+        try:
+            return {
+                case: _compare(group, singles[dist.get_rank()], case, sequence_parallel)
+                for case in CASES
+            }
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize(
+    "tp, sequence_parallel", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-sp"]
+)
+def test_the_encoder_stage_is_pretrain_vlms_clip_drop_and_projector(
+    tp: int, sequence_parallel: bool
+) -> None:
+    """GELU and SwiGLU projectors, the class token kept and dropped: the same projected tokens and
+    gradients as megatron-core's modules, every weight (the class token's included) compared."""
+    for rank, errors in enumerate(run_distributed(_rank, tp, sequence_parallel, timeout=300.0)):
+        assert set(errors) == set(CASES)
+        for case, errs in errors.items():
+            assert len(errs) > 10 and max(errs.values()) <= TOL, (rank, case, errs)
