@@ -178,6 +178,37 @@ REFUSED_FLAGS = (
         ("local",),
     ),
     RefusedFlag(
+        "--decoder-first-pipeline-num-layers",
+        "decoder_first_pipeline_num_layers",
+        None,
+        "uneven pipeline stages are not planned; leave it out",
+    ),
+    RefusedFlag(
+        "--decoder-last-pipeline-num-layers",
+        "decoder_last_pipeline_num_layers",
+        None,
+        "uneven pipeline stages are not planned; leave it out",
+    ),
+    RefusedFlag(
+        "--pipeline-model-parallel-layout",
+        "pipeline_model_parallel_layout",
+        None,
+        "custom pipeline layouts are not planned; give the model chunks with "
+        "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank",
+    ),
+    RefusedFlag(
+        "--account-for-embedding-in-pipeline-split",
+        "account_for_embedding_in_pipeline_split",
+        False,
+        "the planner splits the transformer layers alone over the stages; leave it out",
+    ),
+    RefusedFlag(
+        "--account-for-loss-in-pipeline-split",
+        "account_for_loss_in_pipeline_split",
+        False,
+        "the planner splits the transformer layers alone over the stages; leave it out",
+    ),
+    RefusedFlag(
         "--context-parallel-size", "context_parallel_size", 1, "context parallelism is not planned"
     ),
     RefusedFlag(
@@ -530,10 +561,11 @@ def train_vlm(
                 f"model_type {model_type}: a ViT + GPT model is ModelType.encoder_or_decoder"
             )
         world_size = int(os.environ["WORLD_SIZE"])
-        validate_args(args, world_size)  # as Megatron-LM's initialize_megatron does
         config = config_from_megatron_args(
             args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8))
         )
+        # the providers read the flags as Megatron-LM's initialize_megatron leaves them
+        validate_args(args, world_size)
         mode, artifact = runtime_for_args(args, config)
     except OptimusError as exc:
         if os.environ.get("RANK", "0") == "0":

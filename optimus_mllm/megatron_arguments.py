@@ -48,6 +48,12 @@ def build_parser(
     # at most one of the two; validate_args turns it into virtual_pipeline_model_parallel_size
     add("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     add("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    # uneven and custom pipeline layouts (optimus_mllm.megatron refuses them)
+    add("--decoder-first-pipeline-num-layers", type=int, default=None)
+    add("--decoder-last-pipeline-num-layers", type=int, default=None)
+    add("--pipeline-model-parallel-layout", type=str, default=None)
+    add("--account-for-embedding-in-pipeline-split", action="store_true")
+    add("--account-for-loss-in-pipeline-split", action="store_true")
     add("--context-parallel-size", type=int, default=1)
     add("--expert-model-parallel-size", type=int, default=1)
     # the model: Megatron-LM's flags and defaults; the sizes have none (validate_args requires them)
@@ -146,7 +152,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     """Megatron-LM's ``validate_args`` for the flags this project reads: what it derives, and what
     it refuses, here as one line naming the flag (an ``OptimusError``) where Megatron asserts.
 
-    Like Megatron's, it updates ``args`` in place and returns it. What it derives:
+    Like Megatron's, it updates ``args`` in place and returns it. The uneven and custom pipeline
+    layouts, which ``optimus_mllm.megatron`` refuses, are not read here. What it derives:
     ``world_size``, ``data_parallel_size``, ``global_batch_size`` (micro batch x DP when not
     given), ``virtual_pipeline_model_parallel_size`` (None for one chunk per stage) from
     ``--num-layers-per-virtual-pipeline-stage`` or ``--num-virtual-stages-per-pipeline-rank``,
