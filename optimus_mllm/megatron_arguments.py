@@ -1,8 +1,11 @@
 """Megatron-LM's command line (``megatron/training/arguments.py`` and ``get_args``), which the
-megatron-core wheel does not ship: the flags a ViT + GPT job sets, under Megatron-LM's names and
-defaults (the model's sizes and shape, parallelism, batch, optimizer, precision, timing), and the
-parsed flags the job's providers read back. ``optimus_mllm.megatron`` says what each model flag
-becomes, or why it is refused.
+megatron-core wheel does not ship: the flags a ViT + GPT job sets, under Megatron-LM's names,
+destinations and defaults at tag ``core_v0.16.1`` (the model's sizes and shape, parallelism, batch,
+optimizer, precision, timing), ``validate_args`` deriving from them what Megatron-LM's derives
+(layer counts, model chunks, global batch, ...), and the parsed flags the job's providers read
+back. ``optimus_mllm.megatron`` says what each model flag becomes, or why it is refused;
+``tests/unit/test_plan_megatron_flags.py`` checks the two against Megatron-LM's own where a
+checkout is at hand.
 
 Both ``pretrain``s parse here: Megatron-style (``megatron_training``) and with
 ``--optimus-schedule`` (``optimus_mllm.megatron``).

@@ -43,8 +43,9 @@ RANKING = "simulated iteration time (bubble scheduler)"
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog=PROG,
-        usage=f"{PROG} (--config YAML | --world-size N [--gpus-per-node G] -- MEGATRON_FLAGS ...) "
-        "[--json OUT] [--artifact OUT] [--trace OUT] [--png OUT]",
+        usage=f"{PROG} [--json OUT] [--artifact OUT] [--trace OUT] [--png OUT] "
+        "(--config YAML [--override KEY=VALUE ...] | "
+        "--world-size N [--gpus-per-node G] -- MEGATRON_FLAGS ...)",
         description="Choose the LLM plan, enumerate colocated encoder plans and "
         "schedule encoder work into the LLM's bubbles (Optimus).",
         epilog="The job is a YAML config, or a Megatron-LM pretrain_vlm.py command line after "
