@@ -9,6 +9,7 @@ The look-alike parser (``optimus_mllm.megatron_arguments``) is checked against M
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -253,6 +254,7 @@ COMMAND_LINES = [
         *("--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel"),
         *("--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2"),
         *("--bf16", "--untie-embeddings-and-output-weights", "--kv-channels", "32"),
+        *("--global-batch-size", "8"),
     ],
     ["--num-layers", "4", *SIZES, "--sequence-parallel"],  # without TP: off
     # refused by both
@@ -261,7 +263,7 @@ COMMAND_LINES = [
         *("--num-layers", "4", *SIZES, "--num-layers-per-virtual-pipeline-stage", "1"),
         *("--num-virtual-stages-per-pipeline-rank", "2"),
     ],
-    ["--num-layers", "4", *SIZES, "--pipeline-model-parallel-size", "3"],
+    ["--num-layers", "3", *SIZES, "--pipeline-model-parallel-size", "2"],
 ]
 # what validate_args derives, besides the flags themselves
 DERIVED = ("virtual_pipeline_model_parallel_size", "data_parallel_size", "world_size")
@@ -304,3 +306,14 @@ def test_the_lookalike_reads_a_command_line_as_megatron_lm_does():
         assert {n: ours[n] for n in names} == {n: megatron[n] for n in names}, argv
         # every flag the config reads is one of Megatron-LM's (pretrain_vlm.py's included)
         assert set(read) - set(megatron) == set(), argv
+        # and Megatron-LM's own namespace makes the same config
+        assert _config_or_refusal(argparse.Namespace(**megatron)) == _config_or_refusal(
+            argparse.Namespace(**ours)
+        ), argv
+
+
+def _config_or_refusal(args: argparse.Namespace) -> object:
+    try:
+        return config_from_megatron_args(args, 4, 4)
+    except OptimusError as refused:
+        return str(refused)
