@@ -18,6 +18,7 @@ Megatron-LM flags make the Optimus config the schedule is checked against
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from optimus_mllm.megatron_arguments import (
     add_optimus_args,
     parse_args,
     set_args,
+    validate_args,
 )
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.planner import PlannerResult
@@ -81,7 +83,11 @@ class RefusedFlag:
 # a copy of the language model's TransformerConfig with --encoder-num-layers layers, as
 # Megatron-LM's pretrain_vlm.py builds it, so the LLM's shape flags shape the ViT too.
 HONOURED_FLAGS = {
-    "--num-layers": "model.llm.num_layers",
+    "--num-layers": (
+        "the depth of the ViT, and of the LLM without --decoder-num-layers (Megatron-LM refuses it "
+        "with --encoder-num-layers)"
+    ),
+    "--decoder-num-layers": "model.llm.num_layers (pretrain_vlm.py's LLM depth when given)",
     "--hidden-size": "model.llm.hidden_size and the ViT's",
     "--ffn-hidden-size": (
         "model.llm.ffn_hidden_size and the ViT's (Megatron-LM's default: 4 * hidden, "
@@ -106,7 +112,7 @@ HONOURED_FLAGS = {
         "the text tokens; model.llm.seq_length adds the image tokens, as pretrain_vlm.py does"
     ),
     "--dataloader-seq-length": "the text tokens when given (else --seq-length)",
-    "--encoder-num-layers": "the ViT's num_layers",
+    "--encoder-num-layers": "the ViT's num_layers, and the LLM's without the two flags above",
     "--img-h": "the ViT's seq_length: (img_h / patch_dim) * (img_w / patch_dim) patch tokens",
     "--img-w": "the ViT's seq_length",
     "--patch-dim": "the ViT's patch_size",
@@ -134,10 +140,10 @@ REFUSED_FLAGS = (
     RefusedFlag(
         "--use-rope-scaling", "use_rope_scaling", False, "RoPE scaling is not built; leave it out"
     ),
-    RefusedFlag("--norm-epsilon", "norm_epsilon", 1e-5, "the runtime's norms use 1e-5"),
+    RefusedFlag("--norm-epsilon", "layernorm_epsilon", 1e-5, "the runtime's norms use 1e-5"),
     RefusedFlag(
         "--apply-layernorm-1p",
-        "apply_layernorm_1p",
+        "layernorm_zero_centered_gamma",
         False,
         "zero-centred norms are not built; leave it out",
     ),
@@ -175,6 +181,37 @@ REFUSED_FLAGS = (
         "transformer_engine",
         "the runtime runs megatron-core's local layer spec; pass --transformer-impl local",
         ("local",),
+    ),
+    RefusedFlag(
+        "--decoder-first-pipeline-num-layers",
+        "decoder_first_pipeline_num_layers",
+        None,
+        "uneven pipeline stages are not planned; leave it out",
+    ),
+    RefusedFlag(
+        "--decoder-last-pipeline-num-layers",
+        "decoder_last_pipeline_num_layers",
+        None,
+        "uneven pipeline stages are not planned; leave it out",
+    ),
+    RefusedFlag(
+        "--pipeline-model-parallel-layout",
+        "pipeline_model_parallel_layout",
+        None,
+        "custom pipeline layouts are not planned; give the model chunks with "
+        "--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank",
+    ),
+    RefusedFlag(
+        "--account-for-embedding-in-pipeline-split",
+        "account_for_embedding_in_pipeline_split",
+        False,
+        "the planner splits the transformer layers alone over the stages; leave it out",
+    ),
+    RefusedFlag(
+        "--account-for-loss-in-pipeline-split",
+        "account_for_loss_in_pipeline_split",
+        False,
+        "the planner splits the transformer layers alone over the stages; leave it out",
     ),
     RefusedFlag(
         "--context-parallel-size", "context_parallel_size", 1, "context parallelism is not planned"
@@ -215,26 +252,43 @@ REFUSED_FLAGS = (
 def config_from_megatron_args(
     args: argparse.Namespace, world_size: int, gpus_per_node: int = 8
 ) -> OptimusConfig:
-    """The Optimus config of a job described by Megatron-LM's arguments (a ``parse_args``
-    namespace).
+    """The Optimus config of a job described by Megatron-LM's arguments.
 
-    The model flags are read as Megatron-LM's ``pretrain_vlm.py`` reads them: the LLM from the
-    language flags, the vision model a copy of the LLM's layers with ``--encoder-num-layers``
-    layers, images of ``--img-h`` x ``--img-w`` in ``--patch-dim`` patches, and the LLM's sequence
+    ``args`` is a namespace as Megatron-LM's ``validate_args`` leaves it (Megatron-LM's own, or
+    ``megatron_arguments.validate_args``); one straight from ``parse_args`` (without
+    ``virtual_pipeline_model_parallel_size``) is validated here first, on a copy. The model flags
+    are read as Megatron-LM's ``pretrain_vlm.py`` reads them: the LLM from the language flags with
+    ``--decoder-num-layers`` layers when given (else ``--num-layers``), the vision model a copy of
+    the LLM's layers with ``--encoder-num-layers`` layers (``--num-layers`` when only that is
+    given), images of ``--img-h`` x ``--img-w`` in ``--patch-dim`` patches, and the LLM's sequence
     the text tokens plus the image tokens. ``HONOURED_FLAGS`` lists what each flag sets; a flag of
     ``REFUSED_FLAGS`` with a value the runtime does not build is an ``OptimusError`` naming it. A
     flag the namespace lacks takes Megatron-LM's default. Parallelism and training:
     ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-    ``num_layers_per_virtual_pipeline_stage``, ``micro_batch_size``, ``global_batch_size``,
+    ``virtual_pipeline_model_parallel_size``, ``micro_batch_size``, ``global_batch_size``,
     ``train_iters``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``,
-    ``use_distributed_optimizer`` and the optimizer flags of ``_OPTIMIZER_ARGS``."""
+    ``use_distributed_optimizer`` and the optimizer flags of ``_OPTIMIZER_ARGS``.
+
+    Args:
+        args: Megatron-LM's arguments, validated or straight from ``parse_args``.
+        world_size: the job's number of ranks.
+        gpus_per_node: ranks per node (at most ``world_size``).
+
+    Returns:
+        The validated config.
+    """
     for refused in REFUSED_FLAGS:
         value = getattr(args, refused.dest, refused.default)
         if not refused.allows(value):
             raise OptimusError(f"{refused.flag} {_shown(value)}: {refused.why}")
+    if not hasattr(args, "virtual_pipeline_model_parallel_size"):  # as parse_args returns it
+        args = validate_args(copy.copy(args), world_size)
+    for flag, why in _REQUIRED.items():  # Megatron-LM has no default for these
+        if getattr(args, flag.removeprefix("--").replace("-", "_")) is None:
+            raise OptimusError(f"{flag} is missing: {why}")
     for flag in _DIVISORS:  # the arithmetic below divides by these
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-        if value is not None and value < 1:
+        if value < 1:
             raise OptimusError(f"{flag} {value}: must be a positive integer")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
@@ -242,22 +296,13 @@ def config_from_megatron_args(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} does not "
             f"divide the world size {world_size}; launch a multiple of {tp * pp} processes"
         )
-    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if per_chunk and args.num_layers % (pp * per_chunk):
-        raise OptimusError(
-            f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
-            f"{args.num_layers / pp:g} layers of a pipeline stage (--num-layers {args.num_layers} "
-            "/ "
-            f"--pipeline-model-parallel-size {pp})"
-        )
-    vp = args.num_layers // (pp * per_chunk) if per_chunk else 1
+    vp = args.virtual_pipeline_model_parallel_size or 1
     if args.img_h % args.patch_dim or args.img_w % args.patch_dim:
         raise OptimusError(
             f"--img-h {args.img_h} and --img-w {args.img_w} must be multiples of --patch-dim "
             f"{args.patch_dim}"
         )
-    if getattr(args, "encoder_num_layers", None) is None:
-        raise OptimusError("--encoder-num-layers is missing: the vision model's depth")
+    llm_layers = args.decoder_num_layers if args.decoder_num_layers is not None else args.num_layers
     image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
     text_tokens = getattr(args, "dataloader_seq_length", None) or args.seq_length
     layers = _layer_shape(args)
@@ -280,8 +325,7 @@ def config_from_megatron_args(
             ],
             "llm": {
                 **layers,
-                # pretrain_vlm.py: the LLM's depth is --decoder-num-layers when given
-                "num_layers": getattr(args, "decoder_num_layers", None) or args.num_layers,
+                "num_layers": llm_layers,
                 "seq_length": text_tokens + image_tokens,
                 "vocab_size": args.vocab_size,
                 "position_embedding_type": getattr(
@@ -313,20 +357,18 @@ def config_from_megatron_args(
         raise OptimusError(f"{flag}: {exc}") from None
 
 
-# flags the arithmetic divides by, checked first
-_DIVISORS = (
-    "--tensor-model-parallel-size",
-    "--pipeline-model-parallel-size",
-    "--num-layers",
-    "--patch-dim",
-    "--img-h",
-    "--img-w",
-    "--num-layers-per-virtual-pipeline-stage",
-)
+# what the config needs that Megatron-LM's validate_args leaves unset
+_REQUIRED = {
+    "--vocab-size": "the LLM's vocabulary size",
+    "--train-iters": "the number of iterations (the planner does not read --train-samples)",
+    "--lr": "the learning rate (Megatron-LM has no default)",
+}
+# flags the arithmetic divides by, which Megatron-LM's validate_args does not check
+_DIVISORS = ("--patch-dim", "--img-h", "--img-w")
 # config fields -> the Megatron-LM flag they come from, for errors
 _FIELD_FLAGS = {
-    "model.llm.num_layers": "--num-layers",
-    "model.encoders.num_layers": "--encoder-num-layers",
+    "model.llm.num_layers": "--decoder-num-layers / --num-layers",
+    "model.encoders.num_layers": "--encoder-num-layers / --num-layers",
     **{
         f"model.{part}.{field}": flag
         for part in ("llm", "encoders")
@@ -345,6 +387,9 @@ _FIELD_FLAGS = {
     ),
     "model.llm.vocab_size": "--vocab-size",
     "model.encoders.seq_length": "--img-h / --img-w / --patch-dim (the image tokens)",
+    "parallel.llm.vp": (
+        "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+    ),
     "training.global_batch_size": "--global-batch-size",
     "training.micro_batch_size": "--micro-batch-size",
     "training.train_iters": "--train-iters",
@@ -354,12 +399,13 @@ _FIELD_FLAGS = {
 
 
 def _layer_shape(args: argparse.Namespace) -> dict[str, Any]:
-    """The transformer layer fields the LLM and the ViT share, with Megatron-LM's derived
-    defaults."""
+    """The transformer layer fields the LLM and the ViT share (``ffn_hidden_size`` and
+    ``kv_channels`` as validate_args derives them)."""
     hidden, swiglu = args.hidden_size, getattr(args, "swiglu", False)
-    ffn = getattr(args, "ffn_hidden_size", None)
-    if ffn is None:
-        ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
+    # validate_args fills in hidden / heads; the config's None is the same head width
+    kv_channels, heads = args.kv_channels, args.num_attention_heads
+    if hidden % heads == 0 and kv_channels == hidden // heads:
+        kv_channels = None
     add_bias_linear = getattr(args, "add_bias_linear", True)
     if getattr(args, "add_qkv_bias", False) and not add_bias_linear:
         raise OptimusError(
@@ -369,8 +415,8 @@ def _layer_shape(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "hidden_size": hidden,
         "num_attention_heads": args.num_attention_heads,
-        "ffn_hidden_size": ffn,
-        "kv_channels": getattr(args, "kv_channels", None),
+        "ffn_hidden_size": args.ffn_hidden_size,
+        "kv_channels": kv_channels,
         "num_query_groups": args.num_query_groups
         if getattr(args, "group_query_attention", False)
         else None,
@@ -554,6 +600,8 @@ def train_vlm(
         config = config_from_megatron_args(
             args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8))
         )
+        # the providers read the flags as Megatron-LM's initialize_megatron leaves them
+        validate_args(args, world_size)
         mode, artifact = runtime_for_args(args, config)
     except OptimusError as exc:
         if os.environ.get("RANK", "0") == "0":

@@ -10,9 +10,10 @@ in LLaVA's layout (``CLIPViTModel`` and ``MultimodalProjector`` on the first pip
 is not in the megatron-core wheel, so what the script takes from it comes from
 ``optimus_mllm.megatron_training``. The opt-in is the one marked import: Optimus's ``pretrain`` in
 place of Megatron's. Without ``--optimus-schedule`` the vision model runs in the first stage as
-built; with it, its kernels run in the LLM's bubbles. Make the schedule for the same model with
-``optimus-plan --config MODEL.yaml --artifact plan.json`` (the defaults below, with
-``--disable-vision-class-token``, are ``configs/megatron_tiny.yaml``).
+built; with it, its kernels run in the LLM's bubbles. Make the schedule for the same job from its
+flags with ``optimus-plan --world-size 4 --artifact plan.json -- [Megatron flags]``. The flags are
+Megatron-LM's, with its defaults (no model sizes; ``--transformer-impl local`` must be given); the
+README's are ``configs/megatron_tiny.yaml``.
 """
 
 from __future__ import annotations

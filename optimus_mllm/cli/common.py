@@ -19,9 +19,12 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, example: str) -> None:
-    """--config and --override, the same on every command that reads a config."""
-    parser.add_argument("--config", required=True, help=f"YAML config, e.g. {example}")
+def add_config_arguments(
+    parser: argparse.ArgumentParser, example: str, required: bool = True
+) -> None:
+    """--config and --override, the same on every command that reads a config (``required``:
+    False where the command takes the job another way too)."""
+    parser.add_argument("--config", required=required, help=f"YAML config, e.g. {example}")
     parser.add_argument(
         "--override",
         action="extend",

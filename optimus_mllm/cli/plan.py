@@ -1,8 +1,20 @@
 """``optimus-plan``: plan the job, schedule encoder work into the LLM's bubbles, print or save the
-result."""
+result.
+
+The job is a YAML config (``--config``) or a Megatron-LM command line after ``--``::
+
+    optimus-plan --world-size 4 --artifact plan.json -- --encoder-num-layers 2 ...
+
+read as Megatron-LM reads it (``optimus_mllm.megatron_arguments``: its flags, defaults and
+``validate_args``) and made into the config by ``config_from_megatron_args``, so that the artifact
+is the one ``--optimus-schedule`` checks that job's flags against. Megatron-LM takes the world size
+from the launcher, so the command needs it: ``--world-size`` (torchrun's ``--nnodes`` x
+``--nproc-per-node``) and ``--gpus-per-node``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict
@@ -13,6 +25,9 @@ from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.megatron import config_from_megatron_args
+from optimus_mllm.megatron_arguments import add_optimus_args
+from optimus_mllm.megatron_arguments import build_parser as megatron_parser
 from optimus_mllm.memory_model import GIB, MemoryBreakdown
 from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
 from optimus_mllm.scheduler.baselines import no_placement_problem
@@ -20,16 +35,37 @@ from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, 
 from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency
 
 PROG = "optimus-plan"
+# what separates optimus-plan's own flags from a Megatron-LM command line
+MEGATRON_SEPARATOR = "--"
 RANKING = "simulated iteration time (bubble scheduler)"
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog=PROG,
+        usage=f"{PROG} [--json OUT] [--artifact OUT] [--trace OUT] [--png OUT] "
+        "(--config YAML [--override KEY=VALUE ...] | "
+        "--world-size N [--gpus-per-node G] -- MEGATRON_FLAGS ...)",
         description="Choose the LLM plan, enumerate colocated encoder plans and "
         "schedule encoder work into the LLM's bubbles (Optimus).",
+        epilog="The job is a YAML config, or a Megatron-LM pretrain_vlm.py command line after "
+        "--, read with Megatron-LM's defaults and layer-count conventions "
+        "(optimus_mllm/megatron.py says what each flag becomes).",
     )
-    add_config_arguments(parser, "configs/paper/strong_3072.yaml")
+    add_config_arguments(parser, "configs/paper/strong_3072.yaml", required=False)
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="with Megatron-LM flags: the job's ranks (torchrun's --nnodes x --nproc-per-node); "
+        "required there",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        metavar="G",
+        help="with Megatron-LM flags: ranks per node (default 8, at most --world-size)",
+    )
     parser.add_argument(
         "--json", metavar="OUT", help="also write the plans and their schedules as JSON"
     )
@@ -46,10 +82,19 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    megatron_argv = None
+    if MEGATRON_SEPARATOR in argv:
+        at = argv.index(MEGATRON_SEPARATOR)
+        argv, megatron_argv = argv[:at], argv[at + 1 :]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = usage_problem(args, megatron_argv)
+    if problem is not None:
+        parser.error(problem)
 
     def body() -> int:
-        config = load_config(args.config, args.override)
+        config = job_config(args, megatron_argv)
         planned = plan(config)
         cost = CostModel.from_config(config)
         scheduled = best_schedule(config, planned, cost)
@@ -80,6 +125,59 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run(PROG, body)
+
+
+def usage_problem(args: argparse.Namespace, megatron_argv: list[str] | None) -> str | None:
+    """What is wrong with how optimus-plan's own flags give the job, or None.
+
+    Args:
+        args: optimus-plan's own flags.
+        megatron_argv: the flags after ``--``, or None without ``--``.
+    """
+    given = (("--world-size", args.world_size), ("--gpus-per-node", args.gpus_per_node))
+    if megatron_argv is None:
+        if args.config is None:
+            return "give the job: --config YAML, or --world-size and Megatron-LM flags after --"
+        megatron_only = [flag for flag, value in given if value is not None]
+        if megatron_only:
+            return (
+                f"{megatron_only[0]}: goes with Megatron-LM flags after --; with --config, set "
+                "cluster.num_gpus / cluster.gpus_per_node"
+            )
+        return None
+    if args.config is not None:
+        return "--config with Megatron-LM flags after --: give the job one way"
+    if args.override:
+        return "--override: applies to --config; with Megatron-LM flags, change the flag"
+    if args.world_size is None:
+        return (
+            "--world-size is missing: the ranks the Megatron-LM job launches (torchrun's "
+            "--nnodes x --nproc-per-node)"
+        )
+    for flag, value in given:
+        if value is not None and value < 1:
+            return f"{flag} {value}: must be a positive integer"
+    return None
+
+
+def job_config(args: argparse.Namespace, megatron_argv: list[str] | None) -> OptimusConfig:
+    """The job's config: ``--config`` (with ``--override``), or the Megatron-LM flags after ``--``
+    (``args`` free of ``usage_problem``).
+
+    Args:
+        args: optimus-plan's own flags.
+        megatron_argv: the flags after ``--``, or None without ``--``.
+
+    Returns:
+        The validated config.
+    """
+    if megatron_argv is None:
+        return load_config(args.config, args.override)
+    # --optimus-schedule is taken too, so that the job's own command line can be pasted whole
+    parser = megatron_parser(add_optimus_args, parser_class=ArgumentParser, prog=PROG)
+    flags = parser.parse_args(megatron_argv)
+    gpus_per_node = 8 if args.gpus_per_node is None else args.gpus_per_node
+    return config_from_megatron_args(flags, args.world_size, gpus_per_node)
 
 
 def _gib(value: float) -> str:

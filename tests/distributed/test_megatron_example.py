@@ -27,19 +27,13 @@ from optimus_mllm.megatron import (
 )
 from optimus_mllm.megatron_training import parse_args
 
-from support.paths import CONFIGS, REPO
+from support.paths import CONFIGS, MEGATRON_TINY_FLAGS, MEGATRON_TINY_LAYERS, REPO
 from support.train_utils import TIMEOUT_S, assert_one_error_everywhere, ranks
 
 SCRIPT = str(REPO / "scripts" / "pretrain_vlm_megatron.py")
 MEGATRON_TINY = str(CONFIGS / "megatron_tiny.yaml")
 LINE = re.compile(r"^iteration (\d)/3 \| lm loss (\d+\.\d{4}) \| (.+)$")
-# configs/megatron_tiny.yaml in Megatron's flags: untied embeddings, the distributed optimizer, and
-# no class token
-TINY_ARGS = [
-    "--untie-embeddings-and-output-weights",
-    "--use-distributed-optimizer",
-    "--disable-vision-class-token",
-]
+TINY_ARGS = list(MEGATRON_TINY_FLAGS)
 LLAMA = [
     "--swiglu",
     "--group-query-attention",
@@ -53,12 +47,14 @@ LLAMA = [
 ]
 
 
-def _parse_args(*argv: str) -> argparse.Namespace:
-    return parse_args(add_optimus_args, [*TINY_ARGS, *argv])
+def _parse_args(*argv: str, layers: bool = True) -> argparse.Namespace:
+    """TINY_ARGS and ``argv``; without ``layers``, TINY_ARGS' layer counts are left out."""
+    tiny = TINY_ARGS if layers else TINY_ARGS[len(MEGATRON_TINY_LAYERS) :]
+    return parse_args(add_optimus_args, [*tiny, *argv])
 
 
-def _config(*argv: str) -> OptimusConfig:
-    return config_from_megatron_args(_parse_args(*argv), 4, 4)
+def _config(*argv: str, layers: bool = True) -> OptimusConfig:
+    return config_from_megatron_args(_parse_args(*argv, layers=layers), 4, 4)
 
 
 def _run(*args: str, script: str = SCRIPT) -> subprocess.CompletedProcess:
@@ -179,9 +175,8 @@ def test_a_schedule_for_another_job_is_refused_on_every_rank(plan_json):
 
 
 def test_megatron_args_give_the_megatron_tiny_config():
-    """The script's defaults with TINY_ARGS and without dropout describe configs/megatron_tiny.yaml;
-    dropout
-    is Megatron-LM's 0.1 by default, for the LLM and the vision model."""
+    """TINY_ARGS without dropout describe configs/megatron_tiny.yaml; dropout is Megatron-LM's 0.1
+    by default, for the LLM and the vision model."""
     from optimus_mllm.config import load_config
 
     args = _parse_args()
@@ -202,7 +197,9 @@ def test_megatron_args_give_the_megatron_tiny_config():
 # Every flag of HONOURED_FLAGS: the flags given, and what the LLM and the ViT become (None:
 # unchanged)
 HONOURED = {
-    "--num-layers": (["--num-layers", "8"], {"num_layers": 8}, None),
+    # in place of TINY_ARGS' --encoder-num-layers / --decoder-num-layers: both models' depth
+    "--num-layers": (["--num-layers", "8"], {"num_layers": 8}, {"num_layers": 8}),
+    "--decoder-num-layers": (["--decoder-num-layers", "8"], {"num_layers": 8}, None),
     "--hidden-size": (["--hidden-size", "128"], {"hidden_size": 128}, {"hidden_size": 128}),
     "--ffn-hidden-size": (
         ["--ffn-hidden-size", "96"],
@@ -263,9 +260,20 @@ HONOURED = {
         {"attention_dropout": 0.3},
     ),
     "--vocab-size": (["--vocab-size", "512"], {"vocab_size": 512}, None),
-    "--seq-length": (["--seq-length", "112"], {"seq_length": 128}, None),
+    "--seq-length": (
+        ["--seq-length", "112", "--max-position-embeddings", "112"],
+        {"seq_length": 128},
+        None,
+    ),
     "--dataloader-seq-length": (
-        ["--dataloader-seq-length", "112", "--seq-length", "999"],
+        [
+            "--dataloader-seq-length",
+            "112",
+            "--seq-length",
+            "999",
+            "--max-position-embeddings",
+            "999",
+        ],
         {"seq_length": 128},
         None,
     ),
@@ -292,7 +300,7 @@ def test_the_walk_covers_every_model_flag_and_the_script_takes_each():
 @pytest.mark.parametrize("flag", HONOURED)
 def test_an_honoured_flag_shapes_the_llm_and_the_vit_as_pretrain_vlm_does(flag):
     argv, llm, vit = HONOURED[flag]
-    base, config = _config(), _config(*argv)
+    base, config = _config(), _config(*argv, layers=flag != "--num-layers")
     for spec, expected in ((config.llm, llm), (config.encoders[0], vit)):
         for field, value in (expected or {}).items():
             assert getattr(spec, field) == value, (flag, field)
@@ -316,7 +324,7 @@ def _refused_value(refused) -> list[str]:
     if refused.flag == "--disable-vision-class-token":
         return []
     values = {
-        "--position-embedding-type": "yarn",
+        "--position-embedding-type": "relative",
         "--transformer-impl": "transformer_engine",
         "--recompute-method": "block",
         "--fp8-format": "hybrid",
@@ -343,7 +351,7 @@ def test_qkv_bias_without_the_other_biases_is_refused():
 
 @pytest.mark.distributed
 def test_a_missing_class_token_flag_is_one_line_on_every_rank():
-    command = [SCRIPT, "--untie-embeddings-and-output-weights"]
+    command = [SCRIPT, *(flag for flag in TINY_ARGS if flag != "--disable-vision-class-token")]
     assert_one_error_everywhere(
         ranks(2, "--tensor-model-parallel-size", "1", program=tuple(command)),
         "--disable-vision-class-token",
@@ -378,7 +386,7 @@ def test_swiglu_gives_megatron_cores_llm_a_silu_gated_mlp():
         ),
         (
             ["--num-attention-heads", "3"],
-            "--num-attention-heads: model.encoders[0].num_attention_heads: 3 does not divide",
+            "--num-attention-heads 3 does not divide --hidden-size 64",
         ),
         (["--adam-beta1", "2"], "--adam-beta1: training.adam_beta1: must be in [0, 1)"),
     ],

@@ -45,7 +45,7 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.yaml_input import parse_yaml
 
-from .paths import REPO
+from .paths import MEGATRON_TINY_FLAGS, REPO
 
 TINY = REPO / "configs" / "tiny.yaml"
 KINDS = (
@@ -495,11 +495,7 @@ def _dataset(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[]
     return read, what, invalid
 
 
-MEGATRON_BASE = [
-    "--untie-embeddings-and-output-weights",
-    "--use-distributed-optimizer",
-    "--disable-vision-class-token",
-]
+MEGATRON_BASE = list(MEGATRON_TINY_FLAGS)
 INT_TEXTS = ["0", "-1", "1", "2", "3", "7", "64", "1000000000", "10000000000000000"]
 FLOAT_TEXTS = ["nan", "inf", "-inf", "0", "-1", "1e-9", "1e9", "0.5", "1e400"]
 

@@ -46,3 +46,20 @@ def load_script(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up while it runs
     spec.loader.exec_module(module)
     return module
+
+
+# configs/megatron_tiny.yaml as Megatron-LM flags (pretrain_vlm.py's conventions): a ViT of 2 layers
+# and an LLM of 4 at TP2 PP2 with two model chunks per stage, untied embeddings, the distributed
+# optimizer, no class token; dropout stays Megatron's 0.1
+MEGATRON_TINY_LAYERS = ("--encoder-num-layers", "2", "--decoder-num-layers", "4")
+MEGATRON_TINY_FLAGS = (
+    *MEGATRON_TINY_LAYERS,
+    *("--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "256"),
+    *("--seq-length", "48", "--max-position-embeddings", "64"),
+    *("--img-h", "16", "--img-w", "16", "--patch-dim", "4"),
+    *("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
+    *("--num-layers-per-virtual-pipeline-stage", "1"),
+    *("--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "3", "--lr", "1e-4"),
+    *("--transformer-impl", "local", "--untie-embeddings-and-output-weights"),
+    *("--use-distributed-optimizer", "--disable-vision-class-token"),
+)

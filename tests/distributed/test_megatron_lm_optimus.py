@@ -1,0 +1,80 @@
+"""Megatron-LM's own ``pretrain_vlm.py`` (tag ``core_v0.16.1``) with the one-line opt-in and
+``--optimus-schedule auto``: its ``LLaVAModel`` (CLIP with the class token, the projector that
+follows the LLM's MLP) trains, evaluates, saves and resumes with the numbers of the run without
+the flag. Needs a checkout named by ``MEGATRON_LM_DIR``; skipped without.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from support.paths import load_script
+
+_compare = load_script("megatron_lm_compare")
+CHECKOUT = _compare.megatron_lm_dir()
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        CHECKOUT is None, reason="MEGATRON_LM_DIR (a Megatron-LM checkout at core_v0.16.1) is unset"
+    ),
+]
+
+AUTO = ("--optimus-schedule", "auto")
+_VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+
+
+def _train(script: Path, args: tuple[str, ...], iterations: tuple[int, ...] = (1, 2, 3)):
+    run = _compare.run_megatron_script(script, 4, [*_compare.TINY_VLM_ARGS, *args])
+    assert run.returncode == 0, run.output[-4000:]
+    assert tuple(i.number for i in run.iterations) == iterations, run.output[-4000:]
+    return run
+
+
+def _ran_optimus(run) -> None:
+    """The flagged run really ran the Optimus schedule, not Megatron-LM's placement."""
+    assert "optimus: --optimus-schedule auto: encoder plan" in run.output, run.output[-3000:]
+    assert re.search(r"optimus: first step: [1-9]\d* of \d+ encoder ops", run.output), run.output
+
+
+def _same(plain, optimus) -> None:
+    for a, b in zip(plain.iterations, optimus.iterations, strict=True):
+        assert math.isfinite(a.lm_loss)
+        assert b.lm_loss == pytest.approx(a.lm_loss, rel=1e-5), (a.line, b.line)
+        assert b.grad_norm == a.grad_norm, (a.line, b.line)  # as printed: 3 decimals
+
+
+@pytest.mark.parametrize("mlp", [(), ("--swiglu",)], ids=["gelu", "swiglu"])
+@pytest.mark.parametrize("layout", sorted(_compare.LAYOUTS))
+def test_pretrain_vlm_trains_with_the_flag_as_without(
+    layout: str, mlp: tuple[str, ...], tmp_path: Path
+) -> None:
+    assert CHECKOUT is not None
+    script = _compare.with_one_line(CHECKOUT, tmp_path)
+    args = (*_compare.LAYOUTS[layout], *mlp)
+    plain = _train(script, args)
+    optimus = _train(script, (*args, *AUTO))
+    _ran_optimus(optimus)
+    _same(plain, optimus)
+    assert len({i.lm_loss for i in plain.iterations}) == 3  # it trains
+
+
+def test_evaluation_and_save_resume_with_the_flag(tmp_path: Path) -> None:
+    # Megatron's --eval-interval / --eval-iters, --save at 2 and --load to 3 (torch format, as
+    # pretrain_vlm.py requires), all with the flag, against the uninterrupted run without it
+    assert CHECKOUT is not None
+    script = _compare.with_one_line(CHECKOUT, tmp_path)
+    layout = _compare.LAYOUTS["tp2-pp2"]
+    evaluation = ("--eval-interval", "2", "--eval-iters", "1")
+    plain = _train(script, (*layout, *evaluation))
+    save = ("--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--exit-interval", "2")
+    first = _train(script, (*layout, *evaluation, *save, *AUTO), iterations=(1, 2))
+    _ran_optimus(first)
+    assert _VALIDATION.findall(first.output) == _VALIDATION.findall(plain.output)[:1]
+    assert len(_VALIDATION.findall(plain.output)) == 1
+    resumed = _train(script, (*layout, "--load", str(tmp_path / "ckpt"), *AUTO), iterations=(3,))
+    _same(plain, type(plain)(0, (*first.iterations, *resumed.iterations), ""))

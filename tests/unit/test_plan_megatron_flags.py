@@ -1,0 +1,319 @@
+"""``optimus-plan -- MEGATRON_FLAGS``: the job read from a Megatron-LM command line, with
+Megatron-LM's defaults and ``pretrain_vlm.py``'s layer-count conventions, and the artifact it writes
+accepted by ``--optimus-schedule`` for a job with the same flags.
+
+The look-alike parser (``optimus_mllm.megatron_arguments``) is checked against Megatron-LM's own
+``parse_args`` + ``validate_args`` where a checkout at tag ``core_v0.16.1`` is named by
+``MEGATRON_LM_DIR`` (skipped without).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optimus_mllm.cli.plan import main as optimus_plan
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.megatron import config_from_megatron_args, runtime_for_args
+from optimus_mllm.megatron_arguments import add_optimus_args, build_parser, parse_args
+from optimus_mllm.megatron_arguments import validate_args as lookalike_validate_args
+
+from support.paths import CONFIGS, MEGATRON_TINY_FLAGS, REPO
+
+# a model and a batch, and nothing else: every other flag takes Megatron-LM's default
+SIZES = (
+    *("--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "256"),
+    *("--seq-length", "48", "--max-position-embeddings", "64"),
+    *("--img-h", "16", "--img-w", "16", "--patch-dim", "4"),
+    *("--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-4"),
+    *("--transformer-impl", "local", "--disable-vision-class-token"),
+)
+
+
+def _plan(tmp_path: Path, *flags: str, world_size: int = 4) -> dict:
+    """optimus-plan's --json of the job given by ``flags``."""
+    out = tmp_path / "plan.json"
+    assert optimus_plan(["--world-size", str(world_size), "--json", str(out), "--", *flags]) == 0
+    return json.loads(out.read_text())
+
+
+def _refusal(*argv: str) -> str:
+    """optimus-plan's stderr for ``argv``, which it must refuse in one line with exit code 2."""
+    done = subprocess.run(
+        [sys.executable, "-m", "optimus_mllm.cli.plan", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("optimus-plan: error: ")
+    return done.stderr
+
+
+# Megatron-LM core_v0.16.1's defaults (megatron/training/arguments.py, pretrain_vlm.py's
+# add_vlm_extra_args) of the flags the config reads
+MEGATRON_DEFAULTS = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "num_layers_per_virtual_pipeline_stage": None,
+    "num_virtual_stages_per_pipeline_rank": None,
+    "num_layers": None,
+    "encoder_num_layers": None,
+    "decoder_num_layers": None,
+    "hidden_size": None,
+    "ffn_hidden_size": None,
+    "num_attention_heads": None,
+    "seq_length": None,
+    "max_position_embeddings": None,
+    "vocab_size": None,
+    "img_h": 224,
+    "img_w": 224,
+    "patch_dim": 16,
+    "micro_batch_size": None,
+    "global_batch_size": None,
+    "train_iters": None,
+    "lr": None,
+    "transformer_impl": "transformer_engine",
+    "layernorm_epsilon": 1e-5,
+    "layernorm_zero_centered_gamma": False,
+    "hidden_dropout": 0.1,
+    "attention_dropout": 0.1,
+}
+
+
+def test_the_lookalike_parser_has_megatron_lms_defaults():
+    parsed = vars(parse_args(argv=[]))
+    assert {name: parsed[name] for name in MEGATRON_DEFAULTS} == MEGATRON_DEFAULTS
+
+
+def test_left_out_parallelism_is_megatrons_one_rank_model_without_interleaving(tmp_path):
+    """No TP, PP or virtual-stage flag: TP1 PP1, one model chunk, the rest data parallel; the global
+    batch is Megatron's micro batch x DP."""
+    planned = _plan(tmp_path, "--num-layers", "4", *SIZES)
+    assert planned["llm_plan"] == {"dp": 4, "pp": 1, "tp": 1, "vp": 1}
+    assert planned["num_microbatches"] == 1  # global batch 2 x 4 over DP 4
+    pp2 = _plan(tmp_path, "--num-layers", "4", "--pipeline-model-parallel-size", "2", *SIZES)
+    assert pp2["llm_plan"] == {"dp": 2, "pp": 2, "tp": 1, "vp": 1}
+
+
+@pytest.mark.parametrize(
+    "layers, llm, vit",
+    [
+        (("--num-layers", "4"), 4, 4),  # Megatron-LM: encoder_num_layers = num_layers
+        (("--encoder-num-layers", "2"), 2, 2),  # and num_layers = encoder_num_layers
+        (("--encoder-num-layers", "2", "--decoder-num-layers", "6"), 6, 2),
+        (("--num-layers", "2", "--decoder-num-layers", "6"), 6, 2),
+    ],
+)
+def test_layer_counts_are_read_as_pretrain_vlm_reads_them(layers, llm, vit):
+    config = config_from_megatron_args(parse_args(argv=[*layers, *SIZES]), 4, 4)
+    assert (config.llm.num_layers, config.encoders[0].num_layers) == (llm, vit)
+
+
+@pytest.mark.parametrize(
+    "flags, vp",
+    [
+        (("--num-layers-per-virtual-pipeline-stage", "1"), 4),
+        (("--num-layers-per-virtual-pipeline-stage", "2"), 2),
+        (("--num-layers-per-virtual-pipeline-stage", "4"), 1),
+        (("--num-virtual-stages-per-pipeline-rank", "2"), 2),
+        ((), 1),
+    ],
+)
+def test_either_virtual_pipeline_flag_sets_the_model_chunks(tmp_path, flags, vp):
+    job = ("--encoder-num-layers", "2", "--decoder-num-layers", "8", *SIZES)
+    pp2 = ("--pipeline-model-parallel-size", "2", "--global-batch-size", "8")
+    planned = _plan(tmp_path, *job, *pp2, *flags)
+    assert planned["llm_plan"]["vp"] == vp
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--world-size", "4", "--", *SIZES, "--mock-data"], "unrecognized arguments: --mock-data"),
+        (["--world-size", "4", "--", "--num-layers", "x"], "argument --num-layers: invalid int"),
+        (["--", "--num-layers", "4", *SIZES], "--world-size is missing"),
+        (["--world-size", "4", "--", *SIZES], "--num-layers or --encoder-num-layers is missing"),
+        (
+            ["--world-size", "4", "--", "--num-layers", "4", "--encoder-num-layers", "2", *SIZES],
+            "--num-layers 4 with --encoder-num-layers 2: Megatron-LM refuses both",
+        ),
+        (
+            [
+                *("--world-size", "4", "--", "--num-layers", "4", *SIZES),
+                *("--num-layers-per-virtual-pipeline-stage", "1"),
+                *("--num-virtual-stages-per-pipeline-rank", "2"),
+            ],
+            "--num-layers-per-virtual-pipeline-stage with --num-virtual-stages-per-pipeline-rank",
+        ),
+        (
+            [
+                *("--world-size", "4", "--", "--num-layers", "4", *SIZES),
+                *("--pipeline-model-parallel-size", "2"),
+                *("--num-layers-per-virtual-pipeline-stage", "3"),
+            ],
+            "--num-layers-per-virtual-pipeline-stage 3 does not divide the 2 layers",
+        ),
+        (
+            ["--world-size", "4", "--", "--num-layers", "4", *SIZES[:-3]],
+            "--transformer-impl transformer_engine: ",  # Megatron-LM's default, not built here
+        ),
+        (["--world-size", "0", "--", "--num-layers", "4", *SIZES], "--world-size 0: must be"),
+        (
+            ["--config", str(CONFIGS / "megatron_tiny.yaml"), "--", *SIZES],
+            "--config with Megatron-LM flags",
+        ),
+        (
+            ["--world-size", "4"],
+            "give the job: --config YAML, or --world-size and Megatron-LM flags",
+        ),
+    ],
+)
+def test_a_bad_command_line_is_one_line_and_exit_2(argv, expected):
+    assert expected in _refusal(*argv)
+
+
+def test_an_artifact_from_the_flags_is_the_schedule_of_the_job_with_those_flags(tmp_path):
+    path = tmp_path / "plan.json"
+    argv = ["--world-size", "4", "--gpus-per-node", "4", "--artifact", str(path)]
+    assert optimus_plan([*argv, "--", *MEGATRON_TINY_FLAGS]) == 0
+    job = parse_args(add_optimus_args, [*MEGATRON_TINY_FLAGS, "--optimus-schedule", str(path)])
+    lookalike_validate_args(job, 4)  # as the job's pretrain() does at start-up
+    mode, artifact = runtime_for_args(job, config_from_megatron_args(job, 4, 4))
+    assert mode == "optimus" and artifact is not None
+    assert (artifact.llm_plan.tp, artifact.llm_plan.pp, artifact.llm_plan.vp) == (2, 2, 2)
+    # another job: the same flags with another micro batch
+    other = parse_args(
+        add_optimus_args,
+        [*MEGATRON_TINY_FLAGS, "--micro-batch-size", "1", "--optimus-schedule", str(path)],
+    )
+    with pytest.raises(OptimusError, match="re-run optimus-plan"):
+        runtime_for_args(other, config_from_megatron_args(other, 4, 4))
+
+
+def test_the_flags_of_megatron_tiny_plan_what_its_yaml_plans(tmp_path):
+    """configs/megatron_tiny.yaml as flags and as YAML: the same artifact, but for the config's
+    name."""
+    from_flags, from_yaml = tmp_path / "flags.json", tmp_path / "yaml.json"
+    argv = ["--world-size", "4", "--gpus-per-node", "4", "--artifact", str(from_flags)]
+    assert optimus_plan([*argv, "--", *MEGATRON_TINY_FLAGS]) == 0
+    yaml = str(CONFIGS / "megatron_tiny.yaml")
+    assert optimus_plan(["--config", yaml, "--artifact", str(from_yaml)]) == 0
+    flags, planned = json.loads(from_flags.read_text()), json.loads(from_yaml.read_text())
+    assert {**flags, "config": None} == {**planned, "config": None}
+
+
+# -- against Megatron-LM's own parse_args + validate_args ------------------------------------------
+
+CHECKOUT = os.environ.get("MEGATRON_LM_DIR")
+needs_megatron_lm = pytest.mark.skipif(
+    not CHECKOUT, reason="MEGATRON_LM_DIR (a Megatron-LM checkout at core_v0.16.1) is unset"
+)
+
+# Megatron-LM's parse_args (with pretrain_vlm.py's extra flags) + validate_args on each command line
+# of argv in $COMMAND_LINES, on world size 4: one line per command line, its namespace or REFUSED
+_MEGATRON_SIDE = """
+import json, os, sys
+import megatron.core  # the installed megatron-core, before the checkout's
+sys.path.append(os.environ["MEGATRON_LM_DIR"])
+import megatron_patches.cpu.training as training_cpu
+training_cpu.apply()  # validate_args asks for the GPU's architecture at TP > 1
+import pretrain_vlm
+from megatron.training.arguments import parse_args, validate_args
+for argv in json.loads(os.environ["COMMAND_LINES"]):
+    sys.argv = ["pretrain_vlm.py", *argv]
+    try:
+        args = validate_args(parse_args(pretrain_vlm.add_vlm_extra_args), {})
+    except AssertionError:
+        print("MEGATRON-ARGS REFUSED", flush=True)
+        continue
+    values = {k: v for k, v in vars(args).items() if isinstance(v, (bool, int, float, str))}
+    values.update({k: None for k, v in vars(args).items() if v is None})
+    print("MEGATRON-ARGS " + json.dumps(values), flush=True)
+"""
+
+COMMAND_LINES = [
+    list(MEGATRON_TINY_FLAGS),
+    ["--num-layers", "4", *SIZES],
+    [
+        *("--encoder-num-layers", "2", "--decoder-num-layers", "8", "--swiglu", *SIZES),
+        *("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"),
+        *("--hidden-size", "96", "--num-attention-heads", "6", "--global-batch-size", "8"),
+    ],
+    [  # Megatron counts --num-layers, not --decoder-num-layers, for the model chunks when given
+        *("--num-layers", "4", "--decoder-num-layers", "8", *SIZES),
+        *("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
+        *("--num-layers-per-virtual-pipeline-stage", "1", "--sequence-parallel"),
+        *("--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2"),
+        *("--bf16", "--untie-embeddings-and-output-weights", "--kv-channels", "32"),
+        *("--global-batch-size", "8"),
+    ],
+    ["--num-layers", "4", *SIZES, "--sequence-parallel"],  # without TP: off
+    # refused by both
+    ["--num-layers", "4", "--encoder-num-layers", "2", *SIZES],
+    [
+        *("--num-layers", "4", *SIZES, "--num-layers-per-virtual-pipeline-stage", "1"),
+        *("--num-virtual-stages-per-pipeline-rank", "2"),
+    ],
+    ["--num-layers", "3", *SIZES, "--pipeline-model-parallel-size", "2"],
+]
+# what validate_args derives, besides the flags themselves
+DERIVED = ("virtual_pipeline_model_parallel_size", "data_parallel_size", "world_size")
+
+
+@needs_megatron_lm
+def test_the_lookalike_reads_a_command_line_as_megatron_lm_does():
+    environment = {
+        **os.environ,
+        "MEGATRON_LM_DIR": CHECKOUT,
+        "COMMAND_LINES": json.dumps(COMMAND_LINES),
+        "WORLD_SIZE": "4",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # as Megatron-LM's examples set it
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _MEGATRON_SIDE],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = [
+        None if line == "MEGATRON-ARGS REFUSED" else json.loads(line.split(" ", 1)[1])
+        for line in done.stdout.splitlines()
+        if line.startswith("MEGATRON-ARGS ")
+    ]
+    assert len(theirs) == len(COMMAND_LINES), done.stdout[-3000:]
+    read = [a.dest for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    for argv, megatron in zip(COMMAND_LINES, theirs):
+        try:
+            ours = vars(lookalike_validate_args(parse_args(argv=argv), 4))
+        except OptimusError as refused:
+            assert megatron is None, (argv, str(refused))
+            continue
+        assert megatron is not None, argv
+        names = [name for name in (*read, *DERIVED) if name in megatron]
+        assert {n: ours[n] for n in names} == {n: megatron[n] for n in names}, argv
+        # every flag the config reads is one of Megatron-LM's (pretrain_vlm.py's included)
+        assert set(read) - set(megatron) == set(), argv
+        # and Megatron-LM's own namespace makes the same config
+        assert _config_or_refusal(argparse.Namespace(**megatron)) == _config_or_refusal(
+            argparse.Namespace(**ours)
+        ), argv
+
+
+def _config_or_refusal(args: argparse.Namespace) -> object:
+    try:
+        return config_from_megatron_args(args, 4, 4)
+    except OptimusError as refused:
+        return str(refused)
