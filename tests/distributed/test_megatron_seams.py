@@ -11,28 +11,22 @@ from pathlib import Path
 import pytest
 
 from support.distributed_utils import run_distributed
+from support.paths import MEGATRON_TINY_FLAGS
 
 pytestmark = pytest.mark.distributed
 
-# scripts/pretrain_vlm_megatron.py's flags for configs/megatron_tiny.yaml without dropout
-ARGS = (
-    "--disable-vision-class-token",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--train-iters",
-    "3",
-)
+# configs/megatron_tiny.yaml (TP2 PP2, two model chunks per stage) without dropout
+ARGS = (*MEGATRON_TINY_FLAGS, "--hidden-dropout", "0", "--attention-dropout", "0")
 
 
 def _write_artifact(argv: list[str], path: Path) -> str:
     from optimus_mllm.megatron import config_from_megatron_args
-    from optimus_mllm.megatron_arguments import add_optimus_args, parse_args
+    from optimus_mllm.megatron_arguments import add_optimus_args, parse_args, validate_args
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.artifact import artifact_text, schedule_job_artifact
 
-    config = config_from_megatron_args(parse_args(add_optimus_args, argv), 4, 4)
+    args = validate_args(parse_args(add_optimus_args, argv), 4)
+    config = config_from_megatron_args(args, 4, 4)
     path.write_text(artifact_text(schedule_job_artifact(config, plan(config))))
     return str(path)
 
@@ -43,7 +37,7 @@ def _both(argv: list[str], schedule: str) -> tuple:
     return standin_pretrain(argv, None), standin_pretrain(argv, schedule)
 
 
-# the look-alike parser's defaults are TP2 PP2 with one layer per virtual stage
+# flags after ARGS win: its layout is TP2 PP2 with two model chunks per stage
 LAYOUTS = {
     "tp2-pp2-vp2": (),
     "dp2-pp2": (
@@ -54,7 +48,7 @@ LAYOUTS = {
     ),
     "pp4-vp2": (
         *("--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "4"),
-        *("--num-layers", "8"),
+        *("--decoder-num-layers", "8"),
     ),
 }
 

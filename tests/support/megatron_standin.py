@@ -57,13 +57,15 @@ class StandinRun:
 def standin_pretrain(argv: list[str], schedule: str | None) -> StandinRun:
     """Train ``--train-iters`` iterations of the script under the flags ``argv`` on the world's
     ranks; with ``schedule``, as ``--optimus-schedule schedule`` would."""
-    args = megatron_arguments.parse_args(None, argv)
+    args = megatron_arguments.validate_args(
+        megatron_arguments.parse_args(None, argv), dist.get_world_size()
+    )
     megatron_arguments.set_args(args)
     megatron_patches.apply()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=_virtual_stages(args),
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
     )
     dp = parallel_state.get_data_parallel_world_size()
     init_num_microbatches_calculator(
@@ -126,17 +128,9 @@ def standin_pretrain(argv: list[str], schedule: str | None) -> StandinRun:
         megatron_patches.remove()
 
 
-def _virtual_stages(args: Any) -> int | None:
-    per_chunk = args.num_layers_per_virtual_pipeline_stage
-    if not per_chunk:
-        return None
-    vp = args.num_layers // (args.pipeline_model_parallel_size * per_chunk)
-    return vp if vp > 1 else None
-
-
 def _get_model(provider: Any, args: Any) -> list[DistributedDataParallel]:
     """Megatron-LM's ``get_model``: the provider per virtual stage, ``model_type`` set, DDP."""
-    vp = _virtual_stages(args) or 1
+    vp = args.virtual_pipeline_model_parallel_size or 1
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp = args.pipeline_model_parallel_size
     chunks = []
