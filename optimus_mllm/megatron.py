@@ -90,18 +90,18 @@ HONOURED_FLAGS = {
     "--decoder-num-layers": "model.llm.num_layers (pretrain_vlm.py's LLM depth when given)",
     "--hidden-size": "model.llm.hidden_size and the ViT's",
     "--ffn-hidden-size": (
-        "model.llm.ffn_hidden_size and the ViT's (Megatron-LM's default: 4 * hidden, "
-        "with --swiglu int(8 * hidden / 3 / 64) * 64)"
+        "model.llm.ffn_hidden_size, the ViT's and the projector's (Megatron-LM's default: "
+        "4 * hidden, with --swiglu int(8 * hidden / 3 / 64) * 64)"
     ),
     "--num-attention-heads": "model.llm.num_attention_heads and the ViT's",
     "--kv-channels": "kv_channels of both",
     "--group-query-attention": "num_query_groups of both (with --num-query-groups)",
     "--num-query-groups": "num_query_groups of both (with --group-query-attention)",
     "--swiglu": (
-        "gated_linear_unit: true and activation: silu, both (the projector stays a GELU MLP)"
+        "gated_linear_unit: true and activation: silu, of the LLM, the ViT and the projector's MLP"
     ),
     "--normalization": "normalization of both (LayerNorm, RMSNorm)",
-    "--disable-bias-linear": "add_bias_linear: false, both",
+    "--disable-bias-linear": "add_bias_linear: false, of the LLM, the ViT and the projector",
     "--add-qkv-bias": "no change while linear layers have biases (they include QKV's)",
     "--position-embedding-type": "model.llm.position_embedding_type (learned_absolute, rope, none)",
     "--untie-embeddings-and-output-weights": "model.llm.untie_embeddings_and_output_weights",
@@ -117,6 +117,10 @@ HONOURED_FLAGS = {
     "--img-w": "the ViT's seq_length",
     "--patch-dim": "the ViT's patch_size",
     "--freeze-ViT": "the ViT's frozen: true (its projector still trains)",
+    "--disable-vision-class-token": (
+        "the ViT's drop_class_token: true (CLIP's class token, always built, is dropped before "
+        "the projector; kept, it is one more image token)"
+    ),
     "--recompute-granularity": (
         "training.recompute (full: every layer, uniform, 1 layer per checkpoint)"
     ),
@@ -221,14 +225,6 @@ REFUSED_FLAGS = (
     ),
     RefusedFlag("--freeze-LM", "freeze_LM", False, "a frozen LLM is not planned; leave it out"),
     RefusedFlag(
-        "--disable-vision-class-token",
-        "disable_vision_class_token",
-        False,
-        "the Optimus ViT has no class token, so its image tokens are the patch tokens alone; add "
-        "--disable-vision-class-token",
-        (True,),
-    ),
-    RefusedFlag(
         "--recompute-method",
         "recompute_method",
         None,
@@ -303,7 +299,10 @@ def config_from_megatron_args(
             f"{args.patch_dim}"
         )
     llm_layers = args.decoder_num_layers if args.decoder_num_layers is not None else args.num_layers
-    image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    patch_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    # pretrain_vlm.py's CLIP always has one class token; the LLM gets it unless dropped
+    drop_class_token = getattr(args, "disable_vision_class_token", False)
+    image_tokens = patch_tokens + (0 if drop_class_token else 1)
     text_tokens = getattr(args, "dataloader_seq_length", None) or args.seq_length
     layers = _layer_shape(args)
     raw: dict[str, Any] = {
@@ -316,11 +315,20 @@ def config_from_megatron_args(
                     "name": "vit",
                     **layers,
                     "num_layers": args.encoder_num_layers,
-                    "seq_length": image_tokens,
+                    "seq_length": patch_tokens,
                     "patch_size": args.patch_dim,
                     "in_channels": 3,
                     "frozen": getattr(args, "freeze_ViT", False),
                     "model_subtype": "clip",
+                    "class_token": True,
+                    "drop_class_token": drop_class_token,
+                    # pretrain_vlm.py's projector: the LLM's MLP (a copy of its config)
+                    "projector": {
+                        "ffn_hidden_size": layers["ffn_hidden_size"],
+                        "activation": layers["activation"],
+                        "gated_linear_unit": layers["gated_linear_unit"],
+                        "add_bias_linear": layers["add_bias_linear"],
+                    },
                 }
             ],
             "llm": {
@@ -386,7 +394,7 @@ _FIELD_FLAGS = {
         "--seq-length / --dataloader-seq-length (text tokens) plus the image tokens"
     ),
     "model.llm.vocab_size": "--vocab-size",
-    "model.encoders.seq_length": "--img-h / --img-w / --patch-dim (the image tokens)",
+    "model.encoders.seq_length": "--img-h / --img-w / --patch-dim (the patch tokens)",
     "parallel.llm.vp": (
         "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
     ),

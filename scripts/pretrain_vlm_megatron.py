@@ -13,7 +13,10 @@ place of Megatron's. Without ``--optimus-schedule`` the vision model runs in the
 built; with it, its kernels run in the LLM's bubbles. Make the schedule for the same job from its
 flags with ``optimus-plan --world-size 4 --artifact plan.json -- [Megatron flags]``. The flags are
 Megatron-LM's, with its defaults (no model sizes; ``--transformer-impl local`` must be given); the
-README's are ``configs/megatron_tiny.yaml``.
+README's describe ``configs/pretrain_vlm_tiny.yaml``. As Megatron-LM's ``pretrain_vlm.py``, the
+vision model is CLIP with its class token (dropped before the projector under
+``--disable-vision-class-token``) and the projector is the LLM's MLP (its ffn width, SwiGLU under
+``--swiglu``, no biases under ``--disable-bias-linear``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 # megatron.training's stand-in first, as its import sets the job up (here: quiets the CPU-only
 # library warnings); the next line is the opt-in: --optimus-schedule runs the encoder in the bubbles
@@ -50,7 +52,9 @@ IMAGE_TOKEN_INDEX = -200  # LLaVA's <image>
 
 
 class VisionLanguageModel(MegatronModule):
-    """megatron-core's ``LLaVAModel`` layout, without the class token its CLIP always has."""
+    """megatron-core's ``LLaVAModel`` layout: CLIP with ``class_token`` or without, the class token
+    dropped before the projector under ``drop_class_token`` (LLaVA's
+    ``drop_vision_class_token``)."""
 
     def __init__(
         self,
@@ -68,6 +72,8 @@ class VisionLanguageModel(MegatronModule):
         patch_dim: int,
         position_embedding_type: str = "learned_absolute",
         untie: bool = False,
+        class_token: bool = False,
+        drop_class_token: bool = False,
     ):
         super().__init__(config=language_config)
         self.pre_process, self.post_process = pre_process, post_process
@@ -86,14 +92,16 @@ class VisionLanguageModel(MegatronModule):
             scatter_embedding_sequence_parallel=False,
             vp_stage=vp_stage,
         )
-        # the vision model and projector live on the first stage only, as in LLaVAModel
+        # the vision model and projector live on the first stage only, as in LLaVAModel (whose name
+        # for the drop this is)
+        self._drop_vision_class_token = drop_class_token
         if pre_process:
             # no TE or apex
             self.vision_model = CLIPViTModel(
                 vision_config,
                 get_vit_layer_with_local_spec(),
-                add_class_token=False,
-                class_token_len=0,
+                add_class_token=class_token,
+                class_token_len=1 if class_token else 0,
                 patch_dim=patch_dim,
                 img_h=img_h,
                 img_w=img_w,
@@ -125,6 +133,8 @@ class VisionLanguageModel(MegatronModule):
         decoder_input = None
         if self.pre_process:
             image_embeddings = self.vision_model(images)  # [b, image tokens, h_vision]
+            if self._drop_vision_class_token:
+                image_embeddings = image_embeddings[:, self.vision_model.class_token_len :]
             image_embeddings = self.vision_projection(
                 image_embeddings.permute(1, 0, 2).contiguous()
             )
@@ -154,8 +164,8 @@ def splice_images(
 def model_provider(
     pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None
 ) -> VisionLanguageModel:
-    """Builds the model: the vision model a copy of the language model's layers, as
-    pretrain_vlm.py's."""
+    """Builds the model as pretrain_vlm.py does: the vision model a copy of the language model's
+    layers, CLIP with its class token, the projector the language model's MLP."""
     args = get_args()
     language_config = core_transformer_config_from_args(args)
     vision_config = deepcopy(language_config)
@@ -163,12 +173,11 @@ def model_provider(
     vision_config.pipeline_model_parallel_size = 1  # the vision model lives on the first stage
     vision_config.virtual_pipeline_model_parallel_size = None
     vision_config.sequence_parallel = False
-    # LLaVA's GELU MLP from the vision width to the language width
-    projection_config = deepcopy(vision_config)
-    projection_config.ffn_hidden_size = language_config.hidden_size
-    projection_config.gated_linear_unit, projection_config.activation_func = False, F.gelu
-    projection_config.add_bias_linear = True
-    image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    projection_config = deepcopy(language_config)  # its ffn width, activation, gating and biases
+    projection_config.pipeline_model_parallel_size = 1
+    projection_config.virtual_pipeline_model_parallel_size = None
+    projection_config.sequence_parallel = False
+    image_tokens = image_tokens_per_sample(args)
     text_tokens = args.dataloader_seq_length or args.seq_length
     model = VisionLanguageModel(
         language_config,
@@ -184,10 +193,19 @@ def model_provider(
         patch_dim=args.patch_dim,
         position_embedding_type=args.position_embedding_type,
         untie=args.untie_embeddings_and_output_weights,
+        class_token=True,
+        drop_class_token=args.disable_vision_class_token,
     )
     if args.freeze_ViT and pre_process:
         model.vision_model.requires_grad_(False)
     return model
+
+
+def image_tokens_per_sample(args: Any) -> int:
+    """The LLM's image tokens: the patches, and the class token unless dropped
+    (megatron-core's ``get_num_image_embeddings``)."""
+    patches = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    return patches + (0 if args.disable_vision_class_token else 1)
 
 
 class MockVLMDataset(torch.utils.data.Dataset):
@@ -232,7 +250,7 @@ def train_valid_test_datasets_provider(
     train_val_test_num_samples: list[int],
 ) -> tuple[Any, Any, Any]:
     args = get_args()
-    image_tokens = (args.img_h // args.patch_dim) * (args.img_w // args.patch_dim)
+    image_tokens = image_tokens_per_sample(args)
     text_tokens = args.dataloader_seq_length or args.seq_length
     datasets = [
         MockVLMDataset(

@@ -32,6 +32,7 @@ from support.train_utils import TIMEOUT_S, assert_one_error_everywhere, ranks
 
 SCRIPT = str(REPO / "scripts" / "pretrain_vlm_megatron.py")
 MEGATRON_TINY = str(CONFIGS / "megatron_tiny.yaml")
+PRETRAIN_VLM_TINY = str(CONFIGS / "pretrain_vlm_tiny.yaml")
 LINE = re.compile(r"^iteration (\d)/3 \| lm loss (\d+\.\d{4}) \| (.+)$")
 TINY_ARGS = list(MEGATRON_TINY_FLAGS)
 LLAMA = [
@@ -174,9 +175,11 @@ def test_a_schedule_for_another_job_is_refused_on_every_rank(plan_json):
     assert_one_error_everywhere(results, "re-run optimus-plan", prog="pretrain_vlm_megatron.py")
 
 
-def test_megatron_args_give_the_megatron_tiny_config():
-    """TINY_ARGS without dropout describe configs/megatron_tiny.yaml; dropout is Megatron-LM's 0.1
-    by default, for the LLM and the vision model."""
+def test_megatron_args_give_the_pretrain_vlm_tiny_config():
+    """The script's defaults with TINY_ARGS and without dropout describe
+    configs/pretrain_vlm_tiny.yaml (configs/megatron_tiny.yaml with pretrain_vlm.py's vision path:
+    CLIP's class token, dropped under --disable-vision-class-token, and the LLM's MLP as
+    projector); dropout is Megatron-LM's 0.1 by default, for the LLM and the vision model."""
     from optimus_mllm.config import load_config
 
     args = _parse_args()
@@ -187,7 +190,7 @@ def test_megatron_args_give_the_megatron_tiny_config():
     } == {(0.1, 0.1)}
     ours, tiny = (
         _config("--hidden-dropout", "0", "--attention-dropout", "0"),
-        load_config(MEGATRON_TINY),
+        load_config(PRETRAIN_VLM_TINY),
     )
     assert ours.model == tiny.model
     assert ours.parallel.llm == tiny.parallel.llm
@@ -282,6 +285,8 @@ HONOURED = {
     "--img-w": (["--img-w", "32"], {"seq_length": 80}, {"seq_length": 32}),
     "--patch-dim": (["--patch-dim", "8"], {"seq_length": 52}, {"seq_length": 4, "patch_size": 8}),
     "--freeze-ViT": (["--freeze-ViT"], None, {"frozen": True}),
+    # in TINY_ARGS; left out, the class token is one more image token
+    "--disable-vision-class-token": ([], None, {"class_token": True, "drop_class_token": True}),
     "--recompute-granularity": (["--recompute-granularity", "full"], None, None),
 }
 
@@ -307,6 +312,12 @@ def test_an_honoured_flag_shapes_the_llm_and_the_vit_as_pretrain_vlm_does(flag):
     if flag == "--recompute-granularity":
         assert (base.training.recompute, config.training.recompute) == ("none", "full")
     # in TINY_ARGS: compare with the flag left out
+    elif flag == "--disable-vision-class-token":
+        kept = _parse_args()
+        kept.disable_vision_class_token = False
+        kept_config = config_from_megatron_args(kept, 4, 4)
+        assert not kept_config.encoders[0].drop_class_token
+        assert kept_config.llm.seq_length == config.llm.seq_length + 1
     elif flag == "--untie-embeddings-and-output-weights":
         tied = _parse_args()
         tied.untie_embeddings_and_output_weights = False
@@ -321,8 +332,6 @@ def test_an_honoured_flag_shapes_the_llm_and_the_vit_as_pretrain_vlm_does(flag):
 def _refused_value(refused) -> list[str]:
     if refused.default is False:
         return [refused.flag]
-    if refused.flag == "--disable-vision-class-token":
-        return []
     values = {
         "--position-embedding-type": "relative",
         "--transformer-impl": "transformer_engine",
@@ -336,8 +345,6 @@ def _refused_value(refused) -> list[str]:
 def test_a_model_flag_the_runtime_does_not_build_is_refused_naming_it(refused):
     argv = _refused_value(refused)
     args = _parse_args(*argv)
-    if refused.flag == "--disable-vision-class-token":
-        args.disable_vision_class_token = False
     with pytest.raises(OptimusError) as caught:
         config_from_megatron_args(args, 4, 4)
     message = str(caught.value)
@@ -349,14 +356,22 @@ def test_qkv_bias_without_the_other_biases_is_refused():
         _config("--add-qkv-bias", "--disable-bias-linear")
 
 
-@pytest.mark.distributed
-def test_a_missing_class_token_flag_is_one_line_on_every_rank():
-    command = [SCRIPT, *(flag for flag in TINY_ARGS if flag != "--disable-vision-class-token")]
-    assert_one_error_everywhere(
-        ranks(2, "--tensor-model-parallel-size", "1", program=tuple(command)),
-        "--disable-vision-class-token",
-        prog="pretrain_vlm_megatron.py",
-    )
+@pytest.mark.parametrize(
+    "argv, projector",
+    [
+        ([], {"ffn_hidden_size": 256}),
+        (
+            ["--swiglu", "--ffn-hidden-size", "128"],
+            {"ffn_hidden_size": 128, "activation": "silu", "gated_linear_unit": True},
+        ),
+        (["--disable-bias-linear"], {"ffn_hidden_size": 256, "add_bias_linear": False}),
+    ],
+    ids=["default", "swiglu", "no-bias"],
+)
+def test_the_projector_is_the_llms_mlp_as_pretrain_vlm_builds_it(argv, projector):
+    from optimus_mllm.config import ProjectorConfig
+
+    assert _config(*argv).encoders[0].projector == ProjectorConfig(**projector)
 
 
 def test_swiglu_gives_megatron_cores_llm_a_silu_gated_mlp():

@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any
 
 import pytest
+import torch.nn.functional as F
 
 from support.distributed_utils import run_distributed
 from support.paths import REPO
@@ -24,6 +25,9 @@ def _user_model(config: Any, llm_plan: Any, without_vision: bool = False, **chan
 
     from support import user_vlm
 
+    tokens = user_vlm.image_tokens(
+        changes.get("class_token", False), changes.get("drop_class_token", False)
+    )
     provider = partial(
         user_vlm.model_provider,
         tp=llm_plan.tp,
@@ -33,7 +37,7 @@ def _user_model(config: Any, llm_plan: Any, without_vision: bool = False, **chan
     )
     if without_vision:  # a first stage whose model lacks LLaVA's vision_model
         provider = partial(_without_vision, provider)
-    return UserModel(provider, user_vlm.forward_step, user_vlm.batches(llm_plan.dp, STEPS))
+    return UserModel(provider, user_vlm.forward_step, user_vlm.batches(llm_plan.dp, STEPS, tokens))
 
 
 def _without_vision(provider: Any, *args: Any, **kwargs: Any) -> Any:
@@ -44,31 +48,39 @@ def _without_vision(provider: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _vision_grads(trainer: Any) -> dict:
-    """The vision model's and projector's whole gradients under LLaVA's keys, wherever they live."""
-    import dataclasses
-
+    """The vision model's and projector's whole gradients under LLaVA's keys, wherever they live:
+    read as the modules' own sharded state with each parameter's data swapped for its gradient
+    (megatron-core's SwiGLU factory chunks the parameter itself)."""
     from optimus_mllm.runtime.sharded_state import (
         encoder_sharded_state_dict,
         global_shapes,
-        sharded_tensors,
         whole_tensors,
     )
-    from optimus_mllm.runtime.user_model import vision_sharded_state_dict
+    from optimus_mllm.runtime.user_model import vision_modules, vision_sharded_state_dict
 
     trainer.gather_gradients()
     if trainer.encoder is not None:
-        state = encoder_sharded_state_dict(trainer.config, trainer.encoder, trainer.groups.dp_group)
+        modules = [trainer.encoder]
     else:
-        state = vision_sharded_state_dict(trainer.modules[0]) if trainer.stage == 0 else {}
-    grads = {
-        f"{key}#{i}": dataclasses.replace(piece, data=piece.data.main_grad)
-        for key, pieces in sharded_tensors(state).items()
-        for i, piece in enumerate(pieces)
-    }
-    return whole_tensors(grads, global_shapes(grads), "test")
+        modules = list(vision_modules(trainer.modules[0])) if trainer.stage == 0 else []
+    params = [p for module in modules for p in module.parameters()]
+    weights = [p.data for p in params]
+    for p in params:
+        p.data = p.main_grad.clone()
+    try:
+        if trainer.encoder is not None:
+            state = encoder_sharded_state_dict(
+                trainer.config, trainer.encoder, trainer.groups.dp_group
+            )
+        else:
+            state = vision_sharded_state_dict(trainer.modules[0]) if trainer.stage == 0 else {}
+        return whole_tensors(state, global_shapes(state), "test")
+    finally:
+        for p, weight in zip(params, weights):
+            p.data = weight
 
 
-def _both_runtimes(overrides: list[str]) -> dict:
+def _both_runtimes(overrides: list[str], user: dict[str, Any]) -> dict:
     """Each runtime from the user's provider: step losses and grad norms, then the LLM's gradients
     and the vision weights after the steps; compared here, on the rank, and reported as
     differences."""
@@ -89,7 +101,7 @@ def _both_runtimes(overrides: list[str]) -> dict:
             planned.llm_plan,
             mode,
             artifact,
-            user_model=_user_model(config, planned.llm_plan),
+            user_model=_user_model(config, planned.llm_plan, **user),
         )
         steps = [trainer.train_step(0)]
         vision = _vision_grads(trainer)  # the first step's, from the same weights
@@ -149,12 +161,36 @@ def _both_runtimes(overrides: list[str]) -> dict:
     return report
 
 
-PLANS = {
-    "planned": [],  # the planner's encoder plan; its schedule puts kernels inside the LLM's steps
-    "llm-dp2-encoder-pp2": [
-        "parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}",
-        "parallel.encoder={pp: 2, tp: 1}",
+# Megatron-LM's pretrain_vlm.py with --swiglu: CLIP with its class token (kept: one more image
+# token), the vision model and projector copies of the language model's SwiGLU config
+_SWIGLU = {"gated_linear_unit": True, "activation_func": F.silu}
+PRETRAIN_VLM_SWIGLU = (
+    [
+        "model.encoders.0.class_token=true",
+        "model.llm.seq_length=65",
+        *(
+            f"{part}.{field}"
+            for part in ("model.llm", "model.encoders.0", "model.encoders.0.projector")
+            for field in ("gated_linear_unit=true", "activation=silu")
+        ),
+        "model.encoders.0.projector.ffn_hidden_size=256",
     ],
+    {
+        "class_token": True,
+        "projection_from_language": True,
+        "language_changes": _SWIGLU,
+        "vision_changes": _SWIGLU,
+    },
+)
+CLASS_TOKEN_RUNS = ("pretrain-vlm-swiglu-class-token",)
+PLANS = {
+    # the planner's encoder plan; its schedule puts kernels inside the LLM's steps
+    "planned": ([], {}),
+    "llm-dp2-encoder-pp2": (
+        ["parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}", "parallel.encoder={pp: 2, tp: 1}"],
+        {},
+    ),
+    "pretrain-vlm-swiglu-class-token": PRETRAIN_VLM_SWIGLU,
 }
 
 
@@ -162,7 +198,7 @@ def _rank_runs(folder: str) -> dict:
     """One rank of every run here, in one launch: each plan under both runtimes, checkpoints across
     the runtimes (written under ``folder``), then the refusals."""
     return {
-        **{name: _both_runtimes(overrides) for name, overrides in PLANS.items()},
+        **{name: _both_runtimes(overrides, user) for name, (overrides, user) in PLANS.items()},
         "resumed": _resumed_across_runtimes(folder),
         "refusals": _refusals(),
     }
@@ -233,7 +269,10 @@ def test_a_users_model_resumes_across_the_runtimes(user_runs: list[dict]) -> Non
     assert any(runs["resumed"]["resumed"][0][0] is not None for runs in user_runs)
 
 
-@pytest.mark.parametrize("plans, in_bubbles", [("planned", True), ("llm-dp2-encoder-pp2", False)])
+@pytest.mark.parametrize(
+    "plans, in_bubbles",
+    [("planned", True), ("llm-dp2-encoder-pp2", False), ("pretrain-vlm-swiglu-class-token", True)],
+)
 def test_a_users_model_trains_the_same_with_and_without_the_flag(
     user_runs: list[dict], plans: str, in_bubbles: bool
 ) -> None:
@@ -259,6 +298,8 @@ def test_a_users_model_trains_the_same_with_and_without_the_flag(
     assert any(
         key.startswith("vision_projection.encoder.linear_fc1") for key in first["vision_keys"]
     )
+    # pretrain_vlm.py's CLIP: its class token trained in both runtimes, compared above
+    assert ("vision_model.class_token" in first["vision_keys"]) == (plans in CLASS_TOKEN_RUNS)
     assert any(loss is not None for loss, _ in (r["steps"]["optimus"][0] for r in reports))
     # every rank ran encoder kernels under the encoder plan
     assert all(r["ops_run"] > 0 for r in reports)
@@ -287,6 +328,8 @@ def _refusals() -> list[str]:
         {"vision_changes": {"hidden_dropout": 0.1}},
         {"language_changes": {"num_attention_heads": 8}},
         {"without_vision": True},
+        {"class_token": True},
+        {"projection_from_language": True},
     ):
         try:
             Trainer(
@@ -308,7 +351,7 @@ def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
 ) -> None:
     reports = [runs["refusals"] for runs in user_runs]
     assert all(report == reports[0] for report in reports)
-    ffn, dropout, heads, no_vision = reports[0]
+    ffn, dropout, heads, no_vision, class_token, projector = reports[0]
     assert ffn == (
         "model_provider: the vision model's TransformerConfig.ffn_hidden_size is 128, but "
         "model.encoders[0] describes 256; make the two agree"
@@ -321,6 +364,14 @@ def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
     # seen by the first stage's ranks alone, refused by every rank
     assert no_vision.startswith(
         "model_provider: the first pipeline stage's VisionLanguageModel lacks vision_model"
+    )
+    assert class_token == (
+        "model_provider: the vision model has 1 class token(s) (CLIPViTModel's add_class_token, "
+        "class_token_len), but model.encoders[0].class_token is false; make the two agree"
+    )
+    assert projector == (
+        "model_provider: the projector's TransformerConfig.ffn_hidden_size is 256, but "
+        "model.encoders[0].projector.ffn_hidden_size describes 64; make the two agree"
     )
 
 

@@ -48,9 +48,10 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
-# configs/megatron_tiny.yaml as Megatron-LM flags (pretrain_vlm.py's conventions): a ViT of 2 layers
-# and an LLM of 4 at TP2 PP2 with two model chunks per stage, untied embeddings, the distributed
-# optimizer, no class token; dropout stays Megatron's 0.1
+# configs/pretrain_vlm_tiny.yaml as Megatron-LM flags (pretrain_vlm.py's conventions): a ViT of 2
+# layers and an LLM of 4 at TP2 PP2 with two model chunks per stage, untied embeddings, the
+# distributed optimizer, CLIP's class token dropped before the projector; dropout stays Megatron's
+# 0.1
 MEGATRON_TINY_LAYERS = ("--encoder-num-layers", "2", "--decoder-num-layers", "4")
 MEGATRON_TINY_FLAGS = (
     *MEGATRON_TINY_LAYERS,

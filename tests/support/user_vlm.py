@@ -1,7 +1,10 @@
 """A Megatron-LM user's own job for the runtime tests: ``scripts/pretrain_vlm_megatron.py``'s model
 (megatron-core's CLIPViTModel, MultimodalProjector and GPTModel in LLaVA's layout), forward step and
 mock data, built from explicit ``TransformerConfig``s of ``configs/megatron_tiny.yaml``'s sizes
-rather than from flags, and read in Megatron-LM's pretraining-sampler order.
+rather than from flags, and read in Megatron-LM's pretraining-sampler order. By default CLIP has no
+class token and the projector is LLaVA's GELU MLP to the language width (megatron_tiny.yaml); with
+``class_token`` and ``projection_from_language`` it is the model Megatron-LM's ``pretrain_vlm.py``
+builds (its projector a copy of the language model's config).
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ def model_provider(
     vp: int | None,
     vision_changes: dict[str, Any] | None = None,
     language_changes: dict[str, Any] | None = None,
+    class_token: bool = False,
+    drop_class_token: bool = False,
+    projection_from_language: bool = False,
 ) -> script.VisionLanguageModel:
     language = language_config(tp, pp, vp, **(language_changes or {}))
     vision = TransformerConfig(
@@ -78,7 +84,18 @@ def model_provider(
             **(vision_changes or {}),
         }
     )
-    projection = TransformerConfig(**{**_fields(vision), "ffn_hidden_size": language.hidden_size})
+    if projection_from_language:  # pretrain_vlm.py: the language model's MLP, on the first stage
+        projection = TransformerConfig(
+            **{
+                **_fields(language),
+                "pipeline_model_parallel_size": 1,
+                "virtual_pipeline_model_parallel_size": None,
+            }
+        )
+    else:  # LLaVA's GELU MLP from the vision width to the language width
+        projection = TransformerConfig(
+            **{**_fields(vision), "ffn_hidden_size": language.hidden_size}
+        )
     return script.VisionLanguageModel(
         language,
         vision,
@@ -87,14 +104,21 @@ def model_provider(
         post_process=post_process,
         vp_stage=vp_stage,
         vocab_size=VOCAB,
-        max_sequence_length=TEXT + IMAGE_TOKENS,
+        max_sequence_length=TEXT + image_tokens(class_token, drop_class_token),
         img_h=IMG,
         img_w=IMG,
         patch_dim=PATCH,
         untie=True,
+        class_token=class_token,
+        drop_class_token=drop_class_token,
     )
 
 
-def batches(data_parallel_size: int, steps: int) -> BatchSource:
-    dataset = script.MockVLMDataset(steps * GLOBAL_BATCH, 1234, IMG, IMG, TEXT, IMAGE_TOKENS, VOCAB)
+def image_tokens(class_token: bool = False, drop_class_token: bool = False) -> int:
+    """The LLM's image tokens per sample: the patches, and a class token that is kept."""
+    return IMAGE_TOKENS + (1 if class_token and not drop_class_token else 0)
+
+
+def batches(data_parallel_size: int, steps: int, image_tokens: int = IMAGE_TOKENS) -> BatchSource:
+    dataset = script.MockVLMDataset(steps * GLOBAL_BATCH, 1234, IMG, IMG, TEXT, image_tokens, VOCAB)
     return pretraining_sampler_batches(dataset, MICRO_BATCH, data_parallel_size, GLOBAL_BATCH)
