@@ -199,13 +199,13 @@ def test_an_artifact_from_the_flags_is_the_schedule_of_the_job_with_those_flags(
         runtime_for_args(other, config_from_megatron_args(other, 4, 4))
 
 
-def test_the_flags_of_megatron_tiny_plan_what_its_yaml_plans(tmp_path):
-    """configs/megatron_tiny.yaml as flags and as YAML: the same artifact, but for the config's
+def test_the_flags_of_pretrain_vlm_tiny_plan_what_its_yaml_plans(tmp_path):
+    """configs/pretrain_vlm_tiny.yaml as flags and as YAML: the same artifact, but for the config's
     name."""
     from_flags, from_yaml = tmp_path / "flags.json", tmp_path / "yaml.json"
     argv = ["--world-size", "4", "--gpus-per-node", "4", "--artifact", str(from_flags)]
     assert optimus_plan([*argv, "--", *MEGATRON_TINY_FLAGS]) == 0
-    yaml = str(CONFIGS / "megatron_tiny.yaml")
+    yaml = str(CONFIGS / "pretrain_vlm_tiny.yaml")
     assert optimus_plan(["--config", yaml, "--artifact", str(from_yaml)]) == 0
     flags, planned = json.loads(from_flags.read_text()), json.loads(from_yaml.read_text())
     assert {**flags, "config": None} == {**planned, "config": None}
