@@ -106,14 +106,17 @@ class ChannelP2PCommunicator(P2PCommunicator):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict | None]:
         self._sends = [work for work in self._sends if not work.is_completed()]
         handles: dict[str, _WaitedElsewhere] = {}
+        # A send is still in flight when this returns, and megatron-core then frees a sent output
+        # (``deallocate_pipeline_outputs``, Megatron-LM's default) by swapping its ``.data`` for a
+        # one-element tensor: a detached view keeps the sent storage for the send.
         if tensor_send_next is not None:
             self._sends.append(
-                dist.isend(tensor_send_next, self.next_rank, group=self.channels.to_next)
+                dist.isend(tensor_send_next.detach(), self.next_rank, group=self.channels.to_next)
             )
             handles["send_next"] = _WaitedElsewhere()
         if tensor_send_prev is not None:
             self._sends.append(
-                dist.isend(tensor_send_prev, self.prev_rank, group=self.channels.to_prev)
+                dist.isend(tensor_send_prev.detach(), self.prev_rank, group=self.channels.to_prev)
             )
             handles["send_prev"] = _WaitedElsewhere()
         received_prev = self._post("prev", tensor_shape) if recv_prev else None

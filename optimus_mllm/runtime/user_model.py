@@ -308,6 +308,10 @@ class ImageEmbeddingsInput(nn.Module):
         super().__init__()
         self.embeddings: Tensor | None = None  # [tokens, batch, hidden], a leaf whose grad is G_i
 
+    def set_input_tensor(self, input_tensor: Tensor | None) -> None:
+        """LLaVAModel hands its vision model the first stage's pipeline input, which is None there:
+        the image tokens come from the encoder pipeline instead."""
+
     def forward(self, images: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if self.embeddings is None:
             raise RuntimeError("ImageEmbeddingsInput ran outside a microbatch the runtime set up")
