@@ -33,6 +33,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,6 +89,8 @@ from optimus_mllm.runtime.user_model import (
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 
 IMAGE_KEY = "image"  # Megatron-LM's multimodal datasets' (pretrain_vlm.py's get_batch)
+# in a checkpoint folder saved with the flag: its optimizer state is the chained optimizer's
+OPTIMIZER_MARK = "optimus_optimizer_layout"
 
 
 @dataclass
@@ -384,11 +387,17 @@ class OptimusInMegatron:
                 first.vision_model, first.vision_projection = taken.stand_in, nn.Identity()
 
     def _save_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
             if self.job is None:
-                return original(*args, **kwargs)
+                return original(iteration, *args, **kwargs)
             with self._user_vision_restored(self.job):
-                return original(*args, **kwargs)
+                saved = original(iteration, *args, **kwargs)
+            save = self.get_args().save
+            if save and not kwargs.get("non_persistent_ckpt") and dist.get_rank() == 0:
+                _iteration_folder(save, str(iteration)).joinpath(OPTIMIZER_MARK).write_text(
+                    "the optimizer state of this checkpoint is laid out for --optimus-schedule\n"
+                )
+            return saved
 
         return save_checkpoint
 
@@ -397,6 +406,7 @@ class OptimusInMegatron:
             job = self.job
             if job is None:
                 return original(*args, **kwargs)
+            _check_optimizer_layout(self.get_args(), kwargs.get("load_arg", "load"))
             with self._user_vision_restored(job):
                 loaded = original(*args, **kwargs)
                 first = job.first_chunk
@@ -410,6 +420,33 @@ class OptimusInMegatron:
             return loaded
 
         return load_checkpoint
+
+
+def _iteration_folder(checkpoints: str, iteration: str) -> Path:
+    """Megatron-LM's folder of one checkpoint (``iter_0000002``, or ``release``)."""
+    name = "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    return Path(checkpoints, name)
+
+
+def _check_optimizer_layout(args: argparse.Namespace, load_arg: str) -> None:
+    """Refuse to load, under the flag, an optimizer state saved without it (the vision model's
+    state in the first stage's optimizer, by position); its weights load with --no-load-optim."""
+    load = getattr(args, load_arg, None)
+    if not load or args.no_load_optim or getattr(args, "finetune", False):
+        return
+    tracker = Path(load, "latest_checkpointed_iteration.txt")  # Megatron-LM's tracker file
+    step = getattr(args, "ckpt_step", None)
+    if step is None and not tracker.is_file():
+        return  # nothing to resume: Megatron-LM starts afresh
+    iteration = str(step) if step is not None else tracker.read_text().strip()
+    folder = _iteration_folder(load, iteration)
+    if folder.is_dir() and not folder.joinpath(OPTIMIZER_MARK).is_file():
+        raise OptimusError(
+            f"--{load_arg.replace('_', '-')} {load}: the checkpoint at {folder.name} was saved "
+            "without --optimus-schedule, and its optimizer state is laid out for Megatron-LM's "
+            "placement of the vision model; resume it without the flag, or add --no-load-optim to "
+            "start the optimizer afresh from its weights"
+        )
 
 
 def _broadcast_over_tp(images: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -38,7 +38,7 @@ def _train(script: Path, args: tuple[str, ...], iterations: tuple[int, ...] = (1
 def _ran_optimus(run) -> None:
     """The flagged run really ran the Optimus schedule, not Megatron-LM's placement."""
     assert "optimus: --optimus-schedule auto: encoder plan" in run.output, run.output[-3000:]
-    assert re.search(r"optimus: first step: [1-9]\d* of \d+ encoder ops", run.output), run.output
+    assert re.search(r"optimus: first step: \d+ of [1-9]\d* encoder ops", run.output), run.output
 
 
 def _same(plain, optimus) -> None:
@@ -78,3 +78,43 @@ def test_evaluation_and_save_resume_with_the_flag(tmp_path: Path) -> None:
     assert len(_VALIDATION.findall(plain.output)) == 1
     resumed = _train(script, (*layout, "--load", str(tmp_path / "ckpt"), *AUTO), iterations=(3,))
     _same(plain, type(plain)(0, (*first.iterations, *resumed.iterations), ""))
+
+
+def _saved_at_2(script: Path, folder: Path, flag: tuple[str, ...]) -> Path:
+    layout = _compare.LAYOUTS["tp2-pp2"]
+    save = ("--save", str(folder), "--save-interval", "2", "--exit-interval", "2")
+    _train(script, (*layout, *save, *flag), iterations=(1, 2))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "saved_with, resumed_with", [((), AUTO), (AUTO, ())], ids=["plain-to-flag", "flag-to-plain"]
+)
+def test_weights_resume_across_the_flag(saved_with, resumed_with, tmp_path: Path) -> None:
+    # the weights are under LLaVA's keys either way; the optimizer state's layout differs (the
+    # vision model's state in the first stage's optimizer or in the encoder's), so a resume across
+    # the flag starts the optimizer afresh, as Megatron-LM's --no-load-optim does without the flag
+    assert CHECKOUT is not None
+    script = _compare.with_one_line(CHECKOUT, tmp_path)
+    layout = (*_compare.LAYOUTS["tp2-pp2"], "--no-load-optim")
+    plain = _saved_at_2(script, tmp_path / "plain", ())
+    across = _saved_at_2(script, tmp_path / "across", saved_with)
+    reference = _train(script, (*layout, "--load", str(plain)), iterations=(3,))
+    resumed = _train(script, (*layout, "--load", str(across), *resumed_with), iterations=(3,))
+    if resumed_with == AUTO:
+        _ran_optimus(resumed)
+    _same(reference, resumed)
+
+
+def test_an_optimizer_state_saved_without_the_flag_is_refused_with_it(tmp_path: Path) -> None:
+    assert CHECKOUT is not None
+    script = _compare.with_one_line(CHECKOUT, tmp_path)
+    saved = _saved_at_2(script, tmp_path / "ckpt", ())
+    layout = _compare.LAYOUTS["tp2-pp2"]
+    run = _compare.run_megatron_script(
+        script, 4, [*_compare.TINY_VLM_ARGS, *layout, "--load", str(saved), *AUTO]
+    )
+    assert run.returncode != 0
+    errors = [line for line in run.output.splitlines() if line.startswith("pretrain_vlm.py: error")]
+    assert len(errors) == 1 and "saved without --optimus-schedule" in errors[0], run.output[-3000:]
+    assert "--no-load-optim" in errors[0]
