@@ -365,3 +365,39 @@ def test_the_flags_config_describes_llava_model_as_pretrain_vlm_builds_it(
         )
     else:
         assert verdicts["not gated"] is None
+
+
+def _projector_verdicts() -> list[str | None]:
+    """projector_problem for projectors the config (GELU, pretrain_vlm.py's width) does not
+    describe: a ReLU MLP, megatron-core's affine projector, a torch Linear; and one it does."""
+    config = _optimus_config(swiglu=False, drop=False, sequence_parallel=False)
+    encoder = config.encoders[0]
+    with megatron_patches.patched():
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        try:
+            submodules = decoder_model_with_local_default_spec().submodules.mlp.submodules
+            relu = deepcopy(_language_config(1, swiglu=False))
+            relu.activation_func = F.relu
+            projectors = [
+                MultimodalProjector(relu, deepcopy(submodules), "mlp", HIDDEN),
+                MultimodalProjector(_language_config(1, False), submodules, "affine", HIDDEN),
+                torch.nn.Linear(HIDDEN, HIDDEN),
+                MultimodalProjector(_language_config(1, False), submodules, "mlp", HIDDEN),
+            ]
+            return [projector_problem(encoder, p, HIDDEN) for p in projectors]
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+def test_a_projector_the_config_does_not_describe_is_refused_naming_what_differs() -> None:
+    (verdicts,) = run_distributed(_projector_verdicts, 1, timeout=120.0)
+    assert verdicts == [
+        "model_provider: the projector's TransformerConfig.activation_func is relu, but "
+        "model.encoders[0].projector.activation describes gelu; make the two agree",
+        "model_provider: vision_projection is a MultimodalProjector of type 'affine'; the "
+        "Optimus encoder runs type 'mlp'",
+        "model_provider: vision_projection is a Linear; the Optimus encoder runs megatron-core's "
+        "MultimodalProjector",
+        None,
+    ]
