@@ -9,8 +9,10 @@ into any plan. The mapping is of names and layouts only:
   heads, which megatron-core's ``linear_qkv`` holds per head ([q; k; v] of head 0, then head 1 ...).
   ``lm_head`` becomes the output layer when the config unties the embeddings.
 - ViT (``ViTModel``: ``embeddings.patch_embeddings.projection`` ...). The Conv2d patch embedding
-  becomes megatron-core ``CLIPViTModel``'s ``conv1``; the class token, its position embedding and
-  the final ``layernorm`` are dropped (this encoder has none). Separate ``query`` / ``key`` /
+  becomes megatron-core ``CLIPViTModel``'s ``conv1``; the class token (``cls_token``, first in
+  ViT's sequence as in ``CLIPViTModel``'s) becomes ``class_token`` when the encoder has one
+  (``class_token: true``) and is dropped with its position embedding otherwise; the final
+  ``layernorm`` is dropped (this encoder has none). Separate ``query`` / ``key`` /
   ``value`` weights are interleaved per head as above. A LLaVA ``multi_modal_projector.linear_1`` /
   ``linear_2`` in the same state dict becomes the projector; without one the projector starts from
   scratch.
@@ -187,8 +189,18 @@ def vit_entries(state: Mapping[str, Tensor], encoder: EncoderConfig, prefix: str
             _take(state, "embeddings.patch_embeddings.projection.bias", source),
             None,
         ),
-        (f"{out}position_embeddings.weight", position[1:], None),  # without the class token's
     ]
+    if encoder.class_token:
+        entries += [
+            (
+                f"{out}class_token",
+                _take(state, "embeddings.cls_token", source).reshape(1, 1, -1),
+                None,
+            ),
+            (f"{out}position_embeddings.weight", position, None),
+        ]
+    else:  # without the class token's position
+        entries.append((f"{out}position_embeddings.weight", position[1:], None))
     heads = encoder.num_attention_heads
     for i in range(encoder.num_layers):
         h, layer, a = (
@@ -278,6 +290,15 @@ def vit_entries(state: Mapping[str, Tensor], encoder: EncoderConfig, prefix: str
                 f"ViT: LLaVA's projector is an MLP, model.encoders[{encoder.name}].projector.type "
                 "is "
                 f"{encoder.projector.type}"
+            )
+        mlp = encoder.projector
+        if (mlp.activation, mlp.gated_linear_unit, mlp.add_bias_linear) != ("gelu", False, True):
+            raise OptimusError(
+                "ViT: LLaVA's projector is a GELU MLP with biases, "
+                f"model.encoders[{encoder.name}].projector is {mlp.activation}"
+                f"{', gated' if mlp.gated_linear_unit else ''}"
+                f"{'' if mlp.add_bias_linear else ', without biases'}; drop multi_modal_projector "
+                "from the checkpoint to train a new projector"
             )
         projector = f"{prefix}vision_projection.encoder."
         for ours, theirs in (("linear_fc1", "linear_1"), ("linear_fc2", "linear_2")):

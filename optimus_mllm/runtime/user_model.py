@@ -7,8 +7,8 @@ is a ``GPTModel`` and which, on the LLM's first pipeline stage, also holds ``vis
 ``vision_projection(vision_model(images)[:, dropped:].permute(1, 0, 2))`` (``dropped``: the class
 token under ``drop_vision_class_token``, else 0), then splices them in wherever its own code puts
 image tokens. The encoder config must describe both modules: the layers' ``TransformerConfig``, the
-class token and its drop, the projector's MLP (``Megatron-LM``'s ``pretrain_vlm.py`` builds it from
-the LLM's config: its ffn width, ``--swiglu``, ``--disable-bias-linear``).
+class token and its drop, the projector's MLP (Megatron-LM's ``pretrain_vlm.py`` builds it from the
+LLM's config: its ffn width, ``--swiglu``, ``--disable-bias-linear``).
 
 Without the flag the model runs as built: the encoder inside the first stage's forward. With it, the
 encoder runs under its own plan (``vit.EncoderStage``, split into kernels), starting from the
@@ -228,15 +228,14 @@ def _class_token_problem(encoder: EncoderConfig, vision: nn.Module, chunk: nn.Mo
 
 
 def _patches_problem(encoder: EncoderConfig, vision: nn.Module) -> str | None:
-    for field, got, want in (
-        ("patch tokens", vision.num_patches, encoder.seq_length),
-        ("patch_dim", vision.patch_dim, encoder.patch_size),
+    for theirs, got, ours, want in (
+        ("patch tokens", vision.num_patches, "seq_length", encoder.seq_length),
+        ("patch_dim", vision.patch_dim, "patch_size", encoder.patch_size),
     ):
         if got != want:
-            config_field = "seq_length" if field == "patch tokens" else "patch_size"
             return (
-                f"model_provider: the vision model's {field} is {got}, but "
-                f"model.encoders[0].{config_field} is {want}; make the two agree"
+                f"model_provider: the vision model's {theirs} is {got}, but "
+                f"model.encoders[0].{ours} is {want}; make the two agree"
             )
     return None
 
@@ -260,11 +259,15 @@ def projector_problem(
             f"model_provider: vision_projection is a {type(projection).__name__}; the Optimus "
             "encoder runs megatron-core's MultimodalProjector"
         )
-    if projection.projector_type != "mlp" or encoder.projector.type != "mlp":
+    if projection.projector_type != "mlp":
         return (
             f"model_provider: vision_projection is a MultimodalProjector of type "
-            f"{projection.projector_type!r} and model.encoders[0].projector.type is "
-            f"{encoder.projector.type}; the Optimus encoder runs the 'mlp' projector, build that"
+            f"{projection.projector_type!r}; the Optimus encoder runs type 'mlp'"
+        )
+    if encoder.projector.type != "mlp":
+        return (
+            f"model.encoders[0].projector.type is {encoder.projector.type}, but the model's "
+            "vision_projection is a MultimodalProjector of type 'mlp'; set type: mlp"
         )
     projector = encoder.projector
     theirs = projection.config

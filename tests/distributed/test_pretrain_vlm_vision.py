@@ -12,6 +12,7 @@ keys) must match, at TP 1 and TP 2 (with and without sequence parallelism)."""
 from __future__ import annotations
 
 from copy import deepcopy
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.multimodal.llava_model import LLaVAModel
 from megatron.core.models.multimodal.llava_spec import decoder_model_with_local_default_spec
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -272,3 +274,130 @@ def test_the_encoder_stage_is_pretrain_vlms_clip_drop_and_projector(
         assert set(errors) == set(CASES)
         for case, errs in errors.items():
             assert len(errs) > 10 and max(errs.values()) <= TOL, (rank, case, errs)
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron-core's LLaVAModel as pretrain_vlm.py builds it, against the config its flags give
+
+
+def _llava_verdicts(argv: list[str]) -> dict[str, str | None]:
+    """Build ``LLaVAModel`` as pretrain_vlm.py's ``model_provider`` does from ``argv`` (one rank),
+    and ask whether the config ``optimus_mllm.megatron`` makes of the same flags describes it; and
+    of that config with the drop flipped, and with a GELU projector."""
+    from megatron.core.models.vision import clip_vit_model
+
+    from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args
+    from optimus_mllm.megatron_arguments import parse_args
+    from optimus_mllm.megatron_training import core_transformer_config_from_args
+    from optimus_mllm.runtime.user_model import user_vision_problem
+
+    args = parse_args(add_optimus_args, argv)
+    config = config_from_megatron_args(args, 1, 1)
+    with megatron_patches.patched():
+        clip_init = clip_vit_model.CLIPViTModel.__init__  # as megatron_patches keep it on the CPU
+
+        def clip_with_torch_norm(self: Any, *a: Any, **kw: Any) -> None:
+            # LLaVAModel passes no ln_pre_impl; without TE the default cannot be built
+            # (Megatron-LM jobs on the CPU get this from megatron_patches.cpu.training)
+            clip_init(self, *a, **{"ln_pre_impl": WrappedTorchNorm, **kw})
+
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        clip_vit_model.CLIPViTModel.__init__ = clip_with_torch_norm
+        try:
+            language = core_transformer_config_from_args(args)
+            vision = deepcopy(language)
+            vision.num_layers = args.encoder_num_layers
+            vision.vision_model_type = "clip"
+            projection = deepcopy(language)
+            spec = decoder_model_with_local_default_spec()
+            llava = LLaVAModel(
+                language_transformer_config=language,
+                language_transformer_layer_spec=spec,
+                language_vocab_size=args.vocab_size,
+                language_max_sequence_length=config.llm.seq_length,
+                vision_transformer_config=vision,
+                vision_transformer_layer_spec=get_vit_layer_with_local_spec(),
+                drop_vision_class_token=args.disable_vision_class_token,
+                vision_projection_config=projection,
+                vision_projection_layer_spec=deepcopy(spec.submodules.mlp.submodules),
+                vision_projection_type="mlp",
+                img_h=args.img_h,
+                img_w=args.img_w,
+                patch_dim=args.patch_dim,
+            )
+        finally:
+            clip_vit_model.CLIPViTModel.__init__ = clip_init
+            parallel_state.destroy_model_parallel()
+    encoder = config.encoders[0]
+    layers = vision_transformer_config(encoder, 1, torch.float32, 0.02)
+    hidden = config.llm.hidden_size
+    flipped = replace(encoder, drop_class_token=not encoder.drop_class_token)
+    gelu = replace(encoder, projector=replace(encoder.projector, gated_linear_unit=False))
+    return {
+        "as built": user_vision_problem(encoder, layers, llava, hidden),
+        "drop flipped": user_vision_problem(flipped, layers, llava, hidden),
+        "not gated": user_vision_problem(gelu, layers, llava, hidden),
+    }
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--disable-vision-class-token"], ["--swiglu"]],
+    ids=["class-token-dropped", "swiglu-class-token-kept"],
+)
+def test_the_flags_config_describes_llava_model_as_pretrain_vlm_builds_it(
+    flags: list[str],
+) -> None:
+    one_rank = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+    (verdicts,) = run_distributed(_llava_verdicts, 1, [*one_rank, *flags], timeout=120.0)
+    assert verdicts["as built"] is None, verdicts
+    kept = "--disable-vision-class-token" not in flags
+    assert verdicts["drop flipped"] == (
+        f"model_provider: the model {'keeps' if kept else 'drops'} the vision class token before "
+        "its projector (LLaVA's drop_vision_class_token), but model.encoders[0].drop_class_token "
+        f"is {'true' if kept else 'false'}; make the two agree"
+    )
+    if "--swiglu" in flags:
+        assert verdicts["not gated"] == (
+            "model_provider: the projector's TransformerConfig.gated_linear_unit is True, but "
+            "model.encoders[0].projector.gated_linear_unit describes False; make the two agree"
+        )
+    else:
+        assert verdicts["not gated"] is None
+
+
+def _projector_verdicts() -> list[str | None]:
+    """projector_problem for projectors the config (GELU, pretrain_vlm.py's width) does not
+    describe: a ReLU MLP, megatron-core's affine projector, a torch Linear; and one it does."""
+    config = _optimus_config(swiglu=False, drop=False, sequence_parallel=False)
+    encoder = config.encoders[0]
+    with megatron_patches.patched():
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        try:
+            submodules = decoder_model_with_local_default_spec().submodules.mlp.submodules
+            relu = deepcopy(_language_config(1, swiglu=False))
+            relu.activation_func = F.relu
+            projectors = [
+                MultimodalProjector(relu, deepcopy(submodules), "mlp", HIDDEN),
+                MultimodalProjector(_language_config(1, False), submodules, "affine", HIDDEN),
+                torch.nn.Linear(HIDDEN, HIDDEN),
+                MultimodalProjector(_language_config(1, False), submodules, "mlp", HIDDEN),
+            ]
+            return [projector_problem(encoder, p, HIDDEN) for p in projectors]
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+def test_a_projector_the_config_does_not_describe_is_refused_naming_what_differs() -> None:
+    (verdicts,) = run_distributed(_projector_verdicts, 1, timeout=120.0)
+    assert verdicts == [
+        "model_provider: the projector's TransformerConfig.activation_func is relu, but "
+        "model.encoders[0].projector.activation describes gelu; make the two agree",
+        "model_provider: vision_projection is a MultimodalProjector of type 'affine'; the "
+        "Optimus encoder runs type 'mlp'",
+        "model_provider: vision_projection is a Linear; the Optimus encoder runs megatron-core's "
+        "MultimodalProjector",
+        None,
+    ]

@@ -153,9 +153,13 @@ def _gpt2_logits(state: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.
     return ln(x, "ln_f") @ s["lm_head.weight"].t()
 
 
-def _vit_features(state: dict[str, torch.Tensor], images: torch.Tensor) -> torch.Tensor:
-    """ViT's forward (Conv2d patches, separate Q / K / V), without the class token and final norm,
-    then LLaVA's projector."""
+def _vit_features(
+    state: dict[str, torch.Tensor], images: torch.Tensor, class_token: str = "none"
+) -> torch.Tensor:
+    """ViT's forward (Conv2d patches, separate Q / K / V), without the final norm, then LLaVA's
+    projector; ``class_token``: ``none`` (ViT's [CLS] left out), ``kept`` (run and projected) or
+    ``dropped`` (run, dropped before the projector, as Hugging Face LLaVA's default feature
+    selection does)."""
 
     def ln(x, name):
         return F.layer_norm(x, (VH,), state[f"{name}.weight"], state[f"{name}.bias"], eps=1e-5)
@@ -173,7 +177,11 @@ def _vit_features(state: dict[str, torch.Tensor], images: torch.Tensor) -> torch
         .flatten(2)
         .transpose(1, 2)
     )
-    x = x + state["embeddings.position_embeddings"][0, 1:]
+    if class_token == "none":
+        x = x + state["embeddings.position_embeddings"][0, 1:]
+    else:
+        cls = state["embeddings.cls_token"].expand(x.shape[0], -1, -1)
+        x = torch.cat([cls, x], dim=1) + state["embeddings.position_embeddings"][0]
     for i in range(VLAYERS):
         p = f"encoder.layer.{i}."
         a = ln(x, f"{p}layernorm_before")
@@ -185,6 +193,8 @@ def _vit_features(state: dict[str, torch.Tensor], images: torch.Tensor) -> torch
             F.gelu(linear(ln(x, f"{p}layernorm_after"), f"{p}intermediate.dense")),
             f"{p}output.dense",
         )
+    if class_token == "dropped":
+        x = x[:, 1:]
     return linear(
         F.gelu(linear(x, "multi_modal_projector.linear_1")), "multi_modal_projector.linear_2"
     )
@@ -197,7 +207,15 @@ def _patches(images: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, GRID * GRID, PATCH * PATCH * c)
 
 
-def _convert(tmp: Path, projector: bool = True) -> Path:
+# the config fields of each class-token case of _vit_features
+CLASS_TOKEN = {
+    "none": [],
+    "kept": ["model.encoders.0.class_token=true"],
+    "dropped": ["model.encoders.0.class_token=true", "model.encoders.0.drop_class_token=true"],
+}
+
+
+def _convert(tmp: Path, projector: bool = True, overrides: tuple[str, ...] = ()) -> Path:
     torch.save(_gpt2_state(), tmp / "gpt2.bin")
     torch.save(_vit_state(projector), tmp / "vit.bin")
     out = tmp / "pretrained"
@@ -213,6 +231,7 @@ def _convert(tmp: Path, projector: bool = True) -> Path:
             f"vit={tmp / 'vit.bin'}",
             "--out",
             str(out),
+            *(["--override", *overrides] if overrides else []),
         ],
         cwd=REPO,
         capture_output=True,
@@ -225,14 +244,14 @@ def _convert(tmp: Path, projector: bool = True) -> Path:
     return out
 
 
-def _outputs_after_loading(folder: str) -> dict:
+def _outputs_after_loading(folder: str, overrides: tuple[str, ...] = ()) -> dict:
     from optimus_mllm.config import load_config
     from optimus_mllm.planner import plan
     from optimus_mllm.runtime.checkpoint import load_pretrained
     from optimus_mllm.runtime.llm import causal_mask
     from optimus_mllm.runtime.trainer import Trainer
 
-    config = load_config(TINY, ONE_RANK)
+    config = load_config(TINY, [*ONE_RANK, *overrides])
     trainer = Trainer(config, plan(config).llm_plan, "baseline")
     notes = [
         load_pretrained(trainer, part, Path(folder), "--pretrained-checkpoint")
@@ -255,9 +274,11 @@ def _outputs_after_loading(folder: str) -> dict:
     }
 
 
-def test_converted_gpt2_and_vit_compute_what_their_hugging_face_layouts_do(tmp_path):
-    out = _convert(tmp_path)
-    [result] = run_distributed(_outputs_after_loading, 1, str(out), timeout=240)
+@pytest.mark.parametrize("class_token", CLASS_TOKEN)
+def test_converted_gpt2_and_vit_compute_what_their_hugging_face_layouts_do(tmp_path, class_token):
+    overrides = tuple(CLASS_TOKEN[class_token])
+    out = _convert(tmp_path, overrides=overrides)
+    [result] = run_distributed(_outputs_after_loading, 1, str(out), overrides, timeout=240)
     assert result["notes"] == [
         f"llm: pretrained weights from {out}",
         f"vit: pretrained weights from {out}",
@@ -266,7 +287,7 @@ def test_converted_gpt2_and_vit_compute_what_their_hugging_face_layouts_do(tmp_p
     assert torch.allclose(torch.from_numpy(result["logits"]), expected, atol=1e-4), (
         (torch.from_numpy(result["logits"]) - expected).abs().max()
     )
-    expected = _vit_features(_vit_state(True), torch.from_numpy(result["images"]))
+    expected = _vit_features(_vit_state(True), torch.from_numpy(result["images"]), class_token)
     assert torch.allclose(torch.from_numpy(result["features"]), expected, atol=1e-5), (
         (torch.from_numpy(result["features"]) - expected).abs().max()
     )
@@ -451,3 +472,20 @@ def test_loading_llavas_projector_into_a_merging_one_is_refused():
         vit_entries(_vit_state(True), encoder, "")
     # without LLaVA's projector the ViT still converts
     assert vit_entries(_vit_state(False), encoder, "")
+
+
+def test_loading_llavas_projector_into_a_swiglu_one_is_refused():
+    from dataclasses import replace
+
+    from optimus_mllm.config import ProjectorConfig, load_config
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.hf_convert import vit_entries
+
+    swiglu = ProjectorConfig(activation="silu", gated_linear_unit=True)
+    encoder = replace(load_config(TINY).encoders[0], projector=swiglu)
+    with pytest.raises(
+        OptimusError,
+        match=r"LLaVA's projector is a GELU MLP with biases, model.encoders\[vit\].projector is "
+        r"silu, gated; drop multi_modal_projector",
+    ):
+        vit_entries(_vit_state(True), encoder, "")

@@ -267,6 +267,37 @@ def test_sequence_parallel_and_tied_embeddings_train_like_the_baseline():
     assert list(projector.values()) == [(64, 4 * 32)], projector
 
 
+# Megatron-LM pretrain_vlm.py's vision path on tiny.yaml's sizes: CLIP's class token before 9
+# patches (10 tokens: sequence-parallel over TP2), the projector a SwiGLU MLP 96 wide without biases
+CLASS_TOKEN = [
+    "training.sequence_parallel=true",
+    "model.encoders.0.seq_length=9",
+    "model.encoders.0.model_subtype=clip",
+    "model.encoders.0.class_token=true",
+    "model.encoders.0.projector={ffn_hidden_size: 96, activation: silu, gated_linear_unit: true, "
+    "add_bias_linear: false}",
+]
+CLASS_TOKEN_DROPPED = [*CLASS_TOKEN, "model.encoders.0.drop_class_token=true"]
+
+
+def test_a_class_token_and_a_swiglu_projector_train_like_the_baseline():
+    """The class token kept (10 image tokens) with the encoder sequence-parallel over TP2, the
+    class token on the first rank's share; then dropped (9 image tokens) with the encoder on two
+    pipeline stages, its hidden states (class token included) sent between them."""
+    runs = [
+        (CLASS_TOKEN, "optimus", _artifact(CLASS_TOKEN, {"pp": 1, "tp": 2}), STEPS),
+        (CLASS_TOKEN, "baseline", None, STEPS),
+        (CLASS_TOKEN_DROPPED, "optimus", _artifact(CLASS_TOKEN_DROPPED, {"pp": 2, "tp": 1}), STEPS),
+        (CLASS_TOKEN_DROPPED, "baseline", None, STEPS),
+    ]
+    per_rank = run_distributed(_train_runs, 4, TINY, runs, timeout=400)
+    for kept in (0, 2):
+        ours, baseline = [r[kept] for r in per_rank], [r[kept + 1] for r in per_rank]
+        _assert_same(ours, baseline)
+        names = {n for r in baseline for n in r["encoder"]}
+        assert any(n.endswith("class_token") for n in names), sorted(names)
+
+
 def test_the_paper_figure_5_twin_trains_like_the_baseline():
     """configs/paper/small/fig5_8gpu.yaml: the paper's Figure 5 plan (PP4 TP2, two chunks per rank)
     with
