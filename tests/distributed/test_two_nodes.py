@@ -75,3 +75,19 @@ def test_two_nodes_of_two_train_like_one_node_of_four():
     one_node = torchrun(nproc=4)
     assert step_numbers(two_nodes) == step_numbers(one_node)
     assert len(step_numbers(one_node)) == 3, one_node
+
+
+def test_a_node_launched_with_another_setting_stops_the_job_in_one_line():
+    """Each node reads its own command line: one with another learning rate used to train, silently,
+    a job of mixed learning rates."""
+    agents = communicate_all(torchrun_nodes(TWO_NODES, (*TWO_NODES, "training.lr=5e-4")))
+    assert all(agent.returncode != 0 for agent in agents), [a.stdout for a in agents]
+    assert not any(STEP.match(line) for a in agents for line in a.stdout.splitlines())
+    errors = [
+        line
+        for agent in agents
+        for line in agent.stderr.splitlines()
+        if line.startswith("optimus-train: error:")
+    ]
+    assert len(errors) == 1, [agent.stderr[-3000:] for agent in agents]
+    assert "runs another job than rank 0" in errors[0] and ": training.lr is " in errors[0]
