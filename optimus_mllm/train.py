@@ -10,8 +10,9 @@ Every rank loads the config, plans and schedules (pure Python and deterministic,
 the same result) or loads ``--schedule``, and only then talks to the others: a bad config, a world
 size that is not ``cluster.num_gpus`` or an artifact made for another job is the same decision on
 every rank, reported once by rank 0, and every rank exits with code 2 instead of hanging. On several
-machines each node reads its own command line and files, so once connected the ranks check that
-they read the same job (``runtime.same_job``).
+machines each node reads its own command line and files: there a rank that cannot read its job
+still connects, and once connected the ranks check that every one read its job and the same job
+(``runtime.same_job``), so that a problem of one node is said, once, instead of hanging the others.
 """
 
 from __future__ import annotations
@@ -565,6 +566,12 @@ def _torchrun_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
+def _on_one_node(world_size: int) -> bool:
+    """Every rank on this machine (torchrun's ``LOCAL_WORLD_SIZE``): one command line and one copy
+    of each file for all."""
+    return os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
+
+
 def _init_process_group() -> None:
     if torch.cuda.is_available():  # before NCCL binds this process to a device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -578,13 +585,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the job is checked before any rank connects: a rank that gave up during the others'
         # connection handshake would break it for them
-        job = prepare(args, _torchrun_world_size())
+        world_size = _torchrun_world_size()
+        job, problem = None, None
+        try:
+            job = prepare(args, world_size)
+        except OptimusError as exc:
+            if _on_one_node(world_size):  # the same decision on every rank: said by rank 0
+                raise
+            problem = str(exc)  # the other nodes read their own files: tell them once connected
         _init_process_group()
         from optimus_mllm.runtime.same_job import check_same_job
         from optimus_mllm.runtime.watchdog import Watchdog
 
         watchdog = Watchdog(PROG)
-        check_same_job(job_settings(job, args))
+        check_same_job(None if job is None else job_settings(job, args), problem)
+        assert job is not None
         train(job, args.save, args.save_interval, args.tensorboard_dir)
     except OptimusError as exc:
         # after the ranks connected: this rank's own, or one all ranks agreed on

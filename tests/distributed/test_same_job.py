@@ -1,6 +1,6 @@
 """``runtime.same_job``: ranks that read different jobs (a node launched with another override or
-another copy of a file) stop together, with one message naming the rank, its host and the
-setting."""
+another copy of a file), or of which one could not read its job, stop together, with one message
+naming the rank, its host and the setting or problem."""
 
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ HOST = socket.gethostname()
 LAUNCH = "launch every node with the same command and the same files"
 
 
-def _check(settings_by_rank: list[dict[str, Any]]) -> str | None:
+def _check(
+    settings_by_rank: list[dict[str, Any] | None], problems: list[str | None] | None = None
+) -> str | None:
+    rank = dist.get_rank()
     try:
-        check_same_job(settings_by_rank[dist.get_rank()])
+        check_same_job(settings_by_rank[rank], None if problems is None else problems[rank])
     except AgreedError as exc:
         return str(exc)
     return None
@@ -51,3 +54,14 @@ def test_the_first_rank_that_differs_is_named_with_a_setting_only_one_side_has()
         f"there, null on rank 0; {LAUNCH}"
     )
     assert run_distributed(_check, 3, [SETTINGS, extra, other]) == [expected] * 3
+
+
+def test_a_rank_that_could_not_read_its_job_is_named_with_its_problem():
+    problem = "data.path: /data does not exist"
+    messages = run_distributed(_check, 3, [SETTINGS, None, SETTINGS], [None, problem, None])
+    assert messages == [f"rank 1 (host {HOST}): {problem}"] * 3
+
+
+def test_the_same_problem_on_every_rank_is_said_as_it_is():
+    problem = "cluster.num_gpus: 4 is not a multiple of gpus_per_node=3"
+    assert run_distributed(_check, 2, [None, None], [problem, problem]) == [problem] * 2

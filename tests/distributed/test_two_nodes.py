@@ -11,6 +11,9 @@ printed losses and gradient norms must be equal.
 
 from __future__ import annotations
 
+import re
+import subprocess
+
 import pytest
 
 from optimus_mllm.runtime.process_groups import build_encoder_rank_layout, megatron_rank
@@ -77,10 +80,8 @@ def test_two_nodes_of_two_train_like_one_node_of_four():
     assert len(step_numbers(one_node)) == 3, one_node
 
 
-def test_a_node_launched_with_another_setting_stops_the_job_in_one_line():
-    """Each node reads its own command line: one with another learning rate used to train, silently,
-    a job of mixed learning rates."""
-    agents = communicate_all(torchrun_nodes(TWO_NODES, (*TWO_NODES, "training.lr=5e-4")))
+def _the_one_error_line(agents: list[subprocess.CompletedProcess]) -> str:
+    """Every agent failed, nothing trained, and one line across both nodes says why."""
     assert all(agent.returncode != 0 for agent in agents), [a.stdout for a in agents]
     assert not any(STEP.match(line) for a in agents for line in a.stdout.splitlines())
     errors = [
@@ -90,4 +91,30 @@ def test_a_node_launched_with_another_setting_stops_the_job_in_one_line():
         if line.startswith("optimus-train: error:")
     ]
     assert len(errors) == 1, [agent.stderr[-3000:] for agent in agents]
-    assert "runs another job than rank 0" in errors[0] and ": training.lr is " in errors[0]
+    return errors[0]
+
+
+def test_a_node_launched_with_another_setting_stops_the_job_in_one_line():
+    """Each node reads its own command line: one with another learning rate used to train, silently,
+    a job of mixed learning rates."""
+    agents = communicate_all(torchrun_nodes(TWO_NODES, (*TWO_NODES, "training.lr=5e-4")))
+    error = _the_one_error_line(agents)
+    said = re.fullmatch(
+        r"optimus-train: error: rank 2 \(host .+\) runs another job than rank 0 \(host .+\): "
+        r"training\.lr is (\S+) there, (\S+) on rank 0; launch every node with the same command "
+        r"and the same files",
+        error,
+    )
+    assert said and {said[1], said[2]} == {"0.0005", "0.0001"}, error
+
+
+def test_a_node_missing_a_file_stops_the_job_in_one_line(tmp_path):
+    """A problem one node meets before connecting used to stop that node's ranks silently (only
+    rank 0 reports such problems) and leave the other node's ranks waiting in the handshake."""
+    missing = tmp_path / "no-such-data"
+    agents = communicate_all(torchrun_nodes(TWO_NODES, (*TWO_NODES, f"data.path={missing}")))
+    error = _the_one_error_line(agents)
+    assert re.fullmatch(
+        rf"optimus-train: error: rank [02] \(host .+\): data\.path: {re.escape(str(missing))} .+",
+        error,
+    ), error
