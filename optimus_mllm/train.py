@@ -583,8 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_warnings(torch.cuda.is_available())
     watchdog = None
     try:
-        # the job is checked before any rank connects: a rank that gave up during the others'
-        # connection handshake would break it for them
+        # on one node the job is checked before any rank connects: a rank that gave up during the
+        # others' connection handshake would break it for them; on several, a node's problem is
+        # carried into the connection and said there (runtime.same_job)
         world_size = _torchrun_world_size()
         job, problem = None, None
         try:
@@ -599,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
 
         watchdog = Watchdog(PROG)
         check_same_job(None if job is None else job_settings(job, args), problem)
-        assert job is not None
+        assert job is not None  # else check_same_job raised this rank's problem
         train(job, args.save, args.save_interval, args.tensorboard_dir)
     except OptimusError as exc:
         # after the ranks connected: this rank's own, or one all ranks agreed on

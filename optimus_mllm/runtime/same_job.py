@@ -53,7 +53,7 @@ def check_same_job(settings: Mapping[str, Any] | None, problem: str | None = Non
     shared: list[tuple[str, str | None, str | None] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(shared, (host, problem, digest))
     hosts, problems, digests = zip(*shared)  # type: ignore[misc]
-    failed = [rank for rank, problem in enumerate(problems) if problem is not None]
+    failed = [rank for rank, said in enumerate(problems) if said is not None]
     if failed and len(failed) == len(problems) and len(set(problems)) == 1:
         raise AgreedError(problems[0])
     if failed:

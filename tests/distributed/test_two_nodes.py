@@ -7,6 +7,10 @@ plans and schedules itself, as ``optimus-train`` does. The test first checks tha
 the same schedule: the node size only changes the cost model's bandwidths, so the same plans,
 partition and hooks with other predicted times. With that, the two jobs run the same work, and their
 printed losses and gradient norms must be equal.
+
+Each node reads its own command line and files: a node missing a file, or launched with another
+setting, stops the job with one line (``runtime.same_job``) instead of hanging the other node or
+training a job of mixed settings.
 """
 
 from __future__ import annotations
