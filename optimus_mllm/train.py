@@ -9,12 +9,16 @@
 Every rank loads the config, plans and schedules (pure Python and deterministic, so every rank gets
 the same result) or loads ``--schedule``, and only then talks to the others: a bad config, a world
 size that is not ``cluster.num_gpus`` or an artifact made for another job is the same decision on
-every rank, reported once by rank 0, and every rank exits with code 2 instead of hanging.
+every rank, reported once by rank 0, and every rank exits with code 2 instead of hanging. On several
+machines each node reads its own command line and files: there a rank that cannot read its job
+still connects, and once connected the ranks check that every one read its job and the same job
+(``runtime.same_job``), so that a problem of one node is said, once, instead of hanging the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import os
 import sys
@@ -41,10 +45,15 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout_change,
 )
 from optimus_mllm.runtime.data import check_dataset
-from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
+from optimus_mllm.scheduler.artifact import (
+    artifact_text,
+    load_job_artifact,
+    schedule_to_artifact,
+)
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.scheduler.baselines import balanced_problem, no_placement_problem
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
+from optimus_mllm.scheduler.fingerprint import config_settings
 
 if TYPE_CHECKING:
     from optimus_mllm.runtime.trainer import StepResult
@@ -251,6 +260,25 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
         load_optimizer=not args.no_load_optim,
         pretrained=parts,
     )
+
+
+def job_settings(job: Job, args: argparse.Namespace) -> dict[str, Any]:
+    """What every rank must have read alike (``runtime.same_job``): the config's settings but the
+    file it was read from, the schedule it runs (a digest of its JSON), and where the run starts
+    and saves."""
+    schedule = None
+    if job.artifact is not None:
+        schedule = hashlib.sha256(artifact_text(job.artifact).encode()).hexdigest()[:16]
+    return {
+        **config_settings(job.config, skip=frozenset({"source"})),
+        "the schedule (sha256 of its JSON)": schedule,
+        "--baseline": job.baseline,
+        "--resume": None if job.resume is None else f"{job.resume.path} @ {job.resume.iteration}",
+        "--no-load-optim": not job.load_optimizer,
+        "--pretrained-*": [f"{flag} {part}={folder}" for part, folder, flag in job.pretrained],
+        "--save": args.save,
+        "--save-interval": args.save_interval,
+    }
 
 
 def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan) -> None:
@@ -538,6 +566,12 @@ def _torchrun_world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
+def _on_one_node(world_size: int) -> bool:
+    """Every rank on this machine (torchrun's ``LOCAL_WORLD_SIZE``): one command line and one copy
+    of each file for all."""
+    return os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
+
+
 def _init_process_group() -> None:
     if torch.cuda.is_available():  # before NCCL binds this process to a device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -549,13 +583,24 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_warnings(torch.cuda.is_available())
     watchdog = None
     try:
-        # the job is checked before any rank connects: a rank that gave up during the others'
-        # connection handshake would break it for them
-        job = prepare(args, _torchrun_world_size())
+        # on one node the job is checked before any rank connects: a rank that gave up during the
+        # others' connection handshake would break it for them; on several, a node's problem is
+        # carried into the connection and said there (runtime.same_job)
+        world_size = _torchrun_world_size()
+        job, problem = None, None
+        try:
+            job = prepare(args, world_size)
+        except OptimusError as exc:
+            if _on_one_node(world_size):  # the same decision on every rank: said by rank 0
+                raise
+            problem = str(exc)  # the other nodes read their own files: tell them once connected
         _init_process_group()
+        from optimus_mllm.runtime.same_job import check_same_job
         from optimus_mllm.runtime.watchdog import Watchdog
 
         watchdog = Watchdog(PROG)
+        check_same_job(None if job is None else job_settings(job, args), problem)
+        assert job is not None  # else check_same_job raised this rank's problem
         train(job, args.save, args.save_interval, args.tensorboard_dir)
     except OptimusError as exc:
         # after the ranks connected: this rank's own, or one all ranks agreed on

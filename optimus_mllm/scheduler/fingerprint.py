@@ -62,20 +62,39 @@ _NOT_SCHEDULE_IN_MODELS = frozenset({"hidden_dropout", "attention_dropout"})
 
 def schedule_fingerprint(config: OptimusConfig) -> dict[str, Any]:
     """The config's settings that the plans, kernels and their costs depend on, by dotted path."""
-    return dict(_settings(config, ""))
+    return config_settings(config, _NOT_SCHEDULE, _NOT_SCHEDULE_IN_MODELS)
 
 
-def _settings(value: Any, path: str) -> Iterator[tuple[str, Any]]:
-    if path in _NOT_SCHEDULE or (
-        path.startswith("model.") and path.rsplit(".", 1)[-1] in _NOT_SCHEDULE_IN_MODELS
-    ):
+def config_settings(
+    config: OptimusConfig,
+    skip: frozenset[str] = frozenset(),
+    skip_in_models: frozenset[str] = frozenset(),
+) -> dict[str, Any]:
+    """The config's settings by dotted path, as ``--override`` names them.
+
+    Args:
+        config: the loaded config.
+        skip: paths left out, with everything under them.
+        skip_in_models: field names left out of every transformer under ``model.``.
+
+    Returns:
+        ``{"model.llm.num_layers": 4, ...}``, in the config's field order.
+    """
+    return dict(_settings(config, "", skip, skip_in_models))
+
+
+def _settings(
+    value: Any, path: str, skip: frozenset[str], skip_in_models: frozenset[str]
+) -> Iterator[tuple[str, Any]]:
+    if path in skip or (path.startswith("model.") and path.rsplit(".", 1)[-1] in skip_in_models):
         return
     if dataclasses.is_dataclass(value):
         for f in dataclasses.fields(value):
-            yield from _settings(getattr(value, f.name), f"{path}.{f.name}" if path else f.name)
+            name = f"{path}.{f.name}" if path else f.name
+            yield from _settings(getattr(value, f.name), name, skip, skip_in_models)
     elif isinstance(value, tuple):
         for i, item in enumerate(value):
-            yield from _settings(item, f"{path}.{i}")
+            yield from _settings(item, f"{path}.{i}", skip, skip_in_models)
     else:
         yield path, value
 

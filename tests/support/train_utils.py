@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 from .distributed_utils import free_port
 from .paths import CONFIGS, REPO
@@ -87,8 +88,47 @@ def ranks(
                 text=True,
             )
         )
+    return communicate_all(procs)
+
+
+def torchrun_nodes(*node_args: tuple[str, ...], nproc: int = 2) -> list[subprocess.Popen]:
+    """Start one torchrun agent of ``nproc`` ranks per tuple of ``node_args`` (that node's arguments
+    to the training), each a "node" on this machine, launched as on a cluster: every agent on its
+    own, meeting the others through torchrun's c10d rendezvous at one endpoint (the first agent to
+    bind it hosts the store), which assigns the node ranks. ``communicate_all`` waits for them."""
+    port = free_port()
+    launcher = (
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(len(node_args)),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"optimus-test-{port}",
+    )
+    return [
+        subprocess.Popen(
+            [*launcher, *TRAIN, *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in node_args
+    ]
+
+
+def communicate_all(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
+    """Wait for every process, ``TIMEOUT_S`` in all; kill what is left on the way out."""
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        outputs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+        outputs = [p.communicate(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
         return [
             subprocess.CompletedProcess(p.args, p.returncode, *out)
             for p, out in zip(procs, outputs)
