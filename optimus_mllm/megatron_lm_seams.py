@@ -50,7 +50,7 @@ from megatron_patches.optimizer import use_gloo_group
 from megatron_patches.p2p import ChannelP2PCommunicator
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron import config_from_megatron_args, flag_schedule
+from optimus_mllm.megatron_flags import config_from_megatron_args, flag_schedule
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.communicators import (

@@ -23,13 +23,14 @@ quiet_library_warnings(torch.cuda.is_available())
 # after the warnings
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
-from optimus_mllm.megatron import config_from_megatron_args, train_vlm  # noqa: E402
+from optimus_mllm.megatron import train_vlm  # noqa: E402
 from optimus_mllm.megatron_arguments import (  # noqa: E402
     ExtraArgsProvider,
     build_parser,
     get_args,
     parse_args,
 )
+from optimus_mllm.megatron_flags import config_from_megatron_args  # noqa: E402
 from optimus_mllm.runtime.llm import transformer_config  # noqa: E402
 
 __all__ = [

@@ -25,9 +25,9 @@ from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.io_utils import atomic_write_text
-from optimus_mllm.megatron import config_from_megatron_args
 from optimus_mllm.megatron_arguments import add_optimus_args
 from optimus_mllm.megatron_arguments import build_parser as megatron_parser
+from optimus_mllm.megatron_flags import config_from_megatron_args
 from optimus_mllm.memory_model import GIB, MemoryBreakdown
 from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
 from optimus_mllm.scheduler.baselines import no_placement_problem
@@ -50,7 +50,7 @@ def build_parser() -> ArgumentParser:
         "schedule encoder work into the LLM's bubbles (Optimus).",
         epilog="The job is a YAML config, or a Megatron-LM pretrain_vlm.py command line after "
         "--, read with Megatron-LM's defaults and layer-count conventions "
-        "(optimus_mllm/megatron.py says what each flag becomes).",
+        "(optimus_mllm/megatron_flags.py says what each flag becomes).",
     )
     add_config_arguments(parser, "configs/paper/strong_3072.yaml", required=False)
     parser.add_argument(

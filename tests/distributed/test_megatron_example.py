@@ -19,12 +19,8 @@ import pytest
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron import (
-    HONOURED_FLAGS,
-    REFUSED_FLAGS,
-    add_optimus_args,
-    config_from_megatron_args,
-)
+from optimus_mllm.megatron_arguments import add_optimus_args
+from optimus_mllm.megatron_flags import HONOURED_FLAGS, REFUSED_FLAGS, config_from_megatron_args
 from optimus_mllm.megatron_training import parse_args
 
 from support.paths import CONFIGS, MEGATRON_TINY_FLAGS, MEGATRON_TINY_LAYERS, REPO

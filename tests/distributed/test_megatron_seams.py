@@ -20,8 +20,8 @@ ARGS = (*MEGATRON_TINY_FLAGS, "--hidden-dropout", "0", "--attention-dropout", "0
 
 
 def _write_artifact(argv: list[str], path: Path) -> str:
-    from optimus_mllm.megatron import config_from_megatron_args
     from optimus_mllm.megatron_arguments import add_optimus_args, parse_args, validate_args
+    from optimus_mllm.megatron_flags import config_from_megatron_args
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.artifact import artifact_text, schedule_job_artifact
 

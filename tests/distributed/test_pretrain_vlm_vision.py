@@ -286,8 +286,8 @@ def _llava_verdicts(argv: list[str]) -> dict[str, str | None]:
     of that config with the drop flipped, and with a GELU projector."""
     from megatron.core.models.vision import clip_vit_model
 
-    from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args
-    from optimus_mllm.megatron_arguments import parse_args
+    from optimus_mllm.megatron_arguments import add_optimus_args, parse_args
+    from optimus_mllm.megatron_flags import config_from_megatron_args
     from optimus_mllm.megatron_training import core_transformer_config_from_args
     from optimus_mllm.runtime.user_model import user_vision_problem
 

@@ -507,7 +507,8 @@ def _megatron_args(
     drawn value,
     read by ``config_from_megatron_args`` and planned, as the script does before any rank
     connects."""
-    from optimus_mllm.megatron import add_optimus_args, config_from_megatron_args
+    from optimus_mllm.megatron_arguments import add_optimus_args
+    from optimus_mllm.megatron_flags import config_from_megatron_args
     from optimus_mllm.planner import plan
 
     actions = [

@@ -20,9 +20,9 @@ import pytest
 
 from optimus_mllm.cli.plan import main as optimus_plan
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron import config_from_megatron_args, runtime_for_args
 from optimus_mllm.megatron_arguments import add_optimus_args, build_parser, parse_args
 from optimus_mllm.megatron_arguments import validate_args as lookalike_validate_args
+from optimus_mllm.megatron_flags import config_from_megatron_args, runtime_for_args
 
 from support.paths import CONFIGS, MEGATRON_TINY_FLAGS, REPO
 
