@@ -163,8 +163,8 @@ def run_megatron_script(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="tp2-pp2")
-    parser.add_argument("megatron_args", nargs=argparse.REMAINDER, help="more Megatron-LM flags")
-    options = parser.parse_args(argv)
+    # every other argument is a Megatron-LM flag for the three runs
+    options, megatron_args = parser.parse_known_args(argv)
     checkout = megatron_lm_dir()
     if checkout is None or not (checkout / "pretrain_vlm.py").is_file():
         print(
@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    args = [*TINY_VLM_ARGS, *LAYOUTS[options.layout], *options.megatron_args]
+    args = [*TINY_VLM_ARGS, *LAYOUTS[options.layout], *megatron_args]
     with tempfile.TemporaryDirectory() as folder:
         one_line = with_one_line(checkout, Path(folder))
         cases = {

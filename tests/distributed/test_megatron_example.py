@@ -93,9 +93,7 @@ def plan_json(tmp_path_factory) -> str:
 
 def readme_diff() -> tuple[list[str], list[str]]:
     """The README's one-flag diff as (before, after) lines."""
-    section = (
-        (REPO / "README.md").read_text().split("## One flag on an existing Megatron job", 1)[1]
-    )
+    section = (REPO / "README.md").read_text().split("### Without Megatron-LM", 1)[1]
     block = section.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
     assert block and all(line[:1] in " +-" for line in block), block
     return (
