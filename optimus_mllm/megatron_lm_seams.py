@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_model_config
 from torch import nn
 
@@ -86,6 +87,7 @@ from optimus_mllm.runtime.user_model import (
     language_model,
     vision_sharded_state_dict,
 )
+from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 
 IMAGE_KEY = "image"  # Megatron-LM's multimodal datasets' (pretrain_vlm.py's get_batch)
@@ -107,6 +109,7 @@ class _Job:
     communicator: ChannelP2PCommunicator | None
     first_chunk: nn.Module | None  # the first pipeline stage's first chunk, built by the user
     user_vision: UserVision | None  # its vision modules, set aside
+    vision_spec: ModuleSpec  # the layer spec of the user's vision layers
     encoder_ddp: DistributedDataParallel | None = None
 
 
@@ -196,6 +199,7 @@ class OptimusInMegatron:
             communicator,
             first,
             user_vision,
+            spec,
         )
 
     # -- the optimizer ----------------------------------------------------------------------------
@@ -262,7 +266,11 @@ class OptimusInMegatron:
                     forward_only=True,
                     **kwargs,
                 )
-        data_iterator, images = self._step_images(job, data_iterator, num_microbatches)
+        data_iterator, images, batch, batch_images = self._step_images(
+            job, data_iterator, num_microbatches
+        )
+        if self.steps == 0:  # before the first step computes anything
+            _say(self._probe(job, forward_step_func, model[0], batch, batch_images))
         op_order = job.artifact.llm_op_order[job.stage]
         step = job.optimus.begin_step(
             self.get_args().curr_iteration,
@@ -330,14 +338,32 @@ class OptimusInMegatron:
             )
         return outputs
 
+    def _probe(
+        self, job: _Job, forward_step_func: Callable[..., Any], chunk: Any, batch: Any, images: Any
+    ) -> str:
+        def forward(_: Any, data: Iterator[Any]) -> torch.Tensor:
+            return forward_step_func(data, chunk)[0]
+
+        first = job.first_chunk
+        return probe_vision_path(
+            job.config,
+            first,
+            lambda: _user_vision_in_place(job),
+            None if first is None else forward,
+            batch,
+            images,
+            job.vision_spec,
+            job.stream.device,
+        )
+
     def _step_images(
         self, job: _Job, data_iterator: Any, num_microbatches: int
-    ) -> tuple[Any, Callable[[int, int], tuple[torch.Tensor, ...]]]:
+    ) -> tuple[Any, Callable[[int, int], tuple[torch.Tensor, ...]], Any, torch.Tensor]:
         """The step's batches read ahead from the first chunk's data iterator (and replayed to the
-        schedule), their images on every rank of this LLM stage's TP group; and the encoder's
-        image source over them."""
+        schedule), their images on every rank of this LLM stage's TP group; the encoder's image
+        source over them; and the first microbatch and its images."""
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-        data = None
+        data, batches = None, [None]
         if iterators[0] is not None:
             batches = [next(iterators[0]) for _ in range(num_microbatches)]
             iterators = [iter(batches), *iterators[1:]]
@@ -357,7 +383,7 @@ class OptimusInMegatron:
             return (patchify(by_global[global_microbatch], patch),)
 
         replayed = iterators if isinstance(data_iterator, list) else iterators[0]
-        return replayed, source
+        return replayed, source, batches[0], per_microbatch[0]
 
     # -- evaluation and checkpoints ---------------------------------------------------------------
 
@@ -365,15 +391,8 @@ class OptimusInMegatron:
     def _user_vision_restored(self, job: _Job) -> Iterator[None]:
         """The user's vision modules in the model again, holding the encoder's weights (every rank
         takes part in the copy)."""
-        first, taken = job.first_chunk, job.user_vision
-        if first is not None and taken is not None:
-            for module in (taken.vision_model, taken.vision_projection):
-                module.train(first.training)
-            first.vision_model, first.vision_projection = (
-                taken.vision_model,
-                taken.vision_projection,
-            )
-        try:
+        with _user_vision_in_place(job):
+            first = job.first_chunk
             copy_sharded_state(
                 encoder_sharded_state_dict(
                     job.config, job.optimus.encoder, job.optimus.groups.dp_group
@@ -382,9 +401,6 @@ class OptimusInMegatron:
                 "the Optimus encoder -> the model's vision model",
             )
             yield
-        finally:
-            if first is not None and taken is not None:
-                first.vision_model, first.vision_projection = taken.stand_in, nn.Identity()
 
     def _save_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
@@ -420,6 +436,22 @@ class OptimusInMegatron:
             return loaded
 
         return load_checkpoint
+
+
+@contextlib.contextmanager
+def _user_vision_in_place(job: _Job) -> Iterator[None]:
+    """The user's vision modules in the first stage's chunk instead of the stand-in, as they are."""
+    first, taken = job.first_chunk, job.user_vision
+    if first is None or taken is None:
+        yield
+        return
+    for module in (taken.vision_model, taken.vision_projection):
+        module.train(first.training)
+    first.vision_model, first.vision_projection = taken.vision_model, taken.vision_projection
+    try:
+        yield
+    finally:
+        first.vision_model, first.vision_projection = taken.stand_in, nn.Identity()
 
 
 def _iteration_folder(checkpoints: str, iteration: str) -> Path:

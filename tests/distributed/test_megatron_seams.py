@@ -67,3 +67,47 @@ def test_the_flag_trains_with_the_plain_numbers_through_megatron_s_seams(
     assert optimus.losses == pytest.approx(plain.losses, rel=1e-5)
     assert optimus.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)
     assert optimus.validation_loss == pytest.approx(plain.validation_loss, rel=1e-5)
+
+
+def _norm_between_vision_and_projector(argv: list[str], schedule: str) -> str:
+    import torch.nn.functional as F
+    from torch import nn
+
+    from optimus_mllm.errors import OptimusError
+
+    from support.megatron_standin import script, standin_pretrain
+
+    class NormThen(nn.Module):
+        def __init__(self, projection: nn.Module):
+            super().__init__()
+            self.projection = projection
+
+        def forward(self, x):
+            return self.projection(F.layer_norm(x, x.shape[-1:]))
+
+    class NormBetween(script.VisionLanguageModel):
+        """A user's model whose forward normalises the vision model's output before projecting."""
+
+        def forward(self, images, *args, **kwargs):
+            projection = self.vision_projection
+            self.vision_projection = NormThen(projection)
+            try:
+                return super().forward(images, *args, **kwargs)
+            finally:
+                self.vision_projection = projection
+
+    try:
+        standin_pretrain(argv, schedule, NormBetween)
+    except OptimusError as error:
+        return str(error)
+    return "trained"
+
+
+def test_an_operation_between_vision_model_and_projector_is_refused_at_start_up(
+    tmp_path: Path,
+) -> None:
+    argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
+    schedule = _write_artifact(argv, tmp_path / "plan.json")
+    said = run_distributed(_norm_between_vision_and_projector, 4, argv, schedule, timeout=600)
+    assert len(set(said)) == 1, said  # every rank alike
+    assert "between vision_model and vision_projection" in said[0], said[0]

@@ -16,6 +16,7 @@ schedule, the four calls go through ``OptimusInMegatron``'s seams exactly as
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any
 
 import torch
@@ -54,9 +55,12 @@ class StandinRun:
     validation_loss: float | None  # one forward-only pass after training, last stage
 
 
-def standin_pretrain(argv: list[str], schedule: str | None) -> StandinRun:
+def standin_pretrain(
+    argv: list[str], schedule: str | None, model_class: type | None = None
+) -> StandinRun:
     """Train ``--train-iters`` iterations of the script under the flags ``argv`` on the world's
-    ranks; with ``schedule``, as ``--optimus-schedule schedule`` would."""
+    ranks; with ``schedule``, as ``--optimus-schedule schedule`` would. ``model_class``: a subclass
+    of the script's model that the provider's models become (a user's own forward)."""
     args = megatron_arguments.validate_args(
         megatron_arguments.parse_args(None, argv), dist.get_world_size()
     )
@@ -76,12 +80,10 @@ def standin_pretrain(argv: list[str], schedule: str | None) -> StandinRun:
     optimus = None if schedule is None else OptimusInMegatron(schedule, megatron_arguments.get_args)
     seams = {} if optimus is None else optimus.seams()
     try:
-        model = _get_model(
-            script.model_provider
-            if optimus is None
-            else optimus.model_provider(script.model_provider),
-            args,
-        )
+        provider = script.model_provider
+        if model_class is not None:
+            provider = partial(_as_class, provider, model_class)
+        model = _get_model(provider if optimus is None else optimus.model_provider(provider), args)
         build_optimizer = seams.get("get_megatron_optimizer", lambda f: f)(get_megatron_optimizer)
         optimizer = build_optimizer(_optimizer_config(args), model)
         config = get_model_config(model[0])
@@ -126,6 +128,12 @@ def standin_pretrain(argv: list[str], schedule: str | None) -> StandinRun:
         parallel_state.destroy_model_parallel()
         destroy_num_microbatches_calculator()
         megatron_patches.remove()
+
+
+def _as_class(provider: Any, model_class: type, *args: Any, **kwargs: Any) -> Any:
+    model = provider(*args, **kwargs)
+    model.__class__ = model_class
+    return model
 
 
 def _get_model(provider: Any, args: Any) -> list[DistributedDataParallel]:

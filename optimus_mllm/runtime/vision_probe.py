@@ -1,0 +1,157 @@
+"""A start-up check that the user's model computes its vision path as the Optimus encoder does.
+
+The flag replaces the first stage's ``vision_model`` / ``vision_projection`` with image tokens from
+an encoder rebuilt from the user's weights and layer spec. What the user's forward does with its
+vision modules -- an activation of its own, an operation between ``vision_model`` and
+``vision_projection`` -- is not visible in their configs (one after the projector runs on the
+encoder's tokens as on the projector's). So before the
+first step, one microbatch runs the first stage's forward twice, in eval mode (no dropout), from the
+same weights and batch: as the user built it, and with the image tokens of a one-stage copy of the
+Optimus encoder (the schedule's kernels, at the LLM's TP, built and filled like the real one)
+in the vision modules' place. Where the two differ beyond float tolerance, the job is refused on
+every rank in one line naming where the paths part: in the encoder's own decomposition (the vision
+model and projector as LLaVA applies them, ``vision_projection(vision_model(images))``, differ from
+the encoder's output) or in the user's forward around them. The backward is not probed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import nn
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.runtime.data import patchify
+from optimus_mllm.runtime.dtypes import DTYPES
+from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
+from optimus_mllm.runtime.user_model import vision_sharded_state_dict
+from optimus_mllm.runtime.vit import EncoderStage
+
+# the largest difference, relative to the largest magnitude, two paths of one model may show
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}
+
+
+def probe_vision_path(
+    config: OptimusConfig,
+    first_chunk: nn.Module | None,
+    in_place: Callable[[], Any],
+    forward: Callable[[nn.Module | None, Iterator[Any]], torch.Tensor] | None,
+    batch: Any,
+    images: torch.Tensor | None,
+    layer_spec: ModuleSpec,
+    device: torch.device,
+) -> str:
+    """Run the probe (every rank takes part in its weight copy) and return the line that says how
+    the two paths compared; ``OptimusError`` on every rank where they part.
+
+    Args:
+        config: the job's config (its first encoder is the user's vision model).
+        first_chunk: the first stage's first chunk, holding the stand-in; None elsewhere.
+        in_place: a context manager putting the user's vision modules, as they are, back in
+            ``first_chunk`` (no rank waits for another in it).
+        forward: the first stage's forward of one microbatch given ``(vision modules or None,
+            data iterator)``: the user's ``forward_step`` output on that chunk. None off the first
+            stage.
+        batch: the microbatch, as the user's data iterator yields it (first stage only).
+        images: its images, ``[micro batch, channels, height, width]`` (first stage only).
+        layer_spec: the user's vision layer spec, as the encoder was built from it.
+        device: where the probe runs.
+    """
+    started = time.perf_counter()
+    encoder = config.encoders[0]
+    probe = None
+    if first_chunk is not None:
+        probe = EncoderStage(
+            config,
+            0,
+            1,
+            parallel_state.get_tensor_model_parallel_group(),
+            layer_specs={encoder.name: layer_spec},
+        ).to(device, DTYPES[config.training.precision])
+    dp_group = parallel_state.get_data_parallel_group()
+    with in_place():
+        copy_sharded_state(
+            {} if first_chunk is None else vision_sharded_state_dict(first_chunk),
+            {} if probe is None else encoder_sharded_state_dict(config, probe, dp_group),
+            "the model's vision model -> the start-up probe's encoder",
+        )
+    report = None
+    if first_chunk is not None and forward is not None and probe is not None:
+        report = _compare(config, first_chunk, in_place, forward, batch, images, probe)
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, report)
+    problems = [r for r in seen if r is not None and r[0] is not None]
+    if problems:
+        raise OptimusError(problems[0][0])
+    worst = max((r[1] for r in seen if r is not None), default=0.0)
+    took = (time.perf_counter() - started) * 1e3
+    return (
+        "optimus: start-up probe: the model's vision path and the Optimus encoder's agree on one "
+        f"microbatch (largest relative difference {worst:.1e}), {took:.0f} ms"
+    )
+
+
+def _compare(
+    config: OptimusConfig,
+    first_chunk: nn.Module,
+    in_place: Callable[[], Any],
+    forward: Callable[[nn.Module | None, Iterator[Any]], torch.Tensor],
+    batch: Any,
+    images: torch.Tensor,
+    probe: EncoderStage,
+) -> tuple[str | None, float]:
+    """(the problem or None, the largest relative difference seen) on this first-stage rank."""
+    encoder = config.encoders[0]
+    tolerance = TOLERANCE[config.training.precision]
+    was_training = first_chunk.training
+    first_chunk.eval()
+    probe.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            tokens = probe({encoder.name: patchify(images, encoder.patch_size)}, 0)[encoder.name]
+            with in_place():
+                vision, projection = first_chunk.vision_model, first_chunk.vision_projection
+                features = vision(images)
+                if getattr(first_chunk, "_drop_vision_class_token", False):
+                    features = features[:, vision.class_token_len :]
+                as_llava = projection(features.permute(1, 0, 2).contiguous())
+                theirs = forward(first_chunk, iter([batch]))
+            first_chunk.vision_model.embeddings = tokens
+            ours = forward(first_chunk, iter([batch]))
+    finally:
+        first_chunk.train(was_training)
+    parts = _relative_difference(as_llava, tokens)
+    whole = _relative_difference(theirs, ours)
+    if parts > tolerance:
+        return (
+            "the start-up probe: the Optimus encoder's image tokens differ from the model's "
+            f"vision_projection(vision_model(images)) by {parts:.1e} (relative), beyond "
+            f"{tolerance:g}: the vision model or its projector computes something the encoder's "
+            "kernels do not (a layer, norm or activation of its own); run the job without "
+            "--optimus-schedule",
+            parts,
+        )
+    if whole > tolerance:
+        return (
+            "the start-up probe: the first stage's output differs by "
+            f"{whole:.1e} (relative, beyond {tolerance:g}) when the Optimus encoder's image tokens "
+            "stand in for vision_projection(vision_model(images)): the model's forward does "
+            "something between vision_model and vision_projection that the encoder does not; run "
+            "the job without --optimus-schedule",
+            whole,
+        )
+    return None, max(parts, whole)
+
+
+def _relative_difference(expected: torch.Tensor, got: torch.Tensor) -> float:
+    if expected.shape != got.shape:
+        return float("inf")
+    scale = expected.detach().float().abs().max().clamp_min(1e-12)
+    return float((expected.detach().float() - got.detach().float()).abs().max() / scale)
