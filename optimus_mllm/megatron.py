@@ -1,18 +1,20 @@
-"""One flag on an existing Megatron job: ``--optimus-schedule plan.json``.
+"""One flag on an existing Megatron job: ``--optimus-schedule auto`` (or a saved schedule).
 
 A Megatron-LM vision-language script keeps its ``model_provider``, ``forward_step`` and datasets
 provider and takes ``pretrain`` from here in place of Megatron's::
 
-    from optimus_mllm.megatron import pretrain  # adds --optimus-schedule PLAN_JSON
+    from optimus_mllm.megatron import pretrain  # adds --optimus-schedule auto|PLAN_JSON
 
-Without the flag the job runs as Megatron-LM runs a multimodal model (the vision model in the first
-pipeline stage's forward); with it, the encoder gets the artifact's own plan, starting from the
-weights the user's provider made, and its kernels run at the artifact's hook points inside
-megatron-core's schedule (``runtime.user_model``). ``scripts/pretrain_vlm_megatron.py`` is such a
-script. The artifact comes from ``optimus-plan --config MODEL.yaml --artifact plan.json`` for the
-same model and plan; it is refused, with the reason, when it was made for another job. The job's
-Megatron-LM flags make the Optimus config the schedule is checked against
-(``config_from_megatron_args``): each flag that shapes the model is honoured or refused in one line.
+Where Megatron-LM's ``megatron.training`` is importable, this is Megatron-LM's own ``pretrain``
+(``megatron_lm``), Optimus entering through its seams (``megatron_lm_seams``). Where it is not (the
+megatron-core wheel alone), a script written against ``megatron_training`` trains in the project's
+own loop (``train_vlm``): without the flag the vision model runs in the first pipeline stage's
+forward; with it, the encoder gets the schedule's own plan, starting from the weights the user's
+provider made, and its kernels run at the schedule's hook points inside megatron-core's schedule
+(``runtime.user_model``). ``scripts/pretrain_vlm_megatron.py`` is such a script. Either way the
+job's Megatron-LM flags make the Optimus config (``megatron_flags``): each flag that shapes the
+model is honoured or refused in one line, and a saved schedule made for another job is refused
+with the reason.
 """
 
 from __future__ import annotations
