@@ -367,6 +367,13 @@ class OptimusInMegatron:
         if iterators[0] is not None:
             batches = [next(iterators[0]) for _ in range(num_microbatches)]
             iterators = [iter(batches), *iterators[1:]]
+            if not isinstance(batches[0], dict) or IMAGE_KEY not in batches[0]:
+                keys = sorted(batches[0]) if isinstance(batches[0], dict) else type(batches[0])
+                raise OptimusError(
+                    f"the data iterator's batches have no {IMAGE_KEY!r} (they have {keys}); the "
+                    f"Optimus encoder reads a batch's images under {IMAGE_KEY!r}, as Megatron-LM's "
+                    "multimodal datasets give them"
+                )
             data = torch.cat([batch[IMAGE_KEY] for batch in batches]).float()
         elif parallel_state.get_tensor_model_parallel_rank() == 0:
             raise OptimusError(

@@ -111,3 +111,26 @@ def test_an_operation_between_vision_model_and_projector_is_refused_at_start_up(
     said = run_distributed(_norm_between_vision_and_projector, 4, argv, schedule, timeout=600)
     assert len(set(said)) == 1, said  # every rank alike
     assert "between vision_model and vision_projection" in said[0], said[0]
+
+
+def _images_elsewhere(argv: list[str], schedule: str) -> str:
+    from optimus_mllm.errors import OptimusError
+
+    from support.megatron_standin import standin_pretrain
+
+    try:
+        standin_pretrain(argv, schedule, renamed={"image": "pixels"})
+    except OptimusError as error:
+        return str(error)
+    return "trained"
+
+
+def test_batches_without_images_under_the_key_are_one_line_before_the_first_step(
+    tmp_path: Path,
+) -> None:
+    argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
+    schedule = _write_artifact(argv, tmp_path / "plan.json")
+    said = run_distributed(_images_elsewhere, 4, argv, schedule, timeout=600)
+    assert len(set(said)) == 1, said
+    assert said[0].startswith("the data iterator's batches have no 'image'"), said[0]
+    assert "'pixels'" in said[0]

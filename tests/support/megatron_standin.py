@@ -56,11 +56,15 @@ class StandinRun:
 
 
 def standin_pretrain(
-    argv: list[str], schedule: str | None, model_class: type | None = None
+    argv: list[str],
+    schedule: str | None,
+    model_class: type | None = None,
+    renamed: dict[str, str] | None = None,
 ) -> StandinRun:
     """Train ``--train-iters`` iterations of the script under the flags ``argv`` on the world's
     ranks; with ``schedule``, as ``--optimus-schedule schedule`` would. ``model_class``: a subclass
-    of the script's model that the provider's models become (a user's own forward)."""
+    of the script's model that the provider's models become (a user's own forward). ``renamed``:
+    batch keys the data iterator gives under other names."""
     args = megatron_arguments.validate_args(
         megatron_arguments.parse_args(None, argv), dist.get_world_size()
     )
@@ -99,6 +103,8 @@ def standin_pretrain(
         batches = pretraining_sampler_batches(
             train_ds, args.micro_batch_size, dp, args.global_batch_size
         )
+        if renamed:
+            batches = partial(_renamed, batches, renamed)
         num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
         losses, norms = [], []
         for iteration in range(args.train_iters):
@@ -128,6 +134,10 @@ def standin_pretrain(
         parallel_state.destroy_model_parallel()
         destroy_num_microbatches_calculator()
         megatron_patches.remove()
+
+
+def _renamed(batches: Any, renamed: dict[str, str], *args: Any) -> dict[str, Any]:
+    return {renamed.get(key, key): value for key, value in batches(*args).items()}
 
 
 def _as_class(provider: Any, model_class: type, *args: Any, **kwargs: Any) -> Any:
