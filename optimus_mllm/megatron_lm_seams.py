@@ -72,6 +72,7 @@ from optimus_mllm.runtime.optimizer import (
 )
 from optimus_mllm.runtime.optimus_encoder import (
     OptimusEncoder,
+    OptimusStep,
     UserVision,
     input_waiter,
     optimus_communicator,
@@ -272,7 +273,8 @@ class OptimusInMegatron:
         if self.steps == 0:  # before the first step computes anything
             _say(self._probe(job, forward_step_func, model[0], batch, batch_images))
         op_order = job.artifact.llm_op_order[job.stage]
-        step = job.optimus.begin_step(
+        step = OptimusStep(
+            job.optimus,
             self.get_args().curr_iteration,
             images,
             job.stream,

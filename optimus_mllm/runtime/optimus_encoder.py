@@ -117,20 +117,6 @@ class OptimusEncoder:
         )
         return next(link for link in self.groups.embedding_recvs if link.encoder_dp == encoder_dp)
 
-    def begin_step(
-        self,
-        iteration: int,
-        images: ImageSource,
-        stream: EncoderStream,
-        op_order: tuple[LLMOp, ...],
-        llm_stage: int,
-        collectives: dict[int, list[str]],
-        wait_for_input: Callable[[LLMOp], None] | None,
-    ) -> OptimusStep:
-        return OptimusStep(
-            self, iteration, images, stream, op_order, llm_stage, collectives, wait_for_input
-        )
-
 
 class OptimusStep:
     """One training step's encoder side: the executor at the hook points, A_i into the LLM's first

@@ -364,7 +364,8 @@ class Trainer:
     def train_step(self, iteration: int) -> StepResult:
         step = None
         if self.optimus is not None:
-            step = self.optimus.begin_step(
+            step = OptimusStep(
+                self.optimus,
                 iteration,
                 self.images,
                 self.stream,
