@@ -333,10 +333,19 @@ class OptimusInMegatron:
         self.steps += 1
         if self.steps == 1:
             record = step.executor.record
-            inside = sum(op.ran_at not in (PRE, POST) for op in record)
+            counts = torch.tensor(
+                [
+                    len(record),
+                    sum(op.ran_at not in (PRE, POST) for op in record),
+                    sum(op.moved for op in record),
+                ],
+                device=job.stream.device,
+            )
+            dist.all_reduce(counts)
+            ran, inside, moved = counts.tolist()
             _say(
-                f"optimus: first step: {inside} of {len(record)} encoder ops on rank 0 ran inside "
-                f"LLM ops, {sum(op.moved for op in record)} moved from their hook"
+                f"optimus: first step: {inside} of the {ran} encoder ops ran inside LLM ops, "
+                f"{moved} moved from their hook (all ranks)"
             )
         return outputs
 

@@ -38,7 +38,9 @@ def _train(script: Path, args: tuple[str, ...], iterations: tuple[int, ...] = (1
 def _ran_optimus(run) -> None:
     """The flagged run really ran the Optimus schedule, not Megatron-LM's placement."""
     assert "optimus: --optimus-schedule auto: encoder plan" in run.output, run.output[-3000:]
-    assert re.search(r"optimus: first step: \d+ of [1-9]\d* encoder ops", run.output), run.output
+    assert re.search(r"optimus: first step: \d+ of the [1-9]\d* encoder ops", run.output), (
+        run.output
+    )
 
 
 def _same(plain, optimus) -> None:
