@@ -119,6 +119,32 @@ def test_layer_counts_are_read_as_pretrain_vlm_reads_them(layers, llm, vit):
 
 
 @pytest.mark.parametrize(
+    "class_token", [(), ("--disable-vision-class-token",)], ids=["cls", "no-cls"]
+)
+@pytest.mark.parametrize(
+    "text, expected_text",
+    [(("--seq-length", "48"), 48), (("--seq-length", "48", "--dataloader-seq-length", "40"), 40)],
+    ids=["seq-length", "dataloader-seq-length"],
+)
+def test_the_llm_sequence_is_pretrain_vlms(class_token, text, expected_text):
+    """pretrain_vlm.py's LLM sequence: the text tokens (--dataloader-seq-length, else
+    --seq-length) plus megatron-core's image embeddings of CLIP (the class token unless
+    --disable-vision-class-token); the ViT's, the patches alone."""
+    from megatron.core.models.vision.clip_vit_model import get_num_image_embeddings
+
+    image = ("--img-h", "32", "--img-w", "48", "--patch-dim", "8")
+    sizes = [flag for flag in SIZES if flag != "--disable-vision-class-token"]
+    argv = ["--num-layers", "2", *sizes, *text, *image, *class_token]
+    config = config_from_megatron_args(parse_args(argv=argv), 4, 4)
+    # as pretrain_vlm.py's model_provider calls it
+    image_tokens = get_num_image_embeddings(
+        32, 48, 8, "clip", bool(class_token), class_token_len=1, pixel_shuffle=False
+    )
+    assert config.llm.seq_length == expected_text + image_tokens
+    assert config.encoders[0].seq_length == 4 * 6
+
+
+@pytest.mark.parametrize(
     "flags, vp",
     [
         (("--num-layers-per-virtual-pipeline-stage", "1"), 4),
