@@ -9,13 +9,14 @@ without reading them; ``add_unread_flags`` adds them to a parser, and the comman
 command line gave (never silently). The names are listed here, not imported: the megatron-core
 wheel has no ``megatron.training``. ``tests/unit/test_plan_megatron_flags.py`` checks each against
 Megatron-LM's own parser (tag ``core_v0.16.1``, ``pretrain_vlm.py``'s extra flags included): the
-flag exists there and takes as many values.
+flag exists there, takes as many values, and sets none of the names the look-alike parser reads.
 
-A flag in neither list stays refused, since it may shape the model: the precision, recompute,
-sequence parallelism and sizes are read (``optimus_mllm.megatron``), and so is anything that
-changes the vocabulary (``--make-vocab-size-divisible-by``, ``--vocab-extra-ids``), the kernels'
-numerics (``--cross-entropy-loss-fusion``, ``--attention-backend``), the gradients' reduction
-(``--overlap-grad-reduce``) or the model's arguments (``--use-checkpoint-args``).
+A flag neither here nor in the look-alike parser stays refused, since it may shape the model: the
+precision, recompute, sequence parallelism and sizes are read (``config_from_megatron_args``), and
+so is anything that changes the vocabulary (``--make-vocab-size-divisible-by``,
+``--vocab-extra-ids``), the kernels' numerics (``--cross-entropy-loss-fusion``,
+``--attention-backend``), the gradients' reduction (``--overlap-grad-reduce``) or the model's
+arguments (``--use-checkpoint-args``).
 """
 
 from __future__ import annotations
@@ -163,6 +164,11 @@ def add_unread_flags(
     )
     for unread in flags:
         group.add_argument(
-            unread.flag, nargs=unread.takes.nargs, action=_NotRead, dest=UNREAD_DEST, default=[]
+            unread.flag,
+            nargs=unread.takes.nargs,
+            action=_NotRead,
+            dest=UNREAD_DEST,
+            default=[],
+            metavar="VALUE",
         )
     return parser
