@@ -177,8 +177,9 @@ def job_config(
         megatron_argv: the flags after ``--``, or None without ``--``.
 
     Returns:
-        The validated config, and the Megatron-LM flags given that it was not made from, in the
-        order given (none with ``--config``).
+        The validated config, and the Megatron-LM flags given that it was not made from: those of
+        ``megatron_unread_flags`` in the order given, then ``--optimus-schedule`` (none with
+        ``--config``).
     """
     if megatron_argv is None:
         return load_config(args.config, args.override), []
