@@ -7,9 +7,12 @@ The job is a YAML config (``--config``) or a Megatron-LM command line after ``--
 
 read as Megatron-LM reads it (``optimus_mllm.megatron_arguments``: its flags, defaults and
 ``validate_args``) and made into the config by ``config_from_megatron_args``, so that the artifact
-is the one ``--optimus-schedule`` checks that job's flags against. Megatron-LM takes the world size
-from the launcher, so the command needs it: ``--world-size`` (torchrun's ``--nnodes`` x
-``--nproc-per-node``) and ``--gpus-per-node``.
+is the one ``--optimus-schedule`` checks that job's flags against. The job's whole command line can
+be given: its flags that do not shape the plan (data, tokenizer, checkpoints, logging, ...:
+``optimus_mllm.megatron_unread_flags``) are accepted, and the output's first line names those it
+did not read; any other flag is refused. Megatron-LM takes the world size from the launcher, so the
+command needs it: ``--world-size`` (torchrun's ``--nnodes`` x ``--nproc-per-node``) and
+``--gpus-per-node``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.megatron_arguments import add_optimus_args
 from optimus_mllm.megatron_arguments import build_parser as megatron_parser
 from optimus_mllm.megatron_flags import config_from_megatron_args
+from optimus_mllm.megatron_unread_flags import UNREAD_DEST, add_unread_flags
 from optimus_mllm.memory_model import GIB, MemoryBreakdown
 from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
 from optimus_mllm.scheduler.baselines import no_placement_problem
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
 
     def body() -> int:
-        config = job_config(args, megatron_argv)
+        config, not_read = job_config(args, megatron_argv)
         planned = plan(config)
         cost = CostModel.from_config(config)
         scheduled = best_schedule(config, planned, cost)
@@ -121,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             from optimus_mllm.scheduler.plot import draw_schedule
 
             draw_schedule(scheduled.best, args.png)
+        if not_read:
+            print(f"Megatron-LM flags not read (they do not shape the plan): {' '.join(not_read)}")
         sys.stdout.write(format_result(config, planned, scheduled))
         return 0
 
@@ -160,7 +166,9 @@ def usage_problem(args: argparse.Namespace, megatron_argv: list[str] | None) -> 
     return None
 
 
-def job_config(args: argparse.Namespace, megatron_argv: list[str] | None) -> OptimusConfig:
+def job_config(
+    args: argparse.Namespace, megatron_argv: list[str] | None
+) -> tuple[OptimusConfig, list[str]]:
     """The job's config: ``--config`` (with ``--override``), or the Megatron-LM flags after ``--``
     (``args`` free of ``usage_problem``).
 
@@ -169,15 +177,38 @@ def job_config(args: argparse.Namespace, megatron_argv: list[str] | None) -> Opt
         megatron_argv: the flags after ``--``, or None without ``--``.
 
     Returns:
-        The validated config.
+        The validated config, and the Megatron-LM flags given that it was not made from: those of
+        ``megatron_unread_flags`` in the order given, then ``--optimus-schedule`` (none with
+        ``--config``).
     """
     if megatron_argv is None:
-        return load_config(args.config, args.override)
-    # --optimus-schedule is taken too, so that the job's own command line can be pasted whole
-    parser = megatron_parser(add_optimus_args, parser_class=ArgumentParser, prog=PROG)
+        return load_config(args.config, args.override), []
+    # the job's own command line, pasted whole: --optimus-schedule and the flags that do not shape
+    # the plan are taken too
+    parser = megatron_parser(_taken_not_read, parser_class=_MegatronFlagsParser, prog=PROG)
     flags = parser.parse_args(megatron_argv)
     gpus_per_node = 8 if args.gpus_per_node is None else args.gpus_per_node
-    return config_from_megatron_args(flags, args.world_size, gpus_per_node)
+    config = config_from_megatron_args(flags, args.world_size, gpus_per_node)
+    not_read = getattr(flags, UNREAD_DEST)
+    if flags.optimus_schedule is not None:
+        not_read = [*not_read, "--optimus-schedule"]
+    return config, not_read
+
+
+def _taken_not_read(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return add_unread_flags(add_optimus_args(parser))
+
+
+class _MegatronFlagsParser(ArgumentParser):
+    """The Megatron-LM flags' parser, which says why a flag it does not know is refused."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            message += (
+                "; optimus-plan refuses a flag it does not know, since it may change the model "
+                "(those it takes unread: optimus_mllm/megatron_unread_flags.py)"
+            )
+        super().error(message)
 
 
 def _gib(value: float) -> str:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from optimus_mllm.cli.plan import main as optimus_plan
+
 from support.paths import load_script
 
 _compare = load_script("megatron_lm_compare")
@@ -63,6 +65,32 @@ def test_pretrain_vlm_trains_with_the_flag_as_without(
     _ran_optimus(optimus)
     _same(plain, optimus)
     assert len({i.lm_loss for i in plain.iterations}) == 3  # it trains
+
+
+def test_an_artifact_optimus_plan_wrote_from_the_jobs_command_line_trains_as_without_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the job's whole command line after optimus-plan's --, then --optimus-schedule PLAN_JSON
+    assert CHECKOUT is not None
+    script = _compare.with_one_line(CHECKOUT, tmp_path)
+    layout = _compare.LAYOUTS["tp2-pp2"]
+    artifact = tmp_path / "plan.json"
+    argv = ["--world-size", "4", "--gpus-per-node", "4", "--artifact", str(artifact), "--"]
+    assert optimus_plan([*argv, *_compare.TINY_VLM_ARGS, *layout]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith(
+        "Megatron-LM flags not read (they do not shape the plan): --mock-data"
+    )
+    chosen = next(line for line in said if line.startswith("chosen: "))
+    plain = _train(script, layout)
+    optimus = _train(script, (*layout, "--optimus-schedule", str(artifact)))
+    ran = f"optimus: the schedule {artifact}: encoder plan "
+    assert ran in optimus.output, optimus.output[-3000:]
+    # the encoder plan optimus-plan chose is the one the job ran
+    encoder_plan = chosen.split(" | encoder ")[1].split(" | ")[0]
+    assert f"{ran}{encoder_plan}," in optimus.output, (chosen, optimus.output[-3000:])
+    assert re.search(r"optimus: first step: \d+ of [1-9]\d* encoder ops", optimus.output)
+    _same(plain, optimus)
 
 
 def test_evaluation_and_save_resume_with_the_flag(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ LAYER_OF_PREFIX = {
     "optimus_mllm.megatron_lm_cpu": "launchers",
     "optimus_mllm.megatron_lm_seams": "launchers",
     "optimus_mllm.megatron_flags": "launchers",
+    "optimus_mllm.megatron_unread_flags": "launchers",
     "optimus_mllm.megatron_training": "launchers",
 }
 GPU_STACK = ("torch", "megatron", "megatron_patches")

@@ -119,6 +119,32 @@ def test_layer_counts_are_read_as_pretrain_vlm_reads_them(layers, llm, vit):
 
 
 @pytest.mark.parametrize(
+    "class_token", [(), ("--disable-vision-class-token",)], ids=["cls", "no-cls"]
+)
+@pytest.mark.parametrize(
+    "text, expected_text",
+    [(("--seq-length", "48"), 48), (("--seq-length", "48", "--dataloader-seq-length", "40"), 40)],
+    ids=["seq-length", "dataloader-seq-length"],
+)
+def test_the_llm_sequence_is_pretrain_vlms(class_token, text, expected_text):
+    """pretrain_vlm.py's LLM sequence: the text tokens (--dataloader-seq-length, else
+    --seq-length) plus megatron-core's image embeddings of CLIP (the class token unless
+    --disable-vision-class-token); the ViT's, the patches alone."""
+    from megatron.core.models.vision.clip_vit_model import get_num_image_embeddings
+
+    image = ("--img-h", "32", "--img-w", "48", "--patch-dim", "8")
+    sizes = [flag for flag in SIZES if flag != "--disable-vision-class-token"]
+    argv = ["--num-layers", "2", *sizes, *text, *image, *class_token]
+    config = config_from_megatron_args(parse_args(argv=argv), 4, 4)
+    # as pretrain_vlm.py's model_provider calls it
+    image_tokens = get_num_image_embeddings(
+        32, 48, 8, "clip", bool(class_token), class_token_len=1, pixel_shuffle=False
+    )
+    assert config.llm.seq_length == expected_text + image_tokens
+    assert config.encoders[0].seq_length == 4 * 6
+
+
+@pytest.mark.parametrize(
     "flags, vp",
     [
         (("--num-layers-per-virtual-pipeline-stage", "1"), 4),
@@ -138,7 +164,11 @@ def test_either_virtual_pipeline_flag_sets_the_model_chunks(tmp_path, flags, vp)
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--world-size", "4", "--", *SIZES, "--mock-data"], "unrecognized arguments: --mock-data"),
+        (  # a flag neither list knows: it may change the model (here, the padded vocabulary)
+            ["--world-size", "4", "--", *SIZES, "--make-vocab-size-divisible-by", "64"],
+            "unrecognized arguments: --make-vocab-size-divisible-by 64; optimus-plan refuses a "
+            "flag it does not know, since it may change the model",
+        ),
         (["--world-size", "4", "--", "--num-layers", "x"], "argument --num-layers: invalid int"),
         (["--", "--num-layers", "4", *SIZES], "--world-size is missing"),
         (["--world-size", "4", "--", *SIZES], "--num-layers or --encoder-num-layers is missing"),
@@ -179,6 +209,49 @@ def test_either_virtual_pipeline_flag_sets_the_model_chunks(tmp_path, flags, vp)
 )
 def test_a_bad_command_line_is_one_line_and_exit_2(argv, expected):
     assert expected in _refusal(*argv)
+
+
+# what a real pretrain_vlm.py job adds to its model flags: data, tokenizer, checkpoints, evaluation,
+# logging, fusions, the backend (one of them as --flag=value, one with several values)
+JOB_FLAGS = (
+    *("--data-path", "0.3", "/data/a_text_document", "0.7", "/data/b_text_document"),
+    *("--split", "949,50,1", "--tokenizer-type", "HuggingFaceTokenizer"),
+    *("--tokenizer-model", "/models/tokenizer", "--save", "/ckpt", "--load", "/ckpt"),
+    *("--save-interval=1000", "--eval-interval", "100", "--eval-iters", "10"),
+    *("--log-interval", "1", "--wandb-project", "vlm", "--wandb-exp-name", "run-1"),
+    *("--tensorboard-dir", "/tb", "--no-gradient-accumulation-fusion", "--use-cpu-initialization"),
+    *("--distributed-backend", "gloo", "--ckpt-format", "torch", "--log-interval", "10"),
+    *("--optimus-schedule", "auto"),
+)
+
+
+def test_a_jobs_whole_command_line_plans_as_its_model_flags_and_names_what_it_did_not_read(
+    tmp_path, capsys
+):
+    alone, whole = tmp_path / "alone.json", tmp_path / "whole.json"
+    argv = ["--world-size", "4", "--gpus-per-node", "4", "--artifact"]
+    assert optimus_plan([*argv, str(alone), "--", *MEGATRON_TINY_FLAGS]) == 0
+    capsys.readouterr()
+    assert optimus_plan([*argv, str(whole), "--", *MEGATRON_TINY_FLAGS, *JOB_FLAGS]) == 0
+    assert whole.read_text() == alone.read_text()
+    first = capsys.readouterr().out.splitlines()[0]
+    given = [flag.split("=")[0] for flag in JOB_FLAGS if flag.startswith("--")]
+    named = list(dict.fromkeys(given))  # each once, in the order given
+    assert first == "Megatron-LM flags not read (they do not shape the plan): " + " ".join(named)
+
+
+def test_flags_that_shape_the_plan_are_read_not_passed_over(tmp_path):
+    """Precision and sequence parallelism change the plan's config: they are read (and are not
+    named among the flags not read)."""
+    from optimus_mllm.megatron_unread_flags import UNREAD_FLAGS
+
+    unread = {flag.flag for flag in UNREAD_FLAGS}
+    lookalike = {name for a in build_parser()._actions for name in a.option_strings}
+    assert unread.isdisjoint(lookalike)
+    for flag in ("--bf16", "--fp16", "--sequence-parallel", "--recompute-granularity"):
+        assert flag in lookalike and flag not in unread
+    config = config_from_megatron_args(parse_args(argv=[*MEGATRON_TINY_FLAGS, "--bf16"]), 4, 4)
+    assert config.training.precision == "bf16"
 
 
 def test_an_artifact_from_the_flags_is_the_schedule_of_the_job_with_those_flags(tmp_path):
@@ -317,3 +390,45 @@ def _config_or_refusal(args: argparse.Namespace) -> object:
         return config_from_megatron_args(args, 4, 4)
     except OptimusError as refused:
         return str(refused)
+
+
+# Megatron-LM's own parser (megatron.training.arguments' flags, pretrain_vlm.py's extra ones): each
+# option string, with its nargs and destination
+_MEGATRON_FLAGS = """
+import argparse, json, os, sys
+import megatron.core  # the installed megatron-core, before the checkout's
+sys.path.append(os.environ["MEGATRON_LM_DIR"])
+import megatron_patches.cpu.training as training_cpu
+training_cpu.apply()
+import pretrain_vlm
+from megatron.training.arguments import add_megatron_arguments
+parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+parser = pretrain_vlm.add_vlm_extra_args(add_megatron_arguments(parser))
+flags = {flag: [a.nargs, a.dest] for flag, a in parser._option_string_actions.items()}
+print("MEGATRON-FLAGS " + json.dumps(flags), flush=True)
+"""
+
+
+@needs_megatron_lm
+def test_every_flag_taken_unread_is_megatron_lms_with_its_arity_and_a_name_the_plan_does_not_read():
+    from optimus_mllm.megatron_unread_flags import UNREAD_FLAGS
+
+    done = subprocess.run(
+        [sys.executable, "-c", _MEGATRON_FLAGS],
+        cwd=REPO,
+        env={**os.environ, "MEGATRON_LM_DIR": CHECKOUT},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("MEGATRON-FLAGS ")]
+    theirs = json.loads(lines[0].split(" ", 1)[1])
+    read = {a.dest for a in build_parser()._actions if a.option_strings}
+    for unread in UNREAD_FLAGS:
+        assert unread.flag in theirs, f"{unread.flag} is not a Megatron-LM flag"
+        nargs, dest = theirs[unread.flag]
+        assert nargs == unread.takes.nargs, (unread.flag, nargs, unread.takes)
+        # a flag read under another name would shape the plan through it
+        assert dest not in read, (unread.flag, dest)
