@@ -48,6 +48,7 @@ from optimus_mllm.runtime.user_model import (
 from optimus_mllm.runtime.vit import EncoderStage
 
 from support.distributed_utils import run_distributed
+from support.paths import MEGATRON_TINY_FLAGS
 
 pytestmark = pytest.mark.distributed
 
@@ -286,12 +287,12 @@ def _llava_verdicts(argv: list[str]) -> dict[str, str | None]:
     of that config with the drop flipped, and with a GELU projector."""
     from megatron.core.models.vision import clip_vit_model
 
-    from optimus_mllm.megatron_arguments import add_optimus_args, parse_args
+    from optimus_mllm.megatron_arguments import add_optimus_args, parse_args, validate_args
     from optimus_mllm.megatron_flags import config_from_megatron_args
     from optimus_mllm.megatron_training import core_transformer_config_from_args
     from optimus_mllm.runtime.user_model import user_vision_problem
 
-    args = parse_args(add_optimus_args, argv)
+    args = validate_args(parse_args(add_optimus_args, argv), 1)
     config = config_from_megatron_args(args, 1, 1)
     with megatron_patches.patched():
         clip_init = clip_vit_model.CLIPViTModel.__init__  # as megatron_patches keep it on the CPU
@@ -341,6 +342,22 @@ def _llava_verdicts(argv: list[str]) -> dict[str, str | None]:
     }
 
 
+def _one_rank_tiny_flags() -> list[str]:
+    flags, skip = [], 0
+    for flag in MEGATRON_TINY_FLAGS:
+        if skip:
+            skip -= 1
+            continue
+        if flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+            flags += [flag, "1"]
+            skip = 1
+        elif flag == "--num-layers-per-virtual-pipeline-stage":
+            skip = 1
+        elif flag != "--disable-vision-class-token":
+            flags.append(flag)
+    return flags
+
+
 @pytest.mark.parametrize(
     "flags",
     [["--disable-vision-class-token"], ["--swiglu"]],
@@ -349,8 +366,9 @@ def _llava_verdicts(argv: list[str]) -> dict[str, str | None]:
 def test_the_flags_config_describes_llava_model_as_pretrain_vlm_builds_it(
     flags: list[str],
 ) -> None:
-    one_rank = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
-    (verdicts,) = run_distributed(_llava_verdicts, 1, [*one_rank, *flags], timeout=120.0)
+    # the tiny job's sizes on one rank, CLIP's class token kept unless flags drop it
+    tiny = _one_rank_tiny_flags()
+    (verdicts,) = run_distributed(_llava_verdicts, 1, [*tiny, *flags], timeout=120.0)
     assert verdicts["as built"] is None, verdicts
     kept = "--disable-vision-class-token" not in flags
     assert verdicts["drop flipped"] == (
