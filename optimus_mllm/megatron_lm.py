@@ -99,8 +99,16 @@ def pretrain(
 
     from megatron_patches.training_seams import training_seams
     from optimus_mllm.megatron_lm_seams import OptimusInMegatron
+    from optimus_mllm.scheduler.artifact import load_artifact
 
     schedule = _optimus_schedule_given(sys.argv[1:])
+    if schedule not in (None, "auto"):
+        # a schedule that cannot be read is one line on every rank before any rank connects; that
+        # it fits the job is checked once Megatron has parsed the job's flags
+        try:
+            load_artifact(schedule)
+        except OptimusError as error:
+            exit_on_error(error)
     optimus = None if schedule is None else OptimusInMegatron(schedule, get_args)
     seams = contextlib.nullcontext() if optimus is None else training_seams(optimus.seams())
     try:

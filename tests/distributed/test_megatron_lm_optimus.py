@@ -89,7 +89,7 @@ def test_an_artifact_optimus_plan_wrote_from_the_jobs_command_line_trains_as_wit
     # the encoder plan optimus-plan chose is the one the job ran
     encoder_plan = chosen.split(" | encoder ")[1].split(" | ")[0]
     assert f"{ran}{encoder_plan}," in optimus.output, (chosen, optimus.output[-3000:])
-    assert re.search(r"optimus: first step: \d+ of [1-9]\d* encoder ops", optimus.output)
+    assert re.search(r"optimus: first step: \d+ of the [1-9]\d* encoder ops", optimus.output)
     _same(plain, optimus)
 
 
