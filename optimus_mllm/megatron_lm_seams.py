@@ -47,7 +47,6 @@ from torch import nn
 
 from megatron_patches.ddp import average_over
 from megatron_patches.hooks import tp_collective_hook, warmup_override
-from megatron_patches.optimizer import use_gloo_group
 from megatron_patches.p2p import ChannelP2PCommunicator
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
@@ -65,11 +64,7 @@ from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
 from optimus_mllm.runtime.llm import llm_pipelines, transformer_config
 from optimus_mllm.runtime.microbatches import MicrobatchNumbering
-from optimus_mllm.runtime.optimizer import (
-    OneLossScaleOptimizer,
-    encoder_process_groups,
-    optimizer_parts,
-)
+from optimus_mllm.runtime.optimizer import chain_encoder_optimizer, encoder_process_groups
 from optimus_mllm.runtime.optimus_encoder import (
     OptimusEncoder,
     OptimusStep,
@@ -222,17 +217,15 @@ class OptimusInMegatron:
                 )
                 average_over(job.encoder_ddp, parallel_state.get_data_parallel_world_size())
             job.stream.finish()
-            encoder = original(
+            return chain_encoder_optimizer(
+                llm,
+                job.encoder_ddp,
                 config,
-                [job.encoder_ddp],
-                use_gloo_process_groups=False,
-                pg_collection=groups,
+                groups,
+                job.optimus.groups.dp_group_gloo,
+                build=original,
                 config_overrides=kwargs.get("config_overrides"),
             )
-            encoder_parts = optimizer_parts(encoder)
-            for part in encoder_parts:
-                use_gloo_group(part, job.optimus.groups.dp_group_gloo)
-            return OneLossScaleOptimizer([*optimizer_parts(llm), *encoder_parts])
 
         return get_megatron_optimizer
 

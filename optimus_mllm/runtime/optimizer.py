@@ -23,7 +23,7 @@ of one LLM replica share that replica's microbatches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -136,12 +136,37 @@ def build_optimizer(
     opt_config = optimizer_config(config)
     if encoder_groups is None:
         models = [*llm, *([encoder] if encoder is not None else [])]
-        return OneLossScaleOptimizer(optimizer_parts(get_megatron_optimizer(opt_config, models)))
-    parts = optimizer_parts(get_megatron_optimizer(opt_config, list(llm)))
+        return OneLossScaleOptimizer(_parts(get_megatron_optimizer(opt_config, models)))
+    return chain_encoder_optimizer(
+        get_megatron_optimizer(opt_config, list(llm)),
+        encoder,
+        opt_config,
+        encoder_groups,
+        encoder_dp_gloo,
+    )
+
+
+def chain_encoder_optimizer(
+    llm: MegatronOptimizer,
+    encoder: DistributedDataParallel | None,
+    opt_config: OptimizerConfig,
+    encoder_groups: ProcessGroupCollection,
+    encoder_dp_gloo: dist.ProcessGroup | None,
+    build: Callable[..., MegatronOptimizer] = get_megatron_optimizer,
+    **build_kwargs: Any,
+) -> OneLossScaleOptimizer:
+    """The LLM's optimizer chained with one over the encoder stage under its own plan's groups
+    (``build``, megatron-core's ``get_megatron_optimizer`` or the job's wrapper of it, with
+    ``build_kwargs``): one gradient norm, one clip and one loss scale over both."""
+    parts = _parts(llm)
     if encoder is not None:
-        encoder_parts = optimizer_parts(
-            get_megatron_optimizer(
-                opt_config, [encoder], use_gloo_process_groups=False, pg_collection=encoder_groups
+        encoder_parts = _parts(
+            build(
+                opt_config,
+                [encoder],
+                use_gloo_process_groups=False,
+                pg_collection=encoder_groups,
+                **build_kwargs,
             )
         )
         for part in encoder_parts:
@@ -209,7 +234,7 @@ class _PartOfLossScale(MegatronGradScaler):
         self.owner.load_state_dict(state_dict)
 
 
-def optimizer_parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     """A megatron-core optimizer's parts: a ``ChainedOptimizer``'s, or itself."""
     return (
         list(optimizer.chained_optimizers)
