@@ -53,6 +53,7 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.megatron_flags import config_from_megatron_args, flag_schedule
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.runtime.batch_images import find_image_key
 from optimus_mllm.runtime.communicators import (
     create_communicators,
     encoder_uses,
@@ -86,7 +87,6 @@ from optimus_mllm.runtime.user_model import (
 from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 
-IMAGE_KEY = "image"  # Megatron-LM's multimodal datasets' (pretrain_vlm.py's get_batch)
 # in a checkpoint folder saved with the flag: its optimizer state is the chained optimizer's
 OPTIMIZER_MARK = "optimus_optimizer_layout"
 
@@ -119,6 +119,7 @@ class OptimusInMegatron:
         self.chunks: list[nn.Module] = []
         self.job: _Job | None = None
         self.steps = 0
+        self.image_key: str | None = None  # the batch entry the user's forward gives vision_model
 
     def model_provider(self, provider: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         """The user's provider, followed on this rank's last chunk by the Optimus set-up."""
@@ -166,6 +167,7 @@ class OptimusInMegatron:
         _say(said)
         if artifact is None:
             return None
+        _say(dropout_line(config))
         rank = dist.get_rank()
         device = training_device()
         stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -260,11 +262,19 @@ class OptimusInMegatron:
                     forward_only=True,
                     **kwargs,
                 )
-        data_iterator, images, batch, batch_images = self._step_images(
-            job, data_iterator, num_microbatches
-        )
-        if self.steps == 0:  # before the first step computes anything
-            _say(self._probe(job, forward_step_func, model[0], batch, batch_images))
+        data_iterator, batches = _read_ahead(job, data_iterator, num_microbatches)
+        if self.image_key is None:  # before the first step computes anything
+            self.image_key = find_image_key(
+                job.first_chunk,
+                lambda: _user_vision_in_place(job),
+                None
+                if job.first_chunk is None
+                else partial(_forward_on, forward_step_func, model[0]),
+                batches[0],
+            )
+        images, batch_images = self._step_images(job, batches, self.image_key, num_microbatches)
+        if self.steps == 0:
+            _say(self._probe(job, forward_step_func, model[0], batches[0], batch_images))
         op_order = job.artifact.llm_op_order[job.stage]
         step = OptimusStep(
             job.optimus,
@@ -345,15 +355,12 @@ class OptimusInMegatron:
     def _probe(
         self, job: _Job, forward_step_func: Callable[..., Any], chunk: Any, batch: Any, images: Any
     ) -> str:
-        def forward(_: Any, data: Iterator[Any]) -> torch.Tensor:
-            return forward_step_func(data, chunk)[0]
-
         first = job.first_chunk
         return probe_vision_path(
             job.config,
             first,
             lambda: _user_vision_in_place(job),
-            None if first is None else forward,
+            None if first is None else lambda _, data: _forward_on(forward_step_func, chunk, data),
             batch,
             images,
             job.vision_spec,
@@ -361,29 +368,14 @@ class OptimusInMegatron:
         )
 
     def _step_images(
-        self, job: _Job, data_iterator: Any, num_microbatches: int
-    ) -> tuple[Any, Callable[[int, int], tuple[torch.Tensor, ...]], Any, torch.Tensor]:
-        """The step's batches read ahead from the first chunk's data iterator (and replayed to the
-        schedule), their images on every rank of this LLM stage's TP group; the encoder's image
-        source over them; and the first microbatch and its images."""
-        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-        data, batches = None, [None]
-        if iterators[0] is not None:
-            batches = [next(iterators[0]) for _ in range(num_microbatches)]
-            iterators = [iter(batches), *iterators[1:]]
-            if not isinstance(batches[0], dict) or IMAGE_KEY not in batches[0]:
-                keys = sorted(batches[0]) if isinstance(batches[0], dict) else type(batches[0])
-                raise OptimusError(
-                    f"the data iterator's batches have no {IMAGE_KEY!r} (they have {keys}); the "
-                    f"Optimus encoder reads a batch's images under {IMAGE_KEY!r}, as Megatron-LM's "
-                    "multimodal datasets give them"
-                )
-            data = torch.cat([batch[IMAGE_KEY] for batch in batches]).float()
-        elif parallel_state.get_tensor_model_parallel_rank() == 0:
-            raise OptimusError(
-                f"pipeline stage {job.stage} has no data iterator, but the Optimus encoder needs "
-                "the images there; give every pipeline stage the data, as pretrain_vlm.py does"
-            )
+        self, job: _Job, batches: list[Any], key: str, num_microbatches: int
+    ) -> tuple[Callable[[int, int], tuple[torch.Tensor, ...]], torch.Tensor]:
+        """The images of the step's batches (``batches[i][key]``, on TP rank 0) on every rank of
+        this LLM stage's TP group: the encoder's image source over them, and the first
+        microbatch's images."""
+        data = None
+        if batches[0] is not None:
+            data = torch.cat([batch[key] for batch in batches]).float()
         images = _broadcast_over_tp(data, job.stream.device)
         per_microbatch = images.chunk(num_microbatches)
         numbering = job.optimus.numbering
@@ -393,8 +385,7 @@ class OptimusInMegatron:
         def source(iteration: int, global_microbatch: int) -> tuple[torch.Tensor, ...]:
             return (patchify(by_global[global_microbatch], patch),)
 
-        replayed = iterators if isinstance(data_iterator, list) else iterators[0]
-        return replayed, source, batches[0], per_microbatch[0]
+        return source, per_microbatch[0]
 
     # -- evaluation and checkpoints ---------------------------------------------------------------
 
@@ -492,6 +483,29 @@ def _check_optimizer_layout(args: argparse.Namespace, load_arg: str) -> None:
         )
 
 
+def _read_ahead(job: _Job, data_iterator: Any, num_microbatches: int) -> tuple[Any, list[Any]]:
+    """The step's batches read ahead from the first chunk's data iterator, and the iterator(s)
+    that replay them to megatron-core's schedule ([None] where this rank reads no data)."""
+    iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+    if iterators[0] is None:
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            raise OptimusError(
+                f"pipeline stage {job.stage} has no data iterator, but the Optimus encoder needs "
+                "the images there; give every pipeline stage the data, as pretrain_vlm.py does"
+            )
+        return data_iterator, [None]
+    batches = [next(iterators[0]) for _ in range(num_microbatches)]
+    replayed = [iter(batches), *iterators[1:]]
+    return (replayed if isinstance(data_iterator, list) else replayed[0]), batches
+
+
+def _forward_on(
+    forward_step_func: Callable[..., Any], chunk: Any, data: Iterator[Any]
+) -> torch.Tensor:
+    """The user's forward step of one microbatch on ``chunk``: its output tensor."""
+    return forward_step_func(data, chunk)[0]
+
+
 def _broadcast_over_tp(images: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """``images`` ([n, channels, height, width]) of the LLM's TP rank 0 on every rank of its TP
     group, as Megatron's ``get_batch`` hands its ranks the batch."""
@@ -523,6 +537,27 @@ def _unwrapped(model: list[Any]) -> list[nn.Module]:
     return chunks
 
 
+def dropout_line(config: OptimusConfig) -> str:
+    """What the flag does to the job's dropout, in one line (empty without dropout).
+
+    The encoder draws its masks from generators seeded per (iteration, microbatch, layer)
+    (``runtime.dropout``), because it runs a microbatch's layers on other ranks and at other times
+    than the first stage would. Megatron-LM's own run draws the vision model's masks from the first
+    stage's generators between the LLM's; matching them draw for draw would mean replaying those
+    generators ahead of the schedule on every rank. So with dropout the flagged job trains with
+    other masks than the job without it (the same distribution), and says so."""
+    encoder = config.encoders[0]
+    if encoder.hidden_dropout == 0 and encoder.attention_dropout == 0:
+        return ""
+    return (
+        f"optimus: with dropout (hidden {encoder.hidden_dropout:g}, attention "
+        f"{encoder.attention_dropout:g}) this job draws other masks than without the flag (the "
+        "vision model's come from the Optimus encoder's generators, seeded by iteration, "
+        "microbatch and layer): its losses match a run without the flag only with "
+        "--hidden-dropout 0 --attention-dropout 0"
+    )
+
+
 def _say(line: str) -> None:
-    if dist.get_rank() == 0:
+    if line and dist.get_rank() == 0:
         print(line, flush=True)

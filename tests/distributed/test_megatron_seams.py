@@ -113,24 +113,51 @@ def test_an_operation_between_vision_model_and_projector_is_refused_at_start_up(
     assert "between vision_model and vision_projection" in said[0], said[0]
 
 
-def _images_elsewhere(argv: list[str], schedule: str) -> str:
+def _images_under(
+    argv: list[str], schedule: str, key: str, scale: float
+) -> tuple[object, object] | str:
+    """Plain and flagged runs of a user whose data gives the images under ``key`` and whose forward
+    step reads them there (scaled by ``scale`` before the model sees them)."""
     from optimus_mllm.errors import OptimusError
 
-    from support.megatron_standin import standin_pretrain
+    from support.megatron_standin import script, standin_pretrain
 
-    try:
-        standin_pretrain(argv, schedule, renamed={"image": "pixels"})
-    except OptimusError as error:
-        return str(error)
-    return "trained"
+    def as_the_script_reads(batch: dict) -> dict:
+        batch = {("image" if k == key else k): v for k, v in batch.items()}
+        return {**batch, "image": batch["image"] * scale}
+
+    def forward_step(data_iterator, model):
+        return script.forward_step(map(as_the_script_reads, data_iterator), model)
+
+    runs = []
+    for plan in (None, schedule):
+        try:
+            runs.append(
+                standin_pretrain(argv, plan, renamed={"image": key}, forward_step=forward_step)
+            )
+        except OptimusError as error:
+            return str(error)
+    return tuple(runs)
 
 
-def test_batches_without_images_under_the_key_are_one_line_before_the_first_step(
+def test_images_under_another_key_are_found_from_the_forward_step(tmp_path: Path) -> None:
+    argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
+    schedule = _write_artifact(argv, tmp_path / "plan.json")
+    runs = run_distributed(_images_under, 4, argv, schedule, "pixels", 1.0, timeout=600)
+    plain, optimus = runs[-1]
+    assert len(set(plain.losses)) == 3
+    assert optimus.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert optimus.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)
+
+
+def test_images_the_forward_step_transforms_are_one_line_before_the_first_step(
     tmp_path: Path,
 ) -> None:
     argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
     schedule = _write_artifact(argv, tmp_path / "plan.json")
-    said = run_distributed(_images_elsewhere, 4, argv, schedule, timeout=600)
-    assert len(set(said)) == 1, said
-    assert said[0].startswith("the data iterator's batches have no 'image'"), said[0]
+    said = run_distributed(_images_under, 4, argv, schedule, "pixels", 2.0, timeout=600)
+    assert len(set(said)) == 1, said  # every rank alike
+    assert said[0].startswith(
+        "the model's forward step gives vision_model a tensor that is none "
+    ), said[0]
     assert "'pixels'" in said[0]

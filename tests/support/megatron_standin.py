@@ -15,6 +15,7 @@ schedule, the four calls go through ``OptimusInMegatron``'s seams exactly as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any
@@ -60,11 +61,13 @@ def standin_pretrain(
     schedule: str | None,
     model_class: type | None = None,
     renamed: dict[str, str] | None = None,
+    forward_step: Callable[..., Any] | None = None,
 ) -> StandinRun:
     """Train ``--train-iters`` iterations of the script under the flags ``argv`` on the world's
     ranks; with ``schedule``, as ``--optimus-schedule schedule`` would. ``model_class``: a subclass
     of the script's model that the provider's models become (a user's own forward). ``renamed``:
-    batch keys the data iterator gives under other names."""
+    batch keys the data iterator gives under other names. ``forward_step``: the user's, in place of
+    the script's."""
     args = megatron_arguments.validate_args(
         megatron_arguments.parse_args(None, argv), dist.get_world_size()
     )
@@ -106,6 +109,7 @@ def standin_pretrain(
         if renamed:
             batches = partial(_renamed, batches, renamed)
         num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+        step = {} if forward_step is None else {"forward_step_func": forward_step}
         losses, norms = [], []
         for iteration in range(args.train_iters):
             args.curr_iteration = iteration
@@ -113,9 +117,12 @@ def standin_pretrain(
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             reports = schedule_func(
-                **_schedule_kwargs(
-                    args, model, batches, iteration, num_microbatches, dp, forward_only=False
-                )
+                **{
+                    **_schedule_kwargs(
+                        args, model, batches, iteration, num_microbatches, dp, forward_only=False
+                    ),
+                    **step,
+                }
             )
             _, grad_norm, _ = optimizer.step()
             losses.append(_mean_loss(reports))
@@ -125,9 +132,18 @@ def standin_pretrain(
             chunk.eval()
         with torch.no_grad():
             reports = evaluate(
-                **_schedule_kwargs(
-                    args, model, batches, args.train_iters, num_microbatches, dp, forward_only=True
-                )
+                **{
+                    **_schedule_kwargs(
+                        args,
+                        model,
+                        batches,
+                        args.train_iters,
+                        num_microbatches,
+                        dp,
+                        forward_only=True,
+                    ),
+                    **step,
+                }
             )
         return StandinRun(losses, norms, _mean_loss(reports))
     finally:

@@ -432,3 +432,18 @@ def test_every_flag_taken_unread_is_megatron_lms_with_its_arity_and_a_name_the_p
         assert nargs == unread.takes.nargs, (unread.flag, nargs, unread.takes)
         # a flag read under another name would shape the plan through it
         assert dest not in read, (unread.flag, dest)
+
+
+def test_a_job_with_dropout_says_its_masks_are_not_the_plain_runs():
+    from optimus_mllm.megatron_lm_seams import dropout_line
+
+    def line(*flags: str) -> str:
+        args = lookalike_validate_args(
+            parse_args(add_optimus_args, [*MEGATRON_TINY_FLAGS, *flags]), 4
+        )
+        return dropout_line(config_from_megatron_args(args, 4, 4))
+
+    assert line("--hidden-dropout", "0", "--attention-dropout", "0") == ""
+    said = line("--hidden-dropout", "0.1", "--attention-dropout", "0")
+    assert said.startswith("optimus: with dropout (hidden 0.1, attention 0) this job draws other ")
+    assert "--hidden-dropout 0 --attention-dropout 0" in said
