@@ -148,3 +148,44 @@ def test_an_optimizer_state_saved_without_the_flag_is_refused_with_it(tmp_path: 
     errors = [line for line in run.output.splitlines() if line.startswith("pretrain_vlm.py: error")]
     assert len(errors) == 1 and "saved without --optimus-schedule" in errors[0], run.output[-3000:]
     assert "--no-load-optim" in errors[0]
+
+
+# pretrain_vlm.py's provider wrapped by a user whose vision model does one more thing (scales its
+# output) that the encoder's layers do not show
+_WRAPPED_PROVIDER = """
+_pretrain_vlm_provider = model_provider
+
+
+def model_provider(*args, **kwargs):
+    model = _pretrain_vlm_provider(*args, **kwargs)
+    vision = getattr(model, "vision_model", None)
+    if vision is not None:
+        forward = vision.forward
+        vision.forward = lambda *a, **k: forward(*a, **k) * 1.5
+    return model
+
+
+"""
+
+
+def test_a_provider_that_wraps_the_vision_models_forward_is_refused_by_the_probe(
+    tmp_path: Path,
+) -> None:
+    assert CHECKOUT is not None
+    script = _compare.with_one_line(CHECKOUT, tmp_path)
+    main = 'if __name__ == "__main__":'
+    source = script.read_text()
+    assert source.count(main) == 1
+    script.write_text(source.replace(main, _WRAPPED_PROVIDER + main))
+    plain = _train(script, _compare.LAYOUTS["tp2-pp2"])  # the user's model trains as built
+    assert all(math.isfinite(i.lm_loss) for i in plain.iterations)
+    run = _compare.run_megatron_script(
+        script, 4, [*_compare.TINY_VLM_ARGS, *_compare.LAYOUTS["tp2-pp2"], *AUTO]
+    )
+    assert run.returncode != 0, run.output[-3000:]
+    # a rank exits 2 (torchrun exits 1, stops the others and names each rank's exit code)
+    assert "exitcode  : 2" in run.output, run.output[-3000:]
+    errors = [line for line in run.output.splitlines() if line.startswith("pretrain_vlm.py: error")]
+    assert len(errors) == 1, run.output[-3000:]
+    assert "the start-up probe: the Optimus encoder's image tokens differ" in errors[0]
+    assert "OptimusError" not in run.output, run.output[-3000:]  # no traceback of a rank's
