@@ -191,7 +191,12 @@ def train_vlm(
             timers=timers,
             user_model=UserModel(model_provider, forward_step_func, batches),
         )
-    except OptimusError as exc:  # the model the provider built is not the one the flags describe
+        if artifact is not None:  # before the first step: the model's vision path is the encoder's
+            said = trainer.probe_user_vision(0)
+            if dist.get_rank() == 0:
+                print(said, flush=True)
+    except OptimusError as exc:  # the model the provider built is not the one the flags describe,
+        # or its vision path is not the encoder's
         if dist.get_rank() == 0:
             print(f"{prog}: error: {exc}", file=sys.stderr)
         dist.destroy_process_group()

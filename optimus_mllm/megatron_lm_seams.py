@@ -74,6 +74,7 @@ from optimus_mllm.runtime.optimus_encoder import (
     optimus_communicator,
     schedule_groups,
     take_user_vision,
+    user_vision_in_place,
     user_vision_spec,
 )
 from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
@@ -266,7 +267,7 @@ class OptimusInMegatron:
         if self.image_key is None:  # before the first step computes anything
             self.image_key = find_image_key(
                 job.first_chunk,
-                lambda: _user_vision_in_place(job),
+                lambda: user_vision_in_place(job.first_chunk, job.user_vision),
                 None
                 if job.first_chunk is None
                 else partial(_forward_on, forward_step_func, model[0]),
@@ -359,7 +360,7 @@ class OptimusInMegatron:
         return probe_vision_path(
             job.config,
             first,
-            lambda: _user_vision_in_place(job),
+            lambda: user_vision_in_place(job.first_chunk, job.user_vision),
             None if first is None else lambda _, data: _forward_on(forward_step_func, chunk, data),
             batch,
             images,
@@ -393,7 +394,7 @@ class OptimusInMegatron:
     def _user_vision_restored(self, job: _Job) -> Iterator[None]:
         """The user's vision modules in the model again, holding the encoder's weights (every rank
         takes part in the copy)."""
-        with _user_vision_in_place(job):
+        with user_vision_in_place(job.first_chunk, job.user_vision):
             first = job.first_chunk
             copy_sharded_state(
                 encoder_sharded_state_dict(
@@ -438,22 +439,6 @@ class OptimusInMegatron:
             return loaded
 
         return load_checkpoint
-
-
-@contextlib.contextmanager
-def _user_vision_in_place(job: _Job) -> Iterator[None]:
-    """The user's vision modules in the first stage's chunk instead of the stand-in, as they are."""
-    first, taken = job.first_chunk, job.user_vision
-    if first is None or taken is None:
-        yield
-        return
-    for module in (taken.vision_model, taken.vision_projection):
-        module.train(first.training)
-    first.vision_model, first.vision_projection = taken.vision_model, taken.vision_projection
-    try:
-        yield
-    finally:
-        first.vision_model, first.vision_projection = taken.stand_in, nn.Identity()
 
 
 def _iteration_folder(checkpoints: str, iteration: str) -> Path:

@@ -11,7 +11,8 @@ same two objects, so the encoder runs alike under either loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,3 +289,20 @@ def take_user_vision(
     first_chunk.vision_model = taken.stand_in
     first_chunk.vision_projection = nn.Identity()
     return taken
+
+
+@contextlib.contextmanager
+def user_vision_in_place(first_chunk: nn.Module | None, taken: UserVision | None) -> Iterator[None]:
+    """The user's vision modules in the first stage's chunk instead of the stand-in, as they are
+    (evaluation, checkpoints, the start-up probe); nothing off the first stage."""
+    if first_chunk is None or taken is None:
+        yield
+        return
+    for module in (taken.vision_model, taken.vision_projection):
+        module.train(first_chunk.training)
+    first_chunk.vision_model = taken.vision_model
+    first_chunk.vision_projection = taken.vision_projection
+    try:
+        yield
+    finally:
+        first_chunk.vision_model, first_chunk.vision_projection = taken.stand_in, nn.Identity()

@@ -84,6 +84,7 @@ from optimus_mllm.runtime.optimus_encoder import (
     optimus_communicator,
     schedule_groups,
     take_user_vision,
+    user_vision_in_place,
     user_vision_spec,
 )
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
@@ -94,6 +95,7 @@ from optimus_mllm.runtime.user_model import (
     language_model,
     user_images,
 )
+from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
 from optimus_mllm.scheduler.artifact_format import LLMOp, ScheduleArtifact
@@ -358,6 +360,32 @@ class Trainer:
             self.encoder_layer_specs,
         )
         self.groups, self.encoder = self.optimus.groups, self.optimus.encoder
+
+    def probe_user_vision(self, iteration: int) -> str:
+        """The start-up probe (``vision_probe``) of a user's model under Optimus, on the first
+        microbatch of ``iteration`` (every rank takes part): the line that says how the model's
+        vision path and the encoder's compared, or ``OptimusError`` on every rank."""
+        assert self.user_model is not None and self.mode == "optimus"
+        first = self.modules[0] if self.stage == 0 else None
+        batch = images = forward = None
+        if first is not None:
+            batch = self.user_model.batch(iteration, self.numbering.global_index(0))
+            images = batch[self.user_model.image_key].float().to(self.device)
+            model, user = self.models[0], self.user_model
+
+            def forward(_: Any, data: Any) -> torch.Tensor:
+                return user.forward_step(data, model)[0]
+
+        return probe_vision_path(
+            self.config,
+            first,
+            lambda: user_vision_in_place(first, self.user_vision),
+            forward,
+            batch,
+            images,
+            self.encoder_layer_specs[self.config.encoders[0].name],
+            self.device,
+        )
 
     # ------------------------------------------------------------------------------------------
 

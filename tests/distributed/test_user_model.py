@@ -20,7 +20,13 @@ CONFIG = str(REPO / "configs" / "megatron_tiny.yaml")
 STEPS = 2
 
 
-def _user_model(config: Any, llm_plan: Any, without_vision: bool = False, **changes: Any) -> Any:
+def _user_model(
+    config: Any,
+    llm_plan: Any,
+    without_vision: bool = False,
+    scaled_vision: bool = False,
+    **changes: Any,
+) -> Any:
     from optimus_mllm.runtime.user_model import UserModel
 
     from support import user_vlm
@@ -37,6 +43,8 @@ def _user_model(config: Any, llm_plan: Any, without_vision: bool = False, **chan
     )
     if without_vision:  # a first stage whose model lacks LLaVA's vision_model
         provider = partial(_without_vision, provider)
+    if scaled_vision:  # a vision model whose forward does one more thing than its layers show
+        provider = partial(_scaled_vision, provider)
     return UserModel(provider, user_vlm.forward_step, user_vlm.batches(llm_plan.dp, STEPS, tokens))
 
 
@@ -44,6 +52,15 @@ def _without_vision(provider: Any, *args: Any, **kwargs: Any) -> Any:
     model = provider(*args, **kwargs)
     if hasattr(model, "vision_model"):
         del model.vision_model
+    return model
+
+
+def _scaled_vision(provider: Any, *args: Any, **kwargs: Any) -> Any:
+    model = provider(*args, **kwargs)
+    vision = getattr(model, "vision_model", None)
+    if vision is not None:
+        forward = vision.forward
+        vision.forward = lambda *a, **k: forward(*a, **k) * 1.5
     return model
 
 
@@ -310,7 +327,7 @@ def test_a_users_model_trains_the_same_with_and_without_the_flag(
 
 def _refusals() -> list[str]:
     """Every rank's error for user models the config does not describe, or without LLaVA's
-    layout."""
+    layout; where the model is built, the start-up probe's line or error."""
     from megatron.core import parallel_state
 
     from optimus_mllm.config import load_config
@@ -330,16 +347,18 @@ def _refusals() -> list[str]:
         {"without_vision": True},
         {"class_token": True},
         {"projection_from_language": True},
+        {},
+        {"scaled_vision": True},
     ):
         try:
-            Trainer(
+            trainer = Trainer(
                 config,
                 planned.llm_plan,
                 "optimus",
                 artifact,
                 user_model=_user_model(config, planned.llm_plan, **changes),
             )
-            errors.append("built")
+            errors.append(trainer.probe_user_vision(0))
         except OptimusError as exc:
             errors.append(str(exc))
         parallel_state.destroy_model_parallel()
@@ -350,8 +369,9 @@ def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
     user_runs: list[dict],
 ) -> None:
     reports = [runs["refusals"] for runs in user_runs]
-    assert all(report == reports[0] for report in reports)
-    ffn, dropout, heads, no_vision, class_token, projector = reports[0]
+    # every rank alike, but for the probe's cost, which each rank measures
+    assert all(report[:6] + report[7:] == reports[0][:6] + reports[0][7:] for report in reports)
+    ffn, dropout, heads, no_vision, class_token, projector, matching, scaled = reports[0]
     assert ffn == (
         "model_provider: the vision model's TransformerConfig.ffn_hidden_size is 128, but "
         "model.encoders[0] describes 256; make the two agree"
@@ -373,6 +393,15 @@ def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
         "model_provider: the projector's TransformerConfig.ffn_hidden_size is 256, but "
         "model.encoders[0].projector.ffn_hidden_size describes 64; make the two agree"
     )
+    # built as described: the start-up probe runs the vision path both ways and says what it cost
+    assert matching.startswith(
+        "optimus: start-up probe: the model's vision path and the Optimus encoder's agree"
+    ), matching
+    assert matching.endswith(" ms")
+    assert scaled.startswith(
+        "the start-up probe: the Optimus encoder's image tokens differ from the model's "
+        "vision_projection(vision_model(images))"
+    ), scaled
 
 
 def test_batches_follow_megatrons_pretraining_sampler() -> None:
