@@ -8,10 +8,13 @@ encoder's tokens as on the projector's). So before the
 first step, one microbatch runs the first stage's forward twice, in eval mode (no dropout), from the
 same weights and batch: as the user built it, and with the image tokens of a one-stage copy of the
 Optimus encoder (the schedule's kernels, at the LLM's TP, built and filled like the real one)
-in the vision modules' place. Where the two differ beyond float tolerance, the job is refused on
-every rank in one line naming where the paths part: in the encoder's own decomposition (the vision
-model and projector as LLaVA applies them, ``vision_projection(vision_model(images))``, differ from
-the encoder's output) or in the user's forward around them. The backward is not probed.
+in the vision modules' place; then backward from a fixed projection of the two outputs to the
+vision weights (``torch.autograd.grad``, so no gradient reaches a ``.grad`` or Megatron's grad
+buffers). Where the two differ beyond float tolerance, the job is refused on every rank in one line
+naming where the paths part: in the encoder's own decomposition (the vision model and projector as
+LLaVA applies them, ``vision_projection(vision_model(images))``, differ from the encoder's output),
+in the user's forward around them, or in the backward (a hook or autograd function of the user's
+that changes a gradient, named by the weight it reaches first).
 """
 
 from __future__ import annotations
@@ -82,9 +85,12 @@ def probe_vision_path(
             {} if probe is None else encoder_sharded_state_dict(config, probe, dp_group),
             "the model's vision model -> the start-up probe's encoder",
         )
-    report = None
+    report, grads = None, None
     if first_chunk is not None and forward is not None and probe is not None:
-        report = _compare(config, first_chunk, in_place, forward, batch, images, probe)
+        report, grads = _compare(config, first_chunk, in_place, forward, batch, images, probe)
+    gradients = _gradient_difference(config, first_chunk, in_place, probe, grads, dp_group)
+    if report is not None and report[0] is None and gradients is not None:
+        report = _gradient_report(config, gradients, report[1])
     seen: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seen, report)
     problems = [r for r in seen if r is not None and r[0] is not None]
@@ -94,8 +100,12 @@ def probe_vision_path(
     took = (time.perf_counter() - started) * 1e3
     return (
         "optimus: start-up probe: the model's vision path and the Optimus encoder's agree on one "
-        f"microbatch (largest relative difference {worst:.1e}), {took:.0f} ms"
+        f"microbatch, forward and backward (largest relative difference {worst:.1e}), {took:.0f} ms"
     )
+
+
+# (the user's vision parameters and their gradients, the probe's and theirs)
+_Grads = tuple[list[nn.Parameter], list[torch.Tensor], list[nn.Parameter], list[torch.Tensor]]
 
 
 def _compare(
@@ -106,25 +116,31 @@ def _compare(
     batch: Any,
     images: torch.Tensor,
     probe: EncoderStage,
-) -> tuple[str | None, float]:
-    """(the problem or None, the largest relative difference seen) on this first-stage rank."""
+) -> tuple[tuple[str | None, float], _Grads | None]:
+    """((the problem or None, the largest relative difference seen), the two paths' vision
+    gradients where their forwards agree) on this first-stage rank."""
     encoder = config.encoders[0]
     tolerance = TOLERANCE[config.training.precision]
     was_training = first_chunk.training
     first_chunk.eval()
     probe.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]):
             tokens = probe({encoder.name: patchify(images, encoder.patch_size)}, 0)[encoder.name]
             with in_place():
                 vision, projection = first_chunk.vision_model, first_chunk.vision_projection
-                features = vision(images)
-                if getattr(first_chunk, "_drop_vision_class_token", False):
-                    features = features[:, vision.class_token_len :]
-                as_llava = projection(features.permute(1, 0, 2).contiguous())
+                theirs_params = _trained(vision, projection)
+                with torch.no_grad():
+                    features = vision(images)
+                    if getattr(first_chunk, "_drop_vision_class_token", False):
+                        features = features[:, vision.class_token_len :]
+                    as_llava = projection(features.permute(1, 0, 2).contiguous())
                 theirs = forward(first_chunk, iter([batch]))
+                theirs_grads = _gradients(theirs, theirs_params)
             first_chunk.vision_model.embeddings = tokens
             ours = forward(first_chunk, iter([batch]))
+            ours_params = _trained(probe)
+            ours_grads = _gradients(ours, ours_params)
     finally:
         first_chunk.train(was_training)
     parts = _relative_difference(as_llava, tokens)
@@ -137,7 +153,7 @@ def _compare(
             "kernels do not (a layer, norm or activation of its own); run the job without "
             "--optimus-schedule",
             parts,
-        )
+        ), None
     if whole > tolerance:
         return (
             "the start-up probe: the first stage's output differs by "
@@ -146,8 +162,92 @@ def _compare(
             "something between vision_model and vision_projection that the encoder does not; run "
             "the job without --optimus-schedule",
             whole,
+        ), None
+    return (None, max(parts, whole)), (theirs_params, theirs_grads, ours_params, ours_grads)
+
+
+def _trained(*modules: nn.Module) -> list[nn.Parameter]:
+    return [p for module in modules for p in module.parameters() if p.requires_grad]
+
+
+def _gradients(output: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """d(output . R)/d(params) for a fixed R, the same on every rank and for both paths, so the two
+    outputs are differentiated alike (the probe runs at the LLM's TP, on its group).
+    ``autograd.grad`` runs no AccumulateGrad node, so neither a ``.grad`` nor Megatron's DDP grad
+    buffers see the probe."""
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(output.shape, generator=generator).to(output.device, output.dtype)
+    grads = torch.autograd.grad((output * weights).sum(), params, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    # under sequence parallelism a replicated weight's gradient is each rank's part of the sum
+    # (megatron-core's finalize_model_grads reduces it): the whole one is compared
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for p, g in zip(params, grads):
+        if getattr(p, "sequence_parallel", False) and tp_group.size() > 1:
+            dist.all_reduce(g, group=tp_group)
+    # summed over the replicas, each with its own batch: the copy that lays the user's gradients
+    # out as the probe's reads replica 0's
+    for g in grads:
+        dist.all_reduce(g, group=parallel_state.get_data_parallel_group())
+    return grads
+
+
+def _gradient_difference(
+    config: OptimusConfig,
+    first_chunk: nn.Module | None,
+    in_place: Callable[[], Any],
+    probe: EncoderStage | None,
+    grads: _Grads | None,
+    dp_group: Any,
+) -> tuple[str, float] | None:
+    """(the LLaVA key of the probe's weight whose gradient differs most, relative to the largest
+    gradient of that weight, and that difference) on a first-stage rank whose forwards agreed: the
+    user's gradients laid out as the probe's weights by the same copy that filled them (every rank
+    takes part)."""
+    theirs_params, theirs_grads, ours_params, ours_grads = grads or ([], [], [], [])
+    scratch = [torch.zeros_like(g) for g in ours_grads]
+    weights = [p.data for p in (*theirs_params, *ours_params)]
+    for p, data in zip((*theirs_params, *ours_params), (*theirs_grads, *scratch)):
+        p.data = data
+    try:
+        with in_place():
+            copy_sharded_state(
+                {}
+                if grads is None or first_chunk is None
+                else vision_sharded_state_dict(first_chunk),
+                {}
+                if grads is None or probe is None
+                else encoder_sharded_state_dict(config, probe, dp_group),
+                "the model's vision gradients -> the start-up probe's encoder",
+            )
+    finally:
+        for p, data in zip((*theirs_params, *ours_params), weights):
+            p.data = data
+    if grads is None or probe is None:
+        return None
+    names = {id(p): name for name, p in probe.named_parameters()}
+    differences = [
+        (names[id(p)], _relative_difference(expected, got))
+        for p, expected, got in zip(ours_params, scratch, ours_grads)
+    ]
+    return max(differences, key=lambda d: d[1], default=("", 0.0))
+
+
+def _gradient_report(
+    config: OptimusConfig, gradients: tuple[str, float], forward: float
+) -> tuple[str | None, float]:
+    name, difference = gradients
+    tolerance = TOLERANCE[config.training.precision]
+    if difference > tolerance:
+        return (
+            f"the start-up probe: the vision weights' gradients differ by {difference:.1e} "
+            f"(relative, beyond {tolerance:g}; most at the encoder's {name}) between the model's "
+            "backward and the Optimus encoder's, though their forwards agree: the model's backward "
+            "does something the encoder's does not (a gradient hook or autograd function of its "
+            "own); run the job without --optimus-schedule",
+            difference,
         )
-    return None, max(parts, whole)
+    return None, max(forward, difference)
 
 
 def _relative_difference(expected: torch.Tensor, got: torch.Tensor) -> float:

@@ -25,6 +25,7 @@ def _user_model(
     llm_plan: Any,
     without_vision: bool = False,
     scaled_vision: bool = False,
+    hooked_vision: bool = False,
     **changes: Any,
 ) -> Any:
     from optimus_mllm.runtime.user_model import UserModel
@@ -45,6 +46,8 @@ def _user_model(
         provider = partial(_without_vision, provider)
     if scaled_vision:  # a vision model whose forward does one more thing than its layers show
         provider = partial(_scaled_vision, provider)
+    if hooked_vision:  # one whose backward does: its output's gradient doubled by a hook
+        provider = partial(_hooked_vision, provider)
     return UserModel(provider, user_vlm.forward_step, user_vlm.batches(llm_plan.dp, STEPS, tokens))
 
 
@@ -61,6 +64,19 @@ def _scaled_vision(provider: Any, *args: Any, **kwargs: Any) -> Any:
     if vision is not None:
         forward = vision.forward
         vision.forward = lambda *a, **k: forward(*a, **k) * 1.5
+    return model
+
+
+def _hooked_vision(provider: Any, *args: Any, **kwargs: Any) -> Any:
+    model = provider(*args, **kwargs)
+    vision = getattr(model, "vision_model", None)
+    if vision is not None:
+
+        def doubled_in_backward(_: Any, __: Any, out: Any) -> None:
+            if out.requires_grad:
+                out.register_hook(lambda g: 2 * g)
+
+        vision.register_forward_hook(doubled_in_backward)
     return model
 
 
@@ -349,6 +365,7 @@ def _refusals() -> list[str]:
         {"projection_from_language": True},
         {},
         {"scaled_vision": True},
+        {"hooked_vision": True},
     ):
         try:
             trainer = Trainer(
@@ -371,7 +388,7 @@ def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
     reports = [runs["refusals"] for runs in user_runs]
     # every rank alike, but for the probe's cost, which each rank measures
     assert all(report[:6] + report[7:] == reports[0][:6] + reports[0][7:] for report in reports)
-    ffn, dropout, heads, no_vision, class_token, projector, matching, scaled = reports[0]
+    ffn, dropout, heads, no_vision, class_token, projector, matching, scaled, hooked = reports[0]
     assert ffn == (
         "model_provider: the vision model's TransformerConfig.ffn_hidden_size is 128, but "
         "model.encoders[0] describes 256; make the two agree"
@@ -402,6 +419,8 @@ def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
         "the start-up probe: the Optimus encoder's image tokens differ from the model's "
         "vision_projection(vision_model(images))"
     ), scaled
+    assert hooked.startswith("the start-up probe: the vision weights' gradients differ by "), hooked
+    assert "though their forwards agree" in hooked
 
 
 def test_batches_follow_megatrons_pretraining_sampler() -> None:
