@@ -167,6 +167,19 @@ def test_a_projector_activation_the_encoder_does_not_run_is_one_line_on_every_ra
     )
 
 
+def test_an_artifact_planned_for_the_flags_projector_is_refused_for_another(
+    tmp_path: Path,
+) -> None:
+    """optimus-plan plans the projector pretrain_vlm.py's flags describe; a job whose provider
+    builds another is refused naming the projector's field, before any step."""
+    argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
+    schedule = _write_artifact(argv, tmp_path / "plan.json")
+    said = run_distributed(_refused, 4, argv, schedule, ("mlp", "relu", True), timeout=600)
+    assert len(set(said)) == 1, said
+    assert said[0].startswith(f"schedule artifact {schedule} was made with "), said[0]
+    assert "model.encoders.0.projector.activation" in said[0], said[0]
+
+
 def _norm_between_vision_and_projector(argv: list[str], schedule: str) -> str:
     import torch.nn.functional as F
     from torch import nn
