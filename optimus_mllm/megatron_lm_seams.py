@@ -5,7 +5,8 @@ names of ``megatron.training.training`` (``megatron_patches.training_seams``):
 
 - **the model provider**: the user's provider builds each chunk as it always does. After this
   rank's last chunk, the job's Optimus config is read from Megatron's arguments
-  (``config_from_megatron_args``), the schedule is made (``auto``) or loaded (a saved artifact),
+  (``config_from_megatron_args``) and its projector from the user's built one
+  (``with_user_projector``), the schedule is made (``auto``) or loaded (a saved artifact),
   the encoder stage is built under the schedule's encoder plan on every rank from the user's own
   vision weights, and the first stage's ``vision_model`` / ``vision_projection`` give way to
   ``ImageEmbeddingsInput`` / identity (``optimus_encoder``), before Megatron wraps the chunks in
@@ -76,6 +77,7 @@ from optimus_mllm.runtime.optimus_encoder import (
     take_user_vision,
     user_vision_in_place,
     user_vision_spec,
+    with_user_projector,
 )
 from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
 from optimus_mllm.runtime.streams import EncoderStream, make_encoder_stream, training_device
@@ -153,6 +155,10 @@ class OptimusInMegatron:
         config = config_from_megatron_args(
             args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         )
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        first = self.chunks[0] if stage == 0 else None
+        # the projector the user built, not the one pretrain_vlm.py would build from the flags
+        config = with_user_projector(config, first)
         planned = plan(config)
         llm_plan = planned.llm_plan
         join_model_parallel(llm_plan)  # refuses a Megatron parallel state of another plan
@@ -171,11 +177,9 @@ class OptimusInMegatron:
         _say(dropout_line(config))
         rank = dist.get_rank()
         device = training_device()
-        stage = parallel_state.get_pipeline_model_parallel_rank()
         numbering = MicrobatchNumbering(
             get_num_microbatches(), parallel_state.get_data_parallel_rank(), artifact.assignment
         )
-        first = self.chunks[0] if stage == 0 else None
         spec = user_vision_spec(config, first, check=True)
         optimus = OptimusEncoder.build(
             config, llm_plan, artifact, numbering, rank, device, {config.encoders[0].name: spec}

@@ -45,11 +45,11 @@ def encoder_params(enc: EncoderConfig) -> int:
 
 def projector_params(enc: EncoderConfig, llm: LLMConfig) -> int:
     """LLaVA-style projector from the encoder's (merged) width into the LLM's: one GEMM
-    (``linear``) or megatron-core's MLP (``mlp``: fc1 to the projector's ffn width, twice that when
-    gated, fc2 to the LLM's hidden size)."""
+    (``affine``, ``linear``) or megatron-core's MLP (``mlp``: fc1 to the projector's ffn width,
+    twice that when gated, fc2 to the LLM's hidden size)."""
     projector, h_in, h_llm = enc.projector, enc.projector_input_size, llm.hidden_size
     bias = projector.add_bias_linear
-    if projector.type == "linear":
+    if projector.type != "mlp":
         return h_in * h_llm + (h_llm if bias else 0)
     ffn = projector.mlp_ffn_hidden_size(h_llm)
     fc1_out = 2 * ffn if projector.gated_linear_unit else ffn

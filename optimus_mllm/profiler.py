@@ -202,6 +202,10 @@ def kernel_op(config: OptimusConfig, entry: ProfileEntry) -> KernelOp:
                     gated=gated,
                     silu=projector.activation == "silu",
                 )
+            if projector.type == "affine":  # column-parallel, its bias before the gather
+                return KernelOp(
+                    "linear", (merged, h_in, h_llm // t), bias=projector.add_bias_linear
+                )
             # row-parallel, bias after the reduce
             return KernelOp("linear", (merged, h_in // t, h_llm))
         if name == "projector_fc2":

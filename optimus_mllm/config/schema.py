@@ -28,9 +28,11 @@ Recompute = Literal["none", "selective", "full"]
 Optimizer = Literal["adam", "sgd"]
 LRDecayStyle = Literal["constant", "linear", "cosine"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
-Activation = Literal["gelu", "silu"]
+# the activations of megatron-core's configs (F.gelu, F.silu, F.relu, and megatron.core.activations'
+# squared_relu and quick_gelu)
+Activation = Literal["gelu", "silu", "relu", "squared_relu", "quick_gelu"]
 PositionEmbedding = Literal["learned_absolute", "rope", "none"]
-ProjectorType = Literal["mlp", "linear"]
+ProjectorType = Literal["mlp", "affine", "linear"]
 VisionSubtype = Literal["internvit", "clip"]  # megatron-core CLIPViTModel's model_subtype
 
 
@@ -102,8 +104,12 @@ class ProjectorConfig:
     ``activation``, fc2 to the LLM's hidden size. Megatron-LM's ``pretrain_vlm.py`` builds it from a
     copy of the LLM's ``TransformerConfig``: the LLM's ``ffn_hidden_size``, SiLU with a gated linear
     unit under ``--swiglu``, no biases under ``--disable-bias-linear``. The defaults are LLaVA's
-    ``mlp2x_gelu``: fc1 as wide as the LLM, GELU, biases. ``add_bias_linear`` is the ``linear``
-    projector's bias too; the other MLP fields do not apply to it.
+    ``mlp2x_gelu``: fc1 as wide as the LLM, GELU, biases.
+
+    The ``affine`` projector is megatron-core's other ``MultimodalProjector`` type: one
+    column-parallel GEMM to the LLM's width whose output is gathered over TP. ``linear`` is this
+    project's own one GEMM, row-parallel over the encoder's width (its input gradient gathered).
+    ``add_bias_linear`` is their bias too; the other MLP fields do not apply to them.
     """
 
     type: ProjectorType = "mlp"

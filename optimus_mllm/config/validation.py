@@ -253,8 +253,8 @@ def encoder_tp_problem(
 ) -> str | None:
     """Why tensor parallel size ``tp`` cannot split encoder ``enc`` and its projector as the runtime
     shards them, or None if it can: its layers; the projector's TP-split width (the ``mlp``'s fc1
-    width, the encoder's for ``linear``); its tokens (patches and class token) under sequence
-    parallelism."""
+    width, the LLM's for ``affine``, the encoder's for ``linear``); its tokens (patches and class
+    token) under sequence parallelism."""
     problem = tp_divisibility_problem(enc, tp)
     width = enc.projector.mlp_ffn_hidden_size(llm_hidden_size)
     if problem is None and enc.projector.type == "mlp" and width % tp:
@@ -263,6 +263,11 @@ def encoder_tp_problem(
             f"tp={tp}"
             if enc.projector.ffn_hidden_size is None
             else f"projector.ffn_hidden_size={width} is not divisible by tp={tp}"
+        )
+    if problem is None and enc.projector.type == "affine" and llm_hidden_size % tp:
+        problem = (
+            f"projector.type=affine splits model.llm.hidden_size={llm_hidden_size}, not divisible "
+            f"by tp={tp}"
         )
     if problem is None and enc.projector.type == "linear" and enc.hidden_size % tp:
         problem = (

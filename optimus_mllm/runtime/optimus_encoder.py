@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_shard
 from optimus_mllm.runtime.streams import EncoderStream
 from optimus_mllm.runtime.user_model import (
     ImageEmbeddingsInput,
+    describe_projector,
     user_vision_layer_spec,
     user_vision_problem,
     vision_modules,
@@ -237,6 +238,31 @@ class UserVision:
     vision_model: nn.Module
     vision_projection: nn.Module
     stand_in: ImageEmbeddingsInput
+
+
+def with_user_projector(config: OptimusConfig, first_chunk: nn.Module | None) -> OptimusConfig:
+    """``config`` with its encoder's projector as the user's provider built it
+    (``describe_projector``), whatever the config said: read on the first pipeline stage, the only
+    one that holds it, and heard by every rank as a ``ProjectorConfig`` (names, not callables).
+    Every rank refuses together a projector the encoder cannot run as built."""
+    encoder = config.encoders[0]
+    report = None
+    if first_chunk is not None:
+        try:
+            _, projection = vision_modules(first_chunk)
+            described = describe_projector(
+                projection, encoder.projector_input_size, config.llm.hidden_size
+            )
+            report = (replace(described, spatial_merge=encoder.projector.spatial_merge), None)
+        except OptimusError as exc:
+            report = (None, str(exc))
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, report)
+    projector, problem = next(r for r in seen if r is not None)
+    if problem:
+        raise OptimusError(problem)
+    encoders = (replace(encoder, projector=projector), *config.encoders[1:])
+    return replace(config, model=replace(config.model, encoders=encoders))
 
 
 def user_vision_spec(

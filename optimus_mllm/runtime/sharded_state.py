@@ -12,7 +12,8 @@ checkpoint loads into any plan, into either runtime and into a plain megatron-co
   ``TransformerBlock`` saves them (``decoder.layers.self_attention.linear_qkv.weight`` holds every
   layer, each rank writing its layers' slices; with ``layer_ops.vision_layer_spec`` the norms go as
   ``.self_attention.linear_qkv.layer_norm_weight``); the projector as ``MultimodalProjector``'s
-  (``encoder.linear_fc1`` ...; the ``linear`` projector's one GEMM as ``encoder.weight``).
+  (``encoder.linear_fc1`` ...; the ``affine`` and ``linear`` projectors' one GEMM as
+  ``encoder.weight``: the same matrix, column- or row-sharded).
 
 Each tensor is a ``ShardedTensor`` holding the parameter itself (so the optimizer's state maps onto
 it) with its TP shard and its replica id over the encoder's own groups: in Optimus mode the encoder
@@ -96,8 +97,8 @@ def encoder_sharded_state_dict(
         prefix = encoder_prefix(config, name)
         state.update(_vision_state(vision, f"{prefix}vision_model.", groups, metadata))
         projector = vision.projector
-        # megatron-core's MultimodalProjector, its own keys
-        if projector is not None and projector.mlp:
+        # megatron-core's MultimodalProjector (mlp, affine), its own keys
+        if projector is not None and projector.kind != "linear":
             state.update(
                 projector.projection.sharded_state_dict(f"{prefix}vision_projection.", (), metadata)
             )

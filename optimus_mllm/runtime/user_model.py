@@ -3,12 +3,14 @@
 The user's ``model_provider`` builds megatron-core's LLaVA layout: a module whose ``language_model``
 is a ``GPTModel`` and which, on the LLM's first pipeline stage, also holds ``vision_model`` (a
 ``CLIPViTModel``, with its class token or without) and ``vision_projection`` (a
-``MultimodalProjector`` of type ``mlp``), and whose forward embeds images as LLaVA does,
-``vision_projection(vision_model(images)[:, dropped:].permute(1, 0, 2))`` (``dropped``: the class
-token under ``drop_vision_class_token``, else 0), then splices them in wherever its own code puts
-image tokens. The encoder config must describe both modules: the layers' ``TransformerConfig``, the
-class token and its drop, the projector's MLP (Megatron-LM's ``pretrain_vlm.py`` builds it from the
-LLM's config: its ffn width, ``--swiglu``, ``--disable-bias-linear``).
+``MultimodalProjector`` of type ``mlp`` or ``affine``), and whose forward embeds images as LLaVA
+does, ``vision_projection(vision_model(images)[:, dropped:].permute(1, 0, 2))`` (``dropped``: the
+class token under ``drop_vision_class_token``, else 0), then splices them in wherever its own code
+puts image tokens. The encoder config must describe both modules: the layers' ``TransformerConfig``,
+the class token and its drop, the projector (``describe_projector`` reads it off the built module:
+its type and, for ``mlp``, its config's ffn width, activation, gating and biases; Megatron-LM's
+``pretrain_vlm.py`` builds it from the LLM's config). With Megatron-LM's ``pretrain`` the
+projector's description is the built module's, whatever the flags say.
 
 Without the flag the model runs as built: the encoder inside the first stage's forward. With it, the
 encoder runs under its own plan (``vit.EncoderStage``, split into kernels), starting from the
@@ -31,7 +33,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor, nn
 from torch.utils.data import default_collate
 
-from optimus_mllm.config import EncoderConfig, OptimusConfig
+from optimus_mllm.config import EncoderConfig, OptimusConfig, ProjectorConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.runtime.data import patchify
 from optimus_mllm.runtime.dtypes import ACTIVATIONS
@@ -248,46 +250,127 @@ def _effective(config: TransformerConfig, field: str) -> Any:
     return getattr(config, field, None)
 
 
+# the config's name of each activation callable megatron-core's configs hold
+_ACTIVATION_NAMES = {function: name for name, function in ACTIVATIONS.items()}
+# settings of a projector's TransformerConfig that change its MLP's math beyond what
+# ``ProjectorConfig`` describes (a fused kernel: tanh GELU; TE's activation; the GLU's offset and
+# clamp), with the value under which the encoder's steps compute what megatron-core's MLP does
+_PROJECTOR_MLP_AS_RUN = (
+    ("bias_activation_fusion", False),
+    ("use_te_activation_func", False),
+    ("glu_linear_offset", 0.0),
+    ("activation_func_clamp_value", None),
+)
+
+
+def describe_projector(
+    projection: nn.Module, input_size: int, llm_hidden_size: int
+) -> ProjectorConfig:
+    """The ``ProjectorConfig`` of the user's ``vision_projection`` as built: megatron-core's
+    ``MultimodalProjector`` of type ``mlp`` (its config's ffn width, activation, gating and biases)
+    or ``affine`` (its bias).
+
+    Args:
+        projection: the first stage's ``vision_projection``.
+        input_size: the features the vision model gives it (the encoder's hidden size).
+        llm_hidden_size: the LLM's hidden size, the projector's output.
+
+    Raises:
+        OptimusError: one line naming what the Optimus encoder cannot run as built.
+    """
+    if not isinstance(projection, MultimodalProjector):
+        raise OptimusError(
+            f"model_provider: vision_projection is a {type(projection).__name__}; the Optimus "
+            "encoder runs megatron-core's MultimodalProjector (type mlp or affine)"
+        )
+    theirs = projection.config
+    kind = projection.projector_type
+    first = projection.encoder if kind == "affine" else projection.encoder.linear_fc1
+    if theirs.hidden_size != llm_hidden_size:
+        raise OptimusError(
+            f"model_provider: the projector's TransformerConfig.hidden_size is "
+            f"{theirs.hidden_size}, but model.llm.hidden_size describes {llm_hidden_size}; make "
+            "the two agree"
+        )
+    if first.input_size != input_size:
+        raise OptimusError(
+            f"model_provider: vision_projection takes {first.input_size} features, but the vision "
+            f"model gives {input_size}; make the two agree"
+        )
+    if kind == "affine":
+        tp = first.tp_group.size() if first.tp_group is not None else 1
+        if first.bias is not None and tp > 1:
+            raise OptimusError(
+                "model_provider: vision_projection is megatron-core's affine MultimodalProjector "
+                f"with a bias at TP {tp}, whose forward adds this rank's slice of the bias to the "
+                "gathered output and fails; build it with add_bias_linear=False, or at TP 1"
+            )
+        return ProjectorConfig(type="affine", add_bias_linear=theirs.add_bias_linear)
+    activation = _ACTIVATION_NAMES.get(theirs.activation_func)
+    if activation is None:
+        raise OptimusError(
+            "model_provider: the projector's TransformerConfig.activation_func is "
+            f"{_named(theirs.activation_func)}, which the Optimus encoder does not run (it runs "
+            f"{', '.join(ACTIVATIONS)}); build the projector with one of them"
+        )
+    for field, as_run in _PROJECTOR_MLP_AS_RUN:
+        got = getattr(theirs, field, as_run)
+        if got != as_run:
+            raise OptimusError(
+                f"model_provider: the projector's TransformerConfig.{field} is {got!r}; the "
+                f"Optimus encoder runs the MLP as megatron-core computes it with {as_run!r}; "
+                "build the projector with that"
+            )
+    return ProjectorConfig(
+        type="mlp",
+        ffn_hidden_size=theirs.ffn_hidden_size,
+        activation=activation,
+        gated_linear_unit=theirs.gated_linear_unit,
+        add_bias_linear=theirs.add_bias_linear,
+    )
+
+
 def projector_problem(
     encoder: EncoderConfig, projection: nn.Module, llm_hidden_size: int
 ) -> str | None:
     """Why ``model.encoders[0].projector`` does not describe the user's ``vision_projection`` (one
-    line naming what differs), or None: it must be megatron-core's ``MultimodalProjector`` of type
-    ``mlp`` whose ``config`` has the configured MLP."""
-    if not isinstance(projection, MultimodalProjector):
+    line naming what differs, or what the encoder cannot run), or None."""
+    try:
+        theirs = describe_projector(projection, encoder.projector_input_size, llm_hidden_size)
+    except OptimusError as error:
+        return str(error)
+    mine = encoder.projector
+    if theirs.type != mine.type:
         return (
-            f"model_provider: vision_projection is a {type(projection).__name__}; the Optimus "
-            "encoder runs megatron-core's MultimodalProjector"
+            f"model.encoders[0].projector.type is {mine.type}, but the model's vision_projection "
+            f"is a MultimodalProjector of type {theirs.type!r}; set type: {theirs.type}"
         )
-    if projection.projector_type != "mlp":
-        return (
-            f"model_provider: vision_projection is a MultimodalProjector of type "
-            f"{projection.projector_type!r}; the Optimus encoder runs type 'mlp'"
-        )
-    if encoder.projector.type != "mlp":
-        return (
-            f"model.encoders[0].projector.type is {encoder.projector.type}, but the model's "
-            "vision_projection is a MultimodalProjector of type 'mlp'; set type: mlp"
-        )
-    projector = encoder.projector
-    theirs = projection.config
-    for field, config_field, want in (
-        ("ffn_hidden_size", "ffn_hidden_size", projector.mlp_ffn_hidden_size(llm_hidden_size)),
-        ("activation_func", "activation", ACTIVATIONS[projector.activation]),
-        ("gated_linear_unit", "gated_linear_unit", projector.gated_linear_unit),
-        ("add_bias_linear", "add_bias_linear", projector.add_bias_linear),
-        ("hidden_size", None, llm_hidden_size),
+    for field, config_field, got, want in (
+        (
+            "ffn_hidden_size",
+            "ffn_hidden_size",
+            theirs.mlp_ffn_hidden_size(llm_hidden_size),
+            mine.mlp_ffn_hidden_size(llm_hidden_size),
+        ),
+        (
+            "activation_func",
+            "activation",
+            ACTIVATIONS[theirs.activation],
+            ACTIVATIONS[mine.activation],
+        ),
+        (
+            "gated_linear_unit",
+            "gated_linear_unit",
+            theirs.gated_linear_unit,
+            mine.gated_linear_unit,
+        ),
+        ("add_bias_linear", "add_bias_linear", theirs.add_bias_linear, mine.add_bias_linear),
     ):
-        got = getattr(theirs, field)
         if got != want:
-            section = (
-                f"model.encoders[0].projector.{config_field}"
-                if config_field
-                else "model.llm.hidden_size"
-            )
             return (
                 f"model_provider: the projector's TransformerConfig.{field} is {_named(got)}, but "
-                f"{section} describes {_named(want)}; make the two agree"
+                f"model.encoders[0].projector.{config_field} describes {_named(want)}; make the "
+                "two agree"
             )
     return None
 

@@ -2,11 +2,11 @@
 
 Megatron-core's layout and modules: activations are [sequence, batch, hidden]; the patch embedding
 holds ``CLIPViTModel``'s parameters, the layers are megatron-core ``TransformerLayer``s built from a
-layer spec (``layer_ops.vision_layer_spec`` by default) and the ``mlp`` projector is a
-``MultimodalProjector``. None of their forwards runs: steps apply their weights (the layers' steps
-come from ``layer_ops.layer_steps``), so that every TP collective is a step of its own. The encoder
-has its own plan, so its TP group is always passed in; megatron-core's ``parallel_state`` is never
-read.
+layer spec (``layer_ops.vision_layer_spec`` by default) and the ``mlp`` and ``affine`` projectors
+are ``MultimodalProjector``s. None of their forwards runs: steps apply their weights (the layers'
+steps come from ``layer_ops.layer_steps``), so that every TP collective is a step of its own. The
+encoder has its own plan, so its TP group is always passed in; megatron-core's ``parallel_state`` is
+never read.
 
 Under sequence parallelism (TP > 1) the parameters applied to a rank's own tokens (norms,
 row-parallel biases, patch and position embedding) get partial gradients: they carry megatron-core's
@@ -15,13 +15,14 @@ the TP group.
 
 Stage 0 embeds patches given as [batch, seq, in_channels * patch_size**2], after ``CLIPViTModel``'s
 class token when the encoder has one; the last stage's projector (``mlp``: megatron-core's MLP, fc1,
-its activation (gated or not), fc2; ``linear``: one Linear; each after LLaVA's drop of the class
-token and the optional spatial merge of ``projector.spatial_merge``) returns [image tokens, batch,
-llm_hidden], whole on every TP rank (one all-reduce, ``tp_ar_projector``); under sequence
-parallelism it first gathers the tokens (``tp_ag_projector``), then drops and merges them. Its
-backward collective follows its first GEMM's backward:
-``tp_ar_projector`` (mlp), ``tp_rs_projector`` (mlp, sequence parallel) or ``tp_ag_projector``
-(linear), none for a frozen encoder.
+its activation (gated or not), fc2; ``affine``: megatron-core's one column-parallel GEMM;
+``linear``: one row-parallel GEMM; each after LLaVA's drop of the class token and the optional
+spatial merge of ``projector.spatial_merge``) returns [image tokens, batch, llm_hidden], whole on
+every TP rank (``mlp``, ``linear``: one all-reduce, ``tp_ar_projector``; ``affine``: one all-gather
+of its columns, ``tp_ag_projector_output``); under sequence parallelism it first gathers the tokens
+(``tp_ag_projector``), then drops and merges them. Its backward collective follows its first GEMM's
+backward: ``tp_ar_projector`` (mlp, affine), ``tp_rs_projector`` (mlp, affine, sequence parallel)
+or ``tp_ag_projector`` (linear), none for a frozen encoder.
 
 Where this differs from ``cost_model.layer_kernels`` (TP > 1 only): the cost model mirrors each
 forward collective into the backward, which puts the no-SP backward all-reduces and the projector's
@@ -174,14 +175,16 @@ class PatchEmbedding(nn.Module):
 
 
 class Projector(nn.Module):
-    """Encoder features -> the LLM's hidden size, TP-sharded with one all-reduce at the end.
+    """Encoder features -> the LLM's hidden size, whole on every TP rank.
 
-    ``mlp``: megatron-core's ``MultimodalProjector`` (LLaVA's: column-parallel fc1, the
-    activation, gated as megatron-core's MLP gates it, row-parallel fc2) of the configured width,
-    activation and biases, applied by steps over its weights. ``linear``: one row-parallel GEMM
-    over this rank's slice of the features (its input gradient is gathered: ``tp_ag_projector``);
-    megatron-core's ``affine`` projector gathers its output instead, which this runtime does not
-    run. Before either, LLaVA's drop of the class token and the spatial merge select the tokens.
+    ``mlp``: megatron-core's ``MultimodalProjector`` of type ``mlp`` (LLaVA's: column-parallel fc1,
+    the activation, gated as megatron-core's MLP gates it, row-parallel fc2; one all-reduce at the
+    end) of the configured width, activation and biases. ``affine``: megatron-core's
+    ``MultimodalProjector`` of type ``affine``, one column-parallel GEMM whose output is gathered
+    over TP (``tp_ag_projector_output``; its adjoint keeps this rank's columns). Both are applied by
+    steps over the module's weights. ``linear``: one row-parallel GEMM over this rank's slice of
+    the features (its input gradient is gathered: ``tp_ag_projector``), then an all-reduce. Before
+    any of them, LLaVA's drop of the class token and the spatial merge select the tokens.
     """
 
     def __init__(
@@ -193,26 +196,10 @@ class Projector(nn.Module):
     ):
         super().__init__()
         projector = encoder.projector
-        self.mlp = projector.type == "mlp"
+        self.kind = projector.type
         self.merged_tokens = encoder.merged_tokens
         self.dropped_tokens = encoder.layer_tokens - encoder.projected_tokens
-        if self.mlp:
-            config = replace(
-                layer_config,
-                hidden_size=llm_hidden_size,
-                ffn_hidden_size=projector.mlp_ffn_hidden_size(llm_hidden_size),
-                gated_linear_unit=projector.gated_linear_unit,
-                activation_func=ACTIVATIONS[projector.activation],
-                add_bias_linear=projector.add_bias_linear,
-            )
-            self.projection = MultimodalProjector(
-                config,
-                MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                "mlp",
-                encoder.projector_input_size,
-                tp_group=group,
-            )
-        else:
+        if self.kind == "linear":
             self.linear = RowParallelLinear(
                 encoder.projector_input_size,
                 llm_hidden_size,
@@ -223,62 +210,107 @@ class Projector(nn.Module):
                 input_is_parallel=True,
                 tp_group=group,
             )
+            return
+        config = replace(
+            layer_config,
+            hidden_size=llm_hidden_size,
+            ffn_hidden_size=projector.mlp_ffn_hidden_size(llm_hidden_size),
+            gated_linear_unit=projector.gated_linear_unit,
+            activation_func=ACTIVATIONS[projector.activation],
+            add_bias_linear=projector.add_bias_linear,
+        )
+        self.projection = MultimodalProjector(
+            config,
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            self.kind,
+            encoder.projector_input_size,
+            tp_group=group,
+        )
 
     def steps(self, group: ProcessGroup, sequence_parallel: bool) -> tuple[Step, ...]:
         """Under sequence parallelism: gather the tokens, drop and merge them, the GEMMs; otherwise
-        drop and merge, enter the TP region, the GEMMs. Either way the output is reduced whole."""
-        tp = group.size() > 1
-        gather: list[Step] = []  # the sequence-parallel gather of every token
-        entry: list[Step] = []  # into the TP region, on whole sequences
-        if self.mlp:
-            mlp = self.projection.encoder
-            fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
-            act, gated = mlp.config.activation_func, mlp.config.gated_linear_unit
-
-            def fc1_activation(x: Tensor) -> Tensor:
-                y = F.linear(x, fc1.weight, fc1.bias)
-                if gated:  # megatron-core's MLP: this rank's [gate; up] halves
-                    gate, up = y.chunk(2, dim=-1)
-                    return act(gate) * up
-                return act(y)
-
-            if tp:
-                (gather if sequence_parallel else entry).append(
-                    tp_entry(group, sequence_parallel, "projector")
-                )
-            gemms = [
-                compute("projector_fc1", fc1_activation, fc1.weight, fc1.bias),
-                compute("projector_fc2", lambda x: F.linear(x, fc2.weight), fc2.weight),
-            ]
-            bias = fc2.bias
-        else:
-            linear = self.linear
-            if sequence_parallel:  # replicated downstream: the adjoint keeps this rank's tokens
-                gather.append(
-                    collective(
-                        lambda x: all_gather(x, group),
-                        lambda g: _own_chunk(g, group, 0),
-                        "tp_ag_projector",
-                        None,
-                    )
-                )
-            if tp:
-                entry.append(
-                    collective(
-                        lambda x: _own_chunk(x, group, -1),
-                        lambda g: _all_gather_last_dim(g, group),
-                        None,
-                        "tp_ag_projector",
-                    )
-                )
-            gemms = [compute("projector_fc1", lambda x: F.linear(x, linear.weight), linear.weight)]
-            bias = linear.bias
-        # whole output on every rank, SP or not
-        tail = [tp_exit(group, False, "projector")] if tp else []
+        drop and merge, enter the TP region, the GEMMs. Either way the output ends whole."""
         select = [_drop_step(self.dropped_tokens)] if self.dropped_tokens else []
         if self.merged_tokens > 1:
             select.append(_merge_step(self.merged_tokens))
-        return (*gather, *select, *entry, *gemms, *tail, _bias_step(bias))
+        if self.kind == "linear":
+            gather, entry = self._row_parallel_entry(group, sequence_parallel)
+        else:  # column-parallel first, entered as megatron-core enters it
+            into = [tp_entry(group, sequence_parallel, "projector")] if group.size() > 1 else []
+            gather, entry = (into, []) if sequence_parallel else ([], into)
+        body = {"mlp": self._mlp, "affine": self._affine, "linear": self._linear}[self.kind](group)
+        return (*gather, *select, *entry, *body)
+
+    def _mlp(self, group: ProcessGroup) -> list[Step]:
+        """fc1 with its activation (gated or not), fc2, the reduce of its partial sums, fc2's bias
+        on the whole output."""
+        mlp = self.projection.encoder
+        fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+        act, gated = mlp.config.activation_func, mlp.config.gated_linear_unit
+
+        def fc1_activation(x: Tensor) -> Tensor:
+            y = F.linear(x, fc1.weight, fc1.bias)
+            if gated:  # megatron-core's MLP: this rank's [gate; up] halves
+                gate, up = y.chunk(2, dim=-1)
+                return act(gate) * up
+            return act(y)
+
+        return [
+            compute("projector_fc1", fc1_activation, fc1.weight, fc1.bias),
+            compute("projector_fc2", lambda x: F.linear(x, fc2.weight), fc2.weight),
+            *([tp_exit(group, False, "projector")] if group.size() > 1 else []),
+            _bias_step(fc2.bias),
+        ]
+
+    def _affine(self, group: ProcessGroup) -> list[Step]:
+        """The GEMM to this rank's columns with their bias, the gather of every rank's columns.
+        megatron-core adds the bias after its gather: the same numbers at TP 1; at TP > 1 it adds a
+        rank's slice of the bias to the whole output and fails."""
+        affine = self.projection.encoder
+        weight, bias = affine.weight, affine.bias
+        gathered = collective(
+            lambda x: _all_gather_last_dim(x, group),
+            lambda g: _own_chunk(g, group, -1),
+            "tp_ag_projector_output",
+            None,
+        )
+        return [
+            compute("projector_fc1", lambda x: F.linear(x, weight, bias), weight, bias),
+            *([gathered] if group.size() > 1 else []),
+        ]
+
+    def _linear(self, group: ProcessGroup) -> list[Step]:
+        """The GEMM over this rank's slice of the features, the reduce, the bias."""
+        linear = self.linear
+        return [
+            compute("projector_fc1", lambda x: F.linear(x, linear.weight), linear.weight),
+            *([tp_exit(group, False, "projector")] if group.size() > 1 else []),
+            _bias_step(linear.bias),
+        ]
+
+    def _row_parallel_entry(
+        self, group: ProcessGroup, sequence_parallel: bool
+    ) -> tuple[list[Step], list[Step]]:
+        """``linear``'s way in: the gather of every token (SP; replicated downstream, so its
+        adjoint keeps this rank's tokens), then this rank's slice of the features (its adjoint
+        gathers the slices' gradients)."""
+        gather = [
+            collective(
+                lambda x: all_gather(x, group),
+                lambda g: _own_chunk(g, group, 0),
+                "tp_ag_projector",
+                None,
+            )
+        ]
+        entry = [
+            collective(
+                lambda x: _own_chunk(x, group, -1),
+                lambda g: _all_gather_last_dim(g, group),
+                None,
+                "tp_ag_projector",
+            )
+        ]
+        return (gather if sequence_parallel else []), (entry if group.size() > 1 else [])
 
 
 class VisionStage(nn.Module):

@@ -254,14 +254,16 @@ def _projector(
     """Projector kernels as the runtime runs them (``runtime/vit.py``).
 
     ``mlp``: column-parallel fc1 (its activation fused; twice as wide with a gated linear unit),
-    row-parallel fc2; ``linear``: one row-parallel GEMM. They run on the tokens the LLM gets (a
-    dropped class token left out, then ``projector.spatial_merge``: fewer, wider), the drop and
-    merge being a slice and a reshape, no kernel.
+    row-parallel fc2; ``affine``: one column-parallel GEMM; ``linear``: one row-parallel GEMM. They
+    run on the tokens the LLM gets (a dropped class token left out, then
+    ``projector.spatial_merge``: fewer, wider), the drop and merge being a slice and a reshape, no
+    kernel.
     Forward: with sequence parallelism every token of the layers is gathered first; the output is
-    all-reduced so every TP rank holds it whole. Backward: the GEMMs in reverse, then the collective
-    that forms the encoder features' gradient (none when the encoder is frozen): the input copy's
-    all-reduce, its reduce-scatter over the layers' tokens under sequence parallelism (``mlp``), or
-    the all-gather of the row-parallel input slices (``linear``).
+    all-reduced (``affine``: its columns all-gathered) so every TP rank holds it whole. Backward:
+    the GEMMs in reverse, then the collective that forms the encoder features' gradient (none when
+    the encoder is frozen): the input copy's all-reduce, its reduce-scatter over the layers' tokens
+    under sequence parallelism (``mlp``, ``affine``), or the all-gather of the row-parallel input
+    slices (``linear``).
     """
     t = config.training
     tokens = enc.image_tokens * t.micro_batch_size
@@ -269,12 +271,14 @@ def _projector(
     h_enc, h_llm = enc.projector_input_size, config.llm.hidden_size
     bw = tp_bandwidth(config, tp)
     sp = t.sequence_parallel and tp > 1
-    mlp = enc.projector.type == "mlp"
+    kind = enc.projector.type
     scale = 1 if phase == "fwd" else 2
-    if mlp:
+    if kind == "mlp":
         ffn = enc.projector.mlp_ffn_hidden_size(h_llm) // tp
         fc1_out = 2 * ffn if enc.projector.gated_linear_unit else ffn
         shapes = [("projector_fc1", h_enc, fc1_out), ("projector_fc2", ffn, h_llm)]
+    elif kind == "affine":
+        shapes = [("projector_fc1", h_enc, h_llm // tp)]
     else:
         shapes = [("projector_fc1", h_enc // tp, h_llm)]
     gemms = []
@@ -299,13 +303,15 @@ def _projector(
     gathered = enc.layer_tokens * t.micro_batch_size * enc.hidden_size * dtype
     if phase == "fwd":
         head = [collective("tp_ag_projector", "all_gather", gathered)] if sp else []
-        tail = (
-            [collective("tp_ar_projector", "all_reduce", tokens * h_llm * dtype)] if tp > 1 else []
-        )
-        return head + gemms + tail
+        if tp == 1:
+            return head + gemms
+        output = tokens * h_llm * dtype
+        if kind == "affine":  # its columns gathered
+            return head + gemms + [collective("tp_ag_projector_output", "all_gather", output)]
+        return head + gemms + [collective("tp_ar_projector", "all_reduce", output)]
     if tp == 1 or enc.frozen:
         return gemms[::-1]
-    if not mlp:
+    if kind == "linear":
         return gemms[::-1] + [collective("tp_ag_projector", "all_gather", features)]
     return gemms[::-1] + [
         collective("tp_rs_projector", "reduce_scatter", gathered)

@@ -60,6 +60,8 @@ CASES = {
     "clip": {"encoder": {"model_subtype": "clip"}},
     # a recomputed layer draws the forward's masks; under TP they are cut from the unsharded stage's
     "dropout-full": {"encoder": DROPOUT, "recompute": "full"},
+    # megatron-core's affine projector: column-parallel, its output gathered
+    "affine-relu": {"encoder": {"activation": "relu", "projector": {"type": "affine"}}},
 }
 
 

@@ -6,7 +6,10 @@ validation loss with and without the flag.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from copy import deepcopy
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +22,11 @@ pytestmark = pytest.mark.distributed
 ARGS = (*MEGATRON_TINY_FLAGS, "--hidden-dropout", "0", "--attention-dropout", "0")
 
 
-def _write_artifact(argv: list[str], path: Path) -> str:
+def _write_artifact(argv: list[str], path: Path, projector: dict[str, Any] | None = None) -> str:
+    """``optimus-plan --artifact`` for the job of ``argv``, whose projector has ``projector``'s
+    fields in place of those pretrain_vlm.py's flags give it (a model of the user's own)."""
+    from dataclasses import replace
+
     from optimus_mllm.megatron_arguments import add_optimus_args, parse_args, validate_args
     from optimus_mllm.megatron_flags import config_from_megatron_args
     from optimus_mllm.planner import plan
@@ -27,14 +34,44 @@ def _write_artifact(argv: list[str], path: Path) -> str:
 
     args = validate_args(parse_args(add_optimus_args, argv), 4)
     config = config_from_megatron_args(args, 4, 4)
+    encoder = config.encoders[0]
+    encoder = replace(encoder, projector=replace(encoder.projector, **(projector or {})))
+    config = replace(config, model=replace(config.model, encoders=(encoder,)))
     path.write_text(artifact_text(schedule_job_artifact(config, plan(config))))
     return str(path)
 
 
-def _both(argv: list[str], schedule: str) -> tuple:
+def _both(argv: list[str], schedule: str, projector: tuple | None = None) -> tuple:
     from support.megatron_standin import standin_pretrain
 
-    return standin_pretrain(argv, None), standin_pretrain(argv, schedule)
+    edit = None if projector is None else _projector_of_their_own(*projector)
+    return standin_pretrain(argv, None, edit=edit), standin_pretrain(argv, schedule, edit=edit)
+
+
+def _projector_of_their_own(kind: str, activation: str, bias: bool) -> Callable[[Any], None]:
+    """A user's provider that builds megatron-core's MultimodalProjector of type ``kind`` with
+    ``activation`` (a torch.nn.functional or torch name) and ``bias`` in place of
+    pretrain_vlm.py's."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    def edit(model: Any) -> None:
+        if not hasattr(model, "vision_projection"):  # built on the first stage only
+            return
+        config = deepcopy(model.vision_projection.config)
+        config.activation_func = getattr(F, activation, None) or getattr(torch, activation)
+        config.add_bias_linear = bias
+        model.vision_projection = MultimodalProjector(
+            config,
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            kind,
+            model.vision_model.config.hidden_size,
+        )
+
+    return edit
 
 
 # flags after ARGS win: its layout is TP2 PP2 with two model chunks per stage
@@ -67,6 +104,80 @@ def test_the_flag_trains_with_the_plain_numbers_through_megatron_s_seams(
     assert optimus.losses == pytest.approx(plain.losses, rel=1e-5)
     assert optimus.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)
     assert optimus.validation_loss == pytest.approx(plain.validation_loss, rel=1e-5)
+
+
+# a user's own projector (type, activation, bias), and the projector fields it has in place of
+# pretrain_vlm.py's
+PROJECTORS = {
+    "relu-tp2-pp2-vp2": (("mlp", "relu", True), {"activation": "relu"}, "tp2-pp2-vp2"),
+    "affine-nobias-tp2-pp2-vp2": (
+        ("affine", "gelu", False),
+        {"type": "affine", "ffn_hidden_size": None, "add_bias_linear": False},
+        "tp2-pp2-vp2",
+    ),
+    "affine-dp2-pp2": (
+        ("affine", "gelu", True),
+        {"type": "affine", "ffn_hidden_size": None},
+        "dp2-pp2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PROJECTORS)
+def test_a_projector_of_the_users_own_trains_with_the_plain_numbers(
+    case: str, tmp_path: Path
+) -> None:
+    """The flag reads the projector off the user's built module (not pretrain_vlm.py's from the
+    flags): a ReLU MLP and megatron-core's affine projector, with and without its bias, train with
+    the plain run's numbers; the probe passes them."""
+    built, fields, layout = PROJECTORS[case]
+    argv = [*ARGS, *LAYOUTS[layout]]
+    schedule = _write_artifact(argv, tmp_path / "plan.json", fields)
+    plain, optimus = run_distributed(_both, 4, argv, schedule, built, timeout=600)[-1]
+    assert all(loss is not None for loss in plain.losses), plain
+    assert len(set(plain.losses)) == 3  # it trains
+    assert optimus.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert optimus.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)
+    assert optimus.validation_loss == pytest.approx(plain.validation_loss, rel=1e-5)
+
+
+def _refused(argv: list[str], schedule: str, projector: tuple) -> str:
+    from optimus_mllm.errors import OptimusError
+
+    from support.megatron_standin import standin_pretrain
+
+    try:
+        standin_pretrain(argv, schedule, edit=_projector_of_their_own(*projector))
+    except OptimusError as error:
+        return str(error)
+    return "trained"
+
+
+def test_a_projector_activation_the_encoder_does_not_run_is_one_line_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
+    schedule = _write_artifact(argv, tmp_path / "plan.json")
+    said = run_distributed(_refused, 4, argv, schedule, ("mlp", "tanh", True), timeout=600)
+    assert len(set(said)) == 1, said  # every rank alike
+    assert said[0] == (
+        "model_provider: the projector's TransformerConfig.activation_func is tanh, which the "
+        "Optimus encoder does not run (it runs gelu, silu, relu, squared_relu, quick_gelu); "
+        "build the projector with one of them"
+    )
+
+
+def test_an_artifact_planned_for_the_flags_projector_is_refused_for_another(
+    tmp_path: Path,
+) -> None:
+    """optimus-plan plans the projector pretrain_vlm.py's flags describe; a job whose provider
+    builds another is refused naming the projector's field, before any step."""
+    argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
+    schedule = _write_artifact(argv, tmp_path / "plan.json")
+    said = run_distributed(_refused, 4, argv, schedule, ("mlp", "relu", True), timeout=600)
+    assert len(set(said)) == 1, said
+    assert said[0].startswith(f"schedule artifact {schedule} was made with "), said[0]
+    assert "model.encoders.0.projector.activation" in said[0], said[0]
 
 
 def _norm_between_vision_and_projector(argv: list[str], schedule: str) -> str:

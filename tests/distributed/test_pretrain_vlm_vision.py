@@ -29,7 +29,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 import megatron_patches
-from optimus_mllm.config import config_from_dict
+from optimus_mllm.config import ProjectorConfig, config_from_dict
 from optimus_mllm.runtime.data import patchify
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, build_stage_ops
 from optimus_mllm.runtime.layer_ops import vision_transformer_config
@@ -42,6 +42,7 @@ from optimus_mllm.runtime.sharded_state import (
 )
 from optimus_mllm.runtime.user_model import (
     config_problem,
+    describe_projector,
     projector_problem,
     user_vision_layer_spec,
 )
@@ -60,6 +61,18 @@ CASES = {
     f"{projector}{'-drop' if drop else ''}": (projector == "swiglu", drop)
     for projector in ("gelu", "swiglu")
     for drop in (False, True)
+}
+# projectors a user builds other than pretrain_vlm.py's: megatron-core's MultimodalProjector
+# (type, activation, bias), and the ProjectorConfig that describes it
+PROJECTORS = {
+    "relu": (("mlp", F.relu, True), {"ffn_hidden_size": FFN, "activation": "relu"}),
+    "relu-nobias": (
+        ("mlp", F.relu, False),
+        {"ffn_hidden_size": FFN, "activation": "relu", "add_bias_linear": False},
+    ),
+    "gelu-nobias": (("mlp", F.gelu, False), {"ffn_hidden_size": FFN, "add_bias_linear": False}),
+    "affine": (("affine", F.gelu, True), {"type": "affine"}),
+    "affine-nobias": (("affine", F.gelu, False), {"type": "affine", "add_bias_linear": False}),
 }
 
 
@@ -86,15 +99,21 @@ def _language_config(tp: int, swiglu: bool) -> TransformerConfig:
     )
 
 
-def _pretrain_vlm_vision(tp: int, swiglu: bool) -> tuple[CLIPViTModel, MultimodalProjector]:
+def _pretrain_vlm_vision(
+    tp: int, swiglu: bool, projector: tuple[str, Any, bool] = ("mlp", None, None)
+) -> tuple[CLIPViTModel, MultimodalProjector]:
     """``pretrain_vlm.py``'s ``model_provider``, the vision half: the configs copied from the
-    language model's, CLIP with one class token, the projector of the language spec's MLP."""
+    language model's, CLIP with one class token, the projector of the language spec's MLP;
+    ``projector``: its type, and an activation and bias of its own (None: the language model's)."""
+    kind, activation, bias = projector
     language = _language_config(tp, swiglu)
     vision = deepcopy(language)
     vision.num_layers = LAYERS
     vision.pipeline_model_parallel_size = 1
     projection = deepcopy(language)
     projection.pipeline_model_parallel_size = 1
+    if activation is not None:
+        projection.activation_func, projection.add_bias_linear = activation, bias
     clip = CLIPViTModel(
         vision,
         get_vit_layer_with_local_spec(),
@@ -109,7 +128,7 @@ def _pretrain_vlm_vision(tp: int, swiglu: bool) -> tuple[CLIPViTModel, Multimoda
     projector = MultimodalProjector(
         projection,
         deepcopy(decoder_model_with_local_default_spec().submodules.mlp.submodules),
-        "mlp",
+        kind,
         vision.hidden_size,
     )
     with torch.no_grad():  # nonzero biases and norm weights, the same on every rank
@@ -121,8 +140,11 @@ def _pretrain_vlm_vision(tp: int, swiglu: bool) -> tuple[CLIPViTModel, Multimoda
     return clip, projector
 
 
-def _optimus_config(swiglu: bool, drop: bool, sequence_parallel: bool) -> Any:
-    """The job's config as ``optimus_mllm.megatron`` makes it from pretrain_vlm.py's flags."""
+def _optimus_config(
+    swiglu: bool, drop: bool, sequence_parallel: bool, projector: dict[str, Any] | None = None
+) -> Any:
+    """The job's config as ``optimus_mllm.megatron`` makes it from pretrain_vlm.py's flags;
+    ``projector``: the projector's fields in place of pretrain_vlm.py's."""
     layer = {
         "hidden_size": HIDDEN,
         "num_attention_heads": HEADS,
@@ -146,7 +168,8 @@ def _optimus_config(swiglu: bool, drop: bool, sequence_parallel: bool) -> Any:
                         "model_subtype": "clip",
                         "class_token": True,
                         "drop_class_token": drop,
-                        "projector": {
+                        "projector": projector
+                        or {
                             "ffn_hidden_size": FFN,
                             "activation": layer["activation"],
                             "gated_linear_unit": swiglu,
@@ -183,12 +206,14 @@ def _whole(state: dict) -> dict[str, torch.Tensor]:
 def _compare(
     group: dist.ProcessGroup, dp_group: dist.ProcessGroup, case: str, sequence_parallel: bool
 ) -> dict[str, float]:
-    """Largest relative differences, Optimus stage vs pretrain_vlm.py's modules, of the projected
-    image tokens and of every weight gradient (by LLaVA's key)."""
-    swiglu, drop = CASES[case]
-    config = _optimus_config(swiglu, drop, sequence_parallel)
+    """Largest relative differences, Optimus stage vs pretrain_vlm.py's modules (with one of
+    ``PROJECTORS`` where ``case`` names it, the class token dropped), of the projected image tokens
+    and of every weight gradient (by LLaVA's key)."""
+    built, described = PROJECTORS.get(case, (("mlp", None, None), None))
+    swiglu, drop = CASES.get(case, (False, True))
+    config = _optimus_config(swiglu, drop, sequence_parallel, described)
     torch.manual_seed(0)  # megatron-core's CPU init draws whole matrices: every rank agrees
-    clip, projector = _pretrain_vlm_vision(group.size(), swiglu)
+    clip, projector = _pretrain_vlm_vision(group.size(), swiglu, built)
     expected_layers = vision_transformer_config(config.encoders[0], 1, torch.float32, 0.02)
     assert config_problem("vision model", "encoder", expected_layers, clip.config) is None
     assert projector_problem(config.encoders[0], projector, HIDDEN) is None
@@ -246,7 +271,7 @@ def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     return (got - expected).abs().max().item() / scale
 
 
-def _rank(sequence_parallel: bool) -> dict[str, dict[str, float]]:
+def _rank(sequence_parallel: bool, cases: Any = CASES) -> dict[str, dict[str, float]]:
     with megatron_patches.patched():
         tp = dist.get_world_size()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -257,7 +282,7 @@ def _rank(sequence_parallel: bool) -> dict[str, dict[str, float]]:
         try:
             return {
                 case: _compare(group, singles[dist.get_rank()], case, sequence_parallel)
-                for case in CASES
+                for case in cases
             }
         finally:
             parallel_state.destroy_model_parallel()
@@ -273,6 +298,25 @@ def test_the_encoder_stage_is_pretrain_vlms_clip_drop_and_projector(
     gradients as megatron-core's modules, every weight (the class token's included) compared."""
     for rank, errors in enumerate(run_distributed(_rank, tp, sequence_parallel, timeout=300.0)):
         assert set(errors) == set(CASES)
+        for case, errs in errors.items():
+            assert len(errs) > 10 and max(errs.values()) <= TOL, (rank, case, errs)
+
+
+@pytest.mark.parametrize(
+    "tp, sequence_parallel", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-sp"]
+)
+def test_the_encoder_stage_runs_megatron_cores_projectors_as_built(
+    tp: int, sequence_parallel: bool
+) -> None:
+    """ReLU and GELU MLPs and the affine projector, with and without biases: the same projected
+    tokens and gradients as megatron-core's MultimodalProjector. At TP 2 megatron-core's affine
+    projector with a bias fails in its own forward (its bias is sharded, its output gathered):
+    ``describe_projector`` refuses it (test below)."""
+    cases = [c for c in PROJECTORS if tp == 1 or c != "affine"]
+    for rank, errors in enumerate(
+        run_distributed(_rank, tp, sequence_parallel, cases, timeout=300.0)
+    ):
+        assert set(errors) == set(cases)
         for case, errs in errors.items():
             assert len(errs) > 10 and max(errs.values()) <= TOL, (rank, case, errs)
 
@@ -385,37 +429,72 @@ def test_the_flags_config_describes_llava_model_as_pretrain_vlm_builds_it(
         assert verdicts["not gated"] is None
 
 
-def _projector_verdicts() -> list[str | None]:
-    """projector_problem for projectors the config (GELU, pretrain_vlm.py's width) does not
-    describe: a ReLU MLP, megatron-core's affine projector, a torch Linear; and one it does."""
+def _projector_verdicts() -> dict[str, Any]:
+    """At TP 2: ``projector_problem`` for projectors the config (GELU, pretrain_vlm.py's width)
+    does not describe or the encoder does not run, and one it describes; ``describe_projector`` of
+    two it runs."""
     config = _optimus_config(swiglu=False, drop=False, sequence_parallel=False)
     encoder = config.encoders[0]
+
+    def built(kind: str, **fields: Any) -> MultimodalProjector:
+        projection = _language_config(2, swiglu=False)
+        for name, value in fields.items():
+            setattr(projection, name, value)
+        submodules = deepcopy(decoder_model_with_local_default_spec().submodules.mlp.submodules)
+        return MultimodalProjector(projection, submodules, kind, HIDDEN)
+
     with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         try:
-            submodules = decoder_model_with_local_default_spec().submodules.mlp.submodules
-            relu = deepcopy(_language_config(1, swiglu=False))
-            relu.activation_func = F.relu
-            projectors = [
-                MultimodalProjector(relu, deepcopy(submodules), "mlp", HIDDEN),
-                MultimodalProjector(_language_config(1, False), submodules, "affine", HIDDEN),
-                torch.nn.Linear(HIDDEN, HIDDEN),
-                MultimodalProjector(_language_config(1, False), submodules, "mlp", HIDDEN),
-            ]
-            return [projector_problem(encoder, p, HIDDEN) for p in projectors]
+            projectors = {
+                "relu": built("mlp", activation_func=F.relu),
+                "affine with a bias": built("affine"),
+                "Linear": torch.nn.Linear(HIDDEN, HIDDEN),
+                "tanh": built("mlp", activation_func=torch.tanh),
+                "fused gelu": built("mlp", bias_activation_fusion=True),
+                "affine": built("affine", add_bias_linear=False),
+                "as described": built("mlp"),
+            }
+            described = {
+                name: describe_projector(projectors[name], HIDDEN, HIDDEN)
+                for name in ("relu", "affine")
+            }
+            return {
+                "problems": {
+                    name: projector_problem(encoder, p, HIDDEN) for name, p in projectors.items()
+                },
+                "described": described,
+            }
         finally:
             parallel_state.destroy_model_parallel()
 
 
-def test_a_projector_the_config_does_not_describe_is_refused_naming_what_differs() -> None:
-    (verdicts,) = run_distributed(_projector_verdicts, 1, timeout=120.0)
-    assert verdicts == [
-        "model_provider: the projector's TransformerConfig.activation_func is relu, but "
+def test_a_projector_the_encoder_does_not_run_or_the_config_does_not_describe_is_refused() -> None:
+    """Each refusal one line naming what differs or what the encoder cannot run; a ReLU MLP and an
+    affine projector are described as built (with the flag, the description replaces the
+    config's)."""
+    verdicts = run_distributed(_projector_verdicts, 2, timeout=120.0)
+    assert verdicts[0] == verdicts[1]
+    assert verdicts[0]["problems"] == {
+        "relu": "model_provider: the projector's TransformerConfig.activation_func is relu, but "
         "model.encoders[0].projector.activation describes gelu; make the two agree",
-        "model_provider: vision_projection is a MultimodalProjector of type 'affine'; the "
-        "Optimus encoder runs type 'mlp'",
-        "model_provider: vision_projection is a Linear; the Optimus encoder runs megatron-core's "
-        "MultimodalProjector",
-        None,
-    ]
+        "affine with a bias": "model_provider: vision_projection is megatron-core's affine "
+        "MultimodalProjector with a bias at TP 2, whose forward adds this rank's slice of the "
+        "bias to the gathered output and fails; build it with add_bias_linear=False, or at TP 1",
+        "Linear": "model_provider: vision_projection is a Linear; the Optimus encoder runs "
+        "megatron-core's MultimodalProjector (type mlp or affine)",
+        "tanh": "model_provider: the projector's TransformerConfig.activation_func is tanh, which "
+        "the Optimus encoder does not run (it runs gelu, silu, relu, squared_relu, quick_gelu); "
+        "build the projector with one of them",
+        "fused gelu": "model_provider: the projector's TransformerConfig.bias_activation_fusion "
+        "is True; the Optimus encoder runs the MLP as megatron-core computes it with False; build "
+        "the projector with that",
+        "affine": "model.encoders[0].projector.type is mlp, but the model's vision_projection is "
+        "a MultimodalProjector of type 'affine'; set type: affine",
+        "as described": None,
+    }
+    assert verdicts[0]["described"] == {
+        "relu": ProjectorConfig(ffn_hidden_size=FFN, activation="relu"),
+        "affine": ProjectorConfig(type="affine", add_bias_linear=False),
+    }

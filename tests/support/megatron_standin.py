@@ -62,12 +62,14 @@ def standin_pretrain(
     model_class: type | None = None,
     renamed: dict[str, str] | None = None,
     forward_step: Callable[..., Any] | None = None,
+    edit: Callable[[Any], None] | None = None,
 ) -> StandinRun:
     """Train ``--train-iters`` iterations of the script under the flags ``argv`` on the world's
     ranks; with ``schedule``, as ``--optimus-schedule schedule`` would. ``model_class``: a subclass
     of the script's model that the provider's models become (a user's own forward). ``renamed``:
     batch keys the data iterator gives under other names. ``forward_step``: the user's, in place of
-    the script's."""
+    the script's. ``edit``: called on each model the provider built, before it is returned (a
+    user's own provider, e.g. another projector)."""
     args = megatron_arguments.validate_args(
         megatron_arguments.parse_args(None, argv), dist.get_world_size()
     )
@@ -90,6 +92,8 @@ def standin_pretrain(
         provider = script.model_provider
         if model_class is not None:
             provider = partial(_as_class, provider, model_class)
+        if edit is not None:
+            provider = partial(_edited, provider, edit)
         model = _get_model(provider if optimus is None else optimus.model_provider(provider), args)
         build_optimizer = seams.get("get_megatron_optimizer", lambda f: f)(get_megatron_optimizer)
         optimizer = build_optimizer(_optimizer_config(args), model)
@@ -154,6 +158,12 @@ def standin_pretrain(
 
 def _renamed(batches: Any, renamed: dict[str, str], *args: Any) -> dict[str, Any]:
     return {renamed.get(key, key): value for key, value in batches(*args).items()}
+
+
+def _edited(provider: Any, edit: Callable[[Any], None], *args: Any, **kwargs: Any) -> Any:
+    model = provider(*args, **kwargs)
+    edit(model)
+    return model
 
 
 def _as_class(provider: Any, model_class: type, *args: Any, **kwargs: Any) -> Any:

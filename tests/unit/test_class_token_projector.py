@@ -107,8 +107,10 @@ def test_the_projectors_mlp_takes_its_width_and_gating() -> None:
         ),
         ({"type": "linear"}, 32 * 64 + 64),
         ({"type": "linear", "add_bias_linear": False}, 32 * 64),
+        ({"type": "affine"}, 32 * 64 + 64),
+        ({"type": "affine", "add_bias_linear": False}, 32 * 64),
     ],
-    ids=["default", "wide", "swiglu-nobias", "linear", "linear-nobias"],
+    ids=["default", "wide", "swiglu-nobias", "linear", "linear-nobias", "affine", "affine-nobias"],
 )
 def test_projector_params_follow_its_shape(projector: dict[str, Any], expected: int) -> None:
     config = _tiny(projector=projector)
@@ -137,8 +139,9 @@ def test_the_default_projector_is_llavas() -> None:
     [
         (False, {"class_token": True, "projector": {"gated_linear_unit": True}}),
         (True, {"seq_length": 9, "class_token": True, "drop_class_token": True}),
+        (True, {"projector": {"type": "affine"}}),
     ],
-    ids=["kept-gated", "sp-dropped"],
+    ids=["kept-gated", "sp-dropped", "sp-affine"],
 )
 def test_the_profiler_measures_the_shapes_the_cost_model_prices(
     sequence_parallel: bool, fields: dict[str, Any]

@@ -207,9 +207,12 @@ BAD = [
         lambda r: _set(
             r,
             "model.encoders",
-            [dict(r["model"]["encoders"][0], projector={"activation": "relu"})],
+            [dict(r["model"]["encoders"][0], projector={"activation": "tanh"})],
         ),
-        ["model.encoders[0].projector.activation", "must be one of gelu, silu"],
+        [
+            "model.encoders[0].projector.activation",
+            "must be one of gelu, silu, relu, squared_relu, quick_gelu",
+        ],
     ),
     (
         lambda r: (
