@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from optimus_mllm.cost_model import PiecePrices
@@ -45,6 +45,16 @@ class LLMBubbles:
     def of(cls, dep: EncLLMDep) -> LLMBubbles:
         gaps = stage_gaps(dep.timeline)
         return cls(dep, gaps, [Lengths.of_gaps(compute) for compute, _ in gaps])
+
+    def fed_from(self, first: int) -> LLMBubbles:
+        """The same bubbles when the encoder feeds LLM microbatches ``first`` and on only (the
+        ones before carry no image): their dependency points alone."""
+        if first == 0:
+            return self
+        dep = replace(
+            self.dep, forward=self.dep.forward[first:], backward=self.dep.backward[first:]
+        )
+        return LLMBubbles(dep, self.gaps, self.lengths)
 
 
 def stage_gaps(timeline: LLMTimeline) -> list[tuple[FreeIntervals, FreeIntervals]]:
