@@ -86,6 +86,13 @@ EMPTY_LOAD = EncoderLoad(0, 0)
 IterationWorkload = tuple[EncoderWorkload, ...]
 
 
+def llm_order(workload: IterationWorkload) -> tuple[int, ...]:
+    """The data microbatches in the order the LLM runs them under the iteration's own schedule:
+    the imageless ones first (no encoder output to wait for), each group in data order."""
+    n = range(len(workload))
+    return tuple([i for i in n if workload[i].empty] + [i for i in n if not workload[i].empty])
+
+
 def heaviest(workloads: Sequence[EncoderWorkload]) -> EncoderWorkload:
     """Per encoder, the most images and the longest images of ``workloads``: one workload that
     covers each of them (empty when they all are)."""

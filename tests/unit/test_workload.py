@@ -3,6 +3,7 @@ the baselines and the config's workload fields."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -185,3 +186,31 @@ def test_bad_workload_fields_name_the_field(overrides, field):
         load_config(CONFIGS / "paper" / "fig5_8gpu.yaml", overrides)
     assert str(error.value).startswith(field)
     assert "\n" not in str(error.value)
+
+
+def test_optimus_plan_ranks_plans_by_expected_time_over_the_distribution(tmp_path, capsys):
+    from optimus_mllm.cli.plan import main
+    from optimus_mllm.scheduler.artifact import load_artifact
+
+    out, artifact = tmp_path / "plan.json", tmp_path / "schedule.json"
+    args = ["--config", str(CONFIGS / "paper" / "fig5_8gpu.yaml"), "--json", str(out)]
+    args += ["--artifact", str(artifact)]
+    for override in DISTRIBUTION:
+        args += ["--override", override]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "ranked by expected iteration time over 8 iterations drawn from it (seed 1234)" in printed
+    )
+    expected = json.loads(out.read_text())["expected"]
+    times = [row["expected_iteration_us"] for row in expected["ranked"]]
+    assert times == sorted(times) and len(times) == 6
+    # a lighter iteration than the maximum is never slower than the maximum's schedule
+    assert all(r["expected_iteration_us"] <= r["fallback_iteration_us"] for r in expected["ranked"])
+    best = expected["ranked"][0]
+    assert load_artifact(artifact).encoder_plan.as_dict() == best["encoder_plan"]
+    assert f"chosen for the distribution: encoder {_plan_text(best['encoder_plan'])};" in printed
+
+
+def _plan_text(plan: dict) -> str:
+    return f"DP{plan['dp']} PP{plan['pp']} TP{plan['tp']}"
