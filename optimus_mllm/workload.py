@@ -105,6 +105,53 @@ def heaviest(workloads: Sequence[EncoderWorkload]) -> EncoderWorkload:
 
 
 @dataclass(frozen=True)
+class EncoderSplit:
+    """An iteration's images as the encoder runs them: encoder microbatches of at most
+    ``images_per_chain`` images per encoder, each priced as ``chain``."""
+
+    images_per_chain: int
+    chain: EncoderWorkload  # the largest encoder microbatch: what each one is scheduled as
+    # per encoder microbatch, in order: the LLM microbatch (its position in the LLM's order) it
+    # feeds; an LLM microbatch with n images (per encoder) is fed by ceil(n / images_per_chain),
+    # its images in order, images_per_chain each (the last one the rest)
+    feeds: tuple[int, ...]
+
+
+def split_images(
+    workload: IterationWorkload, images_per_chain: int | None = None
+) -> EncoderSplit | None:
+    """``workload`` (in the LLM's order) as encoder microbatches of at most ``images_per_chain``
+    images (default: the heaviest microbatch's, one per LLM microbatch with images); None when no
+    microbatch has an image."""
+    images = [w for w in workload if not w.empty]
+    if not images:
+        return None
+    heavy = heaviest(images)
+    per_chain = images_per_chain or max(load.images for load in heavy.loads)
+    chain = EncoderWorkload(
+        tuple(
+            EncoderLoad(min(load.images, per_chain), load.tokens_per_image) for load in heavy.loads
+        )
+    )
+    feeds = []
+    for i, w in enumerate(workload):
+        feeds += [i] * max(-(-load.images // per_chain) for load in w.loads)
+    return EncoderSplit(per_chain, chain, tuple(feeds))
+
+
+def chain_sizes(workload: IterationWorkload, tries: int = 3) -> tuple[int, ...]:
+    """The encoder microbatch sizes worth scheduling an iteration at: its heaviest microbatch's
+    images, half of that, a quarter ...: ``tries`` at most, smallest first (the smaller ones
+    usually schedule faster, and the first schedule found bounds the search of the next)."""
+    most = max((max(load.images for load in w.loads) for w in workload), default=0)
+    sizes: list[int] = []
+    while most and len(sizes) < tries and (not sizes or most < sizes[-1]):
+        sizes.append(most)
+        most = -(-most // 2) if most > 1 else 0
+    return tuple(reversed(sizes))
+
+
+@dataclass(frozen=True)
 class WorkloadDistribution:
     """Images per sample and tokens per image as histograms (value -> weight, weights summing to
     one); the largest microbatch memory is planned for is ``max_images_per_microbatch``."""

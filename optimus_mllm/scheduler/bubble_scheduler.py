@@ -20,10 +20,12 @@ skip partitions and plans.
 
 Variable work (``bubble_scheduler``'s ``workload``): the LLM runs the microbatches without an image
 first, in data order, and waits on no encoder for them: their dependency points are dropped
-(``LLMBubbles.fed_from``), so the encoder's microbatches meet the later, looser ones. Those
-microbatches are scheduled as one chain each, priced for the heaviest of them (``heaviest``): a
-lighter one's kernels take no longer than the slots placed for it, so the schedule holds for every
-one of them.
+(``LLMBubbles.feeding``), so the encoder's microbatches meet the later, looser ones. The images of
+the others run as encoder microbatches of at most ``images_per_chain`` images each
+(``split_images``): a microbatch with more runs as several, each meeting its LLM microbatch's
+dependency points. Every encoder microbatch is one chain, priced for the largest of them
+(``EncoderSplit.chain``): a lighter one's kernels take no longer than the slots placed for it, so
+the schedule holds for every one of them.
 """
 
 from __future__ import annotations
@@ -61,7 +63,12 @@ from optimus_mllm.scheduler.encoder_costs import (
 from optimus_mllm.scheduler.fine import Cut, LLMBubbles, Move, PipelineMoves, Placement, Resource
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
-from optimus_mllm.workload import EncoderWorkload, IterationWorkload, heaviest
+from optimus_mllm.workload import (
+    EncoderWorkload,
+    IterationWorkload,
+    max_images_per_microbatch,
+    split_images,
+)
 
 Window = Literal["pre", "llm", "post"]
 FWD: Phase = "fwd"
@@ -112,9 +119,9 @@ class Schedule:
     chains: tuple[ChainPlacement, ...]
     iteration_us: float
     coarse_iteration_us: float  # InitSchedule's latency for this partition
-    # LLM microbatches 0..n-1 carry no image: no encoder work feeds them, and ``assignment``,
-    # ``dep`` and the EF/EB times above are those of LLM microbatches n, n+1, ...
-    imageless_microbatches: int = 0
+    # per encoder microbatch (the index of ``assignment``, ``dep`` and the EF/EB times above): the
+    # LLM microbatch it feeds; empty: encoder microbatch i feeds LLM microbatch i (today's)
+    feeds: tuple[int, ...] = ()
 
     @property
     def timeline(self) -> LLMTimeline:
@@ -652,6 +659,7 @@ def bubble_scheduler(
     bound_us: float = float("inf"),
     fine: bool = True,
     workload: IterationWorkload | None = None,
+    images_per_chain: int | None = None,
 ) -> tuple[Schedule | None, SchedulerStats]:
     """BubbleScheduler (Algorithm 2): coarse schedules for every partition, refined, the fastest
     kept.
@@ -664,33 +672,36 @@ def bubble_scheduler(
 
     ``workload``: one per microbatch of the LLM pipeline, in the order the LLM is to run them
     (imageless ones first, see the module's note); None: every microbatch carries today's
-    constant work.
+    constant work. ``images_per_chain``: the most images of one encoder microbatch (default: the
+    workload's heaviest microbatch's, one encoder microbatch per LLM microbatch).
     """
-    if workload is not None:
-        images = [w for w in workload if not w.empty]
-        imageless = len(workload) - len(images)
-        if any(w.empty for w in workload[imageless:]):
-            raise ValueError("the LLM runs the imageless microbatches first: order them so")
-        partitions = microbatch_partitions(
-            len(images),
-            symmetry_groups(llm_plan, candidate.plan),
-            candidate.max_microbatches_per_pipeline,
-            config.planner.max_partitions,
-        )
-        if not partitions.partitions:
-            return None, SchedulerStats()
-        candidate = replace(candidate, partitions=partitions)
-        bubbles = bubbles.fed_from(imageless)
-        plan_input = _PlanInput.of(
-            config, llm_plan, candidate, bubbles, cost, heavy=heaviest(images)
-        )
-    else:
-        imageless = 0
+    if workload is None:
         plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
+        best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine)
+        return (best.schedule() if best else None), stats
+    imageless = sum(w.empty for w in workload)
+    if any(w.empty for w in workload[imageless:]):
+        raise ValueError("the LLM runs the imageless microbatches first: order them so")
+    split = split_images(workload, images_per_chain)
+    if split is None:
+        return None, SchedulerStats()
+    # an encoder microbatch of fewer images than planned keeps fewer activations in flight
+    most = candidate.max_microbatches_per_pipeline * max_images_per_microbatch(config)
+    partitions = microbatch_partitions(
+        len(split.feeds),
+        symmetry_groups(llm_plan, candidate.plan),
+        most // max(load.images for load in split.chain.loads),
+        config.planner.max_partitions,
+    )
+    if not partitions.partitions:
+        return None, SchedulerStats()
+    candidate = replace(candidate, partitions=partitions)
+    bubbles = bubbles.feeding(split.feeds)
+    plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost, heavy=split.chain)
     best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine)
     if best is None:
         return None, stats
-    return replace(best.schedule(), imageless_microbatches=imageless), stats
+    return replace(best.schedule(), feeds=split.feeds), stats
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,8 @@ from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
 from optimus_mllm.scheduler.bubble_scheduler import Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.workload import (
-    IterationWorkload,
-    WorkloadDistribution,
-    draw_iterations,
-    llm_order,
-)
+from optimus_mllm.scheduler.per_iteration import schedule_iteration
+from optimus_mllm.workload import WorkloadDistribution, draw_iterations, llm_order
 
 # enough for a stable ranking of plans within seconds (each iteration is one scheduler run a plan)
 EXPECTED_ITERATIONS = 8
@@ -66,32 +62,20 @@ def rank_by_expected_time(
     maximum = (distribution.maximum(config),) * planned.num_microbatches
     rows = []
     for candidate in planned.candidates:
-        fallback = _schedule(config, planned, candidate, bubbles, cost, maximum)
+        fallback, _ = bubble_scheduler(
+            config, planned.llm_plan, candidate, bubbles, cost, workload=maximum
+        )
         if fallback is None:
             continue
         times, fell_back = [], 0
         for workload in drawn:
-            own = _schedule(config, planned, candidate, bubbles, cost, workload)
-            if own is None or own.iteration_us > fallback.iteration_us:
+            ordered = tuple(workload[i] for i in llm_order(workload))
+            own = schedule_iteration(config, planned.llm_plan, candidate, bubbles, cost, ordered)
+            if own is None or own.schedule.iteration_us > fallback.iteration_us:
                 fell_back += 1
                 times.append(fallback.iteration_us)
             else:
-                times.append(own.iteration_us)
+                times.append(own.schedule.iteration_us)
         rows.append(ExpectedTime(candidate, sum(times) / len(times), fallback, fell_back))
     rows.sort(key=lambda row: row.expected_us)
     return ExpectedRanking(distribution, iterations, seed, tuple(rows))
-
-
-def _schedule(
-    config: OptimusConfig,
-    planned: PlannerResult,
-    candidate: EncoderPlanCandidate,
-    bubbles: LLMBubbles,
-    cost: CostModel,
-    workload: IterationWorkload,
-) -> Schedule | None:
-    ordered = tuple(workload[i] for i in llm_order(workload))
-    schedule, _ = bubble_scheduler(
-        config, planned.llm_plan, candidate, bubbles, cost, workload=ordered
-    )
-    return schedule

@@ -46,13 +46,14 @@ class LLMBubbles:
         gaps = stage_gaps(dep.timeline)
         return cls(dep, gaps, [Lengths.of_gaps(compute) for compute, _ in gaps])
 
-    def fed_from(self, first: int) -> LLMBubbles:
-        """The same bubbles when the encoder feeds LLM microbatches ``first`` and on only (the
-        ones before carry no image): their dependency points alone."""
-        if first == 0:
-            return self
+    def feeding(self, feeds: tuple[int, ...]) -> LLMBubbles:
+        """The same bubbles with one dependency point per encoder microbatch: that of the LLM
+        microbatch it feeds (``feeds``, in LLM order). An LLM microbatch fed by none waits on no
+        encoder; one fed by several needs each of them by its points."""
         dep = replace(
-            self.dep, forward=self.dep.forward[first:], backward=self.dep.backward[first:]
+            self.dep,
+            forward=tuple(self.dep.forward[i] for i in feeds),
+            backward=tuple(self.dep.backward[i] for i in feeds),
         )
         return LLMBubbles(dep, self.gaps, self.lengths)
 

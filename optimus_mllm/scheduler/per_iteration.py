@@ -18,11 +18,13 @@ or, where it is not ready by the deadline, could not be built, or is not faster,
 is planned for (``data.max_images_per_microbatch``): it runs every microbatch in data order in slots
 sized for the largest, so it holds for any batch within that maximum.
 
-An iteration's own schedule runs its imageless microbatches first (``llm_order``), and depends on
-its workload only through how many microbatches are imageless and its heaviest one (see
-``bubble_scheduler``). So the LLM's dependency points and bubbles are computed once for the job, and
-an iteration whose (imageless count, heaviest microbatch) an earlier one had reuses that schedule
-without a search (``reused``); a build still running for the same key is waited on, not repeated.
+An iteration's own schedule runs its imageless microbatches first (``llm_order``) and its images as
+encoder microbatches of at most ``images_per_chain`` images each (``schedule_iteration`` tries the
+heaviest microbatch's count, half and a quarter of it, and keeps the fastest; see
+``bubble_scheduler``). The LLM's dependency points and bubbles are computed once for the job, and an
+iteration whose workload an earlier one had reuses that schedule without a search (``reused``); a
+build still running for the same workload is waited on, not repeated. (Building a schedule from the
+last one's moves, where only some microbatches changed, is not done: each build searches afresh.)
 
 Builds run on one background thread by default (the scheduler is pure Python: it shares the
 interpreter with the training loop; pass a process pool as ``executor`` to keep it off the GIL, with
@@ -45,11 +47,17 @@ from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.bubble_scheduler import Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.workload import EncoderWorkload, IterationWorkload, heaviest, llm_order
+from optimus_mllm.workload import IterationWorkload, chain_sizes, llm_order
 
 Source = Literal["per-iteration", "fallback"]
-# what an iteration's own schedule depends on: (imageless microbatches, the heaviest of the rest)
-_Key = tuple[int, EncoderWorkload | None]
+
+
+@dataclass(frozen=True)
+class IterationSchedule:
+    """An iteration's own schedule and the encoder microbatch size it runs its images at."""
+
+    schedule: Schedule  # ``Schedule.feeds``: the LLM position each encoder microbatch feeds
+    images_per_chain: int
 
 
 @dataclass(frozen=True)
@@ -62,12 +70,10 @@ class IterationPlan:
     llm_order: tuple[int, ...]
     source: Source
     reason: str  # why the fallback runs; "" for the iteration's own schedule
+    # the most images of one encoder microbatch (``split_images``); None: one encoder microbatch
+    # per LLM microbatch, as the fallback runs them
+    images_per_chain: int | None = None
     reused: bool = False  # the own schedule was an earlier iteration's, no search ran
-
-
-def _key(workload: IterationWorkload) -> _Key:
-    images = [w for w in workload if not w.empty]
-    return len(workload) - len(images), heaviest(images) if images else None
 
 
 class IterationScheduler:
@@ -75,7 +81,7 @@ class IterationScheduler:
 
     def __init__(
         self,
-        build: Callable[[IterationWorkload], Schedule | None],
+        build: Callable[[IterationWorkload], IterationSchedule | None],
         fallback: Schedule,
         executor: Executor | None = None,
     ):
@@ -84,8 +90,8 @@ class IterationScheduler:
         self.build, self.fallback = build, fallback
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="optimus-schedule")
-        self._by_key: dict[_Key, Future[Schedule | None]] = {}
-        self._pending: dict[int, tuple[_Key, tuple[int, ...], bool]] = {}
+        self._by_key: dict[IterationWorkload, Future[IterationSchedule | None]] = {}
+        self._pending: dict[int, tuple[IterationWorkload, tuple[int, ...], bool]] = {}
 
     @classmethod
     def for_plan(
@@ -99,17 +105,24 @@ class IterationScheduler:
     ) -> IterationScheduler:
         """Per-iteration schedules of one encoder plan, its LLM's bubbles computed once here."""
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, llm_plan, cost))
-        build = partial(_build, config, llm_plan, candidate, bubbles, cost)
+        build = partial(
+            schedule_iteration,
+            config,
+            llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            bound_us=fallback.iteration_us,
+        )
         return cls(build, fallback, executor)
 
     def submit(self, iteration: int, workload: IterationWorkload) -> None:
         """Start building ``iteration``'s schedule (as soon as its batch is known)."""
         order = llm_order(workload)
-        key = _key(workload)
+        key = tuple(workload[i] for i in order)
         reused = key in self._by_key
         if not reused:
-            ordered = tuple(workload[i] for i in order)
-            self._by_key[key] = self.executor.submit(self.build, ordered)
+            self._by_key[key] = self.executor.submit(self.build, key)
         self._pending[iteration] = (key, order, reused)
 
     def take(self, iteration: int, wait_s: float = 0.0) -> IterationPlan:
@@ -123,15 +136,23 @@ class IterationScheduler:
             time.sleep(min(0.001, max(0.0, deadline - time.monotonic())))
         if not future.done():
             return self._fallback(iteration, f"late: not built within {wait_s:g} s")
-        schedule = future.result()
-        if schedule is None:
+        built = future.result()
+        if built is None:
             return self._fallback(iteration, "no schedule for this workload")
-        if schedule.iteration_us > self.fallback.iteration_us + EPS_US:
+        if built.schedule.iteration_us > self.fallback.iteration_us + EPS_US:
             return self._fallback(iteration, "not faster than the fallback")
-        return IterationPlan(iteration, schedule, order, "per-iteration", "", reused)
+        return IterationPlan(
+            iteration,
+            built.schedule,
+            order,
+            "per-iteration",
+            "",
+            built.images_per_chain,
+            reused,
+        )
 
     def _fallback(self, iteration: int, reason: str) -> IterationPlan:
-        n = self.fallback.imageless_microbatches + len(self.fallback.assignment)
+        n = len(self.fallback.assignment)
         return IterationPlan(iteration, self.fallback, tuple(range(n)), "fallback", reason)
 
     def close(self) -> None:
@@ -140,13 +161,34 @@ class IterationScheduler:
             self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _build(
+def schedule_iteration(
     config: OptimusConfig,
     llm_plan: ParallelPlan,
     candidate: EncoderPlanCandidate,
     bubbles: LLMBubbles,
     cost: CostModel,
     workload: IterationWorkload,
-) -> Schedule | None:
-    schedule, _ = bubble_scheduler(config, llm_plan, candidate, bubbles, cost, workload=workload)
-    return schedule
+    bound_us: float = float("inf"),
+) -> IterationSchedule | None:
+    """The fastest schedule of ``workload`` (in ``llm_order``) over the encoder microbatch sizes
+    ``chain_sizes`` gives; None where none schedules (no image, too few encoder microbatches for
+    the plan's encoder pipelines) or none beats ``bound_us`` (the fallback's time: partitions whose
+    lower bound cannot beat it, or the best size so far, are not searched)."""
+    best: IterationSchedule | None = None
+    for size in chain_sizes(workload):
+        bound = min(bound_us, best.schedule.iteration_us if best else bound_us)
+        schedule, _ = bubble_scheduler(
+            config,
+            llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            bound_us=bound,
+            workload=workload,
+            images_per_chain=size,
+        )
+        if schedule is not None and (
+            best is None or schedule.iteration_us < best.schedule.iteration_us - EPS_US
+        ):
+            best = IterationSchedule(schedule, size)
+    return best

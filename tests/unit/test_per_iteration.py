@@ -16,7 +16,7 @@ from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.bubble_scheduler import bubble_scheduler
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.scheduler.per_iteration import IterationScheduler
+from optimus_mllm.scheduler.per_iteration import IterationSchedule, IterationScheduler
 from optimus_mllm.workload import EncoderWorkload, check_within
 
 from support.paths import CONFIGS
@@ -27,7 +27,9 @@ MAX_IMAGES = 4
 
 @pytest.fixture(scope="module")
 def job():
-    config = load_config(CONFIGS / "paper" / "fig5_8gpu.yaml")
+    config = load_config(
+        CONFIGS / "paper" / "fig5_8gpu.yaml", (f"data.max_images_per_microbatch={MAX_IMAGES}",)
+    )
     planned = plan(config)
     cost = CostModel.from_config(config)
     candidate = next(c for c in planned.candidates if c.plan.dp == 2 and c.plan.pp == 2)
@@ -67,11 +69,16 @@ def test_each_iteration_runs_its_own_valid_schedule(job):
     for p, workload in zip(plans, iterations):
         assert schedule_violations(p.schedule) == []
         assert p.schedule.iteration_us <= fallback.iteration_us
-        imageless = p.schedule.imageless_microbatches
-        assert imageless == sum(w.empty for w in workload)
-        # the LLM runs the imageless microbatches first
+        # the LLM runs the imageless microbatches first, and waits on no encoder for them
+        imageless = sum(w.empty for w in workload)
         assert all(workload[i].empty for i in p.llm_order[:imageless])
         assert sorted(p.llm_order) == list(range(len(workload)))
+        fed = [workload[p.llm_order[i]].images for i in p.schedule.feeds]
+        assert min(fed) > 0 and set(p.schedule.feeds) == set(range(imageless, len(workload)))
+        # each LLM microbatch is fed by as many encoder microbatches as its images need
+        for position in set(p.schedule.feeds):
+            images = workload[p.llm_order[position]].images
+            assert p.schedule.feeds.count(position) == -(-images // p.images_per_chain)
     # different workloads, different schedules
     assert len({p.schedule.iteration_us for p in plans[:3]}) == 3
     assert plans[3].schedule is plans[0].schedule
@@ -113,7 +120,8 @@ def test_a_slowed_scheduler_makes_iterations_fall_back_without_stalling(job):
 def test_a_schedule_slower_than_the_fallback_or_missing_falls_back(job):
     config, planned, _, _, fallback = job
     slower = dataclasses.replace(fallback, iteration_us=fallback.iteration_us * 2)
-    for build, reason in ((lambda w: slower, "not faster"), (lambda w: None, "no schedule")):
+    too_slow = IterationSchedule(slower, MAX_IMAGES)
+    for build, reason in ((lambda w: too_slow, "not faster"), (lambda w: None, "no schedule")):
         scheduler = IterationScheduler(build, fallback)
         scheduler.submit(0, _workload(config, [1] * planned.num_microbatches))
         p = scheduler.take(0, wait_s=60.0)

@@ -76,7 +76,7 @@ def test_the_constant_workload_gives_todays_schedule(name):
     assert schedule.iteration_us == chosen.iteration_us
     assert schedule.chains == chosen.chains
     assert schedule.assignment == chosen.assignment
-    assert schedule.imageless_microbatches == 0
+    assert schedule.feeds == tuple(range(planned.num_microbatches))
 
 
 def test_imageless_microbatches_run_first_and_the_llm_waits_on_no_encoder_for_them(fig5):
@@ -88,7 +88,7 @@ def test_imageless_microbatches_run_first_and_the_llm_waits_on_no_encoder_for_th
         config, planned.llm_plan, candidate, bubbles, cost, workload=workload
     )
     assert schedule_violations(schedule) == []
-    assert schedule.imageless_microbatches == imageless
+    assert schedule.feeds == tuple(range(imageless, n))
     assert len(schedule.assignment) == sum(schedule.partition) == n - imageless
     # the encoder meets the dependency points of LLM microbatches 6.. only
     assert schedule.dep.forward == bubbles.dep.forward[imageless:]
@@ -96,8 +96,10 @@ def test_imageless_microbatches_run_first_and_the_llm_waits_on_no_encoder_for_th
     assert schedule.iteration_us < chosen.iteration_us
 
 
-def test_a_mixed_iteration_is_scheduled_for_its_heaviest_microbatch(fig5):
-    config, planned, cost, _, candidate, bubbles = fig5
+def test_a_mixed_iteration_is_scheduled_for_its_heaviest_microbatch():
+    config, planned, cost, _, candidate, bubbles = _setup(
+        "fig5_8gpu", ("data.max_images_per_microbatch=4",)
+    )
     n = planned.num_microbatches
     mixed = _images(config, [0] * 2 + [1, 2, 3] * ((n - 2) // 3) + [4] * ((n - 2) % 3))
     heavy = _images(config, [0] * 2 + [4] * (n - 2))
@@ -108,6 +110,17 @@ def test_a_mixed_iteration_is_scheduled_for_its_heaviest_microbatch(fig5):
     assert heaviest(mixed[2:]) == EncoderWorkload.of_images(config, 4)
     assert schedule_violations(run[0]) == []
     assert run[0].iteration_us == run[1].iteration_us
+    # at most 2 images per encoder microbatch: a microbatch of 3 or 4 feeds its LLM microbatch
+    # twice, each of those encoder microbatches meeting that LLM microbatch's dependency points
+    halves, _ = bubble_scheduler(
+        config, planned.llm_plan, candidate, bubbles, cost, workload=mixed, images_per_chain=2
+    )
+    assert schedule_violations(halves) == []
+    expected = [i for i, w in enumerate(mixed) for _ in range(-(-w.images // 2))]
+    assert halves.feeds == tuple(expected)
+    assert halves.dep.forward == tuple(bubbles.dep.forward[i] for i in expected)
+    assert sum(halves.partition) == len(expected) > n - 2
+    assert halves.work.fwd[0].duration_us < run[0].work.fwd[0].duration_us
     with pytest.raises(ValueError, match="imageless microbatches first"):
         bubble_scheduler(config, planned.llm_plan, candidate, bubbles, cost, workload=mixed[::-1])
 
