@@ -667,8 +667,8 @@ def bubble_scheduler(
     Partitions whose lower bound (``PartitionBound``) cannot beat ``bound_us`` (the best schedule of
     other plans) or this plan's best so far are skipped; this never drops a schedule that could have
     won. Returns this plan's best schedule found, or None if no partition was feasible or searched
-    (or, with a ``workload``, if fewer of its microbatches carry images than the plan has encoder
-    pipelines per LLM pipeline).
+    (or, with a ``workload``, if it has no image, or fewer encoder microbatches than the plan has
+    encoder pipelines per LLM pipeline).
 
     ``workload``: one per microbatch of the LLM pipeline, in the order the LLM is to run them
     (imageless ones first, see the module's note); None: every microbatch carries today's

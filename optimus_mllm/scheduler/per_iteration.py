@@ -12,6 +12,10 @@ schedule from the same workload, or rank 0 builds it and broadcasts the plan)::
         run(plan.schedule, plan.llm_order)             # the step line prints plan.source
     scheduler.close()
 
+``plan.llm_order[i]`` is the data microbatch LLM microbatch i runs; encoder microbatch s (the index
+of ``plan.schedule.assignment``) runs the next ``plan.images_per_chain`` images of LLM microbatch
+``plan.schedule.feeds[s]``, in order (the fallback: one encoder microbatch per LLM microbatch).
+
 ``take`` hands back an ``IterationPlan``: the iteration's own schedule (``source`` "per-iteration")
 or, where it is not ready by the deadline, could not be built, or is not faster, the ``fallback``
 (``source`` "fallback", ``reason`` saying why). The fallback is the schedule for the maximum memory
