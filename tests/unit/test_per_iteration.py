@@ -141,3 +141,17 @@ def test_a_batch_above_the_planned_maximum_is_one_line_naming_the_microbatch(job
     too_long = (EncoderWorkload.of_images(config, 1, config.encoders[0].seq_length * 2),)
     with pytest.raises(OptimusError, match="data microbatch 0: images of 512 tokens"):
         check_within(too_long, maximum, config)
+
+
+def test_an_artifact_refuses_a_split_schedule_and_takes_the_fallback(job):
+    from optimus_mllm.scheduler.artifact import schedule_to_artifact
+
+    config, planned, cost, candidate, fallback = job
+    assert schedule_to_artifact(fallback, config).num_microbatches == planned.num_microbatches
+    scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
+    scheduler.submit(0, _workload(config, [0, 4] * (planned.num_microbatches // 2)))
+    own = scheduler.take(0, wait_s=60.0)
+    scheduler.close()
+    assert own.source == "per-iteration" and own.images_per_chain < MAX_IMAGES
+    with pytest.raises(ValueError, match="one encoder microbatch per LLM microbatch"):
+        schedule_to_artifact(own.schedule, config)
