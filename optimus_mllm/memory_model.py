@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus_mllm.config import OptimusConfig, Recompute, TransformerSpec
+from optimus_mllm.workload import max_images_per_microbatch
 
 GIB = 1024**3
 
@@ -138,15 +139,15 @@ def llm_activation_memory(config: OptimusConfig, pp: int, tp: int, vp: int) -> f
 
 def encoder_activation_memory_per_microbatch(config: OptimusConfig, pp: int, tp: int) -> float:
     """Activation bytes one microbatch leaves on the fullest encoder stage (all encoders
-    together)."""
+    together), at the most images per microbatch memory is planned for
+    (``data.max_images_per_microbatch``; one per sample without it)."""
     t = config.training
+    images = max_images_per_microbatch(config)
     total = 0.0
     for enc in config.encoders:
         if enc.frozen:
             continue  # forward only: nothing is kept for a backward pass
-        per_layer = layer_activation_bytes(
-            enc, t.micro_batch_size, tp, t.sequence_parallel, t.recompute
-        )
+        per_layer = layer_activation_bytes(enc, images, tp, t.sequence_parallel, t.recompute)
         total += per_layer * -(-enc.num_layers // pp)
     return total
 

@@ -13,6 +13,11 @@ be given: its flags that do not shape the plan (data, tokenizer, checkpoints, lo
 did not read; any other flag is refused. Megatron-LM takes the world size from the launcher, so the
 command needs it: ``--world-size`` (torchrun's ``--nnodes`` x ``--nproc-per-node``) and
 ``--gpus-per-node``.
+
+With a workload distribution in the config (``data.images_per_sample``), the output adds encoder
+plans ranked by expected iteration time over iterations drawn from it (``scheduler/expected.py``),
+and the artifact, trace and plot are the expected-fastest plan's schedule for the planned maximum:
+the fallback a per-iteration schedule falls back to.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from optimus_mllm.memory_model import GIB, MemoryBreakdown
 from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
 from optimus_mllm.scheduler.baselines import no_placement_problem
 from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, best_schedule
+from optimus_mllm.scheduler.expected import ExpectedRanking, rank_by_expected_time
 from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency
+from optimus_mllm.workload import WorkloadDistribution
 
 PROG = "optimus-plan"
 # what separates optimus-plan's own flags from a Megatron-LM command line
@@ -104,30 +111,40 @@ def main(argv: list[str] | None = None) -> int:
         scheduled = best_schedule(config, planned, cost)
         if scheduled.best is None and scheduled.baseline is None:
             raise OptimusError(no_placement_problem(config, planned, cost))
-        if (args.artifact or args.trace or args.png) and scheduled.best is None:
+        distribution = WorkloadDistribution.of_config(config)
+        expected = (
+            rank_by_expected_time(config, planned, cost, distribution) if distribution else None
+        )
+        schedule = scheduled.best
+        if expected is not None:
+            schedule = expected.best.fallback if expected.best else None
+        if (args.artifact or args.trace or args.png) and schedule is None:
             raise OptimusError(
                 "no encoder plan could be scheduled, so there is no schedule to write; "
                 "see the pruned plans"
             )
         if args.json:
-            atomic_write_text(
-                args.json, json.dumps(result_to_dict(planned, scheduled), indent=2) + "\n"
-            )
+            result = result_to_dict(planned, scheduled)
+            if expected is not None:
+                result["expected"] = expected_to_dict(expected)
+            atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
         if args.artifact:
             from optimus_mllm.scheduler.artifact import write_artifact
 
-            write_artifact(scheduled.best, config, args.artifact)
+            write_artifact(schedule, config, args.artifact)
         if args.trace:
             from optimus_mllm.scheduler.trace import write_trace
 
-            write_trace(scheduled.best, args.trace)
+            write_trace(schedule, args.trace)
         if args.png:
             from optimus_mllm.scheduler.plot import draw_schedule
 
-            draw_schedule(scheduled.best, args.png)
+            draw_schedule(schedule, args.png)
         if not_read:
             print(f"Megatron-LM flags not read (they do not shape the plan): {' '.join(not_read)}")
         sys.stdout.write(format_result(config, planned, scheduled))
+        if expected is not None:
+            sys.stdout.write(format_expected(expected))
         return 0
 
     return run(PROG, body)
@@ -281,6 +298,60 @@ def format_result(config: OptimusConfig, result: PlannerResult, scheduled: Optim
             f"it (--baseline {b.runtime}) unless given this schedule (--schedule)"
         ]
     return "\n".join(lines) + "\n"
+
+
+def format_expected(expected: ExpectedRanking) -> str:
+    """The plans ranked by expected iteration time over the drawn iterations."""
+    d = expected.distribution
+    histogram = ", ".join(f"{n}: {w:g}" for n, w in d.images_per_sample)
+    tokens = (
+        ", ".join(f"{n}: {w:g}" for n, w in d.tokens_per_image)
+        if d.tokens_per_image
+        else "the encoder's seq_length"
+    )
+    lines = [
+        "",
+        f"workload distribution: images per sample {{{histogram}}}, tokens per image {tokens}, "
+        f"at most {d.max_images_per_microbatch} images per microbatch",
+        f"encoder plans ranked by expected iteration time over {expected.iterations} iterations "
+        f"drawn from it (seed {expected.seed}), each scheduled for its own images:",
+        f"{'rank':>4}  {'encoder plan':<16}{'expected s':>12}{'at the maximum s':>18}"
+        f"{'fallbacks':>11}",
+    ]
+    for i, row in enumerate(expected.ranked, 1):
+        lines.append(
+            f"{i:>4}  {str(row.candidate.plan):<16}{_seconds(row.expected_us):>12}"
+            f"{_seconds(row.fallback.iteration_us):>18}"
+            f"{f'{row.fallback_iterations}/{expected.iterations}':>11}"
+        )
+    best = expected.best
+    if best is None:
+        lines.append("chosen for the distribution: none: no plan schedules the planned maximum")
+    else:
+        lines.append(
+            f"chosen for the distribution: encoder {best.candidate.plan}; its schedule for the "
+            f"maximum (iteration {_seconds(best.fallback.iteration_us)} s) is the fallback the "
+            "artifact holds"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def expected_to_dict(expected: ExpectedRanking) -> dict[str, Any]:
+    return {
+        "iterations": expected.iterations,
+        "seed": expected.seed,
+        "images_per_sample": dict(expected.distribution.images_per_sample),
+        "max_images_per_microbatch": expected.distribution.max_images_per_microbatch,
+        "ranked": [
+            {
+                "encoder_plan": row.candidate.plan.as_dict(),
+                "expected_iteration_us": row.expected_us,
+                "fallback_iteration_us": row.fallback.iteration_us,
+                "fallback_iterations": row.fallback_iterations,
+            }
+            for row in expected.ranked
+        ],
+    }
 
 
 def _outcome_text(outcome: PlanOutcome) -> str:

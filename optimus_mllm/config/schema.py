@@ -289,6 +289,13 @@ class DataConfig:
     path is kept as written and read from the working directory, like Megatron's ``--data-path``."""
 
     path: str | None = None
+    # The encoder work memory is planned for, in images per microbatch (per encoder); None: one
+    # image per sample, as today. A batch above it is refused before the step.
+    max_images_per_microbatch: int | None = None
+    # The workload optimus-plan ranks plans over (``optimus_mllm/workload.py``): images per sample
+    # -> weight, and patch tokens per image -> weight (None: the encoder's ``seq_length``)
+    images_per_sample: dict[int, float] | None = None
+    tokens_per_image: dict[int, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ def validate(config: OptimusConfig) -> None:
             "cost_model.kernel_overhead_us", f"must be >= 0, got {cm.kernel_overhead_us}"
         )
 
+    _validate_workload(config)
+
     if config.parallel.llm is not None:
         validate_llm_plan(config, config.parallel.llm, "parallel.llm")
     if config.parallel.encoder is not None:
@@ -101,6 +103,54 @@ def validate(config: OptimusConfig) -> None:
         validate_encoder_plan(
             config, config.parallel.encoder, config.parallel.llm, "parallel.encoder"
         )
+
+
+def _validate_workload(config: OptimusConfig) -> None:
+    """The planned maximum and the workload distribution (``optimus_mllm/workload.py``)."""
+    d = config.data
+    if d.max_images_per_microbatch is not None:
+        _positive(d.max_images_per_microbatch, "data.max_images_per_microbatch")
+        _at_most(d.max_images_per_microbatch, 1 << 12, "data.max_images_per_microbatch")
+    if d.tokens_per_image is not None and d.images_per_sample is None:
+        raise ConfigError(
+            "data.tokens_per_image", "needs data.images_per_sample (the images it sizes); add it"
+        )
+    if d.images_per_sample is not None:
+        _validate_histogram(d.images_per_sample, "data.images_per_sample", lowest=0)
+        if d.max_images_per_microbatch is None:
+            raise ConfigError(
+                "data.max_images_per_microbatch",
+                "is needed with data.images_per_sample: state the most images per microbatch "
+                "memory is planned for, e.g. "
+                f"{max(d.images_per_sample) * config.training.micro_batch_size}",
+            )
+    if d.tokens_per_image is not None:
+        _validate_histogram(d.tokens_per_image, "data.tokens_per_image", lowest=1)
+        if len(config.encoders) != 1:
+            raise ConfigError(
+                "data.tokens_per_image",
+                f"sizes one encoder's images, the config has {len(config.encoders)}; leave it out",
+            )
+        enc = config.encoders[0]
+        for tokens in d.tokens_per_image:
+            if tokens > enc.seq_length or tokens % enc.merged_tokens:
+                raise ConfigError(
+                    f"data.tokens_per_image[{tokens}]",
+                    f"must be at most the encoder's seq_length={enc.seq_length} (what memory is "
+                    f"planned for) and a multiple of its projector merge {enc.merged_tokens}",
+                )
+
+
+def _validate_histogram(histogram: dict[int, float], path: str, lowest: int) -> None:
+    if not histogram:
+        raise ConfigError(path, "is empty; give value: weight pairs, e.g. {0: 0.2, 1: 0.8}")
+    for value, weight in histogram.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value <= 1 << 20:
+            raise ConfigError(f"{path}[{value!r}]", f"keys must be integers >= {lowest}")
+        if weight < 0:
+            raise ConfigError(f"{path}[{value!r}]", f"weight must be >= 0, got {weight}")
+    if abs(sum(histogram.values()) - 1.0) > 1e-6:
+        raise ConfigError(path, f"weights sum to {sum(histogram.values()):g}; make them sum to 1")
 
 
 def _validate_optimizer(t: TrainingConfig) -> None:

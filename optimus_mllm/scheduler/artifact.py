@@ -51,6 +51,10 @@ from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_
 
 
 def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> ScheduleArtifact:
+    if schedule.feeds and schedule.feeds != tuple(range(len(schedule.assignment))):
+        # the artifact maps encoder microbatch i to LLM microbatch i; a per-iteration schedule's
+        # split and reordering reach the runtime through per_iteration.IterationPlan instead
+        raise ValueError("an artifact holds one encoder microbatch per LLM microbatch, in order")
     w, tl, t0 = schedule.work, schedule.timeline, schedule.llm_origin_us
     llm_mb = {a: i for i, a in enumerate(schedule.assignment)}
     hooks = [_HookIndex(tl, s, t0) for s in range(tl.pp)]

@@ -7,8 +7,11 @@
   virtual stages by Appendix B's dynamic program and run by the interleaved 1F1B schedule, virtual
   stage ``chunk * PP + stage`` on pipeline rank ``stage`` (Megatron's interleaved assignment).
 
-Both reuse the LLM's pipeline simulator. Every stage boundary costs the LLM's P2P time (the LLM's
-hidden states), also where the balanced split cuts inside the encoder.
+Both reuse the LLM's pipeline simulator. With a per-microbatch ``workload``, each op that runs
+encoder layers takes that microbatch's own encoder work (``simulate``'s ``op_us``); the balanced
+split stays the one made for ``split_for`` (by default the iteration's heaviest microbatch): a
+job's layers do not move between iterations. Every stage boundary costs the LLM's P2P time (the
+LLM's hidden states), also where the balanced split cuts inside the encoder.
 
 Both are also placements the runtime runs (``optimus-train --baseline megatron-lm | balanced``), so
 the scheduler takes them as candidates beside its own schedules (``runnable_baselines``), after the
@@ -19,7 +22,7 @@ memory model the planner prunes Optimus plans with: model states of the fullest 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from optimus_mllm.config import EncoderConfig, LLMConfig, OptimusConfig, encoder_tp_problem
 from optimus_mllm.cost_model import CostModel, Phase
@@ -44,7 +47,8 @@ from optimus_mllm.planner.planner import PlannerResult, gpu_memory_bytes, llm_me
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, build_encoder_work
 from optimus_mllm.scheduler.llm_costs import llm_op_work, timeline_from_work
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpDuration, OpWork
+from optimus_mllm.workload import EncoderWorkload, IterationWorkload, heaviest
 
 # (name, layer, is_comm, duration_us), as OpWork.sequential takes
 KernelItem = tuple[str, int, bool, float]
@@ -78,26 +82,49 @@ class _Layer:
 
 
 def megatron_lm_baseline(
-    config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    cost: CostModel,
+    workload: IterationWorkload | None = None,
 ) -> BaselineResult:
-    """All encoders in the first stage's pre-process, under the given LLM plan."""
-    encoder = _encoder_layers(config, llm_plan, cost)
-    work = llm_op_work(config, llm_plan, cost)
+    """All encoders in the first stage's pre-process, under the given LLM plan; with a
+    ``workload``, each microbatch's own (its op's kernels in the timeline are the heaviest's)."""
+    heavy = heaviest(workload) if workload is not None else None
+    encoder = _encoder_layers(config, llm_plan, cost, heavy)
+    llm_alone = llm_op_work(config, llm_plan, cost)
+    work = dict(llm_alone)
     work[(0, 0, "fwd")] = OpWork.sequential(_flatten(encoder, "fwd") + _items(work[(0, 0, "fwd")]))
     work[(0, 0, "bwd")] = OpWork.sequential(
         _items(work[(0, 0, "bwd")]) + _flatten(encoder[::-1], "bwd")
     )
+    op_us = None
+    if workload is not None:
+        per_load = _encoder_times(config, llm_plan, cost, workload)
+
+        def op_us(stage: int, chunk: int, mb: int, phase: Phase) -> float:
+            own = per_load[workload[mb]][phase] if (stage, chunk) == (0, 0) else 0.0
+            return llm_alone[(stage, chunk, phase)].duration_us + own
+
     stage_params = [float(p) for p in llm_params_per_stage(config.llm, llm_plan.pp)]
     stage_params[0] += sum(layer.params for layer in encoder)
-    timeline = timeline_from_work(config, llm_plan, cost, work, stage_params=stage_params)
+    timeline = timeline_from_work(
+        config, llm_plan, cost, work, stage_params=stage_params, op_us=op_us
+    )
     memory = llm_memory(config, llm_plan) + _rank_memory(config, llm_plan, encoder)
     return BaselineResult("Megatron-LM", "megatron-lm", timeline.iteration_us, timeline, memory)
 
 
 def megatron_lm_balanced_baseline(
-    config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel, vp: int | None = None
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    cost: CostModel,
+    vp: int | None = None,
+    workload: IterationWorkload | None = None,
+    split_for: EncoderWorkload | None = None,
 ) -> BaselineResult:
-    """Encoder and LLM layers balanced over V*PP virtual stages (V = ``vp``, default the plan's)."""
+    """Encoder and LLM layers balanced over V*PP virtual stages (V = ``vp``, default the plan's),
+    split for ``split_for`` (default: the ``workload``'s heaviest microbatch, or today's); with a
+    ``workload``, each microbatch runs its own encoder work in that split."""
     if len(config.encoders) != 1:
         names = ", ".join(e.name for e in config.encoders)
         raise OptimusError(
@@ -109,9 +136,26 @@ def megatron_lm_balanced_baseline(
     plan = ParallelPlan(
         llm_plan.dp, llm_plan.pp, llm_plan.tp, vp if vp is not None else llm_plan.vp
     )
-    layers = _encoder_layers(config, plan, cost) + _llm_layers(config, plan, cost)
+    if split_for is None and workload is not None:
+        split_for = heaviest(workload)
+    llm_layers = _llm_layers(config, plan, cost)
+    layers = _encoder_layers(config, plan, cost, split_for) + llm_layers
     _check_balanced_plan(config, plan, len(layers))
     ranges = balanced_partition([layer.time_us for layer in layers], plan.pp * plan.vp)
+    op_us: OpDuration | None = None
+    if workload is not None:
+        # per distinct workload: each virtual stage's forward and backward time
+        stage_us = {}
+        for load in set(workload):
+            sized = _encoder_layers(config, plan, cost, load) + llm_layers
+            stage_us[load] = {
+                phase: [sum(_time(layer, phase) for layer in sized[lo:hi]) for lo, hi in ranges]
+                for phase in ("fwd", "bwd")
+            }
+
+        def op_us(stage: int, chunk: int, mb: int, phase: Phase) -> float:
+            return stage_us[workload[mb]][phase][chunk * plan.pp + stage]
+
     work = {}
     stage_params = [0.0] * plan.pp
     for v, (lo, hi) in enumerate(ranges):
@@ -119,7 +163,7 @@ def megatron_lm_balanced_baseline(
         work[(stage, chunk, "fwd")] = OpWork.sequential(_flatten(layers[lo:hi], "fwd"))
         work[(stage, chunk, "bwd")] = OpWork.sequential(_flatten(layers[lo:hi][::-1], "bwd"))
         stage_params[stage] += sum(layer.params for layer in layers[lo:hi])
-    timeline = timeline_from_work(config, plan, cost, work, stage_params=stage_params)
+    timeline = timeline_from_work(config, plan, cost, work, stage_params=stage_params, op_us=op_us)
     memory = max(
         (
             _rank_memory(
@@ -351,34 +395,69 @@ def _check_balanced_plan(config: OptimusConfig, plan: ParallelPlan, num_layers: 
         )
 
 
-def _encoder_layers(config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel) -> list[_Layer]:
-    """Every encoder's layers at the LLM's TP: the patch embedding joins the first, the projector
-    the last."""
+def _encoder_layers(
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    cost: CostModel,
+    workload: EncoderWorkload | None = None,
+) -> list[_Layer]:
+    """Every encoder's layers at the LLM's TP for one microbatch of ``workload`` (default:
+    today's): the patch embedding joins the first, the projector the last. An encoder without
+    images in it has its layers, and no kernels."""
     problem = megatron_lm_problem(config, llm_plan)
     if problem:
         raise OptimusError(problem)
+    workload = workload or EncoderWorkload.constant(config)
     # One encoder stage at the LLM's TP gives the whole chain, as the first LLM stage runs it.
     single_stage = ParallelPlan(llm_plan.dp, 1, llm_plan.tp)
-    work = build_encoder_work(config, llm_plan, single_stage, cost)
+    work = build_encoder_work(config, llm_plan, single_stage, cost, workload)
     fwd, bwd = _by_layer(config, work.fwd[0].kernels), _by_layer(config, work.bwd[0].kernels)
     t = config.training
     layers = []
-    for enc in config.encoders:
+    for enc, load in zip(config.encoders, workload.loads):
         params = _encoder_layer_params(enc, config.llm)
         held = encoder_params_per_stage((enc,), config.llm, enc.num_layers)
         acts = (
-            0.0  # forward only: nothing is kept for a backward pass
-            if enc.frozen
+            0.0  # forward only, or no image: nothing is kept for a backward pass
+            if enc.frozen or not load.images
             else layer_activation_bytes(
-                enc, t.micro_batch_size, llm_plan.tp, t.sequence_parallel, t.recompute
+                replace(enc, seq_length=load.tokens_per_image),
+                load.images,
+                llm_plan.tp,
+                t.sequence_parallel,
+                t.recompute,
             )
         )
         for i in range(enc.num_layers):
             key = (enc.name, i)
             layers.append(
-                _Layer(tuple(fwd[key]), tuple(bwd[key]), params[i], held[i] - params[i], acts)
+                _Layer(
+                    tuple(fwd.get(key, ())),
+                    tuple(bwd.get(key, ())),
+                    params[i],
+                    held[i] - params[i],
+                    acts,
+                )
             )
     return layers
+
+
+def _encoder_times(
+    config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel, workload: IterationWorkload
+) -> dict[EncoderWorkload, dict[Phase, float]]:
+    """Per distinct microbatch workload: its encoders' forward and backward time at the LLM's
+    TP."""
+    times = {}
+    for load in set(workload):
+        layers = _encoder_layers(config, llm_plan, cost, load)
+        times[load] = {
+            phase: sum(_time(layer, phase) for layer in layers) for phase in ("fwd", "bwd")
+        }
+    return times
+
+
+def _time(layer: _Layer, phase: Phase) -> float:
+    return sum(item[3] for item in (layer.fwd if phase == "fwd" else layer.bwd))
 
 
 def _by_layer(

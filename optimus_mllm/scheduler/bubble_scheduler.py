@@ -17,6 +17,15 @@ moves one microbatch at a time of the critical encoder pipeline into ``llm`` (a 
 not fit whole, on its upper stages only: the rest stays in ``post``). The windows are laid
 out in ``coarse``, the kernels placed into bubbles in ``fine``, and ``lower_bound`` lets the search
 skip partitions and plans.
+
+Variable work (``bubble_scheduler``'s ``workload``): the LLM runs the microbatches without an image
+first, in data order, and waits on no encoder for them: their dependency points are dropped
+(``LLMBubbles.feeding``), so the encoder's microbatches meet the later, looser ones. The images of
+the others run as encoder microbatches of at most ``images_per_chain`` images each
+(``split_images``): a microbatch with more runs as several, each meeting its LLM microbatch's
+dependency points. Every encoder microbatch is one chain, priced for the largest of them
+(``EncoderSplit.chain``): a lighter one's kernels take no longer than the slots placed for it, so
+the schedule holds for every one of them.
 """
 
 from __future__ import annotations
@@ -25,15 +34,16 @@ import gc
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import add, itemgetter
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel, Phase
+from optimus_mllm.planner.partitions import microbatch_partitions
 from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
-from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.planner.plans import ParallelPlan, symmetry_groups
 from optimus_mllm.scheduler.baselines import BaselineResult, runnable_baselines
 from optimus_mllm.scheduler.coarse import chain_block, coarse_backward
 from optimus_mllm.scheduler.dependencies import (
@@ -53,6 +63,12 @@ from optimus_mllm.scheduler.encoder_costs import (
 from optimus_mllm.scheduler.fine import Cut, LLMBubbles, Move, PipelineMoves, Placement, Resource
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
+from optimus_mllm.workload import (
+    EncoderWorkload,
+    IterationWorkload,
+    max_images_per_microbatch,
+    split_images,
+)
 
 Window = Literal["pre", "llm", "post"]
 FWD: Phase = "fwd"
@@ -103,6 +119,9 @@ class Schedule:
     chains: tuple[ChainPlacement, ...]
     iteration_us: float
     coarse_iteration_us: float  # InitSchedule's latency for this partition
+    # per encoder microbatch (the index of ``assignment``, ``dep`` and the EF/EB times above): the
+    # LLM microbatch it feeds; empty: encoder microbatch i feeds LLM microbatch i (today's)
+    feeds: tuple[int, ...] = ()
 
     @property
     def timeline(self) -> LLMTimeline:
@@ -639,17 +658,50 @@ def bubble_scheduler(
     cost: CostModel,
     bound_us: float = float("inf"),
     fine: bool = True,
+    workload: IterationWorkload | None = None,
+    images_per_chain: int | None = None,
 ) -> tuple[Schedule | None, SchedulerStats]:
     """BubbleScheduler (Algorithm 2): coarse schedules for every partition, refined, the fastest
     kept.
 
     Partitions whose lower bound (``PartitionBound``) cannot beat ``bound_us`` (the best schedule of
     other plans) or this plan's best so far are skipped; this never drops a schedule that could have
-    won. Returns this plan's best schedule found, or None if no partition was feasible or searched.
+    won. Returns this plan's best schedule found, or None if no partition was feasible or searched
+    (or, with a ``workload``, if it has no image, or fewer encoder microbatches than the plan has
+    encoder pipelines per LLM pipeline).
+
+    ``workload``: one per microbatch of the LLM pipeline, in the order the LLM is to run them
+    (imageless ones first, see the module's note); None: every microbatch carries today's
+    constant work. ``images_per_chain``: the most images of one encoder microbatch (default: the
+    workload's heaviest microbatch's, one encoder microbatch per LLM microbatch).
     """
-    plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
+    if workload is None:
+        plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
+        best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine)
+        return (best.schedule() if best else None), stats
+    imageless = sum(w.empty for w in workload)
+    if any(w.empty for w in workload[imageless:]):
+        raise ValueError("the LLM runs the imageless microbatches first: order them so")
+    split = split_images(workload, images_per_chain)
+    if split is None:
+        return None, SchedulerStats()
+    # an encoder microbatch of fewer images than planned keeps fewer activations in flight
+    most = candidate.max_microbatches_per_pipeline * max_images_per_microbatch(config)
+    partitions = microbatch_partitions(
+        len(split.feeds),
+        symmetry_groups(llm_plan, candidate.plan),
+        most // max(load.images for load in split.chain.loads),
+        config.planner.max_partitions,
+    )
+    if not partitions.partitions:
+        return None, SchedulerStats()
+    candidate = replace(candidate, partitions=partitions)
+    bubbles = bubbles.feeding(split.feeds)
+    plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost, heavy=split.chain)
     best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine)
-    return (best.schedule() if best else None), stats
+    if best is None:
+        return None, stats
+    return replace(best.schedule(), feeds=split.feeds), stats
 
 
 @dataclass(frozen=True)
@@ -670,8 +722,10 @@ class _PlanInput:
         bubbles: LLMBubbles,
         cost: CostModel,
         cut_kernels: bool = True,
+        heavy: EncoderWorkload | None = None,
     ) -> _PlanInput:
-        work = build_encoder_work(config, llm_plan, candidate.plan, cost)
+        """``heavy``: the workload every encoder microbatch is priced at (default: today's)."""
+        work = build_encoder_work(config, llm_plan, candidate.plan, cost, heavy)
         work = work if cut_kernels else work.whole()
         bound = PartitionBound(work, bubbles.dep, bubbles.lengths)
         return cls(candidate, work, {p: bound(p) for p in candidate.partitions.partitions})

@@ -1,5 +1,10 @@
 """The encoder(s) under an encoder plan: per pipeline stage, the kernel chain of one microbatch.
 
+A chain is priced for one microbatch's ``EncoderWorkload`` (``optimus_mllm/workload.py``): each
+encoder's images are the batch its kernels run, at that workload's tokens per image; an encoder with
+no image in it runs no kernel. Without a workload, today's: one image per sample at the encoder's
+``seq_length``.
+
 Several encoders are independent of each other, so each stage's chain simply runs the layers of
 every encoder in turn: the scheduler treats them as one encoder (paper §4.4). A frozen encoder has
 no backward; its projector still trains (paper §6).
@@ -25,6 +30,7 @@ from optimus_mllm.cost_model import (
 from optimus_mllm.params import encoder_params_per_stage, projector_params, stage_layer_bounds
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
 from optimus_mllm.scheduler.llm_costs import activation_dtype_bytes, dp_comm_us, tp_bandwidth
+from optimus_mllm.workload import EncoderWorkload
 
 
 @dataclass(frozen=True)
@@ -105,22 +111,27 @@ class EncoderWork:
 
 
 def build_encoder_work(
-    config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: ParallelPlan, cost: CostModel
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    enc_plan: ParallelPlan,
+    cost: CostModel,
+    workload: EncoderWorkload | None = None,
 ) -> EncoderWork:
+    """Every encoder stage's chain for one microbatch of ``workload`` (default: today's constant
+    one), and the transfers and DP collectives around them."""
     t = config.training
     dtype = activation_dtype_bytes(config)
     bw = tp_bandwidth(config, enc_plan.tp)
     fwd: list[list[EncoderKernel]] = [[] for _ in range(enc_plan.pp)]
     bwd: list[list[EncoderKernel]] = [[] for _ in range(enc_plan.pp)]
-    for enc in config.encoders:
-        shape = LayerShape(
-            enc, enc_plan.tp, t.micro_batch_size, t.sequence_parallel, dtype, t.recompute
-        )
+    sized = _sized_encoders(config, workload or EncoderWorkload.constant(config))
+    for enc, images in sized:
+        shape = LayerShape(enc, enc_plan.tp, images, t.sequence_parallel, dtype, t.recompute)
         layer = {phase: cost.layer(shape, phase, enc.name, bw) for phase in ("fwd", "bwd")}
         prices = _piece_prices(shape, layer, cost)
         for e, (lo, hi) in enumerate(stage_layer_bounds(enc.num_layers, enc_plan.pp)):
             if e == 0:
-                fwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "fwd"))
+                fwd[e].append(_patch_embed(config, enc, images, cost, enc_plan.tp, "fwd"))
             for i in range(lo, hi):
                 fwd[e] += [
                     EncoderKernel(
@@ -136,8 +147,8 @@ def build_encoder_work(
                     for k, p in zip(layer["fwd"], prices["fwd"])
                 ]
             if e == enc_plan.pp - 1:
-                fwd[e] += _projector(config, enc, cost, enc_plan.tp, "fwd")
-                bwd[e] += _projector(config, enc, cost, enc_plan.tp, "bwd")
+                fwd[e] += _projector(config, enc, images, cost, enc_plan.tp, "fwd")
+                bwd[e] += _projector(config, enc, images, cost, enc_plan.tp, "bwd")
             if not enc.frozen:
                 for i in reversed(range(lo, hi)):
                     bwd[e] += [
@@ -154,7 +165,7 @@ def build_encoder_work(
                         for k, p in zip(layer["bwd"], prices["bwd"])
                     ]
                 if e == 0:
-                    bwd[e].append(_patch_embed(config, enc, cost, enc_plan.tp, "bwd"))
+                    bwd[e].append(_patch_embed(config, enc, images, cost, enc_plan.tp, "bwd"))
     layout = encoder_stage_gpus(llm_plan, enc_plan)
     ag, rs = dp_comm_us(
         config,
@@ -167,9 +178,10 @@ def build_encoder_work(
         plan=enc_plan,
         fwd=tuple(StageChain(tuple(c)) for c in fwd),
         bwd=tuple(StageChain(tuple(c)) for c in bwd),
-        p2p_us=_encoder_p2p_us(config, llm_plan, enc_plan, cost),
+        p2p_us=_encoder_p2p_us(config, sized, llm_plan, enc_plan, cost),
         to_llm_us=tuple(
-            _to_llm_us(config, llm_plan, stages[-1][0] // llm_plan.tp, cost) for stages in layout
+            _to_llm_us(config, sized, llm_plan, stages[-1][0] // llm_plan.tp, cost)
+            for stages in layout
         ),
         dp_all_gather_us=ag,
         dp_reduce_scatter_us=rs,
@@ -177,6 +189,18 @@ def build_encoder_work(
         llm_tp=llm_plan.tp,
         launch_us=config.cost_model.kernel_overhead_us,
     )
+
+
+def _sized_encoders(
+    config: OptimusConfig, workload: EncoderWorkload
+) -> list[tuple[EncoderConfig, int]]:
+    """Each encoder that runs in ``workload``: its config at the workload's tokens per image, and
+    its images (the batch its kernels run)."""
+    return [
+        (replace(enc, seq_length=load.tokens_per_image), load.images)
+        for enc, load in zip(config.encoders, workload.loads)
+        if load.images
+    ]
 
 
 def _piece_prices(
@@ -221,16 +245,16 @@ def trainable_params_per_stage(config: OptimusConfig, pp: int) -> list[float]:
 
 
 def _patch_embed(
-    config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase
+    config: OptimusConfig, enc: EncoderConfig, images: int, cost: CostModel, tp: int, phase: Phase
 ) -> EncoderKernel:
     """The patch embedding as a GEMM over flattened patches; with sequence parallelism each TP rank
     embeds its own share of the tokens, otherwise all of them (replicated, like Megatron's CLIP).
     The class token is a learned row put before them, no GEMM: the rank whose share holds it
     embeds one patch fewer than the others, whose share is priced."""
     if config.training.sequence_parallel and tp > 1:
-        tokens = enc.layer_tokens // tp * config.training.micro_batch_size
+        tokens = enc.layer_tokens // tp * images
     else:
-        tokens = enc.seq_length * config.training.micro_batch_size
+        tokens = enc.seq_length * images
     patch_dim = enc.in_channels * enc.patch_size**2
     dtype = activation_dtype_bytes(config)
     scale = 1 if phase == "fwd" else 2
@@ -249,7 +273,7 @@ def _patch_embed(
 
 
 def _projector(
-    config: OptimusConfig, enc: EncoderConfig, cost: CostModel, tp: int, phase: Phase
+    config: OptimusConfig, enc: EncoderConfig, images: int, cost: CostModel, tp: int, phase: Phase
 ) -> list[EncoderKernel]:
     """Projector kernels as the runtime runs them (``runtime/vit.py``).
 
@@ -266,7 +290,7 @@ def _projector(
     slices (``linear``).
     """
     t = config.training
-    tokens = enc.image_tokens * t.micro_batch_size
+    tokens = enc.image_tokens * images
     dtype = activation_dtype_bytes(config)
     h_enc, h_llm = enc.projector_input_size, config.llm.hidden_size
     bw = tp_bandwidth(config, tp)
@@ -300,7 +324,7 @@ def _projector(
 
     features = tokens * h_enc * dtype
     # the sequence-parallel gather holds every token the layers ran (the class token too)
-    gathered = enc.layer_tokens * t.micro_batch_size * enc.hidden_size * dtype
+    gathered = enc.layer_tokens * images * enc.hidden_size * dtype
     if phase == "fwd":
         head = [collective("tp_ag_projector", "all_gather", gathered)] if sp else []
         if tp == 1:
@@ -321,30 +345,33 @@ def _projector(
 
 
 def _encoder_p2p_us(
-    config: OptimusConfig, llm_plan: ParallelPlan, enc_plan: ParallelPlan, cost: CostModel
+    config: OptimusConfig,
+    sized: list[tuple[EncoderConfig, int]],
+    llm_plan: ParallelPlan,
+    enc_plan: ParallelPlan,
+    cost: CostModel,
 ) -> float:
-    if enc_plan.pp == 1:
+    if enc_plan.pp == 1 or not sized:
         return 0.0
-    widest = max(config.encoders, key=lambda e: e.layer_tokens * e.hidden_size)
+    widest, images = max(sized, key=lambda s: s[0].layer_tokens * s[0].hidden_size * s[1])
     work = p2p_work(
-        "encoder_p2p",
-        "fwd",
-        widest,
-        config.training.micro_batch_size,
-        enc_plan.tp,
-        activation_dtype_bytes(config),
+        "encoder_p2p", "fwd", widest, images, enc_plan.tp, activation_dtype_bytes(config)
     )
     # consecutive encoder stages sit on consecutive LLM stages
     return cost.comm_us(work, group_bandwidth_gbps(config.cluster, 2, llm_plan.tp * llm_plan.dp))
 
 
 def _to_llm_us(
-    config: OptimusConfig, llm_plan: ParallelPlan, llm_stage: int, cost: CostModel
+    config: OptimusConfig,
+    sized: list[tuple[EncoderConfig, int]],
+    llm_plan: ParallelPlan,
+    llm_stage: int,
+    cost: CostModel,
 ) -> float:
     """Send the projected image tokens (and later their gradient) to/from the first LLM stage."""
-    if llm_stage == 0:
+    if llm_stage == 0 or not sized:
         return 0.0  # colocated on the first LLM stage: a local copy
-    tokens = config.image_tokens * config.training.micro_batch_size
+    tokens = sum(enc.image_tokens * images for enc, images in sized)
     nbytes = tokens * config.llm.hidden_size * activation_dtype_bytes(config) / llm_plan.tp
     work = KernelWork("encoder_to_llm", "fwd", "comm", 0.0, nbytes, "p2p", 2)
     stride = llm_stage * llm_plan.tp * llm_plan.dp

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from optimus_mllm.cost_model import PiecePrices
@@ -45,6 +45,17 @@ class LLMBubbles:
     def of(cls, dep: EncLLMDep) -> LLMBubbles:
         gaps = stage_gaps(dep.timeline)
         return cls(dep, gaps, [Lengths.of_gaps(compute) for compute, _ in gaps])
+
+    def feeding(self, feeds: tuple[int, ...]) -> LLMBubbles:
+        """The same bubbles with one dependency point per encoder microbatch: that of the LLM
+        microbatch it feeds (``feeds``, in LLM order). An LLM microbatch fed by none waits on no
+        encoder; one fed by several needs each of them by its points."""
+        dep = replace(
+            self.dep,
+            forward=tuple(self.dep.forward[i] for i in feeds),
+            backward=tuple(self.dep.backward[i] for i in feeds),
+        )
+        return LLMBubbles(dep, self.gaps, self.lengths)
 
 
 def stage_gaps(timeline: LLMTimeline) -> list[tuple[FreeIntervals, FreeIntervals]]:

@@ -16,7 +16,7 @@ from optimus_mllm.cost_model import (
 from optimus_mllm.memory_model import MAIN_GRAD_BYTES, param_bytes
 from optimus_mllm.params import llm_params_per_stage
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpWork, simulate
+from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpDuration, OpWork, simulate
 
 LLM = "llm"  # the LLM's module name: in kernel profiles and schedule traces
 
@@ -177,13 +177,14 @@ def timeline_from_work(
     work: dict[tuple[int, int, Phase], OpWork],
     warmup: list[int] | None = None,
     stage_params: list[float] | None = None,
+    op_us: OpDuration | None = None,
 ) -> LLMTimeline:
     """Simulate ``work``; ``stage_params`` (per stage, before TP sharding) replaces the LLM's own
     parameter counts in the DP collectives, for layouts that move layers between stages
-    (baselines)."""
+    (baselines); ``op_us`` gives ops whose duration differs by microbatch (``simulate``)."""
     n_mb = config.num_microbatches_total // plan.dp
     p2p = llm_p2p_us(config, plan, cost)
-    stages = simulate(plan.pp, plan.vp, n_mb, work, p2p, warmup)
+    stages = simulate(plan.pp, plan.vp, n_mb, work, p2p, warmup, op_us=op_us)
     per_stage = (
         stage_params if stage_params is not None else llm_params_per_stage(config.llm, plan.pp)
     )

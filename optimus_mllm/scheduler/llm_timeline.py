@@ -13,6 +13,7 @@ all-gather before it and the reduce-scatter after are kept separately.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from optimus_mllm.cost_model import Phase
@@ -143,6 +144,10 @@ class LLMTimeline:
         return compute, comm
 
 
+# (stage, chunk, microbatch, phase) -> the op's duration
+OpDuration = Callable[[int, int, int, Phase], float]
+
+
 class PipelineDeadlock(Exception):
     """The op orders cannot all make progress (only possible with a hand-made warm-up)."""
 
@@ -156,11 +161,14 @@ def simulate(
     warmup: list[int] | None = None,
     group_size: int | None = None,
     input_ready_us: list[float] | None = None,
+    op_us: OpDuration | None = None,
 ) -> list[StageTimeline]:
     """Run the pipeline: every op starts when its rank is free and its input has arrived.
 
     ``input_ready_us[i]``, if given, is when microbatch i's input (the encoder output) reaches the
-    first stage; by default inputs are ready at time 0.
+    first stage; by default inputs are ready at time 0. ``op_us``, if given, is each op's duration
+    where it differs by microbatch (a baseline that runs a microbatch's own encoder work inside an
+    LLM op); by default its ``work``'s.
     """
     group = group_size or pp
     warmups = (
@@ -184,7 +192,10 @@ def simulate(
                 if ready is None:
                     break
                 start = max(free[s], ready)
-                end = start + work[(s, chunk, phase)].duration_us
+                if op_us is None:
+                    end = start + work[(s, chunk, phase)].duration_us
+                else:
+                    end = start + op_us(s, chunk, mb, phase)
                 done[(s, chunk, mb, phase)] = end
                 stages[s].ops.append(PipelineOp(s, chunk, mb, phase, start, end))
                 free[s] = end

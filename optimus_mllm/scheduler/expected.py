@@ -1,0 +1,81 @@
+"""Planning for a workload distribution: encoder plans ranked by expected iteration time.
+
+With ``data.images_per_sample`` in the config, ``optimus-plan`` draws ``EXPECTED_ITERATIONS``
+iterations from it (seeded by ``training.seed``, the same every run) and runs each plan's bubble
+scheduler on each, as the per-iteration scheduler would (``per_iteration``): an iteration whose own
+schedule does not exist or is slower runs the plan's fallback, its schedule for the planned maximum
+(``data.max_images_per_microbatch``). A plan's expected time is the mean over the drawn iterations;
+the fastest plan's fallback is the schedule ``optimus-plan`` writes. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
+from optimus_mllm.scheduler.bubble_scheduler import Schedule, bubble_scheduler
+from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
+from optimus_mllm.scheduler.fine import LLMBubbles
+from optimus_mllm.scheduler.per_iteration import schedule_iteration
+from optimus_mllm.workload import WorkloadDistribution, draw_iterations, llm_order
+
+# enough for a stable ranking of plans within seconds (each iteration is one scheduler run a plan)
+EXPECTED_ITERATIONS = 8
+
+
+@dataclass(frozen=True)
+class ExpectedTime:
+    """One encoder plan over the drawn iterations."""
+
+    candidate: EncoderPlanCandidate
+    expected_us: float  # mean iteration time
+    fallback: Schedule  # its schedule for the planned maximum
+    fallback_iterations: int  # drawn iterations that ran the fallback
+
+
+@dataclass(frozen=True)
+class ExpectedRanking:
+    distribution: WorkloadDistribution
+    iterations: int
+    seed: int
+    ranked: tuple[ExpectedTime, ...]  # fastest expected first; plans without a fallback left out
+
+    @property
+    def best(self) -> ExpectedTime | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def rank_by_expected_time(
+    config: OptimusConfig,
+    planned: PlannerResult,
+    cost: CostModel,
+    distribution: WorkloadDistribution,
+    iterations: int = EXPECTED_ITERATIONS,
+) -> ExpectedRanking:
+    """Every encoder plan's mean iteration time over ``iterations`` iterations drawn from
+    ``distribution``, each scheduled for its own workload."""
+    seed = config.training.seed
+    drawn = draw_iterations(config, distribution, iterations, planned.num_microbatches, seed)
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    maximum = (distribution.maximum(config),) * planned.num_microbatches
+    rows = []
+    for candidate in planned.candidates:
+        fallback, _ = bubble_scheduler(
+            config, planned.llm_plan, candidate, bubbles, cost, workload=maximum
+        )
+        if fallback is None:
+            continue
+        times, fell_back = [], 0
+        for workload in drawn:
+            ordered = tuple(workload[i] for i in llm_order(workload))
+            own = schedule_iteration(config, planned.llm_plan, candidate, bubbles, cost, ordered)
+            if own is None or own.schedule.iteration_us > fallback.iteration_us:
+                fell_back += 1
+                times.append(fallback.iteration_us)
+            else:
+                times.append(own.schedule.iteration_us)
+        rows.append(ExpectedTime(candidate, sum(times) / len(times), fallback, fell_back))
+    rows.sort(key=lambda row: row.expected_us)
+    return ExpectedRanking(distribution, iterations, seed, tuple(rows))

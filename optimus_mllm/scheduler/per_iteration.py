@@ -1,0 +1,198 @@
+"""A schedule per iteration: iteration k+1's bubble schedule built in the background while
+iteration k trains, with the schedule for the planned maximum as the fallback when it is late.
+
+How the runtime uses it (one instance per LLM pipeline; every rank of the pipeline builds the same
+schedule from the same workload, or rank 0 builds it and broadcasts the plan)::
+
+    scheduler = IterationScheduler.for_plan(config, llm_plan, candidate, cost, fallback)
+    scheduler.submit(0, workload_0)                    # the first batch's workload
+    for k in range(iterations):
+        scheduler.submit(k + 1, workload_of(batch k + 1))  # as soon as batch k+1 is fetched
+        plan = scheduler.take(k)                       # never waits longer than ``wait_s``
+        run(plan.schedule, plan.llm_order)             # the step line prints plan.source
+    scheduler.close()
+
+``plan.llm_order[i]`` is the data microbatch LLM microbatch i runs; encoder microbatch s (the index
+of ``plan.schedule.assignment``) runs the next ``plan.images_per_chain`` images of LLM microbatch
+``plan.schedule.feeds[s]``, in order (the fallback: one encoder microbatch per LLM microbatch).
+
+``take`` hands back an ``IterationPlan``: the iteration's own schedule (``source`` "per-iteration")
+or, where it is not ready by the deadline, could not be built, or is not faster, the ``fallback``
+(``source`` "fallback", ``reason`` saying why). The fallback is the schedule for the maximum memory
+is planned for (``data.max_images_per_microbatch``): it runs every microbatch in data order in slots
+sized for the largest, so it holds for any batch within that maximum.
+
+An iteration's own schedule runs its imageless microbatches first (``llm_order``) and its images as
+encoder microbatches of at most ``images_per_chain`` images each (``schedule_iteration`` tries the
+heaviest microbatch's count, half and a quarter of it, and keeps the fastest; see
+``bubble_scheduler``). The LLM's dependency points and bubbles are computed once for the job, and an
+iteration whose workload an earlier one had reuses that schedule without a search (``reused``); a
+build still running for the same workload is waited on, not repeated. (Building a schedule from the
+last one's moves, where only some microbatches changed, is not done: each build searches afresh.)
+
+Builds run on one background thread by default (the scheduler is pure Python: it shares the
+interpreter with the training loop; pass a process pool as ``executor`` to keep it off the GIL, with
+a ``build`` that pickles). No torch here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+from optimus_mllm.config import OptimusConfig
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.planner.planner import EncoderPlanCandidate
+from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.scheduler.bubble_scheduler import Schedule, bubble_scheduler
+from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
+from optimus_mllm.scheduler.fine import LLMBubbles
+from optimus_mllm.workload import IterationWorkload, chain_sizes, llm_order
+
+Source = Literal["per-iteration", "fallback"]
+
+
+@dataclass(frozen=True)
+class IterationSchedule:
+    """An iteration's own schedule and the encoder microbatch size it runs its images at."""
+
+    schedule: Schedule  # ``Schedule.feeds``: the LLM position each encoder microbatch feeds
+    images_per_chain: int
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    """The schedule one iteration runs, and the order the LLM takes its data microbatches in."""
+
+    iteration: int
+    schedule: Schedule
+    # LLM microbatch i runs data microbatch llm_order[i]
+    llm_order: tuple[int, ...]
+    source: Source
+    reason: str  # why the fallback runs; "" for the iteration's own schedule
+    # the most images of one encoder microbatch (``split_images``); None: one encoder microbatch
+    # per LLM microbatch, as the fallback runs them
+    images_per_chain: int | None = None
+    reused: bool = False  # the own schedule was an earlier iteration's, no search ran
+
+
+class IterationScheduler:
+    """Builds each iteration's schedule in the background; hands out it or the fallback."""
+
+    def __init__(
+        self,
+        build: Callable[[IterationWorkload], IterationSchedule | None],
+        fallback: Schedule,
+        executor: Executor | None = None,
+    ):
+        """``build``: a workload in ``llm_order`` -> its schedule, or None where none exists;
+        ``fallback``: the schedule for the planned maximum."""
+        self.build, self.fallback = build, fallback
+        self._own_executor = executor is None
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="optimus-schedule")
+        self._by_key: dict[IterationWorkload, Future[IterationSchedule | None]] = {}
+        self._pending: dict[int, tuple[IterationWorkload, tuple[int, ...], bool]] = {}
+
+    @classmethod
+    def for_plan(
+        cls,
+        config: OptimusConfig,
+        llm_plan: ParallelPlan,
+        candidate: EncoderPlanCandidate,
+        cost: CostModel,
+        fallback: Schedule,
+        executor: Executor | None = None,
+    ) -> IterationScheduler:
+        """Per-iteration schedules of one encoder plan, its LLM's bubbles computed once here."""
+        bubbles = LLMBubbles.of(get_enc_llm_dep(config, llm_plan, cost))
+        build = partial(
+            schedule_iteration,
+            config,
+            llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            bound_us=fallback.iteration_us,
+        )
+        return cls(build, fallback, executor)
+
+    def submit(self, iteration: int, workload: IterationWorkload) -> None:
+        """Start building ``iteration``'s schedule (as soon as its batch is known)."""
+        order = llm_order(workload)
+        key = tuple(workload[i] for i in order)
+        reused = key in self._by_key
+        if not reused:
+            self._by_key[key] = self.executor.submit(self.build, key)
+        self._pending[iteration] = (key, order, reused)
+
+    def take(self, iteration: int, wait_s: float = 0.0) -> IterationPlan:
+        """``iteration``'s plan, waiting at most ``wait_s`` for its schedule; the fallback where it
+        is late (it goes on building, for later iterations of the same key), failed, or is not
+        faster than the fallback."""
+        key, order, reused = self._pending.pop(iteration)
+        future = self._by_key[key]
+        deadline = time.monotonic() + wait_s
+        while not future.done() and time.monotonic() < deadline:
+            time.sleep(min(0.001, max(0.0, deadline - time.monotonic())))
+        if not future.done():
+            return self._fallback(iteration, f"late: not built within {wait_s:g} s")
+        built = future.result()
+        if built is None:
+            return self._fallback(iteration, "no schedule for this workload")
+        if built.schedule.iteration_us > self.fallback.iteration_us + EPS_US:
+            return self._fallback(iteration, "not faster than the fallback")
+        return IterationPlan(
+            iteration,
+            built.schedule,
+            order,
+            "per-iteration",
+            "",
+            built.images_per_chain,
+            reused,
+        )
+
+    def _fallback(self, iteration: int, reason: str) -> IterationPlan:
+        n = len(self.fallback.assignment)
+        return IterationPlan(iteration, self.fallback, tuple(range(n)), "fallback", reason)
+
+    def close(self) -> None:
+        """Stop the background builds (a running one finishes first)."""
+        if self._own_executor:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def schedule_iteration(
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    candidate: EncoderPlanCandidate,
+    bubbles: LLMBubbles,
+    cost: CostModel,
+    workload: IterationWorkload,
+    bound_us: float = float("inf"),
+) -> IterationSchedule | None:
+    """The fastest schedule of ``workload`` (in ``llm_order``) over the encoder microbatch sizes
+    ``chain_sizes`` gives; None where none schedules (no image, too few encoder microbatches for
+    the plan's encoder pipelines) or none beats ``bound_us`` (the fallback's time: partitions whose
+    lower bound cannot beat it, or the best size so far, are not searched)."""
+    best: IterationSchedule | None = None
+    for size in chain_sizes(workload):
+        bound = min(bound_us, best.schedule.iteration_us if best else bound_us)
+        schedule, _ = bubble_scheduler(
+            config,
+            llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            bound_us=bound,
+            workload=workload,
+            images_per_chain=size,
+        )
+        if schedule is not None and (
+            best is None or schedule.iteration_us < best.schedule.iteration_us - EPS_US
+        ):
+            best = IterationSchedule(schedule, size)
+    return best

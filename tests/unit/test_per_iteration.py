@@ -1,0 +1,157 @@
+"""A schedule per iteration (issue 34): built in the background while the step before runs, handed
+out or replaced by the fallback for the planned maximum, never waited on past its deadline."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from optimus_mllm.config import load_config
+from optimus_mllm.cost_model import CostModel
+from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner import plan
+from optimus_mllm.scheduler.bubble_scheduler import bubble_scheduler
+from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
+from optimus_mllm.scheduler.fine import LLMBubbles
+from optimus_mllm.scheduler.per_iteration import IterationSchedule, IterationScheduler
+from optimus_mllm.workload import EncoderWorkload, check_within
+
+from support.paths import CONFIGS
+from support.validity import schedule_violations
+
+MAX_IMAGES = 4
+
+
+@pytest.fixture(scope="module")
+def job():
+    config = load_config(
+        CONFIGS / "paper" / "fig5_8gpu.yaml", (f"data.max_images_per_microbatch={MAX_IMAGES}",)
+    )
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    candidate = next(c for c in planned.candidates if c.plan.dp == 2 and c.plan.pp == 2)
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    maximum = (EncoderWorkload.of_images(config, MAX_IMAGES),) * planned.num_microbatches
+    fallback, _ = bubble_scheduler(
+        config, planned.llm_plan, candidate, bubbles, cost, workload=maximum
+    )
+    return config, planned, cost, candidate, fallback
+
+
+def _workload(config, counts):
+    return tuple(EncoderWorkload.of_images(config, n) for n in counts)
+
+
+def _iterations(config, n):
+    """Three distinct workloads, then the first again."""
+    first = [0, 1] * (n // 2)
+    return [
+        _workload(config, first),
+        _workload(config, [2] * n),
+        _workload(config, [0] * (n - 3) + [1, 1, 3]),
+        _workload(config, first),
+    ]
+
+
+def test_each_iteration_runs_its_own_valid_schedule(job):
+    config, planned, cost, candidate, fallback = job
+    scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
+    iterations = _iterations(config, planned.num_microbatches)
+    for k, workload in enumerate(iterations):
+        scheduler.submit(k, workload)
+    plans = [scheduler.take(k, wait_s=60.0) for k in range(len(iterations))]
+    scheduler.close()
+    assert [p.source for p in plans] == ["per-iteration"] * 4
+    assert [p.reused for p in plans] == [False, False, False, True]
+    for p, workload in zip(plans, iterations):
+        assert schedule_violations(p.schedule) == []
+        assert p.schedule.iteration_us <= fallback.iteration_us
+        # the LLM runs the imageless microbatches first, and waits on no encoder for them
+        imageless = sum(w.empty for w in workload)
+        assert all(workload[i].empty for i in p.llm_order[:imageless])
+        assert sorted(p.llm_order) == list(range(len(workload)))
+        fed = [workload[p.llm_order[i]].images for i in p.schedule.feeds]
+        assert min(fed) > 0 and set(p.schedule.feeds) == set(range(imageless, len(workload)))
+        # each LLM microbatch is fed by as many encoder microbatches as its images need
+        for position in set(p.schedule.feeds):
+            images = workload[p.llm_order[position]].images
+            assert p.schedule.feeds.count(position) == -(-images // p.images_per_chain)
+    # different workloads, different schedules
+    assert len({p.schedule.iteration_us for p in plans[:3]}) == 3
+    assert plans[3].schedule is plans[0].schedule
+
+
+def test_a_slowed_scheduler_makes_iterations_fall_back_without_stalling(job):
+    config, planned, cost, candidate, fallback = job
+    real = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
+    release = threading.Event()
+
+    def slow_build(workload):
+        release.wait(timeout=30.0)  # held back until the test lets it finish
+        return real.build(workload)
+
+    scheduler = IterationScheduler(slow_build, fallback)
+    iterations = _iterations(config, planned.num_microbatches)
+    waits, plans = [], []
+    scheduler.submit(0, iterations[0])
+    for k in range(3):
+        scheduler.submit(k + 1, iterations[k + 1])
+        started = time.monotonic()
+        plans.append(scheduler.take(k, wait_s=0.05))
+        waits.append(time.monotonic() - started)
+    assert [p.source for p in plans] == ["fallback"] * 3
+    assert all(p.reason.startswith("late") for p in plans)
+    assert all(p.schedule is fallback for p in plans)
+    assert plans[0].llm_order == tuple(range(planned.num_microbatches))
+    assert max(waits) < 1.0  # the deadline, not the 30 s build
+    # once the late build is done, a later iteration of the same workload runs its own schedule
+    release.set()
+    scheduler.take(3, wait_s=60.0)
+    scheduler.submit(4, iterations[0])
+    late = scheduler.take(4, wait_s=60.0)
+    scheduler.close()
+    assert (late.source, late.reused) == ("per-iteration", True)
+    assert schedule_violations(late.schedule) == []
+
+
+def test_a_schedule_slower_than_the_fallback_or_missing_falls_back(job):
+    config, planned, _, _, fallback = job
+    slower = dataclasses.replace(fallback, iteration_us=fallback.iteration_us * 2)
+    too_slow = IterationSchedule(slower, MAX_IMAGES)
+    for build, reason in ((lambda w: too_slow, "not faster"), (lambda w: None, "no schedule")):
+        scheduler = IterationScheduler(build, fallback)
+        scheduler.submit(0, _workload(config, [1] * planned.num_microbatches))
+        p = scheduler.take(0, wait_s=60.0)
+        scheduler.close()
+        assert (p.source, p.schedule) == ("fallback", fallback)
+        assert p.reason.startswith(reason)
+
+
+def test_a_batch_above_the_planned_maximum_is_one_line_naming_the_microbatch(job):
+    config, planned, *_ = job
+    maximum = EncoderWorkload.of_images(config, MAX_IMAGES)
+    check_within(_workload(config, [0, MAX_IMAGES, 1]), maximum, config)
+    with pytest.raises(OptimusError) as error:
+        check_within(_workload(config, [0, 1, MAX_IMAGES + 1]), maximum, config)
+    assert str(error.value).startswith("data microbatch 2: 5 images for encoder 'vit', above ")
+    assert "data.max_images_per_microbatch=4" in str(error.value)
+    too_long = (EncoderWorkload.of_images(config, 1, config.encoders[0].seq_length * 2),)
+    with pytest.raises(OptimusError, match="data microbatch 0: images of 512 tokens"):
+        check_within(too_long, maximum, config)
+
+
+def test_an_artifact_refuses_a_split_schedule_and_takes_the_fallback(job):
+    from optimus_mllm.scheduler.artifact import schedule_to_artifact
+
+    config, planned, cost, candidate, fallback = job
+    assert schedule_to_artifact(fallback, config).num_microbatches == planned.num_microbatches
+    scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
+    scheduler.submit(0, _workload(config, [0, 4] * (planned.num_microbatches // 2)))
+    own = scheduler.take(0, wait_s=60.0)
+    scheduler.close()
+    assert own.source == "per-iteration" and own.images_per_chain < MAX_IMAGES
+    with pytest.raises(ValueError, match="one encoder microbatch per LLM microbatch"):
+        schedule_to_artifact(own.schedule, config)
