@@ -82,6 +82,7 @@ def synthetic_microbatch(
 
 
 MicrobatchSource = Callable[[int, int], Microbatch]  # (iteration, global microbatch) -> Microbatch
+ImageCount = Callable[[int, int], int]  # (iteration, global microbatch) -> its number of images
 # (iteration, global microbatch) -> patches per encoder
 ImageSource = Callable[[int, int], tuple[torch.Tensor, ...]]
 
@@ -97,6 +98,12 @@ def microbatch_source(config: OptimusConfig) -> MicrobatchSource:
             return WebdatasetSource(config)
         return ImageTextDataset(config)
     return functools.partial(synthetic_microbatch, config)
+
+
+def image_count(source: MicrobatchSource) -> ImageCount | None:
+    """How many images each microbatch of ``source`` has, known without decoding them, where the
+    count varies (a webdataset); None where it is always ``micro_batch_size``, one per sample."""
+    return getattr(source, "image_count", None)
 
 
 def _check_tokenizer_use(config: OptimusConfig) -> None:
