@@ -278,3 +278,32 @@ def test_data_errors_are_one_line(shards, tmp_path):
         assert "\n" not in message and message.startswith(start) and fragment in message, message
     with pytest.raises(ConfigError, match=r"^data\.samples_per_sequence: must be positive"):
         _config(shards, "data.samples_per_sequence=0")
+
+
+def test_images_are_spliced_at_their_positions_in_order(shards):
+    """decoder_input_with_images: image n's tokens go to the n-th run of image positions, row by
+    row; every other position keeps its word embedding."""
+    from types import SimpleNamespace
+
+    from optimus_mllm.runtime.llm import decoder_input_with_images
+
+    mb = microbatch_source(_config(shards, *PACKED))(1, 3)
+    seq, batch, hidden = 128, 2, 4
+    words = torch.randn(seq, batch, hidden)
+    chunk = SimpleNamespace(
+        embedding=lambda input_ids, position_ids: words,
+        config=SimpleNamespace(sequence_parallel=False),
+    )
+    images = torch.randn(16, mb.num_images, hidden)
+    out = decoder_input_with_images(chunk, mb, images)
+    n = 0
+    for row in range(batch):
+        p = 0
+        while p < seq:
+            if mb.image_mask[row, p]:
+                assert torch.equal(out[p : p + 16, row], images[:, n]), (row, p)
+                n, p = n + 1, p + 16
+            else:
+                assert torch.equal(out[p, row], words[p, row])
+                p += 1
+    assert n == mb.num_images > 1
