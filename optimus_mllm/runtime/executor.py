@@ -218,12 +218,12 @@ class EncoderExecutor:
         mailbox: Mailbox,
         images: ImageSource,
         messenger: Messenger,
-        image_count: ImagesPerMicrobatch | None = None,
+        images_per_microbatch: ImagesPerMicrobatch | None = None,
     ):
-        """``image_count``: each LLM microbatch's images this step, where they vary; a microbatch
-        without any has no encoder work: its ops are skipped and it sends nothing."""
+        """``images_per_microbatch``: each LLM microbatch's images this step, where they vary; a
+        microbatch without any has no encoder work: its ops are skipped and it sends nothing."""
         self.config, self.stage_plan, self.ops = config, stage_plan, ops
-        self.image_count = image_count
+        self.images_per_microbatch = images_per_microbatch
         self.groups, self.messenger, self.numbering = groups, messenger, numbering
         self.iteration, self.mailbox, self.images = iteration, mailbox, images
         self.stream = mailbox.stream
@@ -292,7 +292,8 @@ class EncoderExecutor:
 
     def has_images(self, microbatch: int) -> bool:
         """Whether LLM microbatch ``microbatch`` has encoder work this step."""
-        return self.image_count is None or self.image_count(microbatch) > 0
+        count = self.images_per_microbatch
+        return count is None or count(microbatch) > 0
 
     # -- where inputs come from and outputs go ---------------------------------------------------
 

@@ -162,13 +162,13 @@ class OptimusStep:
         llm_stage: int,
         collectives: dict[int, list[str]],
         wait_for_input: Callable[[LLMOp], None] | None,
-        image_count: ImagesPerMicrobatch | None = None,
+        images_per_microbatch: ImagesPerMicrobatch | None = None,
     ):
-        """``image_count``: the images of each of this replica's LLM microbatches this step, where
-        they vary (a webdataset); by default ``micro_batch_size``, one per sample."""
+        """``images_per_microbatch``: the images of each of this replica's LLM microbatches this
+        step, where they vary (a webdataset); by default ``micro_batch_size``, one per sample."""
         self.optimus, self.op_order, self.llm_stage = optimus, op_order, llm_stage
-        if image_count is not None:
-            optimus.expect_images(image_count)
+        if images_per_microbatch is not None:
+            optimus.expect_images(images_per_microbatch)
         self.mailbox = Mailbox(stream)
         self.executor = EncoderExecutor(
             optimus.config,
@@ -181,7 +181,7 @@ class OptimusStep:
             self.mailbox,
             images,
             optimus.messenger,
-            image_count,
+            images_per_microbatch,
         )
         self.leaves: dict[int, torch.Tensor] = {}
         self.driver = HookDriver(op_order, self, wait_for_input, collectives)

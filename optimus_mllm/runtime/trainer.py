@@ -374,6 +374,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def train_step(self, iteration: int) -> StepResult:
+        # on every rank before the step: a sample above data.max_images_per_sample fails here
+        images_per_microbatch = self._images_per_microbatch(iteration)
         step = None
         if self.optimus is not None:
             step = OptimusStep(
@@ -385,7 +387,7 @@ class Trainer:
                 self.stage,
                 self.collectives,
                 self._wait_for_input,
-                self._images_per_microbatch(iteration),
+                images_per_microbatch,
             )
             driver = step.driver
         else:
