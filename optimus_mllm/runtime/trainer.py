@@ -38,7 +38,7 @@ import megatron_patches
 from megatron_patches.ddp import gather_main_grads
 from megatron_patches.hooks import tp_collective_hook, warmup_override
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.errors import OptimusError
+from optimus_mllm.errors import AgreedError, ConfigError, OptimusError
 from optimus_mllm.pipeline_order import default_warmup, rank_op_order
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.balanced import (
@@ -444,10 +444,13 @@ class Trainer:
         """This replica's LLM microbatch -> its images in ``iteration``, where the count varies."""
         if self.image_count is None:
             return None
-        counts = [
-            self.image_count(iteration, self.numbering.global_index(i))
-            for i in range(self.num_microbatches)
-        ]
+        try:  # every microbatch of the job, so every rank meets a bad sample alike
+            job = [
+                self.image_count(iteration, g) for g in range(self.config.num_microbatches_total)
+            ]
+        except ConfigError as exc:
+            raise AgreedError(str(exc)) from None
+        counts = [job[self.numbering.global_index(i)] for i in range(self.num_microbatches)]
         return counts.__getitem__
 
     def _forward_step(

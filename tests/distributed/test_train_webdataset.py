@@ -15,7 +15,7 @@ from support.artifact_utils import artifact_for
 from support.distributed_utils import run_distributed
 from support.paths import CONFIGS, REPO
 from support.tokenizer import train_tokenizer
-from support.train_utils import step_numbers, torchrun
+from support.train_utils import assert_one_error_everywhere, ranks, step_numbers, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -123,3 +123,15 @@ def test_balanced_baseline_refuses_varying_images(data):
     )
     with pytest.raises(OptimusError, match=r"^--baseline balanced: its pipeline buffers carry"):
         prepare(args, 4)
+
+
+def test_a_sample_above_the_maximum_is_one_line_on_every_rank(tmp_path):
+    """Found when the step's images are counted, on every rank, before the step runs."""
+    out = tmp_path / "many"
+    command = [sys.executable, str(REPO / "scripts" / "make_sample_dataset.py"), "--out", str(out)]
+    command += ["--images-per-sample", "5-6", "--text-only", "0", "--num-samples", "4"]
+    subprocess.run(command, capture_output=True, timeout=120, check=True)
+    results = ranks(4, "--override", f"data.path={out}", "model.llm.seq_length=256")
+    assert_one_error_everywhere(
+        results, "data.max_images_per_sample: sample shard-000000.tar/000000 has "
+    )

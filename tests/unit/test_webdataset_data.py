@@ -307,3 +307,26 @@ def test_images_are_spliced_at_their_positions_in_order(shards):
                 assert torch.equal(out[p, row], words[p, row])
                 p += 1
     assert n == mb.num_images > 1
+
+
+def test_sdpa_attention_keeps_packed_samples_apart():
+    """On a GPU the LLM's core attention is SdpaCoreAttention: with a packed mask each sample's
+    output is that of the sample alone; causal_mask's tensor is plain causal attention."""
+    from megatron.core.transformer import TransformerConfig
+
+    from optimus_mllm.runtime.llm import SdpaCoreAttention, causal_mask, unfused_settings
+    from optimus_mllm.runtime.webdataset_data import packed_attention_mask
+
+    tconfig = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, **unfused_settings()
+    )
+    attention = SdpaCoreAttention(tconfig, 1, None, "self", attention_dropout=0.0).eval()
+    seq, heads, dim = 10, 2, 4
+    q, k, v = (torch.randn(seq, 1, heads, dim) for _ in range(3))
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1, -1]])
+    packed = attention(q, k, v, packed_attention_mask(segments))
+    for lo, hi in ((0, 4), (4, 9), (9, 10)):
+        alone = attention(q[lo:hi], k[lo:hi], v[lo:hi], causal_mask(hi - lo))
+        assert torch.allclose(packed[lo:hi], alone, atol=1e-6), (lo, hi)
+    causal = attention(q, k, v, causal_mask(seq))
+    assert not torch.allclose(causal[4:9], packed[4:9], atol=1e-3)
