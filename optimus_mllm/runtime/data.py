@@ -7,9 +7,10 @@ text positions' next-token predictions. A source is a pure function of (iteratio
 microbatch), so a microbatch does not depend on which rank or plan produces it, and a resumed job
 sees the same data.
 
-Two sources: ``synthetic_microbatch`` draws every tensor from a generator seeded by (seed,
+Three sources: ``synthetic_microbatch`` draws every tensor from a generator seeded by (seed,
 iteration, global microbatch); ``ImageTextDataset`` reads a folder of images with JSONL captions
-(``data.path``).
+(``data.path``); ``webdataset_data.WebdatasetSource`` reads Megatron-Energon shards of samples with
+0..n images each, packed into sequences, so that a microbatch's images (the encoders' batch) vary.
 """
 
 from __future__ import annotations
