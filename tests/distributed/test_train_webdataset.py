@@ -89,9 +89,14 @@ def _runs(runs: list) -> list[dict]:
     return [_train(*run) for run in runs]
 
 
-@pytest.mark.parametrize("encoder_plan", [[], [ENCODER_PP2]], ids=["job plan", "encoder pp 2"])
-def test_optimus_trains_like_the_baseline_on_varying_images(data, encoder_plan):
-    optimus, baseline = _both([*data, *ONE_SAMPLE, *encoder_plan])
+LLM_DP2 = "parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}"
+
+
+@pytest.mark.parametrize(
+    "plan", [[], [ENCODER_PP2], [LLM_DP2]], ids=["job plan", "encoder pp 2", "llm dp 2"]
+)
+def test_optimus_trains_like_the_baseline_on_varying_images(data, plan):
+    optimus, baseline = _both([*data, *ONE_SAMPLE, *plan])
     for rank, (o, b) in enumerate(zip(optimus, baseline)):
         assert o["losses"] == pytest.approx(b["losses"], rel=1e-5), f"rank {rank}"
         assert o["norms"] == pytest.approx(b["norms"], rel=1e-5), f"rank {rank}"
