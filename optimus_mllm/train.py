@@ -45,6 +45,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout_change,
 )
 from optimus_mllm.runtime.data import check_dataset
+from optimus_mllm.runtime.webdataset_data import is_webdataset
 from optimus_mllm.scheduler.artifact import (
     artifact_text,
     load_job_artifact,
@@ -295,6 +296,11 @@ def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan
                 "run it without --baseline or pick another parallel.llm.tp"
             )
     problem = balanced_problem(config, llm_plan) if baseline == "balanced" else None
+    if baseline == "balanced" and config.data.path is not None and is_webdataset(config.data.path):
+        problem = (
+            "its pipeline buffers carry one image per sample, and a webdataset's microbatches "
+            "(data.path) vary in images; train it under Optimus or --baseline"
+        )
     if problem:
         raise OptimusError(f"--baseline balanced: {problem}")
 

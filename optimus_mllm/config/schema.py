@@ -284,9 +284,11 @@ class CostModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training data. ``path`` is a folder holding ``captions.jsonl`` and its images (the format is
-    in ``optimus_mllm/runtime/data.py``); left out, the job trains on synthetic data. A relative
-    path is kept as written and read from the working directory, like Megatron's ``--data-path``."""
+    """Training data. ``path`` is a Megatron-Energon webdataset (a folder with ``.nv-meta``, the
+    format in ``optimus_mllm/runtime/webdataset_data.py``) or a folder holding ``captions.jsonl``
+    and its images (``optimus_mllm/runtime/data.py``); left out, the job trains on synthetic data.
+    A relative path is kept as written and read from the working directory, like Megatron's
+    ``--data-path``. The other fields apply to a webdataset."""
 
     path: str | None = None
     # The encoder work memory is planned for, in images per microbatch (per encoder); None: one
@@ -296,6 +298,11 @@ class DataConfig:
     # -> weight, and patch tokens per image -> weight (None: the encoder's ``seq_length``)
     images_per_sample: dict[int, float] | None = None
     tokens_per_image: dict[int, float] | None = None
+    # a Hugging Face tokenizer folder (tokenizer.json); None: UTF-8 bytes are the tokens
+    tokenizer: str | None = None
+    image_placeholder: str = "<image>"  # in a sample's text, where each of its images goes
+    max_images_per_sample: int = 4  # a sample with more is an error naming it
+    samples_per_sequence: int = 1  # consecutive samples packed into one LLM sequence
 
 
 @dataclass(frozen=True)

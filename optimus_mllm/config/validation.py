@@ -93,6 +93,7 @@ def validate(config: OptimusConfig) -> None:
 
     _validate_workload(config)
 
+    _validate_data(config)
     if config.parallel.llm is not None:
         validate_llm_plan(config, config.parallel.llm, "parallel.llm")
     if config.parallel.encoder is not None:
@@ -185,6 +186,17 @@ def _validate_optimizer(t: TrainingConfig) -> None:
     _positive(t.min_loss_scale, "training.min_loss_scale")
     _positive(t.loss_scale_window, "training.loss_scale_window")
     _positive(t.hysteresis, "training.hysteresis")
+
+
+def _validate_data(config: OptimusConfig) -> None:
+    d = config.data
+    _positive(d.samples_per_sequence, "data.samples_per_sequence")
+    if d.max_images_per_sample < 0:
+        raise ConfigError(
+            "data.max_images_per_sample", f"must be 0 or more, got {d.max_images_per_sample}"
+        )
+    if not d.image_placeholder:
+        raise ConfigError("data.image_placeholder", 'must not be empty; e.g. "<image>"')
 
 
 def _positive(value: float, path: str) -> None:

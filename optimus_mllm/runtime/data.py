@@ -7,9 +7,10 @@ text positions' next-token predictions. A source is a pure function of (iteratio
 microbatch), so a microbatch does not depend on which rank or plan produces it, and a resumed job
 sees the same data.
 
-Two sources: ``synthetic_microbatch`` draws every tensor from a generator seeded by (seed,
+Three sources: ``synthetic_microbatch`` draws every tensor from a generator seeded by (seed,
 iteration, global microbatch); ``ImageTextDataset`` reads a folder of images with JSONL captions
-(``data.path``).
+(``data.path``); ``webdataset_data.WebdatasetSource`` reads Megatron-Energon shards of samples with
+0..n images each, packed into sequences, so that a microbatch's images (the encoders' batch) vary.
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ class Microbatch:
     labels: torch.Tensor  # [micro_batch, llm_seq]: the next token
     loss_mask: torch.Tensor  # [micro_batch, llm_seq]: 1 on text positions whose label is text
     position_ids: torch.Tensor  # [micro_batch, llm_seq]
+    # [micro_batch, llm_seq], True where an image's tokens go, the images in row-major order (the
+    # batch dimension of ``images``); None: each sample's first ``image_tokens`` positions hold its
+    # one image
+    image_mask: torch.Tensor | None = None
+    # [micro_batch, 1, llm_seq, llm_seq], True = masked (packed samples do not see each other);
+    # None: causal
+    attention_mask: torch.Tensor | None = None
+
+    @property
+    def num_images(self) -> int:
+        """The encoders' batch: one image per sample, or a packed microbatch's images."""
+        return self.images[0].shape[0] if self.images else 0
 
 
 def synthetic_microbatch(
@@ -70,16 +83,41 @@ def synthetic_microbatch(
 
 
 MicrobatchSource = Callable[[int, int], Microbatch]  # (iteration, global microbatch) -> Microbatch
+ImageCount = Callable[[int, int], int]  # (iteration, global microbatch) -> its number of images
 # (iteration, global microbatch) -> patches per encoder
 ImageSource = Callable[[int, int], tuple[torch.Tensor, ...]]
 
 
 def microbatch_source(config: OptimusConfig) -> MicrobatchSource:
-    """Where the job's microbatches come from: the ``data.path`` dataset if set, else synthetic
-    data."""
+    """Where the job's microbatches come from: the ``data.path`` dataset if set (an energon
+    webdataset, or a folder with captions.jsonl), else synthetic data."""
+    _check_tokenizer_use(config)
     if config.data.path is not None:
+        from optimus_mllm.runtime.webdataset_data import WebdatasetSource, is_webdataset
+
+        if is_webdataset(config.data.path):
+            return WebdatasetSource(config)
         return ImageTextDataset(config)
     return functools.partial(synthetic_microbatch, config)
+
+
+def image_count(source: MicrobatchSource) -> ImageCount | None:
+    """How many images each microbatch of ``source`` has, known without decoding them, where the
+    count varies (a webdataset); None where it is always ``micro_batch_size``, one per sample."""
+    return getattr(source, "image_count", None)
+
+
+def _check_tokenizer_use(config: OptimusConfig) -> None:
+    from optimus_mllm.runtime.webdataset_data import is_webdataset
+
+    if config.data.tokenizer is not None and not (
+        config.data.path is not None and is_webdataset(config.data.path)
+    ):
+        raise ConfigError(
+            "data.tokenizer",
+            "tokenizes the text of an energon webdataset (data.path with .nv-meta); captions.jsonl "
+            "and synthetic data use byte tokens: drop data.tokenizer or give such a data.path",
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,6 +128,13 @@ CAPTIONS = "captions.jsonl"
 BYTE_VOCAB = 256  # text tokens are UTF-8 bytes
 PAD = 0  # token after the caption; never a label the loss sees
 _IMAGE_MODES = {3: "RGB", 1: "L"}  # encoder in_channels -> Pillow mode
+
+
+def image_mode(in_channels: int) -> str:
+    """The Pillow mode an encoder with ``in_channels`` takes its images in."""
+    return _IMAGE_MODES[in_channels]
+
+
 # decoded samples kept: the encoder and LLM stages on one rank ask for the same ones
 _CACHED_IMAGES = 128
 _SAMPLE_HINT = "python scripts/make_sample_dataset.py --out DIR makes a sample"
@@ -154,7 +199,7 @@ class ImageTextDataset:
             with Image.open(caption.image) as image:
                 return tuple(
                     image_patches(
-                        image.convert(_IMAGE_MODES[e.in_channels]),
+                        image.convert(image_mode(e.in_channels)),
                         e.patch_size,
                         math.isqrt(e.seq_length),
                         e.projector.spatial_merge,
@@ -236,9 +281,15 @@ def check_dataset(config: OptimusConfig) -> None:
 
     Checks the folder, every line of captions.jsonl, that every image file exists, and that the
     model can take the data (square patch grids, 1 or 3 input channels, a vocabulary with all 256
-    bytes).
+    bytes). An energon webdataset: its metadata and tokenizer (``WebdatasetSource``).
     """
+    _check_tokenizer_use(config)
     if config.data.path is None:
+        return
+    from optimus_mllm.runtime.webdataset_data import WebdatasetSource, is_webdataset
+
+    if is_webdataset(config.data.path):
+        WebdatasetSource(config)
         return
     _check_model(config)
     for caption in read_captions(Path(config.data.path)):
@@ -252,6 +303,18 @@ def check_dataset(config: OptimusConfig) -> None:
 
 
 def _check_model(config: OptimusConfig) -> None:
+    check_image_model(config)
+    if config.llm.vocab_size < BYTE_VOCAB:
+        raise ConfigError(
+            "model.llm.vocab_size",
+            f"{config.llm.vocab_size} is too small for the byte-level "
+            f"captions of data.path; use at least {BYTE_VOCAB}",
+        )
+
+
+def check_image_model(config: OptimusConfig) -> None:
+    """That every encoder can take images: a square patch grid its merge divides, 1 or 3
+    channels."""
     for i, enc in enumerate(config.encoders):
         grid = math.isqrt(enc.seq_length)
         if grid * grid != enc.seq_length:
@@ -274,12 +337,6 @@ def _check_model(config: OptimusConfig) -> None:
                 f"{enc.in_channels} has no image format for "
                 "data.path; use 3 (RGB) or 1 (grayscale)",
             )
-    if config.llm.vocab_size < BYTE_VOCAB:
-        raise ConfigError(
-            "model.llm.vocab_size",
-            f"{config.llm.vocab_size} is too small for the byte-level "
-            f"captions of data.path; use at least {BYTE_VOCAB}",
-        )
 
 
 def read_captions(root: Path) -> tuple[Caption, ...]:

@@ -218,8 +218,12 @@ class EncoderExecutor:
         mailbox: Mailbox,
         images: ImageSource,
         messenger: Messenger,
+        images_per_microbatch: ImagesPerMicrobatch | None = None,
     ):
+        """``images_per_microbatch``: each LLM microbatch's images this step, where they vary; a
+        microbatch without any has no encoder work: its ops are skipped and it sends nothing."""
         self.config, self.stage_plan, self.ops = config, stage_plan, ops
+        self.images_per_microbatch = images_per_microbatch
         self.groups, self.messenger, self.numbering = groups, messenger, numbering
         self.iteration, self.mailbox, self.images = iteration, mailbox, images
         self.stream = mailbox.stream
@@ -237,6 +241,8 @@ class EncoderExecutor:
         stream = type(self.stream).__name__
         with self.stream.launch():
             for op in ops:
+                if not self.has_images(self._llm_microbatch(op.local_microbatch)):
+                    continue
                 self._run(op.phase, op.local_microbatch, op.kernel_index, op.piece)
                 self.record.append(
                     ExecutedOp(
@@ -283,6 +289,11 @@ class EncoderExecutor:
             if run.backward_done:
                 self._send_input_grad(k, run)
                 del self.runs[k]
+
+    def has_images(self, microbatch: int) -> bool:
+        """Whether LLM microbatch ``microbatch`` has encoder work this step."""
+        count = self.images_per_microbatch
+        return count is None or count(microbatch) > 0
 
     # -- where inputs come from and outputs go ---------------------------------------------------
 
@@ -351,21 +362,20 @@ class EncoderExecutor:
                 self.messenger.send("activation_grad", self.groups.prev_stage_rank, grad, (k, i))
 
 
-def embeddings_shape(config: OptimusConfig) -> tuple[int, int, int]:
-    """A_i and G_i: [image tokens, micro batch, LLM hidden]."""
-    return (config.image_tokens, config.training.micro_batch_size, config.llm.hidden_size)
+ImagesPerMicrobatch = Callable[[int], int]  # this replica's LLM microbatch -> its images
 
 
-def hidden_shape(config: OptimusConfig, encoder: int, tp: int) -> tuple[int, int, int]:
+def embeddings_shape(config: OptimusConfig, images: int) -> tuple[int, int, int]:
+    """A_i and G_i: [image tokens, images, LLM hidden]."""
+    return (config.image_tokens, images, config.llm.hidden_size)
+
+
+def hidden_shape(config: OptimusConfig, encoder: int, tp: int, images: int) -> tuple[int, int, int]:
     """Activations between encoder stages: [tokens on this TP rank (patches and class token),
-    batch, hidden]."""
+    images, hidden]."""
     e = config.encoders[encoder]
     sp = config.training.sequence_parallel and tp > 1
-    return (
-        e.layer_tokens // tp if sp else e.layer_tokens,
-        config.training.micro_batch_size,
-        e.hidden_size,
-    )
+    return (e.layer_tokens // tp if sp else e.layer_tokens, images, e.hidden_size)
 
 
 def incoming_messages(
@@ -376,39 +386,56 @@ def incoming_messages(
     numbering: MicrobatchNumbering,
     m: int,
     num_stages: int,
+    images: ImagesPerMicrobatch | None = None,
 ) -> Incoming:
     """What arrives on each channel this rank receives on, in its sender's order (hook plan, LLM op
-    order)."""
+    order), each message shaped for its microbatch's ``images`` (default: ``micro_batch_size``);
+    a microbatch without images sends nothing."""
+    images = images if images is not None else _one_per_sample(config)
     j, e, tp = groups.coords.pipeline, groups.coords.pp, groups.tp_group.size()
     rank = groups.rank
     incoming: Incoming = {}
     if e > 0:
         order = plan.stage(j, e - 1).completion_order("fwd")
         incoming[Channel("activation", groups.prev_stage_rank, rank)] = [
-            ((k, i), hidden_shape(config, i, tp))
+            ((k, i), hidden_shape(config, i, tp, images(numbering.llm(j, k))))
             for k in order
+            if images(numbering.llm(j, k))
             for i in range(len(config.encoders))
         ]
     if e < num_stages - 1:
         wanted = [i for i, enc in enumerate(config.encoders) if enc.name in output_grad_encoders]
         order = plan.stage(j, e + 1).completion_order("bwd")
         incoming[Channel("activation_grad", groups.next_stage_rank, rank)] = [
-            ((k, i), hidden_shape(config, i, tp)) for k in order for i in wanted
+            ((k, i), hidden_shape(config, i, tp, images(numbering.llm(j, k))))
+            for k in order
+            if images(numbering.llm(j, k))
+            for i in wanted
         ]
     for link in groups.embedding_recvs:
         if not link.local:
             pipeline = link.encoder_dp - numbering.llm_dp * m
             order = plan.stage(pipeline, num_stages - 1).completion_order("fwd")
             incoming[Channel("embeddings", link.encoder_rank, rank)] = [
-                ((numbering.llm(pipeline, k), 0), embeddings_shape(config)) for k in order
+                ((i, 0), embeddings_shape(config, images(i)))
+                for i in (numbering.llm(pipeline, k) for k in order)
+                if images(i)
             ]
     link = groups.gradient_recv
     if link is not None and not link.local:
         incoming[Channel("embeddings_grad", link.llm_rank, rank)] = [
-            ((op.microbatch, 0), embeddings_shape(config))
+            ((op.microbatch, 0), embeddings_shape(config, images(op.microbatch)))
             for op in plan.op_order[0]
             if op.chunk == 0
             and op.phase == "bwd"
             and numbering.encoder(op.microbatch).encoder_pipeline == j
+            and images(op.microbatch)
         ]
     return incoming
+
+
+def _one_per_sample(config: OptimusConfig) -> ImagesPerMicrobatch:
+    def images(microbatch: int) -> int:
+        return config.training.micro_batch_size
+
+    return images

@@ -12,6 +12,7 @@ materialises the [batch * heads, seq, seq] scores. On the CPU the local spec is 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -217,8 +218,9 @@ class SequenceParallelTorchNorm:
 
 class SdpaCoreAttention(MegatronModule):
     """Causal softmax attention of one TP rank's heads by torch's fused SDPA; megatron-core's
-    ``DotProductAttention`` interface (query [s, b, heads, d], key/value [s, b, groups, d]). The
-    mask passed in is always ``causal_mask`` here, so ``is_causal`` stands in for it."""
+    ``DotProductAttention`` interface (query [s, b, heads, d], key/value [s, b, groups, d]). For
+    ``causal_mask``'s tensor ``is_causal`` stands in for the mask; another mask (packed samples)
+    is passed to SDPA."""
 
     def __init__(
         self,
@@ -262,32 +264,57 @@ class SdpaCoreAttention(MegatronModule):
         # a TP rank's heads draw from the tracker's model-parallel state, as in megatron-core's
         # attention (under sequence parallelism the whole block already runs in it)
         fork = p > 0 and not self.config.sequence_parallel
+        # causal_mask's tensor: the fused causal kernel; packed samples: their mask (True = masked)
+        causal = attention_mask is None or is_causal_mask(attention_mask)
         with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale
+                q,
+                k,
+                v,
+                attn_mask=None if causal else ~attention_mask,
+                dropout_p=p,
+                is_causal=causal,
+                scale=self.softmax_scale,
             )
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def causal_mask(seq_length: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Megatron's boolean mask (True = masked); built here because its default lives on CUDA."""
+    """Megatron's boolean mask (True = masked); built here because its default lives on CUDA. One
+    tensor per length and device, which ``SdpaCoreAttention`` recognises as plain causal."""
+    return _causal_mask(seq_length, torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
     return torch.triu(
         torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1
     )
 
 
+def is_causal_mask(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` is ``causal_mask``'s, not (say) packed samples' block-diagonal one."""
+    return mask is _causal_mask(mask.shape[-1], mask.device)
+
+
 def decoder_input_with_images(
     chunk: GPTModel, mb: Microbatch, image_embeddings: torch.Tensor
 ) -> torch.Tensor:
-    """Word (+ position) embeddings with the first positions replaced by the image embeddings
-    ``[image_tokens, batch, hidden]``: the decoder input ``[seq, batch, hidden]``, or this TP rank's
+    """Word (+ position) embeddings with the image positions replaced by the image embeddings
+    ``[image_tokens, images, hidden]`` (``mb.image_mask``'s positions, else each sample's first
+    ones, one image per sample): the decoder input ``[seq, batch, hidden]``, or this TP rank's
     ``[seq / TP, batch, hidden]`` under sequence parallelism, scattered after the splice as
     megatron-core's LLaVA does (the chunks are built with
     ``scatter_embedding_sequence_parallel=False``, so the embedding's TP reduction is an
     all-reduce)."""
     embeddings = chunk.embedding(input_ids=mb.tokens, position_ids=mb.position_ids)
-    n = image_embeddings.shape[0]
-    combined = torch.cat([image_embeddings.to(embeddings.dtype), embeddings[n:]], dim=0)
+    images = image_embeddings.to(embeddings.dtype)
+    if mb.image_mask is None:  # each sample's one image first
+        combined = torch.cat([images, embeddings[images.shape[0] :]], dim=0)
+    else:  # the images in row-major order of their positions, each image's tokens consecutive
+        rows, positions = mb.image_mask.nonzero(as_tuple=True)
+        flat = images.transpose(0, 1).reshape(-1, images.shape[-1])
+        combined = embeddings.index_put((positions, rows), flat)
     if chunk.config.sequence_parallel:
         combined = tensor_parallel.scatter_to_sequence_parallel_region(combined)
     return combined

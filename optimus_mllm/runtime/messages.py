@@ -65,6 +65,13 @@ class Messenger:
             channel: {} for channel in self.incoming
         }
 
+    def expect(self, incoming: Incoming) -> None:
+        """What arrives this step, where message shapes change from step to step (the images per
+        microbatch); the same channels as before."""
+        assert incoming.keys() == self.incoming.keys()
+        self.incoming = incoming
+        self._start_step()
+
     def send(self, kind: str, receiver: int, tensor: torch.Tensor, identity: Identity) -> None:
         channel = Channel(kind, self.rank, receiver)
         group = self.channels[channel]

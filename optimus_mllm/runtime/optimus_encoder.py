@@ -32,8 +32,21 @@ from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_p
 from optimus_mllm.runtime.data import ImageSource
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import StageOps, build_stage_ops
-from optimus_mllm.runtime.executor import EncoderExecutor, HookDriver, Mailbox, incoming_messages
-from optimus_mllm.runtime.hook_plan import Event, EventKind, StageHookPlan, build_hook_plan
+from optimus_mllm.runtime.executor import (
+    EncoderExecutor,
+    HookDriver,
+    ImagesPerMicrobatch,
+    Mailbox,
+    embeddings_shape,
+    incoming_messages,
+)
+from optimus_mllm.runtime.hook_plan import (
+    Event,
+    EventKind,
+    HookPlan,
+    StageHookPlan,
+    build_hook_plan,
+)
 from optimus_mllm.runtime.layer_ops import vision_transformer_config
 from optimus_mllm.runtime.llm import llm_pipelines
 from optimus_mllm.runtime.messages import Messenger
@@ -71,6 +84,7 @@ class OptimusEncoder:
     stage_plan: StageHookPlan
     messenger: Messenger
     numbering: MicrobatchNumbering
+    hook_plan: HookPlan
 
     @classmethod
     def build(
@@ -110,6 +124,22 @@ class OptimusEncoder:
             hook_plan.for_gpu(layout.coords[rank].gpu),
             messenger,
             numbering,
+            hook_plan,
+        )
+
+    def expect_images(self, images: ImagesPerMicrobatch) -> None:
+        """Size this step's incoming messages for ``images`` per LLM microbatch."""
+        self.messenger.expect(
+            incoming_messages(
+                self.config,
+                self.hook_plan,
+                self.groups,
+                self.ops.output_grad_encoders,
+                self.numbering,
+                self.m,
+                self.enc_plan.pp,
+                images,
+            )
         )
 
     def link(self, microbatch: int) -> EncoderLLMLink:
@@ -134,8 +164,13 @@ class OptimusStep:
         llm_stage: int,
         collectives: dict[int, list[str]],
         wait_for_input: Callable[[LLMOp], None] | None,
+        images_per_microbatch: ImagesPerMicrobatch | None = None,
     ):
+        """``images_per_microbatch``: the images of each of this replica's LLM microbatches this
+        step, where they vary (a webdataset); by default ``micro_batch_size``, one per sample."""
         self.optimus, self.op_order, self.llm_stage = optimus, op_order, llm_stage
+        if images_per_microbatch is not None:
+            optimus.expect_images(images_per_microbatch)
         self.mailbox = Mailbox(stream)
         self.executor = EncoderExecutor(
             optimus.config,
@@ -148,6 +183,7 @@ class OptimusStep:
             self.mailbox,
             images,
             optimus.messenger,
+            images_per_microbatch,
         )
         self.leaves: dict[int, torch.Tensor] = {}
         self.driver = HookDriver(op_order, self, wait_for_input, collectives)
@@ -155,7 +191,11 @@ class OptimusStep:
     def image_embeddings(self, microbatch: int) -> torch.Tensor:
         """A_i, [image tokens, batch, hidden], as a leaf: its gradient after the backward is G_i."""
         link = self.optimus.link(microbatch)
-        if link.encoder_rank == self.optimus.groups.rank:
+        if not self.executor.has_images(microbatch):  # nothing to wait for, nothing to send back
+            messenger = self.optimus.messenger
+            shape = embeddings_shape(self.optimus.config, 0)
+            embeddings = torch.empty(shape, dtype=messenger.dtype, device=messenger.device)
+        elif link.encoder_rank == self.optimus.groups.rank:
             embeddings = self.mailbox.take_embeddings(microbatch)
         else:
             embeddings = self.optimus.messenger.recv(
@@ -170,7 +210,9 @@ class OptimusStep:
         if event.kind is EventKind.OP_END:
             op = self.op_order[event.op]
             if op.phase == "bwd" and op.chunk == 0 and self.llm_stage == 0:
-                self._send_gradient(op.microbatch, self.leaves.pop(op.microbatch).grad.detach())
+                leaf = self.leaves.pop(op.microbatch)
+                if self.executor.has_images(op.microbatch):
+                    self._send_gradient(op.microbatch, leaf.grad.detach())
         self.executor.on_event(event, ran_at)
 
     def _send_gradient(self, microbatch: int, grad: torch.Tensor) -> None:

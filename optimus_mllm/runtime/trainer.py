@@ -38,7 +38,7 @@ import megatron_patches
 from megatron_patches.ddp import gather_main_grads
 from megatron_patches.hooks import tp_collective_hook, warmup_override
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.errors import OptimusError
+from optimus_mllm.errors import AgreedError, ConfigError, OptimusError
 from optimus_mllm.pipeline_order import default_warmup, rank_op_order
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.balanced import (
@@ -55,10 +55,15 @@ from optimus_mllm.runtime.communicators import (
     llm_uses,
     pipeline_channel_uses,
 )
-from optimus_mllm.runtime.data import Microbatch, microbatch_source
+from optimus_mllm.runtime.data import ImageCount, Microbatch, image_count, microbatch_source
 from optimus_mllm.runtime.dropout import llm_chunk_index, microbatch_seed, seed_llm_dropout
 from optimus_mllm.runtime.dtypes import DTYPES
-from optimus_mllm.runtime.executor import ExecutedOp, HookDriver
+from optimus_mllm.runtime.executor import (
+    ExecutedOp,
+    HookDriver,
+    ImagesPerMicrobatch,
+    embeddings_shape,
+)
 from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
 from optimus_mllm.runtime.llm import (
     build_llm_chunks,
@@ -174,9 +179,16 @@ class Trainer:
         self.user_model = user_model
         self.timers = timers
         self.rank = dist.get_rank()
+        self.image_count: ImageCount | None = None
         if user_model is None:
             self.data = microbatch_source(config)
             self.images = lambda iteration, microbatch: self.data(iteration, microbatch).images
+            self.image_count = image_count(self.data)
+            if mode == "balanced" and self.image_count is not None:
+                raise OptimusError(
+                    "the balanced baseline's pipeline buffers carry one image per sample; a "
+                    "webdataset's microbatches (data.path) vary in images"
+                )
         else:
             self.images = user_images(config, user_model)
         self.device = training_device()  # before megatron-core places parameters on the current GPU
@@ -390,6 +402,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def train_step(self, iteration: int) -> StepResult:
+        # on every rank before the step: a sample above data.max_images_per_sample fails here
+        images_per_microbatch = self._images_per_microbatch(iteration)
         step = None
         if self.optimus is not None:
             step = OptimusStep(
@@ -401,6 +415,7 @@ class Trainer:
                 self.stage,
                 self.collectives,
                 self._wait_for_input,
+                images_per_microbatch,
             )
             driver = step.driver
         else:
@@ -453,6 +468,19 @@ class Trainer:
             len(driver.unplanned),
         )
 
+    def _images_per_microbatch(self, iteration: int) -> ImagesPerMicrobatch | None:
+        """This replica's LLM microbatch -> its images in ``iteration``, where the count varies."""
+        if self.image_count is None:
+            return None
+        try:  # every microbatch of the job, so every rank meets a bad sample alike
+            job = [
+                self.image_count(iteration, g) for g in range(self.config.num_microbatches_total)
+            ]
+        except ConfigError as exc:
+            raise AgreedError(str(exc)) from None
+        counts = [job[self.numbering.global_index(i)] for i in range(self.num_microbatches)]
+        return counts.__getitem__
+
     def _forward_step(
         self,
         driver: HookDriver,
@@ -463,7 +491,9 @@ class Trainer:
     ) -> tuple[torch.Tensor, Any]:
         microbatch, chunk, global_microbatch, seed = self._microbatch_in_flight(driver, iteration)
         mb = _text_on(self.data(iteration, global_microbatch), self.device)
-        mask = causal_mask(self.config.llm.seq_length, self.device)
+        mask = mb.attention_mask
+        if mask is None:
+            mask = causal_mask(self.config.llm.seq_length, self.device)
         decoder_input = None
         if self.chunks[chunk].pre_process:
             if step is not None:
@@ -538,7 +568,11 @@ class Trainer:
         return self.user_model.forward_step(data_iterator, model)
 
     def _baseline_image_embeddings(self, mb: Microbatch, seed: int) -> torch.Tensor:
-        """A_i: [image tokens, batch, hidden], from the encoders in the first stage's forward."""
+        """A_i: [image tokens, images, hidden], from the encoders in the first stage's forward; no
+        encoder work for a microbatch without images."""
+        if mb.num_images == 0:
+            dtype = DTYPES[self.config.training.precision]
+            return torch.empty(embeddings_shape(self.config, 0), dtype=dtype, device=self.device)
         outputs = self.encoder(
             {
                 e.name: to_device(image, self.device)
@@ -625,4 +659,6 @@ def _text_on(mb: Microbatch, device: torch.device) -> Microbatch:
         labels=to_device(mb.labels, device),
         loss_mask=to_device(mb.loss_mask, device),
         position_ids=to_device(mb.position_ids, device),
+        image_mask=None if mb.image_mask is None else to_device(mb.image_mask, device),
+        attention_mask=None if mb.attention_mask is None else to_device(mb.attention_mask, device),
     )

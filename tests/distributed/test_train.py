@@ -112,6 +112,8 @@ def sample_dataset(tmp_path_factory) -> Path:
         [
             sys.executable,
             str(REPO / "scripts" / "make_sample_dataset.py"),
+            "--format",
+            "captions",
             "--out",
             str(out),
             "--num-samples",

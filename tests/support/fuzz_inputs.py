@@ -155,6 +155,8 @@ class Inputs:
             [
                 sys.executable,
                 str(REPO / "scripts" / "make_sample_dataset.py"),
+                "--format",
+                "captions",
                 "--out",
                 str(self.dataset),
                 "--num-samples",

@@ -42,7 +42,11 @@ def _script():
 def sample(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "sample"
     assert (
-        _script().main(["--out", str(out), "--num-samples", str(NUM_SAMPLES), "--size", "24"]) == 0
+        _script().main(
+            ["--format", "captions", "--out", str(out), "--num-samples", str(NUM_SAMPLES)]
+            + ["--size", "24"]
+        )
+        == 0
     )
     return out
 
@@ -330,7 +334,8 @@ def test_generator_is_deterministic_per_seed(tmp_path):
     for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
         assert (
             script.main(
-                ["--out", str(tmp_path / name), "--num-samples", "3", "--size", "8", "--seed", seed]
+                ["--format", "captions", "--out", str(tmp_path / name), "--num-samples", "3"]
+                + ["--size", "8", "--seed", seed]
             )
             == 0
         )

@@ -1,0 +1,142 @@
+"""Issue 34's data on 4 gloo ranks: a webdataset from make_sample_dataset.py (0-4 images per sample
+at 16 and 32 pixels, 20 % text-only), tokenized by a tokenizer trained here, trains under the
+Optimus runtime as under the Megatron-style baseline, microbatch image counts varying from
+iteration to iteration (text-only microbatches included, which run no encoder op)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from support.artifact_utils import artifact_for
+from support.distributed_utils import run_distributed
+from support.paths import CONFIGS, REPO
+from support.tokenizer import train_tokenizer
+from support.train_utils import assert_one_error_everywhere, ranks, step_numbers, torchrun
+
+pytestmark = pytest.mark.distributed
+
+TINY = str(CONFIGS / "tiny.yaml")
+STEPS = 5
+# one sample per microbatch: some microbatches are text-only
+ONE_SAMPLE = ["training.micro_batch_size=1", "training.global_batch_size=8"]
+ENCODER_PP2 = "parallel.encoder={pp: 2, tp: 1}"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    """The issue's dataset and a tokenizer trained on its text, as config overrides."""
+    from megatron.energon.epathlib import EPath
+    from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
+    from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
+
+    root = tmp_path_factory.mktemp("webdataset")
+    out = root / "data"
+    command = [sys.executable, str(REPO / "scripts" / "make_sample_dataset.py"), "--out", str(out)]
+    command += ["--images-per-sample", "0-4", "--sizes", "16,32", "--text-only", "0.2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    shards = WebdatasetMeta.from_config(EPath(out), split_part="train").shards
+    reader = ShardInfosITarReader(EPath(out), shards)
+    texts = [json.loads(reader[i]["json"])["text"] for i in range(len(reader))]
+    tokenizer = train_tokenizer(texts, root / "tokenizer")
+    return [f"data.path={out}", f"data.tokenizer={tokenizer}"]
+
+
+def _train(overrides: list[str], mode: str, artifact) -> dict:
+    """One rank: 5 steps; losses, gradient norms, and per step the microbatches (global index,
+    images) whose encoder ops ran here and those planned here."""
+    from optimus_mllm.config import load_config
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime.trainer import Trainer
+
+    config = load_config(TINY, overrides)
+    trainer = Trainer(config, plan(config).llm_plan, mode, artifact)
+    results, ran, planned = [], [], []
+    for iteration in range(STEPS):
+        result = trainer.train_step(iteration)
+        results.append(result)
+        if trainer.optimus is not None:
+            pipeline = trainer.optimus.groups.coords.pipeline
+
+            def microbatch(k: int, it: int = iteration, j: int = pipeline) -> tuple[int, int]:
+                g = trainer.numbering.global_index(trainer.numbering.llm(j, k))
+                return g, trainer.image_count(it, g)
+
+            ran.append(sorted({microbatch(op.local_microbatch) for op in result.encoder_record}))
+            ops = trainer.optimus.stage_plan.ops
+            planned.append(sorted({microbatch(op.local_microbatch) for op in ops}))
+    trainer.close()
+    return {
+        "losses": [r.loss for r in results],
+        "norms": [r.grad_norm for r in results],
+        "ran": ran,
+        "planned": planned,
+    }
+
+
+def _both(overrides: list[str]) -> tuple[list[dict], list[dict]]:
+    artifact = artifact_for(TINY, overrides)
+    runs = [(overrides, "optimus", artifact), (overrides, "baseline", None)]
+    per_rank = run_distributed(_runs, 4, runs, timeout=400)
+    return [r[0] for r in per_rank], [r[1] for r in per_rank]
+
+
+def _runs(runs: list) -> list[dict]:
+    return [_train(*run) for run in runs]
+
+
+LLM_DP2 = "parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}"
+
+
+@pytest.mark.parametrize(
+    "plan", [[], [ENCODER_PP2], [LLM_DP2]], ids=["job plan", "encoder pp 2", "llm dp 2"]
+)
+def test_optimus_trains_like_the_baseline_on_varying_images(data, plan):
+    optimus, baseline = _both([*data, *ONE_SAMPLE, *plan])
+    for rank, (o, b) in enumerate(zip(optimus, baseline)):
+        assert o["losses"] == pytest.approx(b["losses"], rel=1e-5), f"rank {rank}"
+        assert o["norms"] == pytest.approx(b["norms"], rel=1e-5), f"rank {rank}"
+    assert sum(loss is not None for r in baseline for loss in r["losses"]) >= STEPS
+    counts = [tuple(n for _, n in step) for step in optimus[0]["planned"]]  # rank 0's encoder
+    assert len(set(counts)) > 1, "iterations with the same images"
+    assert any(0 in step for step in counts), "no text-only microbatch"
+    for r in optimus:
+        for ran, planned in zip(r["ran"], r["planned"]):
+            # exactly the microbatches with images ran encoder ops
+            assert ran == [(g, n) for g, n in planned if n > 0]
+
+
+def test_optimus_train_prints_the_baselines_numbers(data):
+    """The issue's command line: optimus-train (packed samples, 2 per sequence of 128 tokens)."""
+    flags = ["--override", *data, "model.llm.seq_length=128", "data.samples_per_sequence=2"]
+    flags += ["training.train_iters=5"]
+    optimus = step_numbers(torchrun(*flags))
+    assert len(optimus) == STEPS
+    assert optimus == step_numbers(torchrun(*flags, "--baseline"))
+
+
+def test_balanced_baseline_refuses_varying_images(data):
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.train import build_parser, prepare
+
+    args = build_parser().parse_args(
+        ["--config", TINY, "--baseline", "balanced", "--override", *data]
+    )
+    with pytest.raises(OptimusError, match=r"^--baseline balanced: its pipeline buffers carry"):
+        prepare(args, 4)
+
+
+def test_a_sample_above_the_maximum_is_one_line_on_every_rank(tmp_path):
+    """Found when the step's images are counted, on every rank, before the step runs."""
+    out = tmp_path / "many"
+    command = [sys.executable, str(REPO / "scripts" / "make_sample_dataset.py"), "--out", str(out)]
+    command += ["--images-per-sample", "5-6", "--text-only", "0", "--num-samples", "4"]
+    subprocess.run(command, capture_output=True, timeout=120, check=True)
+    results = ranks(4, "--override", f"data.path={out}", "model.llm.seq_length=256")
+    assert_one_error_everywhere(
+        results, "data.max_images_per_sample: sample shard-000000.tar/000000 has "
+    )
