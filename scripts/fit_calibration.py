@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 import tempfile
 from multiprocessing import Pool
@@ -209,19 +210,19 @@ def main(argv: list[str] | None = None) -> int:
 def _evaluated(items: list[str]) -> dict[str, float]:
     """The shipped paper calibration's constants with ``KEY=VALUE`` items replaced."""
     shipped = load_calibration("paper")
-    constants = {k: shipped.constants[k] for k in START} if shipped else dict(START)
+    assert shipped is not None  # only roofline has no file
+    constants = {k: shipped.constants[k] for k in START}
     for item in items:
         key, _, value = item.partition("=")
         try:
-            number = float(value)
+            constants[key] = float(value) if key in START else math.nan
         except ValueError:
-            number = -1.0
-        if key not in START or not 0 < number <= 1:
+            constants[key] = math.nan
+        if not 0 < constants[key] <= 1:  # nan too
             raise OptimusError(
                 f"--evaluate: {item!r} must be KEY=VALUE with KEY one of {', '.join(START)} and "
                 "VALUE in (0, 1], e.g. nvlink_efficiency=0.57"
             )
-        constants[key] = number
     return constants
 
 
