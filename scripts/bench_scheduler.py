@@ -383,10 +383,17 @@ def print_tables(
 ) -> None:
     strong = [n for n in PAPER_TABLE7 if n in rows]
     if strong:
-        print(f"== Strong scaling, the configs' reading: {_reading(configs[strong[0]])}")
+        print(
+            f"== Strong scaling, the configs' reading: {_reading(configs[strong[0]])} "
+            "(scripts/fit_calibration.py fits the paper calibration to this reading)"
+        )
         print_strong_scaling({n: rows[n] for n in strong}, configs)
     if short:
-        print(f"== Strong scaling, the other reading: {SHORT_READING[0]}")
+        # a second set of Tables 1, 5 and 7 under the same headings: say they are not the fit's
+        print(
+            f"== Strong scaling, the other reading: {SHORT_READING[0]} (no calibration is "
+            "fitted to it: the paper calibration's residuals are those of the reading above)"
+        )
         print_strong_scaling({n.removesuffix(SHORT_SUFFIX): r for n, r in short.items()}, configs)
     others = [n for n in rows if n not in PAPER_TABLE7]
     if others:

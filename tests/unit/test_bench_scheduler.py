@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from optimus_mllm.calibration import load_calibration
 from optimus_mllm.config import load_config
 
-from support.paths import REPO
+from support.paths import REPO, load_script
 
 
 def test_bench_scheduler_runs_and_writes_json(tmp_path):
@@ -91,6 +94,20 @@ def test_bench_scheduler_paper_calibration_writes_the_paper_figures(tmp_path):
     assert row["gpus"] == 3072 and row["llm_alone_s"] > 0
     # the paper calibration's LLM is slower than the roofline's (recomputing, lower efficiencies)
     assert roofline.cost_model.gemm_efficiency > 0.5 and row["megatron_s"] > 5.91
+    # the benchmark's figures are the ones scripts/fit_calibration.py fits: its residuals for the
+    # shipped constants, computed from this row
+    fit = load_script("fit_calibration")
+    constants = tuple(sorted(load_calibration("paper").constants.items()))
+    _, paper_bal, paper_opt, *_ = fit.PAPER_TABLE5["strong_3072"]
+    _, paper_coarse, paper_fine, _ = fit.PAPER_TABLE7["strong_3072"]
+    assert fit._setup_residuals(("strong_3072", constants)) == pytest.approx(
+        {
+            "balanced_s": 100 * (row["balanced_s"] / paper_bal - 1),
+            "optimus_s": 100 * (row["optimus_s"] / paper_opt - 1),
+            "eff_coarse": 100 * row["eff_coarse"] - paper_coarse,
+            "eff_fine": 100 * row["eff_fine"] - paper_fine,
+        }
+    )
 
 
 def test_bench_scheduler_unknown_calibration_is_one_line(tmp_path):

@@ -12,7 +12,7 @@ from optimus_mllm.calibration import CALIBRATIONS, load_calibration
 from optimus_mllm.config import load_config
 from optimus_mllm.errors import ConfigError
 
-from support.paths import CONFIGS
+from support.paths import CONFIGS, REPO, load_script
 
 STRONG = CONFIGS / "paper" / "strong_3072.yaml"
 
@@ -78,3 +78,39 @@ def test_an_unknown_calibration_is_one_line_and_exit_2():
     assert proc.stderr.strip().count("\n") == 0
     assert "cost_model.calibration" in proc.stderr and "paper" in proc.stderr
     assert {p.stem for p in CALIBRATIONS.glob("*.yaml")} == {"paper"}
+
+
+def test_the_shipped_paper_calibration_is_the_file_the_fit_writes_for_its_constants():
+    """The header's fit and residuals are what the cost model and scheduler give the shipped
+    constants today: a change that moves the paper calibration's figures (a dropped recompute, a
+    constant read from elsewhere) shows here, and the file must be refitted."""
+    fit = load_script("fit_calibration")
+    shipped = load_calibration("paper")
+    assert shipped is not None and shipped.recompute == fit.RECOMPUTE
+    assert set(shipped.constants) == set(fit.START)
+    constants = {k: shipped.constants[k] for k in fit.START}
+    [residuals] = fit.residuals_of([constants])
+    assert fit.calibration_text(constants, residuals) == (CALIBRATIONS / "paper.yaml").read_text()
+
+
+def test_the_fit_scores_the_worst_residual_in_units_of_its_bound_first():
+    fit = load_script("fit_calibration")
+    tight = {"s": {"balanced_s": 4.0, "optimus_s": -4.0, "eff_coarse": 4.0, "eff_fine": 4.0}}
+    one_off = {"s": {"balanced_s": 0.0, "optimus_s": 0.0, "eff_coarse": 0.0, "eff_fine": -6.0}}
+    assert fit.score(tight) == pytest.approx((0.8, 4 * 0.64))
+    assert fit.score(one_off) == pytest.approx((1.2, 1.44))
+    assert fit.score(tight) < fit.score(one_off)  # within every bound beats one figure outside
+    assert fit.report({"gemm_efficiency": 0.5}, tight)[-1].endswith(": within the bounds")
+    assert fit.report({"gemm_efficiency": 0.5}, one_off)[-1].endswith(": NOT within the bounds")
+
+
+@pytest.mark.parametrize("args", [["--evaluate", "gemm=0.5"], ["--workers", "0"]])
+def test_the_fit_refuses_a_bad_flag_in_one_line(args):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "fit_calibration.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and args[0] in proc.stderr
