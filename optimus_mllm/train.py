@@ -44,7 +44,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout,
     optimizer_layout_change,
 )
-from optimus_mllm.runtime.data import check_dataset
+from optimus_mllm.runtime.data_sources import check_dataset
 from optimus_mllm.runtime.webdataset_data import is_webdataset
 from optimus_mllm.scheduler.artifact import (
     artifact_text,

@@ -88,38 +88,6 @@ ImageCount = Callable[[int, int], int]  # (iteration, global microbatch) -> its 
 ImageSource = Callable[[int, int], tuple[torch.Tensor, ...]]
 
 
-def microbatch_source(config: OptimusConfig) -> MicrobatchSource:
-    """Where the job's microbatches come from: the ``data.path`` dataset if set (an energon
-    webdataset, or a folder with captions.jsonl), else synthetic data."""
-    _check_tokenizer_use(config)
-    if config.data.path is not None:
-        from optimus_mllm.runtime.webdataset_data import WebdatasetSource, is_webdataset
-
-        if is_webdataset(config.data.path):
-            return WebdatasetSource(config)
-        return ImageTextDataset(config)
-    return functools.partial(synthetic_microbatch, config)
-
-
-def image_count(source: MicrobatchSource) -> ImageCount | None:
-    """How many images each microbatch of ``source`` has, known without decoding them, where the
-    count varies (a webdataset); None where it is always ``micro_batch_size``, one per sample."""
-    return getattr(source, "image_count", None)
-
-
-def _check_tokenizer_use(config: OptimusConfig) -> None:
-    from optimus_mllm.runtime.webdataset_data import is_webdataset
-
-    if config.data.tokenizer is not None and not (
-        config.data.path is not None and is_webdataset(config.data.path)
-    ):
-        raise ConfigError(
-            "data.tokenizer",
-            "tokenizes the text of an energon webdataset (data.path with .nv-meta); captions.jsonl "
-            "and synthetic data use byte tokens: drop data.tokenizer or give such a data.path",
-        )
-
-
 # --------------------------------------------------------------------------------------------
 # On-disk image-text data
 
@@ -275,22 +243,11 @@ def text_sequence(
     return sequence, loss_mask
 
 
-def check_dataset(config: OptimusConfig) -> None:
-    """Validate ``data.path`` against the model without decoding images; ConfigError on the first
-    problem.
-
-    Checks the folder, every line of captions.jsonl, that every image file exists, and that the
-    model can take the data (square patch grids, 1 or 3 input channels, a vocabulary with all 256
-    bytes). An energon webdataset: its metadata and tokenizer (``WebdatasetSource``).
-    """
-    _check_tokenizer_use(config)
-    if config.data.path is None:
-        return
-    from optimus_mllm.runtime.webdataset_data import WebdatasetSource, is_webdataset
-
-    if is_webdataset(config.data.path):
-        WebdatasetSource(config)
-        return
+def check_captions_dataset(config: OptimusConfig) -> None:
+    """Validate a captions.jsonl ``data.path`` against the model without decoding images;
+    ConfigError on the first problem: the folder, every line of captions.jsonl, that every image
+    file exists, and that the model can take the data (square patch grids, 1 or 3 input channels, a
+    vocabulary with all 256 bytes)."""
     _check_model(config)
     for caption in read_captions(Path(config.data.path)):
         if not caption.image.is_file():

@@ -55,7 +55,8 @@ from optimus_mllm.runtime.communicators import (
     llm_uses,
     pipeline_channel_uses,
 )
-from optimus_mllm.runtime.data import ImageCount, Microbatch, image_count, microbatch_source
+from optimus_mllm.runtime.data import ImageCount, Microbatch
+from optimus_mllm.runtime.data_sources import image_count, microbatch_source
 from optimus_mllm.runtime.dropout import llm_chunk_index, microbatch_seed, seed_llm_dropout
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.executor import (

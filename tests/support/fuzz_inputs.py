@@ -443,7 +443,8 @@ class _Accepted(Exception):
 
 def _dataset(inputs: Inputs, rng: random.Random, tmp: Path) -> tuple[Callable[[], Any], str, bool]:
     from optimus_mllm.config import load_config
-    from optimus_mllm.runtime.data import ImageTextDataset, check_dataset
+    from optimus_mllm.runtime.data import ImageTextDataset
+    from optimus_mllm.runtime.data_sources import check_dataset
 
     root = tmp / "dataset"
     shutil.copytree(inputs.dataset, root)

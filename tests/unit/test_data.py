@@ -16,12 +16,8 @@ from PIL import Image
 
 from optimus_mllm.config import config_from_dict, load_config
 from optimus_mllm.errors import ConfigError
-from optimus_mllm.runtime.data import (
-    ImageTextDataset,
-    check_dataset,
-    microbatch_source,
-    synthetic_microbatch,
-)
+from optimus_mllm.runtime.data import ImageTextDataset, synthetic_microbatch
+from optimus_mllm.runtime.data_sources import check_dataset, microbatch_source
 
 from support.paths import CONFIGS, REPO
 

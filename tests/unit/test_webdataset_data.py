@@ -18,7 +18,7 @@ from PIL import Image
 
 from optimus_mllm.config import load_config
 from optimus_mllm.errors import ConfigError
-from optimus_mllm.runtime.data import check_dataset, microbatch_source
+from optimus_mllm.runtime.data_sources import check_dataset, microbatch_source
 from optimus_mllm.runtime.webdataset_data import WebdatasetSource
 
 from support.paths import CONFIGS, REPO
