@@ -42,7 +42,17 @@ _NOT_SCHEDULE = frozenset(
         "training.loss_scale_window",
         "training.hysteresis",
         "training.seed",
-        "data",  # synthetic or real samples have the same shapes
+        # where the samples come from and how their text is read: the shapes are the same. Not
+        # data.max_images_per_microbatch: the encoder's memory and the fallback schedule are
+        # planned for it
+        "data.path",
+        "data.tokenizer",
+        "data.image_placeholder",
+        "data.max_images_per_sample",
+        "data.samples_per_sequence",
+        # the workload distribution optimus-plan ranks plans over: the plans are compared
+        "data.images_per_sample",
+        "data.tokens_per_image",
         # The job compares the plans themselves (ScheduleArtifact.check_matches): a config that
         # fixes the plan the planner would have chosen is the same job, and without parallel.encoder
         # any plan the planner keeps will do.

@@ -86,6 +86,8 @@ def test_the_fingerprint_holds_the_schedule_settings_only():
         "cluster.inter_node_bandwidth_gbps",
         "cost_model.gemm_efficiency",
         "cost_model.profile",
+        # the encoder's memory and the fallback schedule are planned for it
+        "data.max_images_per_microbatch",
     } <= fingerprint.keys()
     assert not {
         key
@@ -98,7 +100,9 @@ def test_the_fingerprint_holds_the_schedule_settings_only():
                 "training.min_lr",
                 "training.adam",
                 "training.clip_grad",
-                "data",
+                "data.path",
+                "data.tokenizer",
+                "data.images_per_sample",
                 "name",
                 "source",
                 "planner",
@@ -115,6 +119,10 @@ def test_the_fingerprint_holds_the_schedule_settings_only():
         ("model.encoders.0.num_layers=4", "model.encoders.0.num_layers=4, this job has 2"),
         ("model.llm.num_layers=8", "model.llm.num_layers=8, this job has 4"),
         ("training.precision=bf16", 'training.precision="bf16", this job has "fp32"'),
+        (
+            "data.max_images_per_microbatch=8",
+            "data.max_images_per_microbatch=8, this job has null",
+        ),
     ],
 )
 def test_an_artifact_for_another_config_names_the_first_different_setting(
