@@ -512,6 +512,7 @@ def train(
                     if share is None
                     else f"encoder ops inside LLM span {share:.1%} | {totals.moved_text()}"
                 )
+                + ("" if result.schedule is None else f" | schedule {result.schedule.text}")
             )
             if board is not None:
                 _log_scalars(board, i + 1, loss, result, times[-1], tokens, share)

@@ -42,6 +42,8 @@ _NOT_SCHEDULE = frozenset(
         "training.loss_scale_window",
         "training.hysteresis",
         "training.seed",
+        # which schedule each step runs: the artifact is the job's plan either way
+        "training.schedule_per_iteration",
         "data",  # synthetic or real samples have the same shapes
         # The job compares the plans themselves (ScheduleArtifact.check_matches): a config that
         # fixes the plan the planner would have chosen is the same job, and without parallel.encoder

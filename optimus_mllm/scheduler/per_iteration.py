@@ -151,6 +151,11 @@ class IterationScheduler:
         key, _, _ = self._pending[iteration]
         return self._by_key[key].done()
 
+    def built(self, iteration: int) -> IterationSchedule | None:
+        """``iteration``'s build, once ``ready``: its schedule, or None where none exists."""
+        key, _, _ = self._pending[iteration]
+        return self._by_key[key].result()
+
     def take(
         self, iteration: int, wait_s: float = 0.0, ready_elsewhere: bool = True
     ) -> IterationPlan:

@@ -55,10 +55,32 @@ def _train(overrides: list[str], mode: str, artifact) -> dict:
 
     config = load_config(TINY, overrides)
     trainer = Trainer(config, plan(config).llm_plan, mode, artifact)
-    results, ran, planned = [], [], []
+    results, ran, planned, schedules = [], [], [], []
     for iteration in range(STEPS):
         result = trainer.train_step(iteration)
         results.append(result)
+        if result.schedule is not None:
+            counts = [
+                trainer.image_count(iteration, trainer.numbering.global_index(i))
+                for i in range(trainer.num_microbatches)
+            ]
+            # each encoder op of the step's schedule: its hook point and predicted start and end
+            hooks = [
+                (op.phase, op.microbatch, op.kernel_index, op.hook, op.start_us, op.end_us)
+                for stage in result.schedule.artifact.encoder_stages
+                for op in stage.ops
+            ]
+            schedules.append(
+                {
+                    "source": result.schedule.source,
+                    "text": result.schedule.text,
+                    "heaviest": max(counts),
+                    "predicted_us": result.schedule.artifact.predicted.iteration_us,
+                    "ops": hooks,
+                    # every op ran at its hook point in this step's schedule
+                    "at_hook": all(op.ran_at == op.scheduled_at for op in result.encoder_record),
+                }
+            )
         if trainer.optimus is not None:
             pipeline = trainer.optimus.groups.coords.pipeline
 
@@ -75,6 +97,7 @@ def _train(overrides: list[str], mode: str, artifact) -> dict:
         "norms": [r.grad_norm for r in results],
         "ran": ran,
         "planned": planned,
+        "schedules": schedules,
     }
 
 
@@ -108,6 +131,40 @@ def test_optimus_trains_like_the_baseline_on_varying_images(data, plan):
         for ran, planned in zip(r["ran"], r["planned"]):
             # exactly the microbatches with images ran encoder ops
             assert ran == [(g, n) for g, n in planned if n > 0]
+
+
+# four microbatches an iteration, so that the heaviest one varies between iterations
+PER_ITERATION = ["training.schedule_per_iteration=true", "data.max_images_per_microbatch=4"]
+PER_ITERATION += ["training.global_batch_size=4"]
+
+
+def test_each_iteration_runs_its_own_schedule_with_the_baselines_numbers(data):
+    """Issue 34's acceptance 1 with a schedule per iteration: every rank runs the schedule built
+    for its iteration's images (or, where it is late, the fallback for 4 images per microbatch),
+    with the baseline's losses and gradient norms."""
+    optimus, baseline = _both([*data, *ONE_SAMPLE, *PER_ITERATION])
+    for rank, (o, b) in enumerate(zip(optimus, baseline)):
+        assert o["losses"] == pytest.approx(b["losses"], rel=1e-5), f"rank {rank}"
+        assert o["norms"] == pytest.approx(b["norms"], rel=1e-5), f"rank {rank}"
+    steps = optimus[0]["schedules"]
+    assert len(steps) == STEPS
+    # one LLM pipeline: every rank ran the same schedule each step
+    for r in optimus:
+        assert [s["text"] for s in r["schedules"]] == [s["text"] for s in steps]
+        assert [s["predicted_us"] for s in r["schedules"]] == [s["predicted_us"] for s in steps]
+        assert all(s["at_hook"] for s in r["schedules"])
+    own = [s for s in steps if s["source"] == "per-iteration"]
+    assert len(own) >= 2, [s["text"] for s in steps]
+    assert len({s["heaviest"] for s in steps}) > 1, "iterations with the same heaviest microbatch"
+    for a in own:
+        for b in own:
+            # a different workload, a different schedule: another predicted time and op timings
+            # (on this tiny model the encoder's ops keep their hook points)
+            if a["heaviest"] != b["heaviest"]:
+                assert a["predicted_us"] != b["predicted_us"]
+                assert a["ops"] != b["ops"]
+            else:
+                assert a["ops"] == b["ops"]
 
 
 def test_optimus_train_prints_the_baselines_numbers(data):
