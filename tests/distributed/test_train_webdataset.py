@@ -167,6 +167,56 @@ def test_each_iteration_runs_its_own_schedule_with_the_baselines_numbers(data):
                 assert a["ops"] == b["ops"]
 
 
+HELD_S = 300.0  # how long rank 0's schedule builds are held back at most
+
+
+def _held_back_scheduler(overrides: list[str], artifact) -> dict:
+    """Rank 0's schedule builds held back until training is done (at most ``HELD_S``): the
+    steps' schedules, and how long the 5 steps took."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from optimus_mllm.runtime import iteration_schedules
+
+    release = threading.Event()
+    real = iteration_schedules.schedule_iteration
+
+    def held_back(*args, **kwargs):
+        release.wait(timeout=HELD_S)
+        return real(*args, **kwargs)
+
+    if dist.get_rank() == 0:
+        iteration_schedules.schedule_iteration = held_back
+    started = time.monotonic()
+    try:
+        result = _train(overrides, "optimus", artifact)
+    finally:
+        release.set()
+        iteration_schedules.schedule_iteration = real
+    return {**result, "seconds": time.monotonic() - started}
+
+
+def _slowed_and_baseline(overrides: list[str], artifact) -> tuple[dict, dict]:
+    return _held_back_scheduler(overrides, artifact), _train(overrides, "baseline", None)
+
+
+def test_a_slowed_scheduler_makes_iterations_fall_back_without_stalling(data):
+    """Issue 34's acceptance 3: rank 0's builds never finish in time, so every rank runs the
+    fallback every step (they agree) and no step waits for a build."""
+    overrides = [*data, *ONE_SAMPLE, *PER_ITERATION]
+    artifact = artifact_for(TINY, overrides)
+    per_rank = run_distributed(_slowed_and_baseline, 4, overrides, artifact, timeout=400)
+    for rank, (slowed, baseline) in enumerate(per_rank):
+        assert [s["text"] for s in slowed["schedules"]] == [
+            "fallback (late: not built on every rank by the step)"
+        ] * STEPS, f"rank {rank}"
+        assert slowed["seconds"] < HELD_S / 2, "a step waited for a held-back build"
+        assert slowed["losses"] == pytest.approx(baseline["losses"], rel=1e-5), f"rank {rank}"
+        assert slowed["norms"] == pytest.approx(baseline["norms"], rel=1e-5), f"rank {rank}"
+
+
 def test_optimus_train_prints_the_baselines_numbers(data):
     """The issue's command line: optimus-train (packed samples, 2 per sequence of 128 tokens)."""
     flags = ["--override", *data, "model.llm.seq_length=128", "data.samples_per_sequence=2"]
