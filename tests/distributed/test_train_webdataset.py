@@ -237,6 +237,15 @@ def test_balanced_baseline_refuses_varying_images(data):
         prepare(args, 4)
 
 
+def test_schedule_per_iteration_needs_a_webdataset():
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.train import build_parser, prepare
+
+    flags = ["--config", TINY, "--override", *PER_ITERATION]
+    with pytest.raises(OptimusError, match=r"^training.schedule_per_iteration: needs a webdataset"):
+        prepare(build_parser().parse_args(flags), 4)
+
+
 def test_a_sample_above_the_maximum_is_one_line_on_every_rank(tmp_path):
     """Found when the step's images are counted, on every rank, before the step runs."""
     out = tmp_path / "many"
