@@ -79,6 +79,7 @@ def _train(overrides: list[str], mode: str, artifact) -> dict:
                     "ops": hooks,
                     # every op ran at its hook point in this step's schedule
                     "at_hook": all(op.ran_at == op.scheduled_at for op in result.encoder_record),
+                    "runs_its_schedule": _ran_as_scheduled(trainer, iteration, result),
                 }
             )
         if trainer.optimus is not None:
@@ -99,6 +100,27 @@ def _train(overrides: list[str], mode: str, artifact) -> dict:
         "planned": planned,
         "schedules": schedules,
     }
+
+
+def _ran_as_scheduled(trainer, iteration: int, result) -> bool:
+    """The execution record is this rank's ops of the step's schedule whose microbatch has images,
+    each where that schedule placed it (hook point and predicted start)."""
+    from optimus_mllm.runtime.hook_plan import build_hook_plan
+
+    def images(op) -> int:
+        return trainer.image_count(iteration, trainer.numbering.global_index(op.microbatch))
+
+    stage = build_hook_plan(result.schedule.artifact).for_gpu(trainer.optimus.gpu)
+    planned = [
+        (op.phase, op.local_microbatch, op.kernel_index, op.piece, op.event, op.start_us)
+        for op in stage.ops
+        if images(op)
+    ]
+    ran = [
+        (op.phase, op.local_microbatch, op.kernel_index, op.piece, op.planned_at, op.scheduled_us)
+        for op in result.encoder_record
+    ]
+    return sorted(ran) == sorted(planned)
 
 
 def _both(overrides: list[str]) -> tuple[list[dict], list[dict]]:
@@ -153,6 +175,7 @@ def test_each_iteration_runs_its_own_schedule_with_the_baselines_numbers(data):
         assert [s["text"] for s in r["schedules"]] == [s["text"] for s in steps]
         assert [s["predicted_us"] for s in r["schedules"]] == [s["predicted_us"] for s in steps]
         assert all(s["at_hook"] for s in r["schedules"])
+        assert all(s["runs_its_schedule"] for s in r["schedules"])
     own = [s for s in steps if s["source"] == "per-iteration"]
     assert len(own) >= 2, [s["text"] for s in steps]
     assert len({s["heaviest"] for s in steps}) > 1, "iterations with the same heaviest microbatch"
