@@ -90,12 +90,8 @@ class IterationSchedules:
         """``artifact``: the job's schedule, whose encoder plan every step's schedule keeps;
         ``workload_of``: iteration -> this LLM pipeline's workload; ``pipeline``: this rank's LLM
         pipeline (its data-parallel replica), whose ranks must run one schedule."""
-        self.config, self.llm_plan, self.workload_of, self.pipeline = (
-            config,
-            llm_plan,
-            workload_of,
-            pipeline,
-        )
+        self.config, self.llm_plan = config, llm_plan
+        self.workload_of, self.pipeline = workload_of, pipeline
         candidates = [c for c in plan(config).candidates if c.plan == artifact.encoder_plan]
         if not candidates:
             raise OptimusError(
@@ -131,6 +127,7 @@ class IterationSchedules:
         dist.all_gather_object(seen, (self.pipeline, ready, digest))
         everywhere = all(r for _, r, _ in seen)
         taken = self.scheduler.take(iteration, ready_elsewhere=everywhere)
+        self._submitted.discard(iteration)
         if everywhere:
             digests = {d for p, _, d in seen if p == self.pipeline}
             if len(digests) != 1:

@@ -12,6 +12,9 @@ tensor-parallel with the LLM. All three train with megatron-core's own stack
 encoder, the LR schedule), so their losses, gradient norms and weights can be compared number for
 number.
 
+Under ``optimus`` with ``training.schedule_per_iteration`` (a webdataset), each step runs its own
+schedule artifact, built while the step before trained, or the fallback (``iteration_schedules``).
+
 Device: the CPU (gloo), or this process's GPU when CUDA is visible, with the models in the config's
 precision there; the encoder ops then run on a CUDA side stream (``streams``) unless
 ``side_stream=False``. The CPU path is unchanged by any of this.
