@@ -99,6 +99,7 @@ def _train(overrides: list[str], mode: str, artifact) -> dict:
         "ran": ran,
         "planned": planned,
         "schedules": schedules,
+        "pipeline": trainer.llm_dp,
     }
 
 
@@ -160,20 +161,23 @@ PER_ITERATION = ["training.schedule_per_iteration=true", "data.max_images_per_mi
 PER_ITERATION += ["training.global_batch_size=4"]
 
 
-def test_each_iteration_runs_its_own_schedule_with_the_baselines_numbers(data):
+@pytest.mark.parametrize("plan", [[], [LLM_DP2]], ids=["job plan", "llm dp 2"])
+def test_each_iteration_runs_its_own_schedule_with_the_baselines_numbers(data, plan):
     """Issue 34's acceptance 1 with a schedule per iteration: every rank runs the schedule built
     for its iteration's images (or, where it is late, the fallback for 4 images per microbatch),
-    with the baseline's losses and gradient norms."""
-    optimus, baseline = _both([*data, *ONE_SAMPLE, *PER_ITERATION])
+    with the baseline's losses and gradient norms. Under LLM DP 2 each replica schedules its own
+    microbatches."""
+    optimus, baseline = _both([*data, *ONE_SAMPLE, *PER_ITERATION, *plan])
     for rank, (o, b) in enumerate(zip(optimus, baseline)):
         assert o["losses"] == pytest.approx(b["losses"], rel=1e-5), f"rank {rank}"
         assert o["norms"] == pytest.approx(b["norms"], rel=1e-5), f"rank {rank}"
     steps = optimus[0]["schedules"]
     assert len(steps) == STEPS
-    # one LLM pipeline: every rank ran the same schedule each step
+    # every rank of one LLM pipeline ran the same schedule each step
     for r in optimus:
-        assert [s["text"] for s in r["schedules"]] == [s["text"] for s in steps]
-        assert [s["predicted_us"] for s in r["schedules"]] == [s["predicted_us"] for s in steps]
+        first = next(f for f in optimus if f["pipeline"] == r["pipeline"])["schedules"]
+        assert [s["text"] for s in r["schedules"]] == [s["text"] for s in first]
+        assert [s["predicted_us"] for s in r["schedules"]] == [s["predicted_us"] for s in first]
         assert all(s["at_hook"] for s in r["schedules"])
         assert all(s["runs_its_schedule"] for s in r["schedules"])
     own = [s for s in steps if s["source"] == "per-iteration"]
