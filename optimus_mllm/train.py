@@ -33,7 +33,7 @@ import torch.distributed as dist
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, quiet_library_warnings
 from optimus_mllm.config import OptimusConfig, encoder_tp_problem, load_config
 from optimus_mllm.cost_model import CostModel
-from optimus_mllm.errors import AgreedError, OptimusError
+from optimus_mllm.errors import AgreedError, ConfigError, OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.checkpoint_meta import (
@@ -236,6 +236,13 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
         )
     parts = _pretrained_parts(args, config)
     check_dataset(config)
+    webdataset = config.data.path is not None and is_webdataset(config.data.path)
+    if config.training.schedule_per_iteration and not webdataset:
+        raise ConfigError(
+            "training.schedule_per_iteration",
+            "needs a webdataset's varying images (data.path with .nv-meta); set it false for "
+            "fixed images",
+        )
     planned = plan(config)
     if args.baseline:
         _check_baseline(args.baseline, config, planned.llm_plan)
@@ -512,6 +519,7 @@ def train(
                     if share is None
                     else f"encoder ops inside LLM span {share:.1%} | {totals.moved_text()}"
                 )
+                + ("" if result.schedule is None else f" | schedule {result.schedule.text}")
             )
             if board is not None:
                 _log_scalars(board, i + 1, loss, result, times[-1], tokens, share)

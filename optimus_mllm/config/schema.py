@@ -227,6 +227,10 @@ class TrainingConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: float = 1000
     hysteresis: int = 2
+    # On a webdataset (images varying per microbatch), build each iteration's bubble schedule in
+    # the background while the step before trains, the schedule for data.max_images_per_microbatch
+    # the fallback (``runtime/iteration_schedules.py``); false: the artifact's schedule every step
+    schedule_per_iteration: bool = False
 
     @property
     def decay_iters(self) -> int:

@@ -112,6 +112,14 @@ def _validate_workload(config: OptimusConfig) -> None:
     if d.max_images_per_microbatch is not None:
         _positive(d.max_images_per_microbatch, "data.max_images_per_microbatch")
         _at_most(d.max_images_per_microbatch, 1 << 12, "data.max_images_per_microbatch")
+    if config.training.schedule_per_iteration and d.max_images_per_microbatch is None:
+        most = d.max_images_per_sample * d.samples_per_sequence * config.training.micro_batch_size
+        raise ConfigError(
+            "data.max_images_per_microbatch",
+            "is needed with training.schedule_per_iteration (its fallback is the schedule for it): "
+            "state the most images per microbatch, e.g. "
+            f"{most}",
+        )
     if d.tokens_per_image is not None and d.images_per_sample is None:
         raise ConfigError(
             "data.tokens_per_image", "needs data.images_per_sample (the images it sizes); add it"

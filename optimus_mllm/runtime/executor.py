@@ -54,6 +54,7 @@ class ExecutedOp:
     # its microbatch (``hook_plan``)
     planned_at: Event
     stream: str
+    scheduled_us: float  # the schedule's predicted start (per-iteration schedules differ in it)
 
     @property
     def moved(self) -> bool:
@@ -254,6 +255,7 @@ class EncoderExecutor:
                         op.assigned,
                         op.event,
                         stream,
+                        op.start_us,
                     )
                 )
 

@@ -87,6 +87,7 @@ class PlannedOp:
     is_comm: bool
     assigned: Event  # where the artifact's hook falls
     event: Event  # where it runs: ``assigned`` unless the deadlock repair moved it
+    start_us: float  # the artifact's predicted start: which schedule placed it
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ def build_hook_plan(
                     is_comm=op.is_comm,
                     assigned=event,
                     event=event,
+                    start_us=op.start_us,
                 )
             )
         stages.append(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -85,6 +85,10 @@ class OptimusEncoder:
     messenger: Messenger
     numbering: MicrobatchNumbering
     hook_plan: HookPlan
+    gpu: int  # this rank's GPU within its LLM pipeline, which picks its stage's hook plan
+    # per-iteration schedules' hook plans, by their artifact's id (a reused schedule's artifact is
+    # the same object): built once each
+    _hook_plans: dict[int, tuple[ScheduleArtifact, HookPlan]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -108,6 +112,7 @@ class OptimusEncoder:
         )
         ops = build_stage_ops(encoder.blocks(), config.training.recompute)
         hook_plan = build_hook_plan(artifact)
+        gpu = layout.coords[rank].gpu
         incoming = incoming_messages(
             config, hook_plan, groups, ops.output_grad_encoders, numbering, m, enc_plan.pp
         )
@@ -121,11 +126,21 @@ class OptimusEncoder:
             groups,
             encoder,
             ops,
-            hook_plan.for_gpu(layout.coords[rank].gpu),
+            hook_plan.for_gpu(gpu),
             messenger,
             numbering,
             hook_plan,
+            gpu,
         )
+
+    def run_artifact(self, artifact: ScheduleArtifact, numbering: MicrobatchNumbering) -> None:
+        """Run the next step under ``artifact`` (a per-iteration schedule of the same encoder
+        plan): its hook plan and its encoder microbatch assignment."""
+        if id(artifact) not in self._hook_plans:
+            self._hook_plans[id(artifact)] = (artifact, build_hook_plan(artifact))
+        self.hook_plan = self._hook_plans[id(artifact)][1]
+        self.stage_plan = self.hook_plan.for_gpu(self.gpu)
+        self.numbering = numbering
 
     def expect_images(self, images: ImagesPerMicrobatch) -> None:
         """Size this step's incoming messages for ``images`` per LLM microbatch."""

@@ -12,6 +12,9 @@ tensor-parallel with the LLM. All three train with megatron-core's own stack
 encoder, the LR schedule), so their losses, gradient norms and weights can be compared number for
 number.
 
+Under ``optimus`` with ``training.schedule_per_iteration`` (a webdataset), each step runs its own
+schedule artifact, built while the step before trained, or the fallback (``iteration_schedules``).
+
 Device: the CPU (gloo), or this process's GPU when CUDA is visible, with the models in the config's
 precision there; the encoder ops then run on a CUDA side stream (``streams``) unless
 ``side_stream=False``. The CPU path is unchanged by any of this.
@@ -66,6 +69,7 @@ from optimus_mllm.runtime.executor import (
     embeddings_shape,
 )
 from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
+from optimus_mllm.runtime.iteration_schedules import IterationSchedules, StepSchedule
 from optimus_mllm.runtime.llm import (
     build_llm_chunks,
     causal_mask,
@@ -106,6 +110,12 @@ from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
 from optimus_mllm.scheduler.artifact_format import LLMOp, ScheduleArtifact
 from optimus_mllm.scheduler.baselines import balanced_layer_ranges
+from optimus_mllm.workload import (
+    EncoderWorkload,
+    IterationWorkload,
+    check_within,
+    max_images_per_microbatch,
+)
 
 
 @dataclass
@@ -121,6 +131,8 @@ class StepResult:
     encoder_record: list[ExecutedOp]
     # TP collectives megatron-core ran that the schedule's LLM kernels lack
     unplanned_collectives: int
+    # under training.schedule_per_iteration: the schedule this step ran; None: the artifact's
+    schedule: StepSchedule | None = None
 
     @property
     def moved_ops(self) -> int:
@@ -267,6 +279,16 @@ class Trainer:
             self._adopt_user_vision()
         elif mode == "optimus":
             self._build_optimus_encoder()
+        self.schedules: IterationSchedules | None = None
+        if mode == "optimus" and config.training.schedule_per_iteration:
+            if self.image_count is None:
+                raise OptimusError(
+                    "training.schedule_per_iteration: needs a webdataset's varying images "
+                    "(data.path); leave it false for fixed images or a model_provider's batches"
+                )
+            self.schedules = IterationSchedules(
+                config, llm_plan, artifact, self._iteration_workload, self.llm_dp
+            )
         elif mode == "baseline" and self.stage == 0:
             self.encoder = EncoderStage(
                 config,
@@ -405,6 +427,10 @@ class Trainer:
     def train_step(self, iteration: int) -> StepResult:
         # on every rank before the step: a sample above data.max_images_per_sample fails here
         images_per_microbatch = self._images_per_microbatch(iteration)
+        schedule = None
+        if self.schedules is not None:
+            schedule = self.schedules.for_step(iteration)
+            self._run_artifact(schedule.artifact)
         step = None
         if self.optimus is not None:
             step = OptimusStep(
@@ -467,18 +493,46 @@ class Trainer:
             None if scaler is None else scaler.scale.item(),
             step.executor.record if step is not None else [],
             len(driver.unplanned),
+            schedule,
         )
+
+    def _run_artifact(self, artifact: ScheduleArtifact) -> None:
+        """This step under ``artifact``: the LLM's warm-up and op order, the collectives its
+        kernels plan, the encoder's hook plan and microbatch assignment."""
+        self.numbering = MicrobatchNumbering(
+            self.num_microbatches, self.llm_dp, artifact.assignment
+        )
+        self.warmup = list(artifact.warmup)
+        self.op_order = artifact.llm_op_order[self.stage]
+        self.collectives = planned_collectives(artifact, self.stage)
+        self.optimus.run_artifact(artifact, self.numbering)
+
+    def _iteration_workload(self, iteration: int) -> IterationWorkload:
+        """This replica's encoder work in ``iteration``, in its LLM microbatches' order; every
+        microbatch of the job checked against data.max_images_per_microbatch on every rank."""
+        job = [EncoderWorkload.of_images(self.config, n) for n in self._job_images(iteration)]
+        maximum = EncoderWorkload.of_images(self.config, max_images_per_microbatch(self.config))
+        try:
+            check_within(tuple(job), maximum, self.config)
+        except OptimusError as exc:
+            raise AgreedError(str(exc)) from None
+        return tuple(job[self.numbering.global_index(i)] for i in range(self.num_microbatches))
+
+    def _job_images(self, iteration: int) -> list[int]:
+        """The images of every microbatch of the job in ``iteration``, by global index, counted
+        on every rank so that every rank meets a bad sample alike."""
+        try:
+            return [
+                self.image_count(iteration, g) for g in range(self.config.num_microbatches_total)
+            ]
+        except ConfigError as exc:
+            raise AgreedError(str(exc)) from None
 
     def _images_per_microbatch(self, iteration: int) -> ImagesPerMicrobatch | None:
         """This replica's LLM microbatch -> its images in ``iteration``, where the count varies."""
         if self.image_count is None:
             return None
-        try:  # every microbatch of the job, so every rank meets a bad sample alike
-            job = [
-                self.image_count(iteration, g) for g in range(self.config.num_microbatches_total)
-            ]
-        except ConfigError as exc:
-            raise AgreedError(str(exc)) from None
+        job = self._job_images(iteration)
         counts = [job[self.numbering.global_index(i)] for i in range(self.num_microbatches)]
         return counts.__getitem__
 
@@ -607,6 +661,8 @@ class Trainer:
 
     def close(self) -> None:
         """Undo what this trainer set up; a job's own parallel state and patches stay."""
+        if self.schedules is not None:
+            self.schedules.close()
         if self._owns_parallel_state:
             parallel_state.destroy_model_parallel()
         if self._owns_patches:

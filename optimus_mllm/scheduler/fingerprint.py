@@ -42,6 +42,8 @@ _NOT_SCHEDULE = frozenset(
         "training.loss_scale_window",
         "training.hysteresis",
         "training.seed",
+        # which schedule each step runs: the artifact is the job's plan either way
+        "training.schedule_per_iteration",
         # where the samples come from and how their text is read: the shapes are the same. Not
         # data.max_images_per_microbatch: the encoder's memory and the fallback schedule are
         # planned for it

@@ -30,6 +30,13 @@ iteration whose workload an earlier one had reuses that schedule without a searc
 build still running for the same workload is waited on, not repeated. (Building a schedule from the
 last one's moves, where only some microbatches changed, is not done: each build searches afresh.)
 
+What the training runtime runs (``in_data_order=True``): the schedule artifact maps encoder
+microbatch i to LLM microbatch i, so there the LLM keeps the data order and every LLM microbatch is
+fed by one encoder microbatch, each priced at the iteration's heaviest microbatch (an imageless one
+keeps its slots, which it leaves empty). The iteration's schedule then differs from the fallback's
+in the work it is priced for, not in its order or splits; iterations with the same heaviest
+microbatch share one schedule.
+
 Builds run on one background thread by default (the scheduler is pure Python: it shares the
 interpreter with the training loop; pass a process pool as ``executor`` to keep it off the GIL, with
 a ``build`` that pickles). No torch here.
@@ -51,7 +58,7 @@ from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.bubble_scheduler import Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.workload import IterationWorkload, chain_sizes, llm_order
+from optimus_mllm.workload import IterationWorkload, chain_sizes, heaviest, llm_order
 
 Source = Literal["per-iteration", "fallback"]
 
@@ -88,10 +95,14 @@ class IterationScheduler:
         build: Callable[[IterationWorkload], IterationSchedule | None],
         fallback: Schedule,
         executor: Executor | None = None,
+        in_data_order: bool = False,
     ):
         """``build``: a workload in ``llm_order`` -> its schedule, or None where none exists;
-        ``fallback``: the schedule for the planned maximum."""
+        ``fallback``: the schedule for the planned maximum; ``in_data_order``: the runtime's
+        restriction (the module's note): no reordering, one encoder microbatch per LLM
+        microbatch."""
         self.build, self.fallback = build, fallback
+        self.in_data_order = in_data_order
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="optimus-schedule")
         self._by_key: dict[IterationWorkload, Future[IterationSchedule | None]] = {}
@@ -106,6 +117,7 @@ class IterationScheduler:
         cost: CostModel,
         fallback: Schedule,
         executor: Executor | None = None,
+        in_data_order: bool = False,
     ) -> IterationScheduler:
         """Per-iteration schedules of one encoder plan, its LLM's bubbles computed once here."""
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, llm_plan, cost))
@@ -117,24 +129,44 @@ class IterationScheduler:
             bubbles,
             cost,
             bound_us=fallback.iteration_us,
+            split=not in_data_order,
         )
-        return cls(build, fallback, executor)
+        return cls(build, fallback, executor, in_data_order)
 
     def submit(self, iteration: int, workload: IterationWorkload) -> None:
         """Start building ``iteration``'s schedule (as soon as its batch is known)."""
-        order = llm_order(workload)
-        key = tuple(workload[i] for i in order)
+        if self.in_data_order:
+            order = tuple(range(len(workload)))
+            key = priced_in_data_order(workload)
+        else:
+            order = llm_order(workload)
+            key = tuple(workload[i] for i in order)
         reused = key in self._by_key
         if not reused:
             self._by_key[key] = self.executor.submit(self.build, key)
         self._pending[iteration] = (key, order, reused)
 
-    def take(self, iteration: int, wait_s: float = 0.0) -> IterationPlan:
+    def ready(self, iteration: int) -> bool:
+        """Whether ``iteration``'s schedule is built (or failed): ``take`` would not wait."""
+        key, _, _ = self._pending[iteration]
+        return self._by_key[key].done()
+
+    def built(self, iteration: int) -> IterationSchedule | None:
+        """``iteration``'s build, once ``ready``: its schedule, or None where none exists."""
+        key, _, _ = self._pending[iteration]
+        return self._by_key[key].result()
+
+    def take(
+        self, iteration: int, wait_s: float = 0.0, ready_elsewhere: bool = True
+    ) -> IterationPlan:
         """``iteration``'s plan, waiting at most ``wait_s`` for its schedule; the fallback where it
         is late (it goes on building, for later iterations of the same key), failed, or is not
-        faster than the fallback."""
+        faster than the fallback. ``ready_elsewhere`` false: another rank that must run the same
+        schedule has not built it in time, so this one runs the fallback too."""
         key, order, reused = self._pending.pop(iteration)
         future = self._by_key[key]
+        if not ready_elsewhere:
+            return self._fallback(iteration, "late: not built on every rank by the step")
         deadline = time.monotonic() + wait_s
         while not future.done() and time.monotonic() < deadline:
             time.sleep(min(0.001, max(0.0, deadline - time.monotonic())))
@@ -159,10 +191,11 @@ class IterationScheduler:
         n = len(self.fallback.assignment)
         return IterationPlan(iteration, self.fallback, tuple(range(n)), "fallback", reason)
 
-    def close(self) -> None:
-        """Stop the background builds (a running one finishes first)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the background builds (a running one finishes first; ``wait`` false: without
+        waiting for it here)."""
         if self._own_executor:
-            self.executor.shutdown(wait=True, cancel_futures=True)
+            self.executor.shutdown(wait=wait, cancel_futures=True)
 
 
 def schedule_iteration(
@@ -173,13 +206,15 @@ def schedule_iteration(
     cost: CostModel,
     workload: IterationWorkload,
     bound_us: float = float("inf"),
+    split: bool = True,
 ) -> IterationSchedule | None:
     """The fastest schedule of ``workload`` (in ``llm_order``) over the encoder microbatch sizes
     ``chain_sizes`` gives; None where none schedules (no image, too few encoder microbatches for
     the plan's encoder pipelines) or none beats ``bound_us`` (the fallback's time: partitions whose
-    lower bound cannot beat it, or the best size so far, are not searched)."""
+    lower bound cannot beat it, or the best size so far, are not searched). ``split`` false: only
+    the heaviest microbatch's size, one encoder microbatch per LLM microbatch with images."""
     best: IterationSchedule | None = None
-    for size in chain_sizes(workload):
+    for size in chain_sizes(workload, tries=3 if split else 1):
         bound = min(bound_us, best.schedule.iteration_us if best else bound_us)
         schedule, _ = bubble_scheduler(
             config,
@@ -196,3 +231,11 @@ def schedule_iteration(
         ):
             best = IterationSchedule(schedule, size)
     return best
+
+
+def priced_in_data_order(workload: IterationWorkload) -> IterationWorkload:
+    """``workload`` as the runtime schedules it (``in_data_order``): every microbatch at its
+    heaviest one's work; unchanged when no microbatch has an image (nothing to schedule)."""
+    if all(w.empty for w in workload):
+        return workload
+    return (heaviest(workload),) * len(workload)

@@ -55,10 +55,33 @@ def _train(overrides: list[str], mode: str, artifact) -> dict:
 
     config = load_config(TINY, overrides)
     trainer = Trainer(config, plan(config).llm_plan, mode, artifact)
-    results, ran, planned = [], [], []
+    results, ran, planned, schedules = [], [], [], []
     for iteration in range(STEPS):
         result = trainer.train_step(iteration)
         results.append(result)
+        if result.schedule is not None:
+            counts = [
+                trainer.image_count(iteration, trainer.numbering.global_index(i))
+                for i in range(trainer.num_microbatches)
+            ]
+            # each encoder op of the step's schedule: its hook point and predicted start and end
+            hooks = [
+                (op.phase, op.microbatch, op.kernel_index, op.hook, op.start_us, op.end_us)
+                for stage in result.schedule.artifact.encoder_stages
+                for op in stage.ops
+            ]
+            schedules.append(
+                {
+                    "source": result.schedule.source,
+                    "text": result.schedule.text,
+                    "heaviest": max(counts),
+                    "predicted_us": result.schedule.artifact.predicted.iteration_us,
+                    "ops": hooks,
+                    # every op ran at its hook point in this step's schedule
+                    "at_hook": all(op.ran_at == op.scheduled_at for op in result.encoder_record),
+                    "runs_its_schedule": _ran_as_scheduled(trainer, iteration, result),
+                }
+            )
         if trainer.optimus is not None:
             pipeline = trainer.optimus.groups.coords.pipeline
 
@@ -75,7 +98,30 @@ def _train(overrides: list[str], mode: str, artifact) -> dict:
         "norms": [r.grad_norm for r in results],
         "ran": ran,
         "planned": planned,
+        "schedules": schedules,
+        "pipeline": trainer.llm_dp,
     }
+
+
+def _ran_as_scheduled(trainer, iteration: int, result) -> bool:
+    """The execution record is this rank's ops of the step's schedule whose microbatch has images,
+    each where that schedule placed it (hook point and predicted start)."""
+    from optimus_mllm.runtime.hook_plan import build_hook_plan
+
+    def images(op) -> int:
+        return trainer.image_count(iteration, trainer.numbering.global_index(op.microbatch))
+
+    stage = build_hook_plan(result.schedule.artifact).for_gpu(trainer.optimus.gpu)
+    planned = [
+        (op.phase, op.local_microbatch, op.kernel_index, op.piece, op.event, op.start_us)
+        for op in stage.ops
+        if images(op)
+    ]
+    ran = [
+        (op.phase, op.local_microbatch, op.kernel_index, op.piece, op.planned_at, op.scheduled_us)
+        for op in result.encoder_record
+    ]
+    return sorted(ran) == sorted(planned)
 
 
 def _both(overrides: list[str]) -> tuple[list[dict], list[dict]]:
@@ -110,6 +156,94 @@ def test_optimus_trains_like_the_baseline_on_varying_images(data, plan):
             assert ran == [(g, n) for g, n in planned if n > 0]
 
 
+# four microbatches an iteration, so that the heaviest one varies between iterations
+PER_ITERATION = ["training.schedule_per_iteration=true", "data.max_images_per_microbatch=4"]
+PER_ITERATION += ["training.global_batch_size=4"]
+
+
+@pytest.mark.parametrize("plan", [[], [LLM_DP2]], ids=["job plan", "llm dp 2"])
+def test_each_iteration_runs_its_own_schedule_with_the_baselines_numbers(data, plan):
+    """Issue 34's acceptance 1 with a schedule per iteration: every rank runs the schedule built
+    for its iteration's images (or, where it is late, the fallback for 4 images per microbatch),
+    with the baseline's losses and gradient norms. Under LLM DP 2 each replica schedules its own
+    microbatches."""
+    optimus, baseline = _both([*data, *ONE_SAMPLE, *PER_ITERATION, *plan])
+    for rank, (o, b) in enumerate(zip(optimus, baseline)):
+        assert o["losses"] == pytest.approx(b["losses"], rel=1e-5), f"rank {rank}"
+        assert o["norms"] == pytest.approx(b["norms"], rel=1e-5), f"rank {rank}"
+    steps = optimus[0]["schedules"]
+    assert len(steps) == STEPS
+    # every rank of one LLM pipeline ran the same schedule each step
+    for r in optimus:
+        first = next(f for f in optimus if f["pipeline"] == r["pipeline"])["schedules"]
+        assert [s["text"] for s in r["schedules"]] == [s["text"] for s in first]
+        assert [s["predicted_us"] for s in r["schedules"]] == [s["predicted_us"] for s in first]
+        assert all(s["at_hook"] for s in r["schedules"])
+        assert all(s["runs_its_schedule"] for s in r["schedules"])
+    own = [s for s in steps if s["source"] == "per-iteration"]
+    assert len(own) >= 2, [s["text"] for s in steps]
+    assert len({s["heaviest"] for s in steps}) > 1, "iterations with the same heaviest microbatch"
+    for a in own:
+        for b in own:
+            # a different workload, a different schedule: another predicted time and op timings
+            # (on this tiny model the encoder's ops keep their hook points)
+            if a["heaviest"] != b["heaviest"]:
+                assert a["predicted_us"] != b["predicted_us"]
+                assert a["ops"] != b["ops"]
+            else:
+                assert a["ops"] == b["ops"]
+
+
+HELD_S = 300.0  # how long rank 0's schedule builds are held back at most
+
+
+def _held_back_scheduler(overrides: list[str], artifact) -> dict:
+    """Rank 0's schedule builds held back until training is done (at most ``HELD_S``): the
+    steps' schedules, and how long the 5 steps took."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from optimus_mllm.runtime import iteration_schedules
+
+    release = threading.Event()
+    real = iteration_schedules.schedule_iteration
+
+    def held_back(*args, **kwargs):
+        release.wait(timeout=HELD_S)
+        return real(*args, **kwargs)
+
+    if dist.get_rank() == 0:
+        iteration_schedules.schedule_iteration = held_back
+    started = time.monotonic()
+    try:
+        result = _train(overrides, "optimus", artifact)
+    finally:
+        release.set()
+        iteration_schedules.schedule_iteration = real
+    return {**result, "seconds": time.monotonic() - started}
+
+
+def _slowed_and_baseline(overrides: list[str], artifact) -> tuple[dict, dict]:
+    return _held_back_scheduler(overrides, artifact), _train(overrides, "baseline", None)
+
+
+def test_a_slowed_scheduler_makes_iterations_fall_back_without_stalling(data):
+    """Issue 34's acceptance 3: rank 0's builds never finish in time, so every rank runs the
+    fallback every step (they agree) and no step waits for a build."""
+    overrides = [*data, *ONE_SAMPLE, *PER_ITERATION]
+    artifact = artifact_for(TINY, overrides)
+    per_rank = run_distributed(_slowed_and_baseline, 4, overrides, artifact, timeout=400)
+    for rank, (slowed, baseline) in enumerate(per_rank):
+        assert [s["text"] for s in slowed["schedules"]] == [
+            "fallback (late: not built on every rank by the step)"
+        ] * STEPS, f"rank {rank}"
+        assert slowed["seconds"] < HELD_S / 2, "a step waited for a held-back build"
+        assert slowed["losses"] == pytest.approx(baseline["losses"], rel=1e-5), f"rank {rank}"
+        assert slowed["norms"] == pytest.approx(baseline["norms"], rel=1e-5), f"rank {rank}"
+
+
 def test_optimus_train_prints_the_baselines_numbers(data):
     """The issue's command line: optimus-train (packed samples, 2 per sequence of 128 tokens)."""
     flags = ["--override", *data, "model.llm.seq_length=128", "data.samples_per_sequence=2"]
@@ -128,6 +262,15 @@ def test_balanced_baseline_refuses_varying_images(data):
     )
     with pytest.raises(OptimusError, match=r"^--baseline balanced: its pipeline buffers carry"):
         prepare(args, 4)
+
+
+def test_schedule_per_iteration_needs_a_webdataset():
+    from optimus_mllm.errors import OptimusError
+    from optimus_mllm.train import build_parser, prepare
+
+    flags = ["--config", TINY, "--override", *PER_ITERATION]
+    with pytest.raises(OptimusError, match=r"^training.schedule_per_iteration: needs a webdataset"):
+        prepare(build_parser().parse_args(flags), 4)
 
 
 def test_a_sample_above_the_maximum_is_one_line_on_every_rank(tmp_path):

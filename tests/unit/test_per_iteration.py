@@ -155,3 +155,45 @@ def test_an_artifact_refuses_a_split_schedule_and_takes_the_fallback(job):
     assert own.source == "per-iteration" and own.images_per_chain < MAX_IMAGES
     with pytest.raises(ValueError, match="one encoder microbatch per LLM microbatch"):
         schedule_to_artifact(own.schedule, config)
+
+
+def test_in_data_order_schedules_become_artifacts_and_differ_by_the_heaviest_microbatch(job):
+    """The runtime's restriction: no reordering, one encoder microbatch per LLM microbatch, each
+    priced at the iteration's heaviest; workloads with the same heaviest share one schedule."""
+    from optimus_mllm.scheduler.artifact import schedule_to_artifact
+
+    config, planned, cost, candidate, fallback = job
+    n = planned.num_microbatches
+    scheduler = IterationScheduler.for_plan(
+        config, planned.llm_plan, candidate, cost, fallback, in_data_order=True
+    )
+    counts = [[0, 1] * (n // 2), [1, 0] * (n // 2), [0] * (n - 1) + [3], [0] * n]
+    for k, c in enumerate(counts):
+        scheduler.submit(k, _workload(config, c))
+    plans = [scheduler.take(k, wait_s=60.0) for k in range(len(counts))]
+    scheduler.close()
+    assert [p.source for p in plans[:3]] == ["per-iteration"] * 3
+    assert [p.reused for p in plans[:3]] == [False, True, False]
+    assert (plans[3].source, plans[3].reason) == ("fallback", "no schedule for this workload")
+    for p in plans[:3]:
+        assert p.llm_order == tuple(range(n))
+        assert p.schedule.feeds == tuple(range(n))
+        assert schedule_violations(p.schedule) == []
+        assert schedule_to_artifact(p.schedule, config).num_microbatches == n
+    assert plans[0].schedule is plans[1].schedule
+    assert plans[0].schedule.iteration_us < plans[2].schedule.iteration_us
+    assert plans[2].schedule.iteration_us <= fallback.iteration_us
+
+
+def test_an_iteration_late_on_another_rank_runs_the_fallback(job):
+    config, planned, cost, candidate, fallback = job
+    scheduler = IterationScheduler.for_plan(
+        config, planned.llm_plan, candidate, cost, fallback, in_data_order=True
+    )
+    scheduler.submit(0, _workload(config, [1] * planned.num_microbatches))
+    while not scheduler.ready(0):
+        time.sleep(0.01)
+    p = scheduler.take(0, ready_elsewhere=False)
+    scheduler.close()
+    assert (p.source, p.schedule) == ("fallback", fallback)
+    assert p.reason == "late: not built on every rank by the step"

@@ -181,6 +181,10 @@ def test_iterations_are_drawn_from_the_distribution_by_seed():
         (("data.images_per_sample={0: 0.5, 1: 0.5}",), "data.max_images_per_microbatch: is needed"),
         (("data.max_images_per_microbatch=0",), "data.max_images_per_microbatch: must be positive"),
         (
+            ("training.schedule_per_iteration=true",),
+            "data.max_images_per_microbatch: is needed with training.schedule_per_iteration",
+        ),
+        (
             ("data.tokens_per_image={256: 1.0}",),
             "data.tokens_per_image: needs data.images_per_sample",
         ),
