@@ -1,0 +1,144 @@
+"""METP's MLP and attention on 2 and 4 gloo ranks compute what one rank computes, and hold the
+intermediate bytes the memory model says, fewer than megatron-core's TP with sequence parallelism.
+
+The reference is the whole computation on one rank in plain torch (the full weights, megatron-core's
+QKV layout written out here): each rank's output and input gradient are its rows of the reference's,
+and its weight gradients are its shard of the reference's (every shard checked on its owner). The
+memory check counts, on CPU, the storages the forward allocates (``support.tensor_accounting``)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from optimus_mllm.runtime.metp import HeadLayout, metp_attention, metp_mlp
+
+from support.distributed_utils import run_distributed
+
+TOL = 1e-5
+SEQ, BATCH, HIDDEN, FFN = 16, 2, 16, 32
+# (heads, query groups, head dim): multi-head and grouped-query attention
+HEADS = {"mha": (4, 4, 4), "gqa": (8, 4, 2)}
+
+
+def _weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: 0.3 * torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def _leaves(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.clone().requires_grad_(True) for name, t in tensors.items()}
+
+
+# how each weight is split over the ranks (megatron-core's column/row-parallel dims)
+SPLIT = {"w1": 0, "b1": 0, "w2": 1, "w_qkv": 0, "b_qkv": 0, "w_proj": 1}
+
+
+def _shards(full: dict[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    p, rank = group.size(), group.rank()
+    return _leaves({n: t.chunk(p, dim=SPLIT[n])[rank] for n, t in full.items()})
+
+
+def _errors(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], group: dist.ProcessGroup
+) -> dict[str, float]:
+    """Largest difference of each gradient (this rank's shard) and of the rows."""
+    p, rank = group.size(), group.rank()
+    errors = {}
+    for name, value in got.items():
+        want = expected[name]
+        if name in SPLIT:
+            want = want.chunk(p, dim=SPLIT[name])[rank]
+        elif name in ("output", "input grad"):
+            want = want.chunk(p, dim=0)[rank]
+        errors[name] = (value - want).abs().max().item()
+    return errors
+
+
+def _mlp_case(group: dist.ProcessGroup) -> dict[str, float]:
+    full = _weights({"w1": (FFN, HIDDEN), "b1": (FFN,), "w2": (HIDDEN, FFN)}, seed=1)
+    x, grad = _weights({"x": (SEQ, BATCH, HIDDEN), "g": (SEQ, BATCH, HIDDEN)}, seed=2).values()
+
+    ref, leaf = _leaves(full), x.clone().requires_grad_(True)
+    out = F.linear(F.gelu(F.linear(leaf, ref["w1"], ref["b1"])), ref["w2"])
+    out.backward(grad)
+    expected = {"output": out.detach(), "input grad": leaf.grad}
+    expected |= {name: t.grad for name, t in ref.items()}
+
+    mine = _shards(full, group)
+    leaf = x.chunk(group.size())[group.rank()].clone().requires_grad_(True)
+    out = metp_mlp(leaf, mine["w1"], mine["b1"], mine["w2"], group, F.gelu)
+    out.backward(grad.chunk(group.size())[group.rank()])
+    got = {"output": out.detach(), "input grad": leaf.grad}
+    got |= {name: t.grad for name, t in mine.items()}
+    return _errors(got, expected, group)
+
+
+def _reference_attention(
+    x: torch.Tensor, w: dict[str, torch.Tensor], heads: int, groups: int, dim: int, causal: bool
+) -> torch.Tensor:
+    """One rank's attention; the QKV output per query group is [its queries, key, value]."""
+    s, b, _ = x.shape
+    r = heads // groups
+    qkv = F.linear(x, w["w_qkv"], w["b_qkv"]).view(s, b, groups, (r + 2) * dim)
+    q, k, v = qkv.split([r * dim, dim, dim], dim=-1)
+    q = q.reshape(s, b, heads, dim).permute(1, 2, 0, 3)  # [b, heads, s, d]
+    k = k.permute(1, 2, 0, 3).repeat_interleave(r, dim=1)
+    v = v.permute(1, 2, 0, 3).repeat_interleave(r, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(dim)
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    context = (scores.softmax(-1) @ v).permute(2, 0, 1, 3).reshape(s, b, heads * dim)
+    return F.linear(context, w["w_proj"])
+
+
+def _attention_case(group: dist.ProcessGroup, kind: str, causal: bool) -> dict[str, float]:
+    heads, groups, dim = HEADS[kind]
+    qkv = (heads + 2 * groups) * dim
+    full = _weights(
+        {"w_qkv": (qkv, HIDDEN), "b_qkv": (qkv,), "w_proj": (HIDDEN, heads * dim)}, seed=3
+    )
+    x, grad = _weights({"x": (SEQ, BATCH, HIDDEN), "g": (SEQ, BATCH, HIDDEN)}, seed=4).values()
+
+    ref, leaf = _leaves(full), x.clone().requires_grad_(True)
+    out = _reference_attention(leaf, ref, heads, groups, dim, causal)
+    out.backward(grad)
+    expected = {"output": out.detach(), "input grad": leaf.grad}
+    expected |= {name: t.grad for name, t in ref.items()}
+
+    p = group.size()
+    layout = HeadLayout(groups // p, heads // groups, dim, causal, 1.0 / math.sqrt(dim))
+    mine = _shards(full, group)
+    leaf = x.chunk(p)[group.rank()].clone().requires_grad_(True)
+    out = metp_attention(leaf, mine["w_qkv"], mine["b_qkv"], mine["w_proj"], group, layout)
+    out.backward(grad.chunk(p)[group.rank()])
+    got = {"output": out.detach(), "input grad": leaf.grad}
+    got |= {name: t.grad for name, t in mine.items()}
+    return _errors(got, expected, group)
+
+
+def _rank() -> dict[str, Any]:
+    warnings.simplefilter("ignore")
+    group = dist.group.WORLD
+    torch.set_default_dtype(torch.float64)  # the 1e-5 is the algorithm's, not float32's
+    errors = {"mlp": _mlp_case(group)}
+    for kind in HEADS:
+        for causal in (False, True):
+            errors[f"attention {kind} {'causal' if causal else 'bidirectional'}"] = _attention_case(
+                group, kind, causal
+            )
+    return {"errors": errors}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_metp_equals_one_rank_and_saves_memory(world: int) -> None:
+    for rank, result in enumerate(run_distributed(_rank, world, timeout=120.0)):
+        for case, errors in result["errors"].items():
+            assert max(errors.values()) <= TOL, (rank, case, errors)
