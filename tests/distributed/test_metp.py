@@ -17,9 +17,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from optimus_mllm.metp_memory import (
+    metp_attention_forward_bound,
+    metp_mlp_forward_peak,
+    paper_attention_peak,
+    paper_attention_ratio,
+    paper_mlp_peak,
+)
+from optimus_mllm.runtime.layer_ops import all_gather, reduce_scatter
 from optimus_mllm.runtime.metp import HeadLayout, metp_attention, metp_mlp
 
 from support.distributed_utils import run_distributed
+from support.tensor_accounting import LiveBytes
 
 TOL = 1e-5
 SEQ, BATCH, HIDDEN, FFN = 16, 2, 16, 32
@@ -123,9 +132,65 @@ def _attention_case(group: dist.ProcessGroup, kind: str, causal: bool) -> dict[s
     return _errors(got, expected, group)
 
 
+# the memory cases: a longer sequence, float32
+MEM = {"b": 1, "s": 128, "h": 16, "ffn": 64, "heads": 4, "dim": 4}
+
+
+def _tp_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], group: dist.ProcessGroup) -> torch.Tensor:
+    """Megatron-LM's TP+SP FFN: all-gather the tokens, column- then row-parallel, reduce-scatter."""
+    whole = all_gather(x, group)
+    return reduce_scatter(F.linear(F.gelu(F.linear(whole, w["w1"], w["b1"])), w["w2"]), group)
+
+
+def _tp_attention(
+    x: torch.Tensor, w: dict[str, torch.Tensor], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Megatron-LM's TP+SP attention (no FlashAttention): all-gather, this rank's heads over the
+    whole sequence, reduce-scatter."""
+    p = group.size()
+    whole = all_gather(x, group)
+    heads = MEM["heads"] // p
+    return reduce_scatter(_reference_attention(whole, w, heads, heads, MEM["dim"], False), group)
+
+
+def _memory_cases(group: dist.ProcessGroup) -> dict[str, dict[str, int]]:
+    """Peak bytes each forward allocates on this rank (weights requiring gradients: training)."""
+    b, s, h, ffn, heads, dim = MEM.values()
+    p = group.size()
+    qkv = 3 * heads * dim
+    x = _weights({"x": (s, b, h)}, seed=5)["x"].chunk(p)[group.rank()].clone()
+    mlp = _shards(_weights({"w1": (ffn, h), "b1": (ffn,), "w2": (h, ffn)}, seed=6), group)
+    full = {"w_qkv": (qkv, h), "b_qkv": (qkv,), "w_proj": (h, heads * dim)}
+    attention = _shards(_weights(full, seed=7), group)
+    layout = HeadLayout(heads // p, 1, dim, False, 1.0 / math.sqrt(dim))
+    runs = {
+        "mlp": (
+            lambda: metp_mlp(x, mlp["w1"], mlp["b1"], mlp["w2"], group, F.gelu),
+            lambda: _tp_mlp(x, mlp, group),
+        ),
+        "attention": (
+            lambda: metp_attention(
+                x, attention["w_qkv"], attention["b_qkv"], attention["w_proj"], group, layout
+            ),
+            lambda: _tp_attention(x, attention, group),
+        ),
+    }
+    measured = {}
+    for name, (metp, tp) in runs.items():
+        peaks = {}
+        for mode, run in (("metp", metp), ("tp", tp)):
+            with LiveBytes() as live:
+                out = run()
+            peaks[mode] = live.peak
+            del out
+        measured[name] = peaks
+    return measured
+
+
 def _rank() -> dict[str, Any]:
     warnings.simplefilter("ignore")
     group = dist.group.WORLD
+    memory = _memory_cases(group)
     torch.set_default_dtype(torch.float64)  # the 1e-5 is the algorithm's, not float32's
     errors = {"mlp": _mlp_case(group)}
     for kind in HEADS:
@@ -133,12 +198,31 @@ def _rank() -> dict[str, Any]:
             errors[f"attention {kind} {'causal' if causal else 'bidirectional'}"] = _attention_case(
                 group, kind, causal
             )
-    return {"errors": errors}
+    return {"errors": errors, "memory": memory}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_metp_equals_one_rank_and_saves_memory(world: int) -> None:
+    b, s, h, ffn, heads, dim = MEM.values()
+    mlp_model = 4 * metp_mlp_forward_peak(b * s // world, h, ffn, world, bias=True)
+    bound = 4 * metp_attention_forward_bound(b, s, h, heads, heads, dim, world, bias=True)
+    paper_mlp = paper_mlp_peak(b, s, h, ffn, world)
+    paper_scores = paper_attention_peak(b, s, h, heads, world, k=1)  # no FlashAttention here
     for rank, result in enumerate(run_distributed(_rank, world, timeout=120.0)):
         for case, errors in result["errors"].items():
             assert max(errors.values()) <= TOL, (rank, case, errors)
+        mlp, attention = result["memory"]["mlp"], result["memory"]["attention"]
+        print(
+            f"p={world} rank {rank}: MLP peak bytes METP {mlp['metp']} (model {mlp_model}) "
+            f"TP {mlp['tp']} ratio {mlp['metp'] / mlp['tp']:.3f}; attention METP "
+            f"{attention['metp']} (bound {bound}) TP {attention['tp']} ratio "
+            f"{attention['metp'] / attention['tp']:.3f}; paper's ratios: MLP "
+            f"{paper_mlp['metp'] / paper_mlp['tp']:.3f}, attention without FlashAttention "
+            f"{paper_scores['metp'] / paper_scores['tp']:.3f}, with it (Eq. 10) "
+            f"{paper_attention_ratio(world):.3f}"
+        )
+        assert mlp["metp"] == mlp_model
+        # the bound adds every buffer that may be alive at the scores tile; it is within 15 %
+        assert 0.85 * bound <= attention["metp"] <= bound
+        assert mlp["metp"] < mlp["tp"] and attention["metp"] < attention["tp"]
