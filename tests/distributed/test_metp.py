@@ -3,8 +3,11 @@ intermediate bytes the memory model says, fewer than megatron-core's TP with seq
 
 The reference is the whole computation on one rank in plain torch (the full weights, megatron-core's
 QKV layout written out here): each rank's output and input gradient are its rows of the reference's,
-and its weight gradients are its shard of the reference's (every shard checked on its owner). The
-memory check counts, on CPU, the storages the forward allocates (``support.tensor_accounting``)."""
+and its weight gradients are its shard of the reference's (every shard checked on its owner). A
+``TransformerLayer`` of ``metp_layer_spec`` is held against megatron-core's own local ViT layer on
+one rank with the same weights (the norms' and row biases' gradients summed over the group, as
+``finalize_model_grads`` sums parameters marked ``sequence_parallel``). The memory check counts,
+on CPU, the storages the forward allocates (``support.tensor_accounting``)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
 
+import megatron_patches
 from optimus_mllm.metp_memory import (
     metp_attention_forward_bound,
     metp_mlp_forward_peak,
@@ -24,8 +31,14 @@ from optimus_mllm.metp_memory import (
     paper_attention_ratio,
     paper_mlp_peak,
 )
-from optimus_mllm.runtime.layer_ops import all_gather, reduce_scatter
-from optimus_mllm.runtime.metp import HeadLayout, metp_attention, metp_mlp
+from optimus_mllm.runtime.layer_ops import (
+    all_gather,
+    build_layer,
+    reduce_scatter,
+    vision_layer_spec,
+)
+from optimus_mllm.runtime.llm import unfused_settings
+from optimus_mllm.runtime.metp import HeadLayout, metp_attention, metp_layer_spec, metp_mlp
 
 from support.distributed_utils import run_distributed
 from support.tensor_accounting import LiveBytes
@@ -187,6 +200,79 @@ def _memory_cases(group: dist.ProcessGroup) -> dict[str, dict[str, int]]:
     return measured
 
 
+def _layer_config(tp: int) -> TransformerConfig:
+    heads, groups, dim = HEADS["gqa"]
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=dim,
+        ffn_hidden_size=FFN,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        params_dtype=torch.float64,
+        pipeline_dtype=torch.float64,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        **unfused_settings(),
+    )
+
+
+def _layer_case(group: dist.ProcessGroup, alone: dist.ProcessGroup, causal: bool) -> dict:
+    """A TransformerLayer of ``metp_layer_spec`` on the group against megatron-core's local ViT
+    layer (its SelfAttention, DotProductAttention and MLP) on one rank, holding the same weights."""
+    mask_type = AttnMaskType.causal if causal else AttnMaskType.no_mask
+    spec = vision_layer_spec()
+    attention = spec.submodules.self_attention
+    attention = type(attention)(
+        module=attention.module,
+        params={**attention.params, "attn_mask_type": mask_type},
+        submodules=attention.submodules,
+    )
+    spec = type(spec)(
+        module=spec.module,
+        submodules=type(spec.submodules)(**{**vars(spec.submodules), "self_attention": attention}),
+    )
+    reference = build_layer(spec, _layer_config(1), alone, 0)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():  # nonzero biases and norms, the same on every rank
+        for param in reference.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    layer = build_layer(metp_layer_spec(group, mask_type), _layer_config(group.size()), group, 0)
+    full = dict(reference.named_parameters())
+    p, rank = group.size(), group.rank()
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            whole = full[name]
+            if getattr(param, "tensor_model_parallel", False):
+                whole = whole.chunk(p, dim=param.partition_dim)[rank]
+            param.copy_(whole)
+
+    x, grad = _weights({"x": (SEQ, BATCH, HIDDEN), "g": (SEQ, BATCH, HIDDEN)}, seed=9).values()
+    leaf = x.clone().requires_grad_(True)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None] if causal else None
+    out, _ = reference(leaf, attention_mask=mask)
+    out.backward(grad)
+    expected = {"output": out.detach(), "input grad": leaf.grad}
+
+    leaf = x.chunk(p)[rank].clone().requires_grad_(True)
+    out, _ = layer(leaf, attention_mask=None)
+    out.backward(grad.chunk(p)[rank])
+    got = {"output": out.detach(), "input grad": leaf.grad}
+    errors = _errors(got, expected, group)
+    for name, param in layer.named_parameters():
+        want = full[name].grad
+        if getattr(param, "sequence_parallel", False):  # what finalize_model_grads sums
+            dist.all_reduce(param.grad, group=group)
+        elif getattr(param, "tensor_model_parallel", False):
+            want = want.chunk(p, dim=param.partition_dim)[rank]
+        errors[name] = (param.grad - want).abs().max().item()
+    return errors
+
+
 def _rank() -> dict[str, Any]:
     warnings.simplefilter("ignore")
     group = dist.group.WORLD
@@ -198,6 +284,17 @@ def _rank() -> dict[str, Any]:
             errors[f"attention {kind} {'causal' if causal else 'bidirectional'}"] = _attention_case(
                 group, kind, causal
             )
+    alone = [dist.new_group([r]) for r in range(group.size())][group.rank()]
+    with megatron_patches.patched():
+        parallel_state.initialize_model_parallel()  # the local attention's memory buffer, RNG
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        try:
+            for causal in (False, True):
+                errors[f"layer {'causal' if causal else 'bidirectional'}"] = _layer_case(
+                    group, alone, causal
+                )
+        finally:
+            parallel_state.destroy_model_parallel()
     return {"errors": errors, "memory": memory}
 
 
