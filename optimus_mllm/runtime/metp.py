@@ -23,8 +23,9 @@ megatron-core's row-parallel linears return them, and marked ``sequence_parallel
 
 ``MetpMLP`` and ``MetpSelfAttention`` take megatron-core's ``mlp`` and ``self_attention`` submodule
 interfaces, so ``metp_layer_spec`` is a ``TransformerLayer`` spec (local norms, bias-dropout-add).
-What they refuse: gated linear units, rotary embeddings, attention masks other than their own mask
-type, attention dropout, QK norms (each by one line naming the setting).
+What they refuse, each in one line naming the setting: gated linear units, attention dropout, QK
+norms, mask types other than no_mask and causal (config), and a mask tensor or rotary embeddings
+passed to the forward.
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ class _P2PStream:
             self.side = torch.cuda.Stream(device)
 
     @contextlib.contextmanager
-    def issue(self) -> Iterator[None]:
+    def issue(self, sent: Sequence[Tensor]) -> Iterator[None]:
         if self.side is None:
             yield
             return
         self.side.wait_stream(torch.cuda.current_stream(self.side.device))
+        for tensor in sent:  # the allocator must not reuse them before the send is done
+            tensor.record_stream(self.side)
         with torch.cuda.stream(self.side):
             yield
 
@@ -118,9 +121,10 @@ class _Ring:
         into fresh buffers; ``wait()`` on the result returns them. One rank holds every block."""
         if self.size == 1:
             return _InFlight(list(blocks), [])
-        with self.stream.issue():
+        blocks = [block.contiguous() for block in blocks]
+        with self.stream.issue(blocks):
             received = [torch.empty_like(block) for block in blocks]
-            ops = [dist.P2POp(dist.isend, b.contiguous(), self.prev, self.group) for b in blocks]
+            ops = [dist.P2POp(dist.isend, b, self.prev, self.group) for b in blocks]
             ops += [dist.P2POp(dist.irecv, r, self.next, self.group) for r in received]
             works = dist.batch_isend_irecv(ops)
         return _InFlight(received, works, self.stream)
@@ -606,9 +610,11 @@ class MetpSelfAttention(MegatronModule):
     ) -> tuple[Tensor, Tensor | None]:
         """[s/p, b, h] -> ([s/p, b, h], linear_proj's bias); the mask is the spec's mask type."""
         if attention_mask is not None:
-            raise ConfigError("attention_mask", "METP attention applies its mask type; pass None")
+            raise ValueError(
+                "attention_mask: METP attention applies its spec's mask type; pass None"
+            )
         if rotary_pos_emb is not None:
-            raise ConfigError("rotary_pos_emb", "METP attention has no rotary embeddings yet")
+            raise ValueError("rotary_pos_emb: METP attention has no rotary embeddings yet")
         out = metp_attention(
             hidden_states,
             self.linear_qkv.weight,
