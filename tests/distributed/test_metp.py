@@ -44,6 +44,7 @@ from support.distributed_utils import run_distributed
 from support.tensor_accounting import LiveBytes
 
 TOL = 1e-5
+STEPS, LR = 3, 0.05  # a layer's training steps against its one-rank twin
 SEQ, BATCH, HIDDEN, FFN = 16, 2, 16, 32
 # (heads, query groups, head dim): multi-head and grouped-query attention
 HEADS = {"mha": (4, 4, 4), "gqa": (8, 4, 2)}
@@ -223,7 +224,8 @@ def _layer_config(tp: int) -> TransformerConfig:
 
 def _layer_case(group: dist.ProcessGroup, alone: dist.ProcessGroup, causal: bool) -> dict:
     """A TransformerLayer of ``metp_layer_spec`` on the group against megatron-core's local ViT
-    layer (its SelfAttention, DotProductAttention and MLP) on one rank, holding the same weights."""
+    layer (its SelfAttention, DotProductAttention and MLP) on one rank, holding the same weights,
+    for ``STEPS`` SGD steps: the first step's gradients and every step's loss."""
     mask_type = AttnMaskType.causal if causal else AttnMaskType.no_mask
     spec = vision_layer_spec()
     attention = spec.submodules.self_attention
@@ -252,24 +254,37 @@ def _layer_case(group: dist.ProcessGroup, alone: dist.ProcessGroup, causal: bool
             param.copy_(whole)
 
     x, grad = _weights({"x": (SEQ, BATCH, HIDDEN), "g": (SEQ, BATCH, HIDDEN)}, seed=9).values()
-    leaf = x.clone().requires_grad_(True)
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None] if causal else None
-    out, _ = reference(leaf, attention_mask=mask)
-    out.backward(grad)
-    expected = {"output": out.detach(), "input grad": leaf.grad}
+    errors: dict[str, float] = {}
+    for step in range(STEPS):  # then SGD on both: the losses stay the same
+        leaf = x.clone().requires_grad_(True)
+        out, _ = reference(leaf, attention_mask=mask)
+        loss = (out * grad).sum()
+        loss.backward()
+        expected = {"output": out.detach(), "input grad": leaf.grad}
 
-    leaf = x.chunk(p)[rank].clone().requires_grad_(True)
-    out, _ = layer(leaf, attention_mask=None)
-    out.backward(grad.chunk(p)[rank])
-    got = {"output": out.detach(), "input grad": leaf.grad}
-    errors = _errors(got, expected, group)
-    for name, param in layer.named_parameters():
-        want = full[name].grad
-        if getattr(param, "sequence_parallel", False):  # what finalize_model_grads sums
-            dist.all_reduce(param.grad, group=group)
-        elif getattr(param, "tensor_model_parallel", False):
-            want = want.chunk(p, dim=param.partition_dim)[rank]
-        errors[name] = (param.grad - want).abs().max().item()
+        leaf = x.chunk(p)[rank].clone().requires_grad_(True)
+        out, _ = layer(leaf, attention_mask=None)
+        mine = (out * grad.chunk(p)[rank]).sum()
+        mine.backward()
+        total = mine.detach().clone()
+        dist.all_reduce(total, group=group)
+        errors[f"loss of step {step}"] = abs(total.item() - loss.item())
+        if step == 0:
+            errors |= _errors({"output": out.detach(), "input grad": leaf.grad}, expected, group)
+        for name, param in layer.named_parameters():
+            want = full[name].grad
+            if getattr(param, "sequence_parallel", False):  # what finalize_model_grads sums
+                dist.all_reduce(param.grad, group=group)
+            elif getattr(param, "tensor_model_parallel", False):
+                want = want.chunk(p, dim=param.partition_dim)[rank]
+            if step == 0:
+                errors[name] = (param.grad - want).abs().max().item()
+        with torch.no_grad():
+            for module in (reference, layer):
+                for param in module.parameters():
+                    param.sub_(LR * param.grad)
+                    param.grad = None
     return errors
 
 
