@@ -23,14 +23,15 @@ megatron-core's row-parallel linears return them, and marked ``sequence_parallel
 
 ``MetpMLP`` and ``MetpSelfAttention`` take megatron-core's ``mlp`` and ``self_attention`` submodule
 interfaces, so ``metp_layer_spec`` is a ``TransformerLayer`` spec (local norms, bias-dropout-add).
-What they refuse, each in one line naming the setting: gated linear units, attention dropout, QK
-norms, mask types other than no_mask and causal (config), and a mask tensor or rotary embeddings
-passed to the forward.
+What they refuse, each in one line naming the setting: attention dropout, QK norms, mask types
+other than no_mask and causal (config), and a mask tensor or rotary embeddings passed to the
+forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -217,7 +218,8 @@ def metp_mlp(
             ``ColumnParallelLinear`` holds it.
         w2: this rank's fc2 shard, [hidden, ffn/p], as ``RowParallelLinear`` holds it.
         group: the METP group (the ring).
-        act: an elementwise activation.
+        act: an activation applied to one shard's fc1 output at a time (elementwise, or a gated
+            linear unit over a shard's [gate; up] columns).
 
     Returns:
         [..., hidden], without fc2's bias.
@@ -510,6 +512,12 @@ def _experimental(what: str) -> None:
     warnings.warn(f"{what} is experimental (issue 37)", stacklevel=3)
 
 
+def _gated(act: Activation, x: Tensor) -> Tensor:
+    """megatron-core's gated linear unit on a shard's [gate; up] columns: elementwise per shard."""
+    gate, up = x.chunk(2, dim=-1)
+    return act(gate) * up
+
+
 class MetpMLP(MegatronModule):
     """megatron-core's ``MLP`` interface computed by ``metp_mlp`` on this rank's tokens."""
 
@@ -522,20 +530,21 @@ class MetpMLP(MegatronModule):
     ):
         super().__init__(config=config)
         _experimental("METP MLP")
-        if config.gated_linear_unit:
-            raise ConfigError("gated_linear_unit", "METP's MLP has no gated units yet; set False")
         self.group = tp_group if tp_group is not None else _default_group()
         p = _group_size(config, self.group)
         h, ffn = config.hidden_size, config.ffn_hidden_size
+        fc1 = 2 * ffn if config.gated_linear_unit else ffn  # a shard: [gate_r; up_r], as TP's
         self.linear_fc1 = _Linear(
-            _shard(config, ffn, h, 0, self.group, config.init_method),
-            _bias(config, ffn // p, sequence_parallel=False),
+            _shard(config, fc1, h, 0, self.group, config.init_method),
+            _bias(config, fc1 // p, sequence_parallel=False),
         )
         self.linear_fc2 = _Linear(
             _shard(config, h, ffn, 1, self.group, config.output_layer_init_method),
             _bias(config, h, sequence_parallel=True),
         )
-        self.activation_func = config.activation_func
+        self.activation_func: Activation = config.activation_func
+        if config.gated_linear_unit:
+            self.activation_func = functools.partial(_gated, config.activation_func)
 
     def forward(self, hidden_states: Tensor, **_: Any) -> tuple[Tensor, Tensor | None]:
         """[s/p, b, h] -> ([s/p, b, h], fc2's bias), as megatron-core's MLP returns them."""

@@ -201,9 +201,11 @@ def _memory_cases(group: dist.ProcessGroup) -> dict[str, dict[str, int]]:
     return measured
 
 
-def _layer_config(tp: int) -> TransformerConfig:
+def _layer_config(tp: int, gated: bool) -> TransformerConfig:
     heads, groups, dim = HEADS["gqa"]
     return TransformerConfig(
+        gated_linear_unit=gated,
+        activation_func=F.silu if gated else F.gelu,
         num_layers=1,
         hidden_size=HIDDEN,
         num_attention_heads=heads,
@@ -222,7 +224,20 @@ def _layer_config(tp: int) -> TransformerConfig:
     )
 
 
-def _layer_case(group: dist.ProcessGroup, alone: dist.ProcessGroup, causal: bool) -> dict:
+def _tp_shard(name: str, whole: torch.Tensor, param: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The rank's TP shard of a one-rank parameter or gradient (a gated fc1's: [gate_r; up_r])."""
+    group = dist.group.WORLD
+    p, rank = group.size(), group.rank()
+    if not getattr(param, "tensor_model_parallel", False):
+        return whole
+    if gated and name.startswith("mlp.linear_fc1."):
+        return torch.cat([half.chunk(p)[rank] for half in whole.chunk(2)])
+    return whole.chunk(p, dim=param.partition_dim)[rank]
+
+
+def _layer_case(
+    group: dist.ProcessGroup, alone: dist.ProcessGroup, causal: bool, gated: bool
+) -> dict:
     """A TransformerLayer of ``metp_layer_spec`` on the group against megatron-core's local ViT
     layer (its SelfAttention, DotProductAttention and MLP) on one rank, holding the same weights,
     for ``STEPS`` SGD steps: the first step's gradients and every step's loss."""
@@ -238,20 +253,18 @@ def _layer_case(group: dist.ProcessGroup, alone: dist.ProcessGroup, causal: bool
         module=spec.module,
         submodules=type(spec.submodules)(**{**vars(spec.submodules), "self_attention": attention}),
     )
-    reference = build_layer(spec, _layer_config(1), alone, 0)
+    reference = build_layer(spec, _layer_config(1, gated), alone, 0)
     gen = torch.Generator().manual_seed(8)
     with torch.no_grad():  # nonzero biases and norms, the same on every rank
         for param in reference.parameters():
             param.add_(0.1 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
-    layer = build_layer(metp_layer_spec(group, mask_type), _layer_config(group.size()), group, 0)
+    config = _layer_config(group.size(), gated)
+    layer = build_layer(metp_layer_spec(group, mask_type), config, group, 0)
     full = dict(reference.named_parameters())
     p, rank = group.size(), group.rank()
     with torch.no_grad():
         for name, param in layer.named_parameters():
-            whole = full[name]
-            if getattr(param, "tensor_model_parallel", False):
-                whole = whole.chunk(p, dim=param.partition_dim)[rank]
-            param.copy_(whole)
+            param.copy_(_tp_shard(name, full[name], param, gated))
 
     x, grad = _weights({"x": (SEQ, BATCH, HIDDEN), "g": (SEQ, BATCH, HIDDEN)}, seed=9).values()
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None] if causal else None
@@ -273,11 +286,9 @@ def _layer_case(group: dist.ProcessGroup, alone: dist.ProcessGroup, causal: bool
         if step == 0:
             errors |= _errors({"output": out.detach(), "input grad": leaf.grad}, expected, group)
         for name, param in layer.named_parameters():
-            want = full[name].grad
+            want = _tp_shard(name, full[name].grad, param, gated)
             if getattr(param, "sequence_parallel", False):  # what finalize_model_grads sums
                 dist.all_reduce(param.grad, group=group)
-            elif getattr(param, "tensor_model_parallel", False):
-                want = want.chunk(p, dim=param.partition_dim)[rank]
             if step == 0:
                 errors[name] = (param.grad - want).abs().max().item()
         with torch.no_grad():
@@ -304,10 +315,9 @@ def _rank() -> dict[str, Any]:
         parallel_state.initialize_model_parallel()  # the local attention's memory buffer, RNG
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         try:
-            for causal in (False, True):
-                errors[f"layer {'causal' if causal else 'bidirectional'}"] = _layer_case(
-                    group, alone, causal
-                )
+            for causal, gated in ((False, False), (True, False), (True, True)):
+                name = f"layer {'causal' if causal else 'bidirectional'}{' gated' * gated}"
+                errors[name] = _layer_case(group, alone, causal, gated)
         finally:
             parallel_state.destroy_model_parallel()
     return {"errors": errors, "memory": memory}
