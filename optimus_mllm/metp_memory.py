@@ -31,7 +31,7 @@ def paper_attention_ratio(p: int) -> float:
 
 
 def metp_mlp_forward_peak(tokens: int, h: int, ffn: int, p: int, bias: bool) -> int:
-    """``metp_mlp``'s forward peak on a rank holding ``tokens`` (= b s / p) tokens.
+    """``metp_mlp``'s forward peak on a rank holding ``tokens`` (= b s / p) tokens, not gated.
 
     Table 1's terms (the output, tokens x h, and one tile, tokens x ffn/p) with two additions: the
     activation's input and output tiles are both alive while it runs, and the weight shards received
