@@ -1,0 +1,13 @@
+"""Tensor parallelism that partitions activations as well as weights (issue 36, in progress).
+
+- ``layout``: which ranks form the rows and columns of a q x q grid (2D, SUMMA) and the three
+  directions of a p x p x p cube (3D). Pure arithmetic, no torch, so the planner may import it.
+- ``groups``: the ``torch.distributed`` groups of a grid, built from ``layout``.
+- ``summa``: the 2D paper's matrix products (its Algorithms 1-3) as autograd functions.
+- ``layers_2d``: megatron-core layer modules (linear, layer norm) on a grid, and the
+  ``TransformerLayer`` spec that uses them.
+- ``footprint``: per-rank parameter and activation bytes of a 2D layer, as plain formulas.
+
+Only the 2D mode is built; the 3D layers, the planner, cost model and scheduler are not.
+This package imports nothing at import time, so ``layout`` and ``footprint`` stay torch-free.
+"""

@@ -1,0 +1,178 @@
+"""2D (SUMMA) tensor parallelism on a 2 x 2 grid of gloo ranks equals the 1-rank computation.
+
+Every rank builds the 1-rank reference itself (megatron-core's local GPT layer, its MLP, a plain
+linear) on a one-rank TP group, then the 2D twin holding the reference's weights cut in blocks,
+and compares its own blocks: of the output, of the input gradient and of every weight gradient.
+Each element of every tensor is some rank's block (the vectors are row 0's), so together the ranks
+compare everything. One ``run_distributed`` does all cases: the ranks start once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor, nn
+
+import megatron_patches
+from optimus_mllm.runtime.tp_modes.groups import Grid2D, build_grid_groups
+from optimus_mllm.runtime.tp_modes.layers_2d import Linear2D, get_2d_layer_spec
+
+from support.distributed_utils import run_distributed
+
+TOL = 1e-5
+SEQ, BATCH, HIDDEN, HEADS, FFN = 4, 4, 8, 4, 16
+
+
+def _config() -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+
+
+def _block(full: Tensor, grid: Grid2D, dims: tuple[int, int]) -> Tensor:
+    """Block (i, j) of ``full`` split q ways along ``dims`` (the token dim, the hidden dim)."""
+    for dim, index in zip(dims, (grid.row, grid.column), strict=True):
+        full = full.tensor_split(grid.q, dim=dim)[index]
+    return full
+
+
+def _param_block(full: Tensor, grid: Grid2D) -> Tensor:
+    """This rank's share of a reference parameter: block (j, i) of a ``[out, in]`` weight (block
+    (i, j) of W = weight^T), block j of a vector."""
+    if full.dim() == 2:
+        return _block(full, grid, (1, 0))
+    return full.tensor_split(grid.q)[grid.column]
+
+
+def _load_blocks(grid_module: nn.Module, reference: nn.Module, grid: Grid2D) -> None:
+    full = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, p in grid_module.named_parameters():
+            p.copy_(_param_block(full[name], grid))
+
+
+def _errors(
+    reference: nn.Module, twin: nn.Module, grid: Grid2D, run: Any, x: Tensor, g: Tensor
+) -> dict[str, float]:
+    """Largest differences of this rank's blocks: output, input gradient, each weight gradient."""
+    dims = (1, 2) if x.dim() == 3 else (0, 1)  # [s, b, h]: b and h; [tokens, h]
+    leaf = x.clone().requires_grad_(True)
+    out = run(reference, leaf)
+    out.backward(g)
+    mine = _block(leaf.detach(), grid, dims).clone().requires_grad_(True)
+    got = run(twin, mine)
+    got.backward(_block(g, grid, dims))
+    errors = {
+        "output": (got - _block(out.detach(), grid, dims)).abs().max().item(),
+        "input grad": (mine.grad - _block(leaf.grad, grid, dims)).abs().max().item(),
+    }
+    full = dict(reference.named_parameters())
+    for name, p in twin.named_parameters():
+        errors[name] = (p.grad - _param_block(full[name].grad, grid)).abs().max().item()
+    names = {name for name, _ in twin.named_parameters()}
+    expected = set(full) if grid.row == 0 else {n for n, p in full.items() if p.dim() == 2}
+    assert names == expected, (grid.row, sorted(names ^ expected))
+    return errors
+
+
+def _nonzero_vectors(module: nn.Module) -> None:
+    """Biases and norm weights away from their 0 / 1 init, so their gradients are tested."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def _linear_case(grid: Grid2D) -> dict[str, float]:
+    config = _config()
+    torch.manual_seed(0)
+    reference = nn.Linear(HIDDEN, FFN)
+    twin = Linear2D(HIDDEN, FFN, config=config, init_method=config.init_method, grid=grid)
+    _load_blocks(twin, reference, grid)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(SEQ * BATCH, HIDDEN, generator=gen)
+    g = torch.randn(SEQ * BATCH, FFN, generator=gen)
+
+    def run(module: nn.Module, inp: Tensor) -> Tensor:
+        out = module(inp)
+        return out[0] if isinstance(out, tuple) else out
+
+    return _errors(reference, twin, grid, run, x, g)
+
+
+def _layer_case(grid: Grid2D, part: str) -> dict[str, float]:
+    """megatron-core's ``TransformerLayer`` (``part="layer"``) or its MLP (``"mlp"``)."""
+    config = _config()
+    one_rank = ProcessGroupCollection(
+        tp=parallel_state.get_tensor_model_parallel_group(), cp=None, pp=None
+    )
+    on_grid = ProcessGroupCollection(tp=grid.row_group, cp=None, pp=None)
+    torch.manual_seed(0)
+    reference = build_module(
+        get_gpt_layer_local_spec(), config=config, layer_number=1, pg_collection=one_rank
+    )
+    _nonzero_vectors(reference)
+    with pytest.warns(UserWarning, match="experimental"):
+        spec = get_2d_layer_spec(grid)
+    twin = build_module(spec, config=config, layer_number=1, pg_collection=on_grid)
+    if part == "mlp":
+        reference, twin = reference.mlp, twin.mlp
+    _load_blocks(twin, reference, grid)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    # megatron-core makes its default causal mask on the GPU: pass it (True: masked out)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+
+    def run(module: nn.Module, inp: Tensor) -> Tensor:
+        if part == "mlp":  # megatron-core's MLP returns (output, bias): the sum the layer adds
+            out, bias = module(inp)
+            return out + bias
+        return module(inp, attention_mask=mask)[0]
+
+    return _errors(reference, twin, grid, run, x, g)
+
+
+def _grid_rank() -> dict[str, dict[str, float]]:
+    with megatron_patches.patched():
+        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        try:
+            grid = build_grid_groups(tuple(range(dist.get_world_size())))
+            assert grid is not None
+            return {
+                "linear": _linear_case(grid),
+                "mlp": _layer_case(grid, "mlp"),
+                "attention + mlp layer": _layer_case(grid, "layer"),
+            }
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.distributed
+def test_2d_on_a_2x2_grid_equals_one_rank() -> None:
+    for rank, cases in enumerate(run_distributed(_grid_rank, 4, timeout=120.0)):
+        for case, errors in cases.items():
+            assert max(errors.values()) <= TOL, (rank, case, errors)
