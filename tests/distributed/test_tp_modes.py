@@ -22,6 +22,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
 import megatron_patches
+from optimus_mllm.runtime.tp_modes.footprint import (
+    LayerShape,
+    activation_bytes_1d,
+    activation_bytes_2d,
+    parameter_bytes_1d,
+    parameter_bytes_2d,
+)
 from optimus_mllm.runtime.tp_modes.groups import Grid2D, build_grid_groups
 from optimus_mllm.runtime.tp_modes.layers_2d import Linear2D, get_2d_layer_spec
 
@@ -155,7 +162,64 @@ def _layer_case(grid: Grid2D, part: str) -> dict[str, float]:
     return _errors(reference, twin, grid, run, x, g)
 
 
-def _grid_rank() -> dict[str, dict[str, float]]:
+def _held_bytes(layer: nn.Module, x: Tensor, mask: Tensor) -> dict[str, int]:
+    """Bytes of ``layer``'s parameters on this rank, and of what autograd saves during its
+    forward: each storage once, less the parameters and the mask."""
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    skip.add(mask.untyped_storage().data_ptr())
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x.requires_grad_(True), attention_mask=mask)
+    parameters = sum(p.numel() * p.element_size() for p in layer.parameters())
+    return {"parameters": parameters, "activations": sum(saved.values())}
+
+
+def _footprint_case(grid: Grid2D) -> dict[str, dict[str, int]]:
+    """What each rank holds under 1 rank, 1D TP over all q^2 ranks and 2D, measured and by
+    formula."""
+    config = _config()
+    shape = LayerShape(seq=SEQ, batch=BATCH, hidden=HIDDEN, heads=HEADS, ffn=FFN)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    world = dist.get_world_size()
+    groups = {
+        "1 rank": parallel_state.get_tensor_model_parallel_group(),
+        f"1D TP{world}": dist.group.WORLD,
+    }
+    held = {}
+    for mode, tp_group in groups.items():
+        layer = build_module(
+            get_gpt_layer_local_spec(),
+            config=config,
+            layer_number=1,
+            pg_collection=ProcessGroupCollection(tp=tp_group, cp=None, pp=None),
+        )
+        tp = tp_group.size()
+        held[mode] = {
+            **_held_bytes(layer, torch.randn(SEQ, BATCH, HIDDEN), mask),
+            "formula parameters": parameter_bytes_1d(shape, tp),
+            "formula activations": activation_bytes_1d(shape, tp),
+        }
+    with pytest.warns(UserWarning, match="experimental"):
+        spec = get_2d_layer_spec(grid)
+    on_grid = ProcessGroupCollection(tp=grid.row_group, cp=None, pp=None)
+    layer = build_module(spec, config=config, layer_number=1, pg_collection=on_grid)
+    x = torch.randn(SEQ, BATCH // grid.q, HIDDEN // grid.q)
+    held[f"2D {grid.q}x{grid.q}"] = {
+        **_held_bytes(layer, x, mask),
+        "formula parameters": parameter_bytes_2d(shape, grid.q, grid.row),
+        "formula activations": activation_bytes_2d(shape, grid.q, grid.row),
+    }
+    return held
+
+
+def _grid_rank() -> dict[str, dict[str, Any]]:
     with megatron_patches.patched():
         parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
         tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -166,6 +230,7 @@ def _grid_rank() -> dict[str, dict[str, float]]:
                 "linear": _linear_case(grid),
                 "mlp": _layer_case(grid, "mlp"),
                 "attention + mlp layer": _layer_case(grid, "layer"),
+                "footprint": _footprint_case(grid),
             }
         finally:
             parallel_state.destroy_model_parallel()
@@ -174,5 +239,11 @@ def _grid_rank() -> dict[str, dict[str, float]]:
 @pytest.mark.distributed
 def test_2d_on_a_2x2_grid_equals_one_rank() -> None:
     for rank, cases in enumerate(run_distributed(_grid_rank, 4, timeout=120.0)):
+        footprint = cases.pop("footprint")
         for case, errors in cases.items():
             assert max(errors.values()) <= TOL, (rank, case, errors)
+        for mode, held in footprint.items():
+            assert held["parameters"] == held["formula parameters"], (rank, mode, held)
+            assert held["activations"] == held["formula activations"], (rank, mode, held)
+        # the 2D paper's point: activations split q^2 ways, not only the weights
+        assert footprint["2D 2x2"]["activations"] < footprint["1D TP4"]["activations"]
