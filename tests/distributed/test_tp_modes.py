@@ -17,7 +17,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.spec_utils import build_module
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
@@ -29,8 +31,14 @@ from optimus_mllm.runtime.tp_modes.footprint import (
     parameter_bytes_1d,
     parameter_bytes_2d,
 )
-from optimus_mllm.runtime.tp_modes.groups import Grid2D, build_grid_groups
+from optimus_mllm.runtime.tp_modes.groups import (
+    Cube3D,
+    Grid2D,
+    build_cube_groups,
+    build_grid_groups,
+)
 from optimus_mllm.runtime.tp_modes.layers_2d import Linear2D, get_2d_layer_spec
+from optimus_mllm.runtime.tp_modes.layers_3d import Linear3D
 
 from support.distributed_utils import run_distributed
 
@@ -44,6 +52,7 @@ def _config() -> TransformerConfig:
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
         ffn_hidden_size=FFN,
+        init_method_std=0.3,  # outputs of order 1, so that 1e-5 is a tight bound
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -247,3 +256,84 @@ def test_2d_on_a_2x2_grid_equals_one_rank() -> None:
             assert held["activations"] == held["formula activations"], (rank, mode, held)
         # the 2D paper's point: activations split q^2 ways, not only the weights
         assert footprint["2D 2x2"]["activations"] < footprint["1D TP4"]["activations"]
+
+
+# 3D: megatron-core's MLP (two linears: direction y in, z between, y out) on a 2 x 2 x 2 cube
+
+
+def _cube_block(full: Tensor, cube: Cube3D, direction: str) -> Tensor:
+    """This rank's block of a ``[s, b, h]`` activation in ``direction``: sequences block
+    i*p + a (of p^2), hidden block b (of p), a and b the coordinates along the direction and
+    the other one."""
+    a, b = (cube.j, cube.l) if direction == "y" else (cube.l, cube.j)
+    rows = full.tensor_split(cube.p**2, dim=1)[cube.i * cube.p + a]
+    return rows.tensor_split(cube.p, dim=2)[b]
+
+
+def _cube_weight_block(full: Tensor, cube: Cube3D, direction: str) -> Tensor:
+    """This rank's block of a ``[out, in]`` weight whose layer takes ``direction``: out block
+    a*p + i (of p^2), in block b (of p)."""
+    a, b = (cube.j, cube.l) if direction == "y" else (cube.l, cube.j)
+    out = full.tensor_split(cube.p**2, dim=0)[a * cube.p + cube.i]
+    return out.tensor_split(cube.p, dim=1)[b]
+
+
+def _cube_mlp_case(cube: Cube3D) -> dict[str, float]:
+    config = _config()
+    config.add_bias_linear = False  # the 3D biases are not built
+    directions = {"linear_fc1": "y", "linear_fc2": "z"}
+
+    def mlp(fc1: Any, fc2: Any, tp_group: dist.ProcessGroup) -> nn.Module:
+        spec = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
+        return build_module(spec, config=config, tp_group=tp_group)
+
+    torch.manual_seed(0)
+    reference = mlp(
+        *(ColumnParallelLinear, RowParallelLinear),
+        parallel_state.get_tensor_model_parallel_group(),
+    )
+    twin = mlp(
+        *(
+            ModuleSpec(module=Linear3D, params={"cube": cube, "input_direction": d})
+            for d in directions.values()
+        ),
+        cube.y_group,
+    )
+    full = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(_cube_weight_block(full[name], cube, directions[name.split(".")[0]]))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
+    g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    out, _ = reference(x)
+    out.backward(g)
+    mine = _cube_block(x.detach(), cube, "y").clone().requires_grad_(True)
+    got, _ = twin(mine)
+    got.backward(_cube_block(g, cube, "y"))
+    errors = {
+        "output": (got - _cube_block(out.detach(), cube, "y")).abs().max().item(),
+        "input grad": (mine.grad - _cube_block(x.grad, cube, "y")).abs().max().item(),
+    }
+    for name, p in twin.named_parameters():
+        expected = _cube_weight_block(full[name].grad, cube, directions[name.split(".")[0]])
+        errors[name] = (p.grad - expected).abs().max().item()
+    assert set(errors) == {"output", "input grad", *full}
+    return errors
+
+
+def _cube_rank() -> dict[str, float]:
+    with megatron_patches.patched():
+        parallel_state.initialize_model_parallel()
+        try:
+            cube = build_cube_groups(tuple(range(dist.get_world_size())))
+            assert cube is not None
+            return _cube_mlp_case(cube)
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.distributed
+def test_3d_mlp_on_a_2x2x2_cube_equals_one_rank() -> None:
+    for rank, errors in enumerate(run_distributed(_cube_rank, 8, timeout=120.0)):
+        assert max(errors.values()) <= TOL, (rank, errors)

@@ -6,8 +6,12 @@
 - ``summa``: the 2D paper's matrix products (its Algorithms 1-3) as autograd functions.
 - ``layers_2d``: megatron-core layer modules (linear, layer norm) on a grid, and the
   ``TransformerLayer`` spec that uses them.
-- ``footprint``: per-rank parameter and activation bytes of a 2D layer, as plain formulas.
+- ``layers_3d``: the 3D paper's load-balanced linear layer (its Algorithms 1-2) as a
+  megatron-core linear module, without biases.
+- ``footprint``: per-rank parameter and activation bytes of a layer under 1D and 2D, as plain
+  formulas.
 
-Only the 2D mode is built; the 3D layers, the planner, cost model and scheduler are not.
+Built: the 2D transformer layer and the 3D linear (so megatron-core's MLP). Not built: the 3D
+biases, layer norm, attention and layer spec, and the planner, cost model and scheduler.
 This package imports nothing at import time, so ``layout`` and ``footprint`` stay torch-free.
 """
