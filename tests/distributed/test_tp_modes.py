@@ -38,7 +38,7 @@ from optimus_mllm.runtime.tp_modes.groups import (
     build_grid_groups,
 )
 from optimus_mllm.runtime.tp_modes.layers_2d import Linear2D, get_2d_layer_spec
-from optimus_mllm.runtime.tp_modes.layers_3d import Linear3D
+from optimus_mllm.runtime.tp_modes.layers_3d import Linear3D, get_3d_layer_spec
 
 from support.distributed_utils import run_distributed
 
@@ -258,7 +258,10 @@ def test_2d_on_a_2x2_grid_equals_one_rank() -> None:
         assert footprint["2D 2x2"]["activations"] < footprint["1D TP4"]["activations"]
 
 
-# 3D: megatron-core's MLP (two linears: direction y in, z between, y out) on a 2 x 2 x 2 cube
+# 3D on a 2 x 2 x 2 cube: megatron-core's MLP without biases, and its attention + MLP layer
+
+
+DIRECTIONS = {"linear_qkv": "y", "linear_proj": "z", "linear_fc1": "y", "linear_fc2": "z"}
 
 
 def _cube_block(full: Tensor, cube: Cube3D, direction: str) -> Tensor:
@@ -270,70 +273,102 @@ def _cube_block(full: Tensor, cube: Cube3D, direction: str) -> Tensor:
     return rows.tensor_split(cube.p, dim=2)[b]
 
 
-def _cube_weight_block(full: Tensor, cube: Cube3D, direction: str) -> Tensor:
-    """This rank's block of a ``[out, in]`` weight whose layer takes ``direction``: out block
-    a*p + i (of p^2), in block b (of p)."""
+def _cube_param_block(name: str, full: Tensor, cube: Cube3D) -> Tensor:
+    """A ``[out, in]`` weight of a layer taking direction d: out block a*p + i (of p^2), in
+    block b (of p). A vector, on the j = l diagonal: sub-block i of block j."""
+    if full.dim() == 1:
+        return full.tensor_split(cube.p)[cube.j].tensor_split(cube.p)[cube.i]
+    direction = DIRECTIONS[name.split(".")[-2]]
     a, b = (cube.j, cube.l) if direction == "y" else (cube.l, cube.j)
     out = full.tensor_split(cube.p**2, dim=0)[a * cube.p + cube.i]
     return out.tensor_split(cube.p, dim=1)[b]
 
 
-def _cube_mlp_case(cube: Cube3D) -> dict[str, float]:
+def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
     config = _config()
-    config.add_bias_linear = False  # the 3D biases are not built
-    directions = {"linear_fc1": "y", "linear_fc2": "z"}
-
-    def mlp(fc1: Any, fc2: Any, tp_group: dist.ProcessGroup) -> nn.Module:
-        spec = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
-        return build_module(spec, config=config, tp_group=tp_group)
-
+    pg = ProcessGroupCollection
     torch.manual_seed(0)
-    reference = mlp(
-        *(ColumnParallelLinear, RowParallelLinear),
-        parallel_state.get_tensor_model_parallel_group(),
-    )
-    twin = mlp(
-        *(
-            ModuleSpec(module=Linear3D, params={"cube": cube, "input_direction": d})
-            for d in directions.values()
-        ),
-        cube.y_group,
-    )
+    if part == "mlp":
+        config.add_bias_linear = False  # megatron-core's MLP alone, as first built
+
+        def mlp(fc1: Any, fc2: Any, tp_group: dist.ProcessGroup) -> nn.Module:
+            spec = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
+            return build_module(spec, config=config, tp_group=tp_group)
+
+        reference = mlp(
+            ColumnParallelLinear,
+            RowParallelLinear,
+            parallel_state.get_tensor_model_parallel_group(),
+        )
+        twin = mlp(
+            *(
+                ModuleSpec(module=Linear3D, params={"cube": cube, "input_direction": d})
+                for d in ("y", "z")
+            ),
+            cube.y_group,
+        )
+    else:
+        reference = build_module(
+            get_gpt_layer_local_spec(),
+            config=config,
+            layer_number=1,
+            pg_collection=pg(tp=parallel_state.get_tensor_model_parallel_group(), cp=None, pp=None),
+        )
+        _nonzero_vectors(reference)
+        with pytest.warns(UserWarning, match="experimental"):
+            spec = get_3d_layer_spec(cube)
+        twin = build_module(
+            spec, config=config, layer_number=1, pg_collection=pg(tp=cube.y_group, cp=None, pp=None)
+        )
     full = dict(reference.named_parameters())
     with torch.no_grad():
         for name, p in twin.named_parameters():
-            p.copy_(_cube_weight_block(full[name], cube, directions[name.split(".")[0]]))
+            p.copy_(_cube_param_block(name, full[name], cube))
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
     g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    out, _ = reference(x)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+
+    def run(module: nn.Module, inp: Tensor) -> Tensor:
+        if part == "mlp":
+            return module(inp)[0]
+        return module(inp, attention_mask=mask)[0]
+
+    out = run(reference, x)
     out.backward(g)
     mine = _cube_block(x.detach(), cube, "y").clone().requires_grad_(True)
-    got, _ = twin(mine)
+    got = run(twin, mine)
     got.backward(_cube_block(g, cube, "y"))
     errors = {
         "output": (got - _cube_block(out.detach(), cube, "y")).abs().max().item(),
         "input grad": (mine.grad - _cube_block(x.grad, cube, "y")).abs().max().item(),
     }
     for name, p in twin.named_parameters():
-        expected = _cube_weight_block(full[name].grad, cube, directions[name.split(".")[0]])
-        errors[name] = (p.grad - expected).abs().max().item()
-    assert set(errors) == {"output", "input grad", *full}
+        errors[name] = (p.grad - _cube_param_block(name, full[name].grad, cube)).abs().max().item()
+    names = {name for name, _ in twin.named_parameters()}
+    diagonal = cube.j == cube.l
+    expected = set(full) if diagonal else {n for n, p in full.items() if p.dim() == 2}
+    assert names == expected, (cube.i, cube.j, cube.l, sorted(names ^ expected))
     return errors
 
 
-def _cube_rank() -> dict[str, float]:
+def _cube_rank() -> dict[str, dict[str, float]]:
     with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()
+        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
         try:
             cube = build_cube_groups(tuple(range(dist.get_world_size())))
             assert cube is not None
-            return _cube_mlp_case(cube)
+            return {
+                "mlp": _cube_case(cube, "mlp"),
+                "attention + mlp layer": _cube_case(cube, "layer"),
+            }
         finally:
             parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.distributed
-def test_3d_mlp_on_a_2x2x2_cube_equals_one_rank() -> None:
-    for rank, errors in enumerate(run_distributed(_cube_rank, 8, timeout=120.0)):
-        assert max(errors.values()) <= TOL, (rank, errors)
+def test_3d_on_a_2x2x2_cube_equals_one_rank() -> None:
+    for rank, cases in enumerate(run_distributed(_cube_rank, 8, timeout=120.0)):
+        for case, errors in cases.items():
+            assert max(errors.values()) <= TOL, (rank, case, errors)

@@ -135,7 +135,7 @@ class LayerNorm2D(nn.Module):
         self.bias = _row_zero_parameter(block, 0.0, grid, config.params_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        x_hat = RowStatsNorm.apply(x, self.hidden_size, self.eps, self.grid)
+        x_hat = RowStatsNorm.apply(x, self.hidden_size, self.eps, self.grid.row_group)
         weight = _from_row_zero(self.weight, self.block, self.grid, x.dtype)
         bias = _from_row_zero(self.bias, self.block, self.grid, x.dtype)
         return x_hat * weight + bias

@@ -114,28 +114,29 @@ class FromRowZero(torch.autograd.Function):
 
 
 class RowStatsNorm(torch.autograd.Function):
-    """(x - E[x]) / sqrt(Var[x] + eps) over a hidden dimension split along the grid's row (§3.2.2).
+    """(x - E[x]) / sqrt(Var[x] + eps) over a hidden dimension split across ``group`` (the grid's
+    row, §3.2.2; the 3D layers use it across a cube line too).
 
     Forward: the local sums of x and x^2 are all-reduced along the row in one call, and
     Var[x] = E[x^2] - E[x]^2. Backward: dx = r (g - E[g] - x_hat E[g x_hat]) with r the inverse
     std, the two means again all-reduced along the row together."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, hidden: int, eps: float, grid: Grid2D) -> Tensor:
+    def forward(ctx: Any, x: Tensor, hidden: int, eps: float, group: dist.ProcessGroup) -> Tensor:
         sums = torch.stack([x.sum(-1), (x * x).sum(-1)])
-        dist.all_reduce(sums, group=grid.row_group)
+        dist.all_reduce(sums, group=group)
         mean, mean_sq = sums / hidden
         inv_std = torch.rsqrt(mean_sq - mean * mean + eps)
         x_hat = (x - mean.unsqueeze(-1)) * inv_std.unsqueeze(-1)
         ctx.save_for_backward(x_hat, inv_std)
-        ctx.hidden, ctx.grid = hidden, grid
+        ctx.hidden, ctx.group = hidden, group
         return x_hat
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         x_hat, inv_std = ctx.saved_tensors
         sums = torch.stack([grad.sum(-1), (grad * x_hat).sum(-1)])
-        dist.all_reduce(sums, group=ctx.grid.row_group)
+        dist.all_reduce(sums, group=ctx.group)
         mean_g, mean_gx = (sums / ctx.hidden).unsqueeze(-1)
         grad_x = inv_std.unsqueeze(-1) * (grad - mean_g - x_hat * mean_gx)
         return grad_x, None, None, None
