@@ -28,8 +28,10 @@ from optimus_mllm.runtime.tp_modes.footprint import (
     LayerShape,
     activation_bytes_1d,
     activation_bytes_2d,
+    activation_bytes_3d,
     parameter_bytes_1d,
     parameter_bytes_2d,
+    parameter_bytes_3d,
 )
 from optimus_mllm.runtime.tp_modes.groups import (
     Cube3D,
@@ -43,7 +45,7 @@ from optimus_mllm.runtime.tp_modes.layers_3d import Linear3D, get_3d_layer_spec
 from support.distributed_utils import run_distributed
 
 TOL = 1e-5
-SEQ, BATCH, HIDDEN, HEADS, FFN = 4, 4, 8, 4, 16
+SEQ, BATCH, HIDDEN, HEADS, FFN = 4, 4, 16, 8, 32
 
 
 def _config() -> TransformerConfig:
@@ -190,12 +192,9 @@ def _held_bytes(layer: nn.Module, x: Tensor, mask: Tensor) -> dict[str, int]:
     return {"parameters": parameters, "activations": sum(saved.values())}
 
 
-def _footprint_case(grid: Grid2D) -> dict[str, dict[str, int]]:
-    """What each rank holds under 1 rank, 1D TP over all q^2 ranks and 2D, measured and by
-    formula."""
-    config = _config()
-    shape = LayerShape(seq=SEQ, batch=BATCH, hidden=HIDDEN, heads=HEADS, ffn=FFN)
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+def _footprint_1d(shape: LayerShape, mask: Tensor) -> dict[str, dict[str, int]]:
+    """What each rank holds of megatron-core's layer on 1 rank and under 1D TP over all ranks,
+    measured and by formula."""
     world = dist.get_world_size()
     groups = {
         "1 rank": parallel_state.get_tensor_model_parallel_group(),
@@ -205,7 +204,7 @@ def _footprint_case(grid: Grid2D) -> dict[str, dict[str, int]]:
     for mode, tp_group in groups.items():
         layer = build_module(
             get_gpt_layer_local_spec(),
-            config=config,
+            config=_config(),
             layer_number=1,
             pg_collection=ProcessGroupCollection(tp=tp_group, cp=None, pp=None),
         )
@@ -215,17 +214,42 @@ def _footprint_case(grid: Grid2D) -> dict[str, dict[str, int]]:
             "formula parameters": parameter_bytes_1d(shape, tp),
             "formula activations": activation_bytes_1d(shape, tp),
         }
+    return held
+
+
+def _footprint_case(mesh: Grid2D | Cube3D) -> dict[str, dict[str, int]]:
+    """What each rank holds under 1 rank, 1D TP over all ranks and 2D or 3D on ``mesh``."""
+    shape = LayerShape(seq=SEQ, batch=BATCH, hidden=HIDDEN, heads=HEADS, ffn=FFN)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    held = _footprint_1d(shape, mask)
     with pytest.warns(UserWarning, match="experimental"):
-        spec = get_2d_layer_spec(grid)
-    on_grid = ProcessGroupCollection(tp=grid.row_group, cp=None, pp=None)
-    layer = build_module(spec, config=config, layer_number=1, pg_collection=on_grid)
-    x = torch.randn(SEQ, BATCH // grid.q, HIDDEN // grid.q)
-    held[f"2D {grid.q}x{grid.q}"] = {
+        if isinstance(mesh, Grid2D):
+            spec, tp, mode = get_2d_layer_spec(mesh), mesh.row_group, f"2D {mesh.q}x{mesh.q}"
+            x = torch.randn(SEQ, BATCH // mesh.q, HIDDEN // mesh.q)
+            params = parameter_bytes_2d(shape, mesh.q, mesh.row)
+            activations = activation_bytes_2d(shape, mesh.q, mesh.row)
+        else:
+            spec, tp, mode = get_3d_layer_spec(mesh), mesh.y_group, f"3D {mesh.p}x{mesh.p}x{mesh.p}"
+            x = torch.randn(SEQ, BATCH // mesh.p**2, HIDDEN // mesh.p)
+            params = parameter_bytes_3d(shape, mesh.p, mesh.j == mesh.l)
+            activations = activation_bytes_3d(shape, mesh.p)
+    on_mesh = ProcessGroupCollection(tp=tp, cp=None, pp=None)
+    layer = build_module(spec, config=_config(), layer_number=1, pg_collection=on_mesh)
+    held[mode] = {
         **_held_bytes(layer, x, mask),
-        "formula parameters": parameter_bytes_2d(shape, grid.q, grid.row),
-        "formula activations": activation_bytes_2d(shape, grid.q, grid.row),
+        "formula parameters": params,
+        "formula activations": activations,
     }
     return held
+
+
+def _check_footprint(rank: int, footprint: dict[str, dict[str, int]], mode: str) -> None:
+    for name, held in footprint.items():
+        assert held["parameters"] == held["formula parameters"], (rank, name, held)
+        assert held["activations"] == held["formula activations"], (rank, name, held)
+    # the papers' point: activations are split too, so fewer bytes than 1D at the same degree
+    one_d = next(name for name in footprint if name.startswith("1D"))
+    assert footprint[mode]["activations"] < footprint[one_d]["activations"], (rank, footprint)
 
 
 def _grid_rank() -> dict[str, dict[str, Any]]:
@@ -248,14 +272,9 @@ def _grid_rank() -> dict[str, dict[str, Any]]:
 @pytest.mark.distributed
 def test_2d_on_a_2x2_grid_equals_one_rank() -> None:
     for rank, cases in enumerate(run_distributed(_grid_rank, 4, timeout=120.0)):
-        footprint = cases.pop("footprint")
+        _check_footprint(rank, cases.pop("footprint"), "2D 2x2")
         for case, errors in cases.items():
             assert max(errors.values()) <= TOL, (rank, case, errors)
-        for mode, held in footprint.items():
-            assert held["parameters"] == held["formula parameters"], (rank, mode, held)
-            assert held["activations"] == held["formula activations"], (rank, mode, held)
-        # the 2D paper's point: activations split q^2 ways, not only the weights
-        assert footprint["2D 2x2"]["activations"] < footprint["1D TP4"]["activations"]
 
 
 # 3D on a 2 x 2 x 2 cube: megatron-core's MLP without biases, and its attention + MLP layer
@@ -352,7 +371,7 @@ def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
     return errors
 
 
-def _cube_rank() -> dict[str, dict[str, float]]:
+def _cube_rank() -> dict[str, dict[str, Any]]:
     with megatron_patches.patched():
         parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
         tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -362,6 +381,7 @@ def _cube_rank() -> dict[str, dict[str, float]]:
             return {
                 "mlp": _cube_case(cube, "mlp"),
                 "attention + mlp layer": _cube_case(cube, "layer"),
+                "footprint": _footprint_case(cube),
             }
         finally:
             parallel_state.destroy_model_parallel()
@@ -370,5 +390,6 @@ def _cube_rank() -> dict[str, dict[str, float]]:
 @pytest.mark.distributed
 def test_3d_on_a_2x2x2_cube_equals_one_rank() -> None:
     for rank, cases in enumerate(run_distributed(_cube_rank, 8, timeout=120.0)):
+        _check_footprint(rank, cases.pop("footprint"), "3D 2x2x2")
         for case, errors in cases.items():
             assert max(errors.values()) <= TOL, (rank, case, errors)

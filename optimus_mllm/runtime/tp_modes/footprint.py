@@ -1,6 +1,6 @@
 """Per-rank bytes of one transformer layer (megatron-core's local GPT layer: layer norms, fused
-QKV with bias, dot-product attention, output projection, GELU MLP with biases) under 1D (Megatron)
-and 2D (SUMMA) tensor parallelism, as plain formulas (no torch) for the memory model to call.
+QKV with bias, dot-product attention, output projection, GELU MLP with biases) under 1D (Megatron),
+2D (SUMMA) and 3D tensor parallelism, as plain formulas (no torch) for the memory model to call.
 
 Activations are what autograd saves for the backward pass during the layer's forward, counted
 once per storage (views of one tensor, as Q, K and V of the fused QKV output, are one), less the
@@ -18,6 +18,12 @@ parameters and the attention mask (an input). Per layer, with e bytes an element
 split q^2 ways (tokens by row, hidden or heads by column), except that each norm saves x_hat
 (sbh / q^2) and 1/std (sb / q, per token of the row's b/q sequences) instead of its input, mean
 and 1/std; rows below 0 also keep the two norm weights' blocks they received (2 h / q).
+
+3D on a p x p x p cube (Bian et al. §3.1), every rank: the norms as in 2D with b/p^2 sequences
+and h/p hidden (x_hat sbh / p^3, 1/std sb / p^2, the gathered weight h / p); each linear keeps
+its input all-gathered along one direction (p times its shard: sbh / p^2, fc2's sbf / p^2) and
+its weight all-gathered along x (the matrices / p^2); the QKV output, the probabilities and the
+GELU input are split p^3 ways.
 """
 
 from __future__ import annotations
@@ -83,3 +89,23 @@ def activation_bytes_2d(shape: LayerShape, q: int, row: int) -> int:
     per_token = 2 * s * b // q
     received = 2 * h // q if row > 0 else 0
     return shape.element_bytes * (split // q**2 + per_token + received)
+
+
+def parameter_bytes_3d(shape: LayerShape, p: int, on_diagonal: bool) -> int:
+    """Bytes of the parameters of a rank on a ``p`` x ``p`` x ``p`` cube.
+
+    Every rank holds a 1/p^3 block of each matrix; the vectors are hosted on the j = l diagonal
+    alone, 1/p^2 of each there (Bian et al. §3.1.1, Fig. 5)."""
+    h, f = shape.hidden, shape.ffn
+    vectors = (4 * h + 5 * h + f) // p**2 if on_diagonal else 0
+    return shape.element_bytes * (_matrices(shape) // p**3 + vectors)
+
+
+def activation_bytes_3d(shape: LayerShape, p: int) -> int:
+    """Bytes a rank saves for backward on a ``p`` x ``p`` x ``p`` cube (module doc)."""
+    s, b, h, n, f = shape.seq, shape.batch, shape.hidden, shape.heads, shape.ffn
+    norms = 2 * (s * b * h // p**3 + s * b // p**2 + h // p)
+    gathered_inputs = (3 * s * b * h + s * b * f) // p**2
+    gathered_weights = _matrices(shape) // p**2
+    split = (3 * s * b * h + b * n * s * s + s * b * f) // p**3
+    return shape.element_bytes * (norms + gathered_inputs + gathered_weights + split)
