@@ -57,9 +57,12 @@ def test_a_cube_needs_a_cube_and_distinct_ranks() -> None:
         grid_layout((0, 1, 1, 2))
 
 
-def test_layout_imports_no_torch() -> None:
-    """The planner (no torch) will compute grids with it."""
-    code = "import sys, optimus_mllm.runtime.tp_modes.layout; print('torch' in sys.modules)"
+def test_layout_and_footprint_import_no_torch() -> None:
+    """The planner and memory model (no torch) will compute grids and bytes with them."""
+    code = (
+        "import sys, optimus_mllm.runtime.tp_modes.layout, optimus_mllm.runtime.tp_modes.footprint;"
+        " print('torch' in sys.modules)"
+    )
     assert (
         subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True

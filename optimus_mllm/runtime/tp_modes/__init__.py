@@ -2,7 +2,7 @@
 
 - ``layout``: which ranks form the rows and columns of a q x q grid (2D, SUMMA) and the three
   directions of a p x p x p cube (3D). Pure arithmetic, no torch, so the planner may import it.
-- ``groups``: the ``torch.distributed`` groups of a grid, built from ``layout``.
+- ``groups``: the ``torch.distributed`` groups of a grid or a cube, built from ``layout``.
 - ``summa``: the 2D paper's matrix products (its Algorithms 1-3) as autograd functions.
 - ``layers_2d``: megatron-core layer modules (linear, layer norm) on a grid, and the
   ``TransformerLayer`` spec that uses them.
