@@ -1,0 +1,17 @@
+"""Tensor parallelism that partitions activations as well as weights (issue 36, in progress).
+
+- ``layout``: which ranks form the rows and columns of a q x q grid (2D, SUMMA) and the three
+  directions of a p x p x p cube (3D). Pure arithmetic, no torch, so the planner may import it.
+- ``groups``: the ``torch.distributed`` groups of a grid or a cube, built from ``layout``.
+- ``summa``: the 2D paper's matrix products (its Algorithms 1-3) as autograd functions.
+- ``layers_2d``: megatron-core layer modules (linear, layer norm) on a grid, and the
+  ``TransformerLayer`` spec that uses them.
+- ``layers_3d``: the 3D paper's load-balanced linear layer (its Algorithms 1-2), the diagonal
+  hosting of vectors (Algorithms 7-8), its layer norm, and the ``TransformerLayer`` spec.
+- ``footprint``: per-rank parameter and activation bytes of a layer under 1D, 2D and 3D, as
+  plain formulas.
+
+Built: the 2D and 3D transformer layers. Not built: the embedding and output layers, and
+the planner, cost model and scheduler.
+This package imports nothing at import time, so ``layout`` and ``footprint`` stay torch-free.
+"""

@@ -1,0 +1,395 @@
+"""2D (SUMMA) tensor parallelism on a 2 x 2 grid of gloo ranks equals the 1-rank computation.
+
+Every rank builds the 1-rank reference itself (megatron-core's local GPT layer, its MLP, a plain
+linear) on a one-rank TP group, then the 2D twin holding the reference's weights cut in blocks,
+and compares its own blocks: of the output, of the input gradient and of every weight gradient.
+Each element of every tensor is some rank's block (the vectors are row 0's), so together the ranks
+compare everything. One ``run_distributed`` does all cases: the ranks start once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor, nn
+
+import megatron_patches
+from optimus_mllm.runtime.tp_modes.footprint import (
+    LayerShape,
+    activation_bytes_1d,
+    activation_bytes_2d,
+    activation_bytes_3d,
+    parameter_bytes_1d,
+    parameter_bytes_2d,
+    parameter_bytes_3d,
+)
+from optimus_mllm.runtime.tp_modes.groups import (
+    Cube3D,
+    Grid2D,
+    build_cube_groups,
+    build_grid_groups,
+)
+from optimus_mllm.runtime.tp_modes.layers_2d import Linear2D, get_2d_layer_spec
+from optimus_mllm.runtime.tp_modes.layers_3d import Linear3D, get_3d_layer_spec
+
+from support.distributed_utils import run_distributed
+
+TOL = 1e-5
+SEQ, BATCH, HIDDEN, HEADS, FFN = 4, 4, 16, 8, 32
+
+
+def _config() -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        init_method_std=0.3,  # outputs of order 1, so that 1e-5 is a tight bound
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+
+
+def _block(full: Tensor, grid: Grid2D, dims: tuple[int, int]) -> Tensor:
+    """Block (i, j) of ``full`` split q ways along ``dims`` (the token dim, the hidden dim)."""
+    for dim, index in zip(dims, (grid.row, grid.column), strict=True):
+        full = full.tensor_split(grid.q, dim=dim)[index]
+    return full
+
+
+def _param_block(full: Tensor, grid: Grid2D) -> Tensor:
+    """This rank's share of a reference parameter: block (j, i) of a ``[out, in]`` weight (block
+    (i, j) of W = weight^T), block j of a vector."""
+    if full.dim() == 2:
+        return _block(full, grid, (1, 0))
+    return full.tensor_split(grid.q)[grid.column]
+
+
+def _load_blocks(grid_module: nn.Module, reference: nn.Module, grid: Grid2D) -> None:
+    full = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, p in grid_module.named_parameters():
+            p.copy_(_param_block(full[name], grid))
+
+
+def _errors(
+    reference: nn.Module, twin: nn.Module, grid: Grid2D, run: Any, x: Tensor, g: Tensor
+) -> dict[str, float]:
+    """Largest differences of this rank's blocks: output, input gradient, each weight gradient."""
+    dims = (1, 2) if x.dim() == 3 else (0, 1)  # [s, b, h]: b and h; [tokens, h]
+    leaf = x.clone().requires_grad_(True)
+    out = run(reference, leaf)
+    out.backward(g)
+    mine = _block(leaf.detach(), grid, dims).clone().requires_grad_(True)
+    got = run(twin, mine)
+    got.backward(_block(g, grid, dims))
+    errors = {
+        "output": (got - _block(out.detach(), grid, dims)).abs().max().item(),
+        "input grad": (mine.grad - _block(leaf.grad, grid, dims)).abs().max().item(),
+    }
+    full = dict(reference.named_parameters())
+    for name, p in twin.named_parameters():
+        errors[name] = (p.grad - _param_block(full[name].grad, grid)).abs().max().item()
+    names = {name for name, _ in twin.named_parameters()}
+    expected = set(full) if grid.row == 0 else {n for n, p in full.items() if p.dim() == 2}
+    assert names == expected, (grid.row, sorted(names ^ expected))
+    return errors
+
+
+def _nonzero_vectors(module: nn.Module) -> None:
+    """Biases and norm weights away from their 0 / 1 init, so their gradients are tested."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def _linear_case(grid: Grid2D) -> dict[str, float]:
+    config = _config()
+    torch.manual_seed(0)
+    reference = nn.Linear(HIDDEN, FFN)
+    twin = Linear2D(HIDDEN, FFN, config=config, init_method=config.init_method, grid=grid)
+    _load_blocks(twin, reference, grid)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(SEQ * BATCH, HIDDEN, generator=gen)
+    g = torch.randn(SEQ * BATCH, FFN, generator=gen)
+
+    def run(module: nn.Module, inp: Tensor) -> Tensor:
+        out = module(inp)
+        return out[0] if isinstance(out, tuple) else out
+
+    return _errors(reference, twin, grid, run, x, g)
+
+
+def _layer_case(grid: Grid2D, part: str) -> dict[str, float]:
+    """megatron-core's ``TransformerLayer`` (``part="layer"``) or its MLP (``"mlp"``)."""
+    config = _config()
+    one_rank = ProcessGroupCollection(
+        tp=parallel_state.get_tensor_model_parallel_group(), cp=None, pp=None
+    )
+    on_grid = ProcessGroupCollection(tp=grid.row_group, cp=None, pp=None)
+    torch.manual_seed(0)
+    reference = build_module(
+        get_gpt_layer_local_spec(), config=config, layer_number=1, pg_collection=one_rank
+    )
+    _nonzero_vectors(reference)
+    with pytest.warns(UserWarning, match="experimental"):
+        spec = get_2d_layer_spec(grid)
+    twin = build_module(spec, config=config, layer_number=1, pg_collection=on_grid)
+    if part == "mlp":
+        reference, twin = reference.mlp, twin.mlp
+    _load_blocks(twin, reference, grid)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    # megatron-core makes its default causal mask on the GPU: pass it (True: masked out)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+
+    def run(module: nn.Module, inp: Tensor) -> Tensor:
+        if part == "mlp":  # megatron-core's MLP returns (output, bias): the sum the layer adds
+            out, bias = module(inp)
+            return out + bias
+        return module(inp, attention_mask=mask)[0]
+
+    return _errors(reference, twin, grid, run, x, g)
+
+
+def _held_bytes(layer: nn.Module, x: Tensor, mask: Tensor) -> dict[str, int]:
+    """Bytes of ``layer``'s parameters on this rank, and of what autograd saves during its
+    forward: each storage once, less the parameters and the mask."""
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    skip.add(mask.untyped_storage().data_ptr())
+    saved: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x.requires_grad_(True), attention_mask=mask)
+    parameters = sum(p.numel() * p.element_size() for p in layer.parameters())
+    return {"parameters": parameters, "activations": sum(saved.values())}
+
+
+def _footprint_1d(shape: LayerShape, mask: Tensor) -> dict[str, dict[str, int]]:
+    """What each rank holds of megatron-core's layer on 1 rank and under 1D TP over all ranks,
+    measured and by formula."""
+    world = dist.get_world_size()
+    groups = {
+        "1 rank": parallel_state.get_tensor_model_parallel_group(),
+        f"1D TP{world}": dist.group.WORLD,
+    }
+    held = {}
+    for mode, tp_group in groups.items():
+        layer = build_module(
+            get_gpt_layer_local_spec(),
+            config=_config(),
+            layer_number=1,
+            pg_collection=ProcessGroupCollection(tp=tp_group, cp=None, pp=None),
+        )
+        tp = tp_group.size()
+        held[mode] = {
+            **_held_bytes(layer, torch.randn(SEQ, BATCH, HIDDEN), mask),
+            "formula parameters": parameter_bytes_1d(shape, tp),
+            "formula activations": activation_bytes_1d(shape, tp),
+        }
+    return held
+
+
+def _footprint_case(mesh: Grid2D | Cube3D) -> dict[str, dict[str, int]]:
+    """What each rank holds under 1 rank, 1D TP over all ranks and 2D or 3D on ``mesh``."""
+    shape = LayerShape(seq=SEQ, batch=BATCH, hidden=HIDDEN, heads=HEADS, ffn=FFN)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    held = _footprint_1d(shape, mask)
+    with pytest.warns(UserWarning, match="experimental"):
+        if isinstance(mesh, Grid2D):
+            spec, tp, mode = get_2d_layer_spec(mesh), mesh.row_group, f"2D {mesh.q}x{mesh.q}"
+            x = torch.randn(SEQ, BATCH // mesh.q, HIDDEN // mesh.q)
+            params = parameter_bytes_2d(shape, mesh.q, mesh.row)
+            activations = activation_bytes_2d(shape, mesh.q, mesh.row)
+        else:
+            spec, tp, mode = get_3d_layer_spec(mesh), mesh.y_group, f"3D {mesh.p}x{mesh.p}x{mesh.p}"
+            x = torch.randn(SEQ, BATCH // mesh.p**2, HIDDEN // mesh.p)
+            params = parameter_bytes_3d(shape, mesh.p, mesh.j == mesh.l)
+            activations = activation_bytes_3d(shape, mesh.p)
+    on_mesh = ProcessGroupCollection(tp=tp, cp=None, pp=None)
+    layer = build_module(spec, config=_config(), layer_number=1, pg_collection=on_mesh)
+    held[mode] = {
+        **_held_bytes(layer, x, mask),
+        "formula parameters": params,
+        "formula activations": activations,
+    }
+    return held
+
+
+def _check_footprint(rank: int, footprint: dict[str, dict[str, int]], mode: str) -> None:
+    for name, held in footprint.items():
+        assert held["parameters"] == held["formula parameters"], (rank, name, held)
+        assert held["activations"] == held["formula activations"], (rank, name, held)
+    # the papers' point: activations are split too, so fewer bytes than 1D at the same degree
+    one_d = next(name for name in footprint if name.startswith("1D"))
+    assert footprint[mode]["activations"] < footprint[one_d]["activations"], (rank, footprint)
+
+
+def _grid_rank() -> dict[str, dict[str, Any]]:
+    with megatron_patches.patched():
+        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        try:
+            grid = build_grid_groups(tuple(range(dist.get_world_size())))
+            assert grid is not None
+            return {
+                "linear": _linear_case(grid),
+                "mlp": _layer_case(grid, "mlp"),
+                "attention + mlp layer": _layer_case(grid, "layer"),
+                "footprint": _footprint_case(grid),
+            }
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.distributed
+def test_2d_on_a_2x2_grid_equals_one_rank() -> None:
+    for rank, cases in enumerate(run_distributed(_grid_rank, 4, timeout=120.0)):
+        _check_footprint(rank, cases.pop("footprint"), "2D 2x2")
+        for case, errors in cases.items():
+            assert max(errors.values()) <= TOL, (rank, case, errors)
+
+
+# 3D on a 2 x 2 x 2 cube: megatron-core's MLP without biases, and its attention + MLP layer
+
+
+DIRECTIONS = {"linear_qkv": "y", "linear_proj": "z", "linear_fc1": "y", "linear_fc2": "z"}
+
+
+def _cube_block(full: Tensor, cube: Cube3D, direction: str) -> Tensor:
+    """This rank's block of a ``[s, b, h]`` activation in ``direction``: sequences block
+    i*p + a (of p^2), hidden block b (of p), a and b the coordinates along the direction and
+    the other one."""
+    a, b = (cube.j, cube.l) if direction == "y" else (cube.l, cube.j)
+    rows = full.tensor_split(cube.p**2, dim=1)[cube.i * cube.p + a]
+    return rows.tensor_split(cube.p, dim=2)[b]
+
+
+def _cube_param_block(name: str, full: Tensor, cube: Cube3D) -> Tensor:
+    """A ``[out, in]`` weight of a layer taking direction d: out block a*p + i (of p^2), in
+    block b (of p). A vector, on the j = l diagonal: sub-block i of block j."""
+    if full.dim() == 1:
+        return full.tensor_split(cube.p)[cube.j].tensor_split(cube.p)[cube.i]
+    direction = DIRECTIONS[name.split(".")[-2]]
+    a, b = (cube.j, cube.l) if direction == "y" else (cube.l, cube.j)
+    out = full.tensor_split(cube.p**2, dim=0)[a * cube.p + cube.i]
+    return out.tensor_split(cube.p, dim=1)[b]
+
+
+def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
+    config = _config()
+    pg = ProcessGroupCollection
+    torch.manual_seed(0)
+    if part == "mlp":
+        config.add_bias_linear = False  # megatron-core's MLP alone, as first built
+
+        def mlp(fc1: Any, fc2: Any, tp_group: dist.ProcessGroup) -> nn.Module:
+            spec = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2))
+            return build_module(spec, config=config, tp_group=tp_group)
+
+        reference = mlp(
+            ColumnParallelLinear,
+            RowParallelLinear,
+            parallel_state.get_tensor_model_parallel_group(),
+        )
+        twin = mlp(
+            *(
+                ModuleSpec(module=Linear3D, params={"cube": cube, "input_direction": d})
+                for d in ("y", "z")
+            ),
+            cube.y_group,
+        )
+    else:
+        reference = build_module(
+            get_gpt_layer_local_spec(),
+            config=config,
+            layer_number=1,
+            pg_collection=pg(tp=parallel_state.get_tensor_model_parallel_group(), cp=None, pp=None),
+        )
+        _nonzero_vectors(reference)
+        with pytest.warns(UserWarning, match="experimental"):
+            spec = get_3d_layer_spec(cube)
+        twin = build_module(
+            spec, config=config, layer_number=1, pg_collection=pg(tp=cube.y_group, cp=None, pp=None)
+        )
+    full = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(_cube_param_block(name, full[name], cube))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
+    g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+
+    def run(module: nn.Module, inp: Tensor) -> Tensor:
+        if part == "mlp":
+            return module(inp)[0]
+        return module(inp, attention_mask=mask)[0]
+
+    out = run(reference, x)
+    out.backward(g)
+    mine = _cube_block(x.detach(), cube, "y").clone().requires_grad_(True)
+    got = run(twin, mine)
+    got.backward(_cube_block(g, cube, "y"))
+    errors = {
+        "output": (got - _cube_block(out.detach(), cube, "y")).abs().max().item(),
+        "input grad": (mine.grad - _cube_block(x.grad, cube, "y")).abs().max().item(),
+    }
+    for name, p in twin.named_parameters():
+        errors[name] = (p.grad - _cube_param_block(name, full[name].grad, cube)).abs().max().item()
+    names = {name for name, _ in twin.named_parameters()}
+    diagonal = cube.j == cube.l
+    expected = set(full) if diagonal else {n for n, p in full.items() if p.dim() == 2}
+    assert names == expected, (cube.i, cube.j, cube.l, sorted(names ^ expected))
+    return errors
+
+
+def _cube_rank() -> dict[str, dict[str, Any]]:
+    with megatron_patches.patched():
+        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        try:
+            cube = build_cube_groups(tuple(range(dist.get_world_size())))
+            assert cube is not None
+            return {
+                "mlp": _cube_case(cube, "mlp"),
+                "attention + mlp layer": _cube_case(cube, "layer"),
+                "footprint": _footprint_case(cube),
+            }
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.distributed
+def test_3d_on_a_2x2x2_cube_equals_one_rank() -> None:
+    for rank, cases in enumerate(run_distributed(_cube_rank, 8, timeout=120.0)):
+        _check_footprint(rank, cases.pop("footprint"), "3D 2x2x2")
+        for case, errors in cases.items():
+            assert max(errors.values()) <= TOL, (rank, case, errors)
