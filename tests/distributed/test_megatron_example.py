@@ -76,7 +76,8 @@ def _lines(done: subprocess.CompletedProcess) -> list[re.Match]:
     matches = [
         LINE.match(line)
         for line in done.stdout.splitlines()
-        if not line.startswith(("(min, max)", "    "))
+        # the start-up probe's line, before the first step of a job with the flag
+        if not line.startswith(("(min, max)", "    ", "optimus: start-up probe: "))
     ]
     assert all(matches) and [m.group(1) for m in matches] == ["1", "2", "3"], done.stdout
     return matches
@@ -142,6 +143,10 @@ def test_the_readmes_diff_is_the_whole_opt_in_and_gives_the_user_scripts_losses(
     assert {m.group(3) for m in plain_lines} == {"plain"}
     assert len({m.group(3) for m in optimus_lines}) == 1
     assert optimus_lines[0].group(3).startswith("optimus, encoder plan DP")
+    assert "optimus: start-up probe: the model's vision path and the Optimus encoder's agree" in (
+        optimus.stdout
+    )
+    assert "start-up probe" not in plain.stdout
     assert [m.group(2) for m in optimus_lines] == [m.group(2) for m in plain_lines]
     # megatron-core's schedule timed by the job's own Timers, under the hooks
     for done in (

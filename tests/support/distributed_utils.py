@@ -102,6 +102,12 @@ def _collect(processes: list[BaseProcess], results: Any, timeout: float) -> dict
         if ok is None:
             raise _PortTaken(payload)
         if not ok:
+            # a peer that died is often why this rank failed (its sockets closed as it exited):
+            # give it a moment to be seen dead, so the message names it
+            settle = time.monotonic() + 2.0
+            for other, process in enumerate(processes):
+                if other not in {rank, *outputs}:
+                    process.join(max(0.0, settle - time.monotonic()))
             others = _died(processes, {rank, *outputs})
             raise RuntimeError(f"rank {rank} failed:\n{payload}{others}")
         outputs[rank] = payload
