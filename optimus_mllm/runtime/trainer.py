@@ -279,6 +279,14 @@ class Trainer:
             self._adopt_user_vision()
         elif mode == "optimus":
             self._build_optimus_encoder()
+        elif mode == "baseline" and self.stage == 0:
+            self.encoder = EncoderStage(
+                config,
+                0,
+                1,
+                parallel_state.get_tensor_model_parallel_group(),
+                layer_specs=encoder_layer_specs,
+            )
         self.schedules: IterationSchedules | None = None
         if mode == "optimus" and config.training.schedule_per_iteration:
             if self.image_count is None:
@@ -288,14 +296,6 @@ class Trainer:
                 )
             self.schedules = IterationSchedules(
                 config, llm_plan, artifact, self._iteration_workload, self.llm_dp
-            )
-        elif mode == "baseline" and self.stage == 0:
-            self.encoder = EncoderStage(
-                config,
-                0,
-                1,
-                parallel_state.get_tensor_model_parallel_group(),
-                layer_specs=encoder_layer_specs,
             )
         if user_model is None:
             for stage in self.encoder_stages:

@@ -76,11 +76,12 @@ def _rank_main(
 
 
 def _died(processes: list[BaseProcess], accounted: set[int]) -> str:
-    """Ranks outside ``accounted`` that exited, as text (a rank that dies reports nothing)."""
+    """Ranks outside ``accounted`` that exited without success, as text (a rank that dies reports
+    nothing; one that exits 0 has queued its result)."""
     return "".join(
         f"\nrank {rank} died (exit code {process.exitcode}) without a result"
         for rank, process in enumerate(processes)
-        if rank not in accounted and not process.is_alive()
+        if rank not in accounted and not process.is_alive() and process.exitcode != 0
     )
 
 
