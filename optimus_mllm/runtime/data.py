@@ -165,15 +165,7 @@ class ImageTextDataset:
         caption = self.captions[index]
         try:
             with Image.open(caption.image) as image:
-                return tuple(
-                    image_patches(
-                        image.convert(image_mode(e.in_channels)),
-                        e.patch_size,
-                        math.isqrt(e.seq_length),
-                        e.projector.spatial_merge,
-                    )
-                    for e in self.config.encoders
-                )
+                return encoder_patches(self.config, image)
         except Image.DecompressionBombError:
             raise ConfigError(
                 "data.path",
@@ -192,6 +184,20 @@ class ImageTextDataset:
                 f"{CAPTIONS} line {caption.line}: cannot read {caption.image} as an "
                 f"image ({exc.__class__.__name__}); replace the file or drop the line",
             ) from None
+
+
+def encoder_patches(config: OptimusConfig, image: Image.Image) -> tuple[torch.Tensor, ...]:
+    """``image`` as each encoder takes it: in its channels, resized to its patch grid, patchified
+    (``image_patches``)."""
+    return tuple(
+        image_patches(
+            image.convert(image_mode(e.in_channels)),
+            e.patch_size,
+            math.isqrt(e.seq_length),
+            e.projector.spatial_merge,
+        )
+        for e in config.encoders
+    )
 
 
 def image_patches(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import io
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -36,7 +35,7 @@ from PIL import Image
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import ConfigError
-from optimus_mllm.runtime.data import Microbatch, check_image_model, image_mode, image_patches
+from optimus_mllm.runtime.data import Microbatch, check_image_model, encoder_patches
 
 META = ".nv-meta"  # energon's metadata folder
 PAD = 0  # token id of padding and of image positions (their embeddings are replaced)
@@ -348,15 +347,7 @@ class WebdatasetSource:
     def _patches(self, sample: Sample, image: int, data: bytes) -> tuple[torch.Tensor, ...]:
         try:
             with Image.open(io.BytesIO(data)) as decoded:
-                return tuple(
-                    image_patches(
-                        decoded.convert(image_mode(e.in_channels)),
-                        e.patch_size,
-                        math.isqrt(e.seq_length),
-                        e.projector.spatial_merge,
-                    )
-                    for e in self.config.encoders
-                )
+                return encoder_patches(self.config, decoded)
         except Image.DecompressionBombError:
             raise ConfigError(
                 "data.path",
