@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
-from optimus_mllm.errors import OptimusError
+from optimus_mllm.runtime.verdicts import heard_by_every_rank
 
 
 def find_image_key(
@@ -43,12 +42,7 @@ def find_image_key(
     found: tuple[str | None, str | None] | None = None  # (key, problem)
     if first_chunk is not None and forward is not None:
         found = _key_on_first_stage(first_chunk, in_place, forward, batch)
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, found)
-    problems = [problem for key, problem in filter(None, seen) if problem is not None]
-    if problems:
-        raise OptimusError(problems[0])
-    keys = sorted({key for key, _ in filter(None, seen) if key is not None})
+    keys = sorted(set(heard_by_every_rank(found)))
     assert len(keys) == 1, f"the first stage's TP rank 0 decides the image key, got {keys}"
     return keys[0]
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
@@ -67,6 +66,7 @@ from optimus_mllm.runtime.user_model import (
     vision_modules,
     vision_sharded_state_dict,
 )
+from optimus_mllm.runtime.verdicts import heard_by_every_rank
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.scheduler.artifact_format import LLMOp, ScheduleArtifact
 
@@ -313,11 +313,7 @@ def with_user_projector(config: OptimusConfig, first_chunk: nn.Module | None) ->
             report = (replace(described, spatial_merge=encoder.projector.spatial_merge), None)
         except OptimusError as exc:
             report = (None, str(exc))
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, report)
-    projector, problem = next(r for r in seen if r is not None)
-    if problem:
-        raise OptimusError(problem)
+    projector = heard_by_every_rank(report)[0]
     encoders = (replace(encoder, projector=projector), *config.encoders[1:])
     return replace(config, model=replace(config.model, encoders=encoders))
 
@@ -345,12 +341,7 @@ def user_vision_spec(
             )
         except OptimusError as exc:
             report = (None, str(exc))
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, report)
-    spec, problem = next(r for r in seen if r is not None)
-    if problem:
-        raise OptimusError(problem)
-    return spec
+    return heard_by_every_rank(report)[0]
 
 
 def take_user_vision(
