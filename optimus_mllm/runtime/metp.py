@@ -139,6 +139,12 @@ class _Ring:
 # FFN: Algorithms 1 and 2
 
 
+def _with_bias(shards: list[Tensor], has_bias: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(first weight, bias or None, second weight) of shards sent as [first, second(, bias)]."""
+    first, second = shards[0], shards[1]
+    return first, shards[2] if has_bias else None, second
+
+
 def _fc1_act(x: Tensor, w1: Tensor, b1: Tensor | None, act: Activation) -> Tensor:
     return act(torch.nn.functional.linear(x, w1, b1))
 
@@ -159,7 +165,7 @@ class _MetpMLP(torch.autograd.Function):
         out = x.new_zeros((*x.shape[:-1], w2.shape[0]))
         for step in range(ring.size):
             pending = ring.shift(shards) if step < ring.size - 1 else None
-            w1_r, w2_r, b1_r = shards[0], shards[1], shards[2] if b1 is not None else None
+            w1_r, b1_r, w2_r = _with_bias(shards, b1 is not None)
             tile = _fc1_act(x, w1_r, b1_r, act)
             out.view(-1, out.shape[-1]).addmm_(tile.view(-1, tile.shape[-1]), w2_r.t())
             del tile
@@ -179,7 +185,7 @@ class _MetpMLP(torch.autograd.Function):
         travelling: _InFlight | None = None  # the held shard's gradient, from its earlier visitors
         for step in range(ring.size):
             pending = ring.shift(shards) if step < ring.size - 1 else None
-            w1_r, w2_r, b1_r = shards[0], shards[1], shards[2] if b1 is not None else None
+            w1_r, b1_r, w2_r = _with_bias(shards, b1 is not None)
             with torch.enable_grad():  # f' from autograd on this tile only
                 pre = torch.nn.functional.linear(rows, w1_r, b1_r).detach().requires_grad_(True)
                 tile = ctx.act(pre)
@@ -350,11 +356,6 @@ def _broadcast(shards: list[Tensor | None], owner: int, group: ProcessGroup) -> 
     tensors = [s if mine else torch.empty_like(s) for s in shards if s is not None]
     works = [dist.broadcast(t, src, group=group, async_op=True) for t in tensors]
     return _InFlight(tensors, works)
-
-
-def _with_bias(shards: list[Tensor], has_bias: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-    w_qkv, w_proj = shards[0], shards[1]
-    return w_qkv, shards[2] if has_bias else None, w_proj
 
 
 class _MetpAttention(torch.autograd.Function):
