@@ -151,8 +151,10 @@ class Encoder:
         import torch.distributed as dist
 
         self.config, self.dtype, self.device = config, dtype, torch.device("cuda")
+        # megatron-core leaves its torch norms in fp32: every part in the training precision, as the
+        # trainer casts them
         self.stage = EncoderStage(config, 0, 1, dist.new_group([0]), params_dtype=dtype).to(
-            self.device
+            self.device, dtype
         )
         self.ops = build_stage_ops(self.stage.blocks(), config.training.recompute)
         t = config.training
@@ -191,7 +193,7 @@ class Encoder:
             run.run_backward(k)
 
     def run_autograd(self) -> None:
-        out = self.stage(self.inputs)
+        out = self.stage(self.inputs, 0)  # the seed of new_run
         torch.autograd.backward([out[n] for n in self.grads], [self.grads[n] for n in self.grads])
 
     def zero_grad(self) -> None:

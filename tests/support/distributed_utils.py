@@ -1,15 +1,17 @@
-"""Run a function on N gloo ranks in forked-server processes, with a hard timeout, for tests.
+"""Run a function on N ranks in forked-server processes, with a hard timeout, for tests.
 
 ``run_distributed(fn, world_size, *args)`` calls ``fn(*args)`` on every rank after
-``torch.distributed`` is initialised with gloo, and returns the ranks' results in rank order.
+``torch.distributed`` is initialised (gloo; NCCL where each rank has a GPU), and returns the ranks'
+results in rank order.
 ``fn`` and ``args`` must be picklable (a module-level function). If a rank raises, dies or the
 timeout passes, every rank is killed and the failure (with the rank's traceback) is raised.
 The rendezvous port is one the OS called free a moment before; when another job takes it first
 (tests run beside each other), the ranks are started again on a new one, up to ``_PORT_ATTEMPTS``.
 
-Ranks fork from one server that imported torch, megatron-core and the runtime once per test
-session: a spawned rank spends about 9 s of CPU on those imports, which on two cores was a third
-of the multi-rank tests' time. Each rank still starts with the caller's current environment.
+Without a GPU, ranks fork from one server that imported torch, megatron-core and the runtime once
+per test session: a spawned rank spends about 9 s of CPU on those imports, which on two cores was a
+third of the multi-rank tests' time. Where CUDA is visible they are spawned (``_start_context``).
+Each rank still starts with the caller's current environment.
 """
 
 from __future__ import annotations
@@ -44,6 +46,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _start_context() -> Any:
+    """Forked from the preloaded fork server on a host without a GPU; spawned where CUDA is visible:
+    on an H100, torch refused CUDA in ranks forked from the server ("Cannot re-initialize CUDA in
+    forked subprocess"), as it does in any child of a process that has queried CUDA."""
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def _backend(rank: int, world_size: int) -> str:
+    """gloo, or NCCL where every rank has a GPU of its own (``LOCAL_RANK`` picks it), as the
+    launcher chooses: on an H100, gloo died with SIGSEGV in the distributed optimizer's coalesced
+    all-gather of CUDA tensors."""
+    if torch.cuda.is_available() and world_size <= torch.cuda.device_count():
+        os.environ["LOCAL_RANK"] = str(rank)
+        return "nccl"
+    return "gloo"
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -60,7 +83,10 @@ def _rank_main(
         torch.set_num_threads(1)  # N ranks share few cores: avoid oversubscription
         try:
             dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+                _backend(rank, world_size),
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
             )
         except Exception as error:  # noqa: BLE001 - re-raised unless it is the port race
             if "address already in use" not in str(error).lower():
@@ -139,8 +165,7 @@ def run_distributed(
 def _launch(
     fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float
 ) -> list[Any]:
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
+    context = _start_context()
     results = context.Queue()
     port = free_port()
     environment = dict(os.environ)
