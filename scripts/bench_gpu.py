@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup", type=int, default=2, help="untimed training steps first (default 2)"
     )
     parser.add_argument(
+        "--profile-rows",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --train-mode: after the timed steps, one more step under torch.profiler, its "
+        "top N ops by host time (and by GPU time on a GPU) printed",
+    )
+    parser.add_argument(
         "--train-mode",
         choices=MODES,
         help="only step 4 for this mode, its results to --json: what the whole run starts once "
@@ -460,8 +468,11 @@ def train_in_subprocess(
         return json.loads(out.read_text())
 
 
-def train_one_mode(config: OptimusConfig, mode: str, steps: int, warmup: int) -> dict[str, Any]:
-    """Train ``warmup`` then ``steps`` timed steps of ``mode`` in this process."""
+def train_one_mode(
+    config: OptimusConfig, mode: str, steps: int, warmup: int, profile_rows: int = 0
+) -> dict[str, Any]:
+    """Train ``warmup`` then ``steps`` timed steps of ``mode`` in this process, then (with
+    ``profile_rows``) one more step under torch.profiler, whose tables it prints."""
     planned = plan(config)
     artifact = schedule_job_artifact(config, planned) if mode == "optimus" else None
     trainer = Trainer(config, planned.llm_plan, mode, artifact)
@@ -472,9 +483,36 @@ def train_one_mode(config: OptimusConfig, mode: str, steps: int, warmup: int) ->
         started = time.perf_counter()
         losses += [trainer.train_step(warmup + i).loss for i in range(steps)]
         step_s = (time.perf_counter() - started) / steps
+        if profile_rows:  # untimed: the profiler slows the host
+            print(f"{mode}: one training step under torch.profiler")
+            print(profile_table(lambda: trainer.train_step(warmup + steps), profile_rows))
     finally:
         trainer.close()
     return {"step_s": step_s, "losses": losses, "process": os.getpid()}
+
+
+def profile_table(fn: Callable[[], object], rows: int) -> str:
+    """``fn`` under torch.profiler: its top ``rows`` ops by host time, and by GPU time on a GPU --
+    where a mode's step time goes, host launch overhead included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        fn()
+        _synchronize()
+        wall_ms = (time.perf_counter() - started) * 1e3
+    averages = profiler.key_averages()
+    # the host time outside every op (Python, the executor's bookkeeping) is wall minus the ops'
+    tables = [
+        f"wall {wall_ms:.1f} ms (profiled)",
+        averages.table(sort_by="self_cpu_time_total", row_limit=rows),
+    ]
+    if torch.cuda.is_available():
+        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=rows))
+    return "\n".join(tables)
 
 
 def _synchronize() -> None:
@@ -685,7 +723,9 @@ def _train_mode_main(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         _init_world_of_one()
-        results = train_one_mode(config, args.train_mode, args.steps, args.warmup)
+        results = train_one_mode(
+            config, args.train_mode, args.steps, args.warmup, args.profile_rows
+        )
     except OptimusError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -9,9 +9,10 @@
 # the host's Python 3.12, pytest-timeout), then runs the GPU tests (each under pytest-timeout's
 # limit; test_bench_gpu's are CPU checks of what the bench-gpu step runs whole), optimus-profile on
 # the single-GPU and Figure 5 configs, the scheduler benchmark with that profile against the
-# roofline, and scripts/bench_gpu.py. Each step runs under `timeout` with the limit written beside
-# it; the limits, with the install, fit one device command (COMMAND_LIMIT_S), which the preflight
-# checks. Everything printed goes to OUT_DIR/gpu_truth.log, the profiles and JSON beside it
+# roofline, scripts/bench_gpu.py, and one training step per mode under torch.profiler. Each step
+# runs under `timeout` with the limit written beside it; the limits, with the install, fit one
+# device command (COMMAND_LIMIT_S), which the preflight checks. Everything printed goes to
+# OUT_DIR/gpu_truth.log, the profiles and JSON beside it
 # (OUT_DIR defaults to $OUT, where the device returns files, else ./gpu_truth_out).
 # Each step runs even if one before it failed; the exit code is the first failure's.
 set -uo pipefail
@@ -25,9 +26,13 @@ ENVIRONMENT='nvidia-smi --query-gpu=name,driver_version,memory.total --format=cs
 '"import sys, torch, megatron.core as m; '\
 'print(sys.version.split()[0], torch.__version__, torch.version.cuda, m.__version__)"'
 
+# one profiled training step per mode: where Optimus's step time goes beside the baseline's
+PROFILE_TRAIN='for mode in baseline optimus; do python3 scripts/bench_gpu.py --train-mode $mode '\
+'--steps 1 --warmup 2 --json /tmp/train_$mode.json --profile-rows 25 || exit; done'
+
 steps() {  # every step of the device run: step NAME LIMIT_S COMMAND...
   step environment 20 sh -c "$ENVIRONMENT"
-  step gpu-tests 160 python3 -m pytest -q -p no:warnings -rs --timeout "$TEST_LIMIT_S" \
+  step gpu-tests 120 python3 -m pytest -q -p no:warnings -rs --timeout "$TEST_LIMIT_S" \
     tests/distributed/test_streams.py tests/unit/test_profiler.py
   step profile-gpu-single 40 python3 -m optimus_mllm.cli.profile --config configs/gpu_single.yaml \
     --out "$out/profile_gpu_single.json"
@@ -35,7 +40,8 @@ steps() {  # every step of the device run: step NAME LIMIT_S COMMAND...
     --out "$out/profile_fig5.json"
   step bench-scheduler 30 python3 scripts/bench_scheduler.py --only fig5_8gpu --one-reading \
     --profile "$out/profile_fig5.json" --json "$out/bench_scheduler.json"
-  step bench-gpu 200 python3 scripts/bench_gpu.py --json "$out/bench_gpu.json"
+  step bench-gpu 150 python3 scripts/bench_gpu.py --json "$out/bench_gpu.json"
+  step profile-train 80 sh -c "$PROFILE_TRAIN"
 }
 
 if [ "${1:-}" = --preflight ]; then

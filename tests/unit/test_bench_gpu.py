@@ -4,6 +4,7 @@ training mode in a process of its own; the memory plan checked against the GPU's
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +84,25 @@ def test_each_training_mode_runs_in_a_process_of_its_own(tmp_path):
     assert len(set(processes)) == 2 and os.getpid() not in processes
     assert len(result["optimus"]["losses"]) == 2
     assert result["optimus"]["losses"] == pytest.approx(result["baseline"]["losses"], rel=1e-4)
+
+
+def test_train_mode_prints_a_profiled_step(tmp_path):
+    """What scripts/gpu_truth.sh's profile-train step reads: where a mode's step time goes."""
+    out = tmp_path / "optimus.json"
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--config", str(_tiny_on_one_rank(tmp_path))),
+            *("--train-mode", "optimus", "--steps", "1", "--warmup", "1"),
+            *("--json", str(out), "--profile-rows", "5"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "optimus: one training step under torch.profiler" in proc.stdout
+    assert "Self CPU" in proc.stdout
+    assert len(json.loads(out.read_text())["losses"]) == 2  # the profiled step is not counted
 
 
 def test_memory_plan_is_checked_against_the_gpus_free_memory():
