@@ -378,11 +378,22 @@ class OptimusInMegatron:
         """The images of the step's batches (``batches[i][key]``, on TP rank 0) on every rank of
         this LLM stage's TP group: the encoder's image source over them, and the first
         microbatch's images."""
-        data = None
-        if batches[0] is not None:
-            data = torch.cat([batch[key] for batch in batches]).float()
-        images = _broadcast_over_tp(data, job.stream.device)
-        per_microbatch = images.chunk(num_microbatches)
+        per_microbatch = _broadcast_over_tp(
+            None if batches[0] is None else [batch[key] for batch in batches],
+            num_microbatches,
+            job.stream.device,
+        )
+        planned = job.config.training.micro_batch_size  # the job's schedule: one image a sample
+        for i, images in enumerate(per_microbatch):
+            if images.shape[0] != planned:  # seen alike by the TP group: it refuses together
+                raise OptimusError(
+                    f"iteration {self.get_args().curr_iteration}, microbatch {i}: the batch holds "
+                    f"{images.shape[0]} images under '{key}', and --optimus-schedule planned "
+                    f"{planned} (one a sample, --micro-batch-size {planned}); inside Megatron-LM "
+                    "the flag does not follow a varying image count yet (text-only or multi-image "
+                    "samples): train this data without the flag, or with optimus-train "
+                    "(training.schedule_per_iteration)"
+                )
         numbering = job.optimus.numbering
         patch = job.config.encoders[0].patch_size
         by_global = {numbering.global_index(i): x for i, x in enumerate(per_microbatch)}
@@ -495,25 +506,30 @@ def _forward_on(
     return forward_step_func(data, chunk)[0]
 
 
-def _broadcast_over_tp(images: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """``images`` ([n, channels, height, width]) of the LLM's TP rank 0 on every rank of its TP
-    group, as Megatron's ``get_batch`` hands its ranks the batch."""
+def _broadcast_over_tp(
+    images: list[torch.Tensor] | None, num_microbatches: int, device: torch.device
+) -> list[torch.Tensor]:
+    """Each microbatch's images ([n_i, channels, height, width]) of the LLM's TP rank 0 on every
+    rank of its TP group, as Megatron's ``get_batch`` hands its ranks the batch; the counts n_i
+    travel with the shape, so that every rank splits them alike."""
     group = parallel_state.get_tensor_model_parallel_group()
     if group.size() == 1:
         assert images is not None
-        return images.to(device)
+        return [x.float().to(device) for x in images]
     src = parallel_state.get_tensor_model_parallel_src_rank()
-    shape = torch.tensor(
-        [0] * 4 if images is None else list(images.shape), dtype=torch.long, device=device
-    )
+    header = [0] * (3 + num_microbatches)  # channels, height, width, then n_i
+    if images is not None:
+        header = [*images[0].shape[1:], *(x.shape[0] for x in images)]
+    shape = torch.tensor(header, dtype=torch.long, device=device)
     dist.broadcast(shape, src, group)
+    channels, height, width, *counts = shape.tolist()
     out = (
-        images.to(device)
+        torch.cat(images).float().to(device)
         if images is not None
-        else torch.empty(shape.tolist(), dtype=torch.float32, device=device)
+        else torch.empty(sum(counts), channels, height, width, dtype=torch.float32, device=device)
     )
     dist.broadcast(out, src, group)
-    return out
+    return list(out.split(counts))
 
 
 def _unwrapped(model: list[Any]) -> list[nn.Module]:

@@ -272,3 +272,30 @@ def test_images_the_forward_step_transforms_are_one_line_before_the_first_step(
         "the model's forward step gives vision_model a tensor that is none "
     ), said[0]
     assert "'pixels'" in said[0]
+
+
+def _text_only_sample_in_the_second_step(argv: list[str], schedule: str) -> str:
+    """The flagged run of a user whose data has one text-only sample in each batch of iteration 1:
+    one image fewer than the schedule's."""
+    from optimus_mllm.errors import OptimusError
+
+    from support.megatron_standin import standin_pretrain
+
+    def one_image_fewer(iteration: int, batch: dict) -> dict:
+        return {**batch, "image": batch["image"][1:]} if iteration == 1 else batch
+
+    try:
+        standin_pretrain(argv, schedule, edit_batch=one_image_fewer)
+    except OptimusError as error:
+        return str(error)
+    return "trained"
+
+
+def test_a_batch_with_another_image_count_is_one_line_not_a_silent_split(tmp_path: Path) -> None:
+    # before, the step's images were cut into equal microbatches whatever each batch held
+    argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
+    schedule = _write_artifact(argv, tmp_path / "plan.json")
+    said = run_distributed(_text_only_sample_in_the_second_step, 4, argv, schedule, timeout=600)
+    assert len(set(said)) == 1, said  # every rank alike
+    assert said[0].startswith("iteration 1, microbatch 0: the batch holds 1 images under 'image'")
+    assert "planned 2 (one a sample, --micro-batch-size 2)" in said[0], said[0]

@@ -63,13 +63,15 @@ def standin_pretrain(
     renamed: dict[str, str] | None = None,
     forward_step: Callable[..., Any] | None = None,
     edit: Callable[[Any], None] | None = None,
+    edit_batch: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None,
 ) -> StandinRun:
     """Train ``--train-iters`` iterations of the script under the flags ``argv`` on the world's
     ranks; with ``schedule``, as ``--optimus-schedule schedule`` would. ``model_class``: a subclass
     of the script's model that the provider's models become (a user's own forward). ``renamed``:
     batch keys the data iterator gives under other names. ``forward_step``: the user's, in place of
     the script's. ``edit``: called on each model the provider built, before it is returned (a
-    user's own provider, e.g. another projector)."""
+    user's own provider, e.g. another projector). ``edit_batch``: ``(iteration, batch) -> batch``
+    on every batch the data iterator gives (a user's data unlike the script's)."""
     args = megatron_arguments.validate_args(
         megatron_arguments.parse_args(None, argv), dist.get_world_size()
     )
@@ -112,6 +114,8 @@ def standin_pretrain(
         )
         if renamed:
             batches = partial(_renamed, batches, renamed)
+        if edit_batch is not None:
+            batches = partial(_batch_edited, batches, edit_batch)
         num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
         step = {} if forward_step is None else {"forward_step_func": forward_step}
         losses, norms = [], []
@@ -158,6 +162,12 @@ def standin_pretrain(
 
 def _renamed(batches: Any, renamed: dict[str, str], *args: Any) -> dict[str, Any]:
     return {renamed.get(key, key): value for key, value in batches(*args).items()}
+
+
+def _batch_edited(
+    batches: Any, edit: Callable[[int, dict[str, Any]], dict[str, Any]], iteration: int, *args: Any
+) -> dict[str, Any]:
+    return edit(iteration, batches(iteration, *args))
 
 
 def _edited(provider: Any, edit: Callable[[Any], None], *args: Any, **kwargs: Any) -> Any:
