@@ -276,6 +276,11 @@ class Move:
                     free.occupy(start, end)
 
 
+# a backward move's placement, by what it depends on: the forward moves before it (t), the
+# backward moves before it as (gradient arrival, lowest stage), and its own arrival and lowest stage
+BackwardKey = tuple[int, tuple[tuple[float, int], ...], float, int]
+
+
 class PipelineMoves:
     """One encoder pipeline's microbatches moved into the LLM's bubbles, shared by all partitions of
     a plan.
@@ -287,12 +292,18 @@ class PipelineMoves:
     rebuilt from a copy taken every ``SNAPSHOT_EVERY`` moves plus the moves since.
 
     A backward move of LLM microbatch i's encoder work lands where the bubbles left by j's t forward
-    moves and its earlier backward moves put it, so its placement is kept by (t, the LLM
-    microbatches moved before, i) too: partitions that move the same microbatches in the same order
-    reuse it.
+    moves and its earlier backward moves put it, so its placement is kept by (t, the gradients'
+    arrivals (tau) and lowest stages of the backward moves before, its own arrival and lowest
+    stage) too: partitions that move the same microbatches in the same order reuse it.
 
     The pipeline's coarse windows do not depend on the partition either: every layout a partition
     needs is a prefix of one pre window and, mostly, of one post window (see ``PostWindow``).
+
+    None of this depends on which LLM microbatch each encoder microbatch feeds, beyond the last
+    forward dependency point (``limit``), which bounds every forward move: a backward move is kept
+    by when its gradient arrives, not by its microbatch's index. So an iteration's schedule
+    (``bubble_scheduler``'s ``workload``) shares these moves with every other iteration whose
+    encoder microbatches run the same chains to the same limit (``ChainMoves``).
     """
 
     SNAPSHOT_EVERY = 8
@@ -316,14 +327,22 @@ class PipelineMoves:
         ] = []  # t -> its EF (tau): when its output reaches the first LLM stage
         self.exhausted = False  # move len(moves) does not fit
         self.snapshots = {0: [r.copy() for r in self.builder]}
-        self.backward: dict[tuple[int, tuple[int, ...], int], Move | None] = {}
-        self.pre = PreWindow.of(work, j, len(dep.forward), self.first)  # no partition gives j more
+        # (t, (arrival, low) of each backward move before, arrival, low) -> its placement
+        self.backward: dict[BackwardKey, Move | None] = {}
+        self._pre = PreWindow.of(work, j, len(dep.forward), self.first)  # no partition gives j more
         self.post = PostWindow([dep.timeline.stages[s].last_compute_us for s in stages], work)
 
     @classmethod
     def of_pipelines(cls, work: EncoderWork, bubbles: LLMBubbles) -> list[PipelineMoves]:
         """One per encoder pipeline, to share among a plan's partitions."""
         return [cls(work, bubbles.dep, bubbles.gaps, j) for j in range(work.num_pipelines)]
+
+    def pre(self, n: int) -> PreWindow:
+        """The pre window of at least the pipeline's first ``n`` microbatches (a longer one's
+        layouts are prefixes: the first n are the same)."""
+        if len(self._pre.starts) < n:
+            self._pre = PreWindow.of(self.work, self.j, n, self.first)
+        return self._pre
 
     def move(self, t: int) -> Move | None:
         """The pipeline's t-th forward move (from 0); None if it does not fit."""
