@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -60,7 +61,15 @@ from optimus_mllm.scheduler.encoder_costs import (
     StageChain,
     build_encoder_work,
 )
-from optimus_mllm.scheduler.fine import Cut, LLMBubbles, Move, PipelineMoves, Placement, Resource
+from optimus_mllm.scheduler.fine import (
+    BackwardKey,
+    Cut,
+    LLMBubbles,
+    Move,
+    PipelineMoves,
+    Placement,
+    Resource,
+)
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
 from optimus_mllm.workload import (
@@ -206,7 +215,9 @@ class _PartitionScheduler:
         self.resources: dict[tuple[int, int], Resource] = {}
         # per pipeline: (LLM microbatch, lowest stage placed into bubbles) of its backward moves, in
         # order
-        self.moved_backward: list[list[tuple[int, int]]] = [[] for _ in partition]
+        # per pipeline: (gradient arrival, lowest stage placed into bubbles) of its backward moves,
+        # in order (``PipelineMoves.backward``'s key)
+        self.moved_backward: list[list[tuple[float, int]]] = [[] for _ in partition]
         # backward moves not yet in resources
         self.uncommitted: list[list[Move]] = [[] for _ in partition]
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
@@ -217,7 +228,7 @@ class _PartitionScheduler:
             tuple[int, int], Move
         ] = {}  # from its stage Move.low up; the rest in ``post``
         self.has_backward = any(chain.kernels for chain in work.bwd)
-        self.pre = [m.pre for m in moves]
+        self.pre = [m.pre(len(dep.forward)) for m in moves]
         self.t0_low = all_gather_t0(work, self.timeline)
         self.queued_tail = self._queued_tail()
         self.evaluation = self.evaluate()
@@ -250,10 +261,8 @@ class _PartitionScheduler:
             shared[key] = self._first_fit_backward(j, i, low)
         return shared[key]
 
-    def _backward_key(
-        self, j: int, i: int, low: int
-    ) -> tuple[int, tuple[tuple[int, int], ...], int, int]:
-        return self.moved_forward(j), tuple(self.moved_backward[j]), i, low
+    def _backward_key(self, j: int, i: int, low: int) -> BackwardKey:
+        return self.moved_forward(j), tuple(self.moved_backward[j]), self.dep.backward[i], low
 
     def _first_fit_backward(self, j: int, i: int, low: int) -> Move | None:
         w = self.work
@@ -274,7 +283,7 @@ class _PartitionScheduler:
         """Take the bubbles of the backward move just placed, once a later placement must search
         them."""
         self.uncommitted[j].append(self.moves[j].backward[self._backward_key(j, i, low)])
-        self.moved_backward[j].append((i, low))
+        self.moved_backward[j].append((self.dep.backward[i], low))
 
     def last(self, j: int, e: int) -> float:
         return self.timeline.stages[self.work.llm_stage(j, e)].last_compute_us
@@ -660,6 +669,7 @@ def bubble_scheduler(
     fine: bool = True,
     workload: IterationWorkload | None = None,
     images_per_chain: int | None = None,
+    chains: ChainMoves | None = None,
 ) -> tuple[Schedule | None, SchedulerStats]:
     """BubbleScheduler (Algorithm 2): coarse schedules for every partition, refined, the fastest
     kept.
@@ -673,7 +683,9 @@ def bubble_scheduler(
     ``workload``: one per microbatch of the LLM pipeline, in the order the LLM is to run them
     (imageless ones first, see the module's note); None: every microbatch carries today's
     constant work. ``images_per_chain``: the most images of one encoder microbatch (default: the
-    workload's heaviest microbatch's, one encoder microbatch per LLM microbatch).
+    workload's heaviest microbatch's, one encoder microbatch per LLM microbatch). ``chains``: the
+    encoder chains and moves kept from earlier workloads of this plan (``ChainMoves``); the
+    schedule is the same with or without.
     """
     if workload is None:
         plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
@@ -697,11 +709,75 @@ def bubble_scheduler(
         return None, SchedulerStats()
     candidate = replace(candidate, partitions=partitions)
     bubbles = bubbles.feeding(split.feeds)
-    plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost, heavy=split.chain)
-    best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine)
+    if chains is None:
+        work = build_encoder_work(config, llm_plan, candidate.plan, cost, split.chain)
+        moves = None
+    else:
+        work, moves = chains.of(candidate.plan, split.chain, bubbles)
+    plan_input = _PlanInput.of_work(candidate, work, bubbles)
+    best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine, moves)
     if best is None:
         return None, stats
     return replace(best.schedule(), feeds=split.feeds), stats
+
+
+class ChainMoves:
+    """One encoder plan's kernel chains and pipeline moves per chain, kept from one iteration's
+    schedule to the next (``per_iteration``).
+
+    An iteration's encoder microbatches are all priced at one chain workload
+    (``EncoderSplit.chain``); its kernel chains (``build_encoder_work``) depend on nothing else,
+    and the pipelines' moves into the LLM's bubbles (``PipelineMoves``) only on those chains, the
+    bubbles and the last forward dependency point, not on which LLM microbatches the encoder
+    microbatches feed. Iterations differ mostly in the latter, so a job's builds share the former:
+    kept by (chain workload, last forward dependency point) for the ``kept`` chains used last, for
+    one LLM timeline's bubbles and one encoder plan. A chain's backward moves are dropped beyond
+    ``BACKWARD_KEPT`` per pipeline (kept only for reuse, they would grow with every iteration).
+    Not thread-safe: a job's builds run one at a time.
+    """
+
+    KEPT = 16
+    BACKWARD_KEPT = 4096
+
+    def __init__(
+        self,
+        config: OptimusConfig,
+        llm_plan: ParallelPlan,
+        encoder_plan: ParallelPlan,
+        bubbles: LLMBubbles,
+        cost: CostModel,
+        kept: int = KEPT,
+    ):
+        self.config, self.llm_plan, self.encoder_plan = config, llm_plan, encoder_plan
+        self.bubbles, self.cost, self.kept = bubbles, cost, kept
+        self._kept: OrderedDict[
+            tuple[EncoderWorkload, float], tuple[EncoderWork, list[PipelineMoves]]
+        ] = OrderedDict()
+
+    def of(
+        self, encoder_plan: ParallelPlan, chain: EncoderWorkload, bubbles: LLMBubbles
+    ) -> tuple[EncoderWork, list[PipelineMoves]]:
+        """``chain``'s encoder work and pipeline moves into ``bubbles`` (the job's, ``feeding``
+        some LLM microbatches).
+
+        Raises:
+            ValueError: ``encoder_plan`` or ``bubbles``' LLM timeline is not the one kept for.
+        """
+        if encoder_plan != self.encoder_plan or bubbles.gaps is not self.bubbles.gaps:
+            raise ValueError("ChainMoves keeps one encoder plan's moves into one job's bubbles")
+        key = (chain, max(bubbles.dep.forward))
+        if key in self._kept:
+            self._kept.move_to_end(key)
+            work, moves = self._kept[key]
+            for pipeline in moves:
+                if len(pipeline.backward) > self.BACKWARD_KEPT:
+                    pipeline.backward.clear()
+            return work, moves
+        work = build_encoder_work(self.config, self.llm_plan, encoder_plan, self.cost, chain)
+        self._kept[key] = work, PipelineMoves.of_pipelines(work, bubbles)
+        if len(self._kept) > self.kept:
+            self._kept.popitem(last=False)
+        return self._kept[key]
 
 
 @dataclass(frozen=True)
@@ -726,7 +802,13 @@ class _PlanInput:
     ) -> _PlanInput:
         """``heavy``: the workload every encoder microbatch is priced at (default: today's)."""
         work = build_encoder_work(config, llm_plan, candidate.plan, cost, heavy)
-        work = work if cut_kernels else work.whole()
+        return cls.of_work(candidate, work if cut_kernels else work.whole(), bubbles)
+
+    @classmethod
+    def of_work(
+        cls, candidate: EncoderPlanCandidate, work: EncoderWork, bubbles: LLMBubbles
+    ) -> _PlanInput:
+        """The plan with its encoder work built already."""
         bound = PartitionBound(work, bubbles.dep, bubbles.lengths)
         return cls(candidate, work, {p: bound(p) for p in candidate.partitions.partitions})
 
@@ -758,12 +840,15 @@ def _search_partitions(
     bubbles: LLMBubbles,
     bound_us: float,
     fine: bool,
+    moves: list[PipelineMoves] | None = None,
 ) -> tuple[_PlanBest | None, SchedulerStats]:
-    """``bubble_scheduler`` up to its fastest partition."""
+    """``bubble_scheduler`` up to its fastest partition; ``moves``: the encoder pipelines' moves
+    kept from an earlier search of the same work and bubbles (default: new ones)."""
     work, bounds = plan_input.work, plan_input.bounds
     stats = SchedulerStats(partitions_total=len(bounds))
     with _cyclic_gc_paused():
-        moves = PipelineMoves.of_pipelines(work, bubbles)
+        if moves is None:
+            moves = PipelineMoves.of_pipelines(work, bubbles)
         best: _PlanBest | None = None
         for partition in sorted(bounds, key=bounds.get):
             if bounds[partition] >= min(bound_us, best.iteration_us if best else bound_us) - EPS_US:

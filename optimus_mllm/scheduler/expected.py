@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
-from optimus_mllm.scheduler.bubble_scheduler import Schedule, bubble_scheduler
+from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
 from optimus_mllm.scheduler.per_iteration import schedule_iteration
@@ -62,15 +62,18 @@ def rank_by_expected_time(
     maximum = (distribution.maximum(config),) * planned.num_microbatches
     rows = []
     for candidate in planned.candidates:
+        chains = ChainMoves(config, planned.llm_plan, candidate.plan, bubbles, cost)
         fallback, _ = bubble_scheduler(
-            config, planned.llm_plan, candidate, bubbles, cost, workload=maximum
+            config, planned.llm_plan, candidate, bubbles, cost, workload=maximum, chains=chains
         )
         if fallback is None:
             continue
         times, fell_back = [], 0
         for workload in drawn:
             ordered = tuple(workload[i] for i in llm_order(workload))
-            own = schedule_iteration(config, planned.llm_plan, candidate, bubbles, cost, ordered)
+            own = schedule_iteration(
+                config, planned.llm_plan, candidate, bubbles, cost, ordered, chains=chains
+            )
             if own is None or own.schedule.iteration_us > fallback.iteration_us:
                 fell_back += 1
                 times.append(fallback.iteration_us)

@@ -159,16 +159,17 @@ class Resource:
         work = d - launch_us
         pieces, done, left = [], 0.0, d  # left: the rest as one more kernel, launch included
         while True:
-            whole = self.compute.earliest_fit(t, left, limit)
             can_cut = left - launch_us >= 2 * MIN_PIECE_WORK_US  # a piece and a rest of the minimum
-            piece = self.compute.earliest_fit(t, min_room, limit) if can_cut else None
-            if piece is None or (whole is not None and whole[0] <= piece[0]):
-                if whole is None:
+            runs_whole, fit = _whole_or_piece(
+                self.compute, t, left, min_room if can_cut else None, limit
+            )
+            if runs_whole:
+                if fit is None:
                     return None
-                start, lo, hi = whole
+                start, lo, hi = fit
                 pieces.append((done / work, 1.0, start, start + left))
                 return pieces, (lo, hi)
-            start, lo, hi = piece
+            start, lo, hi = fit
             # up to the bubble's end (the rest does not fit this bubble, or ``whole`` would start
             # here), short of it where the rest would keep less than the minimum
             share = min(min(hi, limit) - start, left - MIN_PIECE_WORK_US) - launch_us
@@ -188,20 +189,45 @@ class Resource:
         pieces, done = [], 0
         while True:
             left = d if done == 0 else prices.us[n - done]  # the rest as one more kernel
-            whole = self.compute.earliest_fit(t, left, limit)
             can_cut = n - done >= 2 * least
-            piece = self.compute.earliest_fit(t, prices.us[least], limit) if can_cut else None
-            if piece is None or (whole is not None and whole[0] <= piece[0]):
-                if whole is None:
+            piece_us = prices.us[least] if can_cut else None
+            runs_whole, fit = _whole_or_piece(self.compute, t, left, piece_us, limit)
+            if runs_whole:
+                if fit is None:
                     return None
-                start, lo, hi = whole
+                start, lo, hi = fit
                 pieces.append((done / n, 1.0, start, start + left))
                 return pieces, (lo, hi)
-            start, lo, hi = piece
+            start, lo, hi = fit
             k = min(prices.most_blocks(min(hi, limit) - start), n - done - least)
             t = start + prices.us[k]
             pieces.append((done / n, (done + k) / n, start, t))
             done += k
+
+
+def _whole_or_piece(
+    free: FreeIntervals, t: float, whole_us: float, piece_us: float | None, limit: float
+) -> tuple[bool, tuple[float, float, float] | None]:
+    """Where a cuttable kernel goes first-fit from ``t``: (True, its whole run's fit, None where it
+    fits nowhere) unless a piece of ``piece_us`` (None: it cannot be cut) starts sooner than the
+    whole kernel would: then (False, the piece's fit).
+
+    A piece no longer than the whole kernel fits wherever the whole does, so the whole starts no
+    sooner than the piece: it wins only if it fits where the piece starts. That is one check
+    instead of a second first-fit search, which for a long kernel scans past every shorter bubble
+    (most of the per-iteration scheduler's time). A piece priced above the whole (not one the cost
+    model makes today) takes both searches."""
+    if piece_us is None:
+        return True, free.earliest_fit(t, whole_us, limit)
+    piece = free.earliest_fit(t, piece_us, limit)
+    if piece is None:
+        return True, free.earliest_fit(t, whole_us, limit)
+    start, _, hi = piece
+    if piece_us <= whole_us:
+        end = start + whole_us
+        return (True, piece) if end <= hi and end <= limit else (False, piece)
+    whole = free.earliest_fit(t, whole_us, limit)
+    return (True, whole) if whole is not None and whole[0] <= start else (False, piece)
 
 
 def _take_span(stream: array, start: float, end: float) -> None:
@@ -250,6 +276,11 @@ class Move:
                     free.occupy(start, end)
 
 
+# a backward move's placement, by what it depends on: the forward moves before it (t), the
+# backward moves before it as (gradient arrival, lowest stage), and its own arrival and lowest stage
+BackwardKey = tuple[int, tuple[tuple[float, int], ...], float, int]
+
+
 class PipelineMoves:
     """One encoder pipeline's microbatches moved into the LLM's bubbles, shared by all partitions of
     a plan.
@@ -261,12 +292,18 @@ class PipelineMoves:
     rebuilt from a copy taken every ``SNAPSHOT_EVERY`` moves plus the moves since.
 
     A backward move of LLM microbatch i's encoder work lands where the bubbles left by j's t forward
-    moves and its earlier backward moves put it, so its placement is kept by (t, the LLM
-    microbatches moved before, i) too: partitions that move the same microbatches in the same order
-    reuse it.
+    moves and its earlier backward moves put it, so its placement is kept by (t, the gradients'
+    arrivals (tau) and lowest stages of the backward moves before, its own arrival and lowest
+    stage) too: partitions that move the same microbatches in the same order reuse it.
 
     The pipeline's coarse windows do not depend on the partition either: every layout a partition
     needs is a prefix of one pre window and, mostly, of one post window (see ``PostWindow``).
+
+    None of this depends on which LLM microbatch each encoder microbatch feeds, beyond the last
+    forward dependency point (``limit``), which bounds every forward move: a backward move is kept
+    by when its gradient arrives, not by its microbatch's index. So an iteration's schedule
+    (``bubble_scheduler``'s ``workload``) shares these moves with every other iteration whose
+    encoder microbatches run the same chains to the same limit (``ChainMoves``).
     """
 
     SNAPSHOT_EVERY = 8
@@ -290,14 +327,22 @@ class PipelineMoves:
         ] = []  # t -> its EF (tau): when its output reaches the first LLM stage
         self.exhausted = False  # move len(moves) does not fit
         self.snapshots = {0: [r.copy() for r in self.builder]}
-        self.backward: dict[tuple[int, tuple[int, ...], int], Move | None] = {}
-        self.pre = PreWindow.of(work, j, len(dep.forward), self.first)  # no partition gives j more
+        # (t, (arrival, low) of each backward move before, arrival, low) -> its placement
+        self.backward: dict[BackwardKey, Move | None] = {}
+        self._pre = PreWindow.of(work, j, len(dep.forward), self.first)  # no partition gives j more
         self.post = PostWindow([dep.timeline.stages[s].last_compute_us for s in stages], work)
 
     @classmethod
     def of_pipelines(cls, work: EncoderWork, bubbles: LLMBubbles) -> list[PipelineMoves]:
         """One per encoder pipeline, to share among a plan's partitions."""
         return [cls(work, bubbles.dep, bubbles.gaps, j) for j in range(work.num_pipelines)]
+
+    def pre(self, n: int) -> PreWindow:
+        """The pre window of at least the pipeline's first ``n`` microbatches (a longer one's
+        layouts are prefixes: the first n are the same)."""
+        if len(self._pre.starts) < n:
+            self._pre = PreWindow.of(self.work, self.j, n, self.first)
+        return self._pre
 
     def move(self, t: int) -> Move | None:
         """The pipeline's t-th forward move (from 0); None if it does not fit."""

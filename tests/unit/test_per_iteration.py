@@ -13,7 +13,7 @@ from optimus_mllm.config import load_config
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
-from optimus_mllm.scheduler.bubble_scheduler import bubble_scheduler
+from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
 from optimus_mllm.scheduler.per_iteration import IterationSchedule, IterationScheduler
@@ -197,3 +197,85 @@ def test_an_iteration_late_on_another_rank_runs_the_fallback(job):
     scheduler.close()
     assert (p.source, p.schedule) == ("fallback", fallback)
     assert p.reason == "late: not built on every rank by the step"
+
+
+def _same_schedule(a, b):
+    if a is None or b is None:
+        return a is b
+    fields = ("partition", "llm_origin_us", "assignment", "encoder_forward_end_us")
+    fields += ("encoder_backward_start_us", "chains", "iteration_us", "feeds", "work")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def test_chains_kept_across_iterations_schedule_each_as_alone(job):
+    """``ChainMoves`` keeps an encoder chain's work and moves from one iteration's build to the
+    next: iterations whose encoder microbatches feed different LLM microbatches (so gradients
+    arrive at other times) and run at other chain sizes, built in any order with the kept ones,
+    get exactly the schedule each gets alone."""
+    config, planned, cost, candidate, _ = job
+    n = planned.num_microbatches
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    counts = [
+        [0, 2] * (n // 2),
+        [2] * n,
+        [0] * (n - 3) + [2, 1, 2],
+        [0] * 4 + [2, 1] * (n // 2 - 2),
+    ]
+    builds = [(c, size) for size in (1, 2) for c in counts] + [(counts[1], 2), (counts[0], 2)]
+    chains = ChainMoves(config, planned.llm_plan, candidate.plan, bubbles, cost)
+    kept = 0
+    for c, size in builds:
+        workload = _workload(config, sorted(c, key=bool))  # imageless first, as the LLM runs them
+        alone, _ = bubble_scheduler(
+            config,
+            planned.llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            workload=workload,
+            images_per_chain=size,
+        )
+        together, _ = bubble_scheduler(
+            config,
+            planned.llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            workload=workload,
+            images_per_chain=size,
+            chains=chains,
+        )
+        assert alone is not None and _same_schedule(alone, together), (c, size)
+        backward = [len(m.backward) for _, moves in chains._kept.values() for m in moves]
+        kept = max(kept, *backward)
+    assert len(chains._kept) == 2  # one per chain size: every workload's heaviest has 2 images
+    assert kept > 0
+    other = dataclasses.replace(candidate.plan, pp=candidate.plan.pp + 1)
+    with pytest.raises(ValueError, match="one encoder plan"):
+        chains.of(other, EncoderWorkload.of_images(config, 2), bubbles)
+
+
+def test_the_schedules_kept_for_reuse_are_bounded_and_never_those_still_to_run(job):
+    config, planned, _, _, fallback = job
+    built = []
+
+    def build(workload):
+        built.append(workload)
+        return IterationSchedule(fallback, MAX_IMAGES)
+
+    scheduler = IterationScheduler(build, fallback, kept=2)
+    workloads = [_workload(config, [k + 1] * planned.num_microbatches) for k in range(4)]
+    reused = []
+    for k, workload in enumerate(workloads[:3] + [workloads[0], workloads[2]]):
+        scheduler.submit(k, workload)
+        reused.append(scheduler.take(k, wait_s=60.0).reused)
+    # the first workload was dropped for the third; the third, kept, is reused
+    assert reused == [False, False, False, False, True]
+    assert len(built) == 4
+    # iterations submitted but not taken keep their builds, whatever ``kept`` says
+    for k, workload in enumerate(workloads, start=5):
+        scheduler.submit(k, workload)
+    plans = [scheduler.take(k, wait_s=60.0) for k in range(5, 9)]
+    scheduler.close()
+    assert [p.source for p in plans] == ["per-iteration"] * 4
+    assert len(scheduler._by_key) == 2
