@@ -220,7 +220,7 @@ def enumerate_encoder_plans(
     n = config.cluster.num_gpus
     n_mb = config.num_microbatches_total // llm_plan.dp
     capacity = gpu_memory_bytes(config)
-    fixed = config.parallel.encoder
+    fixed = config.parallel.fixed_encoder
     pp_options = [fixed.pp] if fixed else divisors(llm_plan.pp)
     tp_options = [fixed.tp] if fixed else divisors(llm_plan.tp)
     llm_mem = llm_memory(config, llm_plan)
