@@ -8,10 +8,9 @@
   ``TransformerLayer`` spec that uses them.
 - ``layers_3d``: the 3D paper's load-balanced linear layer (its Algorithms 1-2), the diagonal
   hosting of vectors (Algorithms 7-8), its layer norm, and the ``TransformerLayer`` spec.
-- ``footprint``: per-rank parameter and activation bytes of a layer under 1D, 2D and 3D, as
-  plain formulas.
 
 Built: the 2D and 3D transformer layers. Not built: the embedding and output layers, and
-the planner, cost model and scheduler.
-This package imports nothing at import time, so ``layout`` and ``footprint`` stay torch-free.
+the scheduler. The per-rank bytes of these layers are ``optimus_mllm/tp_footprint.py``, outside the
+runtime, so that the memory model reads them without it.
+This package imports nothing at import time, so ``layout`` stays torch-free.
 """
