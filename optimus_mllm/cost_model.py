@@ -7,7 +7,8 @@ either from a roofline over the kernel's FLOPs and bytes or from a measured JSON
 Shapes follow Megatron's tensor parallelism: column-parallel QKV and fc1, row-parallel output
 projection and fc2; with sequence parallelism each half-layer starts with an all-gather and ends
 with a reduce-scatter, without it ends with an all-reduce (and its backward all-reduce sits before
-the QKV/fc1 input gradient).
+the QKV/fc1 input gradient). A layer under another TP mode (2d, 3d, metp) is
+``tp_mode_kernels``'s chain.
 """
 
 from __future__ import annotations
@@ -18,13 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NoReturn
 
-from optimus_mllm.config import ClusterConfig, CostModelConfig, OptimusConfig, TransformerSpec
+from optimus_mllm.config import (
+    ClusterConfig,
+    CostModelConfig,
+    OptimusConfig,
+    TPMode,
+    TransformerSpec,
+)
 from optimus_mllm.errors import ConfigError, OptimusError
 from optimus_mllm.io_utils import read_versioned_json
 
 Phase = Literal["fwd", "bwd"]
 KernelClass = Literal["gemm", "attention", "memory", "comm"]
-Collective = Literal["all_gather", "reduce_scatter", "all_reduce", "p2p"]
+# broadcast and reduce: the 2D and METP papers' binomial trees (SUMMA's steps, METP's projection
+# shards)
+Collective = Literal["all_gather", "reduce_scatter", "all_reduce", "p2p", "broadcast", "reduce"]
 
 PROFILE_FORMAT = "optimus-kernel-profile"
 PROFILE_VERSION = 2
@@ -131,6 +140,7 @@ class LayerShape:
     sequence_parallel: bool
     dtype_bytes: int
     recompute: Literal["none", "selective", "full"] = "none"
+    tp_mode: TPMode = "1d"
 
     @property
     def tokens(self) -> int:
@@ -139,6 +149,11 @@ class LayerShape:
 
 def layer_kernels(shape: LayerShape, phase: Phase) -> list[KernelWork]:
     """The kernels of one layer's forward or backward, in execution order."""
+    if shape.tp_mode != "1d":
+        # tp_mode_kernels builds its chains from this module's types, so it is imported here
+        from optimus_mllm.tp_mode_kernels import mode_layer_kernels
+
+        return mode_layer_kernels(shape, phase)
     fwd = _forward_kernels(shape)
     if phase == "fwd":
         return fwd
@@ -273,11 +288,14 @@ def _forward_kernels(shape: LayerShape) -> list[KernelWork]:
 
 
 def collective_bytes_on_wire(collective: Collective, tensor_bytes: float, group_size: int) -> float:
-    """Bytes each rank sends in a ring collective over a tensor of ``tensor_bytes``."""
+    """Bytes each rank sends in a ring collective over a tensor of ``tensor_bytes``; a tree
+    broadcast or reduce takes log2(group) hops of the whole tensor (Eq. 4 of the 2D paper)."""
     if collective == "p2p":
         return tensor_bytes
     if group_size <= 1:
         return 0.0
+    if collective in ("broadcast", "reduce"):
+        return math.log2(group_size) * tensor_bytes
     factor = (group_size - 1) / group_size
     return 2 * factor * tensor_bytes if collective == "all_reduce" else factor * tensor_bytes
 
