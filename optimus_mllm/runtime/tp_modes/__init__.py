@@ -9,8 +9,11 @@
 - ``layers_3d``: the 3D paper's load-balanced linear layer (its Algorithms 1-2), the diagonal
   hosting of vectors (Algorithms 7-8), its layer norm, and the ``TransformerLayer`` spec.
 
-Built: the 2D and 3D transformer layers. Not built: the embedding and output layers, and
-the scheduler. The per-rank bytes of these layers are ``optimus_mllm/tp_footprint.py``, outside the
-runtime, so that the memory model reads them without it.
+- ``trained``: which TP modes the runtime trains (1d only yet) and the refusal of the others.
+
+Built: the 2D and 3D transformer layers; planned by the config, memory and cost models and the
+planner (``optimus_mllm/tp_footprint.py``, ``tp_memory.py``, ``tp_mode_kernels.py``, outside the
+runtime so that the planner reads them without torch). Not built: the embedding and output layers,
+and training a model in these modes.
 This package imports nothing at import time, so ``layout`` stays torch-free.
 """
