@@ -1,6 +1,6 @@
-"""The 2D, 3D and METP layer chains (``tp_mode_kernels``) do the layer's FLOPs split over the
-ranks and move the papers' communication volumes (2D: Xu et al. Table 1; 3D: Bian et al. §3.1.2;
-METP: Liang et al. Tables 1-2)."""
+"""The 2D, 3D and METP layer chains (``cost_model.layer_kernels``) do the layer's FLOPs split
+over the ranks and move the papers' communication volumes (2D: Xu et al. Table 1; 3D: Bian et
+al. §3.1.2; METP: Liang et al. Tables 1-2)."""
 
 from __future__ import annotations
 

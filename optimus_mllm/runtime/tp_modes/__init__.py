@@ -12,7 +12,7 @@
 - ``trained``: which TP modes the runtime trains (1d only yet) and the refusal of the others.
 
 Built: the 2D and 3D transformer layers; planned by the config, memory and cost models and the
-planner (``optimus_mllm/tp_footprint.py``, ``tp_memory.py``, ``tp_mode_kernels.py``, outside the
+planner (``optimus_mllm/tp_footprint.py``, ``tp_memory.py``, ``cost_model.py``, outside the
 runtime so that the planner reads them without torch). Not built: the embedding and output layers,
 and training a model in these modes.
 This package imports nothing at import time, so ``layout`` stays torch-free.

@@ -1,6 +1,6 @@
 """Which TP modes the runtime trains: 1d (megatron-core's) only, until the 2D, 3D and METP layers
 (this package, ``runtime/metp``) are built into the trainer's models and its encoder ops (issues
-36, 37). The planner plans every mode (``tp_memory``, ``tp_mode_kernels``); a job given a plan in
+36, 37). The planner plans every mode (``tp_memory``, ``cost_model``); a job given a plan in
 another mode stops here, before any rank connects, rather than train 1D under the other's figures.
 No torch, so ``optimus_mllm.train`` checks a config before it starts the ranks."""
 
