@@ -159,7 +159,9 @@ def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[Prun
             problem = f"seq_length={llm.seq_length} is not divisible by tp={tp}"
         if problem is None:
             candidate = ParallelPlan(dp, pp, tp, choose_virtual_stages(config, pp, n_mb))
-            cheapest = _colocated_memory(config, candidate, ParallelPlan(dp, pp, tp, 1))
+            cheapest = _colocated_memory(
+                config, candidate, _cheapest_encoder_plan(config, dp, pp, tp)
+            )
             if cheapest.total <= gpu_memory_bytes(config):
                 return candidate, "planner", rejected
             problem = f"needs {cheapest.total / GIB:.1f} GiB per GPU with its cheapest encoder plan"
@@ -171,6 +173,15 @@ def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[Prun
         f"{config.cluster.gpu_memory_gib:g} GiB (largest tried: {last}); add GPUs or memory, "
         "or enable training.recompute",
     )
+
+
+def _cheapest_encoder_plan(config: OptimusConfig, dp: int, pp: int, tp: int) -> ParallelPlan:
+    """The encoder plan an LLM plan is priced with: on all its stages and TP ranks, in the
+    config's encoder TP mode where that mode takes the degree (1d where it does not)."""
+    mode = config.parallel.encoder_tp_mode
+    if any(tp_mode_problem(enc, mode, tp) for enc in config.encoders):
+        mode = "1d"
+    return ParallelPlan(dp, pp, tp, 1, mode)
 
 
 # --------------------------------------------------------------------------------------------

@@ -257,6 +257,10 @@ def test_a_long_sequence_encoder_no_1d_plan_fits_gets_metp_plans(capsys):
     }
     assert main(["--config", str(path)]) == 0
     assert "chosen: LLM DP1 PP4 TP2 V8 | encoder DP4 PP1 TP2 metp |" in capsys.readouterr().out
+    # the LLM plan search prices each LLM plan with an encoder in the config's mode too: with a
+    # 1D encoder none fits
+    chosen = plan(load_config(path, ["parallel.llm=null"]))
+    assert chosen.llm_plan_origin == "planner" and chosen.candidates
 
 
 def test_the_encoder_tp_mode_keeps_the_degrees_it_can_take():
