@@ -19,6 +19,13 @@ other shapes it is the usual approximation.
 With 1F1B the first pipeline stage holds activations of ``pp`` microbatches for its L/pp layers,
 i.e. of L layers; the interleaved schedule multiplies that by (1 + (pp-1)/(pp*vp)).
 
+TP modes (issues 36, 37). Under 2d, 3d and metp a layer's activations are the bytes the runtime's
+layer keeps (``tp_memory``, from the 2D, 3D and METP papers), at 16 bits as above; with full
+recomputation the rank's share of the layer input (each mode splits it over all its ranks).
+Selective recomputation is megatron-core's 1D one and changes nothing there. Model states stay
+parameters / t in every mode: each splits every matrix t ways, and the vectors they place
+differently are O(h) per layer.
+
 Encoders. The paper leaves encoder activations out as negligible; we keep them, because under
 Optimus an encoder pipeline holds the activations of every microbatch it has run forward until the
 LLM returns that microbatch's gradient (the coarse schedule runs all forwards first).
@@ -28,13 +35,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimus_mllm.config import OptimusConfig, Recompute, TransformerSpec
+from optimus_mllm.config import OptimusConfig, Recompute, TPMode, TransformerSpec
+from optimus_mllm.tp_memory import layer_bytes
 from optimus_mllm.workload import max_images_per_microbatch
 
 GIB = 1024**3
 
 PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MAIN_GRAD_BYTES = 4  # Megatron accumulates and reduces gradients in fp32
+ACTIVATION_BYTES = 2  # Korthikanti et al.'s 16-bit activations
 
 
 def param_bytes(config: OptimusConfig) -> int:
@@ -119,16 +128,35 @@ def layer_activation_bytes(
     return sbh * (10 + 24 / tp + attention_scores / tp)
 
 
+def mode_layer_activation_bytes(
+    spec: TransformerSpec,
+    micro_batch_size: int,
+    tp: int,
+    tp_mode: TPMode,
+    sequence_parallel: bool,
+    recompute: Recompute,
+) -> float:
+    """Activation bytes of one layer and one microbatch on the fullest rank of ``tp`` under
+    ``tp_mode``: Korthikanti et al.'s for 1d, the runtime layer's for the others (module doc)."""
+    if tp_mode == "1d":
+        return layer_activation_bytes(spec, micro_batch_size, tp, sequence_parallel, recompute)
+    if recompute == "full":
+        return ACTIVATION_BYTES * spec.layer_tokens * micro_batch_size * spec.hidden_size / tp
+    return layer_bytes(spec, tp_mode, tp, micro_batch_size, ACTIVATION_BYTES).activations
+
+
 def interleaving_factor(pp: int, vp: int) -> float:
     """Extra in-flight activations of the interleaved schedule on the first stage."""
     return 1 + (pp - 1) / (pp * vp) if vp > 1 else 1.0
 
 
-def llm_activation_memory(config: OptimusConfig, pp: int, tp: int, vp: int) -> float:
+def llm_activation_memory(
+    config: OptimusConfig, pp: int, tp: int, vp: int, tp_mode: TPMode = "1d"
+) -> float:
     """Peak activation bytes on the first LLM pipeline stage (the fullest under 1F1B)."""
     t = config.training
-    per_layer = layer_activation_bytes(
-        config.llm, t.micro_batch_size, tp, t.sequence_parallel, t.recompute
+    per_layer = mode_layer_activation_bytes(
+        config.llm, t.micro_batch_size, tp, tp_mode, t.sequence_parallel, t.recompute
     )
     microbatches_in_flight = min(
         pp, config.num_microbatches_total // (config.cluster.num_gpus // (pp * tp))
@@ -137,7 +165,9 @@ def llm_activation_memory(config: OptimusConfig, pp: int, tp: int, vp: int) -> f
     return per_layer * layers_per_stage * microbatches_in_flight * interleaving_factor(pp, vp)
 
 
-def encoder_activation_memory_per_microbatch(config: OptimusConfig, pp: int, tp: int) -> float:
+def encoder_activation_memory_per_microbatch(
+    config: OptimusConfig, pp: int, tp: int, tp_mode: TPMode = "1d"
+) -> float:
     """Activation bytes one microbatch leaves on the fullest encoder stage (all encoders
     together), at the most images per microbatch memory is planned for
     (``data.max_images_per_microbatch``; one per sample without it)."""
@@ -147,7 +177,9 @@ def encoder_activation_memory_per_microbatch(config: OptimusConfig, pp: int, tp:
     for enc in config.encoders:
         if enc.frozen:
             continue  # forward only: nothing is kept for a backward pass
-        per_layer = layer_activation_bytes(enc, images, tp, t.sequence_parallel, t.recompute)
+        per_layer = mode_layer_activation_bytes(
+            enc, images, tp, tp_mode, t.sequence_parallel, t.recompute
+        )
         total += per_layer * -(-enc.num_layers // pp)
     return total
 

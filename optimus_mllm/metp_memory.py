@@ -69,3 +69,23 @@ def metp_attention_forward_bound(
         + p * rows  # softmax statistics, saved log-sum-exp
         + 2 * shards
     )
+
+
+def metp_layer_parameters(
+    h: int, qkv: int, context: int, fc1: int, ffn: int, p: int, bias: bool, norm_vectors: int
+) -> int:
+    """Parameters of one rank of ``metp_layer_spec``'s layer: megatron-core's TP shards (the QKV
+    (``qkv`` x h), output-projection (h x ``context``), fc1 (``fc1`` x h; 2 ffn when gated) and fc2
+    (h x ``ffn``) matrices, QKV's and fc1's biases split ``p`` ways), and whole on every rank the
+    two norms' ``norm_vectors`` and the biases added to the rank's own tokens (projection, fc2)."""
+    split = qkv * h + h * context + fc1 * h + h * ffn + (qkv + fc1 if bias else 0)
+    return split // p + norm_vectors + (2 * h if bias else 0)
+
+
+def metp_layer_saved(tokens: int, h: int, heads: int, context: int) -> int:
+    """Elements ``metp_layer_spec``'s layer keeps for its backward on a rank of ``tokens`` (= b s /
+    p) tokens, the same at any gating or mask: the two norms' inputs and their per-token mean and
+    1/std (2 tokens h + 4 tokens); the attention's input (the first norm's output) and each step's
+    attention output (tokens x context over all steps) and log-sum-exp (one per head and token);
+    the MLP's input alone (its backward recomputes every tile). Nothing of size s x s / p."""
+    return 4 * tokens * h + 4 * tokens + tokens * context + heads * tokens

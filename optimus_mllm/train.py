@@ -45,6 +45,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout_change,
 )
 from optimus_mllm.runtime.data_sources import check_dataset
+from optimus_mllm.runtime.tp_modes.trained import refuse_untrained_tp_modes
 from optimus_mllm.runtime.webdataset_data import is_webdataset
 from optimus_mllm.scheduler.artifact import (
     artifact_text,
@@ -228,6 +229,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
             "--tensorboard-dir"
         )
     config = load_config(args.config, [*args.override, *_scheduler_flag_overrides(args)])
+    llm_mode = config.parallel.llm.tp_mode if config.parallel.llm is not None else "1d"
+    refuse_untrained_tp_modes(llm_mode, config.parallel.encoder_tp_mode)
     if world_size != config.cluster.num_gpus:
         raise OptimusError(
             f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "

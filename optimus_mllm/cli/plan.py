@@ -271,7 +271,8 @@ def format_result(config: OptimusConfig, result: PlannerResult, scheduled: Optim
     ]
     if result.pruned:
         lines += ["", f"pruned encoder plans ({len(result.pruned)}):"]
-        lines += [f"  {str(p.plan):<16}{p.reason}" for p in result.pruned]
+        # the space keeps a plan as long as the column (one with its TP mode) off its reason
+        lines += [f"  {str(p.plan) + ' ':<16}{p.reason}" for p in result.pruned]
     lines.append("")
     if best is None:
         lines.append(

@@ -34,6 +34,10 @@ Activation = Literal["gelu", "silu", "relu", "squared_relu", "quick_gelu"]
 PositionEmbedding = Literal["learned_absolute", "rope", "none"]
 ProjectorType = Literal["mlp", "affine", "linear"]
 VisionSubtype = Literal["internvit", "clip"]  # megatron-core CLIPViTModel's model_subtype
+# How a part's layers are split over its TP ranks, the TP size being the mode's total degree:
+# megatron-core's 1D (weights split, activations whole), 2D SUMMA on a q x q grid, 3D on a p x p x p
+# cube, or METP's ring (issues 36 and 37; ``optimus_mllm/tp_memory.py``)
+TPMode = Literal["1d", "2d", "3d", "metp"]
 
 
 @dataclass(frozen=True)
@@ -246,20 +250,38 @@ class LLMPlanConfig:
     pp: int
     tp: int
     vp: int | None = None
+    tp_mode: TPMode = "1d"
 
 
 @dataclass(frozen=True)
 class EncoderPlanConfig:
-    """A fixed encoder plan; DP_enc follows from the GPU count."""
+    """The encoders' plan: fixed (``pp`` and ``tp``; DP_enc follows from the GPU count), or only
+    its TP mode, the planner choosing ``pp`` and ``tp`` among the degrees the mode can take. The
+    config has one encoder plan, so the mode is every encoder's."""
 
-    pp: int
-    tp: int
+    pp: int | None = None
+    tp: int | None = None
+    tp_mode: TPMode = "1d"
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the config fixes ``pp`` and ``tp`` (validation holds them given together)."""
+        return self.pp is not None
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     llm: LLMPlanConfig | None = None
     encoder: EncoderPlanConfig | None = None
+
+    @property
+    def fixed_encoder(self) -> EncoderPlanConfig | None:
+        """The encoder plan the config fixes (pp and tp given), or None: the planner chooses."""
+        return self.encoder if self.encoder is not None and self.encoder.fixed else None
+
+    @property
+    def encoder_tp_mode(self) -> TPMode:
+        return self.encoder.tp_mode if self.encoder is not None else "1d"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from optimus_mllm.config.schema import (
     EncoderPlanConfig,
     LLMPlanConfig,
     OptimusConfig,
+    TPMode,
     TrainingConfig,
     TransformerSpec,
 )
@@ -96,14 +97,20 @@ def validate(config: OptimusConfig) -> None:
     _validate_data(config)
     if config.parallel.llm is not None:
         validate_llm_plan(config, config.parallel.llm, "parallel.llm")
-    if config.parallel.encoder is not None:
+    encoder = config.parallel.encoder
+    if encoder is not None and (encoder.pp is None) != (encoder.tp is None):
+        given, missing = ("pp", "tp") if encoder.tp is None else ("tp", "pp")
+        raise ConfigError(
+            f"parallel.encoder.{missing}",
+            f"a fixed encoder plan needs pp and tp together; give {missing} too, or drop "
+            f"{given} to let the planner choose both",
+        )
+    if encoder is not None and encoder.fixed:
         if config.parallel.llm is None:
             raise ConfigError(
                 "parallel.encoder", "a fixed encoder plan needs a fixed parallel.llm plan too"
             )
-        validate_encoder_plan(
-            config, config.parallel.encoder, config.parallel.llm, "parallel.encoder"
-        )
+        validate_encoder_plan(config, encoder, config.parallel.llm, "parallel.encoder")
 
 
 def _validate_workload(config: OptimusConfig) -> None:
@@ -318,6 +325,65 @@ def tp_divisibility_problem(spec: TransformerSpec, tp: int) -> str | None:
     return None
 
 
+def tp_mode_problem(spec: TransformerSpec, mode: TPMode, tp: int) -> str | None:
+    """Why ``spec``'s layers cannot run under TP mode ``mode`` of total degree ``tp``, or None.
+
+    2D splits every matrix in q x q blocks and hosts the vectors on one grid row, 1/q each; 3D
+    splits matrices p^3 ways and hosts the vectors on the cube's diagonal, 1/p^2 each; METP keeps
+    megatron-core's TP shards and splits the tokens p ways. The 2D/3D memory and cost formulas are
+    the papers' plain layer (one key/value head per query head, head dim hidden/heads, no gated
+    linear unit), so other shapes are refused rather than misplanned."""
+    if mode == "1d":
+        return None
+    if mode in ("2d", "3d"):
+        plain = (
+            spec.query_groups == spec.num_attention_heads
+            and spec.head_dim * spec.num_attention_heads == spec.hidden_size
+            and not spec.gated_linear_unit
+        )
+        if not plain:
+            return (
+                f"tp_mode={mode} is planned for plain layers: leave num_query_groups, kv_channels "
+                "and gated_linear_unit unset, or use tp_mode 1d or metp"
+            )
+    if mode == "2d":
+        q = _integer_root(tp, 2)
+        if q is None or q < 2:
+            return (
+                f"tp_mode=2d needs a square TP degree q*q with q >= 2 (4, 9, 16 ...), got tp={tp}"
+            )
+        return _splits(spec, {"hidden_size": q, "num_attention_heads": q, "ffn_hidden_size": q})
+    if mode == "3d":
+        p = _integer_root(tp, 3)
+        if p is None or p < 2:
+            return f"tp_mode=3d needs a cube TP degree p^3 with p >= 2 (8, 27, 64 ...), got tp={tp}"
+        return _splits(
+            spec, {"hidden_size": p * p, "num_attention_heads": p, "ffn_hidden_size": p * p}
+        )
+    if tp < 2:
+        return f"tp_mode=metp needs a TP degree of at least 2 (its ring), got tp={tp}"
+    problem = tp_divisibility_problem(spec, tp)
+    if problem is None and spec.layer_tokens % tp:
+        problem = (
+            f"{spec.layer_tokens} tokens per sequence are not divisible by tp={tp} "
+            "(tp_mode=metp splits them over its ring)"
+        )
+    return problem
+
+
+def _integer_root(n: int, k: int) -> int | None:
+    """The integer r with r**k == n, or None."""
+    r = round(n ** (1 / k))
+    return next((c for c in (r - 1, r, r + 1) if c > 0 and c**k == n), None)
+
+
+def _splits(spec: TransformerSpec, ways: dict[str, int]) -> str | None:
+    for name, parts in ways.items():
+        if getattr(spec, name) % parts:
+            return f"{name}={getattr(spec, name)} is not divisible by {parts}"
+    return None
+
+
 def encoder_tp_problem(
     enc: EncoderConfig, llm_hidden_size: int, sequence_parallel: bool, tp: int
 ) -> str | None:
@@ -381,6 +447,10 @@ def validate_llm_plan(config: OptimusConfig, plan: LLMPlanConfig, where: str) ->
     if problem:
         ok = [d for d in divisors(n) if tp_divisibility_problem(llm, d) is None]
         raise ConfigError(f"{where}.tp", f"model.llm.{problem}; use tp in {_join_ints(ok)}")
+    problem = tp_mode_problem(llm, plan.tp_mode, plan.tp)
+    if problem:
+        ok = [d for d in divisors(n) if tp_mode_problem(llm, plan.tp_mode, d) is None]
+        raise ConfigError(f"{where}.tp_mode", _mode_fix(f"model.llm: {problem}", plan.tp_mode, ok))
     if llm.num_layers % (plan.pp * vp):
         raise ConfigError(
             f"{where}.pp",
@@ -441,11 +511,23 @@ def validate_encoder_plan(
         )
         if problem:
             raise ConfigError(f"{where}.tp", f"model.encoders[{i}].{problem}")
+        problem = tp_mode_problem(enc, plan.tp_mode, plan.tp)
+        if problem:
+            ok = [d for d in divisors(llm_plan.tp) if tp_mode_problem(enc, plan.tp_mode, d) is None]
+            raise ConfigError(
+                f"{where}.tp_mode", _mode_fix(f"model.encoders[{i}]: {problem}", plan.tp_mode, ok)
+            )
         if enc.num_layers < plan.pp:
             raise ConfigError(
                 f"{where}.pp",
                 f"model.encoders[{i}] has {enc.num_layers} layers, fewer than pp={plan.pp} stages",
             )
+
+
+def _mode_fix(problem: str, mode: TPMode, ok: list[int]) -> str:
+    if ok:
+        return f"{problem}; use tp in {_join_ints(ok)} or another tp_mode"
+    return f"{problem}; no tp fits tp_mode={mode} here, use another tp_mode"
 
 
 def divisors(n: int) -> list[int]:

@@ -11,6 +11,7 @@ from optimus_mllm.config import (
     divisors,
     encoder_tp_problem,
     tp_divisibility_problem,
+    tp_mode_problem,
 )
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.memory_model import (
@@ -100,7 +101,7 @@ def llm_memory(config: OptimusConfig, plan: ParallelPlan) -> MemoryBreakdown:
     """Model states and activations of the fullest LLM rank (the first pipeline stage)."""
     params_per_rank = llm_stage_params(config.llm, plan.pp) / plan.tp
     states = model_state_memory(config, params_per_rank, plan.dp)
-    acts = llm_activation_memory(config, plan.pp, plan.tp, plan.vp)
+    acts = llm_activation_memory(config, plan.pp, plan.tp, plan.vp, plan.tp_mode)
     return MemoryBreakdown(states.params, states.grads, states.optimizer, acts)
 
 
@@ -128,7 +129,7 @@ def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[Prun
     if fixed is not None:
         n_mb = config.num_microbatches_total // fixed.dp
         vp = fixed.vp if fixed.vp is not None else choose_virtual_stages(config, fixed.pp, n_mb)
-        return ParallelPlan(fixed.dp, fixed.pp, fixed.tp, vp), "config", []
+        return ParallelPlan(fixed.dp, fixed.pp, fixed.tp, vp, fixed.tp_mode), "config", []
 
     n, llm = config.cluster.num_gpus, config.llm
     node = min(n, config.cluster.gpus_per_node)
@@ -158,7 +159,9 @@ def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[Prun
             problem = f"seq_length={llm.seq_length} is not divisible by tp={tp}"
         if problem is None:
             candidate = ParallelPlan(dp, pp, tp, choose_virtual_stages(config, pp, n_mb))
-            cheapest = _colocated_memory(config, candidate, ParallelPlan(dp, pp, tp, 1))
+            cheapest = _colocated_memory(
+                config, candidate, _cheapest_encoder_plan(config, dp, pp, tp)
+            )
             if cheapest.total <= gpu_memory_bytes(config):
                 return candidate, "planner", rejected
             problem = f"needs {cheapest.total / GIB:.1f} GiB per GPU with its cheapest encoder plan"
@@ -170,6 +173,15 @@ def choose_llm_plan(config: OptimusConfig) -> tuple[ParallelPlan, str, list[Prun
         f"{config.cluster.gpu_memory_gib:g} GiB (largest tried: {last}); add GPUs or memory, "
         "or enable training.recompute",
     )
+
+
+def _cheapest_encoder_plan(config: OptimusConfig, dp: int, pp: int, tp: int) -> ParallelPlan:
+    """The encoder plan an LLM plan is priced with: on all its stages and TP ranks, in the
+    config's encoder TP mode where that mode takes the degree (1d where it does not)."""
+    mode = config.parallel.encoder_tp_mode
+    if any(tp_mode_problem(enc, mode, tp) for enc in config.encoders):
+        mode = "1d"
+    return ParallelPlan(dp, pp, tp, 1, mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +209,10 @@ def encoder_memory(
     frozen_params = (
         max(encoder_params_per_stage(frozen, config.llm, enc.pp)) / enc.tp if frozen else 0.0
     )
-    acts = encoder_activation_memory_per_microbatch(config, enc.pp, enc.tp) * microbatches_in_flight
+    acts = (
+        encoder_activation_memory_per_microbatch(config, enc.pp, enc.tp, enc.tp_mode)
+        * microbatches_in_flight
+    )
     return MemoryBreakdown(
         states.params + param_bytes(config) * frozen_params, states.grads, states.optimizer, acts
     )
@@ -215,14 +230,15 @@ def _colocated_memory(
 def enumerate_encoder_plans(
     config: OptimusConfig, llm_plan: ParallelPlan
 ) -> tuple[list[EncoderPlanCandidate], list[PrunedPlan]]:
-    """Every (DP_enc, PP_enc, TP_enc) with PP_enc | PP_llm and TP_enc | TP_llm, kept or pruned with
-    a reason."""
+    """Every (DP_enc, PP_enc, TP_enc) with PP_enc | PP_llm and TP_enc | TP_llm, in the config's
+    encoder TP mode (``parallel.encoder.tp_mode``, 1d without it), kept or pruned with a reason."""
     n = config.cluster.num_gpus
     n_mb = config.num_microbatches_total // llm_plan.dp
     capacity = gpu_memory_bytes(config)
-    fixed = config.parallel.encoder
+    fixed = config.parallel.fixed_encoder
     pp_options = [fixed.pp] if fixed else divisors(llm_plan.pp)
     tp_options = [fixed.tp] if fixed else divisors(llm_plan.tp)
+    mode = config.parallel.encoder_tp_mode
     llm_mem = llm_memory(config, llm_plan)
     k = bytes_per_param_k(config)
     phi_enc = sum(encoder_params(e) for e in config.encoders)
@@ -230,7 +246,7 @@ def enumerate_encoder_plans(
     candidates, pruned = [], []
     for pp in pp_options:
         for tp in tp_options:
-            enc = ParallelPlan(n // (pp * tp), pp, tp, 1)
+            enc = ParallelPlan(n // (pp * tp), pp, tp, 1, mode)
             m = encoder_pipelines_per_llm_pipeline(llm_plan, enc)
             reason = _structural_problem(config, enc, m, n_mb)
             if reason:
@@ -250,7 +266,7 @@ def enumerate_encoder_plans(
                     )
                 )
                 continue
-            per_mb = encoder_activation_memory_per_microbatch(config, pp, tp)
+            per_mb = encoder_activation_memory_per_microbatch(config, pp, tp, mode)
             states = encoder_memory(config, enc, 0)
             room = capacity - llm_mem.total - states.total
             max_per_pipeline = n_mb if per_mb == 0 else min(n_mb, int(room // per_mb))
@@ -279,6 +295,7 @@ def _structural_problem(config: OptimusConfig, enc: ParallelPlan, m: int, n_mb: 
         problem = encoder_tp_problem(
             enc_cfg, config.llm.hidden_size, config.training.sequence_parallel, enc.tp
         )
+        problem = problem or tp_mode_problem(enc_cfg, enc.tp_mode, enc.tp)
         if problem:
             return f"encoder '{enc_cfg.name}': {problem}"
         if enc_cfg.num_layers < enc.pp:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from optimus_mllm.config import TPMode
+
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """A 3D plan: data-, pipeline- and tensor-parallel sizes, and model chunks per pipeline rank."""
+    """A 3D plan: data-, pipeline- and tensor-parallel sizes, model chunks per pipeline rank, and
+    how the ``tp`` ranks split each layer (``tp_mode``, of total degree ``tp``)."""
 
     dp: int
     pp: int
     tp: int
     vp: int = 1
+    tp_mode: TPMode = "1d"
 
     @property
     def world_size(self) -> int:
@@ -20,10 +24,13 @@ class ParallelPlan:
 
     def __str__(self) -> str:
         text = f"DP{self.dp} PP{self.pp} TP{self.tp}"
-        return text + (f" V{self.vp}" if self.vp > 1 else "")
+        text += f" V{self.vp}" if self.vp > 1 else ""
+        return text + (f" {self.tp_mode}" if self.tp_mode != "1d" else "")
 
-    def as_dict(self) -> dict[str, int]:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "vp": self.vp}
+    def as_dict(self) -> dict[str, int | str]:
+        """The sizes; the TP mode where it is not 1d, so that a 1D plan reads as it always has."""
+        sizes: dict[str, int | str] = {"dp": self.dp, "pp": self.pp, "tp": self.tp, "vp": self.vp}
+        return sizes | ({"tp_mode": self.tp_mode} if self.tp_mode != "1d" else {})
 
 
 def encoder_pipelines_per_llm_pipeline(llm: ParallelPlan, enc: ParallelPlan) -> int:

@@ -98,6 +98,7 @@ from optimus_mllm.runtime.optimus_encoder import (
     user_vision_spec,
 )
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
+from optimus_mllm.runtime.tp_modes.trained import refuse_untrained_tp_modes
 from optimus_mllm.runtime.user_model import (
     UserModel,
     build_user_chunks,
@@ -178,6 +179,12 @@ class Trainer:
             raise OptimusError(
                 "the Optimus runtime needs a schedule artifact (optimus-plan --artifact)"
             )
+        refuse_untrained_tp_modes(
+            llm_plan.tp_mode,
+            artifact.encoder_plan.tp_mode
+            if artifact is not None
+            else config.parallel.encoder_tp_mode,
+        )
         if user_model is not None and mode == "balanced":
             raise OptimusError(
                 "the balanced baseline runs this project's ViT and GPT; a model_provider's model "

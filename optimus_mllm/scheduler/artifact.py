@@ -198,7 +198,9 @@ def load_job_artifact(
     # a fixed parallel.encoder is the job's encoder plan; otherwise any plan the planner keeps will
     # do
     expected = (
-        allowed[0] if config.parallel.encoder is not None and allowed else artifact.encoder_plan
+        allowed[0]
+        if config.parallel.fixed_encoder is not None and allowed
+        else artifact.encoder_plan
     )
     artifact.check_matches(planned.llm_plan, expected, num_gpus)
     if expected not in allowed:

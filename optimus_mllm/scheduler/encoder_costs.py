@@ -126,7 +126,9 @@ def build_encoder_work(
     bwd: list[list[EncoderKernel]] = [[] for _ in range(enc_plan.pp)]
     sized = _sized_encoders(config, workload or EncoderWorkload.constant(config))
     for enc, images in sized:
-        shape = LayerShape(enc, enc_plan.tp, images, t.sequence_parallel, dtype, t.recompute)
+        shape = LayerShape(
+            enc, enc_plan.tp, images, t.sequence_parallel, dtype, t.recompute, enc_plan.tp_mode
+        )
         layer = {phase: cost.layer(shape, phase, enc.name, bw) for phase in ("fwd", "bwd")}
         prices = _piece_prices(shape, layer, cost)
         for e, (lo, hi) in enumerate(stage_layer_bounds(enc.num_layers, enc_plan.pp)):
@@ -141,7 +143,7 @@ def build_encoder_work(
                         "fwd",
                         k.is_comm,
                         k.duration_us,
-                        _splittable(enc, k),
+                        _splittable(enc, k, shape),
                         p,
                     )
                     for k, p in zip(layer["fwd"], prices["fwd"])
@@ -159,7 +161,7 @@ def build_encoder_work(
                             "bwd",
                             k.is_comm,
                             k.duration_us,
-                            _splittable(enc, k),
+                            _splittable(enc, k, shape),
                             p,
                         )
                         for k, p in zip(layer["bwd"], prices["bwd"])
@@ -222,9 +224,11 @@ def _piece_prices(
     return prices
 
 
-def _splittable(enc: EncoderConfig, kernel: Kernel) -> bool:
+def _splittable(enc: EncoderConfig, kernel: Kernel, shape: LayerShape) -> bool:
+    # runtime/encoder_ops cuts 1D layers' kernels only
     return not (
-        kernel.is_comm
+        shape.tp_mode != "1d"
+        or kernel.is_comm
         or kernel.name.startswith("recompute_")
         or enc.hidden_dropout
         or enc.attention_dropout

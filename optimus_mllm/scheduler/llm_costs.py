@@ -34,6 +34,7 @@ def llm_layer_shape(config: OptimusConfig, plan: ParallelPlan) -> LayerShape:
         t.sequence_parallel,
         activation_dtype_bytes(config),
         t.recompute,
+        plan.tp_mode,
     )
 
 

@@ -24,6 +24,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
 import megatron_patches
+from optimus_mllm.config import TransformerSpec
 from optimus_mllm.metp_memory import (
     metp_attention_forward_bound,
     metp_mlp_forward_peak,
@@ -39,6 +40,7 @@ from optimus_mllm.runtime.layer_ops import (
 )
 from optimus_mllm.runtime.llm import unfused_settings
 from optimus_mllm.runtime.metp import HeadLayout, metp_attention, metp_layer_spec, metp_mlp
+from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
 from support.tensor_accounting import LiveBytes
@@ -299,6 +301,28 @@ def _layer_case(
     return errors
 
 
+def _layer_held(group: dist.ProcessGroup) -> LayerBytes:
+    """Bytes of a ``metp_layer_spec`` layer's parameters on this rank, and of what autograd saves
+    in its forward: each storage once, less the parameters."""
+    layer = build_layer(
+        metp_layer_spec(group, AttnMaskType.causal), _layer_config(group.size(), False), group, 0
+    )
+    skip = {param.untyped_storage().data_ptr() for param in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(SEQ // group.size(), BATCH, HIDDEN, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=None)
+    return LayerBytes(
+        sum(p.numel() * p.element_size() for p in layer.parameters()), sum(saved.values())
+    )
+
+
 def _rank() -> dict[str, Any]:
     warnings.simplefilter("ignore")
     group = dist.group.WORLD
@@ -318,9 +342,10 @@ def _rank() -> dict[str, Any]:
             for causal, gated in ((False, False), (True, False), (True, True)):
                 name = f"layer {'causal' if causal else 'bidirectional'}{' gated' * gated}"
                 errors[name] = _layer_case(group, alone, causal, gated)
+            held = _layer_held(group)
         finally:
             parallel_state.destroy_model_parallel()
-    return {"errors": errors, "memory": memory}
+    return {"errors": errors, "memory": memory, "layer": held}
 
 
 @pytest.mark.distributed
@@ -348,3 +373,16 @@ def test_metp_equals_one_rank_and_saves_memory(world: int) -> None:
         # the bound adds every buffer that may be alive at the scores tile; it is within 15 %
         assert 0.85 * bound <= attention["metp"] <= bound
         assert mlp["metp"] < mlp["tp"] and attention["metp"] < attention["tp"]
+        # the memory model's layer figure (tp_memory, what the planner prunes with) is what the
+        # layer holds: every rank the same
+        heads, groups, dim = HEADS["gqa"]
+        spec = TransformerSpec(
+            num_layers=1,
+            hidden_size=HIDDEN,
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            kv_channels=dim,
+            ffn_hidden_size=FFN,
+            seq_length=SEQ,
+        )
+        assert result["layer"] == layer_bytes(spec, "metp", world, BATCH, 8), result["layer"]

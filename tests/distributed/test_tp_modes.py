@@ -24,15 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
 import megatron_patches
-from optimus_mllm.runtime.tp_modes.footprint import (
-    LayerShape,
-    activation_bytes_1d,
-    activation_bytes_2d,
-    activation_bytes_3d,
-    parameter_bytes_1d,
-    parameter_bytes_2d,
-    parameter_bytes_3d,
-)
+from optimus_mllm.config import TPMode, TransformerSpec
 from optimus_mllm.runtime.tp_modes.groups import (
     Cube3D,
     Grid2D,
@@ -41,6 +33,16 @@ from optimus_mllm.runtime.tp_modes.groups import (
 )
 from optimus_mllm.runtime.tp_modes.layers_2d import Linear2D, get_2d_layer_spec
 from optimus_mllm.runtime.tp_modes.layers_3d import Linear3D, get_3d_layer_spec
+from optimus_mllm.tp_footprint import (
+    LayerShape,
+    activation_bytes_1d,
+    activation_bytes_2d,
+    activation_bytes_3d,
+    parameter_bytes_1d,
+    parameter_bytes_2d,
+    parameter_bytes_3d,
+)
+from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
 
@@ -252,6 +254,27 @@ def _check_footprint(rank: int, footprint: dict[str, dict[str, int]], mode: str)
     assert footprint[mode]["activations"] < footprint[one_d]["activations"], (rank, footprint)
 
 
+def _check_memory_model(
+    footprints: list[dict[str, dict[str, int]]], name: str, mode: TPMode
+) -> None:
+    """The memory model's figure (the fullest rank's) is the most any rank holds, for 1D at the
+    same degree and for ``mode`` (the footprint's ``name``)."""
+    spec = TransformerSpec(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        seq_length=SEQ,
+    )
+    world = len(footprints)
+    for held_name, held_mode in ((f"1D TP{world}", "1d"), (name, mode)):
+        held = [f[held_name] for f in footprints]
+        fullest = LayerBytes(
+            max(h["parameters"] for h in held), max(h["activations"] for h in held)
+        )
+        assert layer_bytes(spec, held_mode, world, BATCH, 4) == fullest, (held_name, fullest)
+
+
 def _grid_rank() -> dict[str, dict[str, Any]]:
     with megatron_patches.patched():
         parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
@@ -271,10 +294,13 @@ def _grid_rank() -> dict[str, dict[str, Any]]:
 
 @pytest.mark.distributed
 def test_2d_on_a_2x2_grid_equals_one_rank() -> None:
+    footprints = []
     for rank, cases in enumerate(run_distributed(_grid_rank, 4, timeout=120.0)):
-        _check_footprint(rank, cases.pop("footprint"), "2D 2x2")
+        footprints.append(cases.pop("footprint"))
+        _check_footprint(rank, footprints[-1], "2D 2x2")
         for case, errors in cases.items():
             assert max(errors.values()) <= TOL, (rank, case, errors)
+    _check_memory_model(footprints, "2D 2x2", "2d")
 
 
 # 3D on a 2 x 2 x 2 cube: megatron-core's MLP without biases, and its attention + MLP layer
@@ -389,7 +415,10 @@ def _cube_rank() -> dict[str, dict[str, Any]]:
 
 @pytest.mark.distributed
 def test_3d_on_a_2x2x2_cube_equals_one_rank() -> None:
+    footprints = []
     for rank, cases in enumerate(run_distributed(_cube_rank, 8, timeout=120.0)):
-        _check_footprint(rank, cases.pop("footprint"), "3D 2x2x2")
+        footprints.append(cases.pop("footprint"))
+        _check_footprint(rank, footprints[-1], "3D 2x2x2")
         for case, errors in cases.items():
             assert max(errors.values()) <= TOL, (rank, case, errors)
+    _check_memory_model(footprints, "3D 2x2x2", "3d")

@@ -153,6 +153,47 @@ BAD = [
         lambda r: _set(_delete(r, "parallel.llm"), "parallel.encoder", {"pp": 1, "tp": 1}),
         ["parallel.encoder", "needs a fixed parallel.llm"],
     ),
+    # TP modes (issues 36, 37): the degree each mode can take, one field named
+    (
+        lambda r: _set(r, "parallel.encoder", {"tp_mode": "4d"}),
+        ["parallel.encoder.tp_mode", "must be one of 1d, 2d, 3d, metp", "'4d'"],
+    ),
+    (
+        lambda r: _set(r, "parallel.encoder", {"pp": 1, "tp_mode": "metp"}),
+        ["parallel.encoder.tp", "needs pp and tp together", "drop pp"],
+    ),
+    (
+        lambda r: _set(r, "parallel.encoder", {"pp": 1, "tp": 1, "tp_mode": "metp"}),
+        ["parallel.encoder.tp_mode", "metp needs a TP degree of at least 2", "use tp in {2}"],
+    ),
+    (
+        lambda r: _set(r, "parallel.encoder", {"pp": 1, "tp": 2, "tp_mode": "2d"}),
+        ["parallel.encoder.tp_mode", "square TP degree q*q", "got tp=2", "no tp fits"],
+    ),
+    (
+        lambda r: _set(r, "parallel.llm", {"dp": 1, "pp": 2, "tp": 2, "tp_mode": "3d"}),
+        ["parallel.llm.tp_mode", "model.llm: tp_mode=3d needs a cube TP degree p^3", "got tp=2"],
+    ),
+    (
+        lambda r: _set(
+            _set(r, "parallel.llm", {"dp": 1, "pp": 1, "tp": 4, "tp_mode": "2d"}),
+            "model.llm.kv_channels",
+            8,
+        ),
+        ["parallel.llm.tp_mode", "planned for plain layers", "use tp_mode 1d or metp"],
+    ),
+    (
+        lambda r: _set(
+            _set(
+                _set(r, "parallel.llm", {"dp": 1, "pp": 1, "tp": 4}),
+                "parallel.encoder",
+                {"pp": 1, "tp": 4, "tp_mode": "metp"},
+            ),
+            "model.encoders",
+            [dict(r["model"]["encoders"][0], class_token=True)],
+        ),
+        ["parallel.encoder.tp_mode", "model.encoders[0]: 17 tokens", "no tp fits tp_mode=metp"],
+    ),
     (
         lambda r: _set(
             r, "model.encoders", [dict(r["model"]["encoders"][0], base="../nowhere.yaml")]

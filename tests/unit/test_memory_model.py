@@ -14,12 +14,14 @@ from optimus_mllm.memory_model import (
     colocation_overhead,
     interleaving_factor,
     layer_activation_bytes,
+    mode_layer_activation_bytes,
     model_state_memory,
     optimizer_bytes_per_param,
 )
 from optimus_mllm.params import encoder_params, encoder_params_per_stage
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.planner import ParallelPlan
+from optimus_mllm.tp_memory import layer_bytes
 
 from support.paths import CONFIGS
 
@@ -43,6 +45,34 @@ GPT3 = TransformerSpec(
 )
 def test_korthikanti_layer_activations(tp, sp, recompute, expected):
     assert layer_activation_bytes(GPT3, 1, tp, sp, recompute) == pytest.approx(expected)
+
+
+def test_tp_modes_layer_activations():
+    """1d stays Korthikanti's; metp keeps the rank's tokens only: with s b / p = 256 tokens,
+    2 bytes x (4 tokens h + 4 tokens + tokens h + a tokens) = 31,508,480 (no s^2 scores term)."""
+    for sp in (False, True):
+        assert mode_layer_activation_bytes(GPT3, 1, 8, "1d", sp, "none") == pytest.approx(
+            layer_activation_bytes(GPT3, 1, 8, sp, "none")
+        )
+    metp = mode_layer_activation_bytes(GPT3, 1, 8, "metp", True, "none")
+    assert metp == 2 * (5 * 256 * 12288 + 4 * 256 + 96 * 256) == 31_508_480
+    # full recomputation keeps the rank's share of the layer input, in every mode: 2 sbh / 8
+    for mode in ("3d", "metp"):
+        assert mode_layer_activation_bytes(GPT3, 1, 8, mode, True, "full") == 6_291_456
+    # the papers' saving against 1D at the same degree, on the runtime's own layers (tp_memory);
+    # 3D keeps its all-gathered weights (the matrices / p^2), so it saves only where the tokens
+    # outweigh the hidden size: at 1024 tokens of width 1024 it holds more than 1D
+    vit = TransformerSpec(
+        num_layers=1,
+        hidden_size=1024,
+        num_attention_heads=16,
+        ffn_hidden_size=4096,
+        seq_length=4096,
+    )
+    one_d = {t: layer_bytes(vit, "1d", t, 1, 2).activations for t in (4, 8)}
+    assert layer_bytes(vit, "2d", 4, 1, 2).activations < one_d[4]
+    assert layer_bytes(vit, "metp", 4, 1, 2).activations < one_d[4]
+    assert layer_bytes(vit, "3d", 8, 1, 2).activations < one_d[8]
 
 
 def test_interleaving_factor():

@@ -236,3 +236,42 @@ def test_cli_output_into_missing_directory_is_a_clear_error(tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not exist" in err
+
+
+def test_a_long_sequence_encoder_no_1d_plan_fits_gets_metp_plans(capsys):
+    """Issue 37's planning half: 8192 patch tokens per image prune every 1D encoder plan for
+    memory; under parallel.encoder.tp_mode: metp the planner keeps METP plans, and optimus-plan
+    prints the mode."""
+    path = CONFIGS / "metp_long_vision.yaml"
+    one_d = plan(load_config(path, ["parallel.encoder.tp_mode=1d"]))
+    assert one_d.candidates == ()
+    assert all(p.reason.startswith("out of memory") for p in one_d.pruned), one_d.pruned
+    metp = plan(load_config(path))
+    assert metp.candidates
+    assert {c.plan.tp_mode for c in metp.candidates} == {"metp"}
+    # each kept METP plan's TP degree was pruned under 1D for memory
+    tried = {(p.plan.pp, p.plan.tp) for p in one_d.pruned}
+    assert {(c.plan.pp, c.plan.tp) for c in metp.candidates} <= tried
+    assert {p.reason for p in metp.pruned} == {
+        "encoder 'vit': tp_mode=metp needs a TP degree of at least 2 (its ring), got tp=1"
+    }
+    assert main(["--config", str(path)]) == 0
+    assert "chosen: LLM DP1 PP4 TP2 V8 | encoder DP4 PP1 TP2 metp |" in capsys.readouterr().out
+    # the LLM plan search prices each LLM plan with an encoder in the config's mode too: with a
+    # 1D encoder none fits
+    chosen = plan(load_config(path, ["parallel.llm=null"]))
+    assert chosen.llm_plan_origin == "planner" and chosen.candidates
+
+
+def test_the_encoder_tp_mode_keeps_the_degrees_it_can_take():
+    """2d on an LLM TP of 4: only TP_enc = 4 (a 2 x 2 grid) is a square; its plans carry the mode,
+    a fixed encoder plan too."""
+    path = CONFIGS / "tiny.yaml"
+    llm = "parallel.llm={dp: 1, pp: 1, tp: 4}"
+    result = plan(load_config(path, [llm, "parallel.encoder={tp_mode: 2d}"]))
+    assert [c.plan for c in result.candidates] == [ParallelPlan(1, 1, 4, 1, "2d")]
+    assert all("square TP degree" in p.reason for p in result.pruned)
+    fixed = plan(load_config(path, [llm, "parallel.encoder={pp: 1, tp: 4, tp_mode: 2d}"]))
+    assert [c.plan for c in fixed.candidates] == [ParallelPlan(1, 1, 4, 1, "2d")]
+    llm_metp = plan(load_config(path, ["parallel.llm={dp: 1, pp: 1, tp: 4, tp_mode: metp}"]))
+    assert llm_metp.llm_plan == ParallelPlan(1, 1, 4, 1, "metp")

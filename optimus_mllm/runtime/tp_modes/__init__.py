@@ -8,10 +8,12 @@
   ``TransformerLayer`` spec that uses them.
 - ``layers_3d``: the 3D paper's load-balanced linear layer (its Algorithms 1-2), the diagonal
   hosting of vectors (Algorithms 7-8), its layer norm, and the ``TransformerLayer`` spec.
-- ``footprint``: per-rank parameter and activation bytes of a layer under 1D, 2D and 3D, as
-  plain formulas.
 
-Built: the 2D and 3D transformer layers. Not built: the embedding and output layers, and
-the planner, cost model and scheduler.
-This package imports nothing at import time, so ``layout`` and ``footprint`` stay torch-free.
+- ``trained``: which TP modes the runtime trains (1d only yet) and the refusal of the others.
+
+Built: the 2D and 3D transformer layers; planned by the config, memory and cost models and the
+planner (``optimus_mllm/tp_footprint.py``, ``tp_memory.py``, ``cost_model.py``, outside the
+runtime so that the planner reads them without torch). Not built: the embedding and output layers,
+and training a model in these modes.
+This package imports nothing at import time, so ``layout`` stays torch-free.
 """
