@@ -3,7 +3,7 @@ simulated, ours next to theirs (issue 37), and the same question for a ViT insid
 
     python scripts/bench_tp_modes.py [--json OUT]
 
-Three tables, no torch, no GPU:
+Four tables, no torch, no GPU:
 
 1. ``sequence``: the paper's models (Liang et al., Table 3: hidden size, heads, layers per device)
    on 8 ranks of an A100-SXM4-80GB (§5.1): the longest sequence (batch 1, a multiple of 64 tokens)
@@ -27,6 +27,9 @@ Three tables, no torch, no GPU:
    config's ``recompute: none`` (1d keeps the s x s scores) and at ``recompute: selective``, and
    the largest side that fits in each. The sweep merges 4 x 4 patches into one LLM token (the
    config: 2 x 2), so that the LLM's 4096 tokens leave text room up to a 3472 px image.
+4. ``grid``: the 2D and 3D papers' 64 GPUs: one layer's per-rank bytes under 1d, 2d and 3d at the
+   2D paper's 64-GPU model, and how many more sequences a mode keeps per byte than 1D, next to the
+   2D paper's 8x larger batch (§5.3). Both papers' speed-ups are times, not simulated here.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from optimus_mllm.config.loader import config_from_dict
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.memory_model import (
+    ACTIVATION_BYTES,
     GIB,
     MAIN_GRAD_BYTES,
     PARAM_BYTES,
@@ -75,6 +79,8 @@ VIT_VARIANTS = ("1d", "metp", "1d-selective", "metp-selective")
 # config's 2 x 2 stops at 1764 px, before memory stops METP)
 VIT_MERGE = 4
 VIT_SIDES = range(16, 257, 32)
+GRID_GPUS = 64
+GRID_BATCH = 64  # divides over 2D's 8 grid rows and 3D's 16 y-z planes
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,38 @@ def memory_ratio(model: PaperModel, seq: int, p: int = PAPER_GPUS) -> dict[str, 
     return {"model": model.name, "seq": seq, "ratio": ours, "paper_ratio": 1 - 0.64}
 
 
+def grid_rows(batch: int = GRID_BATCH) -> list[dict[str, Any]]:
+    """Table 4: one layer of the 2D paper's 64-GPU model (its Table 2: h 8192, 128 heads, s 512,
+    the FFN of 4h) on 64 ranks under 1d, 2d (8 x 8) and 3d (4 x 4 x 4), from
+    ``tp_memory.layer_bytes`` at 16 bits: parameters, the activations that do not grow with the
+    batch (3D's all-gathered weights) and those added per sequence (the slope between ``batch``
+    and twice it), and 1D's per-sequence bytes over the mode's."""
+    spec = TransformerSpec(
+        num_layers=24,
+        hidden_size=8192,
+        num_attention_heads=128,
+        ffn_hidden_size=4 * 8192,
+        seq_length=512,
+    )
+    per_sequence = {}
+    rows = []
+    for mode in ("1d", "2d", "3d"):
+        one = layer_bytes(spec, mode, GRID_GPUS, batch, ACTIVATION_BYTES)
+        two = layer_bytes(spec, mode, GRID_GPUS, 2 * batch, ACTIVATION_BYTES)
+        per_sequence[mode] = (two.activations - one.activations) / batch
+        rows.append(
+            {
+                "mode": mode,
+                "gpus": GRID_GPUS,
+                "parameter_bytes": one.parameters,
+                "fixed_activation_bytes": one.activations - batch * per_sequence[mode],
+                "activation_bytes_per_sequence": per_sequence[mode],
+                "sequences_vs_1d": per_sequence["1d"] / per_sequence[mode],
+            }
+        )
+    return rows
+
+
 def vit_config(raw: dict[str, Any], variant: str, side: int, merge: int) -> Any:
     """``raw`` (the ViT config's YAML) with the encoder under ``variant`` (a TP mode, with
     ``-selective``: and training.recompute selective) at ``side`` x ``side`` patches, merged
@@ -269,6 +307,19 @@ def print_tables(
         print(f"largest that fits under {variant}: {best['pixels']} px (above it: {best['above']})")
 
 
+def print_grid(grid: list[dict]) -> None:
+    print("One layer of the 2D paper's 64-GPU model (h 8192, 128 heads, s 512), MiB per rank")
+    print(f"{'mode':<5} {'params':>7} {'fixed act':>9} {'act/seq':>8} {'seqs vs 1d':>10}")
+    for r in grid:
+        print(
+            f"{r['mode']:<5} {r['parameter_bytes'] / 2**20:>7.2f} "
+            f"{r['fixed_activation_bytes'] / 2**20:>9.2f} "
+            f"{r['activation_bytes_per_sequence'] / 2**20:>8.3f} {r['sequences_vs_1d']:>9.2f}x"
+        )
+    print("paper: 2D's largest batch 8x Megatron's on 64 GPUs (2D §5.3, Fig. 9, with activation")
+    print("checkpointing); 3D 2.32x and 1.57x faster than 1D and 2D (3D Table 2): time, not here")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="OUT", help="write every figure as JSON")
@@ -282,9 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sequence, peak, vit = sequence_rows(), peak_rows(), vit_rows()
     memory = memory_ratio(PAPER_MODELS[3], 512 * 1024)
+    grid = grid_rows()
     print_tables(sequence, memory, peak, vit)
+    print()
+    print_grid(grid)
     if args.json:
-        results = {"sequence": sequence, "memory": memory, "peak": peak, "vit": vit}
+        results = {"sequence": sequence, "memory": memory, "peak": peak, "vit": vit, "grid": grid}
         atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
     return 0
 

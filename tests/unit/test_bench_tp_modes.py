@@ -53,7 +53,16 @@ def test_main_writes_json(tmp_path, capsys):
     out = tmp_path / "tp.json"
     assert bench.main(["--json", str(out)]) == 0
     figures = json.loads(out.read_text())
-    assert {"sequence", "memory", "peak", "vit"} <= figures.keys()
+    assert {"sequence", "memory", "peak", "vit", "grid"} <= figures.keys()
     assert "Longest sequence" in capsys.readouterr().out
     assert bench.main(["--json", str(tmp_path / "missing" / "tp.json")]) == 2
     assert "--json" in capsys.readouterr().err
+
+
+def test_the_grid_modes_keep_more_sequences_than_1d_per_byte():
+    rows = {r["mode"]: r for r in bench.grid_rows(batch=16)}
+    per_sequence = {m: r["activation_bytes_per_sequence"] for m, r in rows.items()}
+    assert per_sequence["2d"] < per_sequence["3d"] < per_sequence["1d"]
+    assert rows["2d"]["sequences_vs_1d"] == per_sequence["1d"] / per_sequence["2d"]
+    # 3D keeps its all-gathered weights whatever the batch; 1D keeps nothing that does not grow
+    assert rows["3d"]["fixed_activation_bytes"] > 0 == rows["1d"]["fixed_activation_bytes"]
