@@ -21,6 +21,7 @@ memory model the planner prunes Optimus plans with: model states of the fullest 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -53,6 +54,7 @@ from optimus_mllm.workload import EncoderWorkload, IterationWorkload, heaviest
 # (name, layer, is_comm, duration_us), as OpWork.sequential takes
 KernelItem = tuple[str, int, bool, float]
 PATCH_EMBED = "patch_embed"  # encoder_costs' name for the patch embedding kernel
+_PS_PER_US = 1_000_000  # balanced_partition compares times as whole picoseconds
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def megatron_lm_balanced_baseline(
     llm_layers = _llm_layers(config, plan, cost)
     layers = _encoder_layers(config, plan, cost, split_for) + llm_layers
     _check_balanced_plan(config, plan, len(layers))
-    ranges = balanced_partition([layer.time_us for layer in layers], plan.pp * plan.vp)
+    ranges = balanced_partition([layer.time_us for layer in layers], plan.pp * plan.vp, plan.pp)
     op_us: OpDuration | None = None
     if workload is not None:
         # per distinct workload: each virtual stage's forward and backward time
@@ -341,34 +343,86 @@ def tied_embedding_problem(
     return None
 
 
-def balanced_partition(layer_times: list[float], num_stages: int) -> list[tuple[int, int]]:
-    """Appendix B: contiguous [lo, hi) stages of >= 1 layer each that minimise the slowest stage.
+def balanced_partition(
+    layer_times: list[float], num_stages: int, pipeline_ranks: int = 1
+) -> list[tuple[int, int]]:
+    """Appendix B: contiguous [lo, hi) virtual stages of >= 1 layer each that minimise the slowest
+    stage; among those, the one whose pipeline ranks (virtual stage v on rank v % pipeline_ranks,
+    Megatron's interleaved assignment) carry the most even totals.
 
     F(l, m), the slowest of m stages over the first l layers, is min over j < l of
-    max(F(j, m - 1), t_{j+1} + ... + t_l); ties keep the smallest j.
+    max(F(j, m - 1), t_{j+1} + ... + t_l). Appendix B stops there, but many splits share the
+    minimum (identical LLM layers can swap stages freely), and which one the pipeline runs matters:
+    the interleaved schedule's steady state runs at the pace of its slowest rank, the sum of that
+    rank's virtual stages. So a second pass over the splits whose every stage is within F(L, V*PP)
+    keeps, per (l, m), the one with the lightest slowest rank so far, then the smallest sum of
+    squared rank totals (a greedy choice: exact on the slowest stage, not a proof of the lightest
+    rank). Times are compared as whole picoseconds, so that two sums of the same layers tie exactly
+    wherever they sit: with floats the last bit decided, and a kernel made faster could move the
+    split to one that loads a rank more.
     """
     n = len(layer_times)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
-    prefix = [0.0]
+    prefix = [0]
     for t in layer_times:
-        prefix.append(prefix[-1] + t)
-    slowest = prefix[:]  # F(l, 1)
-    cuts: list[list[int]] = []  # cuts[m - 2][l]: the best j of F(l, m)
-    for m in range(2, num_stages + 1):
-        row, cut = [float("inf")] * (n + 1), [0] * (n + 1)
-        for layers in range(m, n + 1):
-            row[layers], cut[layers] = min(
-                (max(slowest[j], prefix[layers] - prefix[j]), j) for j in range(m - 1, layers)
-            )
-        slowest = row
-        cuts.append(cut)
+        prefix.append(prefix[-1] + round(t * _PS_PER_US))
+    bound = _slowest_stage(prefix, num_stages)
+    # best[l]: over the first l layers in m stages, (slowest rank, sum of squared rank totals,
+    # rank totals, j); only splits whose stages all fit in ``bound``
+    best: dict[int, tuple[int, int, tuple[int, ...], int]] = {0: (0, 0, (0,) * pipeline_ranks, 0)}
+    cuts: list[dict[int, int]] = []  # cuts[m - 1][l]: where stage m of that split starts
+    for m in range(1, num_stages + 1):
+        rank = (m - 1) % pipeline_ranks
+        row: dict[int, tuple[int, int, tuple[int, ...], int]] = {}
+        for layers in range(m, n - (num_stages - m) + 1):
+            for j in range(layers - 1, m - 2, -1):
+                stage = prefix[layers] - prefix[j]
+                if stage > bound:
+                    break  # longer stages only grow
+                if j not in best:
+                    continue
+                slowest, squares, totals, _ = best[j]
+                total = totals[rank] + stage
+                candidate = (
+                    max(slowest, total),
+                    squares + 2 * totals[rank] * stage + stage * stage,
+                    totals[:rank] + (total,) + totals[rank + 1 :],
+                    j,
+                )
+                if layers not in row or candidate[:2] < row[layers][:2]:
+                    row[layers] = candidate
+        best = row
+        cuts.append({layers: entry[3] for layers, entry in row.items()})
     ranges, hi = [], n
     for cut in reversed(cuts):
         ranges.append((cut[hi], hi))
         hi = cut[hi]
-    ranges.append((0, hi))
     return ranges[::-1]
+
+
+def _slowest_stage(prefix: list[int], num_stages: int) -> int:
+    """Appendix B's F(L, num_stages) over the layers whose running sums are ``prefix``.
+
+    F(j, m - 1) grows with j and the last stage's time shrinks, so the best j of F(l, m) is where
+    they cross: a bisection instead of a scan of every j.
+    """
+    n = len(prefix) - 1
+    slowest = prefix[:]  # F(l, 1)
+    for m in range(2, num_stages + 1):
+        row = [0] * (n + 1)
+        for layers in range(m, n + 1):
+            # the first j whose F(j, m - 1) is at least the stage (j, layers]
+            j = bisect_left(
+                range(m - 1, layers), True, key=lambda i: slowest[i] >= prefix[layers] - prefix[i]
+            ) + (m - 1)
+            row[layers] = min(
+                max(slowest[i], prefix[layers] - prefix[i])
+                for i in (j - 1, j)
+                if m - 1 <= i < layers
+            )
+        slowest = row
+    return slowest[n]
 
 
 def max_virtual_stage_us(timeline: LLMTimeline) -> float:
