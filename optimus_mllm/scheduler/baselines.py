@@ -143,7 +143,7 @@ def megatron_lm_balanced_baseline(
     llm_layers = _llm_layers(config, plan, cost)
     layers = _encoder_layers(config, plan, cost, split_for) + llm_layers
     _check_balanced_plan(config, plan, len(layers))
-    ranges = balanced_partition([layer.time_us for layer in layers], plan.pp * plan.vp, plan.pp)
+    ranges = _balanced_split(config, plan, cost, layers)
     op_us: OpDuration | None = None
     if workload is not None:
         # per distinct workload: each virtual stage's forward and backward time
@@ -158,14 +158,7 @@ def megatron_lm_balanced_baseline(
         def op_us(stage: int, chunk: int, mb: int, phase: Phase) -> float:
             return stage_us[workload[mb]][phase][chunk * plan.pp + stage]
 
-    work = {}
-    stage_params = [0.0] * plan.pp
-    for v, (lo, hi) in enumerate(ranges):
-        chunk, stage = divmod(v, plan.pp)
-        work[(stage, chunk, "fwd")] = OpWork.sequential(_flatten(layers[lo:hi], "fwd"))
-        work[(stage, chunk, "bwd")] = OpWork.sequential(_flatten(layers[lo:hi][::-1], "bwd"))
-        stage_params[stage] += sum(layer.params for layer in layers[lo:hi])
-    timeline = timeline_from_work(config, plan, cost, work, stage_params=stage_params, op_us=op_us)
+    timeline = _balanced_timeline(config, plan, cost, layers, ranges, op_us)
     memory = max(
         (
             _rank_memory(
@@ -176,8 +169,48 @@ def megatron_lm_balanced_baseline(
         key=lambda m: m.total,
     )
     return BaselineResult(
-        "Megatron-LM balanced", "balanced", timeline.iteration_us, timeline, memory, tuple(ranges)
+        "Megatron-LM balanced", "balanced", timeline.iteration_us, timeline, memory, ranges
     )
+
+
+def _balanced_split(
+    config: OptimusConfig, plan: ParallelPlan, cost: CostModel, layers: list[_Layer]
+) -> tuple[tuple[int, int], ...]:
+    """The virtual stages the balanced baseline runs: of Appendix B's split and the split with the
+    same slowest stage that evens the pipeline ranks, the one whose simulated iteration is
+    shortest (Appendix B's on a tie). Neither rule is the iteration, and neither is always the
+    faster: Appendix B minimises the slowest virtual stage as its stand-in for the pipeline's time,
+    which is also what it means to shorten."""
+    times, stages = [layer.time_us for layer in layers], plan.pp * plan.vp
+    splits = dict.fromkeys(
+        (
+            tuple(balanced_partition(times, stages)),
+            tuple(rank_balanced_partition(times, stages, plan.pp)),
+        )
+    )
+    return min(
+        splits,
+        key=lambda ranges: _balanced_timeline(config, plan, cost, layers, ranges).iteration_us,
+    )
+
+
+def _balanced_timeline(
+    config: OptimusConfig,
+    plan: ParallelPlan,
+    cost: CostModel,
+    layers: list[_Layer],
+    ranges: tuple[tuple[int, int], ...],
+    op_us: OpDuration | None = None,
+) -> LLMTimeline:
+    """The pipeline running ``layers`` split into the virtual stages ``ranges``."""
+    work = {}
+    stage_params = [0.0] * plan.pp
+    for v, (lo, hi) in enumerate(ranges):
+        chunk, stage = divmod(v, plan.pp)
+        work[(stage, chunk, "fwd")] = OpWork.sequential(_flatten(layers[lo:hi], "fwd"))
+        work[(stage, chunk, "bwd")] = OpWork.sequential(_flatten(layers[lo:hi][::-1], "bwd"))
+        stage_params[stage] += sum(layer.params for layer in layers[lo:hi])
+    return timeline_from_work(config, plan, cost, work, stage_params=stage_params, op_us=op_us)
 
 
 def _rank_memory(
@@ -343,31 +376,68 @@ def tied_embedding_problem(
     return None
 
 
-def balanced_partition(
-    layer_times: list[float], num_stages: int, pipeline_ranks: int = 1
-) -> list[tuple[int, int]]:
-    """Appendix B: contiguous [lo, hi) virtual stages of >= 1 layer each that minimise the slowest
-    stage; among those, the one whose pipeline ranks (virtual stage v on rank v % pipeline_ranks,
-    Megatron's interleaved assignment) carry the most even totals.
+def balanced_partition(layer_times: list[float], num_stages: int) -> list[tuple[int, int]]:
+    """Appendix B: contiguous [lo, hi) stages of >= 1 layer each that minimise the slowest stage.
 
     F(l, m), the slowest of m stages over the first l layers, is min over j < l of
-    max(F(j, m - 1), t_{j+1} + ... + t_l). Appendix B stops there, but many splits share the
-    minimum (identical LLM layers can swap stages freely), and which one the pipeline runs matters:
-    the interleaved schedule's steady state runs at the pace of its slowest rank, the sum of that
-    rank's virtual stages. So a second pass over the splits whose every stage is within F(L, V*PP)
-    keeps, per (l, m), the one with the lightest slowest rank so far, then the smallest sum of
-    squared rank totals (a greedy choice: exact on the slowest stage, not a proof of the lightest
-    rank). Times are compared as whole picoseconds, so that two sums of the same layers tie exactly
-    wherever they sit: with floats the last bit decided, and a kernel made faster could move the
-    split to one that loads a rank more.
+    max(F(j, m - 1), t_{j+1} + ... + t_l); ties keep the smallest j. F(j, m - 1) grows with j and
+    the stage (j, l] shrinks, so the best j is where they cross, found by bisection. Times are
+    compared as whole picoseconds, so that two sums of the same layers tie exactly wherever they sit
+    (with floats the last bit decided, and the same job a little faster could be split otherwise).
     """
+    prefix = _prefix_ps(layer_times, num_stages)
     n = len(layer_times)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
-    prefix = [0]
-    for t in layer_times:
-        prefix.append(prefix[-1] + round(t * _PS_PER_US))
-    bound = _slowest_stage(prefix, num_stages)
+    slowest = prefix[:]  # F(l, 1)
+    cuts: list[list[int]] = []  # cuts[m - 2][l]: the best j of F(l, m)
+    for m in range(2, num_stages + 1):
+        row, cut = [0] * (n + 1), [0] * (n + 1)
+        for layers in range(m, n + 1):
+            row[layers], cut[layers] = _best_cut(slowest, prefix, m - 1, layers)
+        slowest = row
+        cuts.append(cut)
+    ranges, hi = [], n
+    for cut in reversed(cuts):
+        ranges.append((cut[hi], hi))
+        hi = cut[hi]
+    ranges.append((0, hi))
+    return ranges[::-1]
+
+
+def _best_cut(slowest: list[int], prefix: list[int], lo: int, layers: int) -> tuple[int, int]:
+    """min over lo <= j < layers of max(slowest[j], prefix[layers] - prefix[j]), and the smallest
+    j that gives it."""
+    # the first j whose F(j, m - 1) is at least the stage (j, layers]
+    cross = (
+        bisect_left(range(lo, layers), True, key=lambda j: slowest[j] >= prefix[layers] - prefix[j])
+        + lo
+    )
+    best = (slowest[cross], cross) if cross < layers else None
+    if cross > lo:
+        stage = prefix[layers] - prefix[cross - 1]
+        if best is None or stage <= best[0]:
+            # the stage is the same from every j whose prefix is the same (layers taking no time)
+            best = (stage, bisect_left(prefix, prefix[cross - 1], lo, cross))
+    assert best is not None
+    return best
+
+
+def rank_balanced_partition(
+    layer_times: list[float], num_stages: int, pipeline_ranks: int
+) -> list[tuple[int, int]]:
+    """Of the splits with Appendix B's slowest stage (``balanced_partition``), one whose pipeline
+    ranks (virtual stage v on rank v % pipeline_ranks, Megatron's interleaved assignment) carry
+    even totals.
+
+    Many splits share that minimum (identical LLM layers can swap stages freely), and Appendix B's
+    tie rule (smallest j) can pile the longer virtual stages onto a few ranks, while the interleaved
+    schedule's steady state runs at the pace of its slowest rank, the sum of that rank's virtual
+    stages. A pass over the splits whose every stage is within F(L, V*PP) keeps, per (l, m), the
+    one with the lightest slowest rank so far, then the smallest sum of squared rank totals: a
+    greedy choice, exact on the slowest stage, not a proof of the lightest rank.
+    """
+    prefix = _prefix_ps(layer_times, num_stages)
+    n = len(layer_times)
+    bound = max(prefix[hi] - prefix[lo] for lo, hi in balanced_partition(layer_times, num_stages))
     # best[l]: over the first l layers in m stages, (slowest rank, sum of squared rank totals,
     # rank totals, j); only splits whose stages all fit in ``bound``
     best: dict[int, tuple[int, int, tuple[int, ...], int]] = {0: (0, 0, (0,) * pipeline_ranks, 0)}
@@ -401,28 +471,15 @@ def balanced_partition(
     return ranges[::-1]
 
 
-def _slowest_stage(prefix: list[int], num_stages: int) -> int:
-    """Appendix B's F(L, num_stages) over the layers whose running sums are ``prefix``.
-
-    F(j, m - 1) grows with j and the last stage's time shrinks, so the best j of F(l, m) is where
-    they cross: a bisection instead of a scan of every j.
-    """
-    n = len(prefix) - 1
-    slowest = prefix[:]  # F(l, 1)
-    for m in range(2, num_stages + 1):
-        row = [0] * (n + 1)
-        for layers in range(m, n + 1):
-            # the first j whose F(j, m - 1) is at least the stage (j, layers]
-            j = bisect_left(
-                range(m - 1, layers), True, key=lambda i: slowest[i] >= prefix[layers] - prefix[i]
-            ) + (m - 1)
-            row[layers] = min(
-                max(slowest[i], prefix[layers] - prefix[i])
-                for i in (j - 1, j)
-                if m - 1 <= i < layers
-            )
-        slowest = row
-    return slowest[n]
+def _prefix_ps(layer_times: list[float], num_stages: int) -> list[int]:
+    """Running sums of the layer times in whole picoseconds, for exact ties."""
+    n = len(layer_times)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
+    prefix = [0]
+    for t in layer_times:
+        prefix.append(prefix[-1] + round(t * _PS_PER_US))
+    return prefix
 
 
 def max_virtual_stage_us(timeline: LLMTimeline) -> float:
