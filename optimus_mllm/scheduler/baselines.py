@@ -5,7 +5,9 @@
   and after its backward.
 * Megatron-LM balanced: encoder and LLM layers form one sequence, split into V*PP contiguous
   virtual stages by Appendix B's dynamic program and run by the interleaved 1F1B schedule, virtual
-  stage ``chunk * PP + stage`` on pipeline rank ``stage`` (Megatron's interleaved assignment).
+  stage ``chunk * PP + stage`` on pipeline rank ``stage`` (Megatron's interleaved assignment). Of
+  the splits with the DP's slowest stage, it runs Appendix B's own or the one that evens the
+  pipeline ranks' totals, whichever the simulated pipeline finishes first (``_balanced_split``).
 
 Both reuse the LLM's pipeline simulator. With a per-microbatch ``workload``, each op that runs
 encoder layers takes that microbatch's own encoder work (``simulate``'s ``op_us``); the balanced
