@@ -5,7 +5,9 @@
   and after its backward.
 * Megatron-LM balanced: encoder and LLM layers form one sequence, split into V*PP contiguous
   virtual stages by Appendix B's dynamic program and run by the interleaved 1F1B schedule, virtual
-  stage ``chunk * PP + stage`` on pipeline rank ``stage`` (Megatron's interleaved assignment).
+  stage ``chunk * PP + stage`` on pipeline rank ``stage`` (Megatron's interleaved assignment). Of
+  the splits with the DP's slowest stage, it runs Appendix B's own or the one that evens the
+  pipeline ranks' totals, whichever the simulated pipeline finishes first (``_balanced_split``).
 
 Both reuse the LLM's pipeline simulator. With a per-microbatch ``workload``, each op that runs
 encoder layers takes that microbatch's own encoder work (``simulate``'s ``op_us``); the balanced
@@ -21,6 +23,7 @@ memory model the planner prunes Optimus plans with: model states of the fullest 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -53,6 +56,7 @@ from optimus_mllm.workload import EncoderWorkload, IterationWorkload, heaviest
 # (name, layer, is_comm, duration_us), as OpWork.sequential takes
 KernelItem = tuple[str, int, bool, float]
 PATCH_EMBED = "patch_embed"  # encoder_costs' name for the patch embedding kernel
+_PS_PER_US = 1_000_000  # balanced_partition compares times as whole picoseconds
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def megatron_lm_balanced_baseline(
     llm_layers = _llm_layers(config, plan, cost)
     layers = _encoder_layers(config, plan, cost, split_for) + llm_layers
     _check_balanced_plan(config, plan, len(layers))
-    ranges = balanced_partition([layer.time_us for layer in layers], plan.pp * plan.vp)
+    ranges = _balanced_split(config, plan, cost, layers)
     op_us: OpDuration | None = None
     if workload is not None:
         # per distinct workload: each virtual stage's forward and backward time
@@ -156,14 +160,7 @@ def megatron_lm_balanced_baseline(
         def op_us(stage: int, chunk: int, mb: int, phase: Phase) -> float:
             return stage_us[workload[mb]][phase][chunk * plan.pp + stage]
 
-    work = {}
-    stage_params = [0.0] * plan.pp
-    for v, (lo, hi) in enumerate(ranges):
-        chunk, stage = divmod(v, plan.pp)
-        work[(stage, chunk, "fwd")] = OpWork.sequential(_flatten(layers[lo:hi], "fwd"))
-        work[(stage, chunk, "bwd")] = OpWork.sequential(_flatten(layers[lo:hi][::-1], "bwd"))
-        stage_params[stage] += sum(layer.params for layer in layers[lo:hi])
-    timeline = timeline_from_work(config, plan, cost, work, stage_params=stage_params, op_us=op_us)
+    timeline = _balanced_timeline(config, plan, cost, layers, ranges, op_us)
     memory = max(
         (
             _rank_memory(
@@ -174,8 +171,48 @@ def megatron_lm_balanced_baseline(
         key=lambda m: m.total,
     )
     return BaselineResult(
-        "Megatron-LM balanced", "balanced", timeline.iteration_us, timeline, memory, tuple(ranges)
+        "Megatron-LM balanced", "balanced", timeline.iteration_us, timeline, memory, ranges
     )
+
+
+def _balanced_split(
+    config: OptimusConfig, plan: ParallelPlan, cost: CostModel, layers: list[_Layer]
+) -> tuple[tuple[int, int], ...]:
+    """The virtual stages the balanced baseline runs: of Appendix B's split and the split with the
+    same slowest stage that evens the pipeline ranks, the one whose simulated iteration is
+    shortest (Appendix B's on a tie). Neither rule is the iteration, and neither is always the
+    faster: Appendix B minimises the slowest virtual stage as its stand-in for the pipeline's time,
+    which is also what it means to shorten."""
+    times, stages = [layer.time_us for layer in layers], plan.pp * plan.vp
+    splits = dict.fromkeys(
+        (
+            tuple(balanced_partition(times, stages)),
+            tuple(rank_balanced_partition(times, stages, plan.pp)),
+        )
+    )
+    return min(
+        splits,
+        key=lambda ranges: _balanced_timeline(config, plan, cost, layers, ranges).iteration_us,
+    )
+
+
+def _balanced_timeline(
+    config: OptimusConfig,
+    plan: ParallelPlan,
+    cost: CostModel,
+    layers: list[_Layer],
+    ranges: tuple[tuple[int, int], ...],
+    op_us: OpDuration | None = None,
+) -> LLMTimeline:
+    """The pipeline running ``layers`` split into the virtual stages ``ranges``."""
+    work = {}
+    stage_params = [0.0] * plan.pp
+    for v, (lo, hi) in enumerate(ranges):
+        chunk, stage = divmod(v, plan.pp)
+        work[(stage, chunk, "fwd")] = OpWork.sequential(_flatten(layers[lo:hi], "fwd"))
+        work[(stage, chunk, "bwd")] = OpWork.sequential(_flatten(layers[lo:hi][::-1], "bwd"))
+        stage_params[stage] += sum(layer.params for layer in layers[lo:hi])
+    return timeline_from_work(config, plan, cost, work, stage_params=stage_params, op_us=op_us)
 
 
 def _rank_memory(
@@ -345,22 +382,19 @@ def balanced_partition(layer_times: list[float], num_stages: int) -> list[tuple[
     """Appendix B: contiguous [lo, hi) stages of >= 1 layer each that minimise the slowest stage.
 
     F(l, m), the slowest of m stages over the first l layers, is min over j < l of
-    max(F(j, m - 1), t_{j+1} + ... + t_l); ties keep the smallest j.
+    max(F(j, m - 1), t_{j+1} + ... + t_l); ties keep the smallest j. F(j, m - 1) grows with j and
+    the stage (j, l] shrinks, so the best j is where they cross, found by bisection. Times are
+    compared as whole picoseconds, so that two sums of the same layers tie exactly wherever they sit
+    (with floats the last bit decided, and the same job a little faster could be split otherwise).
     """
+    prefix = _prefix_ps(layer_times, num_stages)
     n = len(layer_times)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
-    prefix = [0.0]
-    for t in layer_times:
-        prefix.append(prefix[-1] + t)
     slowest = prefix[:]  # F(l, 1)
     cuts: list[list[int]] = []  # cuts[m - 2][l]: the best j of F(l, m)
     for m in range(2, num_stages + 1):
-        row, cut = [float("inf")] * (n + 1), [0] * (n + 1)
+        row, cut = [0] * (n + 1), [0] * (n + 1)
         for layers in range(m, n + 1):
-            row[layers], cut[layers] = min(
-                (max(slowest[j], prefix[layers] - prefix[j]), j) for j in range(m - 1, layers)
-            )
+            row[layers], cut[layers] = _best_cut(slowest, prefix, m - 1, layers)
         slowest = row
         cuts.append(cut)
     ranges, hi = [], n
@@ -369,6 +403,85 @@ def balanced_partition(layer_times: list[float], num_stages: int) -> list[tuple[
         hi = cut[hi]
     ranges.append((0, hi))
     return ranges[::-1]
+
+
+def _best_cut(slowest: list[int], prefix: list[int], lo: int, layers: int) -> tuple[int, int]:
+    """min over lo <= j < layers of max(slowest[j], prefix[layers] - prefix[j]), and the smallest
+    j that gives it."""
+    # the first j whose F(j, m - 1) is at least the stage (j, layers]
+    cross = (
+        bisect_left(range(lo, layers), True, key=lambda j: slowest[j] >= prefix[layers] - prefix[j])
+        + lo
+    )
+    best = (slowest[cross], cross) if cross < layers else None
+    if cross > lo:
+        stage = prefix[layers] - prefix[cross - 1]
+        if best is None or stage <= best[0]:
+            # the stage is the same from every j whose prefix is the same (layers taking no time)
+            best = (stage, bisect_left(prefix, prefix[cross - 1], lo, cross))
+    assert best is not None
+    return best
+
+
+def rank_balanced_partition(
+    layer_times: list[float], num_stages: int, pipeline_ranks: int
+) -> list[tuple[int, int]]:
+    """Of the splits with Appendix B's slowest stage (``balanced_partition``), one whose pipeline
+    ranks (virtual stage v on rank v % pipeline_ranks, Megatron's interleaved assignment) carry
+    even totals.
+
+    Many splits share that minimum (identical LLM layers can swap stages freely), and Appendix B's
+    tie rule (smallest j) can pile the longer virtual stages onto a few ranks, while the interleaved
+    schedule's steady state runs at the pace of its slowest rank, the sum of that rank's virtual
+    stages. A pass over the splits whose every stage is within F(L, V*PP) keeps, per (l, m), the
+    one with the lightest slowest rank so far, then the smallest sum of squared rank totals: a
+    greedy choice, exact on the slowest stage, not a proof of the lightest rank.
+    """
+    prefix = _prefix_ps(layer_times, num_stages)
+    n = len(layer_times)
+    bound = max(prefix[hi] - prefix[lo] for lo, hi in balanced_partition(layer_times, num_stages))
+    # best[l]: over the first l layers in m stages, (slowest rank, sum of squared rank totals,
+    # rank totals, j); only splits whose stages all fit in ``bound``
+    best: dict[int, tuple[int, int, tuple[int, ...], int]] = {0: (0, 0, (0,) * pipeline_ranks, 0)}
+    cuts: list[dict[int, int]] = []  # cuts[m - 1][l]: where stage m of that split starts
+    for m in range(1, num_stages + 1):
+        rank = (m - 1) % pipeline_ranks
+        row: dict[int, tuple[int, int, tuple[int, ...], int]] = {}
+        for layers in range(m, n - (num_stages - m) + 1):
+            for j in range(layers - 1, m - 2, -1):
+                stage = prefix[layers] - prefix[j]
+                if stage > bound:
+                    break  # longer stages only grow
+                if j not in best:
+                    continue
+                slowest, squares, totals, _ = best[j]
+                total = totals[rank] + stage
+                candidate = (
+                    max(slowest, total),
+                    squares + 2 * totals[rank] * stage + stage * stage,
+                    totals[:rank] + (total,) + totals[rank + 1 :],
+                    j,
+                )
+                if layers not in row or candidate[:2] < row[layers][:2]:
+                    row[layers] = candidate
+        best = row
+        cuts.append({layers: entry[3] for layers, entry in row.items()})
+    ranges, hi = [], n
+    for cut in reversed(cuts):
+        ranges.append((cut[hi], hi))
+        hi = cut[hi]
+    return ranges[::-1]
+
+
+def _prefix_ps(layer_times: list[float], num_stages: int) -> list[int]:
+    """Running sums of the layer times in whole picoseconds, for exact ties."""
+    n = len(layer_times)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
+    prefix = [0]
+    for t in layer_times:
+        prefix.append(prefix[-1] + round(t * _PS_PER_US))
+    return prefix
 
 
 def max_virtual_stage_us(timeline: LLMTimeline) -> float:

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from optimus_mllm.cli.plan import main as plan_main
-from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.config import config_from_dict, load_config
+from optimus_mllm.cost_model import CostModel, KernelWork
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.memory_model import GIB
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.planner import llm_memory
+from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.baselines import (
     balanced_partition,
     baseline_placements,
@@ -71,6 +72,114 @@ def test_balanced_partition_matches_brute_force():
 def test_balanced_partition_needs_a_layer_per_stage():
     with pytest.raises(ValueError):
         balanced_partition([1.0, 2.0], 3)
+
+
+class _Faster(CostModel):
+    """The same cost model with every kernel, collectives included, ``factor`` times faster."""
+
+    def __init__(self, base: CostModel, factor: float):
+        super().__init__(base.cluster, base.params, base.profile)
+        self.factor = factor
+
+    def compute_us(self, work: KernelWork, module: str, tp: int) -> float:
+        return super().compute_us(work, module, tp) / self.factor
+
+    def comm_us(self, work: KernelWork, bandwidth_gbps: float, module: str = "", tp: int = 0):
+        return super().comm_us(work, bandwidth_gbps, module, tp) / self.factor
+
+
+def _balanced_setup(seed: int) -> tuple[dict, int]:
+    """A small single-encoder job with more layers than virtual stages (so that splits tie), as a
+    config mapping, and the V to balance it at."""
+    rng = random.Random(seed)
+    pp, vp, tp, dp = (
+        rng.choice([2, 4]),
+        rng.choice([1, 2, 3, 4]),
+        rng.choice([1, 2]),
+        rng.choice([1, 2]),
+    )
+    heads, enc_heads = 4 * rng.choice([1, 2]), rng.choice([4, 8])
+    encoder = {
+        "name": "vit",
+        "num_layers": rng.randint(2, 12),
+        "hidden_size": 16 * enc_heads,
+        "num_attention_heads": enc_heads,
+        "ffn_hidden_size": 64 * enc_heads,
+        "seq_length": rng.choice([64, 256, 512]),
+        "patch_size": 4,
+    }
+    llm = {
+        "num_layers": pp * rng.randint(vp, 3 * vp),
+        "hidden_size": 32 * heads,
+        "num_attention_heads": heads,
+        "ffn_hidden_size": 128 * heads,
+        "seq_length": 1024,
+        "vocab_size": 1024,
+    }
+    raw = {
+        "name": f"balanced{seed}",
+        "cluster": {
+            "num_gpus": tp * pp * dp,
+            "gpus_per_node": max(4, tp),
+            "gpu_memory_gib": 80,
+            "inter_node_bandwidth_gbps": rng.choice([5.0, 50.0]),
+        },
+        "model": {"encoders": [encoder], "llm": llm},
+        "training": {
+            "global_batch_size": pp * rng.choice([1, 2, 4]) * dp,
+            "micro_batch_size": 1,
+            "recompute": rng.choice(["none", "selective", "full"]),
+        },
+        "parallel": {"llm": {"dp": dp, "pp": pp, "tp": tp, "vp": 1}},
+    }
+    return raw, vp
+
+
+def test_balanced_is_never_slower_with_faster_kernels():
+    """Every kernel up to 5 % faster never makes the balanced baseline slower: its split used to
+    tie on the last bit of float sums, so that the same job, a little faster, could be split into
+    virtual stages that load one pipeline rank more."""
+    slower = []
+    for seed in range(40):
+        raw, vp = _balanced_setup(seed)
+        config = config_from_dict(raw)
+        llm = config.parallel.llm
+        llm_plan = ParallelPlan(llm.dp, llm.pp, llm.tp, vp)
+        cost = CostModel.from_config(config)
+        before = megatron_lm_balanced_baseline(config, llm_plan, cost).iteration_us
+        rng = random.Random(seed)
+        for factor in (rng.uniform(1, 1.05), rng.uniform(1, 1.05)):
+            after = megatron_lm_balanced_baseline(config, llm_plan, _Faster(cost, factor))
+            if after.iteration_us > before * (1 + 1e-12):
+                slower.append(
+                    f"seed {seed} x{factor:.4f}: {before:.1f} -> {after.iteration_us:.1f}"
+                )
+    assert not slower, slower
+
+
+def test_balanced_at_1536_gpus_is_no_slower_with_faster_memory():
+    """strong_1536 at V12 under the paper calibration: memory efficiency 0.7 -> 0.8 (every kernel
+    as fast or faster) took balanced from 10.847 to 11.350 s, the 2-layer virtual stages piling up
+    on some pipeline ranks."""
+    times = []
+    for efficiency in (0.7, 0.8):
+        config, llm_plan, cost = _setup(
+            "strong_1536",
+            ("cost_model.calibration=paper", f"cost_model.memory_efficiency={efficiency}"),
+        )
+        result = megatron_lm_balanced_baseline(config, llm_plan, cost, vp=12)
+        times.append(result.iteration_us)
+        # 96 virtual stages over 144 layers: every pipeline rank within one LLM layer of another
+        per_rank = [
+            sum(
+                result.timeline.work[(s, c, p)].duration_us
+                for c in range(12)
+                for p in ("fwd", "bwd")
+            )
+            for s in range(llm_plan.pp)
+        ]
+        assert max(per_rank) - min(per_rank) < 25_600  # an LLM layer is 21-26 ms there
+    assert times[1] <= times[0]
 
 
 @pytest.mark.parametrize("name", PAPER)
