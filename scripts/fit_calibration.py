@@ -23,11 +23,11 @@ those the benchmark prints. ``--evaluate`` prints the residuals of the shipped c
 replaced.
 
 Why the fit stops short of the bounds: with every kernel whole, Eff_fine is a step function of the
-constants. The LLM's TP collectives all carry one activation tensor, so they all last the same (323
-us at the shipped constants), and so do the ViT's longest forward kernels, fc1 and fc2 (349 us).
-Above NVLink efficiency 0.563 those kernels fit no TP bubble and Eff_fine is 52 / 62 / 81 %
-(paper 57.5 / 69.3 / 85.0); below it they fit every one and Eff_fine jumps to 88 / 91 / 90 %
-(``--evaluate nvlink_efficiency=0.56``); no constant lands in between. What the model lacks is the
+constants. The LLM's TP collectives all carry one activation tensor, so they all last the same, and
+so do the ViT's longest forward kernels, fc1 and fc2, a little longer at the shipped constants.
+There those kernels fit no TP bubble and Eff_fine is under the paper's 57.5 / 69.3 / 85.0 %; at a
+lower NVLink efficiency (``--evaluate nvlink_efficiency=0.56``) they fit every one and Eff_fine is
+far over it; no constant lands in between. What the model lacks is the
 spread of a real GPU's collective and kernel times, which the paper's scheduler worked from.
 """
 
