@@ -185,7 +185,7 @@ class OptimusInMegatron:
             config, llm_plan, artifact, numbering, rank, device, {config.encoders[0].name: spec}
         )
         optimus.encoder.to(device, DTYPES[config.training.precision])
-        user_vision = take_user_vision(config, optimus, first)
+        user_vision = take_user_vision(config, optimus, first, device)
         communicator = optimus_communicator(get_model_config(self.chunks[0]), llm_plan, rank)
         uses = llm_uses()
         if communicator is not None:

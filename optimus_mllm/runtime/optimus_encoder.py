@@ -345,10 +345,18 @@ def user_vision_spec(
 
 
 def take_user_vision(
-    config: OptimusConfig, optimus: OptimusEncoder, first_chunk: nn.Module | None
+    config: OptimusConfig,
+    optimus: OptimusEncoder,
+    first_chunk: nn.Module | None,
+    device: torch.device,
 ) -> UserVision | None:
     """Start the encoder stage from the user's vision weights (every rank takes part) and put
-    ``ImageEmbeddingsInput`` and an identity projector in their place in the first stage."""
+    ``ImageEmbeddingsInput`` and an identity projector in their place in the first stage.
+
+    The chunk goes to the training device and precision after this (Megatron-LM's ``get_model``:
+    ``.cuda()`` and ``Float16Module`` under --bf16/--fp16; the trainer: ``.to``), so the modules
+    held aside go there now, for the forwards that put them back (the start-up probe, evaluation).
+    """
     source = {} if first_chunk is None else vision_sharded_state_dict(first_chunk)
     copy_sharded_state(
         source,
@@ -360,6 +368,8 @@ def take_user_vision(
     taken = UserVision(
         first_chunk.vision_model, first_chunk.vision_projection, ImageEmbeddingsInput()
     )
+    for module in (taken.vision_model, taken.vision_projection):
+        module.to(device, DTYPES[config.training.precision])
     first_chunk.vision_model = taken.stand_in
     first_chunk.vision_projection = nn.Identity()
     return taken

@@ -389,7 +389,7 @@ class Trainer:
             return
         self.encoder_layer_specs = {self.config.encoders[0].name: spec}
         self._build_optimus_encoder()
-        self.user_vision = take_user_vision(self.config, self.optimus, first)
+        self.user_vision = take_user_vision(self.config, self.optimus, first, self.device)
 
     def _build_optimus_encoder(self) -> None:
         self.optimus = OptimusEncoder.build(

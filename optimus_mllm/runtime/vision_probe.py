@@ -131,7 +131,9 @@ def _compare(
                 vision, projection = first_chunk.vision_model, first_chunk.vision_projection
                 theirs_params = _trained(vision, projection)
                 with torch.no_grad():
-                    features = vision(images)
+                    # in the model's precision, as Megatron's Float16Module casts the first stage's
+                    # inputs (--bf16/--fp16)
+                    features = vision(images.to(next(vision.parameters()).dtype))
                     if getattr(first_chunk, "_drop_vision_class_token", False):
                         features = features[:, vision.class_token_len :]
                     as_llava = projection(features.permute(1, 0, 2).contiguous())

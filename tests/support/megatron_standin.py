@@ -37,6 +37,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.timers import Timers
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 import megatron_patches
@@ -183,7 +184,8 @@ def _as_class(provider: Any, model_class: type, *args: Any, **kwargs: Any) -> An
 
 
 def _get_model(provider: Any, args: Any) -> list[DistributedDataParallel]:
-    """Megatron-LM's ``get_model``: the provider per virtual stage, ``model_type`` set, DDP."""
+    """Megatron-LM's ``get_model``: the provider per virtual stage, ``model_type`` set, cast by
+    ``Float16Module`` under --bf16/--fp16, DDP."""
     vp = args.virtual_pipeline_model_parallel_size or 1
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp = args.pipeline_model_parallel_size
@@ -193,6 +195,8 @@ def _get_model(provider: Any, args: Any) -> list[DistributedDataParallel]:
         post = pp_rank == pp - 1 and v == vp - 1
         chunk = provider(pre_process=pre, post_process=post, **({"vp_stage": v} if vp > 1 else {}))
         chunk.model_type = ModelType.encoder_or_decoder
+        if args.bf16 or args.fp16:
+            chunk = Float16Module(get_model_config(chunk), chunk)
         chunks.append(chunk)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=False,
