@@ -152,6 +152,12 @@ def train_vlm(
             raise OptimusError(
                 f"model_type {model_type}: a ViT + GPT model is ModelType.encoder_or_decoder"
             )
+        if args.bf16 or args.fp16:
+            raise OptimusError(
+                f"--{'bf16' if args.bf16 else 'fp16'}: this loop does not cast the "
+                "model_provider's model and its inputs as Megatron-LM's Float16Module does; train "
+                "in fp32 here, or with Megatron-LM's own pretrain (optimus_mllm.megatron.pretrain)"
+            )
         world_size = int(os.environ["WORLD_SIZE"])
         config = config_from_megatron_args(
             args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8))

@@ -174,6 +174,13 @@ def test_a_schedule_for_another_job_is_refused_on_every_rank(plan_json):
     assert_one_error_everywhere(results, "re-run optimus-plan", prog="pretrain_vlm_megatron.py")
 
 
+@pytest.mark.distributed
+def test_bf16_is_refused_on_every_rank_where_nothing_casts_the_users_model():
+    # without a refusal every rank died in the first forward: bf16 weights, fp32 images
+    results = ranks(4, *TINY_ARGS, "--bf16", program=(SCRIPT,))
+    assert_one_error_everywhere(results, "Float16Module", prog="pretrain_vlm_megatron.py")
+
+
 def test_megatron_args_give_the_pretrain_vlm_tiny_config():
     """The script's defaults with TINY_ARGS and without dropout describe
     configs/pretrain_vlm_tiny.yaml (configs/megatron_tiny.yaml with pretrain_vlm.py's vision path:
