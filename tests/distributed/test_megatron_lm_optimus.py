@@ -45,6 +45,17 @@ def _ran_optimus(run) -> None:
     )
 
 
+def _plain_and_flagged(tmp_path: Path, args: tuple[str, ...]) -> tuple:
+    """The one-line script trained under ``args`` without and with ``--optimus-schedule auto``;
+    the flagged run checked to have run the Optimus schedule."""
+    assert CHECKOUT is not None
+    script = _compare.with_one_line(CHECKOUT, tmp_path)
+    plain = _train(script, args)
+    optimus = _train(script, (*args, *AUTO))
+    _ran_optimus(optimus)
+    return plain, optimus
+
+
 def _same(plain, optimus) -> None:
     for a, b in zip(plain.iterations, optimus.iterations, strict=True):
         assert math.isfinite(a.lm_loss)
@@ -57,12 +68,7 @@ def _same(plain, optimus) -> None:
 def test_pretrain_vlm_trains_with_the_flag_as_without(
     layout: str, mlp: tuple[str, ...], tmp_path: Path
 ) -> None:
-    assert CHECKOUT is not None
-    script = _compare.with_one_line(CHECKOUT, tmp_path)
-    args = (*_compare.LAYOUTS[layout], *mlp)
-    plain = _train(script, args)
-    optimus = _train(script, (*args, *AUTO))
-    _ran_optimus(optimus)
+    plain, optimus = _plain_and_flagged(tmp_path, (*_compare.LAYOUTS[layout], *mlp))
     _same(plain, optimus)
     assert len({i.lm_loss for i in plain.iterations}) == 3  # it trains
 
@@ -70,23 +76,13 @@ def test_pretrain_vlm_trains_with_the_flag_as_without(
 def test_the_distributed_optimizer_trains_with_the_flag_as_without(tmp_path: Path) -> None:
     # its resume is not covered: Megatron-LM core_v0.16.1 itself fails to load a distributed
     # optimizer's torch-format state on the CPU, with or without the flag
-    assert CHECKOUT is not None
-    script = _compare.with_one_line(CHECKOUT, tmp_path)
     args = (*_compare.LAYOUTS["dp2-pp2"], "--use-distributed-optimizer")
-    plain = _train(script, args)
-    optimus = _train(script, (*args, *AUTO))
-    _ran_optimus(optimus)
-    _same(plain, optimus)
+    _same(*_plain_and_flagged(tmp_path, args))
 
 
 def test_bf16_trains_with_the_flag_as_without(tmp_path: Path) -> None:
     # the vision modules the flag holds aside are cast as get_model's Float16Module casts the chunks
-    assert CHECKOUT is not None
-    script = _compare.with_one_line(CHECKOUT, tmp_path)
-    args = (*_compare.LAYOUTS["dp2-pp2"], "--bf16")
-    plain = _train(script, args)
-    optimus = _train(script, (*args, *AUTO))
-    _ran_optimus(optimus)
+    plain, optimus = _plain_and_flagged(tmp_path, (*_compare.LAYOUTS["dp2-pp2"], "--bf16"))
     for a, b in zip(plain.iterations, optimus.iterations, strict=True):
         # bf16: the encoder's kernels round otherwise than the vision model's
         assert b.lm_loss == pytest.approx(a.lm_loss, rel=1e-3), (a.line, b.line)

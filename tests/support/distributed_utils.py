@@ -57,12 +57,10 @@ def _start_context() -> Any:
     return context
 
 
-def _backend(rank: int, world_size: int) -> str:
-    """gloo, or NCCL where every rank has a GPU of its own (``LOCAL_RANK`` picks it), as the
-    launcher chooses: on an H100, gloo died with SIGSEGV in the distributed optimizer's coalesced
-    all-gather of CUDA tensors."""
+def _backend(world_size: int) -> str:
+    """gloo, or NCCL where every rank has a GPU of its own, as the launcher chooses: on an H100,
+    gloo died with SIGSEGV in the distributed optimizer's coalesced all-gather of CUDA tensors."""
     if torch.cuda.is_available() and world_size <= torch.cuda.device_count():
-        os.environ["LOCAL_RANK"] = str(rank)
         return "nccl"
     return "gloo"
 
@@ -81,9 +79,12 @@ def _rank_main(
     os.environ.update(environment)
     try:
         torch.set_num_threads(1)  # N ranks share few cores: avoid oversubscription
+        backend = _backend(world_size)
+        if backend == "nccl":
+            os.environ["LOCAL_RANK"] = str(rank)  # training_device's GPU, as torchrun sets it
         try:
             dist.init_process_group(
-                _backend(rank, world_size),
+                backend,
                 init_method=f"tcp://127.0.0.1:{port}",
                 rank=rank,
                 world_size=world_size,
