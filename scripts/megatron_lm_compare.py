@@ -22,9 +22,11 @@ import argparse
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,34 +132,64 @@ def agree(first: Run, second: Run, rel: float = 1e-5) -> bool:
 
 
 def run_megatron_script(
-    script: Path, nproc: int, args: Sequence[str], timeout_s: float = 900
+    script: Path, nproc: int, args: Sequence[str], timeout_s: float = 900, nodes: int = 1
 ) -> Run:
-    """``torchrun`` ``script`` on ``nproc`` local gloo ranks (``optimus_mllm.megatron_lm_cpu``).
+    """``torchrun`` ``script`` on ``nproc`` local gloo ranks (``optimus_mllm.megatron_lm_cpu``);
+    with ``nodes`` > 1, on ``nodes`` torchrun agents of ``nproc`` ranks each, started on their own
+    and meeting through torchrun's c10d rendezvous as the nodes of a cluster do.
 
     ``PYTHONPATH`` starts with this repository (its ``optimus_mllm`` is the one run);
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as Megatron-LM's examples set it (its ``validate_args``
-    requires it at TP>1).
+    requires it at TP>1). The output is every agent's, one after the other; the exit status the
+    first non-zero one.
     """
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), *filter(None, [environment.get("PYTHONPATH")])]
     )
     environment["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    if nodes == 1:
+        launcher: tuple[str, ...] = ("--standalone",)
+    else:
+        port = _free_port()
+        launcher = (
+            *("--nnodes", str(nodes), "--rdzv-backend", "c10d"),
+            *("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"megatron-lm-{port}"),
+        )
     command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *(sys.executable, "-m", "torch.distributed.run", *launcher),
         *("--nproc-per-node", str(nproc), "-m", "optimus_mllm.megatron_lm_cpu"),
         *(str(script), *args),
     ]
-    result = subprocess.run(
-        command,
-        cwd=REPO,  # not the checkout: its .python-version may name another interpreter
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout_s,
-    )
-    return Run(result.returncode, parse_iterations(result.stdout), result.stdout)
+    agents = [
+        subprocess.Popen(
+            command,
+            cwd=REPO,  # not the checkout: its .python-version may name another interpreter
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(nodes)
+    ]
+    deadline = time.monotonic() + timeout_s
+    try:
+        outputs = [a.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for a in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.communicate()
+    output = "".join(outputs)
+    returncode = next((a.returncode for a in agents if a.returncode != 0), 0)
+    return Run(returncode, parse_iterations(output), output)
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now, for a rendezvous endpoint."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,8 +30,12 @@ AUTO = ("--optimus-schedule", "auto")
 _VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
 
-def _train(script: Path, args: tuple[str, ...], iterations: tuple[int, ...] = (1, 2, 3)):
-    run = _compare.run_megatron_script(script, 4, [*_compare.TINY_VLM_ARGS, *args])
+def _train(
+    script: Path, args: tuple[str, ...], iterations: tuple[int, ...] = (1, 2, 3), nodes: int = 1
+):
+    run = _compare.run_megatron_script(
+        script, 4 // nodes, [*_compare.TINY_VLM_ARGS, *args], nodes=nodes
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert tuple(i.number for i in run.iterations) == iterations, run.output[-4000:]
     return run
@@ -113,6 +117,19 @@ def test_an_artifact_optimus_plan_wrote_from_the_jobs_command_line_trains_as_wit
     assert f"{ran}{encoder_plan}," in optimus.output, (chosen, optimus.output[-3000:])
     assert re.search(r"optimus: first step: \d+ of the [1-9]\d* encoder ops", optimus.output)
     _same(plain, optimus)
+
+
+def test_two_nodes_of_two_train_with_the_flag_like_one_node_of_four(tmp_path: Path) -> None:
+    # two torchrun agents of 2 ranks each, meeting through the c10d rendezvous as the nodes of a
+    # cluster do: TP inside a node, the pipeline across the two; the flag plans for nodes of 2
+    # (LOCAL_WORLD_SIZE) and must train the one-node run's numbers whatever plan that gives
+    assert CHECKOUT is not None
+    script = _compare.with_one_line(CHECKOUT, tmp_path)
+    layout = _compare.LAYOUTS["tp2-pp2"]
+    one_node = _train(script, layout)
+    two_nodes = _train(script, (*layout, *AUTO), nodes=2)
+    _ran_optimus(two_nodes)
+    _same(one_node, two_nodes)
 
 
 def test_evaluation_and_save_resume_with_the_flag(tmp_path: Path) -> None:
