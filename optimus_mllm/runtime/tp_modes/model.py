@@ -9,9 +9,9 @@ and 3D layers (``layers_2d``, ``layers_3d``) or METP's (``runtime.metp``), causa
 What a rank holds of the ``[s, b, h]`` residual stream (``TokenLayout``):
 
 - 1d: all of it (megatron-core's TP without sequence parallelism);
-- 2d, grid (i, j): sequences block i of q, hidden block j of q;
-- 3d, cube (i, j, l): sequences block i*p + j of p^2, hidden block l of p (direction y);
-- metp, rank r: sequence block r of p, the whole hidden.
+- 2d, grid (i, j): samples block i of q (along b), hidden block j of q;
+- 3d, cube (i, j, l): samples block i*p + j of p^2, hidden block l of p (direction y);
+- metp, rank r: positions block r of p (along s), the whole hidden.
 
 The projection and the head are replicated: every rank holds them whole (the papers partition the
 transformer layers; an embedding or output layer partitioned their way is not built). In 1d every
