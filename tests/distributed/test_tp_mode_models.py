@@ -3,8 +3,9 @@
 
 Each model is a ``TPModeModel`` (input projection, a two-layer ``TransformerBlock`` with its final
 norm, token classification head), seeded alike in every mode, wrapped in megatron-core's
-``DistributedDataParallel`` and stepped by ``get_megatron_optimizer``'s optimizer (SGD, gradients
-clipped at norm 1) after ``finalize_model_grads``, for three steps on the same microbatches. Its
+``DistributedDataParallel``, run by its no-pipelining schedule (which calls
+``finalize_model_grads``) and stepped by ``get_megatron_optimizer``'s optimizer (SGD, gradients
+clipped at norm 1), for three steps on the same microbatches. Its
 twin is megatron-core's 1D TP over the same ranks. Every step's loss and gradient norm equal the
 twin's. The ranks start once per world size and train every model of that size: 2 ranks (1d,
 metp), 4 (1d, 2d on a 2 x 2 grid, metp) and 8 (1d, 3d on a 2 x 2 x 2 cube).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,7 +32,9 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
 
 import megatron_patches
 from optimus_mllm.config import TPMode
@@ -87,7 +91,7 @@ def _train(groups: TPModeGroups, alone: dist.ProcessGroup) -> dict[str, list[flo
     config = _config(world, groups.mode)
     torch.manual_seed(SEED)
     model = TPModeModel(config, groups, INPUTS, CLASSES)
-    process_groups = training_process_groups(groups, dp=alone, pp=alone, instance=groups.tp)
+    process_groups = training_process_groups(groups, dp=alone, alone=alone, instance=groups.tp)
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True),
@@ -100,6 +104,12 @@ def _train(groups: TPModeGroups, alone: dist.ProcessGroup) -> dict[str, list[flo
         use_gloo_process_groups=False,
         pg_collection=process_groups,
     )
+    config.finalize_model_grads_func = finalize_model_grads  # the schedule calls it
+
+    def forward_step(batches: Iterator[tuple[Tensor, Tensor]], module: Any) -> tuple[Tensor, Any]:
+        share = module(*next(batches))
+        return share, lambda loss: (loss, {"loss": model.mean_loss(loss)})
+
     data = torch.Generator().manual_seed(SEED + 1)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -107,12 +117,18 @@ def _train(groups: TPModeGroups, alone: dist.ProcessGroup) -> dict[str, list[flo
         labels = torch.randint(CLASSES, (SEQ, BATCH), generator=data)
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        share = ddp(inputs, labels)
-        share.backward()
-        finalize_model_grads([ddp], pg_collection=process_groups)
+        (reported,) = forward_backward_no_pipelining(
+            forward_step_func=forward_step,
+            data_iterator=iter([(inputs, labels)]),
+            model=[ddp],
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+            pg_collection=process_groups,
+        )
         stepped, norm, _ = optimizer.step()
         assert stepped
-        losses.append(model.mean_loss(share).item())
+        losses.append(reported["loss"].item())
         norms.append(float(norm))
     return {"losses": losses, "grad norms": norms}
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import reduce_scatter_to_sequence_parallel_region
@@ -216,6 +217,7 @@ class TPModeModel(MegatronModule):
         """
         super().__init__(config=config)
         _check_config(config, groups)
+        self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules read
         self.groups = groups
         self.layout = token_layout(groups)
         self.input_projection = _Replicated(config, input_size, config.hidden_size)
@@ -230,6 +232,13 @@ class TPModeModel(MegatronModule):
             for module in (self.input_projection, self.head):
                 for param in module.parameters():
                     param.sequence_parallel = True
+
+    def set_input_tensor(self, input_tensor: list[Tensor | None] | Tensor | None) -> None:
+        """Where megatron-core's schedules hand a stage its input: this model is one whole stage,
+        so it takes none."""
+        tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
+        if any(tensor is not None for tensor in tensors):
+            raise ValueError("TPModeModel is a single pipeline stage: it takes no input tensor")
 
     def forward(self, inputs: Tensor, labels: Tensor) -> Tensor:
         """This rank's share of the microbatch's mean token cross-entropy.
@@ -277,22 +286,23 @@ class TPModeModel(MegatronModule):
 def training_process_groups(
     groups: TPModeGroups,
     dp: ProcessGroup,
-    pp: ProcessGroup,
+    alone: ProcessGroup,
     instance: ProcessGroup,
 ) -> ProcessGroupCollection:
-    """megatron-core's groups for the DDP, optimizer and ``finalize_model_grads`` of a
+    """megatron-core's groups for the schedule, DDP, optimizer and ``finalize_model_grads`` of a
     ``TPModeModel`` (no pipeline, no experts, no context parallelism).
 
     Args:
         groups: the model's; its whole group is the TP and the model-parallel group (over which
             the gradient norm is summed).
         dp: the data-parallel group (the replicas of this rank's position).
-        pp: a group of this rank alone (no pipeline).
+        alone: a group of this rank alone (the pipeline and context-parallel groups).
         instance: every rank of the job, over which the distributed optimizer sums the norm.
     """
     return ProcessGroupCollection(
         tp=groups.tp,
-        pp=pp,
+        pp=alone,
+        cp=alone,
         mp=groups.tp,
         dp=dp,
         dp_cp=dp,
