@@ -602,13 +602,15 @@ class MetpSelfAttention(MegatronModule):
         )
         h, qkv = config.hidden_size, (heads + 2 * groups) * d
         with_qkv_bias = config.add_bias_linear or config.add_qkv_bias
-        self.linear_qkv = _Linear(
-            _shard(config, qkv, h, 0, self.group, config.init_method),
-            _bias(config, qkv // p, sequence_parallel=False) if with_qkv_bias else None,
-        )
+        # drawn in megatron-core's order (its Attention builds linear_proj, then SelfAttention
+        # linear_qkv), so that a model seeded like its 1D twin starts from the same weights
         self.linear_proj = _Linear(
             _shard(config, h, heads * d, 1, self.group, config.output_layer_init_method),
             _bias(config, h, sequence_parallel=True),
+        )
+        self.linear_qkv = _Linear(
+            _shard(config, qkv, h, 0, self.group, config.init_method),
+            _bias(config, qkv // p, sequence_parallel=False) if with_qkv_bias else None,
         )
 
     def forward(

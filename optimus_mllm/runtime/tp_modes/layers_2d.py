@@ -24,7 +24,9 @@ megatron-core builds ``linear_fc1``, ``linear_fc2``, ``linear_proj`` and the nor
 ``functools.partial`` binding the grid.
 
 Vector parameters (biases, norm weights) are hosted on row 0 and exist only there: the other
-rows hold None under the same name and receive the column's block when it is used.
+rows hold None under the same name and receive the column's block when it is used. Every block
+(weight or vector) is marked as held by its rank alone and a weight block is initialised as its
+share of the whole weight (``params``), so megatron-core's optimizer and a 1D twin agree.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
 from optimus_mllm.runtime.tp_modes.groups import Grid2D
+from optimus_mllm.runtime.tp_modes.params import init_block, mark_held_once
 from optimus_mllm.runtime.tp_modes.summa import FromRowZero, RowStatsNorm, SummaLinear
 
 
@@ -54,7 +57,9 @@ def _row_zero_parameter(
     block: int, fill: float, grid: Grid2D, dtype: torch.dtype
 ) -> nn.Parameter | None:
     """Block j of a vector parameter: a Parameter on rank (0, j), None on the other rows."""
-    return nn.Parameter(torch.full((block,), fill, dtype=dtype)) if grid.row == 0 else None
+    if grid.row != 0:
+        return None
+    return mark_held_once(nn.Parameter(torch.full((block,), fill, dtype=dtype)))
 
 
 def _from_row_zero(vector: Tensor | None, block: int, grid: Grid2D, dtype: torch.dtype) -> Tensor:
@@ -100,10 +105,12 @@ class Linear2D(nn.Module):
         self.skip_bias_add = skip_bias_add
         rows = _block(output_size, grid, "output size")
         columns = _block(input_size, grid, "input size")
-        self.weight = nn.Parameter(torch.empty(rows, columns, dtype=config.params_dtype))
-        if config.perform_initialization:
-            with torch.no_grad():
-                init_method(self.weight)  # i.i.d. elements: drawing the block draws its share
+        self.weight = mark_held_once(
+            nn.Parameter(torch.empty(rows, columns, dtype=config.params_dtype))
+        )
+        # block (j, i) of megatron-core's [out, in] weight
+        blocks = ((grid.q, grid.column), (grid.q, grid.row))
+        init_block(self.weight, (output_size, input_size), blocks, config, init_method)
         self.has_bias = bias
         self.bias = _row_zero_parameter(rows, 0.0, grid, config.params_dtype) if bias else None
 

@@ -22,6 +22,7 @@ all-gathered along x; backward, the gradient is reduce-scattered along x and red
 holder.
 
 Layer norm: the statistics are all-reduced along the other direction (the hidden dimension's).
+Blocks are marked and initialised as in 2D (``params``).
 ``get_3d_layer_spec`` plugs these into megatron-core's ``TransformerLayer`` as ``layers_2d``
 does for a grid, the cube's y group being the attention's TP group (the QKV output's column block
 j is heads block j).
@@ -44,6 +45,7 @@ from torch import Tensor, nn
 
 from optimus_mllm.runtime.layer_ops import all_gather, reduce_scatter
 from optimus_mllm.runtime.tp_modes.groups import Cube3D
+from optimus_mllm.runtime.tp_modes.params import init_block, mark_held_once
 from optimus_mllm.runtime.tp_modes.summa import RowStatsNorm
 
 DIRECTIONS = ("y", "z")
@@ -93,7 +95,7 @@ def _diagonal_parameter(
         raise ValueError(f"3D tensor parallelism: vector size {size} must divide by p^2")
     if not _holds_vectors(cube):
         return None
-    return nn.Parameter(torch.full((size // cube.p**2,), fill, dtype=dtype))
+    return mark_held_once(nn.Parameter(torch.full((size // cube.p**2,), fill, dtype=dtype)))
 
 
 def _from_diagonal(
@@ -168,12 +170,15 @@ class Linear3D(nn.Module):
             )
         self.cube, self.input_direction = cube, input_direction
         self.skip_bias_add = skip_bias_add
-        self.weight = nn.Parameter(
-            torch.empty(output_size // p**2, input_size // p, dtype=config.params_dtype)
+        self.weight = mark_held_once(
+            nn.Parameter(
+                torch.empty(output_size // p**2, input_size // p, dtype=config.params_dtype)
+            )
         )
-        if config.perform_initialization:
-            with torch.no_grad():
-                init_method(self.weight)  # i.i.d. elements: drawing the block draws its share
+        # out block a*p + i (of p^2), in block b (of p) of megatron-core's [out, in] weight
+        a, b = (cube.j, cube.l) if input_direction == "y" else (cube.l, cube.j)
+        blocks = ((p**2, a * p + cube.i), (p, b))
+        init_block(self.weight, (output_size, input_size), blocks, config, init_method)
         self.output_size, self.has_bias = output_size, bias
         self.bias = (
             _diagonal_parameter(output_size, 0.0, cube, config.params_dtype) if bias else None
