@@ -14,9 +14,11 @@ ops at hook points:
 and against them the same stage under plain autograd (``EncoderStage.forward`` then one
 ``torch.autograd.backward``). At tiny shapes the kernels take next to nothing, so the time is the
 host's: the Python and autograd-engine work per op that the GPU run of ``bench_gpu.py`` found
-dominant. Per placement: median wall time over ``--repeats`` (one thread), its ratio to autograd,
-the autograd-engine calls (``torch.autograd.backward`` / ``torch.autograd.grad``), the aten ops
-dispatched, and the largest parameter-gradient difference from autograd. CPU numbers, not GPU ones.
+dominant. Per placement: the thread's median CPU time over ``--repeats`` rounds (one thread, the
+rows interleaved, so that other processes' load on a shared machine stays out), its ratio to
+autograd, the autograd-engine calls (``torch.autograd.backward`` / ``torch.autograd.grad``), the
+aten ops dispatched, and the largest parameter-gradient difference from autograd. CPU numbers, not
+GPU ones.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +69,16 @@ def one_process(path: str, num_layers: int | None) -> OptimusConfig:
     return config_from_dict(raw)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """One microbatch's ops at hook points: the hook points in order, the first backward one."""
+
+    name: str
+    stage_plan: StageHookPlan
+    events: tuple[Event, ...]
+    first_backward: int  # index in ``events``
+
+
 @dataclass
 class Bench:
     """The one-stage encoder of a one-process job, its schedule's ops, one microbatch's data."""
@@ -95,46 +108,53 @@ class Bench:
     def stage(self) -> torch.nn.Module:
         return self.optimus.encoder
 
-    def placement(self, name: str) -> StageHookPlan:
-        """The schedule's ops of microbatch 0, re-placed: a hook point per op, per block (forward
-        and backward apart), or the schedule's own (pre / post)."""
+    def placement(self, name: str) -> Placement:
+        """The schedule's ops of microbatch 0 at hook points: one per op, per block (forward and
+        backward apart), or per phase (pre / post)."""
         ops = [op for op in self.optimus.stage_plan.ops if op.local_microbatch == 0]
-        if name == "per microbatch":
-            return replace(self.optimus.stage_plan, ops=tuple(ops))
         placed: list[PlannedOp] = []
         for op in ops:
             last = placed[-1] if placed else None
             together = last is not None and (
-                name == "per layer"
+                name == "per microbatch"
+                and last.phase == op.phase
+                or name == "per layer"
                 and (last.phase, last.encoder, last.layer) == (op.phase, op.encoder, op.layer)
             )
             at = last.event if together else Event(EventKind.OP_START, len(placed))
             placed.append(replace(op, assigned=at, event=at))
-        return replace(self.optimus.stage_plan, ops=tuple(placed))
+        events = tuple(dict.fromkeys(op.event for op in placed))
+        first_backward = next(op.event for op in placed if op.phase == "bwd")
+        return Placement(
+            name,
+            replace(self.optimus.stage_plan, ops=tuple(placed)),
+            events,
+            events.index(first_backward),
+        )
 
-    def run_executor(self, stage_plan: StageHookPlan) -> EncoderExecutor:
-        """One microbatch, its hook points in order; A_i taken and G_i handed back in between."""
-        mailbox = Mailbox()
-        executor = EncoderExecutor(
+    def new_executor(self, placement: Placement) -> EncoderExecutor:
+        """What a training step builds once for all its microbatches: not timed."""
+        return EncoderExecutor(
             self.config,
-            stage_plan,
+            placement.stage_plan,
             self.optimus.ops,
             self.optimus.groups,
             self.optimus.numbering,
             1,
             ITERATION,
-            mailbox,
+            Mailbox(),
             lambda iteration, microbatch: self.images,
             self.optimus.messenger,
         )
-        events = list(dict.fromkeys(op.event for op in stage_plan.ops))
-        for event in events:
-            if all(op.phase == "bwd" for op in stage_plan.ops_at(event)) and 0 in mailbox.ready:
-                mailbox.take_embeddings(0)
-                mailbox.gradients[0] = self.output_grad
+
+    def run_executor(self, placement: Placement, executor: EncoderExecutor) -> None:
+        """One microbatch, its hook points in order; A_i taken and G_i handed back in between."""
+        for n, event in enumerate(placement.events):
+            if n == placement.first_backward:
+                executor.mailbox.take_embeddings(0)
+                executor.mailbox.gradients[0] = self.output_grad
             executor.on_event(event, event)
         executor.finish()
-        return executor
 
     def run_autograd(self) -> None:
         seed = microbatch_seed(self.config.training.seed, ITERATION, 0)
@@ -179,15 +199,24 @@ def counted_engine_calls() -> Iterator[list[int]]:
         torch.autograd.backward, torch.autograd.grad = originals
 
 
-def median_ms(fn: Callable[[], object], before: Callable[[], object], repeats: int) -> float:
-    times = []
-    for i in range(repeats + 3):  # three untimed first
-        before()
-        started = time.perf_counter()
-        fn()
-        if i >= 3:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e3
+def median_cpu_ms(
+    cases: list[tuple[Callable[[], Any], Callable[[Any], object]]],
+    before: Callable[[], object],
+    repeats: int,
+) -> list[float]:
+    """Per case (prepare, run), the median CPU time of the thread in ``run(prepare())`` over
+    ``repeats`` rounds, each round running every case once in turn (three untimed rounds first): on
+    a shared machine, CPU time and interleaving keep other processes' load out of the comparison."""
+    times: list[list[float]] = [[] for _ in cases]
+    for round_ in range(repeats + 3):
+        for (prepare, run), kept in zip(cases, times):
+            before()
+            prepared = prepare()
+            started = time.thread_time()
+            run(prepared)
+            if round_ >= 3:
+                kept.append(time.thread_time() - started)
+    return [statistics.median(kept) * 1e3 for kept in times]
 
 
 def max_difference(ours: list[Tensor | None], reference: list[Tensor | None]) -> float:
@@ -202,43 +231,57 @@ def max_difference(ours: list[Tensor | None], reference: list[Tensor | None]) ->
 def measure(bench: Bench, repeats: int) -> list[dict[str, Any]]:
     zero = lambda: bench.stage.zero_grad(set_to_none=True)  # noqa: E731
     reference = bench.grads_of(bench.run_autograd)
-    rows = []
-    cases: list[tuple[str, StageHookPlan | None]] = [("autograd", None)] + [
-        (name, bench.placement(name)) for name in ("per op", "per layer", "per microbatch")
+    rows: list[dict[str, Any]] = []
+    cases: list[tuple[Callable[[], Any], Callable[[Any], object]]] = [
+        (lambda: None, lambda _: bench.run_autograd())
     ]
-    for name, stage_plan in cases:
-        fn = (
-            bench.run_autograd if stage_plan is None else lambda p=stage_plan: bench.run_executor(p)
+    with counted_engine_calls() as engine, _CountAten() as aten:
+        grads = bench.grads_of(bench.run_autograd)
+    rows.append(
+        {
+            "placement": "autograd",
+            "hook_points": 1,
+            "ops": 0,
+            "engine_calls": engine[0],
+            "aten_ops": aten.count,
+            "grad_max_abs_diff": max_difference(grads, reference),
+        }
+    )
+    for name in ("per op", "per layer", "per microbatch"):
+        placement = bench.placement(name)
+        case = (
+            lambda p=placement: bench.new_executor(p),
+            lambda executor, p=placement: bench.run_executor(p, executor),
         )
+        cases.append(case)
+        executor = bench.new_executor(placement)
         with counted_engine_calls() as engine, _CountAten() as aten:
-            grads = bench.grads_of(fn)
+            grads = bench.grads_of(partial(bench.run_executor, placement, executor))
         rows.append(
             {
                 "placement": name,
-                "hook_points": 1
-                if stage_plan is None
-                else len({op.event for op in stage_plan.ops}),
-                "ops": 0 if stage_plan is None else len(stage_plan.ops),
+                "hook_points": len(placement.events),
+                "ops": len(executor.record),
                 "engine_calls": engine[0],
                 "aten_ops": aten.count,
-                "ms": median_ms(fn, zero, repeats),
                 "grad_max_abs_diff": max_difference(grads, reference),
             }
         )
-    for row in rows:
-        row["ratio"] = row["ms"] / rows[0]["ms"]
+    times = median_cpu_ms(cases, zero, repeats)
+    for row, ms in zip(rows, times):
+        row["cpu_ms"], row["ratio"] = ms, ms / times[0]
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'placement':<15} {'hook pts':>8} {'ops':>5} {'engine calls':>12} {'aten ops':>9} "
-        f"{'ms':>8} {'x autograd':>10} {'grad diff':>10}"
+        f"{'CPU ms':>8} {'x autograd':>10} {'grad diff':>10}"
     )
     for r in rows:
         print(
             f"{r['placement']:<15} {r['hook_points']:>8} {r['ops']:>5} {r['engine_calls']:>12} "
-            f"{r['aten_ops']:>9} {r['ms']:>8.2f} {r['ratio']:>10.2f} "
+            f"{r['aten_ops']:>9} {r['cpu_ms']:>8.2f} {r['ratio']:>10.2f} "
             f"{r['grad_max_abs_diff']:>10.1e}"
         )
 
@@ -264,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{config.name}: {encoders}, micro batch {config.training.micro_batch_size}; "
-            f"torch {torch.__version__}, CPU, 1 thread, median of {args.repeats}"
+            f"torch {torch.__version__}, CPU, 1 thread, median of {args.repeats} interleaved rounds"
         )
         rows = measure(bench, args.repeats)
     finally:
