@@ -9,13 +9,19 @@ block, the previous one when there is one. Grouping the steps by kernel gives th
 the bubble scheduler places, in the order of ``encoder_costs.build_encoder_work``'s stage chains
 (with TP > 1 the backward collectives sit where their data is ready, see ``vit``).
 
-Per-op backward: a forward op keeps, per compute step, its detached inputs (as autograd leaves) and
-its outputs; the backward op calls ``torch.autograd.backward`` on those outputs with their
-gradients, which accumulates parameter ``.grad`` and leaves the input gradients on the leaves for
-the op before it, then drops them. A collective step has an explicit adjoint and saves nothing. So
-any prefix of a microbatch's ops can run now and the rest later, microbatches interleaved, and the
-gradients are those of ordinary autograd through the whole stage. With recomputation a layer's
-forward keeps only the state entering the recomputed part; the ``recompute_*`` ops rebuild it.
+Per-op backward: a forward op keeps, per compute step, its inputs and its outputs' graph; the
+backward op calls ``torch.autograd.backward`` on those outputs with their gradients, which
+accumulates parameter ``.grad`` and leaves the input gradients on the op's detached inputs (autograd
+leaves) for the op before it, then drops them. A collective step has an explicit adjoint and saves
+nothing. So any prefix of a microbatch's ops can run now and the rest later, microbatches
+interleaved, and the gradients are those of ordinary autograd through the whole stage. With
+recomputation a layer's forward keeps only the state entering the recomputed part; the
+``recompute_*`` ops rebuild it.
+
+Host cost: an autograd call per op is host work the GPU waits for at small kernels. Backward ops
+that run together (a hook point's consecutive ops, declared up front: ``MicrobatchRun``'s
+``backward_runs``) share one graph, cut only at the run's edges, and one autograd call (a collective
+inside it runs its adjoint as an autograd function).
 
 Pieces: a splittable op (a transformer layer's compute kernels, without dropout) also runs as pieces
 of its tokens (rows of dim 0), each a ``Piece`` of fractions, in order from 0 to 1, so that a kernel

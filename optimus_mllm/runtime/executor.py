@@ -253,7 +253,7 @@ class EncoderExecutor:
                 if not self.has_images(self._llm_microbatch(batch.local_microbatch)):
                     continue
                 self._run(batch.phase, batch.local_microbatch, batch.kernels, batch.piece)
-                self.record.extend(
+                self.record += [
                     ExecutedOp(
                         op.phase,
                         op.local_microbatch,
@@ -266,7 +266,7 @@ class EncoderExecutor:
                         op.start_us,
                     )
                     for op in batch.ops
-                )
+                ]
 
     def finish(self) -> None:
         """After the LLM's last op: everything ran at ``post`` at the latest; let the LLM's stream
