@@ -232,7 +232,7 @@ class EncoderExecutor:
         placed: dict[Event, list[PlannedOp]] = defaultdict(list)
         for op in stage_plan.ops:
             placed[op.event].append(op)
-        self.by_event = {event: _batches(ops) for event, ops in placed.items()}
+        self.by_event = {event: op_batches(ops) for event, ops in placed.items()}
         # per local microbatch: the backward ops that run together, declared to its run up front
         # so that its forward keeps their graph joined (``MicrobatchRun``)
         self.backward_runs: dict[int, list[range]] = defaultdict(list)
@@ -385,7 +385,7 @@ ImagesPerMicrobatch = Callable[[int], int]  # this replica's LLM microbatch -> i
 
 
 @dataclass(frozen=True)
-class _Batch:
+class OpBatch:
     """Consecutive ops of one microbatch's chain placed at one hook point, run by one call: whole
     ops, or one op's piece."""
 
@@ -396,9 +396,9 @@ class _Batch:
     ops: tuple[PlannedOp, ...]
 
 
-def _batches(ops: list[PlannedOp]) -> list[_Batch]:
+def op_batches(ops: list[PlannedOp]) -> list[OpBatch]:
     """The ops of one hook point, in order, consecutive whole ops of one chain batched."""
-    batches: list[_Batch] = []
+    batches: list[OpBatch] = []
     for op in ops:
         last = batches[-1] if batches else None
         if (
@@ -412,7 +412,7 @@ def _batches(ops: list[PlannedOp]) -> list[_Batch]:
             )
         else:
             kernels = range(op.kernel_index, op.kernel_index + 1)
-            batches.append(_Batch(op.phase, op.local_microbatch, kernels, op.piece, (op,)))
+            batches.append(OpBatch(op.phase, op.local_microbatch, kernels, op.piece, (op,)))
     return batches
 
 
