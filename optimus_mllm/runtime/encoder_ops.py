@@ -9,13 +9,19 @@ block, the previous one when there is one. Grouping the steps by kernel gives th
 the bubble scheduler places, in the order of ``encoder_costs.build_encoder_work``'s stage chains
 (with TP > 1 the backward collectives sit where their data is ready, see ``vit``).
 
-Per-op backward: a forward op keeps, per compute step, its detached inputs (as autograd leaves) and
-its outputs; the backward op calls ``torch.autograd.backward`` on those outputs with their
-gradients, which accumulates parameter ``.grad`` and leaves the input gradients on the leaves for
-the op before it, then drops them. A collective step has an explicit adjoint and saves nothing. So
-any prefix of a microbatch's ops can run now and the rest later, microbatches interleaved, and the
-gradients are those of ordinary autograd through the whole stage. With recomputation a layer's
-forward keeps only the state entering the recomputed part; the ``recompute_*`` ops rebuild it.
+Per-op backward: a forward op keeps, per compute step, its inputs and its outputs' graph; the
+backward op calls ``torch.autograd.backward`` on those outputs with their gradients, which
+accumulates parameter ``.grad`` and leaves the input gradients on the op's detached inputs (autograd
+leaves) for the op before it, then drops them. A collective step has an explicit adjoint and saves
+nothing. So any prefix of a microbatch's ops can run now and the rest later, microbatches
+interleaved, and the gradients are those of ordinary autograd through the whole stage. With
+recomputation a layer's forward keeps only the state entering the recomputed part; the
+``recompute_*`` ops rebuild it.
+
+Host cost: an autograd call per op is host work the GPU waits for at small kernels. Backward ops
+that run together (a hook point's consecutive ops, declared up front: ``MicrobatchRun``'s
+``backward_runs``) share one graph, cut only at the run's edges, and one autograd call (a collective
+inside it runs its adjoint as an autograd function).
 
 Pieces: a splittable op (a transformer layer's compute kernels, without dropout) also runs as pieces
 of its tokens (rows of dim 0), each a ``Piece`` of fractions, in order from 0 to 1, so that a kernel
@@ -129,6 +135,8 @@ class StageOps:
     encoders: tuple[str, ...]  # in stage order
     input_grad_encoders: frozenset[str]  # encoders whose stage input gets a gradient
     output_grad_encoders: frozenset[str]  # encoders whose stage output needs a gradient
+    # per step, per entry it reads: the step that wrote it (None: the stage's input)
+    producers: tuple[tuple[int | None, ...], ...]
 
     def chain(self, phase: Literal["fwd", "bwd"]) -> list[tuple[str, int, str, bool]]:
         """(encoder, layer, kernel name, splittable) per op: comparable with a cost-model stage
@@ -150,12 +158,17 @@ def build_stage_ops(blocks: Sequence[Block], recompute: Recompute = "none") -> S
     fwd: list[EncoderOp] = []
     bwd: dict[str, list[EncoderOp]] = {}
     input_grad: set[str] = set()
+    producers: list[tuple[int | None, ...]] = []
+    writer: dict[tuple[str, str], int] = {}  # (encoder, entry) -> the step that wrote it last
     for index, block in enumerate(blocks):
         if block.encoder not in bwd and block.input_requires_grad:  # the encoder's first block here
             input_grad.add(block.encoder)
         first = len(steps)
         steps += _bind(block)
         ids = range(first, len(steps))
+        for i in ids:
+            producers.append(tuple(writer.get((block.encoder, key)) for key in steps[i].step.reads))
+            writer.update(((block.encoder, key), i) for key in steps[i].step.writes)
         block_fwd = _group(block, index, "forward", [(i, steps[i].step) for i in ids])
         diff = [(i, steps[i].step) for i in reversed(ids) if steps[i].differentiated]
         block_bwd = _group(block, index, "backward", diff)
@@ -170,6 +183,7 @@ def build_stage_ops(blocks: Sequence[Block], recompute: Recompute = "none") -> S
         encoders=encoders,
         input_grad_encoders=frozenset(input_grad),
         output_grad_encoders=frozenset(enc for enc in encoders if bwd[enc]),
+        producers=tuple(producers),
     )
 
 
@@ -298,6 +312,77 @@ def _taken(op: EncoderOp, steps: tuple[BoundStep, ...], kind: OpKind) -> list[st
     return taken
 
 
+def _backward_groups(ops: StageOps, runs: Sequence[range]) -> tuple[int, ...]:
+    """Per step, the group whose backward runs as one autograd call (-1: a step without backward):
+    the steps of each sub-run of one encoder's consecutive backward ops in one of ``runs`` (a
+    recomputation ends one), and those of every other backward op alone."""
+    run_of = {k: run.start for run in runs for k in run}
+    group = [-1] * len(ops.steps)
+    current, last = -1, None
+    for k, op in enumerate(ops.bwd):
+        if op.kind == "recompute":
+            last = None
+            continue
+        key = (run_of.get(k, -1 - k), op.encoder)
+        if key != last:
+            current, last = current + 1, key
+        for i in op.steps:
+            group[i] = current
+    return tuple(group)
+
+
+@dataclass
+class _Segment:
+    """Backward steps of one group, gathered for one ``torch.autograd.backward``: the outputs whose
+    gradients come from outside it (``roots``), the inputs it hands gradients out from
+    (``leaves``), and the entries whose gradients flow between its own steps inside the graph
+    (``inside``: read joined, their writer not added yet)."""
+
+    grads: dict[str, Tensor]
+    roots: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    leaves: dict[str, Tensor] = field(default_factory=dict)
+    inside: set[str] = field(default_factory=set)
+
+    def add(
+        self,
+        bound: BoundStep,
+        inputs: list[Tensor],
+        outputs: tuple[Tensor, ...],
+        joined: tuple[bool, ...],
+    ) -> None:
+        """The next step, in backward order."""
+        step = bound.step
+        for key, out in zip(step.writes, outputs):
+            if key in self.inside:
+                self.inside.discard(key)
+                continue
+            if key in self.leaves:  # read as a fresh leaf by a later step of this segment
+                if not out.requires_grad:  # nothing to take that leaf's gradient
+                    del self.leaves[key]
+                    continue
+                self.flush()
+            g = self.grads.pop(key, None)
+            if g is not None and out.requires_grad:
+                self.roots.append((out, g))
+        for key, x, flag, joined_ in zip(step.reads, inputs, bound.needs_grad, joined):
+            if joined_:
+                self.inside.add(key)
+            elif flag:
+                self.leaves[key] = x
+
+    def flush(self) -> None:
+        """One autograd call over the steps added; their input gradients into ``grads``."""
+        if self.inside:
+            raise RuntimeError(
+                f"the backward of {sorted(self.inside)} was cut from the steps that wrote them: "
+                "ops whose forward joined them must run their backward together"
+            )
+        if self.roots:
+            torch.autograd.backward([out for out, _ in self.roots], [g for _, g in self.roots])
+        self.grads.update((key, leaf.grad) for key, leaf in self.leaves.items())
+        self.roots, self.leaves = [], {}
+
+
 class MicrobatchRun:
     """One microbatch on one encoder stage, advanced one op at a time.
 
@@ -308,19 +393,44 @@ class MicrobatchRun:
     previous stage (None on stage 0 and for frozen encoders). Parameter gradients accumulate into
     ``.grad`` as each backward op runs, so microbatches may interleave freely. ``seed`` seeds the
     microbatch's dropout masks (``dropout.microbatch_seed``).
+
+    Host cost: the steps of one backward op, or of a run of consecutive backward ops the caller
+    declares in ``backward_runs`` and runs with ``run_backward_range`` (whole, at one hook point),
+    form a group. The forward keeps one autograd graph across a group's steps instead of cutting it
+    at every step (a step reads its group's entries as they are, not as fresh leaves), so that the
+    group's backward is one ``torch.autograd.backward`` call, with the same gradients. A forward op
+    that runs in pieces has no graph: from then on its groups' steps cut theirs again.
     """
 
-    def __init__(self, ops: StageOps, inputs: Mapping[str, Tensor], seed: int):
+    def __init__(
+        self,
+        ops: StageOps,
+        inputs: Mapping[str, Tensor],
+        seed: int,
+        backward_runs: Sequence[range] = (),
+    ):
         if set(inputs) != set(ops.encoders):
             raise ValueError(
                 f"inputs for encoders {sorted(inputs)}, this stage runs {list(ops.encoders)}"
             )
         self.ops, self.seed = ops, seed
+        self._runs: dict[int, range] = {}  # backward op -> the declared run it is in
+        for run in backward_runs:
+            inside = run.step == 1 and 0 <= run.start and run.stop <= len(ops.bwd)
+            if not inside or self._runs.keys() & set(run):
+                raise ValueError(f"backward runs {list(backward_runs)} overlap or leave the chain")
+            self._runs.update((k, run) for k in run if len(run) > 1)
+        self._group = _backward_groups(ops, backward_runs)
+        self._group_sizes: dict[int, int] = {}
+        for g in self._group:
+            self._group_sizes[g] = self._group_sizes.get(g, 0) + 1
+        self._cut: set[int] = set()  # groups a forward in pieces cut
         self._state = {enc: {HIDDEN: inputs[enc].detach()} for enc in ops.encoders}
         self._grads: dict[str, dict[str, Tensor]] = {enc: {} for enc in ops.encoders}
-        # per step: its inputs, and the outputs of its forward graph (None: it ran in pieces,
-        # without one)
-        self._saved: dict[int, tuple[list[Tensor], tuple[Tensor, ...] | None]] = {}
+        # per step: its inputs, the outputs of its forward graph (None: it ran in pieces, without
+        # one) and which inputs it read joined to their writer's graph
+        self._saved: dict[int, tuple[list[Tensor], tuple[Tensor, ...] | None, tuple[bool, ...]]]
+        self._saved = {}
         self._checkpoints: dict[int, dict[str, Tensor]] = {}
         self._recompute: dict[str, dict[str, Tensor]] = {}
         self._next_fwd = 0
@@ -355,7 +465,7 @@ class MicrobatchRun:
             raise RuntimeError(
                 f"output before the forward finished ({self._next_fwd}/{len(self.ops.fwd)} ops)"
             )
-        return {enc: state[HIDDEN] for enc, state in self._state.items()}
+        return {enc: state[HIDDEN].detach() for enc, state in self._state.items()}
 
     def set_output_grad(self, grads: Mapping[str, Tensor]) -> None:
         """Gradient of ``output`` for every encoder in ``ops.output_grad_encoders`` (others
@@ -383,8 +493,7 @@ class MicrobatchRun:
 
     def run_forward(self, k: int, piece: Piece = WHOLE) -> None:
         """Run forward op ``k`` of the stage chain, or the piece ``piece`` of its tokens; ops run in
-        order,
-        a split op's pieces from 0 to 1."""
+        order, a split op's pieces from 0 to 1."""
         op = self._check("forward", self.ops.fwd, k, self._next_fwd, self._fwd_at, piece)
         state = self._state[op.encoder]
         if op.checkpoint and piece[0] == 0.0:
@@ -399,25 +508,61 @@ class MicrobatchRun:
 
     def run_backward(self, k: int, piece: Piece = WHOLE) -> None:
         """Run backward op ``k`` of the stage chain (recomputation included), or the piece ``piece``
-        of its
-        tokens; ops run in order, a split op's pieces from 0 to 1."""
+        of its tokens; ops run in order, a split op's pieces from 0 to 1."""
+        if k in self._runs:
+            run = self._runs[k]
+            raise ValueError(
+                f"backward op {k} was declared to run with ops {run.start}..{run.stop - 1}: "
+                "run_backward_range"
+            )
+        self._run_backward(range(k, k + 1), piece)
+
+    def run_backward_range(self, ks: range) -> None:
+        """Run backward ops ``ks`` whole, in order: one op, or a run declared in ``backward_runs``
+        (its groups' backward one autograd call each)."""
+        if len(ks) == 1:
+            self.run_backward(ks.start)
+        elif self._runs.get(ks.start) != ks:
+            raise ValueError(f"backward ops {list(ks)} were not declared a run (backward_runs)")
+        else:
+            self._run_backward(ks, WHOLE)
+
+    def _run_backward(self, ks: range, piece: Piece) -> None:
         if not self._has_output_grad:
             raise RuntimeError("backward before set_output_grad")
-        op = self._check("backward", self.ops.bwd, k, self._next_bwd, self._bwd_at, piece)
-        if op.kind == "recompute":
-            if op.checkpoint:
-                self._recompute[op.encoder] = self._checkpoints.pop(op.block)
-            for i in op.steps:
-                self._forward_step(i, self._recompute[op.encoder], True)
-        elif piece == WHOLE and all(
-            self._saved[i][1] is not None for i in op.steps if i in self._saved
-        ):
-            for i in op.steps:
-                self._backward_step(i, self._grads[op.encoder])
-        else:  # a piece, or a forward that ran in pieces and kept no graph
-            self._backward_piece(op, piece)
+        chain = [
+            self._check("backward", self.ops.bwd, k, self._next_bwd + n, self._bwd_at, piece)
+            for n, k in enumerate(ks)
+        ]
+        segment: _Segment | None = None
+        for op in chain:
+            grads = self._grads[op.encoder]
+            if segment is None or segment.grads is not grads:
+                if segment is not None:
+                    segment.flush()
+                segment = _Segment(grads)
+            if op.kind == "recompute":
+                segment.flush()
+                if op.checkpoint:
+                    self._recompute[op.encoder] = self._checkpoints.pop(op.block)
+                for i in op.steps:
+                    self._forward_step(i, self._recompute[op.encoder], True)
+            elif piece != WHOLE or any(
+                self._saved[i][1] is None for i in op.steps if i in self._saved
+            ):  # a piece, or a forward that ran in pieces and kept no graph
+                segment.flush()
+                self._backward_piece(op, piece)
+            else:
+                for i in op.steps:
+                    if i in self._saved:
+                        segment.add(self.ops.steps[i], *self._saved.pop(i))
+                    else:  # a collective outside any graph: its adjoint
+                        segment.flush()
+                        self._adjoint(i, grads)
+        if segment is not None:
+            segment.flush()
         self._bwd_at = 0.0 if piece[1] == 1.0 else piece[1]
-        self._next_bwd += piece[1] == 1.0
+        self._next_bwd += len(ks) - (piece[1] != 1.0)
         if self.backward_done:
             self._recompute.clear()
 
@@ -442,6 +587,7 @@ class MicrobatchRun:
             self._open = _OpenOp.of(
                 {key: state.pop(key) for key in _taken(op, self.ops.steps, "forward")}
             )
+            self._cut.update(self._group[i] for i in op.steps)  # no graph to join from here on
         open_ = self._open
         rows = open_.slice(piece)
         local = {key: x[rows] for key, x in open_.entering.items()}
@@ -467,7 +613,7 @@ class MicrobatchRun:
         if piece[1] == 1.0:
             state.update((key, torch.cat(parts)) for key, parts in open_.blocks.items())
             for i, kept in open_.inputs.items():
-                self._saved[i] = ([torch.cat(parts) for parts in kept], None)
+                self._saved[i] = ([torch.cat(parts) for parts in kept], None, ())
             self._open = None
 
     def _backward_piece(self, op: EncoderOp, piece: Piece) -> None:
@@ -542,42 +688,60 @@ class MicrobatchRun:
         bound = self.ops.steps[index]
         step = bound.step
         inputs = [state.pop(key) for key in step.reads]
-        if record and bound.differentiated and not step.is_collective:
-            leaves = [x.detach().requires_grad_(flag) for x, flag in zip(inputs, bound.needs_grad)]
+        group = self._group[index]
+        # a collective joins its group's graph (its adjoint inside); alone, it runs its adjoint
+        if (
+            record
+            and bound.differentiated
+            and (not step.is_collective or self._group_sizes[group] > 1)
+        ):
+            joined = tuple(self._joined(index, r, x) for r, x in enumerate(inputs))
+            args = [
+                x if j else x.detach().requires_grad_(flag)
+                for x, j, flag in zip(inputs, joined, bound.needs_grad)
+            ]
             with torch.enable_grad():
-                outputs = step.run(self.seed, *leaves)
-            self._saved[index] = (leaves, outputs)
+                outputs = (
+                    _CollectiveFunction.apply(step, *args)
+                    if step.is_collective
+                    else step.run(self.seed, *args)
+                )
+            self._saved[index] = (args, outputs, joined)
         else:
             with torch.no_grad():
                 outputs = step.run(self.seed, *inputs)
-        state.update((key, out.detach()) for key, out in zip(step.writes, outputs))
+        state.update(zip(step.writes, outputs))
 
-    def _backward_step(self, index: int, grads: dict[str, Tensor]) -> None:
-        bound = self.ops.steps[index]
-        in_grads = self._input_grads(index, [grads.pop(key, None) for key in bound.step.writes])
-        grads.update(
-            (key, g) for key, g, flag in zip(bound.step.reads, in_grads, bound.needs_grad) if flag
+    def _joined(self, index: int, read: int, x: Tensor) -> bool:
+        """Whether step ``index`` reads its ``read``-th input as it is, in its writer's graph: the
+        writer kept one and is of the same group, which no forward in pieces cut."""
+        writer, group = self.ops.producers[index][read], self._group[index]
+        return (
+            x.requires_grad
+            and writer is not None
+            and self._group[writer] == group
+            and group not in self._cut
         )
 
-    def _input_grads(
-        self, index: int, out_grads: list[Tensor | None], rows: slice | None = None
-    ) -> tuple:
-        """A step's input gradients from its outputs': a collective's adjoint, else autograd through
-        the step's
-        saved graph, or (``rows``) on those rows from its saved input (``_step_backward_rows``)."""
+    def _adjoint(self, index: int, grads: dict[str, Tensor]) -> None:
+        """A collective step's backward outside any graph: its explicit adjoint."""
+        bound = self.ops.steps[index]
+        step = bound.step
+        assert step.adjoint is not None, f"step {index} kept no graph and is no collective"
+        with torch.no_grad():
+            in_grads = step.adjoint(*(grads.pop(key, None) for key in step.writes))
+        grads.update(
+            (key, g) for key, g, flag in zip(step.reads, in_grads, bound.needs_grad) if flag
+        )
+
+    def _input_grads(self, index: int, out_grads: list[Tensor | None], rows: slice) -> tuple:
+        """A step's input gradients on ``rows`` from its outputs': a collective's adjoint, else from
+        the step's saved input (``_step_backward_rows``)."""
         step = self.ops.steps[index].step
         if step.adjoint is not None:
             with torch.no_grad():
                 return step.adjoint(*out_grads)
-        if rows is not None:
-            return self._step_backward_rows(index, rows, out_grads)
-        leaves, outputs = self._saved.pop(index)
-        roots = [
-            (out, g) for out, g in zip(outputs, out_grads) if g is not None and out.requires_grad
-        ]
-        if roots:
-            torch.autograd.backward([out for out, _ in roots], [g for _, g in roots])
-        return tuple(leaf.grad for leaf in leaves)
+        return self._step_backward_rows(index, rows, out_grads)
 
 
 class _CollectiveFunction(torch.autograd.Function):

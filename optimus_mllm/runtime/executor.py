@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -26,8 +26,8 @@ import torch
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.runtime.data import ImageSource
 from optimus_mllm.runtime.dropout import microbatch_seed
-from optimus_mllm.runtime.encoder_ops import MicrobatchRun, Piece, StageOps
-from optimus_mllm.runtime.hook_plan import Event, EventKind, HookPlan, StageHookPlan
+from optimus_mllm.runtime.encoder_ops import WHOLE, MicrobatchRun, Piece, StageOps
+from optimus_mllm.runtime.hook_plan import Event, EventKind, HookPlan, PlannedOp, StageHookPlan
 from optimus_mllm.runtime.messages import Incoming, Messenger
 from optimus_mllm.runtime.microbatches import MicrobatchNumbering
 from optimus_mllm.runtime.process_groups import Channel, EncoderProcessGroups
@@ -229,23 +229,31 @@ class EncoderExecutor:
         self.iteration, self.mailbox, self.images = iteration, mailbox, images
         self.stream = mailbox.stream
         self.first, self.last = groups.coords.pp == 0, groups.coords.pp == num_stages - 1
-        self.by_event: dict[Event, list] = defaultdict(list)
+        placed: dict[Event, list[PlannedOp]] = defaultdict(list)
         for op in stage_plan.ops:
-            self.by_event[op.event].append(op)
+            placed[op.event].append(op)
+        self.by_event = {event: op_batches(ops) for event, ops in placed.items()}
+        # per local microbatch: the backward ops that run together, declared to its run up front
+        # so that its forward keeps their graph joined (``MicrobatchRun``)
+        self.backward_runs: dict[int, list[range]] = defaultdict(list)
+        for batches in self.by_event.values():
+            for batch in batches:
+                if batch.phase == "bwd" and len(batch.kernels) > 1:
+                    self.backward_runs[batch.local_microbatch].append(batch.kernels)
         self.runs: dict[int, MicrobatchRun] = {}
         self.record: list[ExecutedOp] = []
 
     def on_event(self, event: Event, ran_at: Event) -> None:
-        ops = self.by_event.get(event)
-        if not ops:
+        batches = self.by_event.get(event)
+        if not batches:
             return
         stream = type(self.stream).__name__
         with self.stream.launch():
-            for op in ops:
-                if not self.has_images(self._llm_microbatch(op.local_microbatch)):
+            for batch in batches:
+                if not self.has_images(self._llm_microbatch(batch.local_microbatch)):
                     continue
-                self._run(op.phase, op.local_microbatch, op.kernel_index, op.piece)
-                self.record.append(
+                self._run(batch.phase, batch.local_microbatch, batch.kernels, batch.piece)
+                self.record += [
                     ExecutedOp(
                         op.phase,
                         op.local_microbatch,
@@ -257,7 +265,8 @@ class EncoderExecutor:
                         stream,
                         op.start_us,
                     )
-                )
+                    for op in batch.ops
+                ]
 
     def finish(self) -> None:
         """After the LLM's last op: everything ran at ``post`` at the latest; let the LLM's stream
@@ -268,16 +277,21 @@ class EncoderExecutor:
             f"encoder microbatches {sorted(self.runs)} did not finish their backward"
         )
 
-    def _run(self, phase: str, k: int, index: int, piece: Piece) -> None:
-        start = index == 0 and piece[0] == 0.0  # the chain's first op
+    def _run(self, phase: str, k: int, kernels: range, piece: Piece) -> None:
+        """Ops ``kernels`` of microbatch ``k``'s ``phase`` chain (one op where ``piece`` is not
+        whole)."""
+        start = kernels.start == 0 and piece[0] == 0.0  # the chain's first op
         if phase == "fwd":
             if start:
                 seed = microbatch_seed(
                     self.config.training.seed, self.iteration, self._global_microbatch(k)
                 )
-                self.runs[k] = MicrobatchRun(self.ops, self._forward_input(k), seed)
+                self.runs[k] = MicrobatchRun(
+                    self.ops, self._forward_input(k), seed, self.backward_runs.get(k, ())
+                )
             run = self.runs[k]
-            run.run_forward(index, piece)
+            for index in kernels:
+                run.run_forward(index, piece)
             if run.forward_done:
                 self._send_output(k, run)
                 # a frozen stage: nothing here runs backward, the microbatch is done
@@ -287,7 +301,10 @@ class EncoderExecutor:
             run = self.runs[k]
             if start:
                 run.set_output_grad(self._output_grad(k))
-            run.run_backward(index, piece)
+            if piece == WHOLE:
+                run.run_backward_range(kernels)
+            else:
+                run.run_backward(kernels.start, piece)
             if run.backward_done:
                 self._send_input_grad(k, run)
                 del self.runs[k]
@@ -365,6 +382,38 @@ class EncoderExecutor:
 
 
 ImagesPerMicrobatch = Callable[[int], int]  # this replica's LLM microbatch -> its images
+
+
+@dataclass(frozen=True)
+class OpBatch:
+    """Consecutive ops of one microbatch's chain placed at one hook point, run by one call: whole
+    ops, or one op's piece."""
+
+    phase: str
+    local_microbatch: int
+    kernels: range  # positions in the chain
+    piece: Piece
+    ops: tuple[PlannedOp, ...]
+
+
+def op_batches(ops: list[PlannedOp]) -> list[OpBatch]:
+    """The ops of one hook point, in order, consecutive whole ops of one chain batched."""
+    batches: list[OpBatch] = []
+    for op in ops:
+        last = batches[-1] if batches else None
+        if (
+            last is not None
+            and last.piece == op.piece == WHOLE
+            and (last.phase, last.local_microbatch) == (op.phase, op.local_microbatch)
+            and last.kernels.stop == op.kernel_index
+        ):
+            batches[-1] = replace(
+                last, kernels=range(last.kernels.start, op.kernel_index + 1), ops=(*last.ops, op)
+            )
+        else:
+            kernels = range(op.kernel_index, op.kernel_index + 1)
+            batches.append(OpBatch(op.phase, op.local_microbatch, kernels, op.piece, (op,)))
+    return batches
 
 
 def embeddings_shape(config: OptimusConfig, images: int) -> tuple[int, int, int]:

@@ -153,15 +153,20 @@ def _advance(
     grads: dict[str, torch.Tensor],
     cut: dict[int, float] | None = None,
     rng: random.Random | None = None,
+    runs: dict[int, range] | None = None,
 ) -> None:
     """One op, or with ``cut`` (how far each run's split op has got) one piece of a splittable op:
     up to a
-    random point, often one that gives a piece no whole row."""
+    random point, often one that gives a piece no whole row; with ``runs`` (a backward op -> the
+    run of ops declared to it), a declared run's ops at once."""
     if run.forward_done and not run.output_grad_set:
         run.set_output_grad(grads)
         return
     forward = not run.forward_done
     k = run.next_forward if forward else run.next_backward
+    if not forward and runs and len(runs.get(k, ())) > 1:
+        run.run_backward_range(runs[k])
+        return
     execute = run.run_forward if forward else run.run_backward
     op = (run.ops.fwd if forward else run.ops.bwd)[k]
     if cut is None or not op.splittable:
@@ -174,27 +179,41 @@ def _advance(
         cut[id(run)] = hi
 
 
+def _random_runs(ops: StageOps, rng: random.Random) -> list[range]:
+    """Consecutive backward ops in runs of random lengths, as hook points might gather them."""
+    runs: list[range] = []
+    while not runs or runs[-1].stop < len(ops.bwd):
+        start = runs[-1].stop if runs else 0
+        size = rng.choice([1, 2, 3, 5, len(ops.bwd)])
+        runs.append(range(start, min(start + size, len(ops.bwd))))
+    return runs
+
+
 def _run_ops(
     ops: StageOps,
     inputs: list[dict],
     grads: list[dict],
     rng: random.Random | None,
     split: bool = False,
+    joined: bool = False,
 ) -> list[MicrobatchRun]:
     """Microbatches one after the other (``rng`` None), or interleaved op by op in a random order;
     ``split``: splittable ops in random pieces of their tokens, other microbatches' ops between
-    them."""
-    runs = [MicrobatchRun(ops, x, SEED + i) for i, x in enumerate(inputs)]
+    them; ``joined``: each microbatch's backward ops in random runs, declared to it and run at once
+    (the executor's batches at one hook point)."""
+    runs = [_random_runs(ops, rng) if joined else [] for _ in inputs]
+    mbs = [MicrobatchRun(ops, x, SEED + i, r) for i, (x, r) in enumerate(zip(inputs, runs))]
+    by_op = [{k: run for run in r for k in run} for r in runs]
     if rng is None:
-        for run, g in zip(runs, grads):
-            while not run.backward_done:
-                _advance(run, g)
-        return runs
+        for mb, g in zip(mbs, grads):
+            while not mb.backward_done:
+                _advance(mb, g)
+        return mbs
     cut: dict[int, float] | None = {} if split else None
-    while not all(run.backward_done for run in runs):
-        i = rng.choice([i for i, run in enumerate(runs) if not run.backward_done])
-        _advance(runs[i], grads[i], cut, rng)
-    return runs
+    while not all(mb.backward_done for mb in mbs):
+        i = rng.choice([i for i, mb in enumerate(mbs) if not mb.backward_done])
+        _advance(mbs[i], grads[i], cut, rng, by_op[i])
+    return mbs
 
 
 def _param_grads(model: EncoderStage) -> dict[str, torch.Tensor | None]:
@@ -304,6 +323,23 @@ def _stage_report(
     )
     errors["split input grads vs sequential"] = max(
         _max_error(a.input_grad, b.input_grad, True) for a, b in zip(split, one_by_one)
+    )
+    # backward ops in declared runs: their forward joins each run's graph, one autograd call a run
+    model.zero_grad(set_to_none=True)
+    joined = _run_ops(ops, local_x, local_g, random.Random(SEED + 3 * stage), joined=True)
+    errors["joined parameter grads vs sequential"] = _max_error(_param_grads(model), sequential)
+    errors["joined input grads vs sequential"] = max(
+        _max_error(a.input_grad, b.input_grad) for a, b in zip(joined, one_by_one)
+    )
+    # ... with forward ops in pieces, which cut the runs' graphs, and single ops' backward in pieces
+    model.zero_grad(set_to_none=True)
+    rng = random.Random(SEED + 5 * stage)
+    joined_split = _run_ops(ops, local_x, local_g, rng, split=True, joined=True)
+    errors["joined split parameter grads vs sequential"] = _max_error(
+        _param_grads(model), sequential, True
+    )
+    errors["joined split input grads vs sequential"] = max(
+        _max_error(a.input_grad, b.input_grad, True) for a, b in zip(joined_split, one_by_one)
     )
     return {
         "errors": errors,
