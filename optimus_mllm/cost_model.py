@@ -45,16 +45,21 @@ PROFILE_VERSION = 2
 # yet.
 KERNEL_SET = "torch-sdpa"
 
-# Pieces of a kernel (a share of its token rows, cut to fit a short bubble) are priced as an
-# H100-class GPU runs them. A GEMM computes its output in TILE x TILE tiles, one per SM at a time,
-# in waves of SMS tiles: a piece of a few rows fills only part of a wave, so it takes a whole wave's
-# time for a fraction of its work (tile and wave quantization); flash-style attention does the same
-# per (batch, head, TILE queries). A GEMM with fewer tiles than SMs splits its inner dimension over
-# the idle SMs (cuBLAS's split-K; the partial sums' reduction is not charged), attention does not.
-# Every piece also streams what it cannot share with the other pieces (a GEMM's weights) from HBM.
-# cuBLAS picks its tile per shape; 128 x 128 is its usual bf16 tile on Hopper and what the model
-# assumes. A measured profile times whole kernels only, so the pieces of a measured kernel keep
-# this shape, scaled to the measured time.
+# A layer's compute kernels, and the pieces of them (a share of their token rows, cut to fit a short
+# bubble), are priced as an H100-class GPU runs them. A GEMM computes its output in TILE x TILE
+# tiles, one per SM at a time, in waves of SMS tiles: a kernel whose tiles fill its last wave only
+# in part takes that whole wave's time for a fraction of its work (tile and wave quantization:
+# ``wave_factor``), and a piece of a few rows fills only part of a wave; flash-style attention does
+# the same per (batch, head, TILE queries). A calibration's efficiencies are those of full waves. A
+# GEMM with fewer tiles than SMs splits its inner dimension over the idle SMs (cuBLAS's split-K;
+# the partial sums' reduction is not charged), attention does not. Every piece also streams what
+# it cannot share with the other pieces (a GEMM's weights) from HBM. cuBLAS picks its tile per
+# shape; 128 x 128 is its usual bf16 tile on Hopper and what the model assumes. A measured profile
+# times whole kernels only, so the pieces of a measured kernel keep this shape, scaled to the
+# measured time; kernels without a ``PieceShape`` (the LLM's embedding and output layer, the patch
+# embedding, other TP modes' kernels) are priced at full waves.
+# a backward's rerun of a forward kernel (activation recomputation) is named this plus its name
+RECOMPUTE_PREFIX = "recompute_"
 SMS = 132  # streaming multiprocessors of an H100 SXM
 TILE = 128  # rows and columns of one output tile; pieces are whole blocks of TILE token rows
 
@@ -158,7 +163,7 @@ def layer_kernels(shape: LayerShape, phase: Phase) -> list[KernelWork]:
         return fwd
     bwd: list[KernelWork] = []
     if shape.recompute == "full":
-        bwd += [_renamed(k, "recompute_" + k.name, "bwd") for k in fwd]
+        bwd += [_renamed(k, RECOMPUTE_PREFIX + k.name, "bwd") for k in fwd]
     mlp_starts = next(i for i, k in enumerate(fwd) if k.name == "ln_mlp")
     for half in (fwd[mlp_starts:], fwd[:mlp_starts]):  # the MLP half first, backwards
         bwd += _half_backward(half, shape.recompute)
@@ -184,7 +189,7 @@ def _half_backward(half: list[KernelWork], recompute: str) -> list[KernelWork]:
     for k in reversed(compute):
         # Korthikanti: recompute the core only
         if k.kind == "attention" and recompute == "selective":
-            out.append(_renamed(k, "recompute_attn_core", "bwd"))
+            out.append(_renamed(k, RECOMPUTE_PREFIX + k.name, "bwd"))
         scale = 2 if k.kind in ("gemm", "attention") else 1  # dgrad + wgrad
         out.append(KernelWork(k.name, "bwd", k.kind, scale * k.flops, 2 * k.bytes, piece=k.piece))
     if any(k.collective == "all_gather" for k in comm):
@@ -335,7 +340,11 @@ class CostModel:
         peak = self.cluster.peak_tflops * 1e12
         eff_field = "attention_efficiency" if work.kind == "attention" else "gemm_efficiency"
         eff = getattr(p, eff_field)
-        flop_time = work.flops / (peak * eff) if work.kind in ("gemm", "attention") else 0.0
+        flop_time = (
+            work.flops / (peak * eff) * wave_factor(work)
+            if work.kind in ("gemm", "attention")
+            else 0.0
+        )
         if not math.isfinite(flop_time * 1e6):
             _raise_not_finite(work, f"cost_model.{eff_field}", eff, work.flops / peak * 1e6)
         bandwidth = self.cluster.hbm_bandwidth_gbps * 1e9
@@ -385,8 +394,9 @@ class CostModel:
         ``whole_us`` (launch included: the roofline's or a measured time).
 
         Compute: the whole kernel's time (less its launch) over the waves its tiles fill, times the
-        waves the piece's tiles fill; a backward GEMM's weight gradient (half its FLOPs) reduces
-        over the rows, so that half scales with the piece's rows instead. Memory: the piece's share
+        waves the piece's tiles fill; a backward GEMM's weight gradient (half its FLOPs, its share
+        of the time ``wave_factor``'s) reduces over the rows, so that part scales with the piece's
+        rows instead. Memory: the piece's share
         of the kernel's traffic plus what every piece repeats (``PieceShape.fixed_bytes``). A
         backward piece of a kernel that is not a GEMM first recomputes its forward on the piece's
         rows (``runtime/encoder_ops``), ``recompute_us`` being that whole forward, launch excluded.
@@ -406,7 +416,7 @@ class CostModel:
             depth = depth if work.kind == "gemm" else 1  # split-K is a GEMM's
             blocks = round(share * piece.blocks)
             quantized = _waves(blocks * tiles, depth) / _waves(piece.blocks * tiles, depth)
-            weight_grad = 0.5 if work.phase == "bwd" and work.kind == "gemm" else 0.0
+            weight_grad = _weight_grad_share(work) if work.kind == "gemm" else 0.0
             compute = body * ((1 - weight_grad) * quantized + weight_grad * share)
         repeated = piece.fixed_bytes * (2 if work.phase == "bwd" else 1)
         memory = ((work.bytes - repeated) * share + repeated) / self._hbm_bytes_per_us()
@@ -457,6 +467,43 @@ def _raise_not_finite(
         f"kernel '{work.name}' ({work.phase}) takes an infinite time even at efficiency 1: the "
         "cluster's peak_tflops or bandwidths are too small for this model",
     )
+
+
+def wave_factor(work: KernelWork) -> float:
+    """How much longer a layer's GEMM or attention kernel takes than its FLOPs at full waves: the
+    waves its output tiles take over the waves they would fill exactly (1 for a kernel with no
+    ``PieceShape``). A backward GEMM is its input gradient (tiles as wide as its input, reducing
+    over its output width) and its weight gradient (in x out tiles, reducing over the rows), half
+    the FLOPs each."""
+    piece = work.piece
+    if piece is None or piece.out_tiles == 0:
+        return 1.0
+    if work.kind == "attention":  # (batch, head, query block) tiles, no split of the keys
+        return _occupancy(piece.blocks * piece.out_tiles, 1)
+    if work.phase == "fwd" or work.name.startswith(RECOMPUTE_PREFIX):  # a recompute is a forward
+        return _occupancy(piece.blocks * piece.out_tiles, piece.in_tiles)
+    return 0.5 * (_input_grad_occupancy(piece) + _weight_grad_occupancy(piece))
+
+
+def _input_grad_occupancy(piece: PieceShape) -> float:
+    return _occupancy(piece.blocks * piece.in_tiles, piece.out_tiles)
+
+
+def _weight_grad_occupancy(piece: PieceShape) -> float:
+    return _occupancy(piece.in_tiles * piece.out_tiles, piece.blocks)
+
+
+def _weight_grad_share(work: KernelWork) -> float:
+    """The share of a backward GEMM's time its weight gradient takes (0 in forward)."""
+    if work.phase != "bwd" or work.piece is None:
+        return 0.0
+    weight = _weight_grad_occupancy(work.piece)
+    return weight / (_input_grad_occupancy(work.piece) + weight)
+
+
+def _occupancy(tiles: int, depth_tiles: int) -> float:
+    """The waves ``tiles`` output tiles take over the waves they fill exactly (at least 1)."""
+    return _waves(tiles, depth_tiles) * SMS / tiles
 
 
 def _waves(tiles: int, depth_tiles: int) -> float:
@@ -636,7 +683,7 @@ class _Rank:
 
 
 def _recompute(k: KernelWork) -> KernelWork:
-    return _renamed(k, "recompute_" + k.name, "bwd")
+    return _renamed(k, RECOMPUTE_PREFIX + k.name, "bwd")
 
 
 def _layer(rank: _Rank, linear: _Linear) -> tuple[list[KernelWork], list[KernelWork]]:

@@ -24,11 +24,15 @@ replaced.
 
 Why the fit stops short of the bounds: with every kernel whole, Eff_fine is a step function of the
 constants. The LLM's TP collectives all carry one activation tensor, so they all last the same, and
-so do the ViT's longest forward kernels, fc1 and fc2, a little longer at the shipped constants.
-There those kernels fit no TP bubble and Eff_fine is under the paper's 57.5 / 69.3 / 85.0 %; at a
-lower NVLink efficiency (``--evaluate nvlink_efficiency=0.56``) they fit every one and Eff_fine is
-far over it; no constant lands in between. What the model lacks is the
-spread of a real GPU's collective and kernel times, which the paper's scheduler worked from.
+so do the ViT's longest forward kernels, fc1 and fc2 (331.0 us against the collectives' 328.2 us at
+the shipped constants, kernels priced by the waves their tiles fill). There those kernels fit no TP
+bubble and Eff_fine is under the paper's 57.5 / 69.3 / 85.0 %; at the next NVLink efficiency down
+(``--evaluate nvlink_efficiency=0.59``: 333.7 us) they fit every one and Eff_fine is far over it; no
+constant lands in between. What the model lacks is the spread of a real GPU's collective and kernel
+times, which the paper's scheduler worked from. Eff_coarse times the microbatches is 1098-1099 in
+all three of the paper's rows (its coarse bubbles hold a fixed amount of one microbatch's encoder
+work) and 1207-1248 in ours; the network efficiency that would shrink those bubbles lowers Eff_fine
+with them.
 """
 
 from __future__ import annotations

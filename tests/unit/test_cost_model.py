@@ -21,6 +21,7 @@ from optimus_mllm.cost_model import (
     collective_bytes_on_wire,
     layer_kernels,
     load_profile,
+    wave_factor,
 )
 from optimus_mllm.errors import OptimusError
 
@@ -224,6 +225,28 @@ def test_a_gemm_piece_pays_for_the_waves_its_tiles_fill():
     # without an inner dimension to split (attention), one block takes a whole wave
     attention = KernelWork("attn_core", "fwd", "attention", 1e12, 0.0, piece=work.piece)
     assert cost.piece_us(attention, whole, 0.0, 1 / 8) == pytest.approx(102.0)
+
+
+def test_a_whole_kernel_pays_for_the_waves_its_tiles_fill():
+    cost = CostModel(
+        ClusterConfig(num_gpus=1, peak_tflops=1000),
+        CostModelConfig(gemm_efficiency=0.5, kernel_overhead_us=0.0),
+    )
+    full = _gemm(out_tiles=SMS // 2)  # 8 blocks of 66 tiles: 4 full waves
+    assert wave_factor(full) == 1.0
+    assert cost.compute_us(full, "vit", 1) == pytest.approx(2000.0)  # 1e12 / (1e15 * 0.5) s
+    ragged = _gemm(out_tiles=SMS // 2, blocks=9)  # 4.5 waves' tiles take 5 waves
+    assert wave_factor(ragged) == pytest.approx(5 / 4.5)
+    assert cost.compute_us(ragged, "vit", 1) == pytest.approx(2000.0 * 5 / 4.5)
+    # a GEMM of fewer tiles than SMs splits its inner dimension over the idle ones (split-K)
+    assert wave_factor(_gemm(out_tiles=SMS // 4, blocks=1, in_tiles=2)) == pytest.approx(2.0)
+    # a backward GEMM: its input gradient (9 x 4 tiles, split 3 ways over its 66 output tiles)
+    # and its weight gradient (4 x 66 tiles: 2 waves for 2 waves' worth), half the FLOPs each;
+    # a recomputed forward is priced as the forward
+    bwd = KernelWork("fc1", "bwd", "gemm", 2e12, 0.0, piece=ragged.piece)
+    assert wave_factor(bwd) == pytest.approx(0.5 * (SMS / (36 * 3)) + 0.5)
+    redo = KernelWork("recompute_fc1", "bwd", "gemm", 1e12, 0.0, piece=ragged.piece)
+    assert wave_factor(redo) == wave_factor(ragged)
 
 
 def test_a_piece_streams_the_weights_again_and_a_backward_piece_recomputes_its_rows():
