@@ -14,7 +14,9 @@ the user's vision modules in place, and moves the state between the two:
 - the vision model's and projector's state goes between the encoder stage's parameters and the
   user's modules' as their weights do (``sharded_state.copy_sharded_state``): each state entry
   (``exp_avg``, ``exp_avg_sq``, the main parameters...) is copied with the parameters' sharded
-  state dicts while the parameters hold that entry in place of their weights;
+  state dicts, each piece pointed at the same slice of the entry as it holds of its weight (the
+  weights themselves are left alone: giving a bf16 weight fp32 data, even for a moment, would drop
+  the gradient hooks of megatron-core's DDP with its autograd accumulator);
 - ``step``: the optimizer steps every parameter together, so the vision parameters take the step
   of this rank's LLM parameters.
 
@@ -24,8 +26,7 @@ DDP buffers, which hold no vision parameter under the flag.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from megatron.core.optimizer import (
 from torch import Tensor, nn
 
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.runtime.sharded_state import copy_sharded_state
+from optimus_mllm.runtime.sharded_state import copy_sharded_state, sharded_tensors
 
 MAIN = "main parameters"  # the fp32 copies of --bf16/--fp16 weights, moved like a state entry
 STEP = "step"
@@ -108,6 +109,9 @@ def _move(
     target_vision: StateDicts,
     what: str,
 ) -> None:
+    """``source``'s state into ``target``'s: the weights both step by identity, the vision
+    weights' (the encoder's on one side, the user's vision modules' on the other) by their sharded
+    state dicts."""
     source_params, target_params = optimizer_params(source), optimizer_params(target)
     source_state, target_state = _torch_states(source), _torch_states(target)
     step = None
@@ -132,10 +136,13 @@ def _move(
         w is not m for w, m in target_params.items()
     )
     for entry in ([MAIN] if _agreed(mixed) else []) + entries:
-        held = _entry_tensors(entry, source_vision_params, source_state, create=False)
-        into = _entry_tensors(entry, target_vision_params, target_state, create=True)
-        with _holding(held), _holding(into):
-            copy_sharded_state(source_vision(), target_vision(), f"{what} ({entry})")
+        source_tensors = _entry_tensors(entry, source_vision_params, source_state, create=False)
+        target_tensors = _entry_tensors(entry, target_vision_params, target_state, create=True)
+        copy_sharded_state(
+            _pointed_at(source_vision(), source_tensors),
+            _pointed_at(target_vision(), target_tensors),
+            f"{what} ({entry})",
+        )
 
 
 def optimizer_params(optimizer: MegatronOptimizer) -> dict[Tensor, Tensor]:
@@ -238,18 +245,33 @@ def _entry_tensors(
     return tensors
 
 
-@contextlib.contextmanager
-def _holding(tensors: dict[Tensor, Tensor]) -> Iterator[None]:
-    """Each weight holds its tensor in place of its own data while inside, so that its module's
-    sharded state dict describes that tensor."""
-    own = {weight: weight.data for weight in tensors}
-    try:
-        for weight, tensor in tensors.items():
-            weight.data = tensor
-        yield
-    finally:
-        for weight, data in own.items():
-            weight.data = data
+def _pointed_at(state: ShardedStateDict, tensors: dict[Tensor, Tensor]) -> ShardedStateDict:
+    """The pieces of ``state`` that hold (a slice of) a weight of ``tensors``, each pointed at the
+    same slice of that weight's tensor; the other pieces (weights the optimizer does not step) are
+    left out."""
+    spans: dict[int, list[tuple[Tensor, Tensor]]] = {}
+    for weight, tensor in tensors.items():
+        if tensor.shape != weight.shape or tensor.stride() != weight.stride():
+            raise OptimusError(
+                "--optimus-schedule: an optimizer state of shape "
+                f"{tuple(tensor.shape)}, strides {tensor.stride()}, is not laid out as its weight "
+                f"({tuple(weight.shape)}, {weight.stride()})"
+            )
+        spans.setdefault(weight.untyped_storage().data_ptr(), []).append((weight, tensor))
+    pointed: ShardedStateDict = {}
+    for key, pieces in sharded_tensors(state).items():
+        for i, piece in enumerate(pieces):
+            data = piece.data
+            offset = data.storage_offset()
+            for weight, tensor in spans.get(data.untyped_storage().data_ptr(), []):
+                start = offset - weight.storage_offset()
+                if 0 <= start < max(weight.numel(), 1):
+                    piece.data = tensor.as_strided(
+                        data.shape, data.stride(), tensor.storage_offset() + start
+                    )
+                    pointed[f"{key}#{i}"] = piece
+                    break
+    return pointed
 
 
 def _copy_loss_scale(source: MegatronOptimizer, target: MegatronOptimizer) -> None:
