@@ -26,7 +26,7 @@ DDP buffers, which hold no vision parameter under the flag.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -175,8 +175,8 @@ def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
 
 
 def _torch_states(optimizer: MegatronOptimizer) -> dict[Tensor, dict[str, Any]]:
-    """The state of every part's torch optimizer, by the tensor it is kept under: the parts'
-    own dicts when there is one part, else a view that writes into the owning part's."""
+    """The state of every part's torch optimizer, by the tensor it is kept under, as one dict
+    that writes each entry into the part that steps its tensor."""
     owners = [p.optimizer for p in _parts(optimizer) if getattr(p, "optimizer", None) is not None]
     return _States(owners)
 
@@ -198,7 +198,7 @@ class _States(dict):
         self.owner[key].state[key] = value
 
 
-def _agreed_entries(states: dict[Tensor, dict[str, Any]], params: Any) -> list[str]:
+def _agreed_entries(states: dict[Tensor, dict[str, Any]], params: Iterable[Tensor]) -> list[str]:
     """The state entries, besides ``step``, that the source's vision parameters hold on any rank
     (each a tensor of its parameter's shape), in the same order on every rank."""
     names = set()
