@@ -112,7 +112,7 @@ def _move(
     """``source``'s state into ``target``'s: the weights both step by identity, the vision
     weights' (the encoder's on one side, the user's vision modules' on the other) by their sharded
     state dicts."""
-    source_params, target_params = optimizer_params(source), optimizer_params(target)
+    source_params, target_params = _optimizer_params(source), _optimizer_params(target)
     source_state, target_state = _torch_states(source), _torch_states(target)
     step = None
     with torch.no_grad():
@@ -145,7 +145,7 @@ def _move(
         )
 
 
-def optimizer_params(optimizer: MegatronOptimizer) -> dict[Tensor, Tensor]:
+def _optimizer_params(optimizer: MegatronOptimizer) -> dict[Tensor, Tensor]:
     """Each weight that ``optimizer`` steps, and the tensor its state is kept under: its fp32 main
     parameter under --bf16/--fp16, else itself."""
     params: dict[Tensor, Tensor] = {}
@@ -285,8 +285,8 @@ def _copy_loss_scale(source: MegatronOptimizer, target: MegatronOptimizer) -> No
 def _copy_hyperparameters(source: MegatronOptimizer, target: MegatronOptimizer) -> None:
     """Each of ``target``'s parameter groups takes the learning rate, weight decay... of the group
     of ``source`` that steps one of its weights (the LR schedule's current values)."""
-    source_mains = optimizer_params(source)
-    weights = {main: weight for weight, main in optimizer_params(target).items()}
+    source_mains = _optimizer_params(source)
+    weights = {main: weight for weight, main in _optimizer_params(target).items()}
     groups = {p: group for group in source.param_groups for p in group["params"]}
     for group in target.param_groups:
         held = (source_mains.get(weights.get(p)) for p in group["params"])
