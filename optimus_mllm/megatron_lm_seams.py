@@ -21,7 +21,11 @@ names of ``megatron.training.training`` (``megatron_patches.training_seams``):
   LLM P2P, and megatron-core's gradient finalisation once every encoder op ran. A forward-only
   call (evaluation) runs the user's model as built, with the encoder's current weights.
 - **``save_checkpoint`` / ``load_checkpoint``**: around Megatron's own, the user's vision modules
-  stand in the model again, holding the encoder's weights, so a checkpoint has LLaVA's keys.
+  stand in the model again, holding the encoder's weights, so a checkpoint has LLaVA's keys; and
+  Megatron saves and loads the optimizer state through its own optimizer over those chunks, built
+  for the save or load and filled from (or into) the chained one (``runtime.plain_optimizer``), so
+  a checkpoint is laid out as one saved without the flag and resumes either way. The distributed
+  optimizer keeps the chained layout (marked ``OPTIMIZER_MARK``) and resumes with the flag only.
 
 Without ``--optimus-schedule`` none of this is installed (``megatron_lm.pretrain``).
 """
@@ -42,6 +46,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_model_config
 from torch import nn
@@ -79,6 +84,11 @@ from optimus_mllm.runtime.optimus_encoder import (
     user_vision_spec,
     with_user_projector,
 )
+from optimus_mllm.runtime.plain_optimizer import (
+    chained_into_plain,
+    plain_into_chained,
+    plain_optimizer,
+)
 from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
 from optimus_mllm.runtime.streams import EncoderStream, make_encoder_stream, training_device
 from optimus_mllm.runtime.trainer import join_model_parallel
@@ -90,7 +100,8 @@ from optimus_mllm.runtime.user_model import (
 from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 
-# in a checkpoint folder saved with the flag: its optimizer state is the chained optimizer's
+# in a checkpoint folder saved with the flag and the distributed optimizer: its optimizer state is
+# the chained optimizer's
 OPTIMIZER_MARK = "optimus_optimizer_layout"
 
 
@@ -110,6 +121,8 @@ class _Job:
     user_vision: UserVision | None  # its vision modules, set aside
     vision_spec: ModuleSpec  # the layer spec of the user's vision layers
     encoder_ddp: DistributedDataParallel | None = None
+    # Megatron's own optimizer over the chunks, built anew on each call (checkpoints)
+    plain_optimizer: Callable[[], MegatronOptimizer] | None = None
 
 
 class OptimusInMegatron:
@@ -224,6 +237,11 @@ class OptimusInMegatron:
                 )
                 average_over(job.encoder_ddp, parallel_state.get_data_parallel_world_size())
             job.stream.finish()
+            job.plain_optimizer = partial(
+                plain_optimizer,
+                partial(original, config, model_chunks, *args, **kwargs),
+                model_chunks,
+            )
             return chain_encoder_optimizer(
                 llm,
                 job.encoder_ddp,
@@ -420,37 +438,69 @@ class OptimusInMegatron:
             )
             yield
 
+    def _plain_layout(self, optimizer: Any) -> bool:
+        """Whether the checkpoint's optimizer state goes through Megatron's own optimizer."""
+        return optimizer is not None and not self.get_args().use_distributed_optimizer
+
+    def _vision_states(self, job: _Job) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """The encoder stage's and the user's vision modules' sharded state dicts, built anew on
+        each call (the vision modules in place)."""
+        first = job.first_chunk
+        return (
+            lambda: encoder_sharded_state_dict(
+                job.config, job.optimus.encoder, job.optimus.groups.dp_group
+            ),
+            lambda: {} if first is None else vision_sharded_state_dict(first),
+        )
+
     def _save_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
-            if self.job is None:
-                return original(iteration, *args, **kwargs)
-            with self._user_vision_restored(self.job):
-                saved = original(iteration, *args, **kwargs)
-            save = self.get_args().save
-            if save and not kwargs.get("non_persistent_ckpt") and dist.get_rank() == 0:
-                _iteration_folder(save, str(iteration)).joinpath(OPTIMIZER_MARK).write_text(
-                    "the optimizer state of this checkpoint is laid out for --optimus-schedule\n"
-                )
+        def save_checkpoint(
+            iteration: int, model: Any, optimizer: Any, *rest: Any, **kwargs: Any
+        ) -> Any:
+            job = self.job
+            if job is None:
+                return original(iteration, model, optimizer, *rest, **kwargs)
+            args = self.get_args()
+            with self._user_vision_restored(job):
+                if self._plain_layout(optimizer) and not args.no_save_optim:
+                    assert job.plain_optimizer is not None, "the optimizer seam sets it"
+                    plain = job.plain_optimizer()
+                    chained_into_plain(optimizer, plain, *self._vision_states(job))
+                    return original(iteration, model, plain, *rest, **kwargs)
+                saved = original(iteration, model, optimizer, *rest, **kwargs)
+            chained = optimizer is not None and not args.no_save_optim
+            if chained and args.save and not kwargs.get("non_persistent_ckpt"):
+                if dist.get_rank() == 0:
+                    _iteration_folder(args.save, str(iteration)).joinpath(
+                        OPTIMIZER_MARK
+                    ).write_text(
+                        "the optimizer state of this checkpoint is laid out for --optimus-schedule "
+                        "with --use-distributed-optimizer\n"
+                    )
             return saved
 
         return save_checkpoint
 
     def _load_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        def load_checkpoint(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             job = self.job
             if job is None:
-                return original(*args, **kwargs)
+                return original(model, optimizer, *args, **kwargs)
             _check_optimizer_layout(self.get_args(), kwargs.get("load_arg", "load"))
+            encoder, vision = self._vision_states(job)
             with self._user_vision_restored(job):
-                loaded = original(*args, **kwargs)
-                first = job.first_chunk
+                plain = None
+                if self._plain_layout(optimizer):
+                    assert job.plain_optimizer is not None, "the optimizer seam sets it"
+                    plain = job.plain_optimizer()
+                loaded = original(model, optimizer if plain is None else plain, *args, **kwargs)
                 copy_sharded_state(
-                    {} if first is None else vision_sharded_state_dict(first),
-                    encoder_sharded_state_dict(
-                        job.config, job.optimus.encoder, job.optimus.groups.dp_group
-                    ),
-                    "the checkpoint's vision model -> the Optimus encoder",
+                    vision(), encoder(), "the checkpoint's vision model -> the Optimus encoder"
                 )
+                if plain is not None:
+                    # also where nothing was loaded: the plain optimizer's main parameters are
+                    # then the weights just loaded (Megatron's reload_model_params)
+                    plain_into_chained(plain, optimizer, vision, encoder)
             return loaded
 
         return load_checkpoint
@@ -463,8 +513,10 @@ def _iteration_folder(checkpoints: str, iteration: str) -> Path:
 
 
 def _check_optimizer_layout(args: argparse.Namespace, load_arg: str) -> None:
-    """Refuse to load, under the flag, an optimizer state saved without it (the vision model's
-    state in the first stage's optimizer, by position); its weights load with --no-load-optim."""
+    """Refuse an optimizer state laid out otherwise than this job's: under the flag, the
+    distributed optimizer's state is the chained optimizer's (``OPTIMIZER_MARK``), which a
+    checkpoint saved without the flag does not have, and the other way round; the weights load
+    with --no-load-optim."""
     load = getattr(args, load_arg, None)
     if not load or args.no_load_optim or getattr(args, "finetune", False):
         return
@@ -474,11 +526,20 @@ def _check_optimizer_layout(args: argparse.Namespace, load_arg: str) -> None:
         return  # nothing to resume: Megatron-LM starts afresh
     iteration = str(step) if step is not None else tracker.read_text().strip()
     folder = _iteration_folder(load, iteration)
-    if folder.is_dir() and not folder.joinpath(OPTIMIZER_MARK).is_file():
+    if not folder.is_dir():
+        return
+    marked = folder.joinpath(OPTIMIZER_MARK).is_file()
+    flag = f"--{load_arg.replace('_', '-')} {load}: the checkpoint at {folder.name} was saved"
+    if args.use_distributed_optimizer and not marked:
         raise OptimusError(
-            f"--{load_arg.replace('_', '-')} {load}: the checkpoint at {folder.name} was saved "
-            "without --optimus-schedule, and its optimizer state is laid out for Megatron-LM's "
-            "placement of the vision model; resume it without the flag, or add --no-load-optim to "
+            f"{flag} without --optimus-schedule, and with --use-distributed-optimizer the flag "
+            "resumes only the optimizer state it saved itself; resume it without the flag, or add "
+            "--no-load-optim to start the optimizer afresh from its weights"
+        )
+    if marked and not args.use_distributed_optimizer:
+        raise OptimusError(
+            f"{flag} with --optimus-schedule and --use-distributed-optimizer, and its optimizer "
+            "state resumes only with both; add --use-distributed-optimizer, or --no-load-optim to "
             "start the optimizer afresh from its weights"
         )
 

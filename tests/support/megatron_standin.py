@@ -5,16 +5,19 @@ run without a Megatron-LM checkout.
 order it does it, through megatron-core's public API: its ``get_model`` (the provider per virtual
 stage, ``model_type``, megatron-core's DDP), ``get_megatron_optimizer``, its ``train_step`` (grad
 buffers zeroed, ``get_forward_backward_func()(...)`` with its keyword arguments,
-``optimizer.step()``) and its ``evaluate`` (a forward-only call under ``torch.no_grad``), with
-``config.finalize_model_grads_func`` and ``config.timers`` set as its ``train`` sets them. With a
-schedule, the four calls go through ``OptimusInMegatron``'s seams exactly as
-``megatron_patches.training_seams`` installs them. The user's script is
+``optimizer.step()``), its ``evaluate`` (a forward-only call under ``torch.no_grad``), with
+``config.finalize_model_grads_func`` and ``config.timers`` set as its ``train`` sets them, and its
+torch-format ``save_checkpoint`` / ``load_checkpoint`` (each rank's chunks'
+``state_dict_for_save_checkpoint`` and ``optimizer.state_dict()``, serialised). With a schedule, the
+calls go through ``OptimusInMegatron``'s seams exactly as ``megatron_patches.training_seams``
+installs them. The user's script is
 ``scripts/pretrain_vlm_megatron.py`` (its provider, forward step and mock data), its flags parsed by
 ``optimus_mllm.megatron_arguments`` and read back through its ``get_args``.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
@@ -50,11 +53,21 @@ from .paths import load_script
 script = load_script("pretrain_vlm_megatron")
 
 
+_CHECKPOINT_ARGS = {
+    "save": None,
+    "load": None,
+    "no_save_optim": False,
+    "no_load_optim": False,
+    "finetune": False,
+}
+
+
 @dataclass(frozen=True)
 class StandinRun:
     losses: list[float | None]  # per iteration, on the last pipeline stage
     grad_norms: list[float]
     validation_loss: float | None  # one forward-only pass after training, last stage
+    saved: bytes | None = None  # this rank's checkpoint, where one was saved
 
 
 def standin_pretrain(
@@ -65,6 +78,8 @@ def standin_pretrain(
     forward_step: Callable[..., Any] | None = None,
     edit: Callable[[Any], None] | None = None,
     edit_batch: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None,
+    load: bytes | None = None,
+    save_at: int | None = None,
 ) -> StandinRun:
     """Train ``--train-iters`` iterations of the script under the flags ``argv`` on the world's
     ranks; with ``schedule``, as ``--optimus-schedule schedule`` would. ``model_class``: a subclass
@@ -72,10 +87,16 @@ def standin_pretrain(
     batch keys the data iterator gives under other names. ``forward_step``: the user's, in place of
     the script's. ``edit``: called on each model the provider built, before it is returned (a
     user's own provider, e.g. another projector). ``edit_batch``: ``(iteration, batch) -> batch``
-    on every batch the data iterator gives (a user's data unlike the script's)."""
+    on every batch the data iterator gives (a user's data unlike the script's). ``load``: a
+    checkpoint of this rank (``StandinRun.saved``) to resume from; ``save_at``: save one after that
+    many iterations."""
     args = megatron_arguments.validate_args(
         megatron_arguments.parse_args(None, argv), dist.get_world_size()
     )
+    # Megatron-LM's checkpoint flags, which the project's parser does not read: no folders (the
+    # stand-in's checkpoints are bytes), the optimizer saved and loaded
+    for name, value in _CHECKPOINT_ARGS.items():
+        vars(args).setdefault(name, value)
     megatron_arguments.set_args(args)
     megatron_patches.apply()
     parallel_state.initialize_model_parallel(
@@ -104,6 +125,12 @@ def standin_pretrain(
         config.finalize_model_grads_func = finalize_model_grads
         config.timers = Timers(0, "minmax")
         config.grad_scale_func = optimizer.scale_loss
+        start = 0
+        if load is not None:
+            load_checkpoint = partial(_load_checkpoint, saved=load)
+            start = seams.get("load_checkpoint", lambda f: f)(load_checkpoint)(
+                model, optimizer, None
+            )
         schedule_func = seams.get("get_forward_backward_func", lambda f: f)(
             get_forward_backward_func
         )()
@@ -119,8 +146,8 @@ def standin_pretrain(
             batches = partial(_batch_edited, batches, edit_batch)
         num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
         step = {} if forward_step is None else {"forward_step_func": forward_step}
-        losses, norms = [], []
-        for iteration in range(args.train_iters):
+        losses, norms, saved = [], [], None
+        for iteration in range(start, args.train_iters):
             args.curr_iteration = iteration
             for chunk in model:
                 chunk.zero_grad_buffer()
@@ -136,6 +163,10 @@ def standin_pretrain(
             _, grad_norm, _ = optimizer.step()
             losses.append(_mean_loss(reports))
             norms.append(grad_norm)
+            if iteration + 1 == save_at:
+                saved = seams.get("save_checkpoint", lambda f: f)(_save_checkpoint)(
+                    save_at, model, optimizer, None, 0
+                )
         evaluate = seams.get("get_forward_backward_func", lambda f: f)(get_forward_backward_func)()
         for chunk in model:
             chunk.eval()
@@ -154,11 +185,35 @@ def standin_pretrain(
                     **step,
                 }
             )
-        return StandinRun(losses, norms, _mean_loss(reports))
+        return StandinRun(losses, norms, _mean_loss(reports), saved)
     finally:
         parallel_state.destroy_model_parallel()
         destroy_num_microbatches_calculator()
         megatron_patches.remove()
+
+
+def _save_checkpoint(iteration: int, model: list[Any], optimizer: Any, *_: Any) -> bytes:
+    """Megatron-LM's torch-format checkpoint of this rank (``generate_state_dict``), serialised."""
+    state: dict[str, Any] = {"iteration": iteration, "optimizer": optimizer.state_dict()}
+    for key, chunk in zip(_model_keys(model), model):
+        state[key] = chunk.state_dict_for_save_checkpoint()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _load_checkpoint(model: list[Any], optimizer: Any, *_: Any, saved: bytes) -> int:
+    """Megatron-LM's ``load_checkpoint`` of a torch-format checkpoint: the chunks' weights and the
+    optimizer's state; the iteration to resume at."""
+    state = torch.load(io.BytesIO(saved), weights_only=False)
+    for key, chunk in zip(_model_keys(model), model):
+        chunk.load_state_dict(state[key], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    return state["iteration"]
+
+
+def _model_keys(model: list[Any]) -> list[str]:
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
 def _renamed(batches: Any, renamed: dict[str, str], *args: Any) -> dict[str, Any]:
