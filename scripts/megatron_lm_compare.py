@@ -192,10 +192,42 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+AUTO = ("--optimus-schedule", "auto")
+
+
+def resume_across_the_flag(one_line: Path, args: Sequence[str], folder: Path) -> dict[str, Run]:
+    """Checkpoints across the flag: the one-line script trained to iteration 4 without the flag
+    (saving at 2 on the way) and to 2 with it (saving there), then each checkpoint resumed at 2
+    to 4 the other way (``--ckpt-step 2``), checkpoints under ``folder``. Iteration 4 is the first
+    that the resumed optimizer state shapes."""
+    args = [*args, "--train-iters", "4"]
+    plain, flagged = folder / "saved-without", folder / "saved-with"
+    every_2 = ("--save-interval", "2")
+    return {
+        "uninterrupted, without the flag": run_megatron_script(
+            one_line, 4, [*args, "--save", str(plain), *every_2]
+        ),
+        "with the flag, saved at 2": run_megatron_script(
+            one_line, 4, [*args, "--save", str(flagged), *every_2, "--exit-interval", "2", *AUTO]
+        ),
+        "saved without, resumed with the flag": run_megatron_script(
+            one_line, 4, [*args, "--load", str(plain), "--ckpt-step", "2", *AUTO]
+        ),
+        "saved with the flag, resumed without": run_megatron_script(
+            one_line, 4, [*args, "--load", str(flagged), "--ckpt-step", "2"]
+        ),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="tp2-pp2")
-    # every other argument is a Megatron-LM flag for the three runs
+    parser.add_argument(
+        "--across-the-flag",
+        action="store_true",
+        help="instead: save and resume checkpoints across --optimus-schedule (4 runs)",
+    )
+    # every other argument is a Megatron-LM flag for the runs
     options, megatron_args = parser.parse_known_args(argv)
     checkout = megatron_lm_dir()
     if checkout is None or not (checkout / "pretrain_vlm.py").is_file():
@@ -206,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     args = [*TINY_VLM_ARGS, *LAYOUTS[options.layout], *megatron_args]
+    if options.across_the_flag:
+        return _print_resume_across_the_flag(checkout, args, options.layout)
     with tempfile.TemporaryDirectory() as folder:
         one_line = with_one_line(checkout, Path(folder))
         cases = {
@@ -233,6 +267,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     same = all(agree(runs[0], run) for run in runs[1:])
     print(f"same lm loss (relative 1e-5) and grad norm in all three: {'yes' if same else 'NO'}")
     return 0 if same else 1
+
+
+def _print_resume_across_the_flag(checkout: Path, args: list[str], layout: str) -> int:
+    with tempfile.TemporaryDirectory() as folder:
+        runs = resume_across_the_flag(with_one_line(checkout, Path(folder)), args, Path(folder))
+    for title, run in runs.items():
+        if run.returncode != 0 or not run.iterations:
+            print(run.output[-4000:], file=sys.stderr)
+            print(f"megatron_lm_compare: error: {title} failed (exit {run.returncode})")
+            return 1
+        print(f"{title}, 4 gloo ranks, {layout}:")
+        for iteration in run.iterations:
+            print(f"  {iteration.line}")
+    print(
+        "(Megatron-LM logs a resumed run's first iteration without resetting its loss sum: "
+        "it prints at 4 the mean of 3 and 4)"
+    )
+    return 0
 
 
 if __name__ == "__main__":

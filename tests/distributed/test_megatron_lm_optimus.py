@@ -149,11 +149,6 @@ def test_evaluation_and_save_resume_with_the_flag(tmp_path: Path) -> None:
     _same(plain, type(plain)(0, (*first.iterations, *resumed.iterations), ""))
 
 
-# four iterations: iteration 4's numbers are the first that the optimizer state resumed at 2
-# shapes (iteration 3's update)
-FOUR = ("--train-iters", "4")
-
-
 @pytest.mark.parametrize("precision", [(), ("--bf16",)], ids=["fp32", "bf16"])
 def test_a_checkpoint_resumes_across_the_flag_with_its_optimizer_state(
     precision: tuple[str, ...], tmp_path: Path
@@ -162,23 +157,21 @@ def test_a_checkpoint_resumes_across_the_flag_with_its_optimizer_state(
     # Adam state in the first stage's optimizer), so a checkpoint resumes with or without it
     assert CHECKOUT is not None
     script = _compare.with_one_line(CHECKOUT, tmp_path)
-    args = (*_compare.LAYOUTS["tp2-pp2"], *FOUR, *precision)
-    plain, flagged = tmp_path / "plain", tmp_path / "flagged"
-    # uninterrupted, saving at 2 on the way
-    reference = _train(
-        script, (*args, "--save", str(plain), "--save-interval", "2"), iterations=(1, 2, 3, 4)
-    )
-    save = ("--save", str(flagged), "--save-interval", "2", "--exit-interval", "2")
-    _ran_optimus(_train(script, (*args, *save, *AUTO), iterations=(1, 2)))
-    at_2 = ("--ckpt-step", "2")  # the reference saved at 4 too
-    plain_to_flag = _train(script, (*args, "--load", str(plain), *at_2, *AUTO), iterations=(3, 4))
+    args = (*_compare.TINY_VLM_ARGS, *_compare.LAYOUTS["tp2-pp2"], *precision)
+    runs = _compare.resume_across_the_flag(script, args, tmp_path)
+    for title, run in runs.items():
+        assert run.returncode == 0, (title, run.output[-4000:])
+    reference, saved_with, plain_to_flag, flag_to_plain = runs.values()
+    assert [i.number for i in reference.iterations] == [1, 2, 3, 4], reference.output[-3000:]
+    assert [i.number for i in saved_with.iterations] == [1, 2], saved_with.output[-3000:]
+    _ran_optimus(saved_with)
     _ran_optimus(plain_to_flag)
-    flag_to_plain = _train(script, (*args, "--load", str(flagged), *at_2), iterations=(3, 4))
     third, fourth = reference.iterations[2:]
     # Megatron-LM logs a run's first iteration without resetting its loss sum: a run resumed at 2
     # prints at 4 the mean of 3 and 4 (the flag or not; the grad norm is 4's own)
     losses = (third.lm_loss, (third.lm_loss + fourth.lm_loss) / 2)
     for resumed in (plain_to_flag, flag_to_plain):
+        assert [i.number for i in resumed.iterations] == [3, 4], resumed.output[-3000:]
         for a, loss, b in zip((third, fourth), losses, resumed.iterations, strict=True):
             if precision:  # bf16: the encoder's kernels round otherwise than the vision model's
                 assert b.lm_loss == pytest.approx(loss, rel=1e-3), (a.line, b.line)

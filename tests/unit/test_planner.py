@@ -195,7 +195,7 @@ def test_cli_names_a_baseline_that_beats_every_schedule(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "chosen: LLM DP1 PP2 TP1 V2 | encoder" in out  # Optimus's fastest schedule, still shown
     assert out.rstrip().endswith(
-        "but the Megatron-LM balanced baseline is faster: iteration 0.0005 s; "
+        "but the Megatron-LM balanced baseline is faster: iteration 0.0011 s; "
         "optimus-train runs it (--baseline balanced) unless given this schedule (--schedule)"
     )
     data = json.loads(out_json.read_text())
