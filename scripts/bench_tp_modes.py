@@ -53,7 +53,13 @@ from typing import Any
 
 import yaml
 
-from optimus_mllm.config import ClusterConfig, CostModelConfig, TPMode, TransformerSpec
+from optimus_mllm.config import (
+    ClusterConfig,
+    CostModelConfig,
+    Recompute,
+    TPMode,
+    TransformerSpec,
+)
 from optimus_mllm.config.loader import config_from_dict
 from optimus_mllm.cost_model import (
     CostModel,
@@ -217,13 +223,7 @@ def grid_rows(batch: int = GRID_BATCH) -> list[dict[str, Any]]:
     ``tp_memory.layer_bytes`` at 16 bits: parameters, the activations that do not grow with the
     batch (3D's all-gathered weights) and those added per sequence (the slope between ``batch``
     and twice it), and 1D's per-sequence bytes over the mode's."""
-    spec = TransformerSpec(
-        num_layers=24,
-        hidden_size=8192,
-        num_attention_heads=128,
-        ffn_hidden_size=4 * 8192,
-        seq_length=512,
-    )
+    spec = GRID_MODEL
     per_sequence = {}
     rows = []
     for mode in ("1d", "2d", "3d"):
@@ -274,8 +274,8 @@ V100_LONGHORN = ClusterConfig(
     intra_node_bandwidth_gbps=150.0,
     inter_node_bandwidth_gbps=100 / 8 / 4,
 )
-# both papers' 64-GPU model (2D Table 2; 3D Table 1 takes the same sizes): 24 layers (the 2D
-# paper's N; the 3D paper does not give its own, and per-sequence times are per layer ratios)
+# both papers' 64-GPU model (2D Table 2; 3D Table 1 takes the same sizes): 24 layers, the 2D
+# paper's N (the 3D paper gives none; its speed-ups, ratios of times a sequence, do not need it)
 GRID_MODEL = TransformerSpec(
     num_layers=24,
     hidden_size=8192,
@@ -295,7 +295,7 @@ class GridRun:
     mode: TPMode
     cluster: ClusterConfig
     batch: int
-    recompute: str
+    recompute: Recompute
     paper_seconds: float
     model: TransformerSpec = GRID_MODEL
 
@@ -383,7 +383,9 @@ def largest_batch(mode: TPMode, capacity: float, model: TransformerSpec = GRID_M
     return lo * granule
 
 
-def _speed_up(paper: str, figure: str, faster: GridRun, slower: GridRun, phases) -> dict:
+def _speed_up(
+    paper: str, figure: str, faster: GridRun, slower: GridRun, phases: tuple[Phase, ...]
+) -> dict[str, Any]:
     return {
         "paper": paper,
         "figure": figure,
