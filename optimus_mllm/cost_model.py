@@ -105,6 +105,47 @@ class PiecePrices:
 
 
 @dataclass(frozen=True)
+class RingStep:
+    """A METP ring P2P (Liang et al. §3.3): while a rank multiplies its ``rows_per_rank`` rows
+    (m / p) by the shards it holds, it sends them on (double buffering); ``element_bytes`` of the
+    shards' elements."""
+
+    rows_per_rank: float
+    element_bytes: int
+
+
+def overlap_rows_threshold(
+    peak_flops_per_s: float, link_bytes_per_s: float, element_bytes: int
+) -> float:
+    """The rows per rank (m / p) above which METP's ring hides its P2P under its GEMMs (Liang et
+    al. §3.3, Eq. 5).
+
+    A ring step multiplies the rank's m/p rows by k1 x k2 and k2 x n shards (2 (m/p) (k1 k2 + k2 n)
+    / p FLOPs) while it sends those shards on (e (k1 k2 + k2 n) / p bytes at e bytes an element):
+    an arithmetic intensity of 2 (m/p) / e FLOPs a byte, m/p itself at 16 bits. The GEMMs outlast
+    the send when that is above the device's FLOP/s over the link's bytes/s (the A100's 312 TFLOPS
+    over NVLink's 300 GB/s: 1040 rows at 16 bits). The backward's intensity is higher (Eq. 6), so
+    the forward's bounds both.
+
+    Args:
+        peak_flops_per_s: the GEMMs' rate.
+        link_bytes_per_s: the ring link's rate, one direction.
+        element_bytes: bytes of one element of the shards sent.
+
+    Returns:
+        The threshold in rows per rank.
+    """
+    return peak_flops_per_s / link_bytes_per_s * element_bytes / 2
+
+
+def ring_exposed_share(rows_per_rank: float, threshold: float) -> float:
+    """The share of a ring step's send its GEMMs leave exposed: none at or above ``threshold``
+    rows per rank, else what the send outlasts the GEMMs by, as a share of the send (the GEMMs
+    take rows / threshold of its time)."""
+    return max(0.0, 1.0 - rows_per_rank / threshold)
+
+
+@dataclass(frozen=True)
 class KernelWork:
     """What one kernel does, before it is turned into time.
 
@@ -120,6 +161,7 @@ class KernelWork:
     collective: Collective | None = None
     group_size: int = 1
     piece: PieceShape | None = None  # a layer's compute kernel: how its rows can be cut
+    ring: RingStep | None = None  # a METP ring P2P: the GEMMs it runs under
 
     @property
     def is_comm(self) -> bool:
@@ -205,7 +247,9 @@ def _half_backward(half: list[KernelWork], recompute: str) -> list[KernelWork]:
 
 
 def _renamed(k: KernelWork, name: str, phase: Phase) -> KernelWork:
-    return KernelWork(name, phase, k.kind, k.flops, k.bytes, k.collective, k.group_size, k.piece)
+    return KernelWork(
+        name, phase, k.kind, k.flops, k.bytes, k.collective, k.group_size, k.piece, k.ring
+    )
 
 
 def _adjoint(k: KernelWork, collective: Collective) -> KernelWork:
@@ -366,10 +410,11 @@ class CostModel:
             return measured
         assert work.collective is not None
         wire = collective_bytes_on_wire(work.collective, work.bytes, work.group_size)
-        if wire == 0:
+        exposed = self._ring_exposed_share(work, bandwidth_gbps)
+        if wire == 0 or exposed == 0:
             return 0.0
         eff = self._link_efficiency(bandwidth_gbps)
-        us = wire / (bandwidth_gbps * 1e9 * eff) * 1e6
+        us = exposed * wire / (bandwidth_gbps * 1e9 * eff) * 1e6
         if not math.isfinite(us):
             field = (
                 "cost_model.nvlink_efficiency"
@@ -378,6 +423,18 @@ class CostModel:
             )
             _raise_not_finite(work, field, eff, wire / bandwidth_gbps / 1e3)
         return us + self.params.kernel_overhead_us
+
+    def _ring_exposed_share(self, work: KernelWork, bandwidth_gbps: float) -> float:
+        """The share of a METP ring step's P2P that its GEMMs do not hide (1 for any other comm
+        kernel), at the rates this model gives GEMMs and the link (``ring_exposed_share``)."""
+        if work.ring is None:
+            return 1.0
+        threshold = overlap_rows_threshold(
+            self.cluster.peak_tflops * 1e12 * self.params.gemm_efficiency,
+            bandwidth_gbps * 1e9 * self._link_efficiency(bandwidth_gbps),
+            work.ring.element_bytes,
+        )
+        return ring_exposed_share(work.ring.rows_per_rank, threshold)
 
     def _link_efficiency(self, bandwidth_gbps: float) -> float:
         """NVLink's own efficiency where one is set (a group inside a node gets the node's
@@ -609,7 +666,12 @@ def load_profile(path: str | Path) -> dict[tuple, float]:
 #   24 (p - 1) / p h^2 in all at an FFN of 4h. Attention broadcasts the QKV and output projection
 #   shards (log2 p hops each) and rings K and V; its backward broadcasts the shards again, reduces
 #   their gradients and rings K, V and their gradients: 12 log2(p) h^2 + 6 (p - 1) / p bsh in all.
-#   The backward recomputes the QKV projection and fc1 (the forward keeps neither).
+#   The backward recomputes the QKV projection and fc1 (the forward keeps neither). The ring's
+#   P2P runs double-buffered under its GEMMs (§3.3), so a ring kernel costs only the share of its
+#   send that the GEMMs do not hide: none when the rank's m/p rows are above
+#   ``overlap_rows_threshold`` at this model's GEMM and link rates. The broadcasts and reduces stay
+#   exposed: the paper's first broadcast and last reduce of a layer cannot overlap (§5.6), and the
+#   chain does not model the outer loop's overlap of the others.
 #
 # Biases and norm weights (O(h) per layer) move too and are left out, as the papers' tables leave
 # them out; the norms' per-token statistics in 2D and 3D likewise.
@@ -662,9 +724,15 @@ class _Rank:
         return KernelWork(name, phase, "gemm", scale * 2.0 * rows * k_in * k_out, scale * traffic)
 
     def comm(
-        self, name: str, phase: Phase, elements: float, collective: Collective, group: int
+        self,
+        name: str,
+        phase: Phase,
+        elements: float,
+        collective: Collective,
+        group: int,
+        ring: RingStep | None = None,
     ) -> KernelWork:
-        return KernelWork(name, phase, "comm", 0.0, elements * self.e, collective, group)
+        return KernelWork(name, phase, "comm", 0.0, elements * self.e, collective, group, ring=ring)
 
     def memory(self, name: str, phase: Phase, elements: float) -> KernelWork:
         """An elementwise kernel (a norm, the activation) over ``elements`` elements."""
@@ -768,34 +836,37 @@ def _metp(rank: _Rank) -> tuple[list[KernelWork], list[KernelWork]]:
     def gemm(name: str, phase: Phase) -> KernelWork:
         return r.gemm(name, phase, tokens, *r.widths(name))
 
+    def ring(name: str, phase: Phase, elements: float) -> KernelWork:
+        return r.comm(name, phase, elements, "p2p", p, RingStep(tokens, r.e))
+
     forward = [
         r.memory("ln_attn", "fwd", tokens * r.h),
         r.comm("metp_bcast_attn", "fwd", attn_shards, "broadcast", p),
         gemm("qkv", "fwd"),
-        r.comm("metp_p2p_kv", "fwd", kv_ring, "p2p", p),
+        ring("metp_p2p_kv", "fwd", kv_ring),
         r.attention("fwd"),
         gemm("attn_proj", "fwd"),
         r.memory("ln_mlp", "fwd", tokens * r.h),
-        r.comm("metp_p2p_mlp", "fwd", mlp_ring, "p2p", p),
+        ring("metp_p2p_mlp", "fwd", mlp_ring),
         gemm("fc1", "fwd"),
         r.memory("act", "fwd", tokens * r.fc1),
         gemm("fc2", "fwd"),
     ]
     backward = [
-        r.comm("metp_p2p_mlp", "bwd", mlp_ring, "p2p", p),
+        ring("metp_p2p_mlp", "bwd", mlp_ring),
         _recompute(gemm("fc1", "fwd")),
         _recompute(r.memory("act", "fwd", tokens * r.fc1)),
         gemm("fc2", "bwd"),
         r.memory("act", "bwd", tokens * r.fc1),
         gemm("fc1", "bwd"),
-        r.comm("metp_p2p_mlp_grad", "bwd", mlp_ring, "p2p", p),
+        ring("metp_p2p_mlp_grad", "bwd", mlp_ring),
         r.memory("ln_mlp", "bwd", tokens * r.h),
         r.comm("metp_bcast_attn", "bwd", attn_shards, "broadcast", p),
         _recompute(gemm("qkv", "fwd")),
         gemm("attn_proj", "bwd"),
-        r.comm("metp_p2p_kv", "bwd", kv_ring, "p2p", p),
+        ring("metp_p2p_kv", "bwd", kv_ring),
         r.attention("bwd"),
-        r.comm("metp_p2p_kv_grad", "bwd", kv_ring, "p2p", p),
+        ring("metp_p2p_kv_grad", "bwd", kv_ring),
         gemm("qkv", "bwd"),
         r.comm("metp_reduce_attn_grad", "bwd", attn_shards, "reduce", p),
         r.memory("ln_attn", "bwd", tokens * r.h),

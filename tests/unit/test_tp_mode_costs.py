@@ -5,11 +5,20 @@ al. §3.1.2; METP: Liang et al. Tables 1-2)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from optimus_mllm.config import TransformerSpec
-from optimus_mllm.cost_model import KernelWork, LayerShape, collective_bytes_on_wire, layer_kernels
+from optimus_mllm.config import ClusterConfig, CostModelConfig, TransformerSpec
+from optimus_mllm.cost_model import (
+    CostModel,
+    KernelWork,
+    LayerShape,
+    collective_bytes_on_wire,
+    layer_kernels,
+    overlap_rows_threshold,
+    ring_exposed_share,
+)
 
 B, S, H, HEADS = 2, 512, 256, 16
 SPEC = TransformerSpec(
@@ -91,3 +100,43 @@ def test_full_recompute_reruns_the_forward_chain_first():
     shape = _shape("metp", 4, "full")
     fwd, bwd = layer_kernels(shape, "fwd"), layer_kernels(shape, "bwd")
     assert [k.name for k in bwd[: len(fwd)]] == ["recompute_" + k.name for k in fwd]
+
+
+def test_metp_overlap_threshold_is_the_papers_a100_figure():
+    """Liang et al. §3.3: 312 TFLOPS over NVLink's 300 GB/s, 16-bit shards: m/p > 1040 rows (and
+    8320 tokens on 8 GPUs at batch 1); 32-bit shards halve the intensity, so double the rows."""
+    assert overlap_rows_threshold(312e12, 300e9, 2) == pytest.approx(1040)
+    assert 8 * overlap_rows_threshold(312e12, 300e9, 2) == pytest.approx(8320)
+    assert overlap_rows_threshold(312e12, 300e9, 4) == pytest.approx(2080)
+    assert ring_exposed_share(1040, 1040) == 0 == ring_exposed_share(4096, 1040)
+    assert ring_exposed_share(520, 1040) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("seq, hidden", [(512, False), (16384, True)])
+def test_metp_ring_is_priced_exposed_only_below_the_threshold(seq, hidden):
+    """The ring's P2P kernels cost nothing where the rank's rows (seq / p at batch 1) are above
+    the threshold (here 50 TFLOPS over 100 GB/s, both at efficiency 0.7: 500 rows at 16 bits),
+    and the share the GEMMs leave exposed below it; broadcasts and reduces are never hidden."""
+    cluster = ClusterConfig(
+        num_gpus=4, peak_tflops=50.0, intra_node_bandwidth_gbps=100.0, gpus_per_node=4
+    )
+    params = CostModelConfig(gemm_efficiency=0.7, network_efficiency=0.7)
+    cost = CostModel(cluster, params)
+    spec = replace(SPEC, seq_length=seq)
+    shape = LayerShape(spec, 4, 1, True, 2, "none", tp_mode="metp")
+    threshold = overlap_rows_threshold(50e12 * 0.7, 100e9 * 0.7, 2)
+    assert threshold == pytest.approx(500)
+    share = ring_exposed_share(seq / 4, threshold)
+    assert (share == 0) == hidden
+    for phase in ("fwd", "bwd"):
+        works = layer_kernels(shape, phase)
+        for work, kernel in zip(works, cost.layer(shape, phase, "vit", 100.0)):
+            if not work.is_comm:
+                continue
+            wire = collective_bytes_on_wire(work.collective, work.bytes, work.group_size)
+            unhidden = wire / (100e9 * 0.7) * 1e6
+            if work.name.startswith("metp_p2p"):
+                expected = share * unhidden + params.kernel_overhead_us if share else 0.0
+            else:
+                expected = unhidden + params.kernel_overhead_us
+            assert kernel.duration_us == pytest.approx(expected), work.name
