@@ -145,6 +145,19 @@ def _with_bias(shards: list[Tensor], has_bias: bool) -> tuple[Tensor, Tensor | N
     return first, shards[2] if has_bias else None, second
 
 
+def _shard_grads(
+    grad: Tensor, first: Tensor, rows: Tensor, grad_second: Tensor, has_bias: bool, grad_x: Tensor
+) -> list[Tensor]:
+    """One shard's first-linear backward from ``grad``, the gradient of that linear's output: adds
+    the input gradient to ``grad_x`` and returns the shard's gradients in the order its shards are
+    sent, [first weight, second weight(, bias)] (``grad_second`` the second weight's)."""
+    grad_x.addmm_(grad, first)
+    grads = [grad.t() @ rows, grad_second]
+    if has_bias:
+        grads.append(grad.sum(0))
+    return grads
+
+
 def _fc1_act(x: Tensor, w1: Tensor, b1: Tensor | None, act: Activation) -> Tensor:
     return act(torch.nn.functional.linear(x, w1, b1))
 
@@ -189,13 +202,10 @@ class _MetpMLP(torch.autograd.Function):
             with torch.enable_grad():  # f' from autograd on this tile only
                 pre = torch.nn.functional.linear(rows, w1_r, b1_r).detach().requires_grad_(True)
                 tile = ctx.act(pre)
-            grads = [None, grad_rows.t() @ tile.detach()]
+            grad_w2 = grad_rows.t() @ tile.detach()
             (grad_pre,) = torch.autograd.grad(tile, pre, grad_rows @ w2_r)
             del tile, pre
-            grad_x.addmm_(grad_pre, w1_r)
-            grads[0] = grad_pre.t() @ rows
-            if b1_r is not None:
-                grads.append(grad_pre.sum(0))
+            grads = _shard_grads(grad_pre, w1_r, rows, grad_w2, b1 is not None, grad_x)
             del grad_pre
             if travelling is not None:
                 grads = [g.add_(earlier) for g, earlier in zip(grads, travelling.wait())]
@@ -203,9 +213,7 @@ class _MetpMLP(torch.autograd.Function):
             travelling = ring.shift(grads)
             if pending is not None:
                 shards = pending.wait()
-        grads = travelling.wait()
-        grad_b1 = grads[2] if b1 is not None else None
-        return grad_x.view_as(x), grads[0], grad_b1, grads[1], None, None
+        return (grad_x.view_as(x), *_with_bias(travelling.wait(), b1 is not None), None, None)
 
 
 def metp_mlp(
@@ -416,10 +424,7 @@ class _MetpAttention(torch.autograd.Function):
             del q, k, v, grad_attended
             grad_qkv = layout.join(dq, dk, dv).view(-1, w_qkv_j.shape[0])
             del dq, dk, dv
-            grad_x.addmm_(grad_qkv, w_qkv_j)
-            grads = [grad_qkv.t() @ rows, grad_w_proj]
-            if b_qkv is not None:
-                grads.append(grad_qkv.sum(0))
+            grads = _shard_grads(grad_qkv, w_qkv_j, rows, grad_w_proj, b_qkv is not None, grad_x)
             for work in reducing:
                 work.wait()
             dst = dist.get_global_rank(group, owner)
@@ -428,8 +433,7 @@ class _MetpAttention(torch.autograd.Function):
                 mine = grads
         for work in reducing:
             work.wait()
-        grad_b_qkv = mine[2] if b_qkv is not None else None
-        return grad_x.view_as(x), mine[0], grad_b_qkv, mine[1], None, None
+        return (grad_x.view_as(x), *_with_bias(mine, b_qkv is not None), None, None)
 
 
 def metp_attention(
