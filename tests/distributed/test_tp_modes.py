@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -23,7 +23,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
-import megatron_patches
 from optimus_mllm.config import TPMode, TransformerSpec
 from optimus_mllm.runtime.tp_modes.groups import (
     Cube3D,
@@ -45,6 +44,7 @@ from optimus_mllm.tp_footprint import (
 from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
+from support.megatron_ranks import causal_mask, megatron_state
 
 TOL = 1e-5
 SEQ, BATCH, HIDDEN, HEADS, FFN = 4, 4, 16, 8, 32
@@ -163,8 +163,7 @@ def _layer_case(grid: Grid2D, part: str) -> dict[str, float]:
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
     g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    # megatron-core makes its default causal mask on the GPU: pass it (True: masked out)
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    mask = causal_mask(SEQ)
 
     def run(module: nn.Module, inp: Tensor) -> Tensor:
         if part == "mlp":  # megatron-core's MLP returns (output, bias): the sum the layer adds
@@ -222,7 +221,7 @@ def _footprint_1d(shape: LayerShape, mask: Tensor) -> dict[str, dict[str, int]]:
 def _footprint_case(mesh: Grid2D | Cube3D) -> dict[str, dict[str, int]]:
     """What each rank holds under 1 rank, 1D TP over all ranks and 2D or 3D on ``mesh``."""
     shape = LayerShape(seq=SEQ, batch=BATCH, hidden=HIDDEN, heads=HEADS, ffn=FFN)
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    mask = causal_mask(SEQ)
     held = _footprint_1d(shape, mask)
     with pytest.warns(UserWarning, match="experimental"):
         if isinstance(mesh, Grid2D):
@@ -275,32 +274,33 @@ def _check_memory_model(
         assert layer_bytes(spec, held_mode, world, BATCH, 4) == fullest, (held_name, fullest)
 
 
+def _check_ranks(results: list[dict[str, Any]], name: str, mode: TPMode) -> None:
+    """Every rank's cases within ``TOL`` and its footprint (``name``) as the formulas and the
+    memory model say."""
+    footprints = []
+    for rank, cases in enumerate(results):
+        footprints.append(cases.pop("footprint"))
+        _check_footprint(rank, footprints[-1], name)
+        for case, errors in cases.items():
+            assert max(errors.values()) <= TOL, (rank, case, errors)
+    _check_memory_model(footprints, name, mode)
+
+
 def _grid_rank() -> dict[str, dict[str, Any]]:
-    with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        try:
-            grid = build_grid_groups(tuple(range(dist.get_world_size())))
-            assert grid is not None
-            return {
-                "linear": _linear_case(grid),
-                "mlp": _layer_case(grid, "mlp"),
-                "attention + mlp layer": _layer_case(grid, "layer"),
-                "footprint": _footprint_case(grid),
-            }
-        finally:
-            parallel_state.destroy_model_parallel()
+    with megatron_state():
+        grid = build_grid_groups(tuple(range(dist.get_world_size())))
+        assert grid is not None
+        return {
+            "linear": _linear_case(grid),
+            "mlp": _layer_case(grid, "mlp"),
+            "attention + mlp layer": _layer_case(grid, "layer"),
+            "footprint": _footprint_case(grid),
+        }
 
 
 @pytest.mark.distributed
 def test_2d_on_a_2x2_grid_equals_one_rank() -> None:
-    footprints = []
-    for rank, cases in enumerate(run_distributed(_grid_rank, 4, timeout=120.0)):
-        footprints.append(cases.pop("footprint"))
-        _check_footprint(rank, footprints[-1], "2D 2x2")
-        for case, errors in cases.items():
-            assert max(errors.values()) <= TOL, (rank, case, errors)
-    _check_memory_model(footprints, "2D 2x2", "2d")
+    _check_ranks(run_distributed(_grid_rank, 4, timeout=120.0), "2D 2x2", "2d")
 
 
 # 3D on a 2 x 2 x 2 cube: megatron-core's MLP without biases, and its attention + MLP layer
@@ -372,7 +372,7 @@ def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
     g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    mask = causal_mask(SEQ)
 
     def run(module: nn.Module, inp: Tensor) -> Tensor:
         if part == "mlp":
@@ -398,27 +398,16 @@ def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
 
 
 def _cube_rank() -> dict[str, dict[str, Any]]:
-    with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        try:
-            cube = build_cube_groups(tuple(range(dist.get_world_size())))
-            assert cube is not None
-            return {
-                "mlp": _cube_case(cube, "mlp"),
-                "attention + mlp layer": _cube_case(cube, "layer"),
-                "footprint": _footprint_case(cube),
-            }
-        finally:
-            parallel_state.destroy_model_parallel()
+    with megatron_state():
+        cube = build_cube_groups(tuple(range(dist.get_world_size())))
+        assert cube is not None
+        return {
+            "mlp": _cube_case(cube, "mlp"),
+            "attention + mlp layer": _cube_case(cube, "layer"),
+            "footprint": _footprint_case(cube),
+        }
 
 
 @pytest.mark.distributed
 def test_3d_on_a_2x2x2_cube_equals_one_rank() -> None:
-    footprints = []
-    for rank, cases in enumerate(run_distributed(_cube_rank, 8, timeout=120.0)):
-        footprints.append(cases.pop("footprint"))
-        _check_footprint(rank, footprints[-1], "3D 2x2x2")
-        for case, errors in cases.items():
-            assert max(errors.values()) <= TOL, (rank, case, errors)
-    _check_memory_model(footprints, "3D 2x2x2", "3d")
+    _check_ranks(run_distributed(_cube_rank, 8, timeout=120.0), "3D 2x2x2", "3d")
