@@ -7,15 +7,6 @@ import pytest
 from optimus_mllm.runtime.tp_modes.linear_args import linear_args
 
 
-def test_megatron_core_keywords_are_read() -> None:
-    args = linear_args(
-        "Linear2D",
-        "2D",
-        {"bias": False, "skip_bias_add": True, "tp_comm_buffer_name": "fc1", "tp_group": None},
-    )
-    assert (args.bias, args.skip_bias_add) == (False, True)
-
-
 @pytest.mark.parametrize(
     "unbuilt",
     [{"gather_output": True}, {"input_is_parallel": False}, {"stride": 2}, {"is_expert": True}],

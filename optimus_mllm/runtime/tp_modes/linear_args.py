@@ -1,10 +1,6 @@
-"""megatron-core's linear constructor keywords, as the 2D and 3D linears take them.
-
-megatron-core's ``MLP`` and attention build every linear of a spec with the keywords of its
-``ColumnParallelLinear`` / ``RowParallelLinear`` (``build_module`` in ``mlp.py``, a direct call
-for ``linear_qkv`` in ``attention.py``). ``Linear2D`` and ``Linear3D`` accept them all, so that
-they plug into megatron-core's specs, read the bias ones, and refuse in one line those asking for
-a layout they do not build: a gathered output, an unpartitioned input, a strided weight, an expert.
+"""megatron-core's linear constructor keywords, as the 2D and 3D linears take them: all of them,
+so that they plug into megatron-core's specs (its ``MLP`` and attention pass them to any linear),
+refusing in one line those that ask for a layout they do not build.
 """
 
 from __future__ import annotations
@@ -28,16 +24,8 @@ class LinearArgs:
 
 
 def linear_args(layer: str, mode: str, megatron_args: dict[str, Any]) -> LinearArgs:
-    """``megatron_args`` read as ``LinearArgs``, refusing what ``layer`` does not build.
-
-    Args:
-        layer: the linear's class name, for the message.
-        mode: ``"2D"`` or ``"3D"``, for the message.
-        megatron_args: the keywords megatron-core passed (an unknown one is a ``TypeError``).
-
-    Returns:
-        The keywords, every one of them built.
-    """
+    """``megatron_args`` as ``LinearArgs`` (an unknown keyword is a ``TypeError``), refusing in one
+    line those ``layer`` (a class name) does not build in ``mode`` (``"2D"`` or ``"3D"``)."""
     args = LinearArgs(**megatron_args)
     if args.gather_output or not args.input_is_parallel or args.stride != 1 or args.is_expert:
         raise ValueError(
