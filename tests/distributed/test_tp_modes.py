@@ -9,6 +9,8 @@ compare everything. One ``run_distributed`` does all cases: the ranks start once
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
 from optimus_mllm.config import TPMode, TransformerSpec
+from optimus_mllm.runtime.llm import unfused_settings
 from optimus_mllm.runtime.tp_modes.groups import (
     Cube3D,
     Grid2D,
@@ -62,11 +65,7 @@ def _config() -> TransformerConfig:
         use_cpu_initialization=True,
         pipeline_dtype=torch.float32,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
+        **unfused_settings(),
     )
 
 
@@ -85,34 +84,53 @@ def _param_block(full: Tensor, grid: Grid2D) -> Tensor:
     return full.tensor_split(grid.q)[grid.column]
 
 
-def _load_blocks(grid_module: nn.Module, reference: nn.Module, grid: Grid2D) -> None:
+@dataclass(frozen=True)
+class _Share:
+    """What one rank of a grid or a cube holds of the 1-rank reference's tensors."""
+
+    activation: Callable[[Tensor], Tensor]
+    parameter: Callable[[str, Tensor], Tensor]  # of the parameter's name and value
+    hosts_vectors: bool  # whether the rank holds vector parameters (a host of theirs)
+
+
+def _grid_share(grid: Grid2D, dims: tuple[int, int]) -> _Share:
+    """Rank (i, j)'s share: block (i, j) of an activation split along ``dims`` (the token dim, the
+    hidden dim), ``_param_block`` of a parameter, the vectors on row 0."""
+    return _Share(
+        lambda full: _block(full, grid, dims),
+        lambda _, full: _param_block(full, grid),
+        grid.row == 0,
+    )
+
+
+def _load_blocks(twin: nn.Module, reference: nn.Module, share: _Share) -> None:
     full = dict(reference.named_parameters())
     with torch.no_grad():
-        for name, p in grid_module.named_parameters():
-            p.copy_(_param_block(full[name], grid))
+        for name, p in twin.named_parameters():
+            p.copy_(share.parameter(name, full[name]))
 
 
 def _errors(
-    reference: nn.Module, twin: nn.Module, grid: Grid2D, run: Any, x: Tensor, g: Tensor
+    reference: nn.Module, twin: nn.Module, share: _Share, run: Any, x: Tensor, g: Tensor
 ) -> dict[str, float]:
     """Largest differences of this rank's blocks: output, input gradient, each weight gradient."""
-    dims = (1, 2) if x.dim() == 3 else (0, 1)  # [s, b, h]: b and h; [tokens, h]
     leaf = x.clone().requires_grad_(True)
     out = run(reference, leaf)
     out.backward(g)
-    mine = _block(leaf.detach(), grid, dims).clone().requires_grad_(True)
+    mine = share.activation(leaf.detach()).clone().requires_grad_(True)
     got = run(twin, mine)
-    got.backward(_block(g, grid, dims))
+    got.backward(share.activation(g))
     errors = {
-        "output": (got - _block(out.detach(), grid, dims)).abs().max().item(),
-        "input grad": (mine.grad - _block(leaf.grad, grid, dims)).abs().max().item(),
+        "output": (got - share.activation(out.detach())).abs().max().item(),
+        "input grad": (mine.grad - share.activation(leaf.grad)).abs().max().item(),
     }
     full = dict(reference.named_parameters())
     for name, p in twin.named_parameters():
-        errors[name] = (p.grad - _param_block(full[name].grad, grid)).abs().max().item()
+        errors[name] = (p.grad - share.parameter(name, full[name].grad)).abs().max().item()
     names = {name for name, _ in twin.named_parameters()}
-    expected = set(full) if grid.row == 0 else {n for n, p in full.items() if p.dim() == 2}
-    assert names == expected, (grid.row, sorted(names ^ expected))
+    vectors = share.hosts_vectors
+    expected = set(full) if vectors else {n for n, p in full.items() if p.dim() == 2}
+    assert names == expected, (vectors, sorted(names ^ expected))
     return errors
 
 
@@ -130,7 +148,8 @@ def _linear_case(grid: Grid2D) -> dict[str, float]:
     torch.manual_seed(0)
     reference = nn.Linear(HIDDEN, FFN)
     twin = Linear2D(HIDDEN, FFN, config=config, init_method=config.init_method, grid=grid)
-    _load_blocks(twin, reference, grid)
+    share = _grid_share(grid, (0, 1))  # [tokens, h]
+    _load_blocks(twin, reference, share)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(SEQ * BATCH, HIDDEN, generator=gen)
     g = torch.randn(SEQ * BATCH, FFN, generator=gen)
@@ -139,27 +158,36 @@ def _linear_case(grid: Grid2D) -> dict[str, float]:
         out = module(inp)
         return out[0] if isinstance(out, tuple) else out
 
-    return _errors(reference, twin, grid, run, x, g)
+    return _errors(reference, twin, share, run, x, g)
+
+
+def _layer(spec: ModuleSpec, config: TransformerConfig, tp: dist.ProcessGroup) -> nn.Module:
+    """A ``TransformerLayer`` of ``spec`` with ``tp`` its TP group."""
+    pg_collection = ProcessGroupCollection(tp=tp, cp=None, pp=None)
+    return build_module(spec, config=config, layer_number=1, pg_collection=pg_collection)
+
+
+def _reference_and_twin(
+    config: TransformerConfig, twin_spec: Callable[[], ModuleSpec], tp: dist.ProcessGroup
+) -> tuple[nn.Module, nn.Module]:
+    """megatron-core's local GPT layer on one rank, its vectors made nonzero, and its twin."""
+    one_rank = parallel_state.get_tensor_model_parallel_group()
+    reference = _layer(get_gpt_layer_local_spec(), config, one_rank)
+    _nonzero_vectors(reference)
+    with pytest.warns(UserWarning, match="experimental"):
+        spec = twin_spec()
+    return reference, _layer(spec, config, tp)
 
 
 def _layer_case(grid: Grid2D, part: str) -> dict[str, float]:
     """megatron-core's ``TransformerLayer`` (``part="layer"``) or its MLP (``"mlp"``)."""
     config = _config()
-    one_rank = ProcessGroupCollection(
-        tp=parallel_state.get_tensor_model_parallel_group(), cp=None, pp=None
-    )
-    on_grid = ProcessGroupCollection(tp=grid.row_group, cp=None, pp=None)
     torch.manual_seed(0)
-    reference = build_module(
-        get_gpt_layer_local_spec(), config=config, layer_number=1, pg_collection=one_rank
-    )
-    _nonzero_vectors(reference)
-    with pytest.warns(UserWarning, match="experimental"):
-        spec = get_2d_layer_spec(grid)
-    twin = build_module(spec, config=config, layer_number=1, pg_collection=on_grid)
+    reference, twin = _reference_and_twin(config, lambda: get_2d_layer_spec(grid), grid.row_group)
     if part == "mlp":
         reference, twin = reference.mlp, twin.mlp
-    _load_blocks(twin, reference, grid)
+    share = _grid_share(grid, (1, 2))  # [s, b, h]: b and h
+    _load_blocks(twin, reference, share)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
     g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
@@ -171,7 +199,7 @@ def _layer_case(grid: Grid2D, part: str) -> dict[str, float]:
             return out + bias
         return module(inp, attention_mask=mask)[0]
 
-    return _errors(reference, twin, grid, run, x, g)
+    return _errors(reference, twin, share, run, x, g)
 
 
 def _held_bytes(layer: nn.Module, x: Tensor, mask: Tensor) -> dict[str, int]:
@@ -203,12 +231,7 @@ def _footprint_1d(shape: LayerShape, mask: Tensor) -> dict[str, dict[str, int]]:
     }
     held = {}
     for mode, tp_group in groups.items():
-        layer = build_module(
-            get_gpt_layer_local_spec(),
-            config=_config(),
-            layer_number=1,
-            pg_collection=ProcessGroupCollection(tp=tp_group, cp=None, pp=None),
-        )
+        layer = _layer(get_gpt_layer_local_spec(), _config(), tp_group)
         tp = tp_group.size()
         held[mode] = {
             **_held_bytes(layer, torch.randn(SEQ, BATCH, HIDDEN), mask),
@@ -234,8 +257,7 @@ def _footprint_case(mesh: Grid2D | Cube3D) -> dict[str, dict[str, int]]:
             x = torch.randn(SEQ, BATCH // mesh.p**2, HIDDEN // mesh.p)
             params = parameter_bytes_3d(shape, mesh.p, mesh.j == mesh.l)
             activations = activation_bytes_3d(shape, mesh.p)
-    on_mesh = ProcessGroupCollection(tp=tp, cp=None, pp=None)
-    layer = build_module(spec, config=_config(), layer_number=1, pg_collection=on_mesh)
+    layer = _layer(spec, _config(), tp)
     held[mode] = {
         **_held_bytes(layer, x, mask),
         "formula parameters": params,
@@ -331,7 +353,6 @@ def _cube_param_block(name: str, full: Tensor, cube: Cube3D) -> Tensor:
 
 def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
     config = _config()
-    pg = ProcessGroupCollection
     torch.manual_seed(0)
     if part == "mlp":
         config.add_bias_linear = False  # megatron-core's MLP alone, as first built
@@ -353,24 +374,15 @@ def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
             cube.y_group,
         )
     else:
-        reference = build_module(
-            get_gpt_layer_local_spec(),
-            config=config,
-            layer_number=1,
-            pg_collection=pg(tp=parallel_state.get_tensor_model_parallel_group(), cp=None, pp=None),
-        )
-        _nonzero_vectors(reference)
-        with pytest.warns(UserWarning, match="experimental"):
-            spec = get_3d_layer_spec(cube)
-        twin = build_module(
-            spec, config=config, layer_number=1, pg_collection=pg(tp=cube.y_group, cp=None, pp=None)
-        )
-    full = dict(reference.named_parameters())
-    with torch.no_grad():
-        for name, p in twin.named_parameters():
-            p.copy_(_cube_param_block(name, full[name], cube))
+        reference, twin = _reference_and_twin(config, lambda: get_3d_layer_spec(cube), cube.y_group)
+    share = _Share(
+        lambda full: _cube_block(full, cube, "y"),
+        lambda name, full: _cube_param_block(name, full, cube),
+        cube.j == cube.l,
+    )
+    _load_blocks(twin, reference, share)
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
     g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
     mask = causal_mask(SEQ)
 
@@ -379,22 +391,7 @@ def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
             return module(inp)[0]
         return module(inp, attention_mask=mask)[0]
 
-    out = run(reference, x)
-    out.backward(g)
-    mine = _cube_block(x.detach(), cube, "y").clone().requires_grad_(True)
-    got = run(twin, mine)
-    got.backward(_cube_block(g, cube, "y"))
-    errors = {
-        "output": (got - _cube_block(out.detach(), cube, "y")).abs().max().item(),
-        "input grad": (mine.grad - _cube_block(x.grad, cube, "y")).abs().max().item(),
-    }
-    for name, p in twin.named_parameters():
-        errors[name] = (p.grad - _cube_param_block(name, full[name].grad, cube)).abs().max().item()
-    names = {name for name, _ in twin.named_parameters()}
-    diagonal = cube.j == cube.l
-    expected = set(full) if diagonal else {n for n, p in full.items() if p.dim() == 2}
-    assert names == expected, (cube.i, cube.j, cube.l, sorted(names ^ expected))
-    return errors
+    return _errors(reference, twin, share, run, x, g)
 
 
 def _cube_rank() -> dict[str, dict[str, Any]]:
