@@ -1,10 +1,5 @@
-"""What a test rank (``distributed_utils.run_distributed``) sets up of megatron-core around the
-layers it builds: its global state, a one-rank group, the causal mask its local attention takes.
-
-megatron-core's local attention reads ``parallel_state`` (its memory buffer) and the RNG tracker
-even when every group a layer uses is passed in, so ``megatron_state`` initialises both at one rank
-of TP, under the CPU patches, and destroys them after.
-"""
+"""What a test rank sets up of megatron-core around the layers it builds: its global state, a
+one-rank group, the causal mask its local attention takes."""
 
 from __future__ import annotations
 
@@ -19,11 +14,11 @@ import megatron_patches
 
 
 @contextlib.contextmanager
-def megatron_state() -> Iterator[None]:
-    """megatron-core's ``parallel_state`` at one rank of TP and its RNG tracker seeded (0), under
-    ``megatron_patches``; destroyed on leaving."""
+def megatron_state(tensor_model_parallel_size: int = 1) -> Iterator[None]:
+    """megatron-core's ``parallel_state`` and RNG tracker (seed 0), under ``megatron_patches``:
+    its local attention reads them (a memory buffer) even when every group is passed in."""
     with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         try:
             yield
@@ -37,6 +32,6 @@ def group_of_this_rank() -> dist.ProcessGroup:
 
 
 def causal_mask(seq: int) -> torch.Tensor:
-    """megatron-core's attention mask for causal attention, ``[1, 1, seq, seq]``, True masked out
-    (its default one is made on the GPU)."""
+    """megatron-core's causal attention mask, ``[1, 1, seq, seq]``, True masked out (its default
+    one is made on the GPU)."""
     return torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
