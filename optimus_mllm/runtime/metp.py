@@ -366,6 +366,19 @@ def _broadcast(shards: list[Tensor | None], owner: int, group: ProcessGroup) -> 
     return _InFlight(tensors, works)
 
 
+def _each_owners_shards(
+    first: Tensor, bias: Tensor | None, second: Tensor, group: ProcessGroup
+) -> Iterator[tuple[Tensor, Tensor | None, Tensor]]:
+    """Every group rank's (first, bias, second) shards in rank order, broadcast from it; the next
+    rank's broadcast is posted before the current shards are yielded, so it runs under their use."""
+    pending = _broadcast([first, second, bias], 0, group)
+    for owner in range(group.size()):
+        shards = pending.wait()
+        if owner < group.size() - 1:
+            pending = _broadcast([first, second, bias], owner + 1, group)
+        yield _with_bias(shards, bias is not None)
+
+
 class _MetpAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -380,12 +393,7 @@ class _MetpAttention(torch.autograd.Function):
         ring = _Ring(group, x.device)
         out = x.new_zeros((*x.shape[:-1], w_proj.shape[0]))
         contexts, lses = [], []
-        pending = _broadcast([w_qkv, w_proj, b_qkv], 0, group)
-        for owner in range(ring.size):
-            shards = pending.wait()
-            if owner < ring.size - 1:  # the next step's shards arrive under this one
-                pending = _broadcast([w_qkv, w_proj, b_qkv], owner + 1, group)
-            w_qkv_j, b_qkv_j, w_proj_j = _with_bias(shards, b_qkv is not None)
+        for w_qkv_j, b_qkv_j, w_proj_j in _each_owners_shards(w_qkv, b_qkv, w_proj, group):
             q, k, v = layout.split(torch.nn.functional.linear(x, w_qkv_j, b_qkv_j))
             attended, lse = _ring_attention_forward(q, k, v, ring, layout)
             del q, k, v
@@ -408,12 +416,8 @@ class _MetpAttention(torch.autograd.Function):
         grad_x = torch.zeros_like(rows)
         reducing: list[Any] = []  # the previous step's, waited on under this step's compute
         mine: list[Tensor] = []
-        pending = _broadcast([w_qkv, w_proj, b_qkv], 0, group)
-        for owner in range(ring.size):
-            shards = pending.wait()
-            if owner < ring.size - 1:
-                pending = _broadcast([w_qkv, w_proj, b_qkv], owner + 1, group)
-            w_qkv_j, b_qkv_j, w_proj_j = _with_bias(shards, b_qkv is not None)
+        owners_shards = _each_owners_shards(w_qkv, b_qkv, w_proj, group)
+        for owner, (w_qkv_j, b_qkv_j, w_proj_j) in enumerate(owners_shards):
             context = contexts[owner]
             grad_w_proj = grad_rows.t() @ context.view(-1, context.shape[-1])
             grad_attended = layout.heads((grad_rows @ w_proj_j).view_as(context))
