@@ -145,6 +145,19 @@ def _with_bias(shards: list[Tensor], has_bias: bool) -> tuple[Tensor, Tensor | N
     return first, shards[2] if has_bias else None, second
 
 
+def _each_ring_shards(
+    first: Tensor, bias: Tensor | None, second: Tensor, ring: _Ring
+) -> Iterator[tuple[Tensor, Tensor | None, Tensor]]:
+    """The (first, bias, second) shards of every ring rank in turn, this rank's first; the next
+    ones' receive is posted before the current ones are yielded and waited on after their use."""
+    shards = [first, second] if bias is None else [first, second, bias]
+    for step in range(ring.size):
+        pending = ring.shift(shards) if step < ring.size - 1 else None
+        yield _with_bias(shards, bias is not None)
+        if pending is not None:
+            shards = pending.wait()
+
+
 def _shard_grads(
     grad: Tensor, first: Tensor, rows: Tensor, grad_second: Tensor, has_bias: bool, grad_x: Tensor
 ) -> list[Tensor]:
@@ -173,17 +186,11 @@ class _MetpMLP(torch.autograd.Function):
         group: ProcessGroup,
         act: Activation,
     ) -> Tensor:
-        ring = _Ring(group, x.device)
-        shards = [w1, w2] if b1 is None else [w1, w2, b1]
         out = x.new_zeros((*x.shape[:-1], w2.shape[0]))
-        for step in range(ring.size):
-            pending = ring.shift(shards) if step < ring.size - 1 else None
-            w1_r, b1_r, w2_r = _with_bias(shards, b1 is not None)
+        for w1_r, b1_r, w2_r in _each_ring_shards(w1, b1, w2, _Ring(group, x.device)):
             tile = _fc1_act(x, w1_r, b1_r, act)
             out.view(-1, out.shape[-1]).addmm_(tile.view(-1, tile.shape[-1]), w2_r.t())
             del tile
-            if pending is not None:
-                shards = pending.wait()
         ctx.save_for_backward(x, w1, b1, w2)
         ctx.group, ctx.act = group, act
         return out
@@ -193,12 +200,9 @@ class _MetpMLP(torch.autograd.Function):
         x, w1, b1, w2 = ctx.saved_tensors
         ring = _Ring(ctx.group, x.device)
         rows, grad_rows = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
-        shards = [w1, w2] if b1 is None else [w1, w2, b1]
         grad_x = torch.zeros_like(rows)
         travelling: _InFlight | None = None  # the held shard's gradient, from its earlier visitors
-        for step in range(ring.size):
-            pending = ring.shift(shards) if step < ring.size - 1 else None
-            w1_r, b1_r, w2_r = _with_bias(shards, b1 is not None)
+        for w1_r, b1_r, w2_r in _each_ring_shards(w1, b1, w2, ring):
             with torch.enable_grad():  # f' from autograd on this tile only
                 pre = torch.nn.functional.linear(rows, w1_r, b1_r).detach().requires_grad_(True)
                 tile = ctx.act(pre)
@@ -211,8 +215,6 @@ class _MetpMLP(torch.autograd.Function):
                 grads = [g.add_(earlier) for g, earlier in zip(grads, travelling.wait())]
             # the gradients follow their shard; the p-th hop brings them home
             travelling = ring.shift(grads)
-            if pending is not None:
-                shards = pending.wait()
         return (grad_x.view_as(x), *_with_bias(travelling.wait(), b1 is not None), None, None)
 
 
