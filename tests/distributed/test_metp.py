@@ -42,7 +42,7 @@ from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
 from support.megatron_ranks import causal_mask, group_of_this_rank, megatron_state
-from support.tensor_accounting import LiveBytes
+from support.tensor_accounting import LiveBytes, held_bytes
 
 TOL = 1e-5
 STEPS, LR = 3, 0.05  # a layer's training steps against its one-rank twin
@@ -301,25 +301,11 @@ def _layer_case(
 
 
 def _layer_held(group: dist.ProcessGroup) -> LayerBytes:
-    """Bytes of a ``metp_layer_spec`` layer's parameters on this rank, and of what autograd saves
-    in its forward: each storage once, less the parameters."""
+    """What a ``metp_layer_spec`` layer holds on this rank (``held_bytes``)."""
     layer = build_layer(
         metp_layer_spec(group, AttnMaskType.causal), _layer_config(group.size(), False), group, 0
     )
-    skip = {param.untyped_storage().data_ptr() for param in layer.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    x = torch.randn(SEQ // group.size(), BATCH, HIDDEN, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, attention_mask=None)
-    return LayerBytes(
-        sum(p.numel() * p.element_size() for p in layer.parameters()), sum(saved.values())
-    )
+    return held_bytes(layer, torch.randn(SEQ // group.size(), BATCH, HIDDEN), None)
 
 
 def _rank() -> dict[str, Any]:

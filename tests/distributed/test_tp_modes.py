@@ -10,7 +10,7 @@ compare everything. One ``run_distributed`` does all cases: the ranks start once
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pytest
@@ -48,6 +48,7 @@ from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
 from support.megatron_ranks import causal_mask, megatron_state
+from support.tensor_accounting import held_bytes
 
 TOL = 1e-5
 SEQ, BATCH, HIDDEN, HEADS, FFN = 4, 4, 16, 8, 32
@@ -202,25 +203,6 @@ def _layer_case(grid: Grid2D, part: str) -> dict[str, float]:
     return _errors(reference, twin, share, run, x, g)
 
 
-def _held_bytes(layer: nn.Module, x: Tensor, mask: Tensor) -> dict[str, int]:
-    """Bytes of ``layer``'s parameters on this rank, and of what autograd saves during its
-    forward: each storage once, less the parameters and the mask."""
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    skip.add(mask.untyped_storage().data_ptr())
-    saved: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x.requires_grad_(True), attention_mask=mask)
-    parameters = sum(p.numel() * p.element_size() for p in layer.parameters())
-    return {"parameters": parameters, "activations": sum(saved.values())}
-
-
 def _footprint_1d(shape: LayerShape, mask: Tensor) -> dict[str, dict[str, int]]:
     """What each rank holds of megatron-core's layer on 1 rank and under 1D TP over all ranks,
     measured and by formula."""
@@ -234,7 +216,7 @@ def _footprint_1d(shape: LayerShape, mask: Tensor) -> dict[str, dict[str, int]]:
         layer = _layer(get_gpt_layer_local_spec(), _config(), tp_group)
         tp = tp_group.size()
         held[mode] = {
-            **_held_bytes(layer, torch.randn(SEQ, BATCH, HIDDEN), mask),
+            **asdict(held_bytes(layer, torch.randn(SEQ, BATCH, HIDDEN), mask)),
             "formula parameters": parameter_bytes_1d(shape, tp),
             "formula activations": activation_bytes_1d(shape, tp),
         }
@@ -259,7 +241,7 @@ def _footprint_case(mesh: Grid2D | Cube3D) -> dict[str, dict[str, int]]:
             activations = activation_bytes_3d(shape, mesh.p)
     layer = _layer(spec, _config(), tp)
     held[mode] = {
-        **_held_bytes(layer, x, mask),
+        **asdict(held_bytes(layer, x, mask)),
         "formula parameters": params,
         "formula activations": activations,
     }
