@@ -145,6 +145,32 @@ def _with_bias(shards: list[Tensor], has_bias: bool) -> tuple[Tensor, Tensor | N
     return first, shards[2] if has_bias else None, second
 
 
+def _each_ring_shards(
+    first: Tensor, bias: Tensor | None, second: Tensor, ring: _Ring
+) -> Iterator[tuple[Tensor, Tensor | None, Tensor]]:
+    """The (first, bias, second) shards of every ring rank in turn, this rank's first; the next
+    ones' receive is posted before the current ones are yielded and waited on after their use."""
+    shards = [first, second] if bias is None else [first, second, bias]
+    for step in range(ring.size):
+        pending = ring.shift(shards) if step < ring.size - 1 else None
+        yield _with_bias(shards, bias is not None)
+        if pending is not None:
+            shards = pending.wait()
+
+
+def _shard_grads(
+    grad: Tensor, first: Tensor, rows: Tensor, grad_second: Tensor, has_bias: bool, grad_x: Tensor
+) -> list[Tensor]:
+    """One shard's first-linear backward from ``grad``, the gradient of that linear's output: adds
+    the input gradient to ``grad_x`` and returns the shard's gradients in the order its shards are
+    sent, [first weight, second weight(, bias)] (``grad_second`` the second weight's)."""
+    grad_x.addmm_(grad, first)
+    grads = [grad.t() @ rows, grad_second]
+    if has_bias:
+        grads.append(grad.sum(0))
+    return grads
+
+
 def _fc1_act(x: Tensor, w1: Tensor, b1: Tensor | None, act: Activation) -> Tensor:
     return act(torch.nn.functional.linear(x, w1, b1))
 
@@ -160,17 +186,11 @@ class _MetpMLP(torch.autograd.Function):
         group: ProcessGroup,
         act: Activation,
     ) -> Tensor:
-        ring = _Ring(group, x.device)
-        shards = [w1, w2] if b1 is None else [w1, w2, b1]
         out = x.new_zeros((*x.shape[:-1], w2.shape[0]))
-        for step in range(ring.size):
-            pending = ring.shift(shards) if step < ring.size - 1 else None
-            w1_r, b1_r, w2_r = _with_bias(shards, b1 is not None)
+        for w1_r, b1_r, w2_r in _each_ring_shards(w1, b1, w2, _Ring(group, x.device)):
             tile = _fc1_act(x, w1_r, b1_r, act)
             out.view(-1, out.shape[-1]).addmm_(tile.view(-1, tile.shape[-1]), w2_r.t())
             del tile
-            if pending is not None:
-                shards = pending.wait()
         ctx.save_for_backward(x, w1, b1, w2)
         ctx.group, ctx.act = group, act
         return out
@@ -180,32 +200,22 @@ class _MetpMLP(torch.autograd.Function):
         x, w1, b1, w2 = ctx.saved_tensors
         ring = _Ring(ctx.group, x.device)
         rows, grad_rows = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
-        shards = [w1, w2] if b1 is None else [w1, w2, b1]
         grad_x = torch.zeros_like(rows)
         travelling: _InFlight | None = None  # the held shard's gradient, from its earlier visitors
-        for step in range(ring.size):
-            pending = ring.shift(shards) if step < ring.size - 1 else None
-            w1_r, b1_r, w2_r = _with_bias(shards, b1 is not None)
+        for w1_r, b1_r, w2_r in _each_ring_shards(w1, b1, w2, ring):
             with torch.enable_grad():  # f' from autograd on this tile only
                 pre = torch.nn.functional.linear(rows, w1_r, b1_r).detach().requires_grad_(True)
                 tile = ctx.act(pre)
-            grads = [None, grad_rows.t() @ tile.detach()]
+            grad_w2 = grad_rows.t() @ tile.detach()
             (grad_pre,) = torch.autograd.grad(tile, pre, grad_rows @ w2_r)
             del tile, pre
-            grad_x.addmm_(grad_pre, w1_r)
-            grads[0] = grad_pre.t() @ rows
-            if b1_r is not None:
-                grads.append(grad_pre.sum(0))
+            grads = _shard_grads(grad_pre, w1_r, rows, grad_w2, b1 is not None, grad_x)
             del grad_pre
             if travelling is not None:
                 grads = [g.add_(earlier) for g, earlier in zip(grads, travelling.wait())]
             # the gradients follow their shard; the p-th hop brings them home
             travelling = ring.shift(grads)
-            if pending is not None:
-                shards = pending.wait()
-        grads = travelling.wait()
-        grad_b1 = grads[2] if b1 is not None else None
-        return grad_x.view_as(x), grads[0], grad_b1, grads[1], None, None
+        return (grad_x.view_as(x), *_with_bias(travelling.wait(), b1 is not None), None, None)
 
 
 def metp_mlp(
@@ -358,6 +368,19 @@ def _broadcast(shards: list[Tensor | None], owner: int, group: ProcessGroup) -> 
     return _InFlight(tensors, works)
 
 
+def _each_owners_shards(
+    first: Tensor, bias: Tensor | None, second: Tensor, group: ProcessGroup
+) -> Iterator[tuple[Tensor, Tensor | None, Tensor]]:
+    """Every group rank's (first, bias, second) shards in rank order, broadcast from it; the next
+    rank's broadcast is posted before the current shards are yielded, so it runs under their use."""
+    pending = _broadcast([first, second, bias], 0, group)
+    for owner in range(group.size()):
+        shards = pending.wait()
+        if owner < group.size() - 1:
+            pending = _broadcast([first, second, bias], owner + 1, group)
+        yield _with_bias(shards, bias is not None)
+
+
 class _MetpAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -372,12 +395,7 @@ class _MetpAttention(torch.autograd.Function):
         ring = _Ring(group, x.device)
         out = x.new_zeros((*x.shape[:-1], w_proj.shape[0]))
         contexts, lses = [], []
-        pending = _broadcast([w_qkv, w_proj, b_qkv], 0, group)
-        for owner in range(ring.size):
-            shards = pending.wait()
-            if owner < ring.size - 1:  # the next step's shards arrive under this one
-                pending = _broadcast([w_qkv, w_proj, b_qkv], owner + 1, group)
-            w_qkv_j, b_qkv_j, w_proj_j = _with_bias(shards, b_qkv is not None)
+        for w_qkv_j, b_qkv_j, w_proj_j in _each_owners_shards(w_qkv, b_qkv, w_proj, group):
             q, k, v = layout.split(torch.nn.functional.linear(x, w_qkv_j, b_qkv_j))
             attended, lse = _ring_attention_forward(q, k, v, ring, layout)
             del q, k, v
@@ -400,12 +418,8 @@ class _MetpAttention(torch.autograd.Function):
         grad_x = torch.zeros_like(rows)
         reducing: list[Any] = []  # the previous step's, waited on under this step's compute
         mine: list[Tensor] = []
-        pending = _broadcast([w_qkv, w_proj, b_qkv], 0, group)
-        for owner in range(ring.size):
-            shards = pending.wait()
-            if owner < ring.size - 1:
-                pending = _broadcast([w_qkv, w_proj, b_qkv], owner + 1, group)
-            w_qkv_j, b_qkv_j, w_proj_j = _with_bias(shards, b_qkv is not None)
+        owners_shards = _each_owners_shards(w_qkv, b_qkv, w_proj, group)
+        for owner, (w_qkv_j, b_qkv_j, w_proj_j) in enumerate(owners_shards):
             context = contexts[owner]
             grad_w_proj = grad_rows.t() @ context.view(-1, context.shape[-1])
             grad_attended = layout.heads((grad_rows @ w_proj_j).view_as(context))
@@ -416,10 +430,7 @@ class _MetpAttention(torch.autograd.Function):
             del q, k, v, grad_attended
             grad_qkv = layout.join(dq, dk, dv).view(-1, w_qkv_j.shape[0])
             del dq, dk, dv
-            grad_x.addmm_(grad_qkv, w_qkv_j)
-            grads = [grad_qkv.t() @ rows, grad_w_proj]
-            if b_qkv is not None:
-                grads.append(grad_qkv.sum(0))
+            grads = _shard_grads(grad_qkv, w_qkv_j, rows, grad_w_proj, b_qkv is not None, grad_x)
             for work in reducing:
                 work.wait()
             dst = dist.get_global_rank(group, owner)
@@ -428,8 +439,7 @@ class _MetpAttention(torch.autograd.Function):
                 mine = grads
         for work in reducing:
             work.wait()
-        grad_b_qkv = mine[2] if b_qkv is not None else None
-        return grad_x.view_as(x), mine[0], grad_b_qkv, mine[1], None, None
+        return (grad_x.view_as(x), *_with_bias(mine, b_qkv is not None), None, None)
 
 
 def metp_attention(

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -30,7 +30,6 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from torch.utils.flop_counter import FlopCounterMode
 
-import megatron_patches
 from optimus_mllm.config import EncoderConfig, config_from_dict
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.params import encoder_params, projector_params
@@ -46,6 +45,7 @@ from optimus_mllm.runtime.layer_ops import (
 from optimus_mllm.runtime.vit import EncoderStage
 
 from support.distributed_utils import run_distributed
+from support.megatron_ranks import causal_mask, megatron_state
 from support.paths import CONFIGS
 
 SEQ, BATCH = 6, 2
@@ -111,7 +111,7 @@ def _compare(
 
     leaf = x.clone().requires_grad_(True)
     # megatron-core makes its default causal mask on the GPU: pass it (True: masked out)
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None] if causal else None
+    mask = causal_mask(SEQ) if causal else None
     out, _ = layer(leaf, attention_mask=mask)
     out.backward(g)
     expected = {"output": out.detach(), "input grad": leaf.grad}
@@ -146,11 +146,8 @@ def _compare(
 @pytest.fixture(scope="module")
 def one_rank() -> Iterator[dist.ProcessGroup]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    with megatron_state():
         yield dist.group.WORLD
-        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
@@ -167,25 +164,20 @@ def test_steps_compute_the_layers_own_forward(
 
 
 def _tp2_rank() -> dict[str, dict[str, float]]:
-    with megatron_patches.patched():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    with megatron_state(tensor_model_parallel_size=2):
         group = parallel_state.get_tensor_model_parallel_group()
-        try:
-            errors = {
-                f"{variant}{' in pieces' * pieces}": _compare(variant, False, group, pieces)
-                for variant in VARIANTS
-                for pieces in (False, True)
-            }
-            return {
-                **errors,
-                **{
-                    f"{subtype} vision model + projector": _clip_comparison(group, subtype)
-                    for subtype in SUBTYPES
-                },
-            }
-        finally:
-            parallel_state.destroy_model_parallel()
+        errors = {
+            f"{variant}{' in pieces' * pieces}": _compare(variant, False, group, pieces)
+            for variant in VARIANTS
+            for pieces in (False, True)
+        }
+        return {
+            **errors,
+            **{
+                f"{subtype} vision model + projector": _clip_comparison(group, subtype)
+                for subtype in SUBTYPES
+            },
+        }
 
 
 @pytest.mark.distributed

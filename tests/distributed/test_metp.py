@@ -19,11 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
-import megatron_patches
 from optimus_mllm.config import TransformerSpec
 from optimus_mllm.metp_memory import (
     metp_attention_forward_bound,
@@ -43,7 +41,8 @@ from optimus_mllm.runtime.metp import HeadLayout, metp_attention, metp_layer_spe
 from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
-from support.tensor_accounting import LiveBytes
+from support.megatron_ranks import causal_mask, group_of_this_rank, megatron_state
+from support.tensor_accounting import LiveBytes, held_bytes
 
 TOL = 1e-5
 STEPS, LR = 3, 0.05  # a layer's training steps against its one-rank twin
@@ -269,7 +268,7 @@ def _layer_case(
             param.copy_(_tp_shard(name, full[name], param, gated))
 
     x, grad = _weights({"x": (SEQ, BATCH, HIDDEN), "g": (SEQ, BATCH, HIDDEN)}, seed=9).values()
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None] if causal else None
+    mask = causal_mask(SEQ) if causal else None
     errors: dict[str, float] = {}
     for step in range(STEPS):  # then SGD on both: the losses stay the same
         leaf = x.clone().requires_grad_(True)
@@ -302,25 +301,11 @@ def _layer_case(
 
 
 def _layer_held(group: dist.ProcessGroup) -> LayerBytes:
-    """Bytes of a ``metp_layer_spec`` layer's parameters on this rank, and of what autograd saves
-    in its forward: each storage once, less the parameters."""
+    """What a ``metp_layer_spec`` layer holds on this rank (``held_bytes``)."""
     layer = build_layer(
         metp_layer_spec(group, AttnMaskType.causal), _layer_config(group.size(), False), group, 0
     )
-    skip = {param.untyped_storage().data_ptr() for param in layer.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    x = torch.randn(SEQ // group.size(), BATCH, HIDDEN, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, attention_mask=None)
-    return LayerBytes(
-        sum(p.numel() * p.element_size() for p in layer.parameters()), sum(saved.values())
-    )
+    return held_bytes(layer, torch.randn(SEQ // group.size(), BATCH, HIDDEN), None)
 
 
 def _rank() -> dict[str, Any]:
@@ -334,17 +319,12 @@ def _rank() -> dict[str, Any]:
             errors[f"attention {kind} {'causal' if causal else 'bidirectional'}"] = _attention_case(
                 group, kind, causal
             )
-    alone = [dist.new_group([r]) for r in range(group.size())][group.rank()]
-    with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()  # the local attention's memory buffer, RNG
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        try:
-            for causal, gated in ((False, False), (True, False), (True, True)):
-                name = f"layer {'causal' if causal else 'bidirectional'}{' gated' * gated}"
-                errors[name] = _layer_case(group, alone, causal, gated)
-            held = _layer_held(group)
-        finally:
-            parallel_state.destroy_model_parallel()
+    alone = group_of_this_rank()
+    with megatron_state():
+        for causal, gated in ((False, False), (True, False), (True, True)):
+            name = f"layer {'causal' if causal else 'bidirectional'}{' gated' * gated}"
+            errors[name] = _layer_case(group, alone, causal, gated)
+        held = _layer_held(group)
     return {"errors": errors, "memory": memory, "layer": held}
 
 

@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -36,7 +35,6 @@ from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipeli
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-import megatron_patches
 from optimus_mllm.config import TPMode
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.runtime.llm import unfused_settings
@@ -48,6 +46,7 @@ from optimus_mllm.runtime.tp_modes.model import (
 )
 
 from support.distributed_utils import run_distributed
+from support.megatron_ranks import group_of_this_rank, megatron_state
 
 REL = 1e-5
 STEPS, LR, SEED = 3, 0.5, 7
@@ -145,15 +144,10 @@ def _refusal(world: int) -> str:
 def _rank(modes: tuple[TPMode, ...]) -> dict[str, Any]:
     warnings.simplefilter("ignore")  # the modes' "experimental" warnings, on every rank
     world = dist.get_world_size()
-    alone = [dist.new_group([rank]) for rank in range(world)][dist.get_rank()]
-    with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        try:
-            trained = {mode: _train(_groups(mode), alone) for mode in ("1d", *modes)}
-            return {"trained": trained, "refusal": _refusal(world) if "metp" in modes else None}
-        finally:
-            parallel_state.destroy_model_parallel()
+    alone = group_of_this_rank()
+    with megatron_state():
+        trained = {mode: _train(_groups(mode), alone) for mode in ("1d", *modes)}
+        return {"trained": trained, "refusal": _refusal(world) if "metp" in modes else None}
 
 
 @pytest.mark.distributed

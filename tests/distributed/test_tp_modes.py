@@ -9,12 +9,14 @@ compare everything. One ``run_distributed`` does all cases: the ranks start once
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -23,8 +25,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
-import megatron_patches
 from optimus_mllm.config import TPMode, TransformerSpec
+from optimus_mllm.runtime.llm import unfused_settings
 from optimus_mllm.runtime.tp_modes.groups import (
     Cube3D,
     Grid2D,
@@ -45,6 +47,8 @@ from optimus_mllm.tp_footprint import (
 from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
+from support.megatron_ranks import causal_mask, megatron_state
+from support.tensor_accounting import held_bytes
 
 TOL = 1e-5
 SEQ, BATCH, HIDDEN, HEADS, FFN = 4, 4, 16, 8, 32
@@ -62,11 +66,7 @@ def _config() -> TransformerConfig:
         use_cpu_initialization=True,
         pipeline_dtype=torch.float32,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
+        **unfused_settings(),
     )
 
 
@@ -85,34 +85,53 @@ def _param_block(full: Tensor, grid: Grid2D) -> Tensor:
     return full.tensor_split(grid.q)[grid.column]
 
 
-def _load_blocks(grid_module: nn.Module, reference: nn.Module, grid: Grid2D) -> None:
+@dataclass(frozen=True)
+class _Share:
+    """What one rank of a grid or a cube holds of the 1-rank reference's tensors."""
+
+    activation: Callable[[Tensor], Tensor]
+    parameter: Callable[[str, Tensor], Tensor]  # of the parameter's name and value
+    hosts_vectors: bool  # whether the rank holds vector parameters (a host of theirs)
+
+
+def _grid_share(grid: Grid2D, dims: tuple[int, int]) -> _Share:
+    """Rank (i, j)'s share: block (i, j) of an activation split along ``dims`` (the token dim, the
+    hidden dim), ``_param_block`` of a parameter, the vectors on row 0."""
+    return _Share(
+        lambda full: _block(full, grid, dims),
+        lambda _, full: _param_block(full, grid),
+        grid.row == 0,
+    )
+
+
+def _load_blocks(twin: nn.Module, reference: nn.Module, share: _Share) -> None:
     full = dict(reference.named_parameters())
     with torch.no_grad():
-        for name, p in grid_module.named_parameters():
-            p.copy_(_param_block(full[name], grid))
+        for name, p in twin.named_parameters():
+            p.copy_(share.parameter(name, full[name]))
 
 
 def _errors(
-    reference: nn.Module, twin: nn.Module, grid: Grid2D, run: Any, x: Tensor, g: Tensor
+    reference: nn.Module, twin: nn.Module, share: _Share, run: Any, x: Tensor, g: Tensor
 ) -> dict[str, float]:
     """Largest differences of this rank's blocks: output, input gradient, each weight gradient."""
-    dims = (1, 2) if x.dim() == 3 else (0, 1)  # [s, b, h]: b and h; [tokens, h]
     leaf = x.clone().requires_grad_(True)
     out = run(reference, leaf)
     out.backward(g)
-    mine = _block(leaf.detach(), grid, dims).clone().requires_grad_(True)
+    mine = share.activation(leaf.detach()).clone().requires_grad_(True)
     got = run(twin, mine)
-    got.backward(_block(g, grid, dims))
+    got.backward(share.activation(g))
     errors = {
-        "output": (got - _block(out.detach(), grid, dims)).abs().max().item(),
-        "input grad": (mine.grad - _block(leaf.grad, grid, dims)).abs().max().item(),
+        "output": (got - share.activation(out.detach())).abs().max().item(),
+        "input grad": (mine.grad - share.activation(leaf.grad)).abs().max().item(),
     }
     full = dict(reference.named_parameters())
     for name, p in twin.named_parameters():
-        errors[name] = (p.grad - _param_block(full[name].grad, grid)).abs().max().item()
+        errors[name] = (p.grad - share.parameter(name, full[name].grad)).abs().max().item()
     names = {name for name, _ in twin.named_parameters()}
-    expected = set(full) if grid.row == 0 else {n for n, p in full.items() if p.dim() == 2}
-    assert names == expected, (grid.row, sorted(names ^ expected))
+    vectors = share.hosts_vectors
+    expected = set(full) if vectors else {n for n, p in full.items() if p.dim() == 2}
+    assert names == expected, (vectors, sorted(names ^ expected))
     return errors
 
 
@@ -130,7 +149,8 @@ def _linear_case(grid: Grid2D) -> dict[str, float]:
     torch.manual_seed(0)
     reference = nn.Linear(HIDDEN, FFN)
     twin = Linear2D(HIDDEN, FFN, config=config, init_method=config.init_method, grid=grid)
-    _load_blocks(twin, reference, grid)
+    share = _grid_share(grid, (0, 1))  # [tokens, h]
+    _load_blocks(twin, reference, share)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(SEQ * BATCH, HIDDEN, generator=gen)
     g = torch.randn(SEQ * BATCH, FFN, generator=gen)
@@ -139,32 +159,40 @@ def _linear_case(grid: Grid2D) -> dict[str, float]:
         out = module(inp)
         return out[0] if isinstance(out, tuple) else out
 
-    return _errors(reference, twin, grid, run, x, g)
+    return _errors(reference, twin, share, run, x, g)
+
+
+def _layer(spec: ModuleSpec, config: TransformerConfig, tp: dist.ProcessGroup) -> nn.Module:
+    """A ``TransformerLayer`` of ``spec`` with ``tp`` its TP group."""
+    pg_collection = ProcessGroupCollection(tp=tp, cp=None, pp=None)
+    return build_module(spec, config=config, layer_number=1, pg_collection=pg_collection)
+
+
+def _reference_and_twin(
+    config: TransformerConfig, twin_spec: Callable[[], ModuleSpec], tp: dist.ProcessGroup
+) -> tuple[nn.Module, nn.Module]:
+    """megatron-core's local GPT layer on one rank, its vectors made nonzero, and its twin."""
+    one_rank = parallel_state.get_tensor_model_parallel_group()
+    reference = _layer(get_gpt_layer_local_spec(), config, one_rank)
+    _nonzero_vectors(reference)
+    with pytest.warns(UserWarning, match="experimental"):
+        spec = twin_spec()
+    return reference, _layer(spec, config, tp)
 
 
 def _layer_case(grid: Grid2D, part: str) -> dict[str, float]:
     """megatron-core's ``TransformerLayer`` (``part="layer"``) or its MLP (``"mlp"``)."""
     config = _config()
-    one_rank = ProcessGroupCollection(
-        tp=parallel_state.get_tensor_model_parallel_group(), cp=None, pp=None
-    )
-    on_grid = ProcessGroupCollection(tp=grid.row_group, cp=None, pp=None)
     torch.manual_seed(0)
-    reference = build_module(
-        get_gpt_layer_local_spec(), config=config, layer_number=1, pg_collection=one_rank
-    )
-    _nonzero_vectors(reference)
-    with pytest.warns(UserWarning, match="experimental"):
-        spec = get_2d_layer_spec(grid)
-    twin = build_module(spec, config=config, layer_number=1, pg_collection=on_grid)
+    reference, twin = _reference_and_twin(config, lambda: get_2d_layer_spec(grid), grid.row_group)
     if part == "mlp":
         reference, twin = reference.mlp, twin.mlp
-    _load_blocks(twin, reference, grid)
+    share = _grid_share(grid, (1, 2))  # [s, b, h]: b and h
+    _load_blocks(twin, reference, share)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
     g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    # megatron-core makes its default causal mask on the GPU: pass it (True: masked out)
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    mask = causal_mask(SEQ)
 
     def run(module: nn.Module, inp: Tensor) -> Tensor:
         if part == "mlp":  # megatron-core's MLP returns (output, bias): the sum the layer adds
@@ -172,26 +200,7 @@ def _layer_case(grid: Grid2D, part: str) -> dict[str, float]:
             return out + bias
         return module(inp, attention_mask=mask)[0]
 
-    return _errors(reference, twin, grid, run, x, g)
-
-
-def _held_bytes(layer: nn.Module, x: Tensor, mask: Tensor) -> dict[str, int]:
-    """Bytes of ``layer``'s parameters on this rank, and of what autograd saves during its
-    forward: each storage once, less the parameters and the mask."""
-    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    skip.add(mask.untyped_storage().data_ptr())
-    saved: dict[int, int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x.requires_grad_(True), attention_mask=mask)
-    parameters = sum(p.numel() * p.element_size() for p in layer.parameters())
-    return {"parameters": parameters, "activations": sum(saved.values())}
+    return _errors(reference, twin, share, run, x, g)
 
 
 def _footprint_1d(shape: LayerShape, mask: Tensor) -> dict[str, dict[str, int]]:
@@ -204,15 +213,10 @@ def _footprint_1d(shape: LayerShape, mask: Tensor) -> dict[str, dict[str, int]]:
     }
     held = {}
     for mode, tp_group in groups.items():
-        layer = build_module(
-            get_gpt_layer_local_spec(),
-            config=_config(),
-            layer_number=1,
-            pg_collection=ProcessGroupCollection(tp=tp_group, cp=None, pp=None),
-        )
+        layer = _layer(get_gpt_layer_local_spec(), _config(), tp_group)
         tp = tp_group.size()
         held[mode] = {
-            **_held_bytes(layer, torch.randn(SEQ, BATCH, HIDDEN), mask),
+            **asdict(held_bytes(layer, torch.randn(SEQ, BATCH, HIDDEN), mask)),
             "formula parameters": parameter_bytes_1d(shape, tp),
             "formula activations": activation_bytes_1d(shape, tp),
         }
@@ -222,7 +226,7 @@ def _footprint_1d(shape: LayerShape, mask: Tensor) -> dict[str, dict[str, int]]:
 def _footprint_case(mesh: Grid2D | Cube3D) -> dict[str, dict[str, int]]:
     """What each rank holds under 1 rank, 1D TP over all ranks and 2D or 3D on ``mesh``."""
     shape = LayerShape(seq=SEQ, batch=BATCH, hidden=HIDDEN, heads=HEADS, ffn=FFN)
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    mask = causal_mask(SEQ)
     held = _footprint_1d(shape, mask)
     with pytest.warns(UserWarning, match="experimental"):
         if isinstance(mesh, Grid2D):
@@ -235,10 +239,9 @@ def _footprint_case(mesh: Grid2D | Cube3D) -> dict[str, dict[str, int]]:
             x = torch.randn(SEQ, BATCH // mesh.p**2, HIDDEN // mesh.p)
             params = parameter_bytes_3d(shape, mesh.p, mesh.j == mesh.l)
             activations = activation_bytes_3d(shape, mesh.p)
-    on_mesh = ProcessGroupCollection(tp=tp, cp=None, pp=None)
-    layer = build_module(spec, config=_config(), layer_number=1, pg_collection=on_mesh)
+    layer = _layer(spec, _config(), tp)
     held[mode] = {
-        **_held_bytes(layer, x, mask),
+        **asdict(held_bytes(layer, x, mask)),
         "formula parameters": params,
         "formula activations": activations,
     }
@@ -275,32 +278,33 @@ def _check_memory_model(
         assert layer_bytes(spec, held_mode, world, BATCH, 4) == fullest, (held_name, fullest)
 
 
+def _check_ranks(results: list[dict[str, Any]], name: str, mode: TPMode) -> None:
+    """Every rank's cases within ``TOL`` and its footprint (``name``) as the formulas and the
+    memory model say."""
+    footprints = []
+    for rank, cases in enumerate(results):
+        footprints.append(cases.pop("footprint"))
+        _check_footprint(rank, footprints[-1], name)
+        for case, errors in cases.items():
+            assert max(errors.values()) <= TOL, (rank, case, errors)
+    _check_memory_model(footprints, name, mode)
+
+
 def _grid_rank() -> dict[str, dict[str, Any]]:
-    with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        try:
-            grid = build_grid_groups(tuple(range(dist.get_world_size())))
-            assert grid is not None
-            return {
-                "linear": _linear_case(grid),
-                "mlp": _layer_case(grid, "mlp"),
-                "attention + mlp layer": _layer_case(grid, "layer"),
-                "footprint": _footprint_case(grid),
-            }
-        finally:
-            parallel_state.destroy_model_parallel()
+    with megatron_state():
+        grid = build_grid_groups(tuple(range(dist.get_world_size())))
+        assert grid is not None
+        return {
+            "linear": _linear_case(grid),
+            "mlp": _layer_case(grid, "mlp"),
+            "attention + mlp layer": _layer_case(grid, "layer"),
+            "footprint": _footprint_case(grid),
+        }
 
 
 @pytest.mark.distributed
 def test_2d_on_a_2x2_grid_equals_one_rank() -> None:
-    footprints = []
-    for rank, cases in enumerate(run_distributed(_grid_rank, 4, timeout=120.0)):
-        footprints.append(cases.pop("footprint"))
-        _check_footprint(rank, footprints[-1], "2D 2x2")
-        for case, errors in cases.items():
-            assert max(errors.values()) <= TOL, (rank, case, errors)
-    _check_memory_model(footprints, "2D 2x2", "2d")
+    _check_ranks(run_distributed(_grid_rank, 4, timeout=120.0), "2D 2x2", "2d")
 
 
 # 3D on a 2 x 2 x 2 cube: megatron-core's MLP without biases, and its attention + MLP layer
@@ -331,7 +335,6 @@ def _cube_param_block(name: str, full: Tensor, cube: Cube3D) -> Tensor:
 
 def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
     config = _config()
-    pg = ProcessGroupCollection
     torch.manual_seed(0)
     if part == "mlp":
         config.add_bias_linear = False  # megatron-core's MLP alone, as first built
@@ -353,72 +356,37 @@ def _cube_case(cube: Cube3D, part: str) -> dict[str, float]:
             cube.y_group,
         )
     else:
-        reference = build_module(
-            get_gpt_layer_local_spec(),
-            config=config,
-            layer_number=1,
-            pg_collection=pg(tp=parallel_state.get_tensor_model_parallel_group(), cp=None, pp=None),
-        )
-        _nonzero_vectors(reference)
-        with pytest.warns(UserWarning, match="experimental"):
-            spec = get_3d_layer_spec(cube)
-        twin = build_module(
-            spec, config=config, layer_number=1, pg_collection=pg(tp=cube.y_group, cp=None, pp=None)
-        )
-    full = dict(reference.named_parameters())
-    with torch.no_grad():
-        for name, p in twin.named_parameters():
-            p.copy_(_cube_param_block(name, full[name], cube))
+        reference, twin = _reference_and_twin(config, lambda: get_3d_layer_spec(cube), cube.y_group)
+    share = _Share(
+        lambda full: _cube_block(full, cube, "y"),
+        lambda name, full: _cube_param_block(name, full, cube),
+        cube.j == cube.l,
+    )
+    _load_blocks(twin, reference, share)
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
     g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    mask = causal_mask(SEQ)
 
     def run(module: nn.Module, inp: Tensor) -> Tensor:
         if part == "mlp":
             return module(inp)[0]
         return module(inp, attention_mask=mask)[0]
 
-    out = run(reference, x)
-    out.backward(g)
-    mine = _cube_block(x.detach(), cube, "y").clone().requires_grad_(True)
-    got = run(twin, mine)
-    got.backward(_cube_block(g, cube, "y"))
-    errors = {
-        "output": (got - _cube_block(out.detach(), cube, "y")).abs().max().item(),
-        "input grad": (mine.grad - _cube_block(x.grad, cube, "y")).abs().max().item(),
-    }
-    for name, p in twin.named_parameters():
-        errors[name] = (p.grad - _cube_param_block(name, full[name].grad, cube)).abs().max().item()
-    names = {name for name, _ in twin.named_parameters()}
-    diagonal = cube.j == cube.l
-    expected = set(full) if diagonal else {n for n, p in full.items() if p.dim() == 2}
-    assert names == expected, (cube.i, cube.j, cube.l, sorted(names ^ expected))
-    return errors
+    return _errors(reference, twin, share, run, x, g)
 
 
 def _cube_rank() -> dict[str, dict[str, Any]]:
-    with megatron_patches.patched():
-        parallel_state.initialize_model_parallel()  # the local attention's memory buffer and RNG
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        try:
-            cube = build_cube_groups(tuple(range(dist.get_world_size())))
-            assert cube is not None
-            return {
-                "mlp": _cube_case(cube, "mlp"),
-                "attention + mlp layer": _cube_case(cube, "layer"),
-                "footprint": _footprint_case(cube),
-            }
-        finally:
-            parallel_state.destroy_model_parallel()
+    with megatron_state():
+        cube = build_cube_groups(tuple(range(dist.get_world_size())))
+        assert cube is not None
+        return {
+            "mlp": _cube_case(cube, "mlp"),
+            "attention + mlp layer": _cube_case(cube, "layer"),
+            "footprint": _footprint_case(cube),
+        }
 
 
 @pytest.mark.distributed
 def test_3d_on_a_2x2x2_cube_equals_one_rank() -> None:
-    footprints = []
-    for rank, cases in enumerate(run_distributed(_cube_rank, 8, timeout=120.0)):
-        footprints.append(cases.pop("footprint"))
-        _check_footprint(rank, footprints[-1], "3D 2x2x2")
-        for case, errors in cases.items():
-            assert max(errors.values()) <= TOL, (rank, case, errors)
-    _check_memory_model(footprints, "3D 2x2x2", "3d")
+    _check_ranks(run_distributed(_cube_rank, 8, timeout=120.0), "3D 2x2x2", "3d")

@@ -9,6 +9,8 @@
 - ``layers_3d``: the 3D paper's load-balanced linear layer (its Algorithms 1-2), the diagonal
   hosting of vectors (Algorithms 7-8), its layer norm, and the ``TransformerLayer`` spec.
 
+- ``linear_args``: megatron-core's linear constructor keywords, which the 2D and 3D linears take,
+  and the refusal of those they do not build.
 - ``params``: how the 2D and 3D layers' blocks are initialised and marked for megatron-core's
   optimizer (each held by one rank).
 - ``model``: a whole model (input projection, ``TransformerBlock``, classification head) in any

@@ -35,6 +35,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -43,6 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
 from optimus_mllm.runtime.tp_modes.groups import Grid2D
+from optimus_mllm.runtime.tp_modes.linear_args import linear_args
 from optimus_mllm.runtime.tp_modes.params import init_block, mark_held_once
 from optimus_mllm.runtime.tp_modes.summa import FromRowZero, RowStatsNorm, SummaLinear
 
@@ -71,7 +73,7 @@ def _from_row_zero(vector: Tensor | None, block: int, grid: Grid2D, dtype: torch
 
 
 class Linear2D(nn.Module):
-    """A linear layer on a q x q grid, with megatron-core's linear constructor arguments.
+    """A linear layer on a q x q grid, taking megatron-core's linear keywords (``linear_args``).
 
     Input ``[..., in/q]`` holding this rank's block of tokens; output ``[..., out/q]``; returns
     ``(output, bias)`` as megatron-core's linears do (``bias`` is this column's block when
@@ -86,23 +88,12 @@ class Linear2D(nn.Module):
         config: TransformerConfig,
         init_method: Callable[[Tensor], None],
         grid: Grid2D,
-        bias: bool = True,
-        skip_bias_add: bool = False,
-        gather_output: bool = False,
-        input_is_parallel: bool = True,
-        stride: int = 1,
-        is_expert: bool = False,
-        tp_comm_buffer_name: str | None = None,  # megatron-core's; no buffers here
-        tp_group: object = None,  # megatron-core's 1D group; the grid replaces it
+        **megatron_args: Any,
     ) -> None:
         super().__init__()
-        if gather_output or not input_is_parallel or stride != 1 or is_expert:
-            raise ValueError(
-                "Linear2D: gather_output, unpartitioned input, stride > 1 and experts are not"
-                " supported in 2D tensor parallelism"
-            )
+        args = linear_args("Linear2D", "2D", megatron_args)
         self.grid = grid
-        self.skip_bias_add = skip_bias_add
+        self.skip_bias_add = args.skip_bias_add
         rows = _block(output_size, grid, "output size")
         columns = _block(input_size, grid, "input size")
         self.weight = mark_held_once(
@@ -111,8 +102,8 @@ class Linear2D(nn.Module):
         # block (j, i) of megatron-core's [out, in] weight
         blocks = ((grid.q, grid.column), (grid.q, grid.row))
         init_block(self.weight, (output_size, input_size), blocks, config, init_method)
-        self.has_bias = bias
-        self.bias = _row_zero_parameter(rows, 0.0, grid, config.params_dtype) if bias else None
+        self.has_bias = args.bias
+        self.bias = _row_zero_parameter(rows, 0.0, grid, config.params_dtype) if args.bias else None
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         tokens = x.reshape(-1, x.shape[-1])

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from optimus_mllm.runtime.layer_ops import all_gather, reduce_scatter
 from optimus_mllm.runtime.tp_modes.groups import Cube3D
+from optimus_mllm.runtime.tp_modes.linear_args import linear_args
 from optimus_mllm.runtime.tp_modes.params import init_block, mark_held_once
 from optimus_mllm.runtime.tp_modes.summa import RowStatsNorm
 
@@ -133,7 +134,7 @@ class CubeLinear(torch.autograd.Function):
 
 
 class Linear3D(nn.Module):
-    """A linear layer on a p x p x p cube, with megatron-core's linear constructor arguments;
+    """A linear layer on a p x p x p cube, taking megatron-core's linear keywords (``linear_args``);
     ``input_direction`` is ``"y"`` for the first linear of a block, ``"z"`` for the second."""
 
     def __init__(
@@ -145,21 +146,10 @@ class Linear3D(nn.Module):
         init_method: Callable[[Tensor], None],
         cube: Cube3D,
         input_direction: str,
-        bias: bool = True,
-        skip_bias_add: bool = False,
-        gather_output: bool = False,
-        input_is_parallel: bool = True,
-        stride: int = 1,
-        is_expert: bool = False,
-        tp_comm_buffer_name: str | None = None,  # megatron-core's; no buffers here
-        tp_group: object = None,  # megatron-core's 1D group; the cube replaces it
+        **megatron_args: Any,
     ) -> None:
         super().__init__()
-        if gather_output or not input_is_parallel or stride != 1 or is_expert:
-            raise ValueError(
-                "Linear3D: gather_output, unpartitioned input, stride > 1 and experts are not"
-                " built in 3D tensor parallelism"
-            )
+        args = linear_args("Linear3D", "3D", megatron_args)
         if input_direction not in DIRECTIONS:
             raise ValueError(f"Linear3D: input_direction must be one of {DIRECTIONS}")
         p = cube.p
@@ -169,7 +159,7 @@ class Linear3D(nn.Module):
                 f" and input size {input_size} by p={p}"
             )
         self.cube, self.input_direction = cube, input_direction
-        self.skip_bias_add = skip_bias_add
+        self.skip_bias_add = args.skip_bias_add
         self.weight = mark_held_once(
             nn.Parameter(
                 torch.empty(output_size // p**2, input_size // p, dtype=config.params_dtype)
@@ -179,9 +169,9 @@ class Linear3D(nn.Module):
         a, b = (cube.j, cube.l) if input_direction == "y" else (cube.l, cube.j)
         blocks = ((p**2, a * p + cube.i), (p, b))
         init_block(self.weight, (output_size, input_size), blocks, config, init_method)
-        self.output_size, self.has_bias = output_size, bias
+        self.output_size, self.has_bias = output_size, args.bias
         self.bias = (
-            _diagonal_parameter(output_size, 0.0, cube, config.params_dtype) if bias else None
+            _diagonal_parameter(output_size, 0.0, cube, config.params_dtype) if args.bias else None
         )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:

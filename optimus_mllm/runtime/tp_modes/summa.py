@@ -9,6 +9,7 @@ only broadcasts and reduces inside one row or one column.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,21 +43,32 @@ def summa_ab(a: Tensor, b: Tensor, grid: Grid2D) -> Tensor:
     return c
 
 
+def _reduced_products(
+    moving: Tensor, times: Callable[[Tensor], Tensor], grid: Grid2D, along_row: bool
+) -> Tensor:
+    """Algorithms 2 and 3: for each l, ``times`` the block of ``moving`` broadcast from the l-th
+    rank of this rank's column (``along_row``: row), reduced along the other line to its l-th rank.
+    Returns the sum reduced to this rank."""
+    me = dist.get_rank()
+    row = [grid.rank(grid.row, k) for k in range(grid.q)], grid.row_group
+    column = [grid.rank(k, grid.column) for k in range(grid.q)], grid.column_group
+    (sources, along), (owners, across) = (row, column) if along_row else (column, row)
+    c = None
+    for src, dst in zip(sources, owners, strict=True):
+        partial = times(_broadcast(moving, src, me, along))
+        dist.reduce(partial, dst=dst, group=across)
+        if dst == me:
+            c = partial
+    assert c is not None
+    return c
+
+
 def summa_abt(a: Tensor, b: Tensor, grid: Grid2D) -> Tensor:
     """Block (i, j) of C = A B^T (Algorithm 2): C_il = sum_j A_ij B_lj^T.
 
     B_lj is broadcast along column j from (l, j); the partial products are reduced along row i to
     (i, l)."""
-    i, j, me = grid.row, grid.column, dist.get_rank()
-    c = None
-    for l in range(grid.q):  # noqa: E741
-        b_lj = _broadcast(b, grid.rank(l, j), me, grid.column_group)
-        partial = a @ b_lj.t()
-        dist.reduce(partial, dst=grid.rank(i, l), group=grid.row_group)
-        if l == j:
-            c = partial
-    assert c is not None
-    return c
+    return _reduced_products(b, lambda b_lj: a @ b_lj.t(), grid, along_row=False)
 
 
 def summa_atb(a: Tensor, b: Tensor, grid: Grid2D) -> Tensor:
@@ -64,16 +76,7 @@ def summa_atb(a: Tensor, b: Tensor, grid: Grid2D) -> Tensor:
 
     A_il is broadcast along row i from (i, l); the partial products are reduced along column j to
     (l, j)."""
-    i, j, me = grid.row, grid.column, dist.get_rank()
-    c = None
-    for l in range(grid.q):  # noqa: E741
-        a_il = _broadcast(a, grid.rank(i, l), me, grid.row_group)
-        partial = a_il.t() @ b
-        dist.reduce(partial, dst=grid.rank(l, j), group=grid.column_group)
-        if l == i:
-            c = partial
-    assert c is not None
-    return c
+    return _reduced_products(a, lambda a_il: a_il.t() @ b, grid, along_row=True)
 
 
 class SummaLinear(torch.autograd.Function):
