@@ -471,20 +471,22 @@ def test_a_trainer_joins_the_parallel_state_of_a_megatron_job_for_its_plan():
     ]
 
 
-# The balanced baseline's splits of tiny.yaml (2 encoder + 4 LLM layers): at V2 the encoder's layers
-# on virtual stages 0 and 1 (encoder hidden states, then image embeddings cross a boundary), at V1
-# one stage with both encoder layers and the first LLM layer, the other with three LLM layers. Tied
-# word embeddings: at V2 on pipeline rank 0's second chunk, at PP4 on rank 2 (the output layer on
+# The balanced baseline's splits of tiny.yaml (2 encoder + 4 LLM layers; 3 encoder layers under
+# DP2 and PP4, where the cost model keeps 2 in one stage): at V2 the encoder's layers on virtual
+# stages 0 and 1 (encoder hidden states, then image embeddings cross a boundary), at V1 one stage
+# with both encoder layers and the first LLM layer, the other with three LLM layers. Tied word
+# embeddings: at V2 on pipeline rank 0's second chunk, at PP4 on rank 2 (the output layer on
 # rank 3).
 TIED = "model.llm.untie_embeddings_and_output_weights=false"
+THREE = "model.encoders.0.num_layers=3"
 BALANCED = {
     "tp2-vp2": [],
     "tp2-vp2-sp": ["training.sequence_parallel=true"],
     "tp2-vp1": ["parallel.llm={dp: 1, pp: 2, tp: 2, vp: 1}"],
-    "dp2-vp2": LLM_DP2,
+    "dp2-vp2": [THREE, *LLM_DP2],
     "tp2-vp2-tied": [TIED],
-    "dp2-vp2-tied": [TIED, *LLM_DP2],
-    "pp4-tied": [TIED, "parallel.llm={dp: 1, pp: 4, tp: 1, vp: 1}"],
+    "dp2-vp2-tied": [TIED, THREE, *LLM_DP2],
+    "pp4-tied": [TIED, THREE, "parallel.llm={dp: 1, pp: 4, tp: 1, vp: 1}"],
 }
 
 
@@ -527,12 +529,16 @@ def test_balanced_splits_cover_every_kind_of_boundary():
         ["embedding", "decoder"],
         ["decoder", "decoder", "decoder", "loss"],
     ]
-    assert parts(BALANCED["pp4-tied"]) == [
-        ((0, 1), None),
-        ((1, 2), None),
-        (None, (0, 2)),
-        (None, (2, 4)),
-    ]
+    assert (
+        parts(BALANCED["dp2-vp2"])
+        == parts(BALANCED["pp4-tied"])
+        == [
+            ((0, 2), None),
+            ((2, 3), None),
+            (None, (0, 2)),
+            (None, (2, 4)),
+        ]
+    )
 
 
 @pytest.mark.parametrize("name", BALANCED)
