@@ -136,7 +136,7 @@ def build_optimizer(
     opt_config = optimizer_config(config)
     if encoder_groups is None:
         models = [*llm, *([encoder] if encoder is not None else [])]
-        return OneLossScaleOptimizer(_parts(get_megatron_optimizer(opt_config, models)))
+        return OneLossScaleOptimizer(optimizer_parts(get_megatron_optimizer(opt_config, models)))
     return chain_encoder_optimizer(
         get_megatron_optimizer(opt_config, list(llm)),
         encoder,
@@ -158,9 +158,9 @@ def chain_encoder_optimizer(
     """The LLM's optimizer chained with one over the encoder stage under its own plan's groups
     (``build``, megatron-core's ``get_megatron_optimizer`` or the job's wrapper of it, with
     ``build_kwargs``): one gradient norm, one clip and one loss scale over both."""
-    parts = _parts(llm)
+    parts = optimizer_parts(llm)
     if encoder is not None:
-        encoder_parts = _parts(
+        encoder_parts = optimizer_parts(
             build(
                 opt_config,
                 [encoder],
@@ -234,7 +234,7 @@ class _PartOfLossScale(MegatronGradScaler):
         self.owner.load_state_dict(state_dict)
 
 
-def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+def optimizer_parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     """A megatron-core optimizer's parts: a ``ChainedOptimizer``'s, or itself."""
     return (
         list(optimizer.chained_optimizers)

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.optimizer import (
-    ChainedOptimizer,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
@@ -41,6 +40,7 @@ from megatron.core.optimizer import (
 from torch import Tensor, nn
 
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.runtime.optimizer import optimizer_parts
 from optimus_mllm.runtime.sharded_state import copy_sharded_state, sharded_tensors
 
 MAIN = "main parameters"  # the fp32 copies of --bf16/--fp16 weights, moved like a state entry
@@ -149,7 +149,7 @@ def _optimizer_params(optimizer: MegatronOptimizer) -> dict[Tensor, Tensor]:
     """Each weight that ``optimizer`` steps, and the tensor its state is kept under: its fp32 main
     parameter under --bf16/--fp16, else itself."""
     params: dict[Tensor, Tensor] = {}
-    for part in _parts(optimizer):
+    for part in optimizer_parts(optimizer):
         if isinstance(part, Float16OptimizerWithFloat16Params):
             if part.optimizer is None:
                 continue
@@ -168,16 +168,12 @@ def _optimizer_params(optimizer: MegatronOptimizer) -> dict[Tensor, Tensor]:
     return params
 
 
-def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
-    if isinstance(optimizer, ChainedOptimizer):
-        return list(optimizer.chained_optimizers)
-    return [optimizer]
-
-
 def _torch_states(optimizer: MegatronOptimizer) -> dict[Tensor, dict[str, Any]]:
     """The state of every part's torch optimizer, by the tensor it is kept under, as one dict
     that writes each entry into the part that steps its tensor."""
-    owners = [p.optimizer for p in _parts(optimizer) if getattr(p, "optimizer", None) is not None]
+    owners = [
+        p.optimizer for p in optimizer_parts(optimizer) if getattr(p, "optimizer", None) is not None
+    ]
     return _States(owners)
 
 
@@ -276,7 +272,7 @@ def _pointed_at(state: ShardedStateDict, tensors: dict[Tensor, Tensor]) -> Shard
 
 def _copy_loss_scale(source: MegatronOptimizer, target: MegatronOptimizer) -> None:
     """The loss scale (fp16) of ``source``'s first part into ``target``'s."""
-    scalers = [getattr(_parts(o)[0], "grad_scaler", None) for o in (source, target)]
+    scalers = [getattr(optimizer_parts(o)[0], "grad_scaler", None) for o in (source, target)]
     scalers = [getattr(s, "owner", s) for s in scalers]  # a OneLossScaleOptimizer part's owner
     if all(s is not None for s in scalers):
         scalers[1].load_state_dict(scalers[0].state_dict())
