@@ -22,7 +22,7 @@ from optimus_mllm.runtime.microbatches import MicrobatchNumbering
 from optimus_mllm.runtime.optimus_encoder import OptimusEncoder
 from optimus_mllm.scheduler.artifact import schedule_job_artifact
 
-from support.paths import CONFIGS
+from support.paths import CONFIGS, load_script
 
 Tensor = torch.Tensor
 
@@ -81,18 +81,11 @@ def one_stage() -> Iterator[OneStage]:
 
 
 @pytest.fixture
-def engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts calls into the autograd engine (``torch.autograd.backward`` and ``grad``)."""
-    count = [0]
-    for name in ("backward", "grad"):
-        original = getattr(torch.autograd, name)
-
-        def counted(*args, _original=original, **kwargs):  # type: ignore[no-untyped-def]
-            count[0] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(torch.autograd, name, counted)
-    return count
+def engine_calls() -> Iterator[list[int]]:
+    """Counts calls into the autograd engine (``torch.autograd.backward`` and ``grad``), as the
+    benchmark does."""
+    with load_script("bench_host_cost").counted_engine_calls() as count:
+        yield count
 
 
 def _per_step_calls(ops: StageOps) -> int:

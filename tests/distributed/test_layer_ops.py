@@ -42,10 +42,11 @@ from optimus_mllm.runtime.layer_ops import (
     vision_layer_spec,
     vision_transformer_config,
 )
+from optimus_mllm.runtime.llm import causal_mask
 from optimus_mllm.runtime.vit import EncoderStage
 
 from support.distributed_utils import run_distributed
-from support.megatron_ranks import causal_mask, megatron_state
+from support.megatron_ranks import megatron_state
 from support.paths import CONFIGS
 
 SEQ, BATCH = 6, 2

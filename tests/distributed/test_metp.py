@@ -36,12 +36,12 @@ from optimus_mllm.runtime.layer_ops import (
     reduce_scatter,
     vision_layer_spec,
 )
-from optimus_mllm.runtime.llm import unfused_settings
+from optimus_mllm.runtime.llm import causal_mask, unfused_settings
 from optimus_mllm.runtime.metp import HeadLayout, metp_attention, metp_layer_spec, metp_mlp
 from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
-from support.megatron_ranks import causal_mask, group_of_this_rank, megatron_state
+from support.megatron_ranks import group_of_this_rank, megatron_state
 from support.tensor_accounting import LiveBytes, held_bytes
 
 TOL = 1e-5

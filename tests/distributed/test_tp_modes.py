@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
 from optimus_mllm.config import TPMode, TransformerSpec
-from optimus_mllm.runtime.llm import unfused_settings
+from optimus_mllm.runtime.llm import causal_mask, unfused_settings
 from optimus_mllm.runtime.tp_modes.groups import (
     Cube3D,
     Grid2D,
@@ -47,7 +47,7 @@ from optimus_mllm.tp_footprint import (
 from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
-from support.megatron_ranks import causal_mask, megatron_state
+from support.megatron_ranks import megatron_state
 from support.tensor_accounting import held_bytes
 
 TOL = 1e-5

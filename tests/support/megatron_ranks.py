@@ -1,12 +1,11 @@
-"""What a test rank sets up of megatron-core around the layers it builds: its global state, a
-one-rank group, the causal mask its local attention takes."""
+"""What a test rank sets up of megatron-core around the layers it builds: its global state and a
+one-rank group (the causal mask its local attention takes is ``runtime.llm.causal_mask``)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
@@ -29,9 +28,3 @@ def megatron_state(tensor_model_parallel_size: int = 1) -> Iterator[None]:
 def group_of_this_rank() -> dist.ProcessGroup:
     """A group of this rank alone (every rank creates every rank's: ``new_group`` is collective)."""
     return [dist.new_group([rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
-
-
-def causal_mask(seq: int) -> torch.Tensor:
-    """megatron-core's causal attention mask, ``[1, 1, seq, seq]``, True masked out (its default
-    one is made on the GPU)."""
-    return torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
