@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,10 +25,15 @@ from optimus_mllm.megatron_arguments import (
 )
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.planner import PlannerResult
-from optimus_mllm.scheduler.artifact import load_job_artifact, schedule_to_artifact
+from optimus_mllm.scheduler.artifact import (
+    load_artifact,
+    load_job_artifact,
+    schedule_to_artifact,
+)
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.scheduler.baselines import runnable_baselines
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
+from optimus_mllm.workload import max_images_per_microbatch
 
 # Megatron-LM's optimizer flags that the training config takes under the same names
 _OPTIMIZER_ARGS = (
@@ -343,6 +349,9 @@ def config_from_megatron_args(
         },
         "parallel": {"llm": {"dp": world_size // (tp * pp), "pp": pp, "tp": tp, "vp": vp}},
     }
+    bound = images_bound(args)
+    if bound.images is not None:
+        raw["data"] = {"max_images_per_microbatch": bound.images}
     try:
         return config_from_dict(raw)
     except OptimusError as exc:  # name the flag the user gave, not the config field it became
@@ -351,6 +360,94 @@ def config_from_megatron_args(
         if flag is None:
             raise
         raise OptimusError(f"{flag}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class ImagesBound:
+    """The most images a microbatch can hold, as the job states it (``images_bound``), and where
+    that comes from, in words for the start-up line and the refusal of a bigger microbatch."""
+
+    images: int | None  # None: the job states no bound
+    source: str
+
+
+# where a job without a stated bound could state one
+_NO_BOUND = (
+    "the job states no bound: examples/multimodal's --max-num-tiles / --use-thumbnail / "
+    "--num-frames, or a plan file made by optimus-plan for a config with "
+    "data.max_images_per_microbatch"
+)
+
+
+def images_bound(args: argparse.Namespace) -> ImagesBound:
+    """The most images (tiles, frames) a microbatch holds, from the flags that state it.
+
+    Megatron-LM's ``examples/multimodal`` (its ``multimodal_args.py`` adds the flags) cuts an image
+    into at most ``--max-num-tiles`` tiles under ``--use-tiling``, plus a thumbnail tile under
+    ``--use-thumbnail`` where it cut more than one, and a video into ``--num-frames`` frames of
+    one tile each; the vision model runs every tile as one image. So a sample of one image or one
+    video holds at most the larger of the two, and a microbatch ``--micro-batch-size`` times that.
+    Samples with several images, and sequences packed from several samples
+    (``--packing-seq-length``), are bounded by no flag; nor is ``pretrain_vlm.py``'s data, one
+    image a sample, which the default plan (one image a sample) covers.
+    """
+    mbs = args.micro_batch_size
+    if not hasattr(args, "max_num_tiles"):
+        return ImagesBound(None, _NO_BOUND)
+    if getattr(args, "packing_seq_length", 0):
+        return ImagesBound(
+            None,
+            f"--packing-seq-length {args.packing_seq_length} packs any number of samples into a "
+            f"sequence, so {_NO_BOUND}",
+        )
+    tiles, said = 1, "one tile an image (no --use-tiling)"
+    if getattr(args, "use_tiling", False):
+        thumbnail = getattr(args, "use_thumbnail", False) and args.max_num_tiles > 1
+        tiles = args.max_num_tiles + thumbnail
+        said = f"--max-num-tiles {args.max_num_tiles}" + (
+            " + a --use-thumbnail tile" if thumbnail else ""
+        )
+    frames = getattr(args, "num_frames", 1)
+    per_sample = max(tiles, frames)
+    return ImagesBound(
+        mbs * per_sample,
+        f"--micro-batch-size {mbs} x {per_sample} a sample: {said}, --num-frames {frames}",
+    )
+
+
+def with_schedule_bound(config: OptimusConfig, schedule: str) -> OptimusConfig:
+    """``config`` with the planned maximum of the saved schedule ``schedule`` (a path; ``auto``
+    leaves it as it is) where the job's flags state none: ``optimus-plan --config`` made it for a
+    config with ``data.max_images_per_microbatch``. A job whose flags state another bound keeps
+    its own, and ``load_job_artifact`` refuses the artifact naming the field."""
+    if schedule == "auto" or config.data.max_images_per_microbatch is not None:
+        return config
+    planned = load_artifact(schedule).fingerprint.get("data.max_images_per_microbatch")
+    if planned is None:
+        return config
+    data = dataclasses.replace(config.data, max_images_per_microbatch=int(planned))
+    return dataclasses.replace(config, data=data)
+
+
+def bound_source(config: OptimusConfig, bound: ImagesBound) -> str:
+    """Where the planned maximum of ``config`` (``bound``'s, or its saved schedule's, or one
+    image a sample) comes from, in words."""
+    if config.data.max_images_per_microbatch is None:
+        return f"one image a sample, --micro-batch-size {config.training.micro_batch_size}: " + (
+            bound.source
+        )
+    if bound.images is None:
+        return "the saved schedule's data.max_images_per_microbatch"
+    return bound.source
+
+
+def bound_line(config: OptimusConfig, bound: ImagesBound) -> str:
+    """The start-up line that says which image counts the flag follows, and why that maximum."""
+    most = max_images_per_microbatch(config)
+    return (
+        f"optimus: planned for at most {most} images a microbatch ({bound_source(config, bound)})"
+        f"; a microbatch of 0 to {most} images trains, one of more is refused before its step"
+    )
 
 
 # what the config needs that Megatron-LM's validate_args leaves unset

@@ -447,3 +447,82 @@ def test_a_job_with_dropout_says_its_masks_are_not_the_plain_runs():
     said = line("--hidden-dropout", "0.1", "--attention-dropout", "0")
     assert said.startswith("optimus: with dropout (hidden 0.1, attention 0) this job draws other ")
     assert "--hidden-dropout 0 --attention-dropout 0" in said
+
+
+# examples/multimodal's flags (its multimodal_args.py adds them to Megatron-LM's), as its
+# extra_args_provider leaves them in the namespace -> the most images a microbatch of 2 holds
+TILE_FLAGS = {
+    "one tile an image": ({"max_num_tiles": 1}, 2),
+    "tiles without tiling": ({"max_num_tiles": 6}, 2),
+    "6 tiles": ({"max_num_tiles": 6, "use_tiling": True}, 12),
+    "6 tiles and a thumbnail": (
+        {"max_num_tiles": 6, "use_tiling": True, "use_thumbnail": True},
+        14,
+    ),
+    "1 tile, no thumbnail added": (
+        {"max_num_tiles": 1, "use_tiling": True, "use_thumbnail": True},
+        2,
+    ),
+    "8 frames": ({"max_num_tiles": 4, "use_tiling": True, "num_frames": 8}, 16),
+    "packed samples": ({"max_num_tiles": 4, "use_tiling": True, "packing_seq_length": 4096}, None),
+}
+
+
+@pytest.mark.parametrize("case", TILE_FLAGS)
+def test_the_most_images_a_microbatch_holds_comes_from_examples_multimodal_s_flags(case):
+    from optimus_mllm.megatron_flags import bound_line, images_bound
+
+    given, most = TILE_FLAGS[case]
+    args = lookalike_validate_args(parse_args(argv=list(MEGATRON_TINY_FLAGS)), 4)
+    vars(args).update({"use_tiling": False, "use_thumbnail": False, "num_frames": 1, **given})
+    config = config_from_megatron_args(args, 4, 4)
+    assert images_bound(args).images == most
+    assert config.data.max_images_per_microbatch == most
+    assert bound_line(config, images_bound(args)).startswith(
+        f"optimus: planned for at most {most or 2} images a microbatch ("
+    )
+
+
+def test_pretrain_vlm_s_flags_state_no_bound_and_plan_one_image_a_sample():
+    from optimus_mllm.megatron_flags import bound_line, images_bound
+
+    args = parse_args(argv=list(MEGATRON_TINY_FLAGS))
+    config = config_from_megatron_args(args, 4, 4)
+    assert config.data.max_images_per_microbatch is None  # optimus-plan's outputs as before
+    assert bound_line(config, images_bound(args)) == (
+        "optimus: planned for at most 2 images a microbatch (one image a sample, "
+        "--micro-batch-size 2: the job states no bound: examples/multimodal's --max-num-tiles / "
+        "--use-thumbnail / --num-frames, or a plan file made by optimus-plan for a config with "
+        "data.max_images_per_microbatch); a microbatch of 0 to 2 images trains, one of more is "
+        "refused before its step"
+    )
+
+
+def test_a_saved_schedule_planned_for_more_images_is_the_job_s_maximum(tmp_path):
+    """A job whose flags state no bound takes the saved schedule's
+    ``data.max_images_per_microbatch`` (and the artifact then fits it); one whose flags state
+    another keeps its own, and the artifact is refused naming the field."""
+    from dataclasses import replace
+
+    from optimus_mllm.megatron_flags import with_schedule_bound
+    from optimus_mllm.planner import plan
+    from optimus_mllm.scheduler.artifact import (
+        artifact_text,
+        load_job_artifact,
+        schedule_job_artifact,
+    )
+
+    args = parse_args(argv=list(MEGATRON_TINY_FLAGS))
+    job = config_from_megatron_args(args, 4, 4)
+    planned_for = replace(job, data=replace(job.data, max_images_per_microbatch=6))
+    path = tmp_path / "plan.json"
+    path.write_text(artifact_text(schedule_job_artifact(planned_for, plan(planned_for))))
+    assert with_schedule_bound(job, "auto") is job
+    taken = with_schedule_bound(job, str(path))
+    assert taken.data.max_images_per_microbatch == 6
+    load_job_artifact(path, plan(taken), taken, 4)
+    vars(args).update(max_num_tiles=4, use_tiling=True, use_thumbnail=False, num_frames=1)
+    tiles = config_from_megatron_args(args, 4, 4)
+    assert with_schedule_bound(tiles, str(path)) is tiles
+    with pytest.raises(OptimusError, match="data.max_images_per_microbatch=6, this job has 8"):
+        load_job_artifact(path, plan(tiles), tiles, 4)
