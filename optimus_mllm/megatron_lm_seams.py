@@ -27,6 +27,16 @@ names of ``megatron.training.training`` (``megatron_patches.training_seams``):
   a checkpoint is laid out as one saved without the flag and resumes either way. The distributed
   optimizer keeps the chained layout (marked ``OPTIMIZER_MARK``) and resumes with the flag only.
 
+Image counts. The schedule is planned for the most images a microbatch holds: what the job's flags
+state (``megatron_flags.images_bound``: tiles, thumbnail and frames times the micro batch), else the
+saved schedule's ``data.max_images_per_microbatch``, else one image a sample. Each step every
+microbatch runs the images its batch holds, 0 up to that maximum, under the one static schedule: a
+microbatch without images has no encoder op and no message, and the user's forward gets that
+microbatch's image tokens where it calls ``vision_model`` (it does not call it without images, as
+LLaVA does not). The counts of every microbatch of the job are agreed by every rank before the
+step (one all-reduce), so that a microbatch above the maximum is the same one-line refusal on every
+rank instead of a hang.
+
 Without ``--optimus-schedule`` none of this is installed (``megatron_lm.pretrain``).
 """
 
@@ -56,7 +66,15 @@ from megatron_patches.hooks import tp_collective_hook, warmup_override
 from megatron_patches.p2p import ChannelP2PCommunicator
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_flags import config_from_megatron_args, flag_schedule
+from optimus_mllm.megatron_flags import (
+    ImagesBound,
+    bound_line,
+    bound_source,
+    config_from_megatron_args,
+    flag_schedule,
+    images_bound,
+    with_schedule_bound,
+)
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.batch_images import find_image_key
@@ -99,6 +117,7 @@ from optimus_mllm.runtime.user_model import (
 )
 from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
+from optimus_mllm.workload import max_images_per_microbatch
 
 # in a checkpoint folder saved with the flag and the distributed optimizer: its optimizer state is
 # the chained optimizer's
@@ -120,6 +139,7 @@ class _Job:
     first_chunk: nn.Module | None  # the first pipeline stage's first chunk, built by the user
     user_vision: UserVision | None  # its vision modules, set aside
     vision_spec: ModuleSpec  # the layer spec of the user's vision layers
+    bound: ImagesBound  # the most images a microbatch holds, as the job's flags state it
     encoder_ddp: DistributedDataParallel | None = None
     # Megatron's own optimizer over the chunks, built anew on each call (checkpoints)
     plain_optimizer: Callable[[], MegatronOptimizer] | None = None
@@ -136,6 +156,7 @@ class OptimusInMegatron:
         self.job: _Job | None = None
         self.steps = 0
         self.image_key: str | None = None  # the batch entry the user's forward gives vision_model
+        self.probed = False  # the start-up probe runs at the first step with images on every rank
 
     def model_provider(self, provider: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         """The user's provider, followed on this rank's last chunk by the Optimus set-up."""
@@ -172,6 +193,8 @@ class OptimusInMegatron:
         first = self.chunks[0] if stage == 0 else None
         # the projector the user built, not the one pretrain_vlm.py would build from the flags
         config = with_user_projector(config, first)
+        bound = images_bound(args)
+        config = with_schedule_bound(config, self.schedule)
         planned = plan(config)
         llm_plan = planned.llm_plan
         join_model_parallel(llm_plan)  # refuses a Megatron parallel state of another plan
@@ -187,6 +210,7 @@ class OptimusInMegatron:
         _say(said)
         if artifact is None:
             return None
+        _say(bound_line(config, bound))
         _say(dropout_line(config))
         rank = dist.get_rank()
         device = training_device()
@@ -216,6 +240,7 @@ class OptimusInMegatron:
             first,
             user_vision,
             spec,
+            bound,
         )
 
     # -- the optimizer ----------------------------------------------------------------------------
@@ -293,11 +318,25 @@ class OptimusInMegatron:
                 None
                 if job.first_chunk is None
                 else partial(_forward_on, forward_step_func, model[0]),
-                batches[0],
+                batches,
             )
-        images, batch_images = self._step_images(job, batches, self.image_key, num_microbatches)
-        if self.steps == 0:
-            _say(self._probe(job, forward_step_func, model[0], batches[0], batch_images))
+        images, per_microbatch, everywhere = self._step_images(
+            job, batches, self.image_key, num_microbatches
+        )
+        counts = [len(x) for x in per_microbatch]
+        # the probe needs a microbatch with images on every data-parallel rank (it is collective)
+        if not self.probed and all(any(replica) for replica in everywhere):
+            with_images = next(i for i, n in enumerate(counts) if n)
+            _say(
+                self._probe(
+                    job,
+                    forward_step_func,
+                    model[0],
+                    batches[with_images],
+                    per_microbatch[with_images],
+                )
+            )
+            self.probed = True
         op_order = job.artifact.llm_op_order[job.stage]
         step = OptimusStep(
             job.optimus,
@@ -308,6 +347,7 @@ class OptimusInMegatron:
             job.stage,
             job.collectives,
             input_waiter(job.communicator, job.stage, job.llm_plan),
+            counts.__getitem__,
         )
         driver = step.driver
 
@@ -392,26 +432,33 @@ class OptimusInMegatron:
 
     def _step_images(
         self, job: _Job, batches: list[Any], key: str, num_microbatches: int
-    ) -> tuple[Callable[[int, int], tuple[torch.Tensor, ...]], torch.Tensor]:
+    ) -> tuple[Callable[[int, int], tuple[torch.Tensor, ...]], list[torch.Tensor], list[list[int]]]:
         """The images of the step's batches (``batches[i][key]``, on TP rank 0) on every rank of
-        this LLM stage's TP group: the encoder's image source over them, and the first
-        microbatch's images."""
+        this LLM stage's TP group: the encoder's image source over them, each microbatch's images
+        ([n_i, channels, height, width], n_i from 0), and every data-parallel rank's counts.
+
+        Raises:
+            OptimusError: on every rank, where a microbatch of any data-parallel rank holds more
+                images than the schedule was planned for.
+        """
         per_microbatch = _broadcast_over_tp(
             None if batches[0] is None else [batch[key] for batch in batches],
             num_microbatches,
             job.stream.device,
         )
-        planned = job.config.training.micro_batch_size  # the job's schedule: one image a sample
-        for i, images in enumerate(per_microbatch):
-            if images.shape[0] != planned:  # seen alike by the TP group: it refuses together
-                raise OptimusError(
-                    f"iteration {self.get_args().curr_iteration}, microbatch {i}: the batch holds "
-                    f"{images.shape[0]} images under '{key}', and --optimus-schedule planned "
-                    f"{planned} (one a sample, --micro-batch-size {planned}); inside Megatron-LM "
-                    "the flag does not follow a varying image count yet (text-only or multi-image "
-                    "samples): train this data without the flag, or with optimus-train "
-                    "(training.schedule_per_iteration)"
-                )
+        everywhere = _counts_everywhere([len(x) for x in per_microbatch], job.stream.device)
+        most = max_images_per_microbatch(job.config)
+        for replica, counts in enumerate(everywhere):
+            for i, count in enumerate(counts):
+                if count > most:
+                    raise OptimusError(
+                        f"iteration {self.get_args().curr_iteration}, microbatch {i} of "
+                        f"data-parallel rank {replica}: the batch holds {count} images under "
+                        f"'{key}', above the {most} --optimus-schedule planned for "
+                        f"({bound_source(job.config, job.bound)}); plan for more (a schedule "
+                        "made by optimus-plan for a config with a larger "
+                        "data.max_images_per_microbatch) or train this data without the flag"
+                    )
         numbering = job.optimus.numbering
         patch = job.config.encoders[0].patch_size
         by_global = {numbering.global_index(i): x for i, x in enumerate(per_microbatch)}
@@ -419,7 +466,7 @@ class OptimusInMegatron:
         def source(iteration: int, global_microbatch: int) -> tuple[torch.Tensor, ...]:
             return (patchify(by_global[global_microbatch], patch),)
 
-        return source, per_microbatch[0]
+        return source, per_microbatch, everywhere
 
     # -- evaluation and checkpoints ---------------------------------------------------------------
 
@@ -546,7 +593,7 @@ def _check_optimizer_layout(args: argparse.Namespace, load_arg: str) -> None:
 
 def _read_ahead(job: _Job, data_iterator: Any, num_microbatches: int) -> tuple[Any, list[Any]]:
     """The step's batches read ahead from the first chunk's data iterator, and the iterator(s)
-    that replay them to megatron-core's schedule ([None] where this rank reads no data)."""
+    that replay them to megatron-core's schedule (Nones where this rank reads no data)."""
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
     if iterators[0] is None:
         if parallel_state.get_tensor_model_parallel_rank() == 0:
@@ -554,7 +601,7 @@ def _read_ahead(job: _Job, data_iterator: Any, num_microbatches: int) -> tuple[A
                 f"pipeline stage {job.stage} has no data iterator, but the Optimus encoder needs "
                 "the images there; give every pipeline stage the data, as pretrain_vlm.py does"
             )
-        return data_iterator, [None]
+        return data_iterator, [None] * num_microbatches
     batches = [next(iterators[0]) for _ in range(num_microbatches)]
     replayed = [iter(batches), *iterators[1:]]
     return (replayed if isinstance(data_iterator, list) else replayed[0]), batches
@@ -572,8 +619,11 @@ def _broadcast_over_tp(
 ) -> list[torch.Tensor]:
     """Each microbatch's images ([n_i, channels, height, width]) of the LLM's TP rank 0 on every
     rank of its TP group, as Megatron's ``get_batch`` hands its ranks the batch; the counts n_i
-    travel with the shape, so that every rank splits them alike."""
+    travel with the shape, so that every rank splits them alike. An entry that is not 4-D holds no
+    image (a text-only microbatch: an empty tensor, or examples/multimodal's [1, 1] placeholder)."""
     group = parallel_state.get_tensor_model_parallel_group()
+    if images is not None:
+        images = _as_image_batches(images)
     if group.size() == 1:
         assert images is not None
         return [x.float().to(device) for x in images]
@@ -591,6 +641,26 @@ def _broadcast_over_tp(
     )
     dist.broadcast(out, src, group)
     return list(out.split(counts))
+
+
+def _as_image_batches(images: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each microbatch's entry as [n_i, channels, height, width], the microbatches without an
+    image as n_i = 0 of the others' image shape."""
+    shaped = [x for x in images if x.dim() == 4 and x.shape[0] > 0]
+    image_shape = tuple(shaped[0].shape[1:]) if shaped else (0, 0, 0)
+    return [
+        x if x.dim() == 4 and x.shape[0] > 0 else x.new_zeros((0, *image_shape)) for x in images
+    ]
+
+
+def _counts_everywhere(counts: list[int], device: torch.device) -> list[list[int]]:
+    """Every data-parallel rank's images per microbatch (``counts`` is this rank's), on every rank
+    (one all-reduce over the world: the ranks of one data-parallel rank count alike)."""
+    dp = parallel_state.get_data_parallel_world_size()
+    every = torch.zeros(dp, len(counts), dtype=torch.long, device=device)
+    every[parallel_state.get_data_parallel_rank()] = torch.tensor(counts, dtype=torch.long)
+    dist.all_reduce(every, op=dist.ReduceOp.MAX)
+    return every.tolist()
 
 
 def _unwrapped(model: list[Any]) -> list[nn.Module]:

@@ -3,10 +3,11 @@
 Under the flag the encoder reads a step's images from the batches the data iterator yields, ahead
 of the user's ``forward_step``, so it must know under which key they are. Megatron-LM's multimodal
 datasets use ``"image"``, but a user's dataset may not; rather than a second flag, the first step
-runs the user's forward once on the first stage's first microbatch (eval mode, no gradients, the
-generators' states restored) with a hook on ``vision_model`` and takes the batch entry equal to
-what the hook saw. A forward that transforms the images before ``vision_model`` has no such entry
-and is refused: the encoder could not apply that transformation.
+runs the user's forward on the first stage's microbatches (eval mode, no gradients, the generators'
+states restored) with a hook on ``vision_model``, one at a time until the model calls it (a
+text-only microbatch does not), and takes the batch entry equal to what the hook saw. A forward
+that transforms the images before ``vision_model`` has no such entry and is refused: the encoder
+could not apply that transformation.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ def find_image_key(
     first_chunk: nn.Module | None,
     in_place: Callable[[], Any],
     forward: Callable[[Iterator[Any]], Any] | None,
-    batch: Any,
+    batches: list[Any],
 ) -> str:
     """The key under which every rank's batches hold the images; ``OptimusError`` on every rank
-    where the first stage's forward gives ``vision_model`` no batch entry as it is.
+    where the first stage's forward gives ``vision_model`` no batch entry as it is, or calls it on
+    none of the step's microbatches.
 
     Args:
         first_chunk: the first stage's first chunk (its vision modules put back by ``in_place``);
@@ -36,13 +38,19 @@ def find_image_key(
         in_place: a context manager putting the user's vision modules back in ``first_chunk``.
         forward: the user's ``forward_step`` on the first stage's first chunk (as megatron-core's
             schedule passes it), given a data iterator; None off the first stage.
-        batch: the first microbatch as the data iterator yields it (None on a rank that reads no
-            data: Megatron's ``get_batch`` broadcasts it from TP rank 0).
+        batches: the step's microbatches as the data iterator yields them, tried in order (Nones
+            on a rank that reads no data: Megatron's ``get_batch`` broadcasts each from TP rank 0,
+            so every rank of the TP group stops at the same one).
     """
     found: tuple[str | None, str | None] | None = None  # (key, problem)
     if first_chunk is not None and forward is not None:
-        found = _key_on_first_stage(first_chunk, in_place, forward, batch)
-    keys = sorted(set(heard_by_every_rank(found)))
+        found = _key_on_first_stage(first_chunk, in_place, forward, batches)
+    no_images = (
+        "the model's forward step called vision_model on none of the first step's microbatches, "
+        "so the Optimus encoder cannot tell which batch entry holds the images; run the job "
+        "without --optimus-schedule"
+    )
+    keys = sorted(set(heard_by_every_rank(found, no_images)))
     assert len(keys) == 1, f"the first stage's TP rank 0 decides the image key, got {keys}"
     return keys[0]
 
@@ -51,10 +59,11 @@ def _key_on_first_stage(
     first_chunk: nn.Module,
     in_place: Callable[[], Any],
     forward: Callable[[Iterator[Any]], Any],
-    batch: Any,
-) -> tuple[str | None, str | None]:
-    """(key, None) on the rank that read the batch, (None, None) on its TP peers, (None, problem)
-    where no entry is what ``vision_model`` got."""
+    batches: list[Any],
+) -> tuple[str | None, str | None] | None:
+    """(key, None) on the rank that read the batch, (None, problem) where no entry is what
+    ``vision_model`` got; None on its TP peers, and where no microbatch called it (another
+    data-parallel rank's may have)."""
     given: list[torch.Tensor] = []
 
     def record(_: nn.Module, inputs: tuple[Any, ...]) -> None:
@@ -62,23 +71,21 @@ def _key_on_first_stage(
 
     was_training = first_chunk.training
     first_chunk.eval()
+    batch = None
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), in_place():
             hook = first_chunk.vision_model.register_forward_pre_hook(record)
             try:
-                forward(iter([batch]))
+                for batch in batches:
+                    forward(iter([batch]))
+                    if given:
+                        break
             finally:
                 hook.remove()
     finally:
         first_chunk.train(was_training)
-    if not given:
-        return None, (
-            "the model's forward step did not call vision_model on the first microbatch, so the "
-            "Optimus encoder cannot tell which batch entry holds the images; run the job without "
-            "--optimus-schedule"
-        )
-    if parallel_state.get_tensor_model_parallel_rank() != 0:
-        return None, None  # Megatron's get_batch reads the data on TP rank 0 only
+    if not given or parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None  # Megatron's get_batch reads the data on TP rank 0 only
     if not isinstance(batch, dict):
         return None, (
             f"the data iterator's batches are {type(batch).__name__}s; the Optimus encoder reads "

@@ -13,12 +13,15 @@ from optimus_mllm.errors import OptimusError
 T = TypeVar("T")
 
 
-def heard_by_every_rank(report: tuple[T | None, str | None] | None) -> list[T]:
+def heard_by_every_rank(
+    report: tuple[T | None, str | None] | None, none_reported: str | None = None
+) -> list[T]:
     """Every value the ranks reported, in rank order, on every rank (collective over the world).
 
     Args:
         report: this rank's ``(value, None)``, ``(None, problem)`` (a one-line problem), or None
             (or ``(None, None)``) where it has nothing to say.
+        none_reported: the problem where no rank reported a value (default: a bug).
 
     Raises:
         OptimusError: on every rank, the first problem any rank reported.
@@ -30,5 +33,7 @@ def heard_by_every_rank(report: tuple[T | None, str | None] | None) -> list[T]:
     if problems:
         raise OptimusError(problems[0])
     values = [value for value, _ in said if value is not None]
+    if not values and none_reported is not None:
+        raise OptimusError(none_reported)
     assert values, "no rank reported a value"
     return values

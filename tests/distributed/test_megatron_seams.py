@@ -22,9 +22,15 @@ pytestmark = pytest.mark.distributed
 ARGS = (*MEGATRON_TINY_FLAGS, "--hidden-dropout", "0", "--attention-dropout", "0")
 
 
-def _write_artifact(argv: list[str], path: Path, projector: dict[str, Any] | None = None) -> str:
+def _write_artifact(
+    argv: list[str],
+    path: Path,
+    projector: dict[str, Any] | None = None,
+    images: int | None = None,
+) -> str:
     """``optimus-plan --artifact`` for the job of ``argv``, whose projector has ``projector``'s
-    fields in place of those pretrain_vlm.py's flags give it (a model of the user's own)."""
+    fields in place of those pretrain_vlm.py's flags give it (a model of the user's own), planned
+    for ``images`` a microbatch (``data.max_images_per_microbatch``) where given."""
     from dataclasses import replace
 
     from optimus_mllm.megatron_arguments import add_optimus_args, parse_args, validate_args
@@ -37,6 +43,8 @@ def _write_artifact(argv: list[str], path: Path, projector: dict[str, Any] | Non
     encoder = config.encoders[0]
     encoder = replace(encoder, projector=replace(encoder.projector, **(projector or {})))
     config = replace(config, model=replace(config.model, encoders=(encoder,)))
+    if images is not None:
+        config = replace(config, data=replace(config.data, max_images_per_microbatch=images))
     path.write_text(artifact_text(schedule_job_artifact(config, plan(config))))
     return str(path)
 
@@ -274,31 +282,112 @@ def test_images_the_forward_step_transforms_are_one_line_before_the_first_step(
     assert "'pixels'" in said[0]
 
 
-def _text_only_sample_in_the_second_step(argv: list[str], schedule: str) -> str:
-    """The flagged run of a user whose data has one text-only sample in each batch of iteration 1:
-    one image fewer than the schedule's."""
+# images of each of a microbatch's two samples, by (iteration * 3 + global microbatch) % 8: the
+# first data-parallel rank's first microbatch of the first step has none
+IMAGES_PER_SAMPLE = ((0, 0), (1, 0), (1, 1), (2, 1), (0, 2), (2, 2), (1, 2), (0, 1))
+
+
+def _varying_images(iteration: int, global_microbatch: int, batch: dict) -> dict:
+    """A user's data whose samples hold 0, 1 or 2 images each (a text-only sample, a second image
+    at another <image>): the microbatch's images side by side, in their samples' order, as
+    LLaVA's data gives them."""
+    import torch
+
+    from support.megatron_standin import script
+
+    images, tokens = [], batch["tokens"].clone()
+    counts = IMAGES_PER_SAMPLE[(iteration * 3 + global_microbatch) % len(IMAGES_PER_SAMPLE)]
+    for j, count in enumerate(counts):
+        where = int((tokens[j] == script.IMAGE_TOKEN_INDEX).nonzero()[0])
+        if count == 0:
+            tokens[j, where] = 1
+        if count == 2:
+            tokens[j, where + 2] = script.IMAGE_TOKEN_INDEX
+        images += [batch["image"][j].flip(-1 - k) for k in range(count)]
+    shape = batch["image"].shape[1:]
+    image = torch.stack(images) if images else batch["image"].new_zeros((0, *shape))
+    return {**batch, "tokens": tokens, "image": image}
+
+
+def _model_of_varying_images() -> type:
+    """The script's model with LLaVA's splice of any number of images per sample: each <image> of
+    the microbatch, in order, takes the next image's tokens; each sample's sequence is cut or
+    zero-padded to the labels' length; without images vision_model is not called."""
+    import torch
+
+    from support.megatron_standin import script
+
+    class VaryingImages(script.VisionLanguageModel):
+        def forward(self, images, input_ids, position_ids, attention_mask, labels=None):
+            decoder_input = None
+            if self.pre_process:
+                text_ids = input_ids.clone()
+                text_ids[text_ids == script.IMAGE_TOKEN_INDEX] = 0
+                text = self.language_model.embedding(input_ids=text_ids, position_ids=position_ids)
+                tokens = None
+                if images.shape[0]:
+                    tokens = self.vision_model(images)[:, self.vision_model.class_token_len :]
+                    tokens = self.vision_projection(tokens.permute(1, 0, 2).contiguous())
+                length, used, samples = labels.shape[1], 0, []
+                for i in range(input_ids.shape[0]):
+                    parts, start = [], 0
+                    for at in (input_ids[i] == script.IMAGE_TOKEN_INDEX).nonzero()[:, 0].tolist():
+                        parts += [text[start:at, i], tokens[:, used]]
+                        used, start = used + 1, at + 1
+                    sample = torch.cat([*parts, text[start:, i]])[:length]
+                    padding = sample.new_zeros(length - sample.shape[0], sample.shape[1])
+                    samples.append(torch.cat([sample, padding]))
+                decoder_input = torch.stack(samples, dim=1)
+            return self.language_model(
+                None, None, attention_mask, decoder_input=decoder_input, labels=labels
+            )
+
+    return VaryingImages
+
+
+def _trained_with_varying_images(argv: list[str], schedule: str) -> tuple:
+    """On each rank: the plain and the flagged run (the saved schedule planned for 4 images a
+    microbatch) of a user whose microbatches hold 0 to 4 images, and what the flag says where the
+    job's flags (examples/multimodal's, one tile an image) bound a microbatch to 2 of them."""
     from optimus_mllm.errors import OptimusError
 
     from support.megatron_standin import standin_pretrain
 
-    def one_image_fewer(iteration: int, batch: dict) -> dict:
-        return {**batch, "image": batch["image"][1:]} if iteration == 1 else batch
-
+    varying = {"model_class": _model_of_varying_images(), "edit_batch": _varying_images}
+    plain = standin_pretrain(argv, None, **varying)
+    flagged = standin_pretrain(argv, schedule, **varying)
+    tiles = {"max_num_tiles": 1, "use_tiling": False, "use_thumbnail": False, "num_frames": 1}
     try:
-        standin_pretrain(argv, schedule, edit_batch=one_image_fewer)
+        standin_pretrain(argv, "auto", script_args=tiles, **varying)
+        said = "trained"
     except OptimusError as error:
-        return str(error)
-    return "trained"
+        said = str(error)
+    return plain, flagged, said
 
 
-def test_a_batch_with_another_image_count_is_one_line_not_a_silent_split(tmp_path: Path) -> None:
-    # before, the step's images were cut into equal microbatches whatever each batch held
+def test_microbatches_of_0_to_4_images_train_as_without_the_flag_and_more_are_refused(
+    tmp_path: Path,
+) -> None:
+    # before, a microbatch holding other than one image a sample was refused ("the flag does not
+    # follow a varying image count yet"); now each runs its own images under the schedule planned
+    # for the most, and a microbatch above that is one line on every rank before the step
     argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
-    schedule = _write_artifact(argv, tmp_path / "plan.json")
-    said = run_distributed(_text_only_sample_in_the_second_step, 4, argv, schedule, timeout=600)
-    assert len(set(said)) == 1, said  # every rank alike
-    assert said[0].startswith("iteration 1, microbatch 0: the batch holds 1 images under 'image'")
-    assert "planned 2 (one a sample, --micro-batch-size 2)" in said[0], said[0]
+    schedule = _write_artifact(argv, tmp_path / "plan.json", images=4)
+    runs = run_distributed(_trained_with_varying_images, 4, argv, schedule, timeout=600)
+    plain, optimus, _ = runs[-1]  # the last pipeline stage reports the loss
+    assert len(set(plain.losses)) == 3  # it trains
+    assert optimus.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert optimus.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)
+    assert optimus.validation_loss == pytest.approx(plain.validation_loss, rel=1e-5)
+    said = {run[2] for run in runs}
+    assert len(said) == 1, said  # every rank alike
+    assert said.pop() == (
+        "iteration 0, microbatch 3 of data-parallel rank 0: the batch holds 3 images under "
+        "'image', above the 2 --optimus-schedule planned for (--micro-batch-size 2 x 1 a sample: "
+        "one tile an image (no --use-tiling), --num-frames 1); plan for more (a schedule made by "
+        "optimus-plan for a config with a larger data.max_images_per_microbatch) or train this "
+        "data without the flag"
+    )
 
 
 def test_the_flag_trains_under_bf16_as_without(tmp_path: Path) -> None:

@@ -77,19 +77,21 @@ def standin_pretrain(
     renamed: dict[str, str] | None = None,
     forward_step: Callable[..., Any] | None = None,
     edit: Callable[[Any], None] | None = None,
-    edit_batch: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None,
+    edit_batch: Callable[[int, int, dict[str, Any]], dict[str, Any]] | None = None,
     load: bytes | None = None,
     save_at: int | None = None,
+    script_args: dict[str, Any] | None = None,
 ) -> StandinRun:
     """Train ``--train-iters`` iterations of the script under the flags ``argv`` on the world's
     ranks; with ``schedule``, as ``--optimus-schedule schedule`` would. ``model_class``: a subclass
     of the script's model that the provider's models become (a user's own forward). ``renamed``:
     batch keys the data iterator gives under other names. ``forward_step``: the user's, in place of
     the script's. ``edit``: called on each model the provider built, before it is returned (a
-    user's own provider, e.g. another projector). ``edit_batch``: ``(iteration, batch) -> batch``
-    on every batch the data iterator gives (a user's data unlike the script's). ``load``: a
-    checkpoint of this rank (``StandinRun.saved``) to resume from; ``save_at``: save one after that
-    many iterations."""
+    user's own provider, e.g. another projector). ``edit_batch``: ``(iteration, global microbatch,
+    batch) -> batch`` on every batch the data iterator gives (a user's data unlike the script's).
+    ``load``: a checkpoint of this rank (``StandinRun.saved``) to resume from; ``save_at``: save one
+    after that many iterations. ``script_args``: arguments the script's own ``extra_args_provider``
+    adds to Megatron's, by name (e.g. examples/multimodal's ``max_num_tiles``)."""
     args = megatron_arguments.validate_args(
         megatron_arguments.parse_args(None, argv), dist.get_world_size()
     )
@@ -97,6 +99,7 @@ def standin_pretrain(
     # stand-in's checkpoints are bytes), the optimizer saved and loaded
     for name, value in _CHECKPOINT_ARGS.items():
         vars(args).setdefault(name, value)
+    vars(args).update(script_args or {})
     megatron_arguments.set_args(args)
     megatron_patches.apply()
     parallel_state.initialize_model_parallel(
@@ -221,9 +224,12 @@ def _renamed(batches: Any, renamed: dict[str, str], *args: Any) -> dict[str, Any
 
 
 def _batch_edited(
-    batches: Any, edit: Callable[[int, dict[str, Any]], dict[str, Any]], iteration: int, *args: Any
+    batches: Any,
+    edit: Callable[[int, int, dict[str, Any]], dict[str, Any]],
+    iteration: int,
+    global_microbatch: int,
 ) -> dict[str, Any]:
-    return edit(iteration, batches(iteration, *args))
+    return edit(iteration, global_microbatch, batches(iteration, global_microbatch))
 
 
 def _edited(provider: Any, edit: Callable[[Any], None], *args: Any, **kwargs: Any) -> Any:
