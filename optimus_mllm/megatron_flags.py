@@ -5,8 +5,10 @@
 leaves it, reading the model flags as ``pretrain_vlm.py`` reads them: each flag that shapes the
 model is honoured (``HONOURED_FLAGS``) or refused in one line (``REFUSED_FLAGS``).
 ``flag_schedule`` is the schedule the flag's value names: a saved artifact, checked against the
-job, or with ``auto`` the fastest made now. ``optimus-plan -- FLAGS``, the Megatron-LM seams
-(``megatron_lm_seams``) and the look-alike loop (``megatron.train_vlm``) read a job through here.
+job, or with ``auto`` the fastest made now. ``images_bound`` is the most images a microbatch
+holds, where the job's flags state it, which the schedule is planned for. ``optimus-plan --
+FLAGS``, the Megatron-LM seams (``megatron_lm_seams``) and the look-alike loop
+(``megatron.train_vlm``) read a job through here.
 """
 
 from __future__ import annotations
@@ -257,7 +259,9 @@ def config_from_megatron_args(
     ``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
     ``virtual_pipeline_model_parallel_size``, ``micro_batch_size``, ``global_batch_size``,
     ``train_iters``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``,
-    ``use_distributed_optimizer`` and the optimizer flags of ``_OPTIMIZER_ARGS``.
+    ``use_distributed_optimizer`` and the optimizer flags of ``_OPTIMIZER_ARGS``. Data:
+    ``data.max_images_per_microbatch`` where examples/multimodal's flags bound it
+    (``images_bound``).
 
     Args:
         args: Megatron-LM's arguments, validated or straight from ``parse_args``.

@@ -44,6 +44,8 @@ def _train(
 def _ran_optimus(run) -> None:
     """The flagged run really ran the Optimus schedule, not Megatron-LM's placement."""
     assert "optimus: --optimus-schedule auto: encoder plan" in run.output, run.output[-3000:]
+    # pretrain_vlm.py's flags state no bound on the images of a microbatch (issue 34)
+    assert "optimus: planned for at most 2 images a microbatch (one image a sample" in run.output
     assert re.search(r"optimus: first step: \d+ of the [1-9]\d* encoder ops", run.output), (
         run.output
     )
