@@ -872,3 +872,52 @@ def _metp(rank: _Rank) -> tuple[list[KernelWork], list[KernelWork]]:
         r.memory("ln_attn", "bwd", tokens * r.h),
     ]
     return forward, backward
+
+
+# The encoder's ops for a METP layer. The runtime runs METP's attention and its MLP each as one
+# autograd function (``runtime/metp``), whose broadcasts and ring hops interleave with its GEMMs,
+# one owner's shards or one K/V block at a time; the kinds the chain above sums cannot run apart.
+# So the encoder's chain, which the scheduler places and the runtime runs op for op, holds four ops
+# a layer, ``ln_attn, metp_attn, ln_mlp, metp_mlp`` (the backward in reverse, all four again as
+# ``recompute_`` ops first under full recomputation), each half's op a compute op of the sum of its
+# kernels' times: its ring and broadcasts run inside it, not beside the LLM's compute.
+METP_OPS = {
+    "metp_attn": frozenset(
+        {
+            "metp_bcast_attn",
+            "qkv",
+            "metp_p2p_kv",
+            "attn_core",
+            "attn_proj",
+            "metp_p2p_kv_grad",
+            "metp_reduce_attn_grad",
+        }
+    ),
+    "metp_mlp": frozenset({"metp_p2p_mlp", "fc1", "act", "fc2", "metp_p2p_mlp_grad"}),
+}
+
+
+def metp_layer_ops(shape: LayerShape, phase: Phase, kernels: list[Kernel]) -> list[Kernel]:
+    """A METP layer's costed kernels (``CostModel.layer``'s, in ``layer_kernels`` order) as the
+    runtime's ops: the norms as they are, each half's other kernels summed into ``metp_attn`` or
+    ``metp_mlp``; under full recomputation the backward's rerun of the forward first, named
+    ``recompute_`` + op."""
+    rerun = len(layer_kernels(shape, "fwd")) if phase == "bwd" and shape.recompute == "full" else 0
+    return _fused(kernels[:rerun], RECOMPUTE_PREFIX) + _fused(kernels[rerun:], "")
+
+
+def _fused(kernels: list[Kernel], prefix: str) -> list[Kernel]:
+    ops: list[Kernel] = []
+    for k in kernels:
+        base = k.name.removeprefix(RECOMPUTE_PREFIX)
+        op = next((name for name, members in METP_OPS.items() if base in members), None)
+        if op is None:  # a norm
+            ops.append(Kernel(prefix + base, k.phase, False, k.duration_us, k.flops))
+        elif ops and ops[-1].name == prefix + op:
+            last = ops[-1]
+            ops[-1] = Kernel(
+                last.name, last.phase, False, last.duration_us + k.duration_us, last.flops + k.flops
+            )
+        else:
+            ops.append(Kernel(prefix + op, k.phase, False, k.duration_us, k.flops))
+    return ops

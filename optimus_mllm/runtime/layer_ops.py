@@ -18,6 +18,11 @@ TP collectives (explicit adjoints, so a backward collective is an op of its own)
   qkv/fc1 (adjoint reduce-scatter), reduce-scatter after linear_proj/fc2 (adjoint all-gather). The
   layer is built with megatron-core's ``sequence_parallel`` off (the steps, not its forward, gather
   and scatter), and the parameters applied to a rank's own tokens are marked by the caller.
+
+A layer of ``metp.metp_layer_spec`` (tp_mode metp) is four ops, ``ln_attn, metp_attn, ln_mlp,
+metp_mlp``: METP's attention and MLP interleave their broadcasts and ring hops with their GEMMs
+inside one autograd function each, so each runs whole, and the scheduler's chain for the mode is
+the same four (``cost_model.metp_layer_ops``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from optimus_mllm.runtime.dropout import dropout, site_seed
 from optimus_mllm.runtime.dtypes import ACTIVATIONS
 from optimus_mllm.runtime.encoder_ops import Step
 from optimus_mllm.runtime.llm import SdpaCoreAttention, unfused_settings
+from optimus_mllm.runtime.metp import MetpMLP, MetpSelfAttention
 
 Tensor = torch.Tensor
 
@@ -287,7 +293,8 @@ def layer_steps(
     """The steps of a megatron-core ``TransformerLayer`` on TP group ``group``.
 
     Args:
-        layer: built with TP size ``group.size()`` from a local-spec ``ModuleSpec``.
+        layer: built with TP size ``group.size()`` from a local-spec ``ModuleSpec``, or from
+            ``metp_layer_spec`` (then on this rank's tokens, whatever ``sequence_parallel``).
         group: the layer's TP group.
         sequence_parallel: the residual stream holds this rank's 1/TP of the tokens.
         site: ``encoder:global layer``, which names the layer's dropout masks.
@@ -296,6 +303,8 @@ def layer_steps(
         OptimusError: a submodule these steps cannot reproduce, named.
     """
     check_decomposable(layer, site)
+    if isinstance(layer.self_attention, MetpSelfAttention):
+        return _metp_layer_steps(layer, group, site)
     attention, mlp, config = layer.self_attention, layer.mlp, layer.config
     qkv, proj, fc1, fc2 = (
         attention.linear_qkv,
@@ -375,6 +384,30 @@ def layer_steps(
     )
 
 
+def _metp_layer_steps(layer: nn.Module, group: ProcessGroup, site: str) -> tuple[Step, ...]:
+    """A ``metp_layer_spec`` layer: its attention and its MLP one op each (``runtime/metp``'s
+    autograd functions, which interleave their broadcasts and ring hops with their GEMMs;
+    ``cost_model.METP_OPS``), on this rank's 1/p of the tokens, never cut into pieces."""
+
+    def half(kernel: str, module: nn.Module) -> Step:
+        return Step(
+            forward=lambda x: (module(x)[0],),  # (output, bias): the bias after the residual
+            fwd_kernel=kernel,
+            bwd_kernel=kernel,
+            trainable=wants_grad(*module.parameters()),
+        )
+
+    attention, mlp, p = layer.self_attention, layer.mlp, layer.hidden_dropout
+    return (
+        _norm_step(layer.input_layernorm, "ln_attn", False),
+        half("metp_attn", attention),
+        _residual_add_step(attention.linear_proj.bias, p, f"{site}:attn", group, True, False),
+        _norm_step(layer.pre_mlp_layernorm, "ln_mlp", False),
+        half("metp_mlp", mlp),
+        _residual_add_step(mlp.linear_fc2.bias, p, f"{site}:mlp", group, True, False),
+    )
+
+
 def _attention(
     qkv: Tensor,
     heads: int,
@@ -445,6 +478,34 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
                 "torch LayerNorm or RMSNorm (megatron-core's WrappedTorchNorm); a norm "
                 "fused into the next linear is transformer-engine's",
             )
+    if isinstance(layer.self_attention, MetpSelfAttention):  # metp_layer_spec's
+        exactly("mlp", layer.mlp, MetpMLP)
+    else:
+        _check_tp_halves(layer, where, refuse, exactly)
+    for name in ("pre_cross_attn_layernorm", "cross_attention"):
+        exactly(name, getattr(layer, name), IdentityOp)
+    exactly("cross_attn_bda", layer.cross_attn_bda, IdentityFuncOp)
+    settings = {
+        "apply_residual_connection_post_layernorm": False,
+        "fp32_residual_connection": False,
+        "apply_query_key_layer_scaling": False,
+        "context_parallel_size": 1,
+    }
+    for field, wanted in settings.items():
+        if getattr(config, field) != wanted:
+            raise OptimusError(
+                f"{where}: TransformerConfig.{field} is {getattr(config, field)}; Optimus splits "
+                f"only layers with {field}={wanted}"
+            )
+
+
+def _check_tp_halves(
+    layer: nn.Module,
+    where: str,
+    refuse: Callable[[str, object, str], OptimusError],
+    exactly: Callable[..., None],
+) -> None:
+    """megatron-core's own attention and MLP, as ``layer_steps`` splits them."""
     exactly("self_attention", layer.self_attention, SelfAttention)
     attention = layer.self_attention
     exactly("self_attention.linear_qkv", attention.linear_qkv, ColumnParallelLinear)
@@ -466,21 +527,6 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
             f"{where}: self_attention has attn_mask_type {mask.name}; Optimus splits only "
             "attention without a mask tensor (no_mask or causal)"
         )
-    for name in ("pre_cross_attn_layernorm", "cross_attention"):
-        exactly(name, getattr(layer, name), IdentityOp)
-    exactly("cross_attn_bda", layer.cross_attn_bda, IdentityFuncOp)
     exactly("mlp", layer.mlp, MLP)
     exactly("mlp.linear_fc1", layer.mlp.linear_fc1, ColumnParallelLinear)
     exactly("mlp.linear_fc2", layer.mlp.linear_fc2, RowParallelLinear)
-    settings = {
-        "apply_residual_connection_post_layernorm": False,
-        "fp32_residual_connection": False,
-        "apply_query_key_layer_scaling": False,
-        "context_parallel_size": 1,
-    }
-    for field, wanted in settings.items():
-        if getattr(config, field) != wanted:
-            raise OptimusError(
-                f"{where}: TransformerConfig.{field} is {getattr(config, field)}; Optimus splits "
-                f"only layers with {field}={wanted}"
-            )

@@ -108,7 +108,12 @@ class OptimusEncoder:
         layout = build_encoder_rank_layout(llm_plan, enc_plan)
         groups = build_encoder_process_groups(layout, rank)
         encoder = EncoderStage(
-            config, groups.coords.pp, enc_plan.pp, groups.tp_group, layer_specs=layer_specs
+            config,
+            groups.coords.pp,
+            enc_plan.pp,
+            groups.tp_group,
+            layer_specs=layer_specs,
+            tp_mode=enc_plan.tp_mode,
         )
         ops = build_stage_ops(encoder.blocks(), config.training.recompute)
         hook_plan = build_hook_plan(artifact)

@@ -46,7 +46,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from optimus_mllm.config import EncoderConfig, OptimusConfig, encoder_tp_problem
+from optimus_mllm.config import EncoderConfig, OptimusConfig, TPMode, encoder_tp_problem
 from optimus_mllm.params import stage_layer_bounds
 from optimus_mllm.runtime.dtypes import ACTIVATIONS
 from optimus_mllm.runtime.encoder_ops import Block, Step, run_steps
@@ -63,6 +63,7 @@ from optimus_mllm.runtime.layer_ops import (
     vision_transformer_config,
     wants_grad,
 )
+from optimus_mllm.runtime.metp import metp_layer_spec
 
 Tensor = torch.Tensor
 InitMethod = Callable[[Tensor], Any]
@@ -318,7 +319,9 @@ class VisionStage(nn.Module):
     the projector if hi is the last; ``frozen`` freezes everything but the projector. The layers are
     built from ``layer_spec`` (a megatron-core ``TransformerLayer`` spec; default
     ``vision_layer_spec()``) with the encoder's sizes and TP, and split into steps by
-    ``layer_ops.layer_steps``."""
+    ``layer_ops.layer_steps``. Under ``tp_mode`` metp they are ``metp.metp_layer_spec``'s, on the
+    TP group's sequence-parallel tokens (METP's residual stream holds 1/p of them), one op per
+    attention and per MLP."""
 
     def __init__(
         self,
@@ -331,12 +334,21 @@ class VisionStage(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         init_std: float = 0.02,
         layer_spec: ModuleSpec | None = None,
+        tp_mode: TPMode = "1d",
     ):
         super().__init__()
         tp = tp_group.size()
         self.encoder = encoder
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp > 1
+        if tp_mode not in ("1d", "metp"):
+            raise ValueError(f"encoder {encoder.name}: tp_mode {tp_mode} has no runtime layers yet")
+        if tp_mode == "metp" and (layer_spec is not None or not self.sequence_parallel):
+            # the planner's chain prices METP on sequence-parallel tokens; trained.py refuses both
+            raise ValueError(
+                f"encoder {encoder.name}: tp_mode metp runs its own layers on sequence-parallel "
+                "tokens (TP >= 2); it takes no layer spec"
+            )
         problem = encoder_tp_problem(encoder, llm_hidden_size, self.sequence_parallel, tp)
         if problem:  # the planner and the config checks keep such plans out
             raise ValueError(f"encoder {encoder.name}: {problem}")
@@ -346,7 +358,10 @@ class VisionStage(nn.Module):
         self.patch_embed = (
             PatchEmbedding(encoder, layer_config.init_method, params_dtype) if first else None
         )
-        spec = layer_spec if layer_spec is not None else vision_layer_spec()
+        if tp_mode == "metp":
+            spec = metp_layer_spec(tp_group)
+        else:
+            spec = layer_spec if layer_spec is not None else vision_layer_spec()
         self.layers = nn.ModuleList(
             build_layer(spec, layer_config, tp_group, index)
             for index in range(self.first_layer, last_layer)
@@ -416,9 +431,11 @@ class EncoderStage(nn.Module):
         init_std: float = 0.02,
         layer_specs: Mapping[str, ModuleSpec] | None = None,
         layers: Mapping[str, tuple[int, int]] | None = None,
+        tp_mode: TPMode = "1d",
     ):
         """``layer_specs``: a megatron-core layer spec per encoder name (the others get
-        ``vision_layer_spec()``).
+        ``vision_layer_spec()``). ``tp_mode``: how ``tp_group`` splits the layers (the encoder
+        plan's, 1d or metp; ``VisionStage``).
         ``layers``: each encoder's [lo, hi) layers, in place of stage ``stage``'s even share of
         ``num_stages`` (the balanced baseline's uneven virtual stages)."""
         super().__init__()
@@ -440,6 +457,7 @@ class EncoderStage(nn.Module):
                     params_dtype=params_dtype,
                     init_std=init_std,
                     layer_spec=specs.get(enc.name),
+                    tp_mode=tp_mode,
                 )
                 for enc in config.encoders
             }
