@@ -184,6 +184,9 @@ class Trainer:
             artifact.encoder_plan.tp_mode
             if artifact is not None
             else config.parallel.encoder_tp_mode,
+            config.training.sequence_parallel,
+            mode,
+            user_model is not None or encoder_layer_specs is not None,
         )
         if user_model is not None and mode == "balanced":
             raise OptimusError(
@@ -293,6 +296,7 @@ class Trainer:
                 1,
                 parallel_state.get_tensor_model_parallel_group(),
                 layer_specs=encoder_layer_specs,
+                tp_mode=config.parallel.encoder_tp_mode,
             )
         self.schedules: IterationSchedules | None = None
         if mode == "optimus" and config.training.schedule_per_iteration:

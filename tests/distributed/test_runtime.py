@@ -23,6 +23,7 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 2  # the second step runs from the first one's update; more steps only cost CI time
 TINY = str(CONFIGS / "tiny.yaml")
+METP_TINY = str(CONFIGS / "metp_tiny.yaml")
 LLM_DP2 = ["parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}"]
 
 
@@ -89,6 +90,14 @@ def _train(
         "record": record,
         "planned": planned,
         "unplanned": [r.unplanned_collectives for r in results],
+        "attention": sorted(
+            {
+                type(layer.self_attention).__name__
+                for stage in trainer.encoder_stages
+                for vision in stage.encoders.values()
+                for layer in vision.layers
+            }
+        ),
     }
 
 
@@ -547,3 +556,20 @@ def test_balanced_baseline_trains_like_the_megatron_baseline(balanced, name):
     every weight and gradient by global name."""
     baseline, ours = balanced[name]
     _assert_same(ours, baseline, llm_by_rank=False)
+
+
+def test_an_metp_encoder_plan_trains_like_the_baseline():
+    """configs/metp_tiny.yaml on 4 ranks, 3 steps: optimus-plan's METP encoder plan (no 1D plan
+    fits its memory) under the Optimus runtime, its METP ops hooked at random LLM kernels (so its
+    broadcasts and ring run between the LLM's ops and collectives), against the Megatron-style
+    baseline running the same METP encoder over the LLM's TP group in the first stage: the same
+    losses, gradient norms, weights and gradients."""
+    planned = artifact_for(METP_TINY)
+    assert (planned.encoder_plan.tp, planned.encoder_plan.tp_mode) == (2, "metp")
+    runs = [([], "baseline", None, 3), ([], "optimus", shuffled_hooks(planned, seed=1), 3)]
+    baseline, ours = zip(*run_distributed(_train_runs, 4, METP_TINY, runs, timeout=400))
+    _assert_same(list(ours), list(baseline))
+    for results in (ours, baseline):
+        assert {name for r in results for name in r["attention"]} == {"MetpSelfAttention"}
+    outside = (EventKind.PRE, EventKind.POST)
+    assert any(op[0].kind not in outside for r in ours for op in r["record"])
