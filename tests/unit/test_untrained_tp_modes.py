@@ -75,3 +75,18 @@ def test_1d_and_metp_encoders_pass():
         refuse_untrained_tp_modes("1d", mode, True, "optimus")
     refuse_untrained_tp_modes("1d", "metp", True, "baseline")
     refuse_untrained_tp_modes("1d", "1d", False, "balanced", own_layers=True)
+
+
+def test_the_baseline_refuses_an_metp_encoder_at_an_llm_tp_it_cannot_ring(monkeypatch, capsys):
+    torchrun = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    for name, value in {**torchrun, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    llm_tp1 = "parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}"
+    argv = ["--config", str(CONFIGS / "metp_tiny.yaml"), "--baseline", "--override", llm_tp1]
+    assert main(argv) == 2
+    _, err = capsys.readouterr()
+    assert err == (
+        "optimus-train: error: --baseline runs model.encoders[0] at the LLM's tp=1, but its "
+        "tp_mode=metp needs a TP degree of at least 2 (its ring), got tp=1; run it without "
+        "--baseline or pick another parallel.llm.tp\n"
+    )
