@@ -234,7 +234,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
     refuse_untrained_tp_modes(
         llm_mode,
         config.parallel.encoder_tp_mode,
-        config.training.sequence_parallel,
+        config,
         _trainer_mode(args.baseline),
     )
     if world_size != config.cluster.num_gpus:

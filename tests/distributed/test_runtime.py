@@ -24,6 +24,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 2  # the second step runs from the first one's update; more steps only cost CI time
 TINY = str(CONFIGS / "tiny.yaml")
 METP_TINY = str(CONFIGS / "metp_tiny.yaml")
+SUMMA_TINY = str(CONFIGS / "summa_tiny.yaml")
 LLM_DP2 = ["parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}"]
 
 
@@ -37,6 +38,7 @@ def _train(
     """One rank: train, then report losses, grad norms, (weight, gradient) pairs (encoder ones
     whole, by
     plan-independent name), log."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from optimus_mllm.config import load_config
@@ -62,12 +64,21 @@ def _train(
     }
     encoder = {}
     for stage in trainer.encoder_stages:
+        named = global_parameter_names(stage)
+        if any(vision.grid is not None for vision in stage.encoders.values()):
+            # 2D blocks (vectors on grid row 0 only): each rank's own, named by rank; both runs
+            # hold the grid on the same ranks
+            rank = dist.get_rank()
+            pairs = {
+                f"rank {rank}: {n}": (p.detach(), getattr(p, "main_grad", p.grad))
+                for n, p in named.items()
+            }
+        else:
+            pairs = whole_parameters(named, stage.tp_group)
         encoder.update(
             {
                 n: (w.float().numpy(), None if g is None else g.float().numpy())
-                for n, (w, g) in whole_parameters(
-                    global_parameter_names(stage), stage.tp_group
-                ).items()
+                for n, (w, g) in pairs.items()
             }
         )
     planned = []
@@ -90,9 +101,10 @@ def _train(
         "record": record,
         "planned": planned,
         "unplanned": [r.unplanned_collectives for r in results],
-        "attention": sorted(
+        "attention": sorted(  # the encoder layers' attention and QKV linear classes
             {
-                type(layer.self_attention).__name__
+                f"{type(layer.self_attention).__name__} "
+                f"{type(layer.self_attention.linear_qkv).__name__}"
                 for stage in trainer.encoder_stages
                 for vision in stage.encoders.values()
                 for layer in vision.layers
@@ -558,18 +570,27 @@ def test_balanced_baseline_trains_like_the_megatron_baseline(balanced, name):
     _assert_same(ours, baseline, llm_by_rank=False)
 
 
-def test_an_metp_encoder_plan_trains_like_the_baseline():
-    """configs/metp_tiny.yaml on 4 ranks, 3 steps: optimus-plan's METP encoder plan (no 1D plan
-    fits its memory) under the Optimus runtime, its METP ops hooked at random LLM kernels (so its
-    broadcasts and ring run between the LLM's ops and collectives), against the Megatron-style
-    baseline running the same METP encoder over the LLM's TP group in the first stage: the same
-    losses, gradient norms, weights and gradients."""
-    planned = artifact_for(METP_TINY)
-    assert (planned.encoder_plan.tp, planned.encoder_plan.tp_mode) == (2, "metp")
+@pytest.mark.parametrize(
+    "config, mode, attention",
+    [
+        (METP_TINY, "metp", "MetpSelfAttention _Linear"),
+        (SUMMA_TINY, "2d", "SelfAttention Linear2D"),
+    ],
+    ids=["metp", "2d"],
+)
+def test_an_encoder_plan_in_another_tp_mode_trains_like_the_baseline(config, mode, attention):
+    """configs/metp_tiny.yaml (LLM PP2 TP2) and configs/summa_tiny.yaml (LLM PP1 TP4) on 4 ranks,
+    3 steps: optimus-plan's METP or 2D encoder plan (no 1D plan fits its memory) under the Optimus
+    runtime, its ops hooked at random LLM kernels (so its ring, broadcasts and reduces run between
+    the LLM's ops and collectives), against the Megatron-style baseline running the same encoder in
+    the same mode over the LLM's TP group in the first stage: the same losses, gradient norms,
+    weights and gradients."""
+    planned = artifact_for(config)
+    assert planned.encoder_plan.tp_mode == mode
     runs = [([], "baseline", None, 3), ([], "optimus", shuffled_hooks(planned, seed=1), 3)]
-    baseline, ours = zip(*run_distributed(_train_runs, 4, METP_TINY, runs, timeout=400))
+    baseline, ours = zip(*run_distributed(_train_runs, 4, config, runs, timeout=400))
     _assert_same(list(ours), list(baseline))
     for results in (ours, baseline):
-        assert {name for r in results for name in r["attention"]} == {"MetpSelfAttention"}
+        assert {name for r in results for name in r["attention"]} == {attention}
     outside = (EventKind.PRE, EventKind.POST)
     assert any(op[0].kind not in outside for r in ours for op in r["record"])

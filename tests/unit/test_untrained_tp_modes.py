@@ -27,8 +27,8 @@ ENCODER = "parallel.encoder.tp_mode"
     "overrides, error",
     [
         (
-            ["parallel.encoder.tp_mode=2d"],
-            f"{ENCODER}: {MODEL_ONLY.format(trained='1d and metp', mode='2d')}",
+            ["parallel.encoder.tp_mode=3d"],
+            f"{ENCODER}: {MODEL_ONLY.format(trained='1d, metp and 2d', mode='3d')}",
         ),
         (
             ["parallel.llm={dp: 1, pp: 4, tp: 2, tp_mode: metp}", "parallel.encoder.tp_mode=1d"],
@@ -70,11 +70,13 @@ def test_the_trainer_refuses_a_plan_in_a_tp_mode_it_cannot_train():
         Trainer(load_config(METP), ParallelPlan(1, 4, 2), "baseline", encoder_layer_specs={})
 
 
-def test_1d_and_metp_encoders_pass():
-    for mode in ("1d", "metp"):
-        refuse_untrained_tp_modes("1d", mode, True, "optimus")
-    refuse_untrained_tp_modes("1d", "metp", True, "baseline")
-    refuse_untrained_tp_modes("1d", "1d", False, "balanced", own_layers=True)
+def test_1d_metp_and_2d_encoders_pass():
+    metp = load_config(CONFIGS / "metp_tiny.yaml")
+    summa = load_config(CONFIGS / "summa_tiny.yaml")
+    for runtime in ("optimus", "baseline"):
+        refuse_untrained_tp_modes("1d", "metp", metp, runtime)
+        refuse_untrained_tp_modes("1d", "2d", summa, runtime)
+    refuse_untrained_tp_modes("1d", "1d", summa, "balanced", own_layers=True)
 
 
 def test_the_baseline_refuses_an_metp_encoder_at_an_llm_tp_it_cannot_ring(monkeypatch, capsys):
