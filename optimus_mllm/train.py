@@ -237,6 +237,14 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
         config,
         _trainer_mode(args.baseline),
     )
+    checkpointed = args.save or args.resume or args.pretrained_checkpoint or args.pretrained_encoder
+    if config.parallel.encoder_tp_mode == "2d" and checkpointed:
+        # layers_2d's blocks would be saved as replicas of one another
+        raise ConfigError(
+            "parallel.encoder.tp_mode",
+            "2d encoders are not checkpointed yet; drop --save, --resume and the encoder's "
+            "--pretrained-* flags, or use tp_mode 1d or metp",
+        )
     if world_size != config.cluster.num_gpus:
         raise OptimusError(
             f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "

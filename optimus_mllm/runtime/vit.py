@@ -406,8 +406,12 @@ class VisionStage(nn.Module):
             PatchEmbedding(encoder, layer_config.init_method, params_dtype) if first else None
         )
         layer_group = tp_group
-        if tp_mode == "metp":
+        if tp_mode == "metp":  # its norms saved under vision_layer_spec's keys, as its shards
+            keys = vision_layer_spec().submodules.sharded_state_dict_keys_map
             spec = metp_layer_spec(tp_group)
+            spec = replace(
+                spec, submodules=replace(spec.submodules, sharded_state_dict_keys_map=keys)
+            )
         elif grid is not None:  # a ViT attends both ways; heads split over the grid's rows
             spec, layer_group = get_2d_layer_spec(grid, AttnMaskType.no_mask), grid.row_group
         else:

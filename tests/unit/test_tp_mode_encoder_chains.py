@@ -66,3 +66,27 @@ def test_runtime_ops_are_the_chain(job, mode: str, recompute: str, num_stages: i
             assert [op.is_comm for op in getattr(ops, phase)] == [k.is_comm for k in kernels]
         first = min(layer for _, layer, _, _ in ops.chain("fwd") if layer >= 0)
         assert [n for _, layer, n, _ in ops.chain("fwd") if layer == first] == layer_ops
+
+
+def test_metp_layers_are_checkpointed_as_their_tp_shards(job) -> None:
+    """A METP layer's sharded state (what ``sharded_state`` saves per layer) holds each linear's
+    shard of the whole tensor, as 1D TP's does, not a replica per rank, and its norms under
+    ``vision_layer_spec``'s keys: a resumed METP run gets its own shards back."""
+    from optimus_mllm.runtime.sharded_state import sharded_tensors
+
+    config = load_config(CONFIGS / "metp_tiny.yaml")
+    enc = config.encoders[0]
+    stage = EncoderStage(config, 0, 1, dist.new_group([0, 1]), tp_mode="metp")
+    layer = stage.encoders[enc.name].layers[0]
+    metadata = {"dp_cp_group": dist.new_group([0])}
+    tensors = sharded_tensors(layer.sharded_state_dict("", ((0, 0, enc.num_layers),), metadata))
+    whole = {
+        "self_attention.linear_qkv.weight": (3 * enc.hidden_size, enc.hidden_size),
+        "self_attention.linear_proj.weight": (enc.hidden_size, enc.hidden_size),
+        "mlp.linear_fc1.weight": (enc.ffn_hidden_size, enc.hidden_size),
+        "mlp.linear_fc2.weight": (enc.hidden_size, enc.ffn_hidden_size),
+        "self_attention.linear_qkv.layer_norm_weight": (enc.hidden_size,),
+    }
+    for name, shape in whole.items():
+        (first, *_) = tensors[name]
+        assert first.global_shape == (enc.num_layers, *shape), name

@@ -79,6 +79,17 @@ def test_1d_metp_and_2d_encoders_pass():
     refuse_untrained_tp_modes("1d", "1d", summa, "balanced", own_layers=True)
 
 
+def test_a_2d_encoder_is_not_checkpointed_yet(monkeypatch, capsys, tmp_path):
+    torchrun = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
+    for name, value in {**torchrun, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--config", str(CONFIGS / "summa_tiny.yaml"), "--save", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        "optimus-train: error: parallel.encoder.tp_mode: 2d encoders are not checkpointed yet; "
+        "drop --save, --resume and the encoder's --pretrained-* flags, or use tp_mode 1d or metp\n"
+    )
+
+
 def test_the_baseline_refuses_an_metp_encoder_at_an_llm_tp_it_cannot_ring(monkeypatch, capsys):
     torchrun = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}
     for name, value in {**torchrun, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
