@@ -872,3 +872,71 @@ def _metp(rank: _Rank) -> tuple[list[KernelWork], list[KernelWork]]:
         r.memory("ln_attn", "bwd", tokens * r.h),
     ]
     return forward, backward
+
+
+# The encoder's ops for a METP or 2D layer: the runtime's ops, which the scheduler places.
+#
+# The runtime runs METP's attention and its MLP each as one autograd function (``runtime/metp``),
+# whose broadcasts and ring hops interleave with its GEMMs, one owner's shards or one K/V block at a
+# time; the kinds the chain above sums cannot run apart. So the encoder's chain for a METP layer
+# holds four ops, ``ln_attn, metp_attn, ln_mlp, metp_mlp`` (the backward in reverse, all four again
+# as ``recompute_`` ops first under full recomputation), each half's op a compute op of the sum of
+# its kernels' times: its ring and broadcasts run inside it, not beside the LLM's compute.
+#
+# A 2D linear (``tp_modes.summa.SummaLinear``) interleaves its q broadcasts with its q GEMMs, and
+# its backward its reduces, in one autograd function: its op is the linear's name, its broadcasts
+# and reduces summed into it (``ln_attn, qkv, attn_core, attn_proj, ln_mlp, fc1, act, fc2``).
+METP_OPS = {
+    "metp_attn": frozenset(
+        {
+            "metp_bcast_attn",
+            "qkv",
+            "metp_p2p_kv",
+            "attn_core",
+            "attn_proj",
+            "metp_p2p_kv_grad",
+            "metp_reduce_attn_grad",
+        }
+    ),
+    "metp_mlp": frozenset({"metp_p2p_mlp", "fc1", "act", "fc2", "metp_p2p_mlp_grad"}),
+}
+
+
+def _metp_op(kernel: str) -> str:
+    return next((op for op, members in METP_OPS.items() if kernel in members), kernel)
+
+
+def _summa_op(kernel: str) -> str:
+    return kernel.removeprefix("summa_bcast_").removeprefix("summa_reduce_")
+
+
+# per mode whose encoder layers the runtime trains, the op a kernel of its chain belongs to
+_OP_OF: dict[TPMode, Callable[[str], str]] = {"metp": _metp_op, "2d": _summa_op}
+
+
+def runtime_layer_ops(shape: LayerShape, phase: Phase, kernels: list[Kernel]) -> list[Kernel]:
+    """A METP or 2D layer's costed kernels (``CostModel.layer``'s, in ``layer_kernels`` order) as
+    the runtime's ops: consecutive kernels of one op summed into a compute op of its name; under
+    full recomputation the backward's rerun of the forward first, named ``recompute_`` + op."""
+    op_of = _OP_OF[shape.tp_mode]
+    rerun = len(layer_kernels(shape, "fwd")) if phase == "bwd" and shape.recompute == "full" else 0
+    return _fused(kernels[:rerun], RECOMPUTE_PREFIX, op_of) + _fused(kernels[rerun:], "", op_of)
+
+
+def has_runtime_layer_ops(mode: TPMode) -> bool:
+    """Whether ``runtime_layer_ops`` takes a layer in ``mode``."""
+    return mode in _OP_OF
+
+
+def _fused(kernels: list[Kernel], prefix: str, op_of: Callable[[str], str]) -> list[Kernel]:
+    ops: list[Kernel] = []
+    for k in kernels:
+        name = prefix + op_of(k.name.removeprefix(RECOMPUTE_PREFIX))
+        if ops and ops[-1].name == name:
+            last = ops[-1]
+            ops[-1] = Kernel(
+                name, last.phase, False, last.duration_us + k.duration_us, last.flops + k.flops
+            )
+        else:
+            ops.append(Kernel(name, k.phase, False, k.duration_us, k.flops))
+    return ops

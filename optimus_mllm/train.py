@@ -31,13 +31,14 @@ import torch
 import torch.distributed as dist
 
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, quiet_library_warnings
-from optimus_mllm.config import OptimusConfig, encoder_tp_problem, load_config
+from optimus_mllm.config import OptimusConfig, encoder_tp_problem, load_config, tp_mode_problem
 from optimus_mllm.cost_model import CostModel
 from optimus_mllm.errors import AgreedError, ConfigError, OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.checkpoint_meta import (
     CheckpointInfo,
+    Mode,
     check_resumable,
     dist_checkpoint_folder,
     latest_checkpoint,
@@ -230,7 +231,20 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
         )
     config = load_config(args.config, [*args.override, *_scheduler_flag_overrides(args)])
     llm_mode = config.parallel.llm.tp_mode if config.parallel.llm is not None else "1d"
-    refuse_untrained_tp_modes(llm_mode, config.parallel.encoder_tp_mode)
+    refuse_untrained_tp_modes(
+        llm_mode,
+        config.parallel.encoder_tp_mode,
+        config,
+        _trainer_mode(args.baseline),
+    )
+    checkpointed = args.save or args.resume or args.pretrained_checkpoint or args.pretrained_encoder
+    if config.parallel.encoder_tp_mode == "2d" and checkpointed:
+        # layers_2d's blocks would be saved as replicas of one another
+        raise ConfigError(
+            "parallel.encoder.tp_mode",
+            "2d encoders are not checkpointed yet; drop --save, --resume and the encoder's "
+            "--pretrained-* flags, or use tp_mode 1d or metp",
+        )
     if world_size != config.cluster.num_gpus:
         raise OptimusError(
             f"this job has {world_size} processes but cluster.num_gpus={config.cluster.num_gpus}; "
@@ -292,6 +306,11 @@ def job_settings(job: Job, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _trainer_mode(baseline: str | None) -> Mode:
+    """The ``Trainer``'s mode for ``--baseline``'s value (None: Optimus)."""
+    return {None: "optimus", "megatron-lm": "baseline", "balanced": "balanced"}[baseline]
+
+
 def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan) -> None:
     """Both baselines run the encoders at the LLM's TP; the balanced one as ``runtime.balanced``
     can."""
@@ -299,7 +318,7 @@ def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan
     for i, enc in enumerate(config.encoders):
         problem = encoder_tp_problem(
             enc, config.llm.hidden_size, config.training.sequence_parallel, tp
-        )
+        ) or tp_mode_problem(enc, config.parallel.encoder_tp_mode, tp)
         if problem:
             raise OptimusError(
                 f"--baseline runs model.encoders[{i}] at the LLM's tp={tp}, but its {problem}; "
@@ -488,7 +507,7 @@ def train(
     from optimus_mllm.runtime.trainer import Trainer
 
     config, iters = job.config, job.config.training.train_iters
-    mode = {None: "optimus", "megatron-lm": "baseline", "balanced": "balanced"}[job.baseline]
+    mode = _trainer_mode(job.baseline)
     trainer = Trainer(config, job.llm_plan, mode, job.artifact)
     first = 0
     for part, folder, flag in job.pretrained:

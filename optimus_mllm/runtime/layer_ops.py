@@ -18,12 +18,20 @@ TP collectives (explicit adjoints, so a backward collective is an op of its own)
   qkv/fc1 (adjoint reduce-scatter), reduce-scatter after linear_proj/fc2 (adjoint all-gather). The
   layer is built with megatron-core's ``sequence_parallel`` off (the steps, not its forward, gather
   and scatter), and the parameters applied to a rank's own tokens are marked by the caller.
+
+A layer of ``metp.metp_layer_spec`` (tp_mode metp) is four ops, ``ln_attn, metp_attn, ln_mlp,
+metp_mlp``: METP's attention and MLP interleave their broadcasts and ring hops with their GEMMs
+inside one autograd function each, so each runs whole, and the scheduler's chain for the mode is
+the same four (``cost_model.runtime_layer_ops``). A layer of ``layers_2d.get_2d_layer_spec``
+(tp_mode 2d) is 1D's compute ops on its rank's grid block, each linear's SUMMA broadcasts and
+reduces inside its op, and the chain for 2d likewise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +57,8 @@ from optimus_mllm.runtime.dropout import dropout, site_seed
 from optimus_mllm.runtime.dtypes import ACTIVATIONS
 from optimus_mllm.runtime.encoder_ops import Step
 from optimus_mllm.runtime.llm import SdpaCoreAttention, unfused_settings
+from optimus_mllm.runtime.metp import MetpMLP, MetpSelfAttention
+from optimus_mllm.runtime.tp_modes.layers_2d import LayerNorm2D, Linear2D
 
 Tensor = torch.Tensor
 
@@ -287,7 +297,8 @@ def layer_steps(
     """The steps of a megatron-core ``TransformerLayer`` on TP group ``group``.
 
     Args:
-        layer: built with TP size ``group.size()`` from a local-spec ``ModuleSpec``.
+        layer: built with TP size ``group.size()`` from a local-spec ``ModuleSpec``, or from
+            ``metp_layer_spec`` (then on this rank's tokens, whatever ``sequence_parallel``).
         group: the layer's TP group.
         sequence_parallel: the residual stream holds this rank's 1/TP of the tokens.
         site: ``encoder:global layer``, which names the layer's dropout masks.
@@ -296,6 +307,10 @@ def layer_steps(
         OptimusError: a submodule these steps cannot reproduce, named.
     """
     check_decomposable(layer, site)
+    if isinstance(layer.self_attention, MetpSelfAttention):
+        return _metp_layer_steps(layer, group, site)
+    if isinstance(layer.self_attention.linear_qkv, Linear2D):
+        return _summa_layer_steps(layer, site)
     attention, mlp, config = layer.self_attention, layer.mlp, layer.config
     qkv, proj, fc1, fc2 = (
         attention.linear_qkv,
@@ -375,6 +390,87 @@ def layer_steps(
     )
 
 
+def _metp_layer_steps(layer: nn.Module, group: ProcessGroup, site: str) -> tuple[Step, ...]:
+    """A ``metp_layer_spec`` layer: its attention and its MLP one op each (``runtime/metp``'s
+    autograd functions, which interleave their broadcasts and ring hops with their GEMMs;
+    ``cost_model.METP_OPS``), on this rank's 1/p of the tokens, never cut into pieces."""
+
+    def half(kernel: str, module: nn.Module) -> Step:
+        return Step(
+            forward=lambda x: (module(x)[0],),  # (output, bias): the bias after the residual
+            fwd_kernel=kernel,
+            bwd_kernel=kernel,
+            trainable=wants_grad(*module.parameters()),
+        )
+
+    attention, mlp, p = layer.self_attention, layer.mlp, layer.hidden_dropout
+    return (
+        _norm_step(layer.input_layernorm, "ln_attn", False),
+        half("metp_attn", attention),
+        _residual_add_step(attention.linear_proj.bias, p, f"{site}:attn", group, True, False),
+        _norm_step(layer.pre_mlp_layernorm, "ln_mlp", False),
+        half("metp_mlp", mlp),
+        _residual_add_step(mlp.linear_fc2.bias, p, f"{site}:mlp", group, True, False),
+    )
+
+
+def _summa_layer_steps(layer: nn.Module, site: str) -> tuple[Step, ...]:
+    """A ``get_2d_layer_spec`` layer on its rank's ``[s, b/q, h/q]`` block: its norms, linears,
+    core attention (the row's heads of the rank's samples) and activation one op each, each linear's
+    SUMMA broadcasts and reduces inside its op (``tp_modes.summa.SummaLinear``), its bias (hosted on
+    grid row 0) added in it; never cut into pieces.
+
+    Every step is differentiated on every rank of the grid when any of the layer's parameters wants
+    a gradient (rows other than 0 hold no norm weights, but their backward joins the reduce to row
+    0), so all ranks run the same ops."""
+    attention, mlp, config = layer.self_attention, layer.mlp, layer.config
+    if config.hidden_dropout or config.attention_dropout:
+        raise OptimusError(
+            f"{site}: 2D layers run without dropout here; set hidden_dropout and attention_dropout "
+            "to 0"
+        )
+    trainable = wants_grad(*layer.parameters())
+    core = attention.core_attention
+    heads, groups = (
+        attention.num_attention_heads_per_partition,
+        attention.num_query_groups_per_partition,
+    )
+    head_dim, scale = attention.hidden_size_per_attention_head, core.softmax_scale
+    causal = core.attn_mask_type == _CAUSAL
+
+    def step(kernel: str | None, fn: Callable[..., tuple[Tensor, ...]], **kw: Any) -> Step:
+        return Step(forward=fn, fwd_kernel=kernel, bwd_kernel=kernel, trainable=trainable, **kw)
+
+    def linear2d(kernel: str, module: nn.Module) -> Step:
+        def forward(x: Tensor) -> tuple[Tensor]:
+            out, bias = module(x)
+            return (out if bias is None else out + bias,)
+
+        return step(kernel, forward)
+
+    def norm(kernel: str, module: nn.Module) -> Step:
+        return step(kernel, lambda h: (module(h), h), writes=("hidden", "residual"))
+
+    def attend(x: Tensor) -> tuple[Tensor]:
+        return (_attention(x, heads, groups, head_dim, scale, causal, 0.0, None, 0),)
+
+    def add(x: Tensor, residual: Tensor) -> tuple[Tensor]:
+        return (x + residual,)
+
+    return (
+        norm("ln_attn", layer.input_layernorm),
+        linear2d("qkv", attention.linear_qkv),
+        step("attn_core", attend),
+        linear2d("attn_proj", attention.linear_proj),
+        step(None, add, reads=("hidden", "residual")),
+        norm("ln_mlp", layer.pre_mlp_layernorm),
+        linear2d("fc1", mlp.linear_fc1),
+        step("act", lambda x: (config.activation_func(x),)),
+        linear2d("fc2", mlp.linear_fc2),
+        step(None, add, reads=("hidden", "residual")),
+    )
+
+
 def _attention(
     qkv: Tensor,
     heads: int,
@@ -436,15 +532,66 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
 
     exactly("the layer", layer, TransformerLayer)
     config = layer.config
+    on_grid = isinstance(getattr(layer.self_attention, "linear_qkv", None), Linear2D)
+    if on_grid:  # get_2d_layer_spec's
+        _check_grid_layer(layer, where, exactly)
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         norm = getattr(layer, name)
-        if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
+        if not on_grid and not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
             raise refuse(
                 name,
                 norm,
                 "torch LayerNorm or RMSNorm (megatron-core's WrappedTorchNorm); a norm "
                 "fused into the next linear is transformer-engine's",
             )
+    if isinstance(layer.self_attention, MetpSelfAttention):  # metp_layer_spec's
+        exactly("mlp", layer.mlp, MetpMLP)
+    elif not on_grid:
+        _check_tp_halves(layer, where, refuse, exactly)
+    for name in ("pre_cross_attn_layernorm", "cross_attention"):
+        exactly(name, getattr(layer, name), IdentityOp)
+    exactly("cross_attn_bda", layer.cross_attn_bda, IdentityFuncOp)
+    settings = {
+        "apply_residual_connection_post_layernorm": False,
+        "fp32_residual_connection": False,
+        "apply_query_key_layer_scaling": False,
+        "context_parallel_size": 1,
+    }
+    for field, wanted in settings.items():
+        if getattr(config, field) != wanted:
+            raise OptimusError(
+                f"{where}: TransformerConfig.{field} is {getattr(config, field)}; Optimus splits "
+                f"only layers with {field}={wanted}"
+            )
+
+
+def _check_grid_layer(layer: nn.Module, where: str, exactly: Callable[..., None]) -> None:
+    """``get_2d_layer_spec``'s layer: megatron-core's attention and MLP on 2D linears, norms."""
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        exactly(name, getattr(layer, name), LayerNorm2D)
+    exactly("self_attention", layer.self_attention, SelfAttention)
+    attention = layer.self_attention
+    for name in ("linear_qkv", "linear_proj"):
+        exactly(f"self_attention.{name}", getattr(attention, name), Linear2D)
+    exactly("self_attention.core_attention", attention.core_attention, DotProductAttention)
+    mask = attention.core_attention.attn_mask_type
+    if mask not in (_BIDIRECTIONAL, _CAUSAL):
+        raise OptimusError(
+            f"{where}: self_attention has attn_mask_type {mask.name}; Optimus splits only "
+            "attention without a mask tensor (no_mask or causal)"
+        )
+    exactly("mlp", layer.mlp, MLP)
+    for name in ("linear_fc1", "linear_fc2"):
+        exactly(f"mlp.{name}", getattr(layer.mlp, name), Linear2D)
+
+
+def _check_tp_halves(
+    layer: nn.Module,
+    where: str,
+    refuse: Callable[[str, object, str], OptimusError],
+    exactly: Callable[..., None],
+) -> None:
+    """megatron-core's own attention and MLP, as ``layer_steps`` splits them."""
     exactly("self_attention", layer.self_attention, SelfAttention)
     attention = layer.self_attention
     exactly("self_attention.linear_qkv", attention.linear_qkv, ColumnParallelLinear)
@@ -466,21 +613,6 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
             f"{where}: self_attention has attn_mask_type {mask.name}; Optimus splits only "
             "attention without a mask tensor (no_mask or causal)"
         )
-    for name in ("pre_cross_attn_layernorm", "cross_attention"):
-        exactly(name, getattr(layer, name), IdentityOp)
-    exactly("cross_attn_bda", layer.cross_attn_bda, IdentityFuncOp)
     exactly("mlp", layer.mlp, MLP)
     exactly("mlp.linear_fc1", layer.mlp.linear_fc1, ColumnParallelLinear)
     exactly("mlp.linear_fc2", layer.mlp.linear_fc2, RowParallelLinear)
-    settings = {
-        "apply_residual_connection_post_layernorm": False,
-        "fp32_residual_connection": False,
-        "apply_query_key_layer_scaling": False,
-        "context_parallel_size": 1,
-    }
-    for field, wanted in settings.items():
-        if getattr(config, field) != wanted:
-            raise OptimusError(
-                f"{where}: TransformerConfig.{field} is {getattr(config, field)}; Optimus splits "
-                f"only layers with {field}={wanted}"
-            )

@@ -501,12 +501,42 @@ def _bias(config: TransformerConfig, size: int, sequence_parallel: bool) -> nn.P
 
 
 class _Linear(nn.Module):
-    """A weight (and bias) under megatron-core's submodule name, so state-dict keys match TP's."""
+    """A weight (and bias) under megatron-core's submodule name, so state-dict keys match TP's,
+    and checkpointed as megatron-core's TP linears are: sharded over ``group`` along each
+    parameter's ``partition_dim`` (the others replicated), so a METP checkpoint and a 1D one hold
+    the same tensors."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: ProcessGroup):
         super().__init__()
         self.weight = weight
         self.bias = bias
+        self.tp_group = group
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict | None = None,
+    ) -> dict[str, Any]:
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        axes = {
+            name: param.partition_dim
+            for name, param in self.named_parameters()
+            if getattr(param, "tensor_model_parallel", False)
+        }
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            axes,
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
 
 
 def _group_size(config: TransformerConfig, group: ProcessGroup) -> int:
@@ -542,16 +572,19 @@ class MetpMLP(MegatronModule):
         super().__init__(config=config)
         _experimental("METP MLP")
         self.group = tp_group if tp_group is not None else _default_group()
+        self.tp_group = self.group  # megatron-core's sharded_state_dict reads it
         p = _group_size(config, self.group)
         h, ffn = config.hidden_size, config.ffn_hidden_size
         fc1 = 2 * ffn if config.gated_linear_unit else ffn  # a shard: [gate_r; up_r], as TP's
         self.linear_fc1 = _Linear(
             _shard(config, fc1, h, 0, self.group, config.init_method),
             _bias(config, fc1 // p, sequence_parallel=False),
+            self.group,
         )
         self.linear_fc2 = _Linear(
             _shard(config, h, ffn, 1, self.group, config.output_layer_init_method),
             _bias(config, h, sequence_parallel=True),
+            self.group,
         )
         self.activation_func: Activation = config.activation_func
         if config.gated_linear_unit:
@@ -598,6 +631,7 @@ class MetpSelfAttention(MegatronModule):
             raise ConfigError("attn_mask_type", "METP attention takes no_mask or causal only")
         group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         self.group = group if group is not None else _default_group()
+        self.tp_group = self.group  # megatron-core's sharded_state_dict reads it
         p = _group_size(config, self.group)
         heads, d = config.num_attention_heads, config.kv_channels
         groups = config.num_query_groups or heads
@@ -617,10 +651,12 @@ class MetpSelfAttention(MegatronModule):
         self.linear_proj = _Linear(
             _shard(config, h, heads * d, 1, self.group, config.output_layer_init_method),
             _bias(config, h, sequence_parallel=True),
+            self.group,
         )
         self.linear_qkv = _Linear(
             _shard(config, qkv, h, 0, self.group, config.init_method),
             _bias(config, qkv // p, sequence_parallel=False) if with_qkv_bias else None,
+            self.group,
         )
 
     def forward(

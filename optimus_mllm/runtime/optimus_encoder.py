@@ -58,6 +58,7 @@ from optimus_mllm.runtime.process_groups import (
 )
 from optimus_mllm.runtime.sharded_state import copy_sharded_state, encoder_sharded_state_dict
 from optimus_mllm.runtime.streams import EncoderStream
+from optimus_mllm.runtime.tp_modes.groups import build_grids
 from optimus_mllm.runtime.user_model import (
     ImageEmbeddingsInput,
     describe_projector,
@@ -107,8 +108,16 @@ class OptimusEncoder:
         m = encoder_pipelines_per_llm_pipeline(llm_plan, enc_plan)
         layout = build_encoder_rank_layout(llm_plan, enc_plan)
         groups = build_encoder_process_groups(layout, rank)
+        # every rank builds every encoder TP group's grid (collective), keeps its own
+        grid = build_grids(layout.tp_groups) if enc_plan.tp_mode == "2d" else None
         encoder = EncoderStage(
-            config, groups.coords.pp, enc_plan.pp, groups.tp_group, layer_specs=layer_specs
+            config,
+            groups.coords.pp,
+            enc_plan.pp,
+            groups.tp_group,
+            layer_specs=layer_specs,
+            tp_mode=enc_plan.tp_mode,
+            grid=grid,
         )
         ops = build_stage_ops(encoder.blocks(), config.training.recompute)
         hook_plan = build_hook_plan(artifact)

@@ -98,6 +98,7 @@ from optimus_mllm.runtime.optimus_encoder import (
     user_vision_spec,
 )
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
+from optimus_mllm.runtime.tp_modes.groups import Grid2D, build_grids
 from optimus_mllm.runtime.tp_modes.trained import refuse_untrained_tp_modes
 from optimus_mllm.runtime.user_model import (
     UserModel,
@@ -184,7 +185,20 @@ class Trainer:
             artifact.encoder_plan.tp_mode
             if artifact is not None
             else config.parallel.encoder_tp_mode,
+            config,
+            mode,
+            user_model is not None or encoder_layer_specs is not None,
         )
+        if (
+            artifact is not None
+            and artifact.encoder_plan.tp_mode == "2d"
+            and artifact.encoder_plan.pp > 1
+        ):
+            raise ConfigError(
+                "parallel.encoder.pp",
+                "a 2d encoder trains in one pipeline stage yet (stages would pass grid blocks); "
+                "set pp: 1",
+            )
         if user_model is not None and mode == "balanced":
             raise OptimusError(
                 "the balanced baseline runs this project's ViT and GPT; a model_provider's model "
@@ -286,14 +300,20 @@ class Trainer:
             self._adopt_user_vision()
         elif mode == "optimus":
             self._build_optimus_encoder()
-        elif mode == "baseline" and self.stage == 0:
-            self.encoder = EncoderStage(
-                config,
-                0,
-                1,
-                parallel_state.get_tensor_model_parallel_group(),
-                layer_specs=encoder_layer_specs,
-            )
+        elif mode == "baseline":
+            # the encoder at the LLM's TP: 2d on the grid over its TP group (every rank builds
+            # every group's grid, collective); built on the first stage
+            grid = llm_tp_grid() if config.parallel.encoder_tp_mode == "2d" else None
+            if self.stage == 0:
+                self.encoder = EncoderStage(
+                    config,
+                    0,
+                    1,
+                    parallel_state.get_tensor_model_parallel_group(),
+                    layer_specs=encoder_layer_specs,
+                    tp_mode=config.parallel.encoder_tp_mode,
+                    grid=grid,
+                )
         self.schedules: IterationSchedules | None = None
         if mode == "optimus" and config.training.schedule_per_iteration:
             if self.image_count is None:
@@ -674,6 +694,20 @@ class Trainer:
             parallel_state.destroy_model_parallel()
         if self._owns_patches:
             megatron_patches.remove()
+
+
+def llm_tp_grid() -> Grid2D | None:
+    """The q x q grid over this rank's LLM TP group, every LLM TP group's built (collective).
+    megatron-core's TP groups are runs of ``tp`` consecutive ranks (its default order)."""
+    tp, world = parallel_state.get_tensor_model_parallel_world_size(), dist.get_world_size()
+    groups = [tuple(range(first, first + tp)) for first in range(0, world, tp)]
+    mine = tuple(dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()))
+    if mine not in groups:
+        raise OptimusError(
+            f"the LLM's TP group {list(mine)} is not a run of consecutive ranks; a 2d encoder "
+            "under --baseline needs megatron-core's default rank order"
+        )
+    return build_grids(groups)
 
 
 def join_model_parallel(plan: ParallelPlan) -> bool:

@@ -41,12 +41,13 @@ import torch.nn.functional as F
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from optimus_mllm.config import EncoderConfig, OptimusConfig, encoder_tp_problem
+from optimus_mllm.config import EncoderConfig, OptimusConfig, TPMode, encoder_tp_problem
 from optimus_mllm.params import stage_layer_bounds
 from optimus_mllm.runtime.dtypes import ACTIVATIONS
 from optimus_mllm.runtime.encoder_ops import Block, Step, run_steps
@@ -63,6 +64,9 @@ from optimus_mllm.runtime.layer_ops import (
     vision_transformer_config,
     wants_grad,
 )
+from optimus_mllm.runtime.metp import metp_layer_spec
+from optimus_mllm.runtime.tp_modes.groups import Grid2D
+from optimus_mllm.runtime.tp_modes.layers_2d import get_2d_layer_spec
 
 Tensor = torch.Tensor
 InitMethod = Callable[[Tensor], Any]
@@ -313,12 +317,48 @@ class Projector(nn.Module):
         return (gather if sequence_parallel else []), (entry if group.size() > 1 else [])
 
 
+def _grid_block(x: Tensor, grid: Grid2D) -> Tensor:
+    """This rank's ``[s, b/q, h/q]`` block of ``[s, b, h]``: samples block ``row``, hidden block
+    ``column`` (``layers_2d``'s layout)."""
+    samples = x.chunk(grid.q, dim=1)[grid.row]
+    return samples.chunk(grid.q, dim=2)[grid.column].contiguous()
+
+
+def _grid_whole(block: Tensor, grid: Grid2D, group: ProcessGroup) -> Tensor:
+    """``[s, b, h]`` from every grid rank's block (``group``: the grid's ranks)."""
+    parts = [torch.empty_like(block) for _ in range(group.size())]
+    dist.all_gather(parts, block.contiguous(), group=group)
+    at = {grid.layout.coords(dist.get_global_rank(group, r)): p for r, p in enumerate(parts)}
+    rows = [torch.cat([at[(i, j)] for j in range(grid.q)], dim=2) for i in range(grid.q)]
+    return torch.cat(rows, dim=1)
+
+
+def _grid_entry(grid: Grid2D, group: ProcessGroup) -> Step:
+    """Into the 2D layers: the rank's block of the replicated embedding; its adjoint gathers every
+    block's gradient (each rank's embedding is used through its block alone)."""
+    return collective(
+        lambda x: _grid_block(x, grid), lambda g: _grid_whole(g, grid, group), None, None
+    )
+
+
+def _grid_exit(grid: Grid2D, group: ProcessGroup) -> Step:
+    """Out of the 2D layers: the whole features on every rank for the projector (1D over the same
+    ranks, replicated input); its adjoint keeps the rank's block of the whole, reduced gradient."""
+    return collective(
+        lambda x: _grid_whole(x, grid, group), lambda g: _grid_block(g, grid), None, None
+    )
+
+
 class VisionStage(nn.Module):
     """One encoder's global layers ``layers`` = [lo, hi): with the patch embedding if lo is 0, with
     the projector if hi is the last; ``frozen`` freezes everything but the projector. The layers are
     built from ``layer_spec`` (a megatron-core ``TransformerLayer`` spec; default
     ``vision_layer_spec()``) with the encoder's sizes and TP, and split into steps by
-    ``layer_ops.layer_steps``."""
+    ``layer_ops.layer_steps``. Under ``tp_mode`` metp they are ``metp.metp_layer_spec``'s, on the
+    TP group's sequence-parallel tokens (METP's residual stream holds 1/p of them), one op per
+    attention and per MLP; under 2d ``layers_2d.get_2d_layer_spec``'s on ``grid`` (the q x q grid
+    over the TP group), each rank's ``[s, b/q, h/q]`` block cut from the replicated patch embedding
+    and gathered whole again before the projector (1D over the same ranks)."""
 
     def __init__(
         self,
@@ -331,12 +371,31 @@ class VisionStage(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         init_std: float = 0.02,
         layer_spec: ModuleSpec | None = None,
+        tp_mode: TPMode = "1d",
+        grid: Grid2D | None = None,
     ):
         super().__init__()
         tp = tp_group.size()
         self.encoder = encoder
         self.tp_group = tp_group
+        self.grid = grid
         self.sequence_parallel = sequence_parallel and tp > 1
+        if tp_mode not in ("1d", "metp", "2d"):
+            raise ValueError(f"encoder {encoder.name}: tp_mode {tp_mode} has no runtime layers yet")
+        if (grid is None) != (tp_mode != "2d") or (grid is not None and grid.q**2 != tp):
+            raise ValueError(f"encoder {encoder.name}: tp_mode 2d takes the TP group's grid")
+        if tp_mode == "2d" and (layer_spec is not None or self.sequence_parallel):
+            # trained.py refuses both
+            raise ValueError(
+                f"encoder {encoder.name}: tp_mode 2d runs its own layers, without sequence "
+                "parallelism; it takes no layer spec"
+            )
+        if tp_mode == "metp" and (layer_spec is not None or not self.sequence_parallel):
+            # the planner's chain prices METP on sequence-parallel tokens; trained.py refuses both
+            raise ValueError(
+                f"encoder {encoder.name}: tp_mode metp runs its own layers on sequence-parallel "
+                "tokens (TP >= 2); it takes no layer spec"
+            )
         problem = encoder_tp_problem(encoder, llm_hidden_size, self.sequence_parallel, tp)
         if problem:  # the planner and the config checks keep such plans out
             raise ValueError(f"encoder {encoder.name}: {problem}")
@@ -346,9 +405,19 @@ class VisionStage(nn.Module):
         self.patch_embed = (
             PatchEmbedding(encoder, layer_config.init_method, params_dtype) if first else None
         )
-        spec = layer_spec if layer_spec is not None else vision_layer_spec()
+        layer_group = tp_group
+        if tp_mode == "metp":  # its norms saved under vision_layer_spec's keys, as its shards
+            keys = vision_layer_spec().submodules.sharded_state_dict_keys_map
+            spec = metp_layer_spec(tp_group)
+            spec = replace(
+                spec, submodules=replace(spec.submodules, sharded_state_dict_keys_map=keys)
+            )
+        elif grid is not None:  # a ViT attends both ways; heads split over the grid's rows
+            spec, layer_group = get_2d_layer_spec(grid, AttnMaskType.no_mask), grid.row_group
+        else:
+            spec = layer_spec if layer_spec is not None else vision_layer_spec()
         self.layers = nn.ModuleList(
-            build_layer(spec, layer_config, tp_group, index)
+            build_layer(spec, layer_config, layer_group, index)
             for index in range(self.first_layer, last_layer)
         )
         # refused when built, not when first run
@@ -378,16 +447,18 @@ class VisionStage(nn.Module):
             tokens = self.encoder.layer_tokens
             share = tokens // group.size() if sp else tokens
             start = group.rank() * share if sp else 0
-            blocks.append(
-                Block(name, -1, (self.patch_embed.step(slice(start, start + share)),), False)
-            )
+            embed = (self.patch_embed.step(slice(start, start + share)),)
+            if self.grid is not None:
+                embed += (_grid_entry(self.grid, group),)
+            blocks.append(Block(name, -1, embed, False))
         for i, layer in enumerate(self.layers):
             index = self.first_layer + i
             blocks.append(
                 Block(name, index, layer_steps(layer, group, sp, f"{name}:{index}"), trainable)
             )
         if self.projector is not None:
-            blocks.append(Block(name, -1, self.projector.steps(group, sp), trainable))
+            gather = () if self.grid is None else (_grid_exit(self.grid, group),)
+            blocks.append(Block(name, -1, gather + self.projector.steps(group, sp), trainable))
         return blocks
 
     def forward(self, x: Tensor, seed: int) -> Tensor:
@@ -416,9 +487,13 @@ class EncoderStage(nn.Module):
         init_std: float = 0.02,
         layer_specs: Mapping[str, ModuleSpec] | None = None,
         layers: Mapping[str, tuple[int, int]] | None = None,
+        tp_mode: TPMode = "1d",
+        grid: Grid2D | None = None,
     ):
         """``layer_specs``: a megatron-core layer spec per encoder name (the others get
-        ``vision_layer_spec()``).
+        ``vision_layer_spec()``). ``tp_mode``: how ``tp_group`` splits the layers (the encoder
+        plan's, 1d, metp or 2d on ``grid``, the q x q grid over ``tp_group``'s ranks;
+        ``VisionStage``).
         ``layers``: each encoder's [lo, hi) layers, in place of stage ``stage``'s even share of
         ``num_stages`` (the balanced baseline's uneven virtual stages)."""
         super().__init__()
@@ -440,6 +515,8 @@ class EncoderStage(nn.Module):
                     params_dtype=params_dtype,
                     init_std=init_std,
                     layer_spec=specs.get(enc.name),
+                    tp_mode=tp_mode,
+                    grid=grid,
                 )
                 for enc in config.encoders
             }

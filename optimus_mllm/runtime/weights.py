@@ -113,10 +113,16 @@ def _init_matrices_(
         for name, param in named.items():
             if param.dim() < 2:
                 continue
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            block = getattr(param, "block_of", None)  # a 2D block (tp_modes.layers_2d.Linear2D)
+            if block is not None:
+                whole, ((rows, row), (columns, column)) = block
+                full = torch.randn(whole, generator=generator, dtype=torch.float32) * 0.02
+                param.copy_(full.chunk(rows, dim=0)[row].chunk(columns, dim=1)[column])
+                continue
             shape = list(param.shape)
             if is_sharded(param):
                 shape[param.partition_dim] *= size
-            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             full = torch.randn(shape, generator=generator, dtype=torch.float32) * 0.02
             param.copy_(shard(full, param, rank, size))
 

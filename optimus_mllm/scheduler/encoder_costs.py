@@ -24,8 +24,10 @@ from optimus_mllm.cost_model import (
     Phase,
     PiecePrices,
     group_bandwidth_gbps,
+    has_runtime_layer_ops,
     layer_kernels,
     p2p_work,
+    runtime_layer_ops,
 )
 from optimus_mllm.params import encoder_params_per_stage, projector_params, stage_layer_bounds
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
@@ -130,7 +132,11 @@ def build_encoder_work(
             enc, enc_plan.tp, images, t.sequence_parallel, dtype, t.recompute, enc_plan.tp_mode
         )
         layer = {phase: cost.layer(shape, phase, enc.name, bw) for phase in ("fwd", "bwd")}
-        prices = _piece_prices(shape, layer, cost)
+        if has_runtime_layer_ops(shape.tp_mode):  # the runtime's ops: no pieces (``_splittable``)
+            layer = {phase: runtime_layer_ops(shape, phase, ks) for phase, ks in layer.items()}
+            prices = {phase: [None] * len(ks) for phase, ks in layer.items()}
+        else:
+            prices = _piece_prices(shape, layer, cost)
         for e, (lo, hi) in enumerate(stage_layer_bounds(enc.num_layers, enc_plan.pp)):
             if e == 0:
                 fwd[e].append(_patch_embed(config, enc, images, cost, enc_plan.tp, "fwd"))

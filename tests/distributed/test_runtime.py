@@ -23,6 +23,8 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 2  # the second step runs from the first one's update; more steps only cost CI time
 TINY = str(CONFIGS / "tiny.yaml")
+METP_TINY = str(CONFIGS / "metp_tiny.yaml")
+SUMMA_TINY = str(CONFIGS / "summa_tiny.yaml")
 LLM_DP2 = ["parallel.llm={dp: 2, pp: 2, tp: 1, vp: 2}"]
 
 
@@ -36,6 +38,7 @@ def _train(
     """One rank: train, then report losses, grad norms, (weight, gradient) pairs (encoder ones
     whole, by
     plan-independent name), log."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     from optimus_mllm.config import load_config
@@ -61,12 +64,21 @@ def _train(
     }
     encoder = {}
     for stage in trainer.encoder_stages:
+        named = global_parameter_names(stage)
+        if any(vision.grid is not None for vision in stage.encoders.values()):
+            # 2D blocks (vectors on grid row 0 only): each rank's own, named by rank; both runs
+            # hold the grid on the same ranks
+            rank = dist.get_rank()
+            pairs = {
+                f"rank {rank}: {n}": (p.detach(), getattr(p, "main_grad", p.grad))
+                for n, p in named.items()
+            }
+        else:
+            pairs = whole_parameters(named, stage.tp_group)
         encoder.update(
             {
                 n: (w.float().numpy(), None if g is None else g.float().numpy())
-                for n, (w, g) in whole_parameters(
-                    global_parameter_names(stage), stage.tp_group
-                ).items()
+                for n, (w, g) in pairs.items()
             }
         )
     planned = []
@@ -89,6 +101,15 @@ def _train(
         "record": record,
         "planned": planned,
         "unplanned": [r.unplanned_collectives for r in results],
+        "attention": sorted(  # the encoder layers' attention and QKV linear classes
+            {
+                f"{type(layer.self_attention).__name__} "
+                f"{type(layer.self_attention.linear_qkv).__name__}"
+                for stage in trainer.encoder_stages
+                for vision in stage.encoders.values()
+                for layer in vision.layers
+            }
+        ),
     }
 
 
@@ -547,3 +568,37 @@ def test_balanced_baseline_trains_like_the_megatron_baseline(balanced, name):
     every weight and gradient by global name."""
     baseline, ours = balanced[name]
     _assert_same(ours, baseline, llm_by_rank=False)
+
+
+# per TP mode: its config, and the encoder layers' attention and QKV linear classes
+OTHER_MODES = {
+    "metp": (METP_TINY, "MetpSelfAttention _Linear"),
+    "2d": (SUMMA_TINY, "SelfAttention Linear2D"),
+}
+
+
+def _train_configs(runs: dict[str, list[tuple]]) -> dict[str, list[dict]]:
+    """One rank: ``_train_runs`` of each config in turn (one launch for all)."""
+    return {config: _train_runs(config, config_runs) for config, config_runs in runs.items()}
+
+
+def test_encoder_plans_in_other_tp_modes_train_like_the_baseline():
+    """configs/metp_tiny.yaml (LLM PP2 TP2) and configs/summa_tiny.yaml (LLM PP1 TP4) on 4 ranks,
+    3 steps each: optimus-plan's METP or 2D encoder plan (no 1D plan fits its memory) under the
+    Optimus runtime, its ops hooked at random LLM kernels (so its ring, broadcasts and reduces run
+    between the LLM's ops and collectives), against the Megatron-style baseline running the same
+    encoder in the same mode over the LLM's TP group in the first stage: the same losses, gradient
+    norms, weights and gradients."""
+    runs = {}
+    for mode, (config, _) in OTHER_MODES.items():
+        planned = artifact_for(config)
+        assert planned.encoder_plan.tp_mode == mode
+        runs[config] = [([], "baseline", None, 3), ([], "optimus", shuffled_hooks(planned, 1), 3)]
+    per_rank = run_distributed(_train_configs, 4, runs, timeout=600)
+    for mode, (config, attention) in OTHER_MODES.items():
+        baseline, ours = zip(*(rank[config] for rank in per_rank))
+        _assert_same(list(ours), list(baseline))
+        for results in (ours, baseline):
+            assert {name for r in results for name in r["attention"]} == {attention}, mode
+        outside = (EventKind.PRE, EventKind.POST)
+        assert any(op[0].kind not in outside for r in ours for op in r["record"]), mode

@@ -15,12 +15,14 @@
   optimizer (each held by one rank).
 - ``model``: a whole model (input projection, ``TransformerBlock``, classification head) in any
   mode, 1d, 2d, 3d or metp, that megatron-core's DDP and optimizer train like its 1D twin.
-- ``trained``: which TP modes the runtime trains (1d only yet) and the refusal of the others.
+- ``trained``: which TP modes the runtime trains (1d; metp and 2d for the encoder) and the
+  refusal of the others.
 
 Built: the 2D and 3D transformer layers, and whole models in every mode; planned by the config,
 memory and cost models and the planner (``optimus_mllm/tp_footprint.py``, ``tp_memory.py``,
 ``cost_model.py``, outside the runtime so that the planner reads them without torch). Not built:
 the embedding and output layers partitioned the papers' way (``model``'s are replicated), and the
-runtime's LLM, encoder stages and kernel-level encoder ops in these modes.
+runtime's LLM in these modes and its encoder in 3d (METP and 2D encoders train: ``runtime/vit``,
+``layer_ops``).
 This package imports nothing at import time, so ``layout`` stays torch-free.
 """

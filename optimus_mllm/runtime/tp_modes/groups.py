@@ -9,6 +9,7 @@ params, never looked up from a global, so an encoder and an LLM may use differen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -58,6 +59,16 @@ def build_grid_groups(ranks: Ranks) -> Grid2D | None:
         return None
     i, j = layout.coords(me)
     return Grid2D(layout=layout, row=i, column=j, row_group=rows[i], column_group=columns[j])
+
+
+def build_grids(groups: Sequence[Ranks]) -> Grid2D | None:
+    """The grid of each of ``groups`` (built on every rank, in one order: ``new_group`` is
+    collective); this rank's, or None when no group holds it."""
+    mine = None
+    for ranks in groups:
+        grid = build_grid_groups(ranks)
+        mine = grid if grid is not None else mine
+    return mine
 
 
 @dataclass(frozen=True)

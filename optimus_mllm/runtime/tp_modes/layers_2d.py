@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
@@ -102,6 +103,8 @@ class Linear2D(nn.Module):
         # block (j, i) of megatron-core's [out, in] weight
         blocks = ((grid.q, grid.column), (grid.q, grid.row))
         init_block(self.weight, (output_size, input_size), blocks, config, init_method)
+        # which block of which whole weight: what runtime.weights draws plan-independently
+        self.weight.block_of = ((output_size, input_size), blocks)
         self.has_bias = args.bias
         self.bias = _row_zero_parameter(rows, 0.0, grid, config.params_dtype) if args.bias else None
 
@@ -139,13 +142,20 @@ class LayerNorm2D(nn.Module):
         return x_hat * weight + bias
 
 
-def get_2d_layer_spec(grid: Grid2D) -> ModuleSpec:
-    """megatron-core's local GPT ``TransformerLayer`` spec with its linears and norms on ``grid``.
+def get_2d_layer_spec(grid: Grid2D, attn_mask_type: AttnMaskType | None = None) -> ModuleSpec:
+    """megatron-core's local GPT ``TransformerLayer`` spec with its linears and norms on ``grid``;
+    ``attn_mask_type`` in place of its causal mask (``no_mask``: a ViT's).
 
     Build it with ``pg_collection.tp`` set to ``grid.row_group``; feed it ``[s, b/q, h/q]``.
     """
     warnings.warn("2D tensor parallelism is experimental", stacklevel=2)
     spec = get_gpt_layer_local_spec()
+    if attn_mask_type is not None:
+        attention = spec.submodules.self_attention
+        attention = replace(
+            attention, params={**attention.params, "attn_mask_type": attn_mask_type}
+        )
+        spec = replace(spec, submodules=replace(spec.submodules, self_attention=attention))
     on_grid = {"grid": grid}
     linear = ModuleSpec(module=Linear2D, params=on_grid)
     norm = ModuleSpec(module=LayerNorm2D, params=on_grid)
