@@ -59,10 +59,23 @@ def _bubble_shares(lines: list[str]) -> list[float]:
     return [float(s.group(1)) for s in shares]
 
 
-def test_scheduled_in_the_job_trains_like_the_baseline(baseline):
-    lines = _torchrun()
+def test_scheduled_in_the_job_trains_like_the_baseline_and_logs_its_step_lines(baseline, tmp_path):
+    """Also the TensorBoard scalars: one launch for both (CI time)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = _torchrun("--tensorboard-dir", str(tmp_path))
     assert _losses(lines) == _losses(baseline)
     assert all(0 < share <= 100 for share in _bubble_shares(lines))
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert {
+        "lm loss",
+        "step time (ms)",
+        "tokens per second",
+        "encoder ops inside LLM span (%)",
+    } <= set(events.Tags()["scalars"])
+    logged = {e.step: f"{e.value:.4f}" for e in events.Scalars("lm loss")}
+    assert logged == step_losses(lines)
 
 
 def _write_artifact(path: Path, *overrides: str) -> None:
@@ -134,22 +147,6 @@ def test_dataset_trains_the_same_under_both_runtimes(sample_dataset, baseline):
     optimus_lines = _torchrun("--override", data)
     assert _losses(optimus_lines) == _losses(_torchrun("--override", data, "--baseline"))
     assert _losses(optimus_lines) != _losses(baseline)  # not the synthetic data
-
-
-def test_tensorboard_scalars_match_the_step_lines(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    lines = _torchrun("--tensorboard-dir", str(tmp_path))
-    events = EventAccumulator(str(tmp_path))
-    events.Reload()
-    assert {
-        "lm loss",
-        "step time (ms)",
-        "tokens per second",
-        "encoder ops inside LLM span (%)",
-    } <= set(events.Tags()["scalars"])
-    logged = {e.step: f"{e.value:.4f}" for e in events.Scalars("lm loss")}
-    assert logged == step_losses(lines)
 
 
 def test_tensorboard_dir_without_tensorboard_is_a_one_line_error(monkeypatch):
