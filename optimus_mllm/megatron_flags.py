@@ -277,7 +277,10 @@ def config_from_megatron_args(
             raise OptimusError(f"{refused.flag} {_shown(value)}: {refused.why}")
     if not hasattr(args, "virtual_pipeline_model_parallel_size"):  # as parse_args returns it
         args = validate_args(copy.copy(args), world_size)
+    vocab_size = _vocab_size(args)
     for flag, why in _REQUIRED.items():  # Megatron-LM has no default for these
+        if flag == "--vocab-size" and vocab_size is not None:
+            continue
         if getattr(args, flag.removeprefix("--").replace("-", "_")) is None:
             raise OptimusError(f"{flag} is missing: {why}")
     for flag in _DIVISORS:  # the arithmetic below divides by these
@@ -333,7 +336,7 @@ def config_from_megatron_args(
                 **layers,
                 "num_layers": llm_layers,
                 "seq_length": text_tokens + image_tokens,
-                "vocab_size": args.vocab_size,
+                "vocab_size": vocab_size,
                 "position_embedding_type": getattr(
                     args, "position_embedding_type", "learned_absolute"
                 ),
@@ -493,6 +496,18 @@ _FIELD_FLAGS = {
     "training.seed": "--seed",
     **{f"training.{name}": "--" + name.replace("_", "-") for name in _OPTIMIZER_ARGS},
 }
+
+
+def _vocab_size(args: argparse.Namespace) -> int | None:
+    """``--vocab-size``, else the vocabulary Megatron-LM took from the job's tokenizer.
+
+    A tokenizer that holds its vocabulary (examples/multimodal's ``MultimodalTokenizer``, a
+    ``HuggingFaceTokenizer``) needs no ``--vocab-size``: once ``initialize_megatron`` has built it,
+    ``args.padded_vocab_size`` is the LLM's embedding size. A command line alone (``optimus-plan
+    -- FLAGS``) has neither, and ``--vocab-size`` is required."""
+    if args.vocab_size is not None:
+        return args.vocab_size
+    return getattr(args, "padded_vocab_size", None)
 
 
 def _layer_shape(args: argparse.Namespace) -> dict[str, Any]:

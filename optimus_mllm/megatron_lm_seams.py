@@ -5,12 +5,13 @@ names of ``megatron.training.training`` (``megatron_patches.training_seams``):
 
 - **the model provider**: the user's provider builds each chunk as it always does. After this
   rank's last chunk, the job's Optimus config is read from Megatron's arguments
-  (``config_from_megatron_args``) and its projector from the user's built one
-  (``with_user_projector``), the schedule is made (``auto``) or loaded (a saved artifact),
-  the encoder stage is built under the schedule's encoder plan on every rank from the user's own
-  vision weights, and the first stage's ``vision_model`` / ``vision_projection`` give way to
-  ``ImageEmbeddingsInput`` / identity (``optimus_encoder``), before Megatron wraps the chunks in
-  its DDP. The user's modules are kept for evaluation and checkpoints.
+  (``config_from_megatron_args``; a vision model whose layers are not the flags' is refused
+  first) and its projector from the user's built one (``with_user_projector``), the schedule is
+  made (``auto``) or loaded (a saved artifact), the encoder stage is built under the schedule's
+  encoder plan on every rank from the user's own vision weights, and the first stage's
+  ``vision_model`` / ``vision_projection`` give way to ``ImageEmbeddingsInput`` / identity
+  (``optimus_encoder``), before Megatron wraps the chunks in its DDP. The user's modules are kept
+  for evaluation and checkpoints.
 - **``get_megatron_optimizer``**: Megatron's optimizer over its chunks, chained with one over the
   encoder stage under megatron-core's DDP with the encoder plan's groups; one gradient norm and one
   loss scale span both (``runtime.optimizer.OneLossScaleOptimizer``).
@@ -87,6 +88,7 @@ from optimus_mllm.runtime.communicators import (
 from optimus_mllm.runtime.data import patchify
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
+from optimus_mllm.runtime.layer_ops import vision_transformer_config
 from optimus_mllm.runtime.llm import llm_pipelines, transformer_config
 from optimus_mllm.runtime.microbatches import MicrobatchNumbering
 from optimus_mllm.runtime.optimizer import chain_encoder_optimizer, encoder_process_groups
@@ -113,8 +115,10 @@ from optimus_mllm.runtime.trainer import join_model_parallel
 from optimus_mllm.runtime.user_model import (
     config_problem,
     language_model,
+    vision_modules,
     vision_sharded_state_dict,
 )
+from optimus_mllm.runtime.verdicts import heard_by_every_rank
 from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.workload import max_images_per_microbatch
@@ -191,6 +195,7 @@ class OptimusInMegatron:
         )
         stage = parallel_state.get_pipeline_model_parallel_rank()
         first = self.chunks[0] if stage == 0 else None
+        _refuse_vision_unlike_the_flags(config, first)
         # the projector the user built, not the one pretrain_vlm.py would build from the flags
         config = with_user_projector(config, first)
         bound = images_bound(args)
@@ -697,3 +702,27 @@ def dropout_line(config: OptimusConfig) -> str:
 def _say(line: str) -> None:
     if line and dist.get_rank() == 0:
         print(line, flush=True)
+
+
+# where config_from_megatron_args takes the vision model's layers from
+_FLAGS_VISION = (
+    "the Megatron-LM flags (read as pretrain_vlm.py builds its vision model: the LLM's layer "
+    "flags, --encoder-num-layers layers; examples/multimodal builds it from --vision-model-type "
+    "instead, which --optimus-schedule does not read)"
+)
+
+
+def _refuse_vision_unlike_the_flags(config: OptimusConfig, first_chunk: nn.Module | None) -> None:
+    """Refuse, on every rank alike, a vision model whose layers are not the ones the flags
+    describe, naming the first layer field that differs. Checked before the projector is read
+    against the flags' hidden size, which would otherwise name the projector for what is the
+    vision model's difference (examples/multimodal's CLIP ViT-L under a tiny LLM's flags)."""
+    report: tuple[bool | None, str | None] | None = None
+    if first_chunk is not None:
+        vision, _ = vision_modules(first_chunk)
+        expected = vision_transformer_config(
+            config.encoders[0], 1, DTYPES[config.training.precision], 0.02
+        )
+        problem = config_problem("vision model", _FLAGS_VISION, expected, vision.config)
+        report = (None, problem) if problem else (True, None)
+    heard_by_every_rank(report)

@@ -242,3 +242,47 @@ def test_a_provider_that_wraps_the_vision_models_forward_is_refused_by_the_probe
     assert len(errors) == 1, run.output[-3000:]
     assert "the start-up probe: the Optimus encoder's image tokens differ" in errors[0]
     assert "OptimusError" not in run.output, run.output[-3000:]  # no traceback of a rank's
+
+
+# pretrain_vlm.py's provider building a vision model of one more layer than the flags say, as a
+# script that builds its vision model from other flags does (examples/multimodal: CLIP ViT-L from
+# --vision-model-type); the flags are as given when the flag reads them
+_DEEPER_VISION_PROVIDER = """
+_pretrain_vlm_provider = model_provider
+
+
+def model_provider(*args, **kwargs):
+    flags = get_args()
+    given = flags.encoder_num_layers
+    flags.encoder_num_layers = given + 1
+    try:
+        return _pretrain_vlm_provider(*args, **kwargs)
+    finally:
+        flags.encoder_num_layers = given
+
+
+"""
+
+
+def test_a_vision_model_unlike_the_flags_is_refused_naming_the_layer_field(
+    tmp_path: Path,
+) -> None:
+    assert CHECKOUT is not None
+    script = _compare.with_one_line(CHECKOUT, tmp_path)
+    main = 'if __name__ == "__main__":'
+    source = script.read_text()
+    assert source.count(main) == 1
+    script.write_text(source.replace(main, _DEEPER_VISION_PROVIDER + main))
+    run = _compare.run_megatron_script(
+        script, 4, [*_compare.TINY_VLM_ARGS, *_compare.LAYOUTS["tp2-pp2"], *AUTO]
+    )
+    assert run.returncode != 0, run.output[-3000:]
+    assert "exitcode  : 2" in run.output, run.output[-3000:]
+    errors = [line for line in run.output.splitlines() if line.startswith("pretrain_vlm.py: error")]
+    assert len(errors) == 1, run.output[-3000:]
+    assert errors[0].startswith(
+        "pretrain_vlm.py: error: model_provider: the vision model's TransformerConfig.num_layers "
+        "is 3, but the Megatron-LM flags (read as pretrain_vlm.py builds its vision model"
+    ), errors[0]
+    assert "--vision-model-type" in errors[0]
+    assert "OptimusError" not in run.output, run.output[-3000:]

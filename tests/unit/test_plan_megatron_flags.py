@@ -118,6 +118,22 @@ def test_layer_counts_are_read_as_pretrain_vlm_reads_them(layers, llm, vit):
     assert (config.llm.num_layers, config.encoders[0].num_layers) == (llm, vit)
 
 
+def test_without_vocab_size_the_vocabulary_is_the_one_megatron_took_from_the_tokenizer():
+    """examples/multimodal's MultimodalTokenizer (a HuggingFaceTokenizer alike) gives no
+    --vocab-size: Megatron-LM sets args.padded_vocab_size from the tokenizer it built, and
+    --optimus-schedule plans with that; a bare command line still needs --vocab-size."""
+    flags = [*SIZES]
+    del flags[flags.index("--vocab-size") : flags.index("--vocab-size") + 2]
+    args = parse_args(argv=["--num-layers", "2", *flags])
+    with pytest.raises(OptimusError, match="--vocab-size is missing"):
+        config_from_megatron_args(args, 4, 4)
+    args.padded_vocab_size = 384  # as initialize_megatron's build_tokenizer leaves it
+    assert config_from_megatron_args(args, 4, 4).llm.vocab_size == 384
+    given = parse_args(argv=["--num-layers", "2", *SIZES])
+    given.padded_vocab_size = 384
+    assert config_from_megatron_args(given, 4, 4).llm.vocab_size == 256  # --vocab-size, as before
+
+
 @pytest.mark.parametrize(
     "class_token", [(), ("--disable-vision-class-token",)], ids=["cls", "no-cls"]
 )
