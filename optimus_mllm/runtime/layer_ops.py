@@ -565,6 +565,17 @@ def check_decomposable(layer: nn.Module, where: str) -> None:
             )
 
 
+def _refuse_a_mask_tensor(attention: nn.Module, where: str) -> None:
+    """The layer steps compute the mask from its type: an attention given a mask tensor is not
+    theirs to split."""
+    mask = attention.core_attention.attn_mask_type
+    if mask not in (_BIDIRECTIONAL, _CAUSAL):
+        raise OptimusError(
+            f"{where}: self_attention has attn_mask_type {mask.name}; Optimus splits only "
+            "attention without a mask tensor (no_mask or causal)"
+        )
+
+
 def _check_grid_layer(layer: nn.Module, where: str, exactly: Callable[..., None]) -> None:
     """``get_2d_layer_spec``'s layer: megatron-core's attention and MLP on 2D linears, norms."""
     for name in ("input_layernorm", "pre_mlp_layernorm"):
@@ -574,12 +585,7 @@ def _check_grid_layer(layer: nn.Module, where: str, exactly: Callable[..., None]
     for name in ("linear_qkv", "linear_proj"):
         exactly(f"self_attention.{name}", getattr(attention, name), Linear2D)
     exactly("self_attention.core_attention", attention.core_attention, DotProductAttention)
-    mask = attention.core_attention.attn_mask_type
-    if mask not in (_BIDIRECTIONAL, _CAUSAL):
-        raise OptimusError(
-            f"{where}: self_attention has attn_mask_type {mask.name}; Optimus splits only "
-            "attention without a mask tensor (no_mask or causal)"
-        )
+    _refuse_a_mask_tensor(attention, where)
     exactly("mlp", layer.mlp, MLP)
     for name in ("linear_fc1", "linear_fc2"):
         exactly(f"mlp.{name}", getattr(layer.mlp, name), Linear2D)
@@ -607,12 +613,7 @@ def _check_tp_halves(
         norm = getattr(attention, name, None)
         if norm is not None and type(norm) is not IdentityOp:
             raise refuse(f"self_attention.{name}", norm, "layers without QK norms (--qk-layernorm)")
-    mask = attention.core_attention.attn_mask_type
-    if mask not in (_BIDIRECTIONAL, _CAUSAL):
-        raise OptimusError(
-            f"{where}: self_attention has attn_mask_type {mask.name}; Optimus splits only "
-            "attention without a mask tensor (no_mask or causal)"
-        )
+    _refuse_a_mask_tensor(attention, where)
     exactly("mlp", layer.mlp, MLP)
     exactly("mlp.linear_fc1", layer.mlp.linear_fc1, ColumnParallelLinear)
     exactly("mlp.linear_fc2", layer.mlp.linear_fc2, RowParallelLinear)

@@ -221,15 +221,21 @@ def model_provider(*args, **kwargs):
 """
 
 
-def test_a_provider_that_wraps_the_vision_models_forward_is_refused_by_the_probe(
-    tmp_path: Path,
-) -> None:
-    assert CHECKOUT is not None
+def _with_provider(tmp_path: Path, provider: str) -> Path:
+    """pretrain_vlm.py with the one-line opt-in and ``provider`` defined before its main block."""
     script = _compare.with_one_line(CHECKOUT, tmp_path)
     main = 'if __name__ == "__main__":'
     source = script.read_text()
     assert source.count(main) == 1
-    script.write_text(source.replace(main, _WRAPPED_PROVIDER + main))
+    script.write_text(source.replace(main, provider + main))
+    return script
+
+
+def test_a_provider_that_wraps_the_vision_models_forward_is_refused_by_the_probe(
+    tmp_path: Path,
+) -> None:
+    assert CHECKOUT is not None
+    script = _with_provider(tmp_path, _WRAPPED_PROVIDER)
     plain = _train(script, _compare.LAYOUTS["tp2-pp2"])  # the user's model trains as built
     assert all(math.isfinite(i.lm_loss) for i in plain.iterations)
     run = _compare.run_megatron_script(
@@ -268,11 +274,7 @@ def test_a_vision_model_unlike_the_flags_is_refused_naming_the_layer_field(
     tmp_path: Path,
 ) -> None:
     assert CHECKOUT is not None
-    script = _compare.with_one_line(CHECKOUT, tmp_path)
-    main = 'if __name__ == "__main__":'
-    source = script.read_text()
-    assert source.count(main) == 1
-    script.write_text(source.replace(main, _DEEPER_VISION_PROVIDER + main))
+    script = _with_provider(tmp_path, _DEEPER_VISION_PROVIDER)
     run = _compare.run_megatron_script(
         script, 4, [*_compare.TINY_VLM_ARGS, *_compare.LAYOUTS["tp2-pp2"], *AUTO]
     )
