@@ -33,12 +33,12 @@ from earlier iterations priced at the same chain (``ChainMoves``): the same sche
 sooner (at fig5_8gpu, with the fine placement's single search, a build takes a third of the CPU
 time it did: ``scripts/bench_dynamic.py``'s scheduler share, 70 % of the step before, 23 % after).
 
-What the training runtime runs (``in_data_order=True``): the schedule artifact maps encoder
-microbatch i to LLM microbatch i, so there the LLM keeps the data order and every LLM microbatch is
-fed by one encoder microbatch, each priced at the iteration's heaviest microbatch (an imageless one
-keeps its slots, which it leaves empty). The iteration's schedule then differs from the fallback's
-in the work it is priced for, not in its order or splits; iterations with the same heaviest
-microbatch share one schedule.
+What the training runtime runs (``runtime/iteration_schedules``): the plan as a schedule artifact
+(``schedule_to_artifact`` with ``llm_order`` and ``images_per_chain``), whose ``feeds`` names the
+LLM microbatch each encoder microbatch feeds; the LLM runs its data microbatches in ``llm_order``,
+waits on no encoder for an imageless one, and joins a split microbatch's image tokens in image
+order before its first stage's forward. Iterations whose workloads are the same once in
+``llm_order`` share one schedule (the artifact differs only in ``llm_order``).
 
 Builds run on one background thread by default (the scheduler is pure Python: it shares the
 interpreter with the training loop; pass a process pool as ``executor`` to keep it off the GIL, with
@@ -62,7 +62,7 @@ from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.workload import IterationWorkload, chain_sizes, heaviest, llm_order
+from optimus_mllm.workload import IterationWorkload, chain_sizes, llm_order
 
 Source = Literal["per-iteration", "fallback"]
 
@@ -103,16 +103,13 @@ class IterationScheduler:
         build: Callable[[IterationWorkload], IterationSchedule | None],
         fallback: Schedule,
         executor: Executor | None = None,
-        in_data_order: bool = False,
         kept: int = KEPT_SCHEDULES,
     ):
         """``build``: a workload in ``llm_order`` -> its schedule, or None where none exists;
-        ``fallback``: the schedule for the planned maximum; ``in_data_order``: the runtime's
-        restriction (the module's note): no reordering, one encoder microbatch per LLM
-        microbatch; ``kept``: the most workloads whose schedules are kept for reuse (the ones
-        submitted last; a workload of an iteration not taken yet is always kept)."""
+        ``fallback``: the schedule for the planned maximum; ``kept``: the most workloads whose
+        schedules are kept for reuse (the ones submitted last; a workload of an iteration not
+        taken yet is always kept)."""
         self.build, self.fallback = build, fallback
-        self.in_data_order = in_data_order
         self.kept = kept
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="optimus-schedule")
@@ -131,7 +128,6 @@ class IterationScheduler:
         cost: CostModel,
         fallback: Schedule,
         executor: Executor | None = None,
-        in_data_order: bool = False,
     ) -> IterationScheduler:
         """Per-iteration schedules of one encoder plan, its LLM's bubbles computed once here."""
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, llm_plan, cost))
@@ -143,19 +139,14 @@ class IterationScheduler:
             bubbles,
             cost,
             bound_us=fallback.iteration_us,
-            split=not in_data_order,
             chains=ChainMoves(config, llm_plan, candidate.plan, bubbles, cost),
         )
-        return cls(build, fallback, executor, in_data_order)
+        return cls(build, fallback, executor)
 
     def submit(self, iteration: int, workload: IterationWorkload) -> None:
         """Start building ``iteration``'s schedule (as soon as its batch is known)."""
-        if self.in_data_order:
-            order = tuple(range(len(workload)))
-            key = priced_in_data_order(workload)
-        else:
-            order = llm_order(workload)
-            key = tuple(workload[i] for i in order)
+        order = llm_order(workload)
+        key = tuple(workload[i] for i in order)
         reused = key in self._by_key
         if reused:
             self._by_key.move_to_end(key)
@@ -178,6 +169,10 @@ class IterationScheduler:
         """Whether ``iteration``'s schedule is built (or failed): ``take`` would not wait."""
         key, _, _ = self._pending[iteration]
         return self._by_key[key].done()
+
+    def llm_order(self, iteration: int) -> tuple[int, ...]:
+        """The LLM order ``iteration``'s own schedule runs its data microbatches in."""
+        return self._pending[iteration][1]
 
     def built(self, iteration: int) -> IterationSchedule | None:
         """``iteration``'s build, once ``ready``: its schedule, or None where none exists."""
@@ -264,11 +259,3 @@ def schedule_iteration(
         ):
             best = IterationSchedule(schedule, size)
     return best
-
-
-def priced_in_data_order(workload: IterationWorkload) -> IterationWorkload:
-    """``workload`` as the runtime schedules it (``in_data_order``): every microbatch at its
-    heaviest one's work; unchanged when no microbatch has an image (nothing to schedule)."""
-    if all(w.empty for w in workload):
-        return workload
-    return (heaviest(workload),) * len(workload)
