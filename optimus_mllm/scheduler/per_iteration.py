@@ -14,7 +14,8 @@ schedule from the same workload, or rank 0 builds it and broadcasts the plan)::
 
 ``plan.llm_order[i]`` is the data microbatch LLM microbatch i runs; encoder microbatch s (the index
 of ``plan.schedule.assignment``) runs the next ``plan.images_per_chain`` images of LLM microbatch
-``plan.schedule.feeds[s]``, in order (the fallback: one encoder microbatch per LLM microbatch).
+``plan.schedule.feeds[s]``, in order (None, as in the fallback: one encoder microbatch per LLM
+microbatch, all its images).
 
 ``take`` hands back an ``IterationPlan``: the iteration's own schedule (``source`` "per-iteration")
 or, where it is not ready by the deadline, could not be built, or is not faster, the ``fallback``
@@ -25,13 +26,17 @@ sized for the largest, so it holds for any batch within that maximum.
 An iteration's own schedule runs its imageless microbatches first (``llm_order``) and its images as
 encoder microbatches of at most ``images_per_chain`` images each (``schedule_iteration`` tries the
 heaviest microbatch's count, half and a quarter of it, and keeps the fastest; see
-``bubble_scheduler``). The LLM's dependency points and bubbles are computed once for the job, and an
-iteration whose workload one of the last ``KEPT_SCHEDULES`` had reuses that schedule without a
-search (``reused``); a build still running for the same workload is waited on, not repeated. Other
-workloads are searched afresh, but from the encoder chains and their moves into the bubbles kept
-from earlier iterations priced at the same chain (``ChainMoves``): the same schedule as alone,
-sooner (at fig5_8gpu, with the fine placement's single search, a build takes a third of the CPU
-time it did: ``scripts/bench_dynamic.py``'s scheduler share, 70 % of the step before, 23 % after).
+``bubble_scheduler``). Where none schedules, mostly because its images make fewer encoder
+microbatches than the plan has encoder pipelines (a few images among many imageless microbatches),
+it is scheduled ``padded``: every microbatch in one encoder microbatch priced at the heaviest, the
+imageless ones keeping slots they leave empty. The LLM's dependency points and bubbles are computed
+once for the job, and an iteration whose workload one of the last ``KEPT_SCHEDULES`` had reuses
+that schedule without a search (``reused``); a build still running for the same workload is waited
+on, not repeated. Other workloads are searched afresh, but from the encoder chains and their moves
+into the bubbles kept from earlier iterations priced at the same chain (``ChainMoves``): the same
+schedule as alone, sooner (at fig5_8gpu, with the fine placement's single search, a build takes a
+third of the CPU time it did: ``scripts/bench_dynamic.py``'s scheduler share, 70 % of the step
+before, 23 % after).
 
 What the training runtime runs (``runtime/iteration_schedules``): the plan as a schedule artifact
 (``schedule_to_artifact`` with ``llm_order`` and ``images_per_chain``), whose ``feeds`` names the
@@ -62,7 +67,7 @@ from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.workload import IterationWorkload, chain_sizes, llm_order
+from optimus_mllm.workload import IterationWorkload, chain_sizes, heaviest, llm_order
 
 Source = Literal["per-iteration", "fallback"]
 
@@ -76,7 +81,8 @@ class IterationSchedule:
     """An iteration's own schedule and the encoder microbatch size it runs its images at."""
 
     schedule: Schedule  # ``Schedule.feeds``: the LLM position each encoder microbatch feeds
-    images_per_chain: int
+    # None: one encoder microbatch per LLM microbatch, each priced at the heaviest (``padded``)
+    images_per_chain: int | None
 
 
 @dataclass(frozen=True)
@@ -230,18 +236,18 @@ def schedule_iteration(
     cost: CostModel,
     workload: IterationWorkload,
     bound_us: float = float("inf"),
-    split: bool = True,
     chains: ChainMoves | None = None,
 ) -> IterationSchedule | None:
     """The fastest schedule of ``workload`` (in ``llm_order``) over the encoder microbatch sizes
-    ``chain_sizes`` gives; None where none schedules (no image, too few encoder microbatches for
-    the plan's encoder pipelines) or none beats ``bound_us`` (the fallback's time: partitions whose
-    lower bound cannot beat it, or the best size so far, are not searched). ``split`` false: only
-    the heaviest microbatch's size, one encoder microbatch per LLM microbatch with images.
+    ``chain_sizes`` gives; where none schedules (mostly: the images make fewer encoder microbatches
+    than the plan has encoder pipelines), the one with every microbatch priced at the heaviest
+    (``padded``). None where no image, or nothing beats ``bound_us`` (the fallback's time:
+    partitions whose lower bound cannot beat it, or the best size so far, are not searched).
     ``chains``: the plan's chains and moves kept from earlier iterations (the same schedule,
     sooner)."""
     best: IterationSchedule | None = None
-    for size in chain_sizes(workload, tries=3 if split else 1):
+    sizes = chain_sizes(workload)
+    for size in sizes:
         bound = min(bound_us, best.schedule.iteration_us if best else bound_us)
         schedule, _ = bubble_scheduler(
             config,
@@ -258,4 +264,25 @@ def schedule_iteration(
             best is None or schedule.iteration_us < best.schedule.iteration_us - EPS_US
         ):
             best = IterationSchedule(schedule, size)
+    if best is None and sizes and padded(workload) != workload:
+        schedule, _ = bubble_scheduler(
+            config,
+            llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            bound_us=bound_us,
+            workload=padded(workload),
+            chains=chains,
+        )
+        if schedule is not None:
+            best = IterationSchedule(schedule, None)
     return best
+
+
+def padded(workload: IterationWorkload) -> IterationWorkload:
+    """Every microbatch at the heaviest one's work, in one encoder microbatch each: an imageless
+    microbatch keeps slots it leaves empty, so the LLM's order of the microbatches does not matter.
+    As many encoder microbatches as LLM microbatches, for an iteration whose images are too few to
+    give each of the plan's encoder pipelines one."""
+    return (heaviest(workload),) * len(workload)

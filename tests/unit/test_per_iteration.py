@@ -194,6 +194,25 @@ def test_workloads_that_differ_in_order_only_share_a_schedule_not_an_order(job):
     assert plans[2].schedule.iteration_us <= fallback.iteration_us
 
 
+def test_too_few_images_for_the_encoder_pipelines_run_padded(job):
+    """One image among imageless microbatches makes one encoder microbatch, fewer than the plan's
+    encoder pipelines: the iteration's own schedule then prices every microbatch at that image, in
+    one encoder microbatch each, still faster than the fallback for the maximum."""
+    config, planned, cost, candidate, fallback = job
+    n = planned.num_microbatches
+    assert candidate.plan.dp // planned.llm_plan.dp > 1
+    scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
+    workload = _workload(config, [0] * (n - 1) + [1])
+    scheduler.submit(0, workload)
+    own = scheduler.take(0, wait_s=60.0)
+    scheduler.close()
+    assert own.source == "per-iteration" and own.images_per_chain is None
+    assert own.schedule.feeds == tuple(range(n))
+    assert own.llm_order[-1] == n - 1  # the one with the image runs last
+    assert schedule_violations(own.schedule) == []
+    assert own.schedule.iteration_us < fallback.iteration_us
+
+
 def test_an_iteration_late_on_another_rank_runs_the_fallback(job):
     config, planned, cost, candidate, fallback = job
     scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
