@@ -91,3 +91,10 @@ class MicrobatchNumbering:
             return range(images)
         lo = self.part(encoder_pipeline, local_microbatch) * self.images_per_chain
         return range(min(lo, images), min(lo + self.images_per_chain, images))
+
+    def images_fed(self, microbatch: int, images: int) -> int:
+        """How many of LLM position ``microbatch``'s ``images`` its feeders run together."""
+        feeders = len(self.feeders(microbatch))
+        if self.images_per_chain is None:
+            return images if feeders else 0
+        return min(images, feeders * self.images_per_chain)

@@ -211,12 +211,14 @@ class OptimusStep:
             shape = embeddings_shape(self.optimus.config, 0)
             embeddings = torch.empty(shape, dtype=messenger.dtype, device=messenger.device)
         else:
-            feeders = self.optimus.numbering.feeders(microbatch)
-            if not feeders:
+            numbering, images = self.optimus.numbering, self.executor.images_of(microbatch)
+            fed = numbering.images_fed(microbatch, images)
+            if fed != images:  # artifact_checks and the per-iteration build rule this out
                 raise RuntimeError(
-                    f"LLM microbatch {microbatch} has images, but the step's schedule feeds it "
-                    "from no encoder microbatch"
+                    f"LLM microbatch {microbatch} has {images} images, but the step's schedule "
+                    f"feeds it {fed}"
                 )
+            feeders = numbering.feeders(microbatch)
             parts = []
             for part, source in enumerate(feeders):
                 link, key = self.optimus.link(source), (microbatch, part)

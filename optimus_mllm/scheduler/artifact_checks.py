@@ -461,6 +461,22 @@ def _check_job(a: ScheduleArtifact, config: OptimusConfig) -> None:
             f"{a.num_microbatches}, but this job runs {n_mb} per LLM pipeline "
             "(training.global_batch_size / micro_batch_size / dp)",
         )
+    # a job's schedule runs every iteration, whatever its images: every LLM microbatch fed, by
+    # one encoder microbatch that runs all of its images
+    fed = set(a.feeds)
+    for i in range(n_mb):
+        if i not in fed:
+            raise ConfigError(
+                "feeds",
+                f"no encoder microbatch feeds LLM microbatch {i}, but a job's schedule runs every "
+                "iteration's images, in any microbatch: feed each one",
+            )
+    if a.images_per_chain is not None:
+        raise ConfigError(
+            "images_per_chain",
+            f"{a.images_per_chain}, but a job's schedule runs every iteration's images, however "
+            "many: must be null (one encoder microbatch runs all of its LLM microbatch's images)",
+        )
     # kernel names and order only: no profile needed
     cost = CostModel(config.cluster, config.cost_model)
     for (s, c, phase), work in llm_op_work(config, llm, cost).items():

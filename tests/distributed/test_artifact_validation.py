@@ -212,6 +212,20 @@ def _images_per_chain_zero(a):
     a["images_per_chain"] = 0
 
 
+def _an_llm_microbatch_fed_by_none(a):
+    """Encoder microbatch 1 feeds LLM microbatch 0 as its second part: nothing feeds 1."""
+    a["feeds"][1] = 0
+    a["images_per_chain"] = 1
+    for stage in a["encoder_stages"]:
+        for op in stage["ops"]:
+            if (op["microbatch"], stage["encoder_pipeline"]) == (1, 1):
+                op["microbatch"] = 0
+
+
+def _images_per_chain_in_a_jobs_schedule(a):
+    a["images_per_chain"] = 1
+
+
 def _feeds_swapped(a):
     """Encoder microbatches 0 and 1 feed each other's LLM microbatch; their ops say otherwise."""
     a["feeds"][0], a["feeds"][1] = 1, 0
@@ -341,6 +355,16 @@ def _infinite_op_start(a):
             "the images each encoder microbatch runs",
         ),
         (_images_per_chain_zero, "images_per_chain: 0, but must be >= 1"),
+        (
+            _an_llm_microbatch_fed_by_none,
+            "feeds: no encoder microbatch feeds LLM microbatch 1, but a job's schedule runs every "
+            "iteration's images, in any microbatch: feed each one",
+        ),
+        (
+            _images_per_chain_in_a_jobs_schedule,
+            "images_per_chain: 1, but a job's schedule runs every iteration's images, however "
+            "many: must be null (one encoder microbatch runs all of its LLM microbatch's images)",
+        ),
         (
             _feeds_swapped,
             "encoder_stages[0].ops[{feeds_op}].microbatch: 0, but feeds gives LLM microbatch 1 to "
