@@ -219,8 +219,8 @@ class OptimusInMegatron:
         _say(dropout_line(config))
         rank = dist.get_rank()
         device = training_device()
-        numbering = MicrobatchNumbering(
-            get_num_microbatches(), parallel_state.get_data_parallel_rank(), artifact.assignment
+        numbering = MicrobatchNumbering.of_artifact(
+            artifact, get_num_microbatches(), parallel_state.get_data_parallel_rank()
         )
         spec = user_vision_spec(config, first, check=True)
         optimus = OptimusEncoder.build(

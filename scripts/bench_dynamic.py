@@ -32,10 +32,9 @@ All Optimus policies use the encoder plan ``optimus-plan`` chooses for the distr
 simulated step; 0 for the static policies (scheduled once) and the baselines. Under the table, for
 a setup where no iteration can beat static-max because the schedule for the maximum already takes
 only what the encoder adds whatever its images (its DP collectives), a line saying so with the
-numbers (``why_no_faster_than_max``), and the mean iteration per-iteration scheduling gets as the
-training runtime runs it today (``in_data_order``: no reordering or splitting, every microbatch
-priced at the iteration's heaviest; the row above reorders and splits). The default 100 iterations
-take about 1.5 minutes of CPU.
+numbers (``why_no_faster_than_max``). The ``per-iteration`` row is what the training runtime runs
+(``runtime/iteration_schedules``: the same reordering and splits, each schedule a schedule
+artifact). The default 100 iterations take about 1.5 minutes of CPU.
 """
 
 from __future__ import annotations
@@ -86,9 +85,6 @@ IMAGES_PER_SAMPLE = {
 }
 TOKENS_PER_IMAGE = {64: 0.3, 144: 0.3, 256: 0.4}
 MAX_IMAGES_PER_SAMPLE = max(IMAGES_PER_SAMPLE)
-# per-iteration schedules as the training runtime runs them today (``IterationScheduler``'s
-# ``in_data_order``): printed under the table, not a row of it
-IN_DATA_ORDER = "per-iteration in data order"
 # strong_1536 in ViT-22B's own 256-token reading (scripts/bench_scheduler.py's second reading)
 READINGS = {
     "strong_1536": ("model.encoders.0.seq_length=256", "model.encoders.0.projector.spatial_merge=1")
@@ -155,9 +151,6 @@ def bench(
     )
     why = why_no_faster_than_max(
         name, config, planned, chosen.candidate, cost, fallback, maximum, own
-    )
-    times[IN_DATA_ORDER], *_ = _per_iteration(
-        config, planned, chosen.candidate, cost, fallback, drawn, in_data_order=True
     )
     rows = []
     for policy in POLICIES:
@@ -251,14 +244,11 @@ def _per_iteration(
     cost: CostModel,
     fallback: Schedule,
     drawn: list[IterationWorkload],
-    in_data_order: bool = False,
 ) -> tuple[list[float], list[float], int, int]:
     """Each iteration's time under its own schedule (or the fallback), the scheduler's time for
     it, how many iterations were late, and how many had a schedule of their own faster than the
-    fallback (late or not). ``in_data_order``: as the training runtime runs them today."""
-    inner = IterationScheduler.for_plan(
-        config, planned.llm_plan, candidate, cost, fallback, in_data_order=in_data_order
-    )
+    fallback (late or not)."""
+    inner = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
     cpu: list[float] = []
 
     def timed(workload: IterationWorkload) -> IterationSchedule | None:
@@ -269,7 +259,7 @@ def _per_iteration(
         cpu.append(time.thread_time() - started)
         return schedule
 
-    scheduler = IterationScheduler(timed, fallback, in_data_order=in_data_order)
+    scheduler = IterationScheduler(timed, fallback)
     times, cpu_per_iteration = [], []
     previous_s = float("inf")  # the first iteration's schedule is built before training starts
     late_iterations = own_schedules = 0
@@ -331,13 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     notes = []
     for name in args.configs:
-        found, times, why = bench(name, args.iterations, args.seed)
+        found, _, why = bench(name, args.iterations, args.seed)
         rows += found
-        runnable = times[IN_DATA_ORDER]
-        notes.append(
-            f"{name}: per-iteration as the training runtime runs it today (in data order, every "
-            f"microbatch priced at the iteration's heaviest): {sum(runnable) / len(runnable):.4f} s"
-        )
         notes += [why] if why else []
     print_table(rows)
     for note in notes:

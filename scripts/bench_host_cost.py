@@ -91,7 +91,7 @@ class Bench:
     @classmethod
     def build(cls, config: OptimusConfig) -> Bench:
         artifact = schedule_job_artifact(config, plan(config))
-        numbering = MicrobatchNumbering(1, 0, artifact.assignment)
+        numbering = MicrobatchNumbering.of_artifact(artifact, 1, 0)
         optimus = OptimusEncoder.build(
             config, artifact.llm_plan, artifact, numbering, 0, torch.device("cpu")
         )
@@ -151,8 +151,8 @@ class Bench:
         """One microbatch, its hook points in order; A_i taken and G_i handed back in between."""
         for n, event in enumerate(placement.events):
             if n == placement.first_backward:
-                executor.mailbox.take_embeddings(0)
-                executor.mailbox.gradients[0] = self.output_grad
+                executor.mailbox.take_embeddings((0, 0))
+                executor.mailbox.gradients[(0, 0)] = self.output_grad
             executor.on_event(event, event)
         executor.finish()
 

@@ -55,6 +55,11 @@ class ExecutedOp:
     planned_at: Event
     stream: str
     scheduled_us: float  # the schedule's predicted start (per-iteration schedules differ in it)
+    # the LLM microbatch it fed, which of that microbatch's feeders it was (0: the first images),
+    # and the job's microbatch (the sample) whose images it ran
+    microbatch: int
+    part: int
+    global_microbatch: int
 
     @property
     def moved(self) -> bool:
@@ -188,19 +193,20 @@ class Mailbox:
     the encoder ops run on: A_i is ready for the LLM once its ``ready`` event is consumed."""
 
     stream: EncoderStream = field(default_factory=InlineStream)
-    embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
-    ready: dict[int, object] = field(default_factory=dict)
-    gradients: dict[int, torch.Tensor] = field(default_factory=dict)
+    # by (LLM microbatch, part): one encoder microbatch's share of its images
+    embeddings: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    ready: dict[tuple[int, int], object] = field(default_factory=dict)
+    gradients: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
-    def put_embeddings(self, microbatch: int, embeddings: torch.Tensor) -> None:
-        self.embeddings[microbatch] = embeddings
-        self.ready[microbatch] = self.stream.publish(embeddings)
+    def put_embeddings(self, key: tuple[int, int], embeddings: torch.Tensor) -> None:
+        self.embeddings[key] = embeddings
+        self.ready[key] = self.stream.publish(embeddings)
 
-    def take_embeddings(self, microbatch: int) -> torch.Tensor:
+    def take_embeddings(self, key: tuple[int, int]) -> torch.Tensor:
         """A_i for the LLM: its stream waits here (not where A_i was made) for the encoder's last
         op."""
-        self.stream.consume(self.ready.pop(microbatch))
-        return self.embeddings.pop(microbatch)
+        self.stream.consume(self.ready.pop(key))
+        return self.embeddings.pop(key)
 
 
 class EncoderExecutor:
@@ -221,8 +227,9 @@ class EncoderExecutor:
         messenger: Messenger,
         images_per_microbatch: ImagesPerMicrobatch | None = None,
     ):
-        """``images_per_microbatch``: each LLM microbatch's images this step, where they vary; a
-        microbatch without any has no encoder work: its ops are skipped and it sends nothing."""
+        """``images_per_microbatch``: each LLM microbatch's images this step, where they vary; an
+        encoder microbatch without any (``chain_images``) has no encoder work: its ops are skipped
+        and it sends nothing."""
         self.config, self.stage_plan, self.ops = config, stage_plan, ops
         self.images_per_microbatch = images_per_microbatch
         self.groups, self.messenger, self.numbering = groups, messenger, numbering
@@ -250,9 +257,11 @@ class EncoderExecutor:
         stream = type(self.stream).__name__
         with self.stream.launch():
             for batch in batches:
-                if not self.has_images(self._llm_microbatch(batch.local_microbatch)):
+                k = batch.local_microbatch
+                if not self.chain_images(k):
                     continue
-                self._run(batch.phase, batch.local_microbatch, batch.kernels, batch.piece)
+                self._run(batch.phase, k, batch.kernels, batch.piece)
+                microbatch, part = self._embeddings_key(k)
                 self.record += [
                     ExecutedOp(
                         op.phase,
@@ -264,6 +273,9 @@ class EncoderExecutor:
                         op.event,
                         stream,
                         op.start_us,
+                        microbatch,
+                        part,
+                        self._global_microbatch(k),
                     )
                     for op in batch.ops
                 ]
@@ -311,8 +323,18 @@ class EncoderExecutor:
 
     def has_images(self, microbatch: int) -> bool:
         """Whether LLM microbatch ``microbatch`` has encoder work this step."""
+        return self.images_of(microbatch) > 0
+
+    def images_of(self, microbatch: int) -> int:
+        """LLM microbatch ``microbatch``'s images this step."""
         count = self.images_per_microbatch
-        return count is None or count(microbatch) > 0
+        return self.config.training.micro_batch_size if count is None else count(microbatch)
+
+    def chain_images(self, k: int) -> range:
+        """The images of its LLM microbatch that this encoder pipeline's local microbatch ``k``
+        runs (all of them unless the schedule splits them over several encoder microbatches)."""
+        j = self.groups.coords.pipeline
+        return self.numbering.chain_images(j, k, self.images_of(self._llm_microbatch(k)))
 
     # -- where inputs come from and outputs go ---------------------------------------------------
 
@@ -326,9 +348,10 @@ class EncoderExecutor:
     def _forward_input(self, k: int) -> dict[str, torch.Tensor]:
         if self.first:
             images = self.images(self.iteration, self._global_microbatch(k))
+            part = self.chain_images(k)
             device = self.stream.device
             return {
-                enc.name: to_device(image, device)
+                enc.name: to_device(image[part.start : part.stop], device)
                 for enc, image in zip(self.config.encoders, images)
             }
         return {
@@ -345,12 +368,18 @@ class EncoderExecutor:
             return
         # [image tokens, b, h]
         embeddings = torch.cat([run.output[e.name] for e in self.config.encoders], dim=0)
-        i = self._llm_microbatch(k)
+        key = self._embeddings_key(k)
         for link in self.groups.embedding_sends:
             if link.llm_rank == self.groups.rank:
-                self.mailbox.put_embeddings(i, embeddings.detach())
+                self.mailbox.put_embeddings(key, embeddings.detach())
             else:
-                self.messenger.send("embeddings", link.llm_rank, embeddings, (i, 0))
+                self.messenger.send("embeddings", link.llm_rank, embeddings, key)
+
+    def _embeddings_key(self, k: int) -> tuple[int, int]:
+        """(LLM microbatch, part): which images of which LLM microbatch local microbatch ``k``'s
+        A_i and G_i are."""
+        j = self.groups.coords.pipeline
+        return self.numbering.llm(j, k), self.numbering.part(j, k)
 
     def _output_grad(self, k: int) -> dict[str, torch.Tensor]:
         if not self.last:
@@ -359,12 +388,12 @@ class EncoderExecutor:
                 for i, e in enumerate(self.config.encoders)
                 if e.name in self.ops.output_grad_encoders
             }
-        i = self._llm_microbatch(k)
+        key = self._embeddings_key(k)
         link = self.groups.gradient_recv
         if link.llm_rank == self.groups.rank:
-            grad = self.stream.adopt(self.mailbox.gradients.pop(i))  # made on the LLM's stream
+            grad = self.stream.adopt(self.mailbox.gradients.pop(key))  # made on the LLM's stream
         else:
-            grad = self.messenger.recv("embeddings_grad", link.llm_rank, (i, 0))
+            grad = self.messenger.recv("embeddings_grad", link.llm_rank, key)
         return dict(
             zip(
                 (e.name for e in self.config.encoders),
@@ -440,27 +469,32 @@ def incoming_messages(
     images: ImagesPerMicrobatch | None = None,
 ) -> Incoming:
     """What arrives on each channel this rank receives on, in its sender's order (hook plan, LLM op
-    order), each message shaped for its microbatch's ``images`` (default: ``micro_batch_size``);
-    a microbatch without images sends nothing."""
+    order), each message shaped for its encoder microbatch's share (``chain_images``) of its LLM
+    microbatch's ``images`` (default: ``micro_batch_size``); one without images sends nothing."""
     images = images if images is not None else _one_per_sample(config)
     j, e, tp = groups.coords.pipeline, groups.coords.pp, groups.tp_group.size()
     rank = groups.rank
+
+    def runs(pipeline: int, k: int) -> int:
+        """The images local microbatch ``k`` of encoder pipeline ``pipeline`` runs."""
+        return len(numbering.chain_images(pipeline, k, images(numbering.llm(pipeline, k))))
+
     incoming: Incoming = {}
     if e > 0:
         order = plan.stage(j, e - 1).completion_order("fwd")
         incoming[Channel("activation", groups.prev_stage_rank, rank)] = [
-            ((k, i), hidden_shape(config, i, tp, images(numbering.llm(j, k))))
+            ((k, i), hidden_shape(config, i, tp, runs(j, k)))
             for k in order
-            if images(numbering.llm(j, k))
+            if runs(j, k)
             for i in range(len(config.encoders))
         ]
     if e < num_stages - 1:
         wanted = [i for i, enc in enumerate(config.encoders) if enc.name in output_grad_encoders]
         order = plan.stage(j, e + 1).completion_order("bwd")
         incoming[Channel("activation_grad", groups.next_stage_rank, rank)] = [
-            ((k, i), hidden_shape(config, i, tp, images(numbering.llm(j, k))))
+            ((k, i), hidden_shape(config, i, tp, runs(j, k)))
             for k in order
-            if images(numbering.llm(j, k))
+            if runs(j, k)
             for i in wanted
         ]
     for link in groups.embedding_recvs:
@@ -468,19 +502,22 @@ def incoming_messages(
             pipeline = link.encoder_dp - numbering.llm_dp * m
             order = plan.stage(pipeline, num_stages - 1).completion_order("fwd")
             incoming[Channel("embeddings", link.encoder_rank, rank)] = [
-                ((i, 0), embeddings_shape(config, images(i)))
-                for i in (numbering.llm(pipeline, k) for k in order)
-                if images(i)
+                (
+                    (numbering.llm(pipeline, k), numbering.part(pipeline, k)),
+                    embeddings_shape(config, runs(pipeline, k)),
+                )
+                for k in order
+                if runs(pipeline, k)
             ]
     link = groups.gradient_recv
     if link is not None and not link.local:
+        # G_i leaves the LLM's first stage at its backward, one message per feeder, in their order
         incoming[Channel("embeddings_grad", link.llm_rank, rank)] = [
-            ((op.microbatch, 0), embeddings_shape(config, images(op.microbatch)))
+            ((op.microbatch, part), embeddings_shape(config, runs(j, source.local_microbatch)))
             for op in plan.op_order[0]
-            if op.chunk == 0
-            and op.phase == "bwd"
-            and numbering.encoder(op.microbatch).encoder_pipeline == j
-            and images(op.microbatch)
+            if op.chunk == 0 and op.phase == "bwd"
+            for part, source in enumerate(numbering.feeders(op.microbatch))
+            if source.encoder_pipeline == j and runs(j, source.local_microbatch)
         ]
     return incoming
 

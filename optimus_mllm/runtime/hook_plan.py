@@ -314,7 +314,9 @@ def _stuck_microbatches(plan: HookPlan, artifact: ScheduleArtifact) -> set[tuple
             owner[nodes[(st.llm_stage, op.event, "done")]].add((op.microbatch, op.phase))
     llm_stage = {(st.encoder_pipeline, st.encoder_stage): st.llm_stage for st in plan.stages}
     last = max(e for _, e in llm_stage)
-    for i, source in enumerate(artifact.assignment):
+    # each encoder microbatch and the LLM microbatch it feeds (an imageless one is fed by none: the
+    # LLM waits on no encoder for it)
+    for source, i in zip(artifact.assignment, artifact.feeds):
         j, k = source.encoder_pipeline, source.local_microbatch
         for e in range(last + 1):  # the encoder pipeline's own P2P, forward then backward
             if e > 0:

@@ -8,13 +8,20 @@ takes that iteration's schedule, or the fallback where it is not built in time: 
 ``data.max_images_per_microbatch`` images in every microbatch, built when the job starts for the
 artifact's encoder plan, which holds for any batch within that maximum. The step then runs the
 chosen schedule as a schedule artifact (``schedule_to_artifact``): its hook plan, LLM warm-up and op
-order, encoder microbatch assignment and message shapes.
+order, the data microbatch each LLM microbatch runs (``llm_order``: an iteration's own schedule runs
+its imageless microbatches first), the LLM microbatch each encoder microbatch feeds (``feeds``: none
+for an imageless microbatch, which then waits on no encoder; several, ``images_per_chain`` images
+each, for one whose images the schedule splits, joined in image order at the LLM's first stage), and
+the message shapes that follow. The fallback runs in data order, one encoder microbatch per LLM
+microbatch.
 
-The runtime runs what an artifact holds: encoder microbatch i feeds LLM microbatch i, in data order.
-So the scheduler runs restricted to that (``in_data_order``): no reordering of the LLM's
-microbatches and no splitting of one microbatch's images over several encoder microbatches; each
-iteration's schedule is priced at its heaviest microbatch, and an imageless microbatch keeps its
-(unused) slots.
+Only the order of the step's sums changes with ``llm_order``: each microbatch keeps its samples,
+its dropout seed (the job's microbatch number) and its image tokens (a split microbatch's parts run
+the same per-image ViT, without dropout across images), so its loss and gradients are the
+baseline's; megatron-core adds the microbatches' losses and gradients into its buffers in the order
+they run, and float addition in another order differs in the last bits only (the tests compare at
+relative 1e-5). An encoder with dropout draws a split microbatch's masks per part, from the same
+seed: not the masks one whole batch draws.
 
 Agreement. Every rank of one LLM pipeline must run the same schedule. Each rank builds its own
 pipeline's schedule from the same workload, and the build is deterministic (pure Python, no clock or
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -110,10 +117,14 @@ class IterationSchedules:
                 f"data.max_images_per_microbatch={most}: encoder plan {artifact.encoder_plan} has "
                 "no schedule for it; lower it or train without training.schedule_per_iteration"
             )
-        # schedule -> its artifact and digest, made on the build thread; a key holds its schedule
+        # schedule -> its artifact (in data order) and digest, made on the build thread; a key
+        # holds its schedule
         self._artifacts: dict[int, tuple[Schedule, ScheduleArtifact, int]] = {}
-        self._convert(fallback)
-        self.scheduler = IterationScheduler(self._build, fallback, in_data_order=True)
+        # (schedule, LLM order) -> the artifact a step runs: iterations whose workloads differ only
+        # in where their imageless microbatches are share a schedule, not an order
+        self._ordered: dict[tuple[int, tuple[int, ...]], ScheduleArtifact] = {}
+        self._convert(fallback, None)
+        self.scheduler = IterationScheduler(self._build, fallback)
         self._submitted: set[int] = set()
 
     def for_step(self, iteration: int) -> StepSchedule:
@@ -156,24 +167,31 @@ class IterationSchedules:
             self.cost,
             workload,
             bound_us=self.scheduler.fallback.iteration_us,
-            split=False,
         )
         if built is not None:
-            self._convert(built.schedule)
+            self._convert(built.schedule, built.images_per_chain)
         return built
 
-    def _convert(self, schedule: Schedule) -> None:
-        artifact = schedule_to_artifact(schedule, self.config)
+    def _convert(self, schedule: Schedule, images_per_chain: int | None) -> None:
+        artifact = schedule_to_artifact(schedule, self.config, images_per_chain=images_per_chain)
         validate_artifact(artifact, "a per-iteration schedule")
         digest = zlib.crc32(artifact_text(artifact).encode())
         self._artifacts[id(schedule)] = (schedule, artifact, digest)
 
     def _digest(self, iteration: int) -> int | None:
-        """The digest of the schedule ``iteration`` would run if every rank is ready."""
+        """The digest of the schedule, and the LLM order, ``iteration`` would run if every rank is
+        ready."""
         built = self.scheduler.built(iteration)
-        schedule = built.schedule if built is not None else self.scheduler.fallback
-        return self._artifacts[id(schedule)][2]
+        if built is None:
+            return self._artifacts[id(self.scheduler.fallback)][2]
+        digest = self._artifacts[id(built.schedule)][2]
+        return zlib.crc32(repr(self.scheduler.llm_order(iteration)).encode(), digest)
 
     def _step_schedule(self, taken: IterationPlan) -> StepSchedule:
         _, artifact, _ = self._artifacts[id(taken.schedule)]
+        if artifact.llm_order != taken.llm_order:
+            key = (id(taken.schedule), taken.llm_order)
+            if key not in self._ordered:
+                self._ordered[key] = replace(artifact, llm_order=taken.llm_order)
+            artifact = self._ordered[key]
         return StepSchedule(taken.iteration, artifact, taken.source, taken.reason, taken.reused)

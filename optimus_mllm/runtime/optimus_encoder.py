@@ -69,7 +69,7 @@ from optimus_mllm.runtime.user_model import (
 )
 from optimus_mllm.runtime.verdicts import heard_by_every_rank
 from optimus_mllm.runtime.vit import EncoderStage
-from optimus_mllm.scheduler.artifact_format import LLMOp, ScheduleArtifact
+from optimus_mllm.scheduler.artifact_format import EncoderMicrobatch, LLMOp, ScheduleArtifact
 
 
 @dataclass
@@ -166,11 +166,9 @@ class OptimusEncoder:
             )
         )
 
-    def link(self, microbatch: int) -> EncoderLLMLink:
-        """The link LLM microbatch ``microbatch``'s image tokens arrive over on this rank."""
-        encoder_dp = (
-            self.numbering.llm_dp * self.m + self.numbering.encoder(microbatch).encoder_pipeline
-        )
+    def link(self, source: EncoderMicrobatch) -> EncoderLLMLink:
+        """The link encoder microbatch ``source``'s image tokens arrive over on this rank."""
+        encoder_dp = self.numbering.llm_dp * self.m + source.encoder_pipeline
         return next(link for link in self.groups.embedding_recvs if link.encoder_dp == encoder_dp)
 
 
@@ -210,21 +208,35 @@ class OptimusStep:
             images_per_microbatch,
         )
         self.leaves: dict[int, torch.Tensor] = {}
+        # LLM microbatch -> the encoder microbatches whose outputs its A_i joined, in image order
+        self.fed_by: dict[int, tuple[EncoderMicrobatch, ...]] = {}
         self.driver = HookDriver(op_order, self, wait_for_input, collectives)
 
     def image_embeddings(self, microbatch: int) -> torch.Tensor:
-        """A_i, [image tokens, batch, hidden], as a leaf: its gradient after the backward is G_i."""
-        link = self.optimus.link(microbatch)
+        """A_i, [image tokens, batch, hidden], as a leaf: its gradient after the backward is G_i.
+        Fed by several encoder microbatches, it joins their outputs in image order."""
+        messenger = self.optimus.messenger
         if not self.executor.has_images(microbatch):  # nothing to wait for, nothing to send back
-            messenger = self.optimus.messenger
             shape = embeddings_shape(self.optimus.config, 0)
             embeddings = torch.empty(shape, dtype=messenger.dtype, device=messenger.device)
-        elif link.encoder_rank == self.optimus.groups.rank:
-            embeddings = self.mailbox.take_embeddings(microbatch)
         else:
-            embeddings = self.optimus.messenger.recv(
-                "embeddings", link.encoder_rank, (microbatch, 0)
-            )
+            numbering, images = self.optimus.numbering, self.executor.images_of(microbatch)
+            fed = numbering.images_fed(microbatch, images)
+            if fed != images:  # artifact_checks and the per-iteration build rule this out
+                raise RuntimeError(
+                    f"LLM microbatch {microbatch} has {images} images, but the step's schedule "
+                    f"feeds it {fed}"
+                )
+            feeders = numbering.feeders(microbatch)
+            parts = []
+            for part, source in enumerate(feeders):
+                link, key = self.optimus.link(source), (microbatch, part)
+                if link.encoder_rank == self.optimus.groups.rank:
+                    parts.append(self.mailbox.take_embeddings(key))
+                else:
+                    parts.append(messenger.recv("embeddings", link.encoder_rank, key))
+            embeddings = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            self.fed_by[microbatch] = feeders
         leaf = embeddings.detach().requires_grad_(True)
         self.leaves[microbatch] = leaf
         return leaf
@@ -240,13 +252,20 @@ class OptimusStep:
         self.executor.on_event(event, ran_at)
 
     def _send_gradient(self, microbatch: int, grad: torch.Tensor) -> None:
-        link = self.optimus.link(microbatch)
-        if not link.carries_gradient:
-            return
-        if link.encoder_rank == self.optimus.groups.rank:
-            self.mailbox.gradients[microbatch] = grad
-        else:
-            self.optimus.messenger.send("embeddings_grad", link.encoder_rank, grad, (microbatch, 0))
+        """G_i back to the encoder microbatches that made A_i, each its share of the images."""
+        numbering, images = self.optimus.numbering, self.executor.images_of(microbatch)
+        for part, source in enumerate(numbering.feeders(microbatch)):
+            link = self.optimus.link(source)
+            if not link.carries_gradient:
+                continue
+            j, k = source.encoder_pipeline, source.local_microbatch
+            share = numbering.chain_images(j, k, images)
+            piece = grad[:, share.start : share.stop]
+            if link.encoder_rank == self.optimus.groups.rank:
+                self.mailbox.gradients[(microbatch, part)] = piece
+            else:
+                messenger = self.optimus.messenger
+                messenger.send("embeddings_grad", link.encoder_rank, piece, (microbatch, part))
 
     def finish(self) -> None:
         """After the schedule and the ``post`` event: every encoder op ran, every message left."""

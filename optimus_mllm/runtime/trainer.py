@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -110,7 +110,7 @@ from optimus_mllm.runtime.user_model import (
 from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
-from optimus_mllm.scheduler.artifact_format import LLMOp, ScheduleArtifact
+from optimus_mllm.scheduler.artifact_format import EncoderMicrobatch, LLMOp, ScheduleArtifact
 from optimus_mllm.scheduler.baselines import balanced_layer_ranges
 from optimus_mllm.workload import (
     EncoderWorkload,
@@ -135,6 +135,11 @@ class StepResult:
     unplanned_collectives: int
     # under training.schedule_per_iteration: the schedule this step ran; None: the artifact's
     schedule: StepSchedule | None = None
+    # LLM microbatch -> the job's microbatch (the sample) its forwards ran here, in the LLM's order
+    llm_microbatches: dict[int, int] = field(default_factory=dict)
+    # on the LLM's first stage: LLM microbatch -> the encoder microbatches its image tokens came
+    # from, joined in image order (none for a microbatch without images)
+    fed_by: dict[int, tuple[EncoderMicrobatch, ...]] = field(default_factory=dict)
 
     @property
     def moved_ops(self) -> int:
@@ -273,8 +278,10 @@ class Trainer:
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.llm_dp = parallel_state.get_data_parallel_rank()
         self.num_microbatches = config.num_microbatches_total // llm_plan.dp
-        self.numbering = MicrobatchNumbering(
-            self.num_microbatches, self.llm_dp, artifact.assignment if artifact else ()
+        self.numbering = (
+            MicrobatchNumbering(self.num_microbatches, self.llm_dp)
+            if artifact is None
+            else MicrobatchNumbering.of_artifact(artifact, self.num_microbatches, self.llm_dp)
         )
         # the artifact's warm-up and op order (artifact_checks made them megatron-core's under that
         # warm-up); without one, megatron-core's own
@@ -315,6 +322,8 @@ class Trainer:
                     grid=grid,
                 )
         self.schedules: IterationSchedules | None = None
+        # this step's LLM microbatch -> the job's microbatch its forwards ran (``StepResult``)
+        self._step_microbatches: dict[int, int] = {}
         if mode == "optimus" and config.training.schedule_per_iteration:
             if self.image_count is None:
                 raise OptimusError(
@@ -452,12 +461,14 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def train_step(self, iteration: int) -> StepResult:
-        # on every rank before the step: a sample above data.max_images_per_sample fails here
-        images_per_microbatch = self._images_per_microbatch(iteration)
         schedule = None
         if self.schedules is not None:
             schedule = self.schedules.for_step(iteration)
             self._run_artifact(schedule.artifact)
+        # on every rank before the step: a sample above data.max_images_per_sample fails here; in
+        # the LLM's order of this step's schedule
+        images_per_microbatch = self._images_per_microbatch(iteration)
+        self._step_microbatches = {}
         step = None
         if self.optimus is not None:
             step = OptimusStep(
@@ -521,13 +532,15 @@ class Trainer:
             step.executor.record if step is not None else [],
             len(driver.unplanned),
             schedule,
+            self._step_microbatches,
+            step.fed_by if step is not None else {},
         )
 
     def _run_artifact(self, artifact: ScheduleArtifact) -> None:
-        """This step under ``artifact``: the LLM's warm-up and op order, the collectives its
-        kernels plan, the encoder's hook plan and microbatch assignment."""
-        self.numbering = MicrobatchNumbering(
-            self.num_microbatches, self.llm_dp, artifact.assignment
+        """This step under ``artifact``: the LLM's warm-up, op order and data order, the
+        collectives its kernels plan, the encoder's hook plan and microbatch assignment."""
+        self.numbering = MicrobatchNumbering.of_artifact(
+            artifact, self.num_microbatches, self.llm_dp
         )
         self.warmup = list(artifact.warmup)
         self.op_order = artifact.llm_op_order[self.stage]
@@ -535,15 +548,17 @@ class Trainer:
         self.optimus.run_artifact(artifact, self.numbering)
 
     def _iteration_workload(self, iteration: int) -> IterationWorkload:
-        """This replica's encoder work in ``iteration``, in its LLM microbatches' order; every
-        microbatch of the job checked against data.max_images_per_microbatch on every rank."""
+        """This replica's encoder work in ``iteration``, in data order (the scheduler picks the
+        LLM's order); every microbatch of the job checked against data.max_images_per_microbatch
+        on every rank."""
         job = [EncoderWorkload.of_images(self.config, n) for n in self._job_images(iteration)]
         maximum = EncoderWorkload.of_images(self.config, max_images_per_microbatch(self.config))
         try:
             check_within(tuple(job), maximum, self.config)
         except OptimusError as exc:
             raise AgreedError(str(exc)) from None
-        return tuple(job[self.numbering.global_index(i)] for i in range(self.num_microbatches))
+        first = self.llm_dp * self.num_microbatches
+        return tuple(job[first : first + self.num_microbatches])
 
     def _job_images(self, iteration: int) -> list[int]:
         """The images of every microbatch of the job in ``iteration``, by global index, counted
@@ -617,6 +632,7 @@ class Trainer:
         seeded."""
         microbatch, chunk = driver.current.microbatch, driver.current.chunk
         global_microbatch = self.numbering.global_index(microbatch)
+        self._step_microbatches[microbatch] = global_microbatch
         seed = microbatch_seed(self.config.training.seed, iteration, global_microbatch)
         seed_llm_dropout(seed, llm_chunk_index(chunk))
         return microbatch, chunk, global_microbatch, seed

@@ -2,11 +2,12 @@
 
 Its fields are ``artifact_format``'s dataclasses, written with ``to_json`` and read back by the
 config's loader (``typed_load``). It holds the settings of the config it was made for that shape its
-schedule (``fingerprint``), the plans, the microbatch partition, the global ordering (which encoder
-pipeline's local microbatch feeds each LLM microbatch), the LLM warm-up counts to run with and the
-op order each LLM stage runs under them, and for every encoder stage (the GPUs of one LLM pipeline
-that hold it) its encoder kernels in the order they run, each with the LLM hook point it is
-launched at and its predicted start and end.
+schedule (``fingerprint``), the plans, the microbatch partition, the global ordering (the encoder
+microbatches, each an encoder pipeline's local microbatch, in order), the LLM warm-up counts to run
+with and the op order each LLM stage runs under them, the data microbatch each LLM microbatch runs
+and the LLM microbatch each encoder microbatch feeds, and for every encoder stage (the GPUs of one
+LLM pipeline that hold it) its encoder kernels in the order they run, each with the LLM hook point
+it is launched at and its predicted start and end.
 
 A hook point (``Hook``) names a moment of the LLM's own execution on that GPU, never a time: before
 the LLM's first forward on the GPU (``before_first_compute``), at a kernel of one of its LLM ops
@@ -50,13 +51,19 @@ from optimus_mllm.scheduler.bubble_scheduler import Schedule, best_schedule
 from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_fingerprint
 
 
-def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> ScheduleArtifact:
-    if schedule.feeds and schedule.feeds != tuple(range(len(schedule.assignment))):
-        # the artifact maps encoder microbatch i to LLM microbatch i; a per-iteration schedule's
-        # split and reordering reach the runtime through per_iteration.IterationPlan instead
-        raise ValueError("an artifact holds one encoder microbatch per LLM microbatch, in order")
+def schedule_to_artifact(
+    schedule: Schedule,
+    config: OptimusConfig,
+    llm_order: tuple[int, ...] | None = None,
+    images_per_chain: int | None = None,
+) -> ScheduleArtifact:
+    """``schedule`` as the runtime runs it. A per-iteration schedule's (``per_iteration``):
+    ``llm_order``, the data microbatch each LLM microbatch runs (default: data order), and
+    ``images_per_chain``, the most images of one encoder microbatch (default: all of its LLM
+    microbatch's)."""
     w, tl, t0 = schedule.work, schedule.timeline, schedule.llm_origin_us
-    llm_mb = {a: i for i, a in enumerate(schedule.assignment)}
+    feeds = schedule.feeds or tuple(range(len(schedule.assignment)))
+    llm_mb = {a: feeds[s] for s, a in enumerate(schedule.assignment)}
     hooks = [_HookIndex(tl, s, t0) for s in range(tl.pp)]
     stages = []
     for j, stage_list in enumerate(w.stage_gpus):
@@ -103,8 +110,11 @@ def schedule_to_artifact(schedule: Schedule, config: OptimusConfig) -> ScheduleA
         llm_plan=schedule.llm_plan,
         encoder_plan=schedule.encoder_plan,
         num_microbatches=tl.num_microbatches,
+        llm_order=tuple(range(tl.num_microbatches)) if llm_order is None else tuple(llm_order),
         partition=tuple(schedule.partition),
         assignment=tuple(EncoderMicrobatch(j, k) for j, k in schedule.assignment),
+        feeds=feeds,
+        images_per_chain=images_per_chain,
         warmup=tuple(schedule.dep.warmup),
         default_warmup=tuple(schedule.dep.default_warmup),
         llm_op_order=tuple(

@@ -66,12 +66,14 @@ def _check_artifact(a: ScheduleArtifact) -> None:
     _check_plans(llm, enc, num_gpus)
     n_mb = _at_least(a.num_microbatches, 1, "num_microbatches")
     layout = encoder_stage_gpus(llm, enc)
-    partition = _check_partition(a.partition, len(layout), n_mb)
-    llm_microbatch = _check_assignment(a.assignment, partition, n_mb)
+    _check_llm_order(a.llm_order, n_mb)
+    partition = _check_partition(a.partition, len(layout), len(a.assignment))
+    llm_microbatch = _check_assignment(a.assignment, a.feeds, partition, n_mb)
+    _check_images_per_chain(a.images_per_chain, a.feeds)
     _check_warmup(a.warmup, llm, n_mb)
     _check_length(a.default_warmup, "default_warmup", llm.pp, "the plans need")
     _check_op_order(a.llm_op_order, a.warmup, llm, n_mb)
-    _check_predicted(a, n_mb)
+    _check_predicted(a)
     _check_llm_kernels(a.llm_kernels, llm)
     seen: dict[tuple[int, int], int] = {}
     for i, stage in enumerate(a.encoder_stages):
@@ -89,8 +91,9 @@ def _check_artifact(a: ScheduleArtifact) -> None:
                 raise ConfigError("encoder_stages", f"no entry for encoder pipeline {j} stage {e}")
 
 
-def _check_predicted(a: ScheduleArtifact, n_mb: int) -> None:
-    """The scheduler's per-microbatch predictions: one per LLM microbatch."""
+def _check_predicted(a: ScheduleArtifact) -> None:
+    """The scheduler's per-microbatch predictions: one per encoder microbatch."""
+    count = len(a.assignment)
     for name in (
         "forward_dependency_us",
         "backward_dependency_us",
@@ -98,9 +101,10 @@ def _check_predicted(a: ScheduleArtifact, n_mb: int) -> None:
         "encoder_backward_start_us",
     ):
         entries = getattr(a.predicted, name)
-        if len(entries) != n_mb:
+        if len(entries) != count:
             raise ConfigError(
-                f"predicted.{name}", f"{len(entries)} entries, but there are {n_mb} microbatches"
+                f"predicted.{name}",
+                f"{len(entries)} entries, but assignment lists {count} encoder microbatches",
             )
 
 
@@ -118,42 +122,76 @@ def _check_plans(llm: ParallelPlan, enc: ParallelPlan, num_gpus: int) -> None:
         raise ConfigError("encoder_plan.tp", f"{enc.tp} does not divide llm_plan.tp={llm.tp}")
 
 
-def _check_partition(value: tuple[int, ...], pipelines: int, n_mb: int) -> tuple[int, ...]:
-    """Microbatches per encoder pipeline: every pipeline gets at least one, all of them together."""
+def _check_llm_order(value: tuple[int, ...], n_mb: int) -> None:
+    """The data microbatch each LLM microbatch runs: every one of them once."""
+    _check_length(value, "llm_order", n_mb, "num_microbatches is")
+    seen: dict[int, int] = {}
+    for i, data in enumerate(value):
+        _within(data, 0, n_mb - 1, f"llm_order[{i}]")
+        if data in seen:
+            raise ConfigError(
+                f"llm_order[{i}]",
+                f"data microbatch {data} again (also llm_order[{seen[data]}]): must be a "
+                "permutation",
+            )
+        seen[data] = i
+
+
+def _check_partition(value: tuple[int, ...], pipelines: int, count: int) -> tuple[int, ...]:
+    """Encoder microbatches per encoder pipeline: every pipeline gets at least one, all of them
+    together."""
     _check_length(value, "partition", pipelines, "the plans need")
-    for j, count in enumerate(value):
-        _at_least(count, 1, f"partition[{j}]")
-    if sum(value) != n_mb:
+    for j, n in enumerate(value):
+        _at_least(n, 1, f"partition[{j}]")
+    if sum(value) != count:
         raise ConfigError(
             "partition",
-            f"{list(value)} adds up to {sum(value)}, not num_microbatches={n_mb}",
+            f"{list(value)} adds up to {sum(value)}, but assignment lists {count} encoder "
+            "microbatches",
         )
     return value
 
 
 def _check_assignment(
-    value: tuple[EncoderMicrobatch, ...], partition: tuple[int, ...], n_mb: int
+    value: tuple[EncoderMicrobatch, ...],
+    feeds: tuple[int, ...],
+    partition: tuple[int, ...],
+    n_mb: int,
 ) -> dict[EncoderMicrobatch, int]:
-    """The global ordering: every encoder microbatch feeds exactly one LLM microbatch."""
-    if len(value) != n_mb:
-        raise ConfigError(
-            "assignment",
-            f"{len(value)} entries, one per LLM microbatch: must be num_microbatches={n_mb}",
-        )
+    """The global ordering: every encoder microbatch once, each feeding one LLM microbatch."""
+    _check_length(feeds, "feeds", len(value), "assignment lists")
     llm_microbatch: dict[EncoderMicrobatch, int] = {}
-    for i, pair in enumerate(value):
-        field = f"assignment[{i}]"
+    listed: dict[EncoderMicrobatch, int] = {}
+    for s, (pair, i) in enumerate(zip(value, feeds)):
+        field = f"assignment[{s}]"
         j = _within(pair.encoder_pipeline, 0, len(partition) - 1, f"{field}.encoder_pipeline")
         k = _within(pair.local_microbatch, 0, partition[j] - 1, f"{field}.local_microbatch")
-        if pair in llm_microbatch:
+        if pair in listed:
             raise ConfigError(
                 field,
                 f"encoder pipeline {j}'s local microbatch {k} again (also assignment"
-                f"[{llm_microbatch[pair]}]): must be a permutation",
+                f"[{listed[pair]}]): must be a permutation",
             )
-        llm_microbatch[pair] = i
-    # n_mb distinct pairs out of sum(partition) == n_mb: each one exactly once
+        listed[pair] = s
+        llm_microbatch[pair] = _within(i, 0, n_mb - 1, f"feeds[{s}]")
+    # len(value) distinct pairs out of sum(partition) == len(value): each one exactly once
     return llm_microbatch
+
+
+def _check_images_per_chain(value: int | None, feeds: tuple[int, ...]) -> None:
+    """Where an LLM microbatch is fed by several encoder microbatches, how many images each runs."""
+    if value is not None:
+        _at_least(value, 1, "images_per_chain")
+        return
+    first: dict[int, int] = {}
+    for s, i in enumerate(feeds):
+        if i in first:
+            raise ConfigError(
+                "images_per_chain",
+                f"null, but LLM microbatch {i} is fed by feeds[{first[i]}] and feeds[{s}]: give "
+                "the images each encoder microbatch runs",
+            )
+        first[i] = s
 
 
 def _check_warmup(warmup: tuple[int, ...], llm: ParallelPlan, n_mb: int) -> None:
@@ -366,8 +404,8 @@ def _check_op(
     if op.microbatch != feeds:
         raise ConfigError(
             f"{at}.microbatch",
-            f"{op.microbatch}, but the assignment feeds LLM microbatch "
-            f"{feeds} from encoder pipeline {j}'s local microbatch {k}",
+            f"{op.microbatch}, but feeds gives LLM microbatch {feeds} to encoder pipeline {j}'s "
+            f"local microbatch {k}",
         )
     _at_least(op.kernel_index, 0, f"{at}.kernel_index")
     lo, hi = op.piece
@@ -422,6 +460,22 @@ def _check_job(a: ScheduleArtifact, config: OptimusConfig) -> None:
             "num_microbatches",
             f"{a.num_microbatches}, but this job runs {n_mb} per LLM pipeline "
             "(training.global_batch_size / micro_batch_size / dp)",
+        )
+    # a job's schedule runs every iteration, whatever its images: every LLM microbatch fed, by
+    # one encoder microbatch that runs all of its images
+    fed = set(a.feeds)
+    for i in range(n_mb):
+        if i not in fed:
+            raise ConfigError(
+                "feeds",
+                f"no encoder microbatch feeds LLM microbatch {i}, but a job's schedule runs every "
+                "iteration's images, in any microbatch: feed each one",
+            )
+    if a.images_per_chain is not None:
+        raise ConfigError(
+            "images_per_chain",
+            f"{a.images_per_chain}, but a job's schedule runs every iteration's images, however "
+            "many: must be null (one encoder microbatch runs all of its LLM microbatch's images)",
         )
     # kernel names and order only: no profile needed
     cost = CostModel(config.cluster, config.cost_model)

@@ -7,12 +7,16 @@ loader (``typed_load``): every field typed, a wrong one refused in one line nami
 file (``encoder_stages[3].ops[17].piece``). That the fields fit together is ``artifact_checks``'
 job.
 
-Microbatches are numbered three ways, each field saying which: an LLM pipeline's own
-(``microbatch``: 0 .. num_microbatches - 1, the order its first stage runs them in), an encoder
+Microbatches are numbered four ways, each field saying which: an LLM pipeline's own
+(``microbatch``: 0 .. num_microbatches - 1, the order its first stage runs them in), the LLM
+pipeline's data order (``llm_order``: the data microbatch each LLM microbatch runs), an encoder
 pipeline's own (``local_microbatch`` of ``encoder_pipeline``), and the job's (the global index,
 which picks a sample and seeds dropout; not stored here). ``assignment`` (the paper's global
-ordering) maps the LLM's numbering to the encoders'; ``runtime.microbatches`` converts between all
-three.
+ordering) lists the encoder microbatches and ``feeds`` the LLM microbatch each one feeds: a job's
+schedule feeds LLM microbatch i from encoder microbatch i in data order; a per-iteration schedule
+(``per_iteration``) runs the imageless microbatches first, feeds them from none, and may feed one
+from several encoder microbatches, ``images_per_chain`` images each.
+``runtime.microbatches`` converts between all of them.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from optimus_mllm.typed_load import load_typed, to_json
 
 ARTIFACT_FORMAT = "optimus-schedule"
 # 2: the config's fingerprint; 3: pieces of kernels; 4: typed fields with readable names, the LLM
-# op order per stage, ops listed in the order they run
-ARTIFACT_VERSION = 4
+# op order per stage, ops listed in the order they run; 5: the LLM's data order (``llm_order``) and
+# the LLM microbatch each encoder microbatch feeds (``feeds``), with how many of its images
+# (``images_per_chain``)
+ARTIFACT_VERSION = 5
 
 Phase = Literal["fwd", "bwd"]
 HookKind = Literal["before_first_compute", "llm_kernel", "after_last_compute"]
@@ -84,7 +90,7 @@ class EncoderOp:
     """One encoder kernel (or a piece of it) of one microbatch on one encoder stage."""
 
     phase: Phase
-    microbatch: int  # the LLM microbatch it feeds (``assignment``)
+    microbatch: int  # the LLM microbatch it feeds (``feeds``)
     local_microbatch: int  # the same microbatch in its encoder pipeline's numbering
     encoder: str
     layer: int
@@ -115,7 +121,8 @@ class EncoderStageSchedule:
 
 @dataclass(frozen=True)
 class Prediction:
-    """The scheduler's predictions, in microseconds; per-microbatch lists in the LLM's numbering."""
+    """The scheduler's predictions, in microseconds; per-microbatch lists by encoder microbatch
+    (``assignment``), the dependency points those of the LLM microbatch each one feeds."""
 
     iteration_us: float
     coarse_iteration_us: float  # the same encoder plan scheduled coarse (the paper's ablation)
@@ -134,9 +141,11 @@ class ScheduleArtifact:
     side: ``warmup`` (forwards before the first backward, per LLM stage; ``default_warmup`` is
     megatron-core's) and ``llm_op_order``, the ops each LLM stage runs in megatron-core's order
     under that warm-up, which hooks name; ``llm_kernels["stage/chunk/phase"]``, the names of an LLM
-    op's kernels, which ``kernel_index`` counts. The encoder side: ``partition`` (microbatches per
-    encoder pipeline), ``assignment`` (which encoder microbatch feeds each LLM microbatch), and per
-    encoder stage its ops with their hooks. All LLM pipelines of the job run the same schedule."""
+    op's kernels, which ``kernel_index`` counts; ``llm_order``, the data microbatch each LLM
+    microbatch runs. The encoder side: ``partition`` (encoder microbatches per encoder pipeline),
+    ``assignment`` (the encoder microbatches in the global ordering), ``feeds`` (the LLM microbatch
+    each one feeds) and ``images_per_chain`` (how many of its images), and per encoder stage its
+    ops with their hooks. All LLM pipelines of the job run the same schedule."""
 
     format: str
     version: int
@@ -146,8 +155,17 @@ class ScheduleArtifact:
     llm_plan: ParallelPlan
     encoder_plan: ParallelPlan
     num_microbatches: int  # per LLM pipeline
+    # per LLM microbatch: the data microbatch it runs (this LLM pipeline's, in data order)
+    llm_order: tuple[int, ...]
     partition: tuple[int, ...]
-    assignment: tuple[EncoderMicrobatch, ...]  # per LLM microbatch
+    assignment: tuple[EncoderMicrobatch, ...]  # per encoder microbatch
+    # per encoder microbatch: the LLM microbatch it feeds; an LLM microbatch fed by none has no
+    # encoder work
+    feeds: tuple[int, ...]
+    # the most images of one encoder microbatch: an LLM microbatch fed by several gets its images
+    # from them in ``feeds``' order, this many from each (the last one the rest); None: one encoder
+    # microbatch runs all the images of the LLM microbatch it feeds
+    images_per_chain: int | None
     warmup: tuple[int, ...]
     default_warmup: tuple[int, ...]
     llm_op_order: tuple[tuple[LLMOp, ...], ...]  # per LLM stage

@@ -14,7 +14,8 @@ schedule from the same workload, or rank 0 builds it and broadcasts the plan)::
 
 ``plan.llm_order[i]`` is the data microbatch LLM microbatch i runs; encoder microbatch s (the index
 of ``plan.schedule.assignment``) runs the next ``plan.images_per_chain`` images of LLM microbatch
-``plan.schedule.feeds[s]``, in order (the fallback: one encoder microbatch per LLM microbatch).
+``plan.schedule.feeds[s]``, in order (None, as in the fallback: one encoder microbatch per LLM
+microbatch, all its images).
 
 ``take`` hands back an ``IterationPlan``: the iteration's own schedule (``source`` "per-iteration")
 or, where it is not ready by the deadline, could not be built, or is not faster, the ``fallback``
@@ -25,20 +26,24 @@ sized for the largest, so it holds for any batch within that maximum.
 An iteration's own schedule runs its imageless microbatches first (``llm_order``) and its images as
 encoder microbatches of at most ``images_per_chain`` images each (``schedule_iteration`` tries the
 heaviest microbatch's count, half and a quarter of it, and keeps the fastest; see
-``bubble_scheduler``). The LLM's dependency points and bubbles are computed once for the job, and an
-iteration whose workload one of the last ``KEPT_SCHEDULES`` had reuses that schedule without a
-search (``reused``); a build still running for the same workload is waited on, not repeated. Other
-workloads are searched afresh, but from the encoder chains and their moves into the bubbles kept
-from earlier iterations priced at the same chain (``ChainMoves``): the same schedule as alone,
-sooner (at fig5_8gpu, with the fine placement's single search, a build takes a third of the CPU
-time it did: ``scripts/bench_dynamic.py``'s scheduler share, 70 % of the step before, 23 % after).
+``bubble_scheduler``). Where none schedules, mostly because its images make fewer encoder
+microbatches than the plan has encoder pipelines (a few images among many imageless microbatches),
+it is scheduled ``padded``: every microbatch in one encoder microbatch priced at the heaviest, the
+imageless ones keeping slots they leave empty. The LLM's dependency points and bubbles are computed
+once for the job, and an iteration whose workload one of the last ``KEPT_SCHEDULES`` had reuses
+that schedule without a search (``reused``); a build still running for the same workload is waited
+on, not repeated. Other workloads are searched afresh, but from the encoder chains and their moves
+into the bubbles kept from earlier iterations priced at the same chain (``ChainMoves``): the same
+schedule as alone, sooner (at fig5_8gpu, with the fine placement's single search, a build takes a
+third of the CPU time it did: ``scripts/bench_dynamic.py``'s scheduler share, 70 % of the step
+before, 23 % after; 31 % under today's cost model, whose step is another).
 
-What the training runtime runs (``in_data_order=True``): the schedule artifact maps encoder
-microbatch i to LLM microbatch i, so there the LLM keeps the data order and every LLM microbatch is
-fed by one encoder microbatch, each priced at the iteration's heaviest microbatch (an imageless one
-keeps its slots, which it leaves empty). The iteration's schedule then differs from the fallback's
-in the work it is priced for, not in its order or splits; iterations with the same heaviest
-microbatch share one schedule.
+What the training runtime runs (``runtime/iteration_schedules``): the plan as a schedule artifact
+(``schedule_to_artifact`` with ``llm_order`` and ``images_per_chain``), whose ``feeds`` names the
+LLM microbatch each encoder microbatch feeds; the LLM runs its data microbatches in ``llm_order``,
+waits on no encoder for an imageless one, and joins a split microbatch's image tokens in image
+order before its first stage's forward. Iterations whose workloads are the same once in
+``llm_order`` share one schedule (the artifact differs only in ``llm_order``).
 
 Builds run on one background thread by default (the scheduler is pure Python: it shares the
 interpreter with the training loop; pass a process pool as ``executor`` to keep it off the GIL, with
@@ -76,7 +81,8 @@ class IterationSchedule:
     """An iteration's own schedule and the encoder microbatch size it runs its images at."""
 
     schedule: Schedule  # ``Schedule.feeds``: the LLM position each encoder microbatch feeds
-    images_per_chain: int
+    # None: one encoder microbatch per LLM microbatch, each priced at the heaviest (``padded``)
+    images_per_chain: int | None
 
 
 @dataclass(frozen=True)
@@ -103,16 +109,13 @@ class IterationScheduler:
         build: Callable[[IterationWorkload], IterationSchedule | None],
         fallback: Schedule,
         executor: Executor | None = None,
-        in_data_order: bool = False,
         kept: int = KEPT_SCHEDULES,
     ):
         """``build``: a workload in ``llm_order`` -> its schedule, or None where none exists;
-        ``fallback``: the schedule for the planned maximum; ``in_data_order``: the runtime's
-        restriction (the module's note): no reordering, one encoder microbatch per LLM
-        microbatch; ``kept``: the most workloads whose schedules are kept for reuse (the ones
-        submitted last; a workload of an iteration not taken yet is always kept)."""
+        ``fallback``: the schedule for the planned maximum; ``kept``: the most workloads whose
+        schedules are kept for reuse (the ones submitted last; a workload of an iteration not
+        taken yet is always kept)."""
         self.build, self.fallback = build, fallback
-        self.in_data_order = in_data_order
         self.kept = kept
         self._own_executor = executor is None
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="optimus-schedule")
@@ -131,7 +134,6 @@ class IterationScheduler:
         cost: CostModel,
         fallback: Schedule,
         executor: Executor | None = None,
-        in_data_order: bool = False,
     ) -> IterationScheduler:
         """Per-iteration schedules of one encoder plan, its LLM's bubbles computed once here."""
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, llm_plan, cost))
@@ -143,19 +145,14 @@ class IterationScheduler:
             bubbles,
             cost,
             bound_us=fallback.iteration_us,
-            split=not in_data_order,
             chains=ChainMoves(config, llm_plan, candidate.plan, bubbles, cost),
         )
-        return cls(build, fallback, executor, in_data_order)
+        return cls(build, fallback, executor)
 
     def submit(self, iteration: int, workload: IterationWorkload) -> None:
         """Start building ``iteration``'s schedule (as soon as its batch is known)."""
-        if self.in_data_order:
-            order = tuple(range(len(workload)))
-            key = priced_in_data_order(workload)
-        else:
-            order = llm_order(workload)
-            key = tuple(workload[i] for i in order)
+        order = llm_order(workload)
+        key = tuple(workload[i] for i in order)
         reused = key in self._by_key
         if reused:
             self._by_key.move_to_end(key)
@@ -178,6 +175,10 @@ class IterationScheduler:
         """Whether ``iteration``'s schedule is built (or failed): ``take`` would not wait."""
         key, _, _ = self._pending[iteration]
         return self._by_key[key].done()
+
+    def llm_order(self, iteration: int) -> tuple[int, ...]:
+        """The LLM order ``iteration``'s own schedule runs its data microbatches in."""
+        return self._pending[iteration][1]
 
     def built(self, iteration: int) -> IterationSchedule | None:
         """``iteration``'s build, once ``ready``: its schedule, or None where none exists."""
@@ -235,18 +236,18 @@ def schedule_iteration(
     cost: CostModel,
     workload: IterationWorkload,
     bound_us: float = float("inf"),
-    split: bool = True,
     chains: ChainMoves | None = None,
 ) -> IterationSchedule | None:
     """The fastest schedule of ``workload`` (in ``llm_order``) over the encoder microbatch sizes
-    ``chain_sizes`` gives; None where none schedules (no image, too few encoder microbatches for
-    the plan's encoder pipelines) or none beats ``bound_us`` (the fallback's time: partitions whose
-    lower bound cannot beat it, or the best size so far, are not searched). ``split`` false: only
-    the heaviest microbatch's size, one encoder microbatch per LLM microbatch with images.
+    ``chain_sizes`` gives; where none schedules (mostly: the images make fewer encoder microbatches
+    than the plan has encoder pipelines), the one with every microbatch priced at the heaviest
+    (``padded``). None where no image, or nothing beats ``bound_us`` (the fallback's time:
+    partitions whose lower bound cannot beat it, or the best size so far, are not searched).
     ``chains``: the plan's chains and moves kept from earlier iterations (the same schedule,
     sooner)."""
     best: IterationSchedule | None = None
-    for size in chain_sizes(workload, tries=3 if split else 1):
+    sizes = chain_sizes(workload)
+    for size in sizes:
         bound = min(bound_us, best.schedule.iteration_us if best else bound_us)
         schedule, _ = bubble_scheduler(
             config,
@@ -263,12 +264,25 @@ def schedule_iteration(
             best is None or schedule.iteration_us < best.schedule.iteration_us - EPS_US
         ):
             best = IterationSchedule(schedule, size)
+    if best is None and sizes and padded(workload) != workload:
+        schedule, _ = bubble_scheduler(
+            config,
+            llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            bound_us=bound_us,
+            workload=padded(workload),
+            chains=chains,
+        )
+        if schedule is not None:
+            best = IterationSchedule(schedule, None)
     return best
 
 
-def priced_in_data_order(workload: IterationWorkload) -> IterationWorkload:
-    """``workload`` as the runtime schedules it (``in_data_order``): every microbatch at its
-    heaviest one's work; unchanged when no microbatch has an image (nothing to schedule)."""
-    if all(w.empty for w in workload):
-        return workload
+def padded(workload: IterationWorkload) -> IterationWorkload:
+    """Every microbatch at the heaviest one's work, in one encoder microbatch each: an imageless
+    microbatch keeps slots it leaves empty, so the LLM's order of the microbatches does not matter.
+    As many encoder microbatches as LLM microbatches, for an iteration whose images are too few to
+    give each of the plan's encoder pipelines one."""
     return (heaviest(workload),) * len(workload)

@@ -188,6 +188,57 @@ def _assignment_not_a_permutation(a):
     a["assignment"][1] = a["assignment"][0]
 
 
+def _llm_order_not_a_permutation(a):
+    a["llm_order"][1] = a["llm_order"][0]
+
+
+def _llm_order_short(a):
+    a["llm_order"].pop()
+
+
+def _feeds_short(a):
+    a["feeds"].pop()
+
+
+def _feeds_out_of_range(a):
+    a["feeds"][0] = 8
+
+
+def _fed_twice_without_images_per_chain(a):
+    a["feeds"][1] = 0
+
+
+def _images_per_chain_zero(a):
+    a["images_per_chain"] = 0
+
+
+def _an_llm_microbatch_fed_by_none(a):
+    """Encoder microbatch 1 feeds LLM microbatch 0 as its second part: nothing feeds 1."""
+    a["feeds"][1] = 0
+    a["images_per_chain"] = 1
+    for stage in a["encoder_stages"]:
+        for op in stage["ops"]:
+            if (op["microbatch"], stage["encoder_pipeline"]) == (1, 1):
+                op["microbatch"] = 0
+
+
+def _images_per_chain_in_a_jobs_schedule(a):
+    a["images_per_chain"] = 1
+
+
+def _feeds_swapped(a):
+    """Encoder microbatches 0 and 1 feed each other's LLM microbatch; their ops say otherwise."""
+    a["feeds"][0], a["feeds"][1] = 1, 0
+
+
+def _partition_of_more_microbatches(a):
+    a["partition"][0] += 1
+
+
+def _prediction_short(a):
+    a["predicted"]["forward_dependency_us"].pop()
+
+
 def _hook_kind(a):
     _ops(a)[3]["hook"] = {"at": "somewhere"}
 
@@ -292,6 +343,43 @@ def _infinite_op_start(a):
             "assignment[0]): must be a permutation",
         ),
         (
+            _llm_order_not_a_permutation,
+            "llm_order[1]: data microbatch 0 again (also llm_order[0]): must be a permutation",
+        ),
+        (_llm_order_short, "llm_order: 7 entries, but num_microbatches is 8"),
+        (_feeds_short, "feeds: 7 entries, but assignment lists 8"),
+        (_feeds_out_of_range, "feeds[0]: 8, but must be in 0..7"),
+        (
+            _fed_twice_without_images_per_chain,
+            "images_per_chain: null, but LLM microbatch 0 is fed by feeds[0] and feeds[1]: give "
+            "the images each encoder microbatch runs",
+        ),
+        (_images_per_chain_zero, "images_per_chain: 0, but must be >= 1"),
+        (
+            _an_llm_microbatch_fed_by_none,
+            "feeds: no encoder microbatch feeds LLM microbatch 1, but a job's schedule runs every "
+            "iteration's images, in any microbatch: feed each one",
+        ),
+        (
+            _images_per_chain_in_a_jobs_schedule,
+            "images_per_chain: 1, but a job's schedule runs every iteration's images, however "
+            "many: must be null (one encoder microbatch runs all of its LLM microbatch's images)",
+        ),
+        (
+            _feeds_swapped,
+            "encoder_stages[0].ops[{feeds_op}].microbatch: 0, but feeds gives LLM microbatch 1 to "
+            "encoder pipeline 0's local microbatch 0",
+        ),
+        (
+            _partition_of_more_microbatches,
+            "partition: [4, 3, 1, 1] adds up to 9, but assignment lists 8 encoder microbatches",
+        ),
+        (
+            _prediction_short,
+            "predicted.forward_dependency_us: 7 entries, but assignment lists 8 encoder "
+            "microbatches",
+        ),
+        (
             _hook_kind,
             "encoder_stages[0].ops[3].hook.at: must be one of before_first_compute, "
             "llm_kernel, after_last_compute; got 'somewhere'",
@@ -347,6 +435,7 @@ def test_a_broken_artifact_names_the_field(tiny, tmp_path, edit, expected):
         "rev_phase": ops[-2]["phase"],
         "rev_k": ops[-2]["local_microbatch"],
         "rev_prev": ops[-1]["kernel_index"],
+        "feeds_op": next(n for n, op in enumerate(ops) if op["local_microbatch"] == 0),
         "swap": 1
         + next(
             n
@@ -463,12 +552,12 @@ def test_a_piece_of_a_kernel_the_job_runs_whole_is_refused(tiny, tmp_path):
     )
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version", [1, 4])
 def test_an_older_artifact_is_refused(tiny, tmp_path, version):
     old = {**copy.deepcopy(tiny), "version": version}
     assert _refused(old, tmp_path) == (
         f"schedule artifact {tmp_path / 'a.json'} has version {version}, this release reads "
-        "version 4; re-run optimus-plan --artifact"
+        "version 5; re-run optimus-plan --artifact"
     )
 
 

@@ -67,7 +67,7 @@ def one_stage() -> Iterator[OneStage]:
     try:
         config = _one_process_config()
         artifact = schedule_job_artifact(config, plan(config))
-        numbering = MicrobatchNumbering(1, 0, artifact.assignment)
+        numbering = MicrobatchNumbering.of_artifact(artifact, 1, 0)
         optimus = OptimusEncoder.build(
             config, artifact.llm_plan, artifact, numbering, 0, torch.device("cpu")
         )
@@ -162,9 +162,9 @@ def _execute(stage: OneStage, stage_plan: StageHookPlan) -> EncoderExecutor:
     stage.optimus.encoder.zero_grad(set_to_none=True)
     executor = _executor(stage, stage_plan)
     for event in dict.fromkeys(op.event for op in stage_plan.ops):
-        if stage_plan.ops_at(event)[0].phase == "bwd" and 0 in executor.mailbox.ready:
-            executor.mailbox.take_embeddings(0)
-            executor.mailbox.gradients[0] = stage.output_grad
+        if stage_plan.ops_at(event)[0].phase == "bwd" and (0, 0) in executor.mailbox.ready:
+            executor.mailbox.take_embeddings((0, 0))
+            executor.mailbox.gradients[(0, 0)] = stage.output_grad
         executor.on_event(event, event)
     executor.finish()
     return executor

@@ -54,8 +54,8 @@ def test_stream_choice_by_device():
 def test_mailbox_hands_embeddings_over_unchanged_inline():
     mailbox = Mailbox()
     a = torch.randn(4, 2, 8)
-    mailbox.put_embeddings(3, a)
-    assert mailbox.take_embeddings(3) is a
+    mailbox.put_embeddings((3, 0), a)
+    assert mailbox.take_embeddings((3, 0)) is a
     assert not mailbox.embeddings and not mailbox.ready
 
 

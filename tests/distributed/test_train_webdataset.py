@@ -70,12 +70,31 @@ def _train(overrides: list[str], mode: str, artifact) -> dict:
                 for stage in result.schedule.artifact.encoder_stages
                 for op in stage.ops
             ]
+            artifact = result.schedule.artifact
             schedules.append(
                 {
                     "source": result.schedule.source,
                     "text": result.schedule.text,
-                    "heaviest": max(counts),
-                    "predicted_us": result.schedule.artifact.predicted.iteration_us,
+                    "counts": counts,  # images per LLM microbatch, in the LLM's order
+                    "predicted_us": artifact.predicted.iteration_us,
+                    "llm_order": artifact.llm_order,
+                    "feeds": artifact.feeds,
+                    "images_per_chain": artifact.images_per_chain,
+                    # the execution record: the sample each LLM microbatch ran here, and on the
+                    # first LLM stage the encoder microbatches each one's image tokens joined
+                    "llm_ran": result.llm_microbatches,
+                    "fed_by": {
+                        i: [(f.encoder_pipeline, f.local_microbatch) for f in feeders]
+                        for i, feeders in result.fed_by.items()
+                    },
+                    # each encoder op that ran here: the LLM microbatch, part and sample it fed
+                    "encoder_ran": sorted(
+                        {
+                            (op.microbatch, op.part, op.global_microbatch)
+                            for op in result.encoder_record
+                        }
+                    ),
+                    "first_llm_stage": trainer.stage == 0,
                     "ops": hooks,
                     # every op ran at its hook point in this step's schedule
                     "at_hook": all(op.ran_at == op.scheduled_at for op in result.encoder_record),
@@ -166,7 +185,9 @@ def test_each_iteration_runs_its_own_schedule_with_the_baselines_numbers(data, p
     """Issue 34's acceptance 1 with a schedule per iteration: every rank runs the schedule built
     for its iteration's images (or, where it is late, the fallback for 4 images per microbatch),
     with the baseline's losses and gradient norms. Under LLM DP 2 each replica schedules its own
-    microbatches."""
+    microbatches. An iteration's own schedule runs its imageless microbatches first and may split
+    a microbatch's images over several encoder microbatches; the execution record shows the sample
+    each LLM microbatch ran and the encoder microbatches whose image tokens it joined."""
     optimus, baseline = _both([*data, *ONE_SAMPLE, *PER_ITERATION, *plan])
     for rank, (o, b) in enumerate(zip(optimus, baseline)):
         assert o["losses"] == pytest.approx(b["losses"], rel=1e-5), f"rank {rank}"
@@ -180,18 +201,52 @@ def test_each_iteration_runs_its_own_schedule_with_the_baselines_numbers(data, p
         assert [s["predicted_us"] for s in r["schedules"]] == [s["predicted_us"] for s in first]
         assert all(s["at_hook"] for s in r["schedules"])
         assert all(s["runs_its_schedule"] for s in r["schedules"])
+        for s in r["schedules"]:
+            _check_record(s, r["pipeline"])
     own = [s for s in steps if s["source"] == "per-iteration"]
     assert len(own) >= 2, [s["text"] for s in steps]
-    assert len({s["heaviest"] for s in steps}) > 1, "iterations with the same heaviest microbatch"
+    if not plan:  # with 4 microbatches a pipeline, this data has an iteration that needs both
+        assert any(
+            s["llm_order"] != tuple(sorted(s["llm_order"]))
+            and len(set(s["feeds"])) < len(s["feeds"])
+            for s in own
+        ), "no step whose schedule reorders and splits"
+    assert len({tuple(s["counts"]) for s in steps}) > 1, "iterations with the same images"
+    # a workload scheduled differently (other encoder microbatches, or each priced at other
+    # images), a different schedule; iterations whose chains are alike share one
+    assert len({_priced(s) for s in own}) > 1
     for a in own:
         for b in own:
-            # a different workload, a different schedule: another predicted time and op timings
-            # (on this tiny model the encoder's ops keep their hook points)
-            if a["heaviest"] != b["heaviest"]:
-                assert a["predicted_us"] != b["predicted_us"]
-                assert a["ops"] != b["ops"]
+            if _priced(a) != _priced(b):
+                assert (a["feeds"], a["ops"]) != (b["feeds"], b["ops"])
             else:
                 assert a["ops"] == b["ops"]
+
+
+def _priced(step: dict) -> tuple:
+    """What a per-iteration schedule is priced for: the LLM microbatch each encoder microbatch
+    feeds, and the images of the largest one (every encoder microbatch is priced at it)."""
+    most = max(step["counts"])
+    return step["feeds"], min(most, step["images_per_chain"] or most)
+
+
+def _check_record(step: dict, pipeline: int) -> None:
+    """What one rank's step ran is what its schedule says: LLM microbatch i ran data microbatch
+    ``llm_order[i]``, its image tokens (first LLM stage) joined from the encoder microbatches that
+    feed it, as many as its images need, and every encoder op ran images of the sample it fed."""
+    order, feeds, per_chain = step["llm_order"], step["feeds"], step["images_per_chain"]
+    n = len(order)
+    sample = [pipeline * n + d for d in order]  # LLM microbatch -> the job's microbatch
+    assert step["llm_ran"] == dict(enumerate(sample))
+    if step["first_llm_stage"]:
+        with_images = [i for i, count in enumerate(step["counts"]) if count]
+        assert sorted(step["fed_by"]) == with_images
+        for i in with_images:
+            parts = -(-step["counts"][i] // per_chain) if per_chain else 1
+            assert len(step["fed_by"][i]) == parts == feeds.count(i)
+    for microbatch, part, global_microbatch in step["encoder_ran"]:
+        assert global_microbatch == sample[microbatch]
+        assert part < feeds.count(microbatch)
 
 
 HELD_S = 300.0  # how long rank 0's schedule builds are held back at most

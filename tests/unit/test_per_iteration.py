@@ -143,30 +143,40 @@ def test_a_batch_above_the_planned_maximum_is_one_line_naming_the_microbatch(job
         check_within(too_long, maximum, config)
 
 
-def test_an_artifact_refuses_a_split_schedule_and_takes_the_fallback(job):
+def test_a_reordered_split_schedule_becomes_an_artifact_that_says_so(job):
+    """The artifact the runtime runs carries the iteration's LLM order (imageless microbatches
+    first), the LLM microbatch each encoder microbatch feeds, and how many images each runs."""
     from optimus_mllm.scheduler.artifact import schedule_to_artifact
-
-    config, planned, cost, candidate, fallback = job
-    assert schedule_to_artifact(fallback, config).num_microbatches == planned.num_microbatches
-    scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
-    scheduler.submit(0, _workload(config, [0, 4] * (planned.num_microbatches // 2)))
-    own = scheduler.take(0, wait_s=60.0)
-    scheduler.close()
-    assert own.source == "per-iteration" and own.images_per_chain < MAX_IMAGES
-    with pytest.raises(ValueError, match="one encoder microbatch per LLM microbatch"):
-        schedule_to_artifact(own.schedule, config)
-
-
-def test_in_data_order_schedules_become_artifacts_and_differ_by_the_heaviest_microbatch(job):
-    """The runtime's restriction: no reordering, one encoder microbatch per LLM microbatch, each
-    priced at the iteration's heaviest; workloads with the same heaviest share one schedule."""
-    from optimus_mllm.scheduler.artifact import schedule_to_artifact
+    from optimus_mllm.scheduler.artifact_checks import validate_artifact
 
     config, planned, cost, candidate, fallback = job
     n = planned.num_microbatches
-    scheduler = IterationScheduler.for_plan(
-        config, planned.llm_plan, candidate, cost, fallback, in_data_order=True
-    )
+    static = schedule_to_artifact(fallback, config)
+    assert static.num_microbatches == n and static.images_per_chain is None
+    assert static.llm_order == static.feeds == tuple(range(n))
+    scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
+    scheduler.submit(0, _workload(config, [0, 4] * (n // 2)))
+    own = scheduler.take(0, wait_s=60.0)
+    scheduler.close()
+    assert own.source == "per-iteration" and own.images_per_chain < MAX_IMAGES
+    artifact = schedule_to_artifact(own.schedule, config, own.llm_order, own.images_per_chain)
+    validate_artifact(artifact, "a per-iteration schedule")
+    assert artifact.llm_order == own.llm_order == (*range(0, n, 2), *range(1, n, 2))
+    assert artifact.images_per_chain == own.images_per_chain
+    parts = -(-MAX_IMAGES // own.images_per_chain)
+    # the imageless half is fed by none, each of the others by its images' share of chains
+    assert artifact.feeds == tuple(i for i in range(n // 2, n) for _ in range(parts))
+    assert len(artifact.assignment) == sum(artifact.partition) == len(artifact.feeds)
+    assert {op.microbatch for s in artifact.encoder_stages for op in s.ops} == set(range(n // 2, n))
+
+
+def test_workloads_that_differ_in_order_only_share_a_schedule_not_an_order(job):
+    """Iterations whose microbatches carry the same images in another data order reuse one
+    schedule, each running its own data microbatches at the LLM positions it priced; an imageless
+    iteration has no schedule of its own."""
+    config, planned, cost, candidate, fallback = job
+    n = planned.num_microbatches
+    scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
     counts = [[0, 1] * (n // 2), [1, 0] * (n // 2), [0] * (n - 1) + [3], [0] * n]
     for k, c in enumerate(counts):
         scheduler.submit(k, _workload(config, c))
@@ -175,21 +185,37 @@ def test_in_data_order_schedules_become_artifacts_and_differ_by_the_heaviest_mic
     assert [p.source for p in plans[:3]] == ["per-iteration"] * 3
     assert [p.reused for p in plans[:3]] == [False, True, False]
     assert (plans[3].source, plans[3].reason) == ("fallback", "no schedule for this workload")
-    for p in plans[:3]:
-        assert p.llm_order == tuple(range(n))
-        assert p.schedule.feeds == tuple(range(n))
-        assert schedule_violations(p.schedule) == []
-        assert schedule_to_artifact(p.schedule, config).num_microbatches == n
     assert plans[0].schedule is plans[1].schedule
-    assert plans[0].schedule.iteration_us < plans[2].schedule.iteration_us
+    assert plans[0].llm_order == (*range(0, n, 2), *range(1, n, 2))
+    assert plans[1].llm_order == (*range(1, n, 2), *range(0, n, 2))
+    for c, p in zip(counts, plans[:3]):
+        assert schedule_violations(p.schedule) == []
+        assert [c[i] for i in p.llm_order] == sorted(c, key=bool)  # imageless first
     assert plans[2].schedule.iteration_us <= fallback.iteration_us
+
+
+def test_too_few_images_for_the_encoder_pipelines_run_padded(job):
+    """One image among imageless microbatches makes one encoder microbatch, fewer than the plan's
+    encoder pipelines: the iteration's own schedule then prices every microbatch at that image, in
+    one encoder microbatch each, still faster than the fallback for the maximum."""
+    config, planned, cost, candidate, fallback = job
+    n = planned.num_microbatches
+    assert candidate.plan.dp // planned.llm_plan.dp > 1
+    scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
+    workload = _workload(config, [0] * (n - 1) + [1])
+    scheduler.submit(0, workload)
+    own = scheduler.take(0, wait_s=60.0)
+    scheduler.close()
+    assert own.source == "per-iteration" and own.images_per_chain is None
+    assert own.schedule.feeds == tuple(range(n))
+    assert own.llm_order[-1] == n - 1  # the one with the image runs last
+    assert schedule_violations(own.schedule) == []
+    assert own.schedule.iteration_us < fallback.iteration_us
 
 
 def test_an_iteration_late_on_another_rank_runs_the_fallback(job):
     config, planned, cost, candidate, fallback = job
-    scheduler = IterationScheduler.for_plan(
-        config, planned.llm_plan, candidate, cost, fallback, in_data_order=True
-    )
+    scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
     scheduler.submit(0, _workload(config, [1] * planned.num_microbatches))
     while not scheduler.ready(0):
         time.sleep(0.01)
