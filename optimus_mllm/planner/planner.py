@@ -298,6 +298,10 @@ def _structural_problem(config: OptimusConfig, enc: ParallelPlan, m: int, n_mb: 
         problem = problem or tp_mode_problem(enc_cfg, enc.tp_mode, enc.tp)
         if problem:
             return f"encoder '{enc_cfg.name}': {problem}"
+        if enc.tp_mode == "2d" and enc.pp > 1:
+            # the runtime trains a 2d encoder in one stage (its stages would pass grid blocks),
+            # and a plan the planner keeps is one the runtime can train
+            return f"encoder '{enc_cfg.name}': a 2d encoder trains in one pipeline stage yet"
         if enc_cfg.num_layers < enc.pp:
             return (
                 f"encoder '{enc_cfg.name}' has {enc_cfg.num_layers} layers, fewer than "

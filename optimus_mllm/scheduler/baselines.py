@@ -340,6 +340,10 @@ def _balanced_split_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> st
             "the balanced baseline splits one encoder's layers with the LLM's; give a single "
             "encoder"
         )
+    mode = config.parallel.encoder_tp_mode
+    if mode != "1d":
+        # its stages hold encoder and LLM layers alike, in megatron-core's 1D TP
+        return f"the balanced baseline splits 1d encoder layers with the LLM's, not {mode} ones"
     try:
         _check_balanced_plan(
             config, llm_plan, sum(e.num_layers for e in config.encoders) + config.llm.num_layers

@@ -103,3 +103,37 @@ def test_the_baseline_refuses_an_metp_encoder_at_an_llm_tp_it_cannot_ring(monkey
         "tp_mode=metp needs a TP degree of at least 2 (its ring), got tp=1; run it without "
         "--baseline or pick another parallel.llm.tp\n"
     )
+
+
+# summa_tiny's model on 8 GPUs, the LLM at PP2: where the balanced baseline would fit and run
+SUMMA_PP2 = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={dp: 1, pp: 2, tp: 4}"]
+
+
+def test_the_planner_offers_no_baseline_the_runtime_refuses_for_a_2d_encoder():
+    """The balanced baseline splits 1d layers only: the planner must not name it as the faster run
+    (optimus-train would then run it, and refuse the encoder's mode)."""
+    from optimus_mllm.cost_model import CostModel
+    from optimus_mllm.planner import plan
+    from optimus_mllm.scheduler.baselines import runnable_baselines
+
+    for overrides, mode in (
+        (SUMMA_PP2, "2d"),
+        ([*SUMMA_PP2, "parallel.encoder={tp_mode: 1d}"], "1d"),
+    ):
+        config = load_config(CONFIGS / "summa_tiny.yaml", overrides)
+        cost = CostModel.from_config(config)
+        names = [b.name for b in runnable_baselines(config, plan(config).llm_plan, cost)]
+        # the same job with a 1d encoder has it: the mode is what rules it out
+        assert ("Megatron-LM balanced" in names) == (mode == "1d"), (mode, names)
+
+
+def test_the_planner_keeps_no_2d_encoder_plan_over_several_stages():
+    """A plan the planner keeps is one the runtime trains: a 2d encoder in one pipeline stage."""
+    from optimus_mllm.planner import plan
+
+    planned = plan(load_config(CONFIGS / "summa_tiny.yaml", SUMMA_PP2))
+    assert planned.candidates and all(c.plan.pp == 1 for c in planned.candidates)
+    assert any(
+        p.plan.pp > 1 and "2d encoder trains in one pipeline stage" in p.reason
+        for p in planned.pruned
+    )
