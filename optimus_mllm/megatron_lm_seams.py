@@ -5,8 +5,8 @@ names of ``megatron.training.training`` (``megatron_patches.training_seams``):
 
 - **the model provider**: the user's provider builds each chunk as it always does. After this
   rank's last chunk, the job's Optimus config is read from Megatron's arguments
-  (``config_from_megatron_args``; a vision model whose layers are not the flags' is refused
-  first) and its projector from the user's built one (``with_user_projector``), the schedule is
+  (``config_from_megatron_args``), then its encoder and projector from the user's built vision
+  model and projector (``with_user_vision``, ``with_user_projector``), the schedule is
   made (``auto``) or loaded (a saved artifact), the encoder stage is built under the schedule's
   encoder plan on every rank from the user's own vision weights, and the first stage's
   ``vision_model`` / ``vision_projection`` give way to ``ImageEmbeddingsInput`` / identity
@@ -47,7 +47,7 @@ import argparse
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,7 @@ from torch import nn
 from megatron_patches.ddp import average_over
 from megatron_patches.hooks import tp_collective_hook, warmup_override
 from megatron_patches.p2p import ChannelP2PCommunicator
-from optimus_mllm.config import OptimusConfig
+from optimus_mllm.config import EncoderConfig, OptimusConfig
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.megatron_flags import (
     ImagesBound,
@@ -88,7 +88,6 @@ from optimus_mllm.runtime.communicators import (
 from optimus_mllm.runtime.data import patchify
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
-from optimus_mllm.runtime.layer_ops import vision_transformer_config
 from optimus_mllm.runtime.llm import llm_pipelines, transformer_config
 from optimus_mllm.runtime.microbatches import MicrobatchNumbering
 from optimus_mllm.runtime.optimizer import chain_encoder_optimizer, encoder_process_groups
@@ -103,6 +102,7 @@ from optimus_mllm.runtime.optimus_encoder import (
     user_vision_in_place,
     user_vision_spec,
     with_user_projector,
+    with_user_vision,
 )
 from optimus_mllm.runtime.plain_optimizer import (
     chained_into_plain,
@@ -115,10 +115,8 @@ from optimus_mllm.runtime.trainer import join_model_parallel
 from optimus_mllm.runtime.user_model import (
     config_problem,
     language_model,
-    vision_modules,
     vision_sharded_state_dict,
 )
-from optimus_mllm.runtime.verdicts import heard_by_every_rank
 from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.workload import max_images_per_microbatch
@@ -195,9 +193,11 @@ class OptimusInMegatron:
         )
         stage = parallel_state.get_pipeline_model_parallel_rank()
         first = self.chunks[0] if stage == 0 else None
-        _refuse_vision_unlike_the_flags(config, first)
-        # the projector the user built, not the one pretrain_vlm.py would build from the flags
-        config = with_user_projector(config, first)
+        flags_encoder = config.encoders[0]
+        # the vision model and projector the user built, not the ones pretrain_vlm.py would build
+        # from the flags (examples/multimodal builds its vision model from --vision-model-type)
+        config = with_user_projector(with_user_vision(config, first), first)
+        _say(vision_line(flags_encoder, config.encoders[0]))
         bound = images_bound(args)
         config = with_schedule_bound(config, self.schedule)
         planned = plan(config)
@@ -704,25 +704,17 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
-# where config_from_megatron_args takes the vision model's layers from
-_FLAGS_VISION = (
-    "the Megatron-LM flags (read as pretrain_vlm.py builds its vision model: the LLM's layer "
-    "flags, --encoder-num-layers layers; examples/multimodal builds it from --vision-model-type "
-    "instead, which --optimus-schedule does not read)"
-)
-
-
-def _refuse_vision_unlike_the_flags(config: OptimusConfig, first_chunk: nn.Module | None) -> None:
-    """Refuse, on every rank alike, a vision model whose layers are not the ones the flags
-    describe, naming the first layer field that differs. Checked before the projector is read
-    against the flags' hidden size, which would otherwise name the projector for what is the
-    vision model's difference (examples/multimodal's CLIP ViT-L under a tiny LLM's flags)."""
-    report: tuple[bool | None, str | None] | None = None
-    if first_chunk is not None:
-        vision, _ = vision_modules(first_chunk)
-        expected = vision_transformer_config(
-            config.encoders[0], 1, DTYPES[config.training.precision], 0.02
-        )
-        problem = config_problem("vision model", _FLAGS_VISION, expected, vision.config)
-        report = (None, problem) if problem else (True, None)
-    heard_by_every_rank(report)
+def vision_line(flags: EncoderConfig, built: EncoderConfig) -> str:
+    """The start-up line saying that the encoder is the vision model the provider built, where it
+    differs from the one the flags describe (empty where it does not)."""
+    differ = [
+        f"{f.name} {getattr(built, f.name)} (flags: {getattr(flags, f.name)})"
+        for f in fields(EncoderConfig)
+        if f.name != "projector" and getattr(built, f.name) != getattr(flags, f.name)
+    ]
+    if not differ:
+        return ""
+    return (
+        "optimus: the encoder is read from the vision model the provider built, not from the "
+        f"Megatron-LM flags (read as pretrain_vlm.py builds it): {', '.join(differ)}"
+    )

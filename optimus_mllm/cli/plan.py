@@ -61,7 +61,9 @@ def build_parser() -> ArgumentParser:
         "schedule encoder work into the LLM's bubbles (Optimus).",
         epilog="The job is a YAML config, or a Megatron-LM pretrain_vlm.py command line after "
         "--, read with Megatron-LM's defaults and layer-count conventions "
-        "(optimus_mllm/megatron_flags.py says what each flag becomes).",
+        "(optimus_mllm/megatron_flags.py says what each flag becomes). It has no built model: "
+        "the vision model is planned as pretrain_vlm.py builds it from the flags, where "
+        "--optimus-schedule auto plans the one the job's provider built.",
     )
     add_config_arguments(parser, "configs/paper/strong_3072.yaml", required=False)
     parser.add_argument(

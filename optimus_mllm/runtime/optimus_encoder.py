@@ -25,6 +25,7 @@ from torch import nn
 
 from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
 from optimus_mllm.config import OptimusConfig
+from optimus_mllm.config.validation import validate
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.pipeline_order import pipeline_producer
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
@@ -62,6 +63,7 @@ from optimus_mllm.runtime.tp_modes.groups import build_grids
 from optimus_mllm.runtime.user_model import (
     ImageEmbeddingsInput,
     describe_projector,
+    described_encoder,
     user_vision_layer_spec,
     user_vision_problem,
     vision_modules,
@@ -323,6 +325,29 @@ class UserVision:
     vision_model: nn.Module
     vision_projection: nn.Module
     stand_in: ImageEmbeddingsInput
+
+
+def with_user_vision(config: OptimusConfig, first_chunk: nn.Module | None) -> OptimusConfig:
+    """``config`` with its encoder shaped as the user's provider built the vision model
+    (``described_encoder``), whatever the config said, and the LLM's sequence holding the image
+    tokens that vision model gives: read on the first pipeline stage and heard by every rank, which
+    all refuse together a vision model the encoder cannot run, or a config it makes invalid."""
+    encoder = config.encoders[0]
+    report = None
+    if first_chunk is not None:
+        try:
+            vision, _ = vision_modules(first_chunk)
+            report = (described_encoder(encoder, vision), None)
+        except OptimusError as exc:
+            report = (None, str(exc))
+    built = heard_by_every_rank(report)[0]
+    llm = replace(
+        config.llm, seq_length=config.llm.seq_length + built.image_tokens - encoder.image_tokens
+    )
+    model = replace(config.model, encoders=(built, *config.encoders[1:]), llm=llm)
+    config = replace(config, model=model)
+    validate(config)
+    return config
 
 
 def with_user_projector(config: OptimusConfig, first_chunk: nn.Module | None) -> OptimusConfig:

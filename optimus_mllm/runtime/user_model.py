@@ -23,7 +23,7 @@ The user's code, loss and splice run unchanged either way.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
@@ -201,6 +201,67 @@ def user_vision_problem(
         or _class_token_problem(encoder, vision, chunk)
         or _patches_problem(encoder, vision)
         or projector_problem(encoder, projection, llm_hidden_size)
+    )
+
+
+def described_encoder(encoder: EncoderConfig, vision: nn.Module) -> EncoderConfig:
+    """``encoder`` with the shape of the user's built ``vision_model`` (megatron-core's
+    ``CLIPViTModel``): its layers' ``TransformerConfig`` (layers, widths, heads, GLU, activation,
+    biases, norm, dropout), its class token, patch size and patch count, and its embedding's
+    subtype (``ln_pre``: clip). A script may build its vision model from other flags than
+    ``pretrain_vlm.py``'s (examples/multimodal: CLIP ViT-L from --vision-model-type); what no
+    ``EncoderConfig`` field holds stays to be compared with the encoder's layers
+    (``user_vision_problem``).
+
+    Raises:
+        OptimusError: one line naming a field the Optimus encoder cannot run as built.
+    """
+    theirs: TransformerConfig = vision.config
+    activation = _ACTIVATION_NAMES.get(theirs.activation_func)
+    if activation is None:
+        raise OptimusError(
+            "model_provider: the vision model's TransformerConfig.activation_func is "
+            f"{_named(theirs.activation_func)}, which the Optimus encoder does not run (it runs "
+            f"{', '.join(ACTIVATIONS)}); build the vision model with one of them"
+        )
+    heads = theirs.num_attention_heads
+    # the config's None is megatron-core's default: one head width of hidden / heads, one group a
+    # head
+    kv_channels = theirs.kv_channels
+    if theirs.hidden_size % heads == 0 and kv_channels == theirs.hidden_size // heads:
+        kv_channels = None
+    groups = theirs.num_query_groups
+    if getattr(vision, "ln_post", None) is not None:
+        raise OptimusError(
+            "model_provider: the vision model has a norm after its layers (CLIPViTModel's "
+            "model_subtype siglip, ln_post); the Optimus encoder runs the clip and internvit "
+            "subtypes"
+        )
+    class_token = bool(getattr(vision, "add_class_token", False))
+    if class_token and vision.class_token_len != 1:
+        raise OptimusError(
+            f"model_provider: the vision model has {vision.class_token_len} class tokens "
+            "(CLIPViTModel's class_token_len); the Optimus encoder runs one (class_token_len=1)"
+        )
+    return replace(
+        encoder,
+        num_layers=theirs.num_layers,
+        hidden_size=theirs.hidden_size,
+        num_attention_heads=heads,
+        ffn_hidden_size=theirs.ffn_hidden_size,
+        kv_channels=kv_channels,
+        num_query_groups=None if groups in (None, heads) else groups,
+        gated_linear_unit=theirs.gated_linear_unit,
+        activation=activation,
+        add_bias_linear=theirs.add_bias_linear,
+        normalization=theirs.normalization,
+        hidden_dropout=theirs.hidden_dropout,
+        attention_dropout=theirs.attention_dropout,
+        seq_length=vision.num_patches,
+        patch_size=vision.patch_dim,
+        model_subtype="clip" if getattr(vision, "ln_pre", None) is not None else "internvit",
+        class_token=class_token,
+        drop_class_token=encoder.drop_class_token and class_token,
     )
 
 
