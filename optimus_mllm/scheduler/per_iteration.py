@@ -245,36 +245,18 @@ def schedule_iteration(
     partitions whose lower bound cannot beat it, or the best size so far, are not searched).
     ``chains``: the plan's chains and moves kept from earlier iterations (the same schedule,
     sooner)."""
+    build = partial(bubble_scheduler, config, llm_plan, candidate, bubbles, cost, chains=chains)
     best: IterationSchedule | None = None
     sizes = chain_sizes(workload)
     for size in sizes:
         bound = min(bound_us, best.schedule.iteration_us if best else bound_us)
-        schedule, _ = bubble_scheduler(
-            config,
-            llm_plan,
-            candidate,
-            bubbles,
-            cost,
-            bound_us=bound,
-            workload=workload,
-            images_per_chain=size,
-            chains=chains,
-        )
+        schedule, _ = build(bound_us=bound, workload=workload, images_per_chain=size)
         if schedule is not None and (
             best is None or schedule.iteration_us < best.schedule.iteration_us - EPS_US
         ):
             best = IterationSchedule(schedule, size)
     if best is None and sizes and padded(workload) != workload:
-        schedule, _ = bubble_scheduler(
-            config,
-            llm_plan,
-            candidate,
-            bubbles,
-            cost,
-            bound_us=bound_us,
-            workload=padded(workload),
-            chains=chains,
-        )
+        schedule, _ = build(bound_us=bound_us, workload=padded(workload))
         if schedule is not None:
             best = IterationSchedule(schedule, None)
     return best
