@@ -18,14 +18,19 @@ from optimus_mllm.errors import OptimusError
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write to a temporary file in the same directory, then rename over ``path``; synced, so that
     the file is whole on disk once this returns, with the mode a plain ``open`` would give it."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """``atomic_write_text`` for bytes."""
     path = Path(path)
     if not path.parent.is_dir():
         raise OptimusError(f"{path}: directory {path.parent} does not exist; create it first")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the file from the user's group
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

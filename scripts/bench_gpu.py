@@ -28,6 +28,7 @@ memory. Every number is measured in this run; without a CUDA GPU the script exit
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.metadata
 import json
 import os
@@ -49,7 +50,7 @@ from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.cost_model import CostModel, load_profile
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.gpu_status import warn_unverified
-from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.io_utils import atomic_write_bytes, atomic_write_text
 from optimus_mllm.memory_model import GIB
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.planner import PlannerResult
@@ -109,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --train-mode: after the timed steps, one more step under torch.profiler, its "
         "top N ops by host time (and by GPU time on a GPU) printed",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="OUT",
+        help="with --profile-rows: also write that step's timeline (Chrome trace JSON, gzipped "
+        "when OUT ends in .gz): which stream ran what when, the host's gaps between launches",
     )
     parser.add_argument(
         "--train-mode",
@@ -493,10 +500,16 @@ def train_in_subprocess(
 
 
 def train_one_mode(
-    config: OptimusConfig, mode: str, steps: int, warmup: int, profile_rows: int = 0
+    config: OptimusConfig,
+    mode: str,
+    steps: int,
+    warmup: int,
+    profile_rows: int = 0,
+    trace: str | None = None,
 ) -> dict[str, Any]:
     """Train ``warmup`` then ``steps`` timed steps of ``mode`` in this process, then (with
-    ``profile_rows``) one more step under torch.profiler, whose tables it prints."""
+    ``profile_rows``) one more step under torch.profiler, whose tables it prints and whose timeline
+    goes to ``trace`` if given."""
     planned = plan(config)
     artifact = schedule_job_artifact(config, planned) if mode == "optimus" else None
     trainer = Trainer(config, planned.llm_plan, mode, artifact)
@@ -509,15 +522,17 @@ def train_one_mode(
         step_s = (time.perf_counter() - started) / steps
         if profile_rows:  # untimed: the profiler slows the host
             print(f"{mode}: one training step under torch.profiler")
-            print(profile_table(lambda: trainer.train_step(warmup + steps), profile_rows))
+            step = partial(trainer.train_step, warmup + steps)
+            print(profile_table(step, profile_rows, trace))
     finally:
         trainer.close()
     return {"step_s": step_s, "losses": losses, "process": os.getpid()}
 
 
-def profile_table(fn: Callable[[], object], rows: int) -> str:
+def profile_table(fn: Callable[[], object], rows: int, trace: str | None = None) -> str:
     """``fn`` under torch.profiler: its top ``rows`` ops by host time, and by GPU time on a GPU --
-    where a mode's step time goes, host launch overhead included."""
+    where a mode's step time goes, host launch overhead included; its timeline to ``trace``
+    (gzipped if the name ends in .gz) if given."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -528,6 +543,8 @@ def profile_table(fn: Callable[[], object], rows: int) -> str:
         fn()
         _synchronize()
         wall_ms = (time.perf_counter() - started) * 1e3
+    if trace:
+        write_trace(profiler, trace)
     averages = profiler.key_averages()
     # the host time outside every op (Python, the executor's bookkeeping) is wall minus the ops'
     tables = [
@@ -537,6 +554,16 @@ def profile_table(fn: Callable[[], object], rows: int) -> str:
     if torch.cuda.is_available():
         tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=rows))
     return "\n".join(tables)
+
+
+def write_trace(profiler: Any, path: str) -> None:
+    """The profiled step's Chrome trace at ``path``, gzipped when it ends in .gz, written whole or
+    not at all."""
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        profiler.export_chrome_trace(str(raw))
+        data = raw.read_bytes()
+    atomic_write_bytes(path, gzip.compress(data) if path.endswith(".gz") else data)
 
 
 def _synchronize() -> None:
@@ -754,7 +781,7 @@ def _train_mode_main(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         _init_world_of_one()
         results = train_one_mode(
-            config, args.train_mode, args.steps, args.warmup, args.profile_rows
+            config, args.train_mode, args.steps, args.warmup, args.profile_rows, args.trace
         )
     except OptimusError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

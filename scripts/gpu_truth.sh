@@ -12,7 +12,7 @@
 # roofline, scripts/bench_gpu.py, and one training step per mode under torch.profiler. Each step
 # runs under `timeout` with the limit written beside it; the limits, with the install, fit one
 # device command (COMMAND_LIMIT_S), which the preflight checks. Everything printed goes to
-# OUT_DIR/gpu_truth.log, the profiles and JSON beside it
+# OUT_DIR/gpu_truth.log, the profiles, JSON and the profiled steps' timelines beside it
 # (OUT_DIR defaults to $OUT, where the device returns files, else ./gpu_truth_out).
 # Each step runs even if one before it failed; the exit code is the first failure's.
 set -uo pipefail
@@ -20,28 +20,30 @@ cd "$(dirname "$0")/.."
 COMMAND_LIMIT_S=600  # one device command
 INSTALL_LIMIT_S=45   # pip installing .whl/
 KILL_AFTER_S=5       # a step still running this long after its limit is killed
-TEST_LIMIT_S=120     # one GPU test
+TEST_LIMIT_S=100     # one GPU test
 
 ENVIRONMENT='nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c '\
 '"import sys, torch, megatron.core as m; '\
 'print(sys.version.split()[0], torch.__version__, torch.version.cuda, m.__version__)"'
 
-# one profiled training step per mode: where Optimus's step time goes beside the baseline's
-PROFILE_TRAIN='for mode in baseline optimus; do python3 scripts/bench_gpu.py --train-mode $mode '\
-'--steps 1 --warmup 2 --json /tmp/train_$mode.json --profile-rows 25 || exit; done'
-
 steps() {  # every step of the device run: step NAME LIMIT_S COMMAND...
-  step environment 20 sh -c "$ENVIRONMENT"
-  step gpu-tests 120 python3 -m pytest -q -p no:warnings -rs --timeout "$TEST_LIMIT_S" \
+  step environment 30 sh -c "$ENVIRONMENT"
+  step gpu-tests 110 python3 -m pytest -q -p no:warnings -rs --timeout "$TEST_LIMIT_S" \
     tests/distributed/test_streams.py tests/unit/test_profiler.py
-  step profile-gpu-single 40 python3 -m optimus_mllm.cli.profile --config configs/gpu_single.yaml \
+  step profile-gpu-single 25 python3 -m optimus_mllm.cli.profile --config configs/gpu_single.yaml \
     --out "$out/profile_gpu_single.json"
-  step profile-fig5 40 python3 -m optimus_mllm.cli.profile --config configs/paper/fig5_8gpu.yaml \
+  step profile-fig5 25 python3 -m optimus_mllm.cli.profile --config configs/paper/fig5_8gpu.yaml \
     --out "$out/profile_fig5.json"
-  step bench-scheduler 30 python3 scripts/bench_scheduler.py --only fig5_8gpu --one-reading \
+  step bench-scheduler 20 python3 scripts/bench_scheduler.py --only fig5_8gpu --one-reading \
     --profile "$out/profile_fig5.json" --json "$out/bench_scheduler.json"
-  step bench-gpu 150 python3 scripts/bench_gpu.py --json "$out/bench_gpu.json"
-  step profile-train 80 sh -c "$PROFILE_TRAIN"
+  step bench-gpu 140 python3 scripts/bench_gpu.py --json "$out/bench_gpu.json"
+  # one profiled training step per mode, its timeline beside it: where Optimus's step time goes
+  # beside the baseline's
+  for mode in baseline optimus; do
+    step "profile-train-$mode" 65 python3 scripts/bench_gpu.py --train-mode "$mode" --steps 1 \
+      --warmup 2 --json "/tmp/train_$mode.json" --profile-rows 25 \
+      --trace "$out/train_$mode.trace.json.gz"
+  done
 }
 
 if [ "${1:-}" = --preflight ]; then

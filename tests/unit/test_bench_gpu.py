@@ -3,6 +3,7 @@ training mode in a process of its own; the memory plan checked against the GPU's
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -89,11 +90,12 @@ def test_each_training_mode_runs_in_a_process_of_its_own(tmp_path):
 def test_train_mode_prints_a_profiled_step(tmp_path):
     """What scripts/gpu_truth.sh's profile-train step reads: where a mode's step time goes."""
     out = tmp_path / "optimus.json"
+    trace = tmp_path / "optimus.trace.json.gz"
     proc = subprocess.run(
         [
             *(sys.executable, str(SCRIPT), "--config", str(_tiny_on_one_rank(tmp_path))),
             *("--train-mode", "optimus", "--steps", "1", "--warmup", "1"),
-            *("--json", str(out), "--profile-rows", "5"),
+            *("--json", str(out), "--profile-rows", "5", "--trace", str(trace)),
         ],
         capture_output=True,
         text=True,
@@ -103,6 +105,8 @@ def test_train_mode_prints_a_profiled_step(tmp_path):
     assert "optimus: one training step under torch.profiler" in proc.stdout
     assert "Self CPU" in proc.stdout
     assert len(json.loads(out.read_text())["losses"]) == 2  # the profiled step is not counted
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert any(event.get("name") == "aten::mm" for event in events)  # the step's own ops
 
 
 def test_memory_plan_is_checked_against_the_gpus_free_memory():
