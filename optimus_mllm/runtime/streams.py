@@ -121,7 +121,8 @@ def training_device() -> torch.device:
     os.environ.setdefault("NCCL_LAUNCH_ORDER_IMPLICIT", "1")
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(index)
-    warn_unverified("training on a GPU")
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    warn_unverified("training on several GPUs" if several else "training on one GPU")
     return torch.device("cuda", index)
 
 
