@@ -2,7 +2,7 @@
 residuals, and write ``optimus_mllm/calibrations/paper.yaml``.
 
     python scripts/fit_calibration.py [--out PATH] [--workers N]
-    python scripts/fit_calibration.py --evaluate KEY=VALUE ...
+    python scripts/fit_calibration.py --evaluate KEY=VALUE ... [--profile FILE [--profile-scale X]]
 
 What is fitted: the GEMM and attention efficiencies of the cost model and those of its collectives
 inside a node (NVLink: TP) and across nodes (DP, PP), with full recomputation, which the paper's
@@ -20,7 +20,8 @@ is refined. The score is the worst residual in units of its bound, then the sum 
 so the fit is deterministic and a rerun writes the same file. The trials are read as calibration
 files, the way ``bench_scheduler.py --calibration`` reads the shipped one, so the residuals are
 those the benchmark prints. ``--evaluate`` prints the residuals of the shipped constants with some
-replaced.
+replaced; with ``--profile`` the kernels a measured profile times take its times (multiplied by
+``--profile-scale``, e.g. for a slower GPU than the one it was measured on) instead.
 
 Why the fit stops short of the bounds: with every kernel whole, Eff_fine is a step function of the
 constants. The LLM's TP collectives all carry one activation tensor, so they all last the same, and
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import sys
 import tempfile
@@ -48,8 +50,9 @@ from types import ModuleType
 
 from optimus_mllm.calibration import CALIBRATIONS, load_calibration
 from optimus_mllm.config import load_config
+from optimus_mllm.cost_model import PROFILE_FORMAT, PROFILE_VERSION, read_profile
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,18 +86,20 @@ START = {
 STEPS = (0.04, 0.02, 0.01)
 RECOMPUTE = "full"
 BOUNDS = {"balanced_s": 5.0, "optimus_s": 5.0, "eff_coarse": 5.0, "eff_fine": 5.0}
+Constants = tuple[tuple[str, float], ...]
 
 
-def _setup_residuals(args: tuple[str, tuple[tuple[str, float], ...]]) -> dict[str, float]:
-    name, constants = args
+def _setup_residuals(args: tuple[str, Constants, str | None]) -> dict[str, float]:
+    name, constants, profile = args
     # the trial as a calibration file, read the way `bench_scheduler.py --calibration` reads the
     # shipped one: what is fitted is what the benchmark prints
     with tempfile.TemporaryDirectory() as folder:
         trial = Path(folder) / "trial.yaml"
         trial.write_text(_entries(dict(constants)))
-        config = load_config(
-            REPO / "configs" / "paper" / f"{name}.yaml", [f"cost_model.calibration={trial}"]
-        )
+        overrides = [f"cost_model.calibration={trial}"]
+        if profile is not None:
+            overrides.append(f"cost_model.profile={profile}")
+        config = load_config(REPO / "configs" / "paper" / f"{name}.yaml", overrides)
     ours = paper_figures(config)
     _, paper_bal, paper_opt, *_ = PAPER_TABLE5[name]
     _, paper_coarse, paper_fine, _ = PAPER_TABLE7[name]
@@ -106,24 +111,25 @@ def _setup_residuals(args: tuple[str, tuple[tuple[str, float], ...]]) -> dict[st
     }
 
 
-Constants = tuple[tuple[str, float], ...]
 _RESIDUALS: dict[Constants, dict[str, dict[str, float]]] = {}
 
 
 def residuals_of(
-    trials: list[dict[str, float]], workers: int = 1
+    trials: list[dict[str, float]], workers: int = 1, profile: str | None = None
 ) -> list[dict[str, dict[str, float]]]:
     """Per trial, per setup, per figure: ours less the paper's (times in %, efficiencies in
     points); (constants, setup) pairs run on ``workers`` processes, and a trial run before is not
-    run again."""
+    run again. ``profile``: a kernel profile whose times replace the constants' for the kernels it
+    times (the fit itself runs without one)."""
     keys = [tuple(sorted(t.items())) for t in trials]
     todo = [(name, k) for k in dict.fromkeys(keys) if k not in _RESIDUALS for name in PAPER_TABLE7]
     if todo:
+        jobs = [(name, k, profile) for name, k in todo]
         if workers == 1:
-            rows = [_setup_residuals(pair) for pair in todo]
+            rows = [_setup_residuals(job) for job in jobs]
         else:
-            with Pool(min(workers, len(todo))) as pool:
-                rows = pool.map(_setup_residuals, todo)
+            with Pool(min(workers, len(jobs))) as pool:
+                rows = pool.map(_setup_residuals, jobs)
         for (name, k), row in zip(todo, rows):
             _RESIDUALS.setdefault(k, {})[name] = row
     return [{name: _RESIDUALS[k][name] for name in PAPER_TABLE7} for k in keys]
@@ -194,13 +200,33 @@ def main(argv: list[str] | None = None) -> int:
         help="no search, nothing written: the residuals of the shipped constants with these "
         "replaced, e.g. nvlink_efficiency=0.56",
     )
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="with --evaluate: a kernel profile (optimus-profile; e.g. profiles/h100_strong.json) "
+        "whose times replace the constants' for the kernels it times",
+    )
+    parser.add_argument(
+        "--profile-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="with --profile: multiply its times by X (default 1)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.workers < 1:
             raise OptimusError(f"--workers: must be at least 1, got {args.workers}")
+        if (args.profile or args.profile_scale != 1.0) and not args.evaluate:
+            raise OptimusError("--profile: only with --evaluate (the fit itself uses none)")
+        if not 0 < args.profile_scale < math.inf:
+            raise OptimusError(f"--profile-scale: must be positive, got {args.profile_scale}")
         if args.evaluate:
             constants = _evaluated(args.evaluate)
-            print("\n".join(report(constants, residuals_of([constants], args.workers)[0])))
+            with tempfile.TemporaryDirectory() as folder:
+                profile = _scaled_profile(args.profile, args.profile_scale, Path(folder))
+                res = residuals_of([constants], args.workers, profile)[0]
+            print("\n".join(report(constants, res)))
             return 0
     except OptimusError as exc:
         print(f"fit_calibration: error: {exc}", file=sys.stderr)
@@ -209,6 +235,22 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(report(constants, res)))
     atomic_write_text(args.out, calibration_text(constants, res))
     return 0
+
+
+def _scaled_profile(path: str | None, scale: float, folder: Path) -> str | None:
+    """``path``'s profile with every time multiplied by ``scale``, as a file in ``folder`` (the
+    profile itself when ``scale`` is 1); None without a profile."""
+    if path is None:
+        return None
+    read_profile(path, "--profile:")  # a profile this release reads: format, version, kernel set
+    if scale == 1.0:
+        return path
+    data = read_versioned_json(path, "--profile:", PROFILE_FORMAT, PROFILE_VERSION, "")
+    for kernel in data["kernels"]:
+        kernel["time_us"] *= scale
+    scaled = folder / "scaled_profile.json"
+    scaled.write_text(json.dumps(data))
+    return str(scaled)
 
 
 def _evaluated(items: list[str]) -> dict[str, float]:

@@ -104,7 +104,16 @@ def test_the_fit_scores_the_worst_residual_in_units_of_its_bound_first():
     assert fit.report({"gemm_efficiency": 0.5}, one_off)[-1].endswith(": NOT within the bounds")
 
 
-@pytest.mark.parametrize("args", [["--evaluate", "gemm=0.5"], ["--workers", "0"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--evaluate", "gemm=0.5"],
+        ["--workers", "0"],
+        ["--profile", "profiles/h100_strong.json"],  # the fit itself runs on the constants
+        ["--profile", "no/such/profile.json", "--evaluate", "nvlink_efficiency=0.6"],
+        ["--profile-scale", "0", "--evaluate", "nvlink_efficiency=0.6"],
+    ],
+)
 def test_the_fit_refuses_a_bad_flag_in_one_line(args):
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "fit_calibration.py"), *args],
