@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from optimus_mllm.errors import ConfigError
 from optimus_mllm.scheduler.artifact import artifact_text
 from optimus_mllm.train import build_parser, job_settings, prepare
 
@@ -54,3 +55,22 @@ def test_another_schedule_for_the_same_config_counts(tmp_path):
         if planned_in_the_job[key] != value
     ]
     assert differ == ["the schedule (sha256 of its JSON)"]
+
+
+def test_megatron_lms_lr_schedule_flags_are_the_config_fields():
+    """--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler set the training
+    fields of the same names, as the YAML does (the resumed runs in test_checkpoint use the flags);
+    both at once are refused in one line naming them."""
+
+    def job(*argv: str):
+        args = build_parser().parse_args(["--config", TINY, *argv])
+        return prepare(args, 4).config.training
+
+    flag = job("--override-opt_param-scheduler")
+    assert flag.override_opt_param_scheduler and not flag.use_checkpoint_opt_param_scheduler
+    assert job("--override", "training.override_opt_param_scheduler=true") == flag
+    assert job("--use-checkpoint-opt-param-scheduler").use_checkpoint_opt_param_scheduler
+    with pytest.raises(ConfigError) as refused:
+        job("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
+    assert "training.override_opt_param_scheduler are both set" in str(refused.value)
+    assert "\n" not in str(refused.value)
