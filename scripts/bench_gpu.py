@@ -739,6 +739,13 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.trace and not (args.train_mode and args.profile_rows):
+        print(
+            f"{PROG}: error: --trace writes the step --train-mode profiles; give --train-mode MODE "
+            "--profile-rows N with it",
+            file=sys.stderr,
+        )
+        return 2
     if args.train_mode:
         return _train_mode_main(args)
     if not torch.cuda.is_available():

@@ -109,6 +109,21 @@ def test_train_mode_prints_a_profiled_step(tmp_path):
     assert any(event.get("name") == "aten::mm" for event in events)  # the step's own ops
 
 
+@pytest.mark.parametrize(
+    "argv", [["--trace", "t.json"], ["--train-mode", "optimus", "--trace", "t"]]
+)
+def test_a_trace_without_a_profiled_step_is_refused_in_one_line(argv, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--trace" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_memory_plan_is_checked_against_the_gpus_free_memory():
     module = _bench_gpu()
     config = load_config(CONFIGS / "gpu_single.yaml")
