@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             raise OptimusError("--profile: only with --evaluate (the fit itself uses none)")
         if not 0 < args.profile_scale < math.inf:
             raise OptimusError(f"--profile-scale: must be positive, got {args.profile_scale}")
+        if args.profile_scale != 1.0 and not args.profile:
+            raise OptimusError("--profile-scale: scales a --profile's times; give --profile FILE")
         if args.evaluate:
             constants = _evaluated(args.evaluate)
             with tempfile.TemporaryDirectory() as folder:

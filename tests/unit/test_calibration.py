@@ -112,6 +112,7 @@ def test_the_fit_scores_the_worst_residual_in_units_of_its_bound_first():
         ["--profile", "profiles/h100_strong.json"],  # the fit itself runs on the constants
         ["--profile", "no/such/profile.json", "--evaluate", "nvlink_efficiency=0.6"],
         ["--profile-scale", "0", "--evaluate", "nvlink_efficiency=0.6"],
+        ["--profile-scale", "1.3", "--evaluate", "nvlink_efficiency=0.6"],
     ],
 )
 def test_the_fit_refuses_a_bad_flag_in_one_line(args):
