@@ -100,7 +100,7 @@ def test_bench_scheduler_paper_calibration_writes_the_paper_figures(tmp_path):
     constants = tuple(sorted(load_calibration("paper").constants.items()))
     _, paper_bal, paper_opt, *_ = fit.PAPER_TABLE5["strong_3072"]
     _, paper_coarse, paper_fine, _ = fit.PAPER_TABLE7["strong_3072"]
-    assert fit._setup_residuals(("strong_3072", constants)) == pytest.approx(
+    assert fit._setup_residuals(("strong_3072", constants, None)) == pytest.approx(
         {
             "balanced_s": 100 * (row["balanced_s"] / paper_bal - 1),
             "optimus_s": 100 * (row["optimus_s"] / paper_opt - 1),
