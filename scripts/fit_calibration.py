@@ -111,7 +111,8 @@ def _setup_residuals(args: tuple[str, Constants, str | None]) -> dict[str, float
     }
 
 
-_RESIDUALS: dict[Constants, dict[str, dict[str, float]]] = {}
+# per (constants, profile) run: per setup, per figure
+_RESIDUALS: dict[tuple[Constants, str | None], dict[str, dict[str, float]]] = {}
 
 
 def residuals_of(
@@ -121,10 +122,10 @@ def residuals_of(
     points); (constants, setup) pairs run on ``workers`` processes, and a trial run before is not
     run again. ``profile``: a kernel profile whose times replace the constants' for the kernels it
     times (the fit itself runs without one)."""
-    keys = [tuple(sorted(t.items())) for t in trials]
+    keys = [(tuple(sorted(t.items())), profile) for t in trials]
     todo = [(name, k) for k in dict.fromkeys(keys) if k not in _RESIDUALS for name in PAPER_TABLE7]
     if todo:
-        jobs = [(name, k, profile) for name, k in todo]
+        jobs = [(name, constants, profile) for name, (constants, profile) in todo]
         if workers == 1:
             rows = [_setup_residuals(job) for job in jobs]
         else:
@@ -217,12 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.workers < 1:
             raise OptimusError(f"--workers: must be at least 1, got {args.workers}")
-        if (args.profile or args.profile_scale != 1.0) and not args.evaluate:
-            raise OptimusError("--profile: only with --evaluate (the fit itself uses none)")
         if not 0 < args.profile_scale < math.inf:
             raise OptimusError(f"--profile-scale: must be positive, got {args.profile_scale}")
         if args.profile_scale != 1.0 and not args.profile:
             raise OptimusError("--profile-scale: scales a --profile's times; give --profile FILE")
+        if args.profile and not args.evaluate:
+            raise OptimusError("--profile: only with --evaluate (the fit itself uses none)")
         if args.evaluate:
             constants = _evaluated(args.evaluate)
             with tempfile.TemporaryDirectory() as folder:

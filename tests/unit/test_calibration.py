@@ -93,6 +93,26 @@ def test_the_shipped_paper_calibration_is_the_file_the_fit_writes_for_its_consta
     assert fit.calibration_text(constants, residuals) == (CALIBRATIONS / "paper.yaml").read_text()
 
 
+def test_residuals_with_a_profile_are_not_the_cached_ones_without(monkeypatch):
+    fit = load_script("fit_calibration")
+    runs = []
+
+    def residuals(job):
+        runs.append(job)
+        *_, profile = job
+        return {"optimus_s": 1.0 if profile is None else 2.0}
+
+    monkeypatch.setattr(fit, "_setup_residuals", residuals)
+    monkeypatch.setattr(fit, "_RESIDUALS", {})
+    trial = {"gemm_efficiency": 0.5}
+    [plain] = fit.residuals_of([trial])
+    [measured] = fit.residuals_of([trial], profile="measured.json")
+    [again] = fit.residuals_of([trial])
+    assert {row["optimus_s"] for row in plain.values()} == {1.0} and again == plain
+    assert {row["optimus_s"] for row in measured.values()} == {2.0}
+    assert len(runs) == 2 * len(fit.PAPER_TABLE7)  # each (constants, profile) run once
+
+
 def test_the_fit_scores_the_worst_residual_in_units_of_its_bound_first():
     fit = load_script("fit_calibration")
     tight = {"s": {"balanced_s": 4.0, "optimus_s": -4.0, "eff_coarse": 4.0, "eff_fine": 4.0}}
