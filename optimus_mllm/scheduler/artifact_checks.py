@@ -29,7 +29,7 @@ from optimus_mllm.scheduler.artifact_format import (
 )
 from optimus_mllm.scheduler.encoder_costs import StageChain, build_encoder_work
 from optimus_mllm.scheduler.llm_costs import llm_op_work
-from optimus_mllm.scheduler.llm_timeline import OpWork, PipelineDeadlock, simulate
+from optimus_mllm.scheduler.llm_timeline import KernelItem, OpWork, PipelineDeadlock, simulate
 
 REMEDY = "re-run optimus-plan --artifact"
 PHASES = ("fwd", "bwd")
@@ -210,7 +210,7 @@ def _check_warmup(warmup: tuple[int, ...], llm: ParallelPlan, n_mb: int) -> None
         raise ConfigError(
             "warmup", f"{list(warmup)}, but without virtual stages megatron-core runs {default}"
         )
-    unit = OpWork.sequential([("unit", 0, False, 1.0)])
+    unit = OpWork.sequential([KernelItem("unit", 0, False, 1.0)])
     work = {(s, c, phase): unit for s in range(llm.pp) for c in range(llm.vp) for phase in PHASES}
     try:
         simulate(llm.pp, llm.vp, n_mb, work, 0.0, list(warmup))

@@ -50,11 +50,9 @@ from optimus_mllm.planner.planner import PlannerResult, gpu_memory_bytes, llm_me
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, build_encoder_work
 from optimus_mllm.scheduler.llm_costs import llm_op_work, timeline_from_work
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpDuration, OpWork
+from optimus_mllm.scheduler.llm_timeline import KernelItem, LLMTimeline, OpDuration, OpWork
 from optimus_mllm.workload import EncoderWorkload, IterationWorkload, heaviest
 
-# (name, layer, is_comm, duration_us), as OpWork.sequential takes
-KernelItem = tuple[str, int, bool, float]
 PATCH_EMBED = "patch_embed"  # encoder_costs' name for the patch embedding kernel
 _PS_PER_US = 1_000_000  # balanced_partition compares times as whole picoseconds
 
@@ -82,7 +80,7 @@ class _Layer:
 
     @property
     def time_us(self) -> float:
-        return sum(item[3] for item in self.fwd + self.bwd)
+        return sum(item.stream_us for item in self.fwd + self.bwd)
 
 
 def megatron_lm_baseline(
@@ -97,9 +95,9 @@ def megatron_lm_baseline(
     encoder = _encoder_layers(config, llm_plan, cost, heavy)
     llm_alone = llm_op_work(config, llm_plan, cost)
     work = dict(llm_alone)
-    work[(0, 0, "fwd")] = OpWork.sequential(_flatten(encoder, "fwd") + _items(work[(0, 0, "fwd")]))
+    work[(0, 0, "fwd")] = OpWork.sequential(_flatten(encoder, "fwd") + work[(0, 0, "fwd")].items())
     work[(0, 0, "bwd")] = OpWork.sequential(
-        _items(work[(0, 0, "bwd")]) + _flatten(encoder[::-1], "bwd")
+        work[(0, 0, "bwd")].items() + _flatten(encoder[::-1], "bwd")
     )
     op_us = None
     if workload is not None:
@@ -574,7 +572,7 @@ def _encoder_times(
 
 
 def _time(layer: _Layer, phase: Phase) -> float:
-    return sum(item[3] for item in (layer.fwd if phase == "fwd" else layer.bwd))
+    return sum(item.stream_us for item in (layer.fwd if phase == "fwd" else layer.bwd))
 
 
 def _by_layer(
@@ -586,7 +584,9 @@ def _by_layer(
     groups: dict[tuple[str, int], list[KernelItem]] = defaultdict(list)
     for k in kernels:
         layer = k.layer if k.layer >= 0 else (0 if k.name == PATCH_EMBED else last[k.encoder])
-        groups[(k.encoder, layer)].append((f"{k.encoder}.{k.name}", -1, k.is_comm, k.duration_us))
+        groups[(k.encoder, layer)].append(
+            KernelItem(f"{k.encoder}.{k.name}", -1, k.is_comm, k.duration_us)
+        )
     return groups
 
 
@@ -612,8 +612,8 @@ def _llm_layers(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> l
     )
     return [
         _Layer(
-            tuple(_items(work[(i, 0, "fwd")])),
-            tuple(_items(work[(i, 0, "bwd")])),
+            tuple(work[(i, 0, "fwd")].items()),
+            tuple(work[(i, 0, "bwd")].items()),
             params[i],
             0.0,
             acts,
@@ -630,10 +630,6 @@ def _llm_layer_params(llm: LLMConfig, pp: int) -> list[float]:
         # the last stage's copy of the tied word embedding, as in params.llm_params_per_stage
         params[-1] += llm.vocab_size * llm.hidden_size
     return params
-
-
-def _items(op: OpWork) -> list[KernelItem]:
-    return [(k.name, k.layer, k.is_comm, k.duration_us) for k in op.kernels]
 
 
 def _flatten(layers: list[_Layer], phase: Phase) -> list[KernelItem]:

@@ -59,14 +59,15 @@ class LLMBubbles:
 
 
 def stage_gaps(timeline: LLMTimeline) -> list[tuple[FreeIntervals, FreeIntervals]]:
-    """Per LLM stage: (idle compute-stream time, time without an LLM TP collective) inside its
-    span."""
+    """Per LLM stage: (idle compute-stream time, time without an LLM TP collective, hidden ones
+    included) inside its span."""
     gaps = []
     for s, stage in enumerate(timeline.stages):
-        compute, comm = timeline.kernel_intervals(s)
+        compute, comm, hidden = timeline.kernel_intervals(s)
+        link = sorted(comm + hidden)
         lo, hi = stage.first_compute_us, stage.last_compute_us
         gaps.append(
-            (FreeIntervals.complement(compute, lo, hi), FreeIntervals.complement(comm, lo, hi))
+            (FreeIntervals.complement(compute, lo, hi), FreeIntervals.complement(link, lo, hi))
         )
     return gaps
 

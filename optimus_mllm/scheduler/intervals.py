@@ -29,9 +29,13 @@ class FreeIntervals:
 
     @classmethod
     def complement(cls, busy: list[tuple[float, float]], lo: float, hi: float) -> FreeIntervals:
-        """The gaps of time-ordered ``busy`` intervals inside [lo, hi)."""
+        """The gaps of time-ordered ``busy`` intervals inside [lo, hi). An interval empty in
+        floating point (a kernel shorter than the times' spacing) splits no gap: the two halves
+        would touch, and a kernel could fit across them in one copy and not in another."""
         gaps, t = [], lo
         for a, b in busy:
+            if b <= a:
+                continue
             if a > t:
                 gaps.append((t, min(a, hi)))
             t = max(t, b)

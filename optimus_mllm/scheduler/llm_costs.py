@@ -5,6 +5,7 @@ from __future__ import annotations
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.cost_model import (
     CostModel,
+    Kernel,
     KernelWork,
     LayerShape,
     Phase,
@@ -16,7 +17,13 @@ from optimus_mllm.cost_model import (
 from optimus_mllm.memory_model import MAIN_GRAD_BYTES, param_bytes
 from optimus_mllm.params import llm_params_per_stage
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.scheduler.llm_timeline import LLMTimeline, OpDuration, OpWork, simulate
+from optimus_mllm.scheduler.llm_timeline import (
+    KernelItem,
+    LLMTimeline,
+    OpDuration,
+    OpWork,
+    simulate,
+)
 
 LLM = "llm"  # the LLM's module name: in kernel profiles and schedule traces
 
@@ -49,7 +56,11 @@ def llm_op_work(
     virtual stage and the output layer on the last (Megatron's interleaved layer assignment)."""
     shape = llm_layer_shape(config, plan)
     bw = tp_bandwidth(config, plan.tp)
-    layer = {phase: cost.layer(shape, phase, LLM, bw) for phase in ("fwd", "bwd")}
+    fwd = cost.layer(shape, "fwd", LLM, bw)
+    layer = {
+        "fwd": [(k.name, k.is_comm, k.duration_us, False) for k in fwd],
+        "bwd": megatron_backward(cost.layer(shape, "bwd", LLM, bw), fwd),
+    }
     per_chunk = config.llm.num_layers // (plan.pp * plan.vp)
     head = _head_kernels(config, plan, cost)
     work = {}
@@ -57,17 +68,13 @@ def llm_op_work(
         for c in range(plan.vp):
             first_layer = (c * plan.pp + s) * per_chunk
             for phase in ("fwd", "bwd"):
+                # layers run backwards in the backward pass
+                order = range(per_chunk) if phase == "fwd" else range(per_chunk - 1, -1, -1)
                 items = [
-                    (k.name, first_layer + i, k.is_comm, k.duration_us)
-                    for i in range(per_chunk)
-                    for k in layer[phase]
+                    KernelItem(name, first_layer + i, is_comm, us, hidden)
+                    for i in order
+                    for name, is_comm, us, hidden in layer[phase]
                 ]
-                if phase == "bwd":  # layers run backwards in the backward pass
-                    items = [
-                        (k.name, first_layer + per_chunk - 1 - i, k.is_comm, k.duration_us)
-                        for i in range(per_chunk)
-                        for k in layer[phase]
-                    ]
                 first = s == 0 and c == 0
                 last = s == plan.pp - 1 and c == plan.vp - 1
                 if phase == "fwd":
@@ -84,6 +91,59 @@ def llm_op_work(
                     )
                 work[(s, c, phase)] = OpWork.sequential(items)
     return work
+
+
+# megatron-core's column-parallel GEMMs of a layer (``cost_model.layer_kernels``' names), and the
+# layer half whose collectives they take
+COLUMN_PARALLEL = {"qkv": "attn", "fc1": "mlp"}
+# (name, is_comm, duration_us, hidden): a layer's kernel as the LLM's ops lay it out
+LayerItem = tuple[str, bool, float, bool]
+
+
+def megatron_backward(bwd: list[Kernel], fwd: list[Kernel]) -> list[LayerItem]:
+    """A layer's backward as megatron-core runs it: the column-parallel GEMMs' TP collectives
+    under their own GEMMs.
+
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward`` (and Transformer Engine's Linear)
+    computes a column-parallel GEMM's backward (qkv, fc1) as the input gradient (dgrad), then the
+    weight gradient (wgrad): equal FLOPs, so each takes half of what the cost model prices the
+    backward at. Under sequence parallelism it all-gathers the layer input again for wgrad
+    (the forward did not keep it), launched before dgrad and waited for after it, and launches the
+    input gradient's reduce-scatter before wgrad, waited for after it; without sequence parallelism
+    the input gradient's all-reduce runs under wgrad the same way. A collective longer than its
+    GEMM holds the compute stream for the rest: a TP bubble that short. The row-parallel GEMMs'
+    all-gathers of the output gradient (sequence parallelism) stay blocking. ``fwd``: the layer's
+    forward, whose input all-gathers the backward runs again.
+    """
+    gather_us = {k.name: k.duration_us for k in fwd if k.is_comm}
+    out: list[LayerItem] = []
+    i = 0
+    while i < len(bwd):
+        k, after = bwd[i], bwd[i + 1] if i + 1 < len(bwd) else None
+        half = COLUMN_PARALLEL.get(k.name)
+        if half is None or after is None or after.name not in (f"tp_rs_{half}", f"tp_ar_{half}"):
+            out.append((k.name, k.is_comm, k.duration_us, False))
+            i += 1
+            continue
+        gemm_us = k.duration_us / 2
+        if after.name == f"tp_rs_{half}":  # sequence parallelism
+            gather = f"tp_ag_{half}"
+            out += _under(f"{gather}_input", gather_us[gather], f"{k.name}_dgrad", gemm_us)
+        else:
+            out.append((f"{k.name}_dgrad", False, gemm_us, False))
+        out += _under(after.name, after.duration_us, f"{k.name}_wgrad", gemm_us)
+        i += 2
+    return out
+
+
+def _under(comm: str, comm_us: float, gemm: str, gemm_us: float) -> list[LayerItem]:
+    """A collective launched before a GEMM and waited for after it: the part under the GEMM holds
+    the link only, the rest (0 when the GEMM is longer) the compute stream too."""
+    return [
+        (comm, True, min(comm_us, gemm_us), True),
+        (gemm, False, gemm_us, False),
+        (comm, True, max(0.0, comm_us - gemm_us), False),
+    ]
 
 
 def _head_kernels(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) -> dict:
@@ -110,7 +170,7 @@ def _head_kernels(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) ->
         for phase, scale in (("fwd", 1), ("bwd", 2)):
             scaled = KernelWork(work.name, phase, work.kind, work.flops * scale, work.bytes * scale)
             kernels[(work.name, phase)] = [
-                (work.name, -1, False, cost.compute_us(scaled, LLM, plan.tp))
+                KernelItem(work.name, -1, False, cost.compute_us(scaled, LLM, plan.tp))
             ]
     if plan.tp > 1:
         # all-reduced even under sequence parallelism: the image tokens are spliced into the whole
@@ -120,7 +180,9 @@ def _head_kernels(config: OptimusConfig, plan: ParallelPlan, cost: CostModel) ->
             name, "fwd", "comm", 0.0, tokens * llm.hidden_size * b, collective, plan.tp
         )
         kernels[("embedding", "fwd")].append(
-            (name, -1, True, cost.comm_us(reduce, tp_bandwidth(config, plan.tp), LLM, plan.tp))
+            KernelItem(
+                name, -1, True, cost.comm_us(reduce, tp_bandwidth(config, plan.tp), LLM, plan.tp)
+            )
         )
     return kernels
 

@@ -5,7 +5,9 @@ for forwards, the same order with the chunk mirrored for backwards, ``warmup`` f
 one forward and one backward at a time, then the remaining backwards. A rank runs its ops in that
 order, each as soon as its input has arrived (P2P overlapped with compute, as with
 ``overlap_p2p_comm``). Inside an op the layer kernels run back to back on the compute stream; TP
-collectives block it (these are the TP bubbles). All TP ranks of a stage have the same timeline.
+collectives block it (these are the TP bubbles), except those megatron-core runs asynchronously
+under a GEMM (``KernelItem.hidden``), which hold the link but not the compute stream. All TP ranks
+of a stage have the same timeline.
 
 Times are microseconds from the start of the first LLM computation (the LLM's origin); the DP
 all-gather before it and the reduce-scatter after are kept separately.
@@ -13,11 +15,30 @@ all-gather before it and the reduce-scatter after are kept separately.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
 
 from optimus_mllm.cost_model import Phase
 from optimus_mllm.pipeline_order import default_warmup, pipeline_producer, rank_op_order
+
+
+class KernelItem(NamedTuple):
+    """A kernel of an op, in launch order, before it is placed (``OpWork.sequential``)."""
+
+    name: str
+    layer: int  # layer index within the whole LLM; -1 for embedding / output layer
+    is_comm: bool
+    duration_us: float
+    # a collective launched asynchronously under the compute kernel after it: it starts with that
+    # kernel and holds the link, not the compute stream (the wait for any rest is its own item)
+    hidden: bool = False
+
+    @property
+    def stream_us(self) -> float:
+        """The time it holds the compute stream."""
+        return 0.0 if self.hidden else self.duration_us
 
 
 @dataclass(frozen=True)
@@ -29,6 +50,10 @@ class KernelSlot:
     is_comm: bool
     offset_us: float
     duration_us: float
+    hidden: bool = False  # as ``KernelItem.hidden``
+
+
+Intervals = list[tuple[float, float]]
 
 
 @dataclass(frozen=True)
@@ -37,18 +62,25 @@ class OpWork:
 
     kernels: tuple[KernelSlot, ...]
 
-    @property
+    @cached_property
     def duration_us(self) -> float:
-        return self.kernels[-1].offset_us + self.kernels[-1].duration_us if self.kernels else 0.0
+        return max((k.offset_us + k.duration_us for k in self.kernels), default=0.0)
 
     @staticmethod
-    def sequential(items: list[tuple[str, int, bool, float]]) -> OpWork:
-        """Lay (name, layer, is_comm, duration) kernels back to back."""
+    def sequential(items: Sequence[KernelItem]) -> OpWork:
+        """Lay the kernels back to back on the compute stream, each hidden collective beside the
+        kernel after it."""
         slots, t = [], 0.0
-        for name, layer, is_comm, duration in items:
-            slots.append(KernelSlot(name, layer, is_comm, t, duration))
-            t += duration
+        for k in items:
+            slots.append(KernelSlot(k.name, k.layer, k.is_comm, t, k.duration_us, k.hidden))
+            t += k.stream_us
         return OpWork(tuple(slots))
+
+    def items(self) -> list[KernelItem]:
+        """Its kernels as ``sequential`` takes them."""
+        return [
+            KernelItem(k.name, k.layer, k.is_comm, k.duration_us, k.hidden) for k in self.kernels
+        ]
 
 
 @dataclass(frozen=True)
@@ -129,19 +161,21 @@ class LLMTimeline:
         """One training step of the LLM alone: all-gather, computation, reduce-scatter."""
         return self.origin_us + self.tail_us
 
-    def kernel_intervals(
-        self, stage: int
-    ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-        """(compute, tp_comm) intervals of a stage's compute stream, in time order."""
-        compute: list[tuple[float, float]] = []
-        comm: list[tuple[float, float]] = []
+    def kernel_intervals(self, stage: int) -> tuple[Intervals, Intervals, Intervals]:
+        """A stage's (compute, tp_comm, hidden_comm) intervals, each in time order: its compute
+        kernels, the TP collectives its compute stream waits for (the TP bubbles), and those it
+        runs under a GEMM (they hold the link only)."""
+        compute: Intervals = []
+        comm: Intervals = []
+        hidden: Intervals = []
         for op in self.stages[stage].ops:
             for k in self.work[(stage, op.chunk, op.phase)].kernels:
                 if k.duration_us <= 0:
                     continue
                 start = op.start_us + k.offset_us
-                (comm if k.is_comm else compute).append((start, start + k.duration_us))
-        return compute, comm
+                into = (hidden if k.hidden else comm) if k.is_comm else compute
+                into.append((start, start + k.duration_us))
+        return compute, comm, hidden
 
 
 # (stage, chunk, microbatch, phase) -> the op's duration

@@ -60,7 +60,7 @@ def bubble_breakdown(tl: LLMTimeline) -> BubbleBreakdown:
     total = dict.fromkeys(BUBBLE_KINDS, 0.0)
     origin, end = tl.origin_us, tl.iteration_us
     for s, stage in enumerate(tl.stages):
-        compute, comm = tl.kernel_intervals(s)
+        compute, comm, _ = tl.kernel_intervals(s)  # hidden collectives leave no bubble
         first, last = origin + stage.first_compute_us, origin + stage.last_compute_us
         ag, rs = tl.dp_all_gather_us[s], tl.dp_reduce_scatter_us[s]
         tp = sum(b - a for a, b in comm)

@@ -156,10 +156,10 @@ def _overlaps(schedule: Schedule) -> list[str]:
     w, tl, t0 = schedule.work, schedule.timeline, schedule.llm_origin_us
     llm_by_stage = {}
     for s in range(tl.pp):
-        compute, comm = tl.kernel_intervals(s)
+        compute, comm, hidden = tl.kernel_intervals(s)  # hidden collectives hold the links too
         llm_by_stage[s] = (
             [(a + t0, b + t0, "llm") for a, b in compute],
-            [(a + t0, b + t0, "llm") for a, b in comm],
+            [(a + t0, b + t0, "llm") for a, b in comm + hidden],
         )
     encoder_compute: dict[tuple[int, int], list] = defaultdict(list)
     encoder_comm: dict[tuple[int, int], list] = defaultdict(list)

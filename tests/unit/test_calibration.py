@@ -113,13 +113,18 @@ def test_residuals_with_a_profile_are_not_the_cached_ones_without(monkeypatch):
     assert len(runs) == 2 * len(fit.PAPER_TABLE7)  # each (constants, profile) run once
 
 
-def test_the_fit_scores_the_worst_residual_in_units_of_its_bound_first():
+def test_the_fit_scores_the_figures_outside_their_bounds_then_the_worst_then_the_next():
     fit = load_script("fit_calibration")
     tight = {"s": {"balanced_s": 4.0, "optimus_s": -4.0, "eff_coarse": 4.0, "eff_fine": 4.0}}
     one_off = {"s": {"balanced_s": 0.0, "optimus_s": 0.0, "eff_coarse": 0.0, "eff_fine": -6.0}}
-    assert fit.score(tight) == pytest.approx((0.8, 4 * 0.64))
-    assert fit.score(one_off) == pytest.approx((1.2, 1.44))
+    assert fit.score(tight) == pytest.approx((0, 0.8, 0.8, 0.8, 0.8))
+    assert fit.score(one_off) == pytest.approx((1, 1.2, 0.0, 0.0, 0.0))
     assert fit.score(tight) < fit.score(one_off)  # within every bound beats one figure outside
+    # fewer figures outside their bounds first, then the worst, then the next worst
+    drifted = {"s": {"balanced_s": -5.5, "optimus_s": 0.0, "eff_coarse": 0.0, "eff_fine": -6.0}}
+    further = {"s": {"balanced_s": 0.0, "optimus_s": 0.0, "eff_coarse": 0.0, "eff_fine": -8.0}}
+    nearer = {"s": {"balanced_s": 4.5, "optimus_s": 0.0, "eff_coarse": 0.0, "eff_fine": -8.0}}
+    assert fit.score(one_off) < fit.score(further) < fit.score(nearer) < fit.score(drifted)
     assert fit.report({"gemm_efficiency": 0.5}, tight)[-1].endswith(": within the bounds")
     assert fit.report({"gemm_efficiency": 0.5}, one_off)[-1].endswith(": NOT within the bounds")
 

@@ -67,3 +67,15 @@ def test_first_fit_and_occupy_match_a_plain_interval_list(cls, seed):
     for copy, expected in copies:  # occupying the original never touched its copies
         assert _intervals(copy) == expected
         assert copy.total() == pytest.approx(sum(b - a for a, b in expected))
+
+
+def test_an_interval_empty_in_floating_point_splits_no_gap():
+    """A kernel shorter than the times' spacing (1e302 us + 1 us == 1e302 us) holds nothing: its
+    two sides stay one gap, which a kernel can fill across."""
+    t = 1e302
+    assert t + 1.0 == t
+    free = FreeIntervals.complement([(t, t + 1.0)], 0.0, 2 * t)
+    assert free.earliest_fit(0.0, 1.5 * t, 2 * t) == (0.0, 0.0, 2 * t)
+    assert FreeIntervals.complement([(1.0, 1.0), (2.0, 3.0)], 0.0, 4.0).earliest_fit(
+        0.0, 1.5, 4.0
+    ) == (0.0, 0.0, 2.0)

@@ -154,20 +154,22 @@ def test_a_reordered_split_schedule_becomes_an_artifact_that_says_so(job):
     static = schedule_to_artifact(fallback, config)
     assert static.num_microbatches == n and static.images_per_chain is None
     assert static.llm_order == static.feeds == tuple(range(n))
+    assert candidate.plan.dp == 2  # two encoder pipelines per LLM pipeline (the fixture's)
     scheduler = IterationScheduler.for_plan(config, planned.llm_plan, candidate, cost, fallback)
-    scheduler.submit(0, _workload(config, [0, 4] * (n // 2)))
+    # one encoder microbatch of all four images is fewer than the two pipelines: it must split
+    scheduler.submit(0, _workload(config, [MAX_IMAGES] + [0] * (n - 1)))
     own = scheduler.take(0, wait_s=60.0)
     scheduler.close()
     assert own.source == "per-iteration" and own.images_per_chain < MAX_IMAGES
     artifact = schedule_to_artifact(own.schedule, config, own.llm_order, own.images_per_chain)
     validate_artifact(artifact, "a per-iteration schedule")
-    assert artifact.llm_order == own.llm_order == (*range(0, n, 2), *range(1, n, 2))
+    assert artifact.llm_order == own.llm_order == (*range(1, n), 0)
     assert artifact.images_per_chain == own.images_per_chain
     parts = -(-MAX_IMAGES // own.images_per_chain)
-    # the imageless half is fed by none, each of the others by its images' share of chains
-    assert artifact.feeds == tuple(i for i in range(n // 2, n) for _ in range(parts))
+    # the imageless microbatches are fed by none, the last the LLM runs by its images' chains
+    assert artifact.feeds == (n - 1,) * parts
     assert len(artifact.assignment) == sum(artifact.partition) == len(artifact.feeds)
-    assert {op.microbatch for s in artifact.encoder_stages for op in s.ops} == set(range(n // 2, n))
+    assert {op.microbatch for s in artifact.encoder_stages for op in s.ops} == {n - 1}
 
 
 def test_workloads_that_differ_in_order_only_share_a_schedule_not_an_order(job):
