@@ -26,15 +26,15 @@ it was measured on) instead.
 
 Why the fit stops short of the bounds: with every kernel whole, Eff_fine is a step function of the
 constants. The LLM's TP collectives all carry one activation tensor, so they all last the same, and
-so do the ViT's longest forward kernels, fc1 and fc2 (331.0 us against the collectives' 328.2 us at
+so do the ViT's longest forward kernels, fc1 and fc2 (360.3 us against the collectives' 328.2 us at
 the shipped constants, kernels priced by the waves their tiles fill). There those kernels fit no TP
-bubble and Eff_fine is under the paper's 57.5 / 69.3 / 85.0 %; at the next NVLink efficiency down
-(``--evaluate nvlink_efficiency=0.59``: 333.7 us) they fit every one and Eff_fine is far over it; no
-constant lands in between. What the model lacks is the spread of a real GPU's collective and kernel
-times, which the paper's scheduler worked from. Eff_coarse times the microbatches is 1098-1099 in
-all three of the paper's rows (its coarse bubbles hold a fixed amount of one microbatch's encoder
-work) and 1207-1248 in ours; the network efficiency that would shrink those bubbles lowers Eff_fine
-with them.
+bubble and Eff_fine is under the paper's 57.5 / 69.3 / 85.0 % for every NVLink efficiency from 0.55
+to 0.62; at 0.54 the collectives outlast them and Eff_fine is far over it; no constant lands in
+between. Measured kernel times (``--profile``) do give values in between, but no setting tried
+brings every figure within its bound (README, the bubble scheduler's benchmark). Eff_coarse times
+the microbatches is 1098-1099 in all three of the paper's rows (its coarse bubbles hold a fixed
+amount of one microbatch's encoder work) and 1217-1235 in ours; the network efficiency that would
+shrink those bubbles lowers Eff_fine with them.
 """
 
 from __future__ import annotations
