@@ -372,7 +372,7 @@ def _infinite_op_start(a):
         ),
         (
             _partition_of_more_microbatches,
-            "partition: [4, 3, 1, 1] adds up to 9, but assignment lists 8 encoder microbatches",
+            "partition: {more_partition} adds up to 9, but assignment lists 8 encoder microbatches",
         ),
         (
             _prediction_short,
@@ -436,6 +436,7 @@ def test_a_broken_artifact_names_the_field(tiny, tmp_path, edit, expected):
         "rev_k": ops[-2]["local_microbatch"],
         "rev_prev": ops[-1]["kernel_index"],
         "feeds_op": next(n for n, op in enumerate(ops) if op["local_microbatch"] == 0),
+        "more_partition": [tiny["partition"][0] + 1, *tiny["partition"][1:]],
         "swap": 1
         + next(
             n
