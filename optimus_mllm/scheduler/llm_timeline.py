@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import NamedTuple
 
 from optimus_mllm.cost_model import Phase
@@ -62,9 +61,10 @@ class OpWork:
 
     kernels: tuple[KernelSlot, ...]
 
-    @cached_property
+    @property
     def duration_us(self) -> float:
-        return max((k.offset_us + k.duration_us for k in self.kernels), default=0.0)
+        # a hidden collective never ends after the GEMM it runs under, which comes after it
+        return self.kernels[-1].offset_us + self.kernels[-1].duration_us if self.kernels else 0.0
 
     @staticmethod
     def sequential(items: Sequence[KernelItem]) -> OpWork:
