@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from .distributed_utils import free_port
 from .paths import CONFIGS, REPO
 
@@ -22,6 +24,13 @@ NUMBERS = re.compile(
     r"(?: \| loss scale \S+)?) \|"
 )
 SUMMARY = re.compile(r"^done: (\d+) steps \| mean step [\d.]+ ms \| final loss (\d+\.\d{4})$")
+
+
+def approx_per_rank(values: list[float | None], rel: float) -> list[object]:
+    """``values`` to compare with ``==`` within ``rel``, each ``None`` kept: a rank without the
+    last pipeline stage records no loss, and must record none where the reference has none
+    (pytest's ``approx`` refuses ``None`` under a relative tolerance since 9.2)."""
+    return [None if value is None else pytest.approx(value, rel=rel) for value in values]
 
 
 def torchrun(*args: str, nproc: int = 4) -> list[str]:
