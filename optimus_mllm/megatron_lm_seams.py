@@ -26,7 +26,11 @@ names of ``megatron.training.training`` (``megatron_patches.training_seams``):
   Megatron saves and loads the optimizer state through its own optimizer over those chunks, built
   for the save or load and filled from (or into) the chained one (``runtime.plain_optimizer``), so
   a checkpoint is laid out as one saved without the flag and resumes either way. The distributed
-  optimizer keeps the chained layout (marked ``OPTIMIZER_MARK``) and resumes with the flag only.
+  optimizer's state is refused at start-up, saved or resumed
+  (``refuse_distributed_optimizer_state``): it shards by the chunks' DDP buffers, which hold no
+  vision parameter under the flag, so the flag cannot yet write it in Megatron-LM's layout; its
+  weights still save and load (--no-save-optim, --no-load-optim). Checkpoints that earlier
+  versions saved in the chained layout are marked ``OPTIMIZER_MARK``.
 
 Image counts. The schedule is planned for the most images a microbatch holds: what the job's flags
 state (``megatron_flags.images_bound``: tiles, thumbnail and frames times the micro batch), else the
@@ -121,8 +125,8 @@ from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.workload import max_images_per_microbatch
 
-# in a checkpoint folder saved with the flag and the distributed optimizer: its optimizer state is
-# the chained optimizer's
+# in a checkpoint folder that an earlier version saved with the flag and the distributed optimizer:
+# its optimizer state is the chained optimizer's, which this version does not resume
 OPTIMIZER_MARK = "optimus_optimizer_layout"
 
 
@@ -187,6 +191,7 @@ class OptimusInMegatron:
 
     def _start(self) -> _Job | None:
         args = self.get_args()
+        refuse_distributed_optimizer_state(args)
         world_size = dist.get_world_size()
         config = config_from_megatron_args(
             args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -519,17 +524,8 @@ class OptimusInMegatron:
                     plain = job.plain_optimizer()
                     chained_into_plain(optimizer, plain, *self._vision_states(job))
                     return original(iteration, model, plain, *rest, **kwargs)
-                saved = original(iteration, model, optimizer, *rest, **kwargs)
-            chained = optimizer is not None and not args.no_save_optim
-            if chained and args.save and not kwargs.get("non_persistent_ckpt"):
-                if dist.get_rank() == 0:
-                    _iteration_folder(args.save, str(iteration)).joinpath(
-                        OPTIMIZER_MARK
-                    ).write_text(
-                        "the optimizer state of this checkpoint is laid out for --optimus-schedule "
-                        "with --use-distributed-optimizer\n"
-                    )
-            return saved
+                # the weights alone: a distributed optimizer's state is refused at start-up
+                return original(iteration, model, optimizer, *rest, **kwargs)
 
         return save_checkpoint
 
@@ -553,6 +549,10 @@ class OptimusInMegatron:
                     # also where nothing was loaded: the plain optimizer's main parameters are
                     # then the weights just loaded (Megatron's reload_model_params)
                     plain_into_chained(plain, optimizer, vision, encoder)
+                elif optimizer is not None:
+                    # the distributed optimizer's state is never loaded under the flag: its main
+                    # parameters (--bf16/--fp16) start from the weights, the encoder's just copied
+                    optimizer.reload_model_params()
             return loaded
 
         return load_checkpoint
@@ -564,11 +564,30 @@ def _iteration_folder(checkpoints: str, iteration: str) -> Path:
     return Path(checkpoints, name)
 
 
+def refuse_distributed_optimizer_state(args: argparse.Namespace) -> None:
+    """Refuse, before the first step, a job that would save a distributed optimizer's state under
+    the flag: Megatron-LM's distributed optimizer shards its state by the chunks' DDP buffers,
+    which hold no vision parameter under the flag, so the state the flag holds is the chained
+    optimizer's (an LLM part and an encoder part), which no run without the flag can read, and
+    which Megatron-LM core_v0.16.1's own resume fails on here. Weights alone save and load either
+    way; resuming such a state is refused where the checkpoint is read
+    (``_check_optimizer_layout``)."""
+    if not args.use_distributed_optimizer or args.no_save_optim:
+        return
+    if getattr(args, "save", None) or getattr(args, "non_persistent_save_interval", None):
+        raise OptimusError(
+            "--optimus-schedule with --use-distributed-optimizer and --save: the flag cannot yet "
+            "save the distributed optimizer's state in Megatron-LM's layout (a run without the "
+            "flag could not resume it); drop --use-distributed-optimizer (the flag saves the "
+            "other optimizers' state in Megatron-LM's layout), or add --no-save-optim to save "
+            "the weights alone"
+        )
+
+
 def _check_optimizer_layout(args: argparse.Namespace, load_arg: str) -> None:
-    """Refuse an optimizer state laid out otherwise than this job's: under the flag, the
-    distributed optimizer's state is the chained optimizer's (``OPTIMIZER_MARK``), which a
-    checkpoint saved without the flag does not have, and the other way round; the weights load
-    with --no-load-optim."""
+    """Refuse an optimizer state this job cannot resume: under the flag, any distributed
+    optimizer's state (``refuse_distributed_optimizer_state``), and the chained layout that earlier
+    versions saved (``OPTIMIZER_MARK``) without it; the weights load with --no-load-optim."""
     load = getattr(args, load_arg, None)
     if not load or args.no_load_optim or getattr(args, "finetune", False):
         return
@@ -582,17 +601,17 @@ def _check_optimizer_layout(args: argparse.Namespace, load_arg: str) -> None:
         return
     marked = folder.joinpath(OPTIMIZER_MARK).is_file()
     flag = f"--{load_arg.replace('_', '-')} {load}: the checkpoint at {folder.name} was saved"
-    if args.use_distributed_optimizer and not marked:
+    if marked:
+        raise OptimusError(
+            f"{flag} by an earlier version with --optimus-schedule and "
+            "--use-distributed-optimizer, in a layout of its own that this version does not "
+            "resume; add --no-load-optim to start the optimizer afresh from its weights"
+        )
+    if args.use_distributed_optimizer:
         raise OptimusError(
             f"{flag} without --optimus-schedule, and with --use-distributed-optimizer the flag "
-            "resumes only the optimizer state it saved itself; resume it without the flag, or add "
+            "cannot yet resume a distributed optimizer's state; resume it without the flag, or add "
             "--no-load-optim to start the optimizer afresh from its weights"
-        )
-    if marked and not args.use_distributed_optimizer:
-        raise OptimusError(
-            f"{flag} with --optimus-schedule and --use-distributed-optimizer, and its optimizer "
-            "state resumes only with both; add --use-distributed-optimizer, or --no-load-optim to "
-            "start the optimizer afresh from its weights"
         )
 
 

@@ -468,3 +468,32 @@ def test_a_bf16_checkpoint_saved_and_resumed_with_the_flag_has_the_uninterrupted
         assert run.losses == pytest.approx(uninterrupted.losses[-n:], rel=1e-5)
         assert run.grad_norms == pytest.approx(uninterrupted.grad_norms[-n:], rel=1e-5)
         assert run.validation_loss == pytest.approx(uninterrupted.validation_loss, rel=1e-5)
+
+
+def _refused_saving(argv: list[str], schedule: str) -> str:
+    from optimus_mllm.errors import OptimusError
+
+    from support.megatron_standin import standin_pretrain
+
+    try:
+        standin_pretrain(argv, schedule, script_args={"save": "checkpoints"})
+    except OptimusError as error:
+        return str(error)
+    return "trained"
+
+
+def test_saving_a_distributed_optimizer_state_under_the_flag_is_refused_before_the_first_step(
+    tmp_path: Path,
+) -> None:
+    """The flag cannot yet save the distributed optimizer's state in Megatron-LM's layout: --save
+    with it is one line on every rank while the model is built, never a checkpoint found unreadable
+    at the first restart."""
+    argv = [*ARGS, *LAYOUTS["dp2-pp2"]]
+    assert "--use-distributed-optimizer" in argv
+    schedule = _write_artifact(argv, tmp_path / "plan.json")
+    said = run_distributed(_refused_saving, 4, argv, schedule, timeout=600)
+    assert len(set(said)) == 1, said
+    assert said[0].startswith(
+        "--optimus-schedule with --use-distributed-optimizer and --save: the flag cannot yet save "
+    ), said[0]
+    assert "--no-save-optim" in said[0]
