@@ -16,16 +16,25 @@ at the first update. Its checkpoint code assumes otherwise in three places, hand
   gives each its own;
 - the fully reshardable format gathers a distributed part's state over a gloo data-parallel group,
   which megatron-core does not create for a part built on groups of its own (the encoder's): the
-  caller hands one to ``use_gloo_group``.
+  caller hands one to ``use_gloo_group``;
+- Megatron-LM's ``--ckpt-format torch`` resume of the distributed optimizer
+  (``checkpointing.load_checkpoint``: ``load_state_dict``, then ``load_parameter_state``) reaches
+  ``DistributedOptimizer.load_parameter_state_from_dp_zero``, which fails on every rank with torch's
+  optimizers: ``dp_zero_load_patches`` (see ``_dp_zero_load``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed import ProcessGroup
+
+from megatron_patches.lookup import Patch, require
 
 
 def parts(optimizer: Any) -> list[Any]:
@@ -66,12 +75,11 @@ def set_step(part: Any, step: int) -> None:
         state["step"] = torch.tensor(float(step))
 
 
-def load_state(part: Any, state_dict: dict[str, Any]) -> None:
-    """``part.load_state_dict(state_dict)``, the step of each parameter's state left to
-    ``set_step``."""
-    if not isinstance(part, DistributedOptimizer):
-        part.load_state_dict(state_dict)
-        return
+@contextlib.contextmanager
+def _step_kept(part: DistributedOptimizer) -> Iterator[None]:
+    """Within the block, ``part._set_main_param_and_optimizer_states`` leaves a parameter's step as
+    it is when the loaded tensors have none (megatron-core copies into every entry of the state,
+    ``step`` included, from tensors that hold only the parameter and the moments)."""
     original = part._set_main_param_and_optimizer_states
 
     def set_states(model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
@@ -80,11 +88,64 @@ def load_state(part: Any, state_dict: dict[str, Any]) -> None:
             tensors = {**tensors, "step": current["step"].clone()}
         original(model_param, tensors)
 
-    part._set_main_param_and_optimizer_states = set_states  # this object only, for this call
+    part._set_main_param_and_optimizer_states = set_states  # this object only, for the block
     try:
-        part.load_state_dict(state_dict)
+        yield
     finally:
         del part._set_main_param_and_optimizer_states
+
+
+def load_state(part: Any, state_dict: dict[str, Any]) -> None:
+    """``part.load_state_dict(state_dict)``, the step of each parameter's state left to
+    ``set_step``."""
+    if not isinstance(part, DistributedOptimizer):
+        part.load_state_dict(state_dict)
+        return
+    with _step_kept(part):
+        part.load_state_dict(state_dict)
+
+
+def _dp_zero_load(original: Callable[..., None]) -> Callable[..., None]:
+    """``DistributedOptimizer.load_parameter_state_from_dp_zero`` as its siblings
+    ``load_parameter_state_from_fully_reshardable`` / ``_fs_model_space`` would run it.
+
+    Works around megatron-core 0.16.1 (``megatron/core/optimizer/distrib_optimizer.py``, unchanged
+    on Megatron-LM's main as of 2026-08-22), where the loader of Megatron-LM's ``--ckpt-format
+    torch`` checkpoints (``distrib_optim.pt``, through ``checkpointing.load_checkpoint``) fails on
+    every rank: in fp32 with any optimizer, in bf16 whenever torch's ``Adam`` stands in for apex /
+    transformer-engine (``HAVE_APEX_OR_TE`` false: the CPU, a GPU without them):
+
+    - it lacks the ``@torch.no_grad()`` of its siblings (l. 1806, 2069), so
+      ``_set_main_param_and_optimizer_states`` copies in grad mode (l. 940); in fp32 a main
+      parameter is a slice of the model parameter itself (l. 421), a view of a leaf that requires
+      grad: "a view of a leaf Variable that requires grad is being used in an in-place operation".
+      Run under ``torch.no_grad()`` here;
+    - ``load_state_dict``, which Megatron-LM calls first, put a ``step`` into every parameter's
+      state (l. 818-825), and ``_set_main_param_and_optimizer_states`` copies every entry of that
+      state from the loaded tensors, which hold only the parameter and the moments: ``KeyError:
+      'step'`` (bf16; fp32 fails on the first point before). ``_step_kept`` leaves the step as
+      loaded;
+    - that step is one tensor shared by every parameter's state, which torch's ``Adam`` increments
+      once per parameter at each update, so the bias corrections after the resume are not the
+      uninterrupted run's: each parameter gets a copy of its own afterwards.
+    """
+
+    @functools.wraps(original)
+    def load(self: DistributedOptimizer, *args: Any, **kwargs: Any) -> None:
+        with torch.no_grad(), _step_kept(self):
+            original(self, *args, **kwargs)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    return load
+
+
+def dp_zero_load_patches() -> list[Patch]:
+    """The distributed optimizer's ``--ckpt-format torch`` load fixed for torch's optimizers
+    (``_dp_zero_load``)."""
+    name = "load_parameter_state_from_dp_zero"
+    return [Patch(DistributedOptimizer, name, _dp_zero_load(require(DistributedOptimizer, name)))]
 
 
 def use_gloo_group(part: Any, group: ProcessGroup) -> None:

@@ -29,6 +29,9 @@ What is redirected, and why:
 - ``_compile_dependencies`` builds the dataset helpers with ``make`` in megatron-core's folder; the
   megatron-core wheel ships them built and has no Makefile, so the built module is used when it
   imports.
+- resuming with ``--use-distributed-optimizer --ckpt-format torch`` fails in megatron-core's
+  ``DistributedOptimizer.load_parameter_state_from_dp_zero`` with torch's optimizers, which stand in
+  for apex / transformer-engine here: ``megatron_patches.optimizer.dp_zero_load_patches``.
 """
 
 from __future__ import annotations
@@ -203,6 +206,8 @@ def _patch_clip_ln_pre() -> Patch:
 def training_cpu_patches() -> list[Patch]:
     """The ``megatron.training`` patches; raises MegatronPatchError when Megatron-LM is not
     importable or lacks an attribute, before anything is installed."""
+    from megatron_patches.optimizer import dp_zero_load_patches  # imports megatron-core
+
     return [
         *(_patch_torch_name(path) for path in _TRAINING_LOOP_MODULES),
         _patch_initialize_megatron(),
@@ -215,6 +220,7 @@ def training_cpu_patches() -> list[Patch]:
         _patch_device_arch_version(),
         _patch_dataset_helpers(),
         _patch_clip_ln_pre(),
+        *dp_zero_load_patches(),
     ]
 
 

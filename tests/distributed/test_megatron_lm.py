@@ -125,6 +125,29 @@ def test_save_at_2_resumes_to_3_with_the_uninterrupted_numbers_and_evaluates(
     assert [(i.lm_loss, i.grad_norm) for i in resumed.iterations] == printed[2:]
 
 
+@pytest.mark.distributed
+@needs_megatron_lm
+def test_the_distributed_optimizer_resumes_at_4_with_the_uninterrupted_numbers(
+    tmp_path: Path,
+) -> None:
+    # --use-distributed-optimizer at DP2 (TP1 PP2), fp32: megatron-core's load of the optimizer's
+    # distrib_optim.pt fails without megatron_patches.optimizer.dp_zero_load_patches, and without
+    # the step tensors it unshares iteration 6 differs. One run of 6 iterations saves at 4 (and at
+    # 6, as Megatron-LM saves at the end): the tracker pointed back at 4, it is resumed to 6.
+    layout = ("--use-distributed-optimizer", "--train-iters", "6")
+    save = ("--save", str(tmp_path), "--save-interval", "4")
+    uninterrupted = _train(4, tp=1, pp=2, more=(*layout, *save), iterations=(1, 2, 3, 4, 5, 6))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    resumed = _train(4, tp=1, pp=2, more=(*layout, "--load", str(tmp_path)), iterations=(5, 6))
+    fifth, sixth = uninterrupted.iterations[4:]
+    assert resumed.iterations[0].lm_loss == pytest.approx(fifth.lm_loss, rel=1e-5), resumed
+    assert [i.grad_norm for i in resumed.iterations] == [fifth.grad_norm, sixth.grad_norm]
+    # Megatron-LM logs a job's first iteration without resetting its loss sums
+    # (training_log's should_reset), so the resumed job's second line is the mean of 5 and 6
+    mean = (fifth.lm_loss + sixth.lm_loss) / 2
+    assert resumed.iterations[1].lm_loss == pytest.approx(mean, rel=1e-5), (resumed, mean)
+
+
 def _one_process(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``script`` through the CPU launcher, one process without torchrun."""
     environment = {**os.environ, "PYTHONPATH": str(REPO)}
