@@ -31,7 +31,7 @@ the shipped constants, kernels priced by the waves their tiles fill). There thos
 bubble and Eff_fine is under the paper's 57.5 / 69.3 / 85.0 % for every NVLink efficiency from 0.55
 to 0.62; at 0.54 the collectives outlast them and Eff_fine is far over it; no constant lands in
 between. Measured kernel times (``--profile``) do give values in between, but no setting tried
-brings every figure within its bound (README, the bubble scheduler's benchmark). Eff_coarse times
+brings every figure within its bound (docs/benchmarks.md, the bubble scheduler). Eff_coarse times
 the microbatches is 1098-1099 in all three of the paper's rows (its coarse bubbles hold a fixed
 amount of one microbatch's encoder work) and 1217-1235 in ours; the network efficiency that would
 shrink those bubbles lowers Eff_fine with them.

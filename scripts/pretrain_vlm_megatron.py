@@ -13,10 +13,10 @@ place of Megatron's. Without ``--optimus-schedule`` the vision model runs in the
 built; with it, its kernels run in the LLM's bubbles. Make the schedule for the same job from its
 flags with ``optimus-plan --world-size 4 --artifact plan.json -- [Megatron flags]``. The flags are
 Megatron-LM's, with its defaults (no model sizes; ``--transformer-impl local`` must be given); the
-README's describe ``configs/pretrain_vlm_tiny.yaml``. As Megatron-LM's ``pretrain_vlm.py``, the
-vision model is CLIP with its class token (dropped before the projector under
-``--disable-vision-class-token``) and the projector is the LLM's MLP (its ffn width, SwiGLU under
-``--swiglu``, no biases under ``--disable-bias-linear``).
+docs/megatron-lm.md's describe ``configs/pretrain_vlm_tiny.yaml``. As Megatron-LM's
+``pretrain_vlm.py``, the vision model is CLIP with its class token (dropped before the projector
+under ``--disable-vision-class-token``) and the projector is the LLM's MLP (its ffn width,
+SwiGLU under ``--swiglu``, no biases under ``--disable-bias-linear``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``scripts/pretrain_vlm_megatron.py``: a Megatron-LM-style script (its own model_provider,
 forward_step
-and datasets provider) where the README's one-line diff and one flag switch Optimus on.
+and datasets provider) where docs/megatron-lm.md's one-line diff and one flag switch Optimus on.
 
 With ``--optimus-schedule`` it runs the schedule (the encoder under its own plan, kernels at the
 artifact's hook points) and prints the same losses as the user's script without the diff. Its model
@@ -93,8 +93,9 @@ def plan_json(tmp_path_factory) -> str:
 
 
 def readme_diff() -> tuple[list[str], list[str]]:
-    """The README's one-flag diff as (before, after) lines."""
-    section = (REPO / "README.md").read_text().split("### Without Megatron-LM", 1)[1]
+    """docs/megatron-lm.md's one-flag diff as (before, after) lines."""
+    page = REPO / "docs" / "megatron-lm.md"
+    section = page.read_text().split("### Without Megatron-LM", 1)[1]
     block = section.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
     assert block and all(line[:1] in " +-" for line in block), block
     return (
@@ -112,7 +113,7 @@ def apply_diff(text: str, before: list[str], after: list[str]) -> str:
 
 @pytest.mark.distributed
 def test_the_readmes_diff_is_the_whole_opt_in_and_gives_the_user_scripts_losses(tmp_path):
-    """The README's diff, un-applied to the script, is the user's script, and applying it gives the
+    """The docs' diff, un-applied to the script, is the user's script, and applying it gives the
     script
     back. A LLaMA-shaped model (SwiGLU, grouped-query attention, RoPE, RMSNorm, no biases) on LLM
     TP2 PP2 V2: the user's script and the script with the flag print the same losses, and Megatron's

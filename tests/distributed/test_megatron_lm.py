@@ -178,12 +178,15 @@ def test_the_flag_reaches_only_the_opted_in_script(tmp_path: Path) -> None:
 
 
 def test_the_readme_s_one_line_is_the_one_the_comparison_applies() -> None:
-    # the README's diff for pretrain_vlm.py is the edit megatron_lm_compare.with_one_line makes
-    section = (
-        (REPO / "README.md").read_text().split("## One flag on an existing Megatron job", 1)[1]
-    )
-    block = section.split("```diff\n", 1)[1].split("```", 1)[0]
-    assert block == f" {_compare._LAST_IMPORT}+{_compare.ONE_LINE}\n"
+    # the diff for pretrain_vlm.py in docs/megatron-lm.md, and its copy in the README, is the edit
+    # megatron_lm_compare.with_one_line makes
+    for page, heading in [
+        ("docs/megatron-lm.md", "## One flag on an existing Megatron job"),
+        ("README.md", "### 2. One flag in an existing Megatron-LM job"),
+    ]:
+        section = (REPO / page).read_text().split(heading, 1)[1]
+        block = section.split("```diff\n", 1)[1].split("```", 1)[0]
+        assert block == f" {_compare._LAST_IMPORT}+{_compare.ONE_LINE}\n", page
 
 
 def test_the_script_s_extra_args_come_after_the_flag() -> None:
