@@ -1,6 +1,6 @@
 """Which optimizer states a job with ``--optimus-schedule`` saves and resumes
-(``megatron_lm_seams``): every non-distributed one (in Megatron's own layout either way); a
-distributed optimizer's state neither (refused at start-up, and where a checkpoint is read), its
+(``optimus_mllm.megatron.seams``): every non-distributed one (in Megatron's own layout either way);
+a distributed optimizer's state neither (refused at start-up, and where a checkpoint is read), its
 weights both; and no state that an earlier version saved in the chained layout (marked in the
 checkpoint's folder)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_lm_seams import (
+from optimus_mllm.megatron.seams import (
     OPTIMIZER_MARK,
     _check_optimizer_layout,
     refuse_distributed_optimizer_state,
