@@ -1,7 +1,7 @@
 """The names in Megatron-LM's ``megatron.training.training`` through which Optimus enters its loop.
 
 Megatron-LM's ``pretrain`` has no hook for a second model part with its own parallel plan, so the
-Optimus runtime (``optimus_mllm.megatron_lm_seams``) wraps four names that ``training.py`` looks up
+Optimus runtime (``optimus_mllm.megatron.seams``) wraps four names that ``training.py`` looks up
 at call time: ``get_megatron_optimizer`` (the encoder stage's parameters join the optimizer),
 ``get_forward_backward_func`` (each step runs megatron-core's schedule with the encoder ops at its
 hook points), ``save_checkpoint`` and ``load_checkpoint`` (the encoder's weights under LLaVA's

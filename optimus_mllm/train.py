@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, quiet_library_warnings
 from optimus_mllm.config import OptimusConfig, encoder_tp_problem, load_config, tp_mode_problem
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.errors import AgreedError, ConfigError, OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan

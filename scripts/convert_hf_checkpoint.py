@@ -10,7 +10,7 @@ Each input is a state dict file (``.safetensors`` needs the safetensors package;
 are read with ``torch.load(weights_only=True)``) or a folder of them. The output is a megatron-core
 dist checkpoint of whole tensors under this project's (LLaVA's) keys, which loads into any parallel
 plan; ``--pretrained-llm`` / ``--pretrained-encoder NAME=DIR`` take one part of it. The mapping is
-documented in ``optimus_mllm/hf_convert.py``.
+documented in ``optimus_mllm/tools/hf_convert.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from optimus_mllm.cli.common import (
 )
 from optimus_mllm.config import load_config
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.hf_convert import gpt2_entries, save_dist_checkpoint, vit_entries
+from optimus_mllm.tools.hf_convert import gpt2_entries, save_dist_checkpoint, vit_entries
 
 PROG = "convert_hf_checkpoint.py"
 

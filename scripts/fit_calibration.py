@@ -1,5 +1,5 @@
 """Fit the ``paper`` calibration to the Optimus paper's Tables 5 and 7, print the fit and its
-residuals, and write ``optimus_mllm/calibrations/paper.yaml``.
+residuals, and write ``optimus_mllm/config/calibrations/paper.yaml``.
 
     python scripts/fit_calibration.py [--out PATH] [--workers N]
     python scripts/fit_calibration.py --evaluate KEY=VALUE ... [--profile FILE [--profile-scale X]]
@@ -12,7 +12,7 @@ What they are fitted to, on the three strong-scaling setups
 (configs/paper/strong_*.yaml): Megatron-LM balanced at V12 (Table 12) and Optimus (Table 5),
 within 5 %, and Eff_coarse and Eff_fine (Table 7), within 5 points, Optimus running every kernel
 whole as the paper's Algorithm 1 does. Megatron-LM's own column is left out: no calibration fits
-it together with the rest (``scripts/bench_scheduler.py`` states why under its table).
+it together with the rest (``benchmarks/bench_scheduler.py`` states why under its table).
 
 The search is a coordinate descent from START on grids of 0.04, 0.02, then 0.01: each step tries
 one grid step up and down of every constant and keeps the best, until none improves, then the grid
@@ -49,20 +49,20 @@ from multiprocessing import Pool
 from pathlib import Path
 from types import ModuleType
 
-from optimus_mllm.calibration import CALIBRATIONS, load_calibration
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import PROFILE_FORMAT, PROFILE_VERSION, read_profile
+from optimus_mllm.config.calibration import CALIBRATIONS, load_calibration
+from optimus_mllm.config.files import atomic_write_text, read_versioned_json
+from optimus_mllm.costing.cost_model import PROFILE_FORMAT, PROFILE_VERSION, read_profile
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _bench_scheduler() -> ModuleType:
-    """scripts/bench_scheduler.py, loaded from its file beside this one (scripts are programs, not
-    a package): the paper's tables and how the benchmark reads a setup."""
+    """benchmarks/bench_scheduler.py, loaded from its file beside this one (scripts are programs,
+    not a package): the paper's tables and how the benchmark reads a setup."""
     spec = importlib.util.spec_from_file_location(
-        "bench_scheduler", REPO / "scripts" / "bench_scheduler.py"
+        "bench_scheduler", REPO / "benchmarks" / "bench_scheduler.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -290,7 +290,7 @@ def _evaluated(items: list[str]) -> dict[str, float]:
 
 def calibration_text(constants: dict[str, float], res: dict[str, dict[str, float]]) -> str:
     """The calibration file for ``constants``: the fit and its residuals ``res`` as a header, then
-    the entries ``optimus_mllm.calibration`` reads."""
+    the entries ``optimus_mllm.config.calibration`` reads."""
     body = [
         "# The paper calibration, written by scripts/fit_calibration.py (rerun it to reproduce):"
     ] + [f"#   {line}" for line in report(constants, res)]

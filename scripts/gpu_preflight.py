@@ -42,7 +42,7 @@ CARRY_LIMIT = 64 << 20  # bytes that may travel with the tree
 FILES_BACK = 8  # files that come back from $OUT
 DEVICE_PYTHON = "cp312"
 MARGIN_S = 30  # of a command's limit, for the shell, the transfers and the log's flush
-SCANNED = ("optimus_mllm", "megatron_patches", "scripts", "tests")
+SCANNED = ("optimus_mllm", "megatron_patches", "scripts", "benchmarks", "tests")
 
 
 class PreflightError(Exception):

@@ -9,7 +9,7 @@
 # the host's Python 3.12, pytest-timeout), then runs the GPU tests (each under pytest-timeout's
 # limit; test_bench_gpu's are CPU checks of what the bench-gpu step runs whole), optimus-profile on
 # the single-GPU and Figure 5 configs, the scheduler benchmark with that profile against the
-# roofline, scripts/bench_gpu.py, and one training step per mode under torch.profiler. Each step
+# roofline, benchmarks/bench_gpu.py, and one training step per mode under torch.profiler. Each step
 # runs under `timeout` with the limit written beside it; the limits, with the install, fit one
 # device command (COMMAND_LIMIT_S), which the preflight checks. Everything printed goes to
 # OUT_DIR/gpu_truth.log, the profiles, JSON and the profiled steps' timelines beside it
@@ -34,13 +34,13 @@ steps() {  # every step of the device run: step NAME LIMIT_S COMMAND...
     --out "$out/profile_gpu_single.json"
   step profile-fig5 25 python3 -m optimus_mllm.cli.profile --config configs/paper/fig5_8gpu.yaml \
     --out "$out/profile_fig5.json"
-  step bench-scheduler 20 python3 scripts/bench_scheduler.py --only fig5_8gpu --one-reading \
+  step bench-scheduler 20 python3 benchmarks/bench_scheduler.py --only fig5_8gpu --one-reading \
     --profile "$out/profile_fig5.json" --json "$out/bench_scheduler.json"
-  step bench-gpu 140 python3 scripts/bench_gpu.py --json "$out/bench_gpu.json"
+  step bench-gpu 140 python3 benchmarks/bench_gpu.py --json "$out/bench_gpu.json"
   # one profiled training step per mode, its timeline beside it: where Optimus's step time goes
   # beside the baseline's
   for mode in baseline optimus; do
-    step "profile-train-$mode" 65 python3 scripts/bench_gpu.py --train-mode "$mode" --steps 1 \
+    step "profile-train-$mode" 65 python3 benchmarks/bench_gpu.py --train-mode "$mode" --steps 1 \
       --warmup 2 --json "/tmp/train_$mode.json" --profile-rows 25 \
       --trace "$out/train_$mode.trace.json.gz"
   done

@@ -5,7 +5,7 @@
 
 trains the checkout's ``pretrain_vlm.py`` (Megatron-LM tag ``core_v0.16.1``, the one that goes
 with megatron-core 0.16.1) for 3 iterations on 4 gloo ranks, with Megatron's own mock data and tiny
-sizes (``TINY_VLM_ARGS``, dropout 0), through ``optimus_mllm.megatron_lm_cpu`` (the CPU patches for
+sizes (``TINY_VLM_ARGS``, dropout 0), through ``optimus_mllm.megatron.cpu`` (the CPU patches for
 ``megatron.training``), three times: unmodified; with the one-line opt-in (``from
 optimus_mllm.megatron import pretrain``, ``ONE_LINE``) in a copy of the script; and that copy with
 ``--optimus-schedule auto``. It prints Megatron's ``lm loss`` / ``grad norm`` of each iteration of
@@ -102,7 +102,7 @@ def with_one_line(checkout: Path, folder: Path) -> Path:
     """A copy of ``checkout``'s ``pretrain_vlm.py`` in ``folder`` with the one-line opt-in.
 
     The copy finds the checkout's modules through ``MEGATRON_LM_DIR``
-    (``optimus_mllm.megatron_lm_cpu``).
+    (``optimus_mllm.megatron.cpu``).
     """
     source = (checkout / "pretrain_vlm.py").read_text()
     if source.count(_LAST_IMPORT) != 1:
@@ -135,7 +135,7 @@ def agree(first: Run, second: Run, rel: float = 1e-5) -> bool:
 def run_megatron_script(
     script: Path, nproc: int, args: Sequence[str], timeout_s: float = 900, nodes: int = 1
 ) -> Run:
-    """``torchrun`` ``script`` on ``nproc`` local gloo ranks (``optimus_mllm.megatron_lm_cpu``);
+    """``torchrun`` ``script`` on ``nproc`` local gloo ranks (``optimus_mllm.megatron.cpu``);
     with ``nodes`` > 1, on ``nodes`` torchrun agents of ``nproc`` ranks each, started on their own
     and meeting through torchrun's c10d rendezvous as the nodes of a cluster do.
 
@@ -159,7 +159,7 @@ def run_megatron_script(
         )
     command = [
         *(sys.executable, "-m", "torch.distributed.run", *launcher),
-        *("--nproc-per-node", str(nproc), "-m", "optimus_mllm.megatron_lm_cpu"),
+        *("--nproc-per-node", str(nproc), "-m", "optimus_mllm.megatron.cpu"),
         *(str(script), *args),
     ]
     agents = [

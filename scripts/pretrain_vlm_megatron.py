@@ -8,8 +8,8 @@ in LLaVA's layout (``CLIPViTModel`` and ``MultimodalProjector`` on the first pip
 ``GPTModel`` throughout, each sample's image tokens spliced in at its ``<image>`` token), a
 ``forward_step`` and loss function, a datasets provider, and ``pretrain()``. ``megatron.training``
 is not in the megatron-core wheel, so what the script takes from it comes from
-``optimus_mllm.megatron_training``. The opt-in is the one marked import: Optimus's ``pretrain`` in
-place of Megatron's. Without ``--optimus-schedule`` the vision model runs in the first stage as
+``optimus_mllm.megatron.core_training``. The opt-in is the one marked import: Optimus's ``pretrain``
+in place of Megatron's. Without ``--optimus-schedule`` the vision model runs in the first stage as
 built; with it, its kernels run in the LLM's bubbles. Make the schedule for the same job from its
 flags with ``optimus-plan --world-size 4 --artifact plan.json -- [Megatron flags]``. The flags are
 Megatron-LM's, with its defaults (no model sizes; ``--transformer-impl local`` must be given); the
@@ -32,7 +32,11 @@ import torch
 # megatron.training's stand-in first, as its import sets the job up (here: quiets the CPU-only
 # library warnings); the next line is the opt-in: --optimus-schedule runs the encoder in the bubbles
 # isort: off
-from optimus_mllm.megatron_training import core_transformer_config_from_args, get_args, pretrain
+from optimus_mllm.megatron.core_training import (
+    core_transformer_config_from_args,
+    get_args,
+    pretrain,
+)
 from optimus_mllm.megatron import pretrain  # Optimus's pretrain: adds --optimus-schedule
 from megatron.core.enums import ModelType
 

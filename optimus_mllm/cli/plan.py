@@ -5,11 +5,11 @@ The job is a YAML config (``--config``) or a Megatron-LM command line after ``--
 
     optimus-plan --world-size 4 --artifact plan.json -- --encoder-num-layers 2 ...
 
-read as Megatron-LM reads it (``optimus_mllm.megatron_arguments``: its flags, defaults and
+read as Megatron-LM reads it (``optimus_mllm.megatron.arguments``: its flags, defaults and
 ``validate_args``) and made into the config by ``config_from_megatron_args``, so that the artifact
 is the one ``--optimus-schedule`` checks that job's flags against. The job's whole command line can
 be given: its flags that do not shape the plan (data, tokenizer, checkpoints, logging, ...:
-``optimus_mllm.megatron_unread_flags``) are accepted, and the output's first line names those it
+``optimus_mllm.megatron.unread_flags``) are accepted, and the output's first line names those it
 did not read; any other flag is refused. Megatron-LM takes the world size from the launcher, so the
 command needs it: ``--world-size`` (torchrun's ``--nnodes`` x ``--nproc-per-node``) and
 ``--gpus-per-node``.
@@ -30,20 +30,20 @@ from typing import Any
 
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, run
 from optimus_mllm.config import OptimusConfig, load_config
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.config.files import atomic_write_text
+from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.memory_model import GIB, MemoryBreakdown
+from optimus_mllm.costing.workload import WorkloadDistribution
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text
-from optimus_mllm.megatron_arguments import add_optimus_args
-from optimus_mllm.megatron_arguments import build_parser as megatron_parser
-from optimus_mllm.megatron_flags import config_from_megatron_args
-from optimus_mllm.megatron_unread_flags import UNREAD_DEST, add_unread_flags
-from optimus_mllm.memory_model import GIB, MemoryBreakdown
+from optimus_mllm.megatron.arguments import add_optimus_args
+from optimus_mllm.megatron.arguments import build_parser as megatron_parser
+from optimus_mllm.megatron.flags import config_from_megatron_args
+from optimus_mllm.megatron.unread_flags import UNREAD_DEST, add_unread_flags
 from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
 from optimus_mllm.scheduler.baselines import no_placement_problem
 from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, best_schedule
 from optimus_mllm.scheduler.expected import ExpectedRanking, rank_by_expected_time
 from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency
-from optimus_mllm.workload import WorkloadDistribution
 
 PROG = "optimus-plan"
 # what separates optimus-plan's own flags from a Megatron-LM command line
@@ -61,7 +61,7 @@ def build_parser() -> ArgumentParser:
         "schedule encoder work into the LLM's bubbles (Optimus).",
         epilog="The job is a YAML config, or a Megatron-LM pretrain_vlm.py command line after "
         "--, read with Megatron-LM's defaults and layer-count conventions "
-        "(optimus_mllm/megatron_flags.py says what each flag becomes). It has no built model: "
+        "(optimus_mllm/megatron/flags.py says what each flag becomes). It has no built model: "
         "the vision model is planned as pretrain_vlm.py builds it from the flags, where "
         "--optimus-schedule auto plans the one the job's provider built.",
     )
@@ -197,8 +197,8 @@ def job_config(
 
     Returns:
         The validated config, and the Megatron-LM flags given that it was not made from: those of
-        ``megatron_unread_flags`` in the order given, then ``--optimus-schedule`` (none with
-        ``--config``).
+        ``optimus_mllm.megatron.unread_flags`` in the order given, then ``--optimus-schedule`` (none
+        with ``--config``).
     """
     if megatron_argv is None:
         return load_config(args.config, args.override), []
@@ -225,7 +225,7 @@ class _MegatronFlagsParser(ArgumentParser):
         if message.startswith("unrecognized arguments:"):
             message += (
                 "; optimus-plan refuses a flag it does not know, since it may change the model "
-                "(those it takes unread: optimus_mllm/megatron_unread_flags.py)"
+                "(those it takes unread: optimus_mllm/megatron/unread_flags.py)"
             )
         super().error(message)
 

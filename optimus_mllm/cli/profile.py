@@ -1,7 +1,7 @@
 """``optimus-profile``: measure the kernels the scheduler costs on this GPU and write a kernel
 profile.
 
-Point ``cost_model.profile`` at the written file (or pass it to ``scripts/bench_scheduler.py
+Point ``cost_model.profile`` at the written file (or pass it to ``benchmarks/bench_scheduler.py
 --profile``) and the cost model uses the measured times instead of its roofline.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, run
 from optimus_mllm.config import load_config
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.gpu_status import warn_unverified
+from optimus_mllm.runtime.gpu_status import warn_unverified
 
 PROG = "optimus-profile"
 NO_GPU = (
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--out {args.out}: directory {Path(args.out).parent} does not exist; create it "
                 "first"
             )
-        from optimus_mllm.profiler import profile_kernels, write_profile
+        from optimus_mllm.tools.profiler import profile_kernels, write_profile
 
         config = load_config(args.config, args.override)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[

@@ -12,12 +12,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from optimus_mllm.calibration import load_calibration
+from optimus_mllm.config.calibration import load_calibration
 from optimus_mllm.config.schema import ModelConfig, OptimusConfig
+from optimus_mllm.config.typed_load import load_typed
 from optimus_mllm.config.validation import validate
+from optimus_mllm.config.yaml_input import YAMLInputError, parse_yaml, read_yaml_file
 from optimus_mllm.errors import ConfigError
-from optimus_mllm.typed_load import load_typed
-from optimus_mllm.yaml_input import YAMLInputError, parse_yaml, read_yaml_file
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> OptimusConfig:

@@ -36,7 +36,7 @@ ProjectorType = Literal["mlp", "affine", "linear"]
 VisionSubtype = Literal["internvit", "clip"]  # megatron-core CLIPViTModel's model_subtype
 # How a part's layers are split over its TP ranks, the TP size being the mode's total degree:
 # megatron-core's 1D (weights split, activations whole), 2D SUMMA on a q x q grid, 3D on a p x p x p
-# cube, or METP's ring (issues 36 and 37; ``optimus_mllm/tp_memory.py``)
+# cube, or METP's ring (issues 36 and 37; ``optimus_mllm/costing/tp_memory.py``)
 TPMode = Literal["1d", "2d", "3d", "metp"]
 
 
@@ -302,7 +302,8 @@ class CostModelConfig:
     network_efficiency: float = 0.7
     nvlink_efficiency: float | None = None  # collectives inside a node; None: network_efficiency
     kernel_overhead_us: float = 2.0  # launch and tail latency added to every kernel
-    # roofline (these constants), paper, or a calibration file: see optimus_mllm/calibration.py
+    # roofline (these constants), paper, or a calibration file: see
+    # optimus_mllm/config/calibration.py
     calibration: str = "roofline"
     # JSON of measured kernel times (optimus-profile); overrides the roofline
     profile: str | None = None
@@ -320,8 +321,8 @@ class DataConfig:
     # The encoder work memory is planned for, in images per microbatch (per encoder); None: one
     # image per sample, as today. A batch above it is refused before the step.
     max_images_per_microbatch: int | None = None
-    # The workload optimus-plan ranks plans over (``optimus_mllm/workload.py``): images per sample
-    # -> weight, and patch tokens per image -> weight (None: the encoder's ``seq_length``)
+    # The workload optimus-plan ranks plans over (``optimus_mllm/costing/workload.py``): images per
+    # sample -> weight, and patch tokens per image -> weight (None: the encoder's ``seq_length``)
     images_per_sample: dict[int, float] | None = None
     tokens_per_image: dict[int, float] | None = None
     # a Hugging Face tokenizer folder (tokenizer.json); None: UTF-8 bytes are the tokens

@@ -114,7 +114,7 @@ def validate(config: OptimusConfig) -> None:
 
 
 def _validate_workload(config: OptimusConfig) -> None:
-    """The planned maximum and the workload distribution (``optimus_mllm/workload.py``)."""
+    """The planned maximum and the workload distribution (``optimus_mllm/costing/workload.py``)."""
     d = config.data
     if d.max_images_per_microbatch is not None:
         _positive(d.max_images_per_microbatch, "data.max_images_per_microbatch")

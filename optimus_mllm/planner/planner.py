@@ -13,8 +13,7 @@ from optimus_mllm.config import (
     tp_divisibility_problem,
     tp_mode_problem,
 )
-from optimus_mllm.errors import ConfigError
-from optimus_mllm.memory_model import (
+from optimus_mllm.costing.memory_model import (
     GIB,
     MemoryBreakdown,
     bytes_per_param_k,
@@ -24,7 +23,8 @@ from optimus_mllm.memory_model import (
     model_state_memory,
     param_bytes,
 )
-from optimus_mllm.params import encoder_params, encoder_params_per_stage, llm_stage_params
+from optimus_mllm.costing.params import encoder_params, encoder_params_per_stage, llm_stage_params
+from optimus_mllm.errors import ConfigError
 from optimus_mllm.planner.partitions import PartitionSet, microbatch_partitions
 from optimus_mllm.planner.plans import (
     ParallelPlan,

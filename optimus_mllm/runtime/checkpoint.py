@@ -53,8 +53,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_patches.checkpoint import synchronous_writer
 from megatron_patches.optimizer import load_state, parts, prepare_state, set_step, step_count
+from optimus_mllm.config.files import atomic_write_text, fsync_dir, fsync_tree
 from optimus_mllm.errors import AgreedError, OptimusError
-from optimus_mllm.io_utils import atomic_write_text, fsync_dir, fsync_tree
 from optimus_mllm.runtime.checkpoint_meta import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from optimus_mllm.config import ModelConfig, OptimusConfig, model_config_from_dict
+from optimus_mllm.config.files import read_regular_file, read_versioned_json, special_entries
 from optimus_mllm.errors import ConfigError, OptimusError
-from optimus_mllm.io_utils import read_regular_file, read_versioned_json, special_entries
 from optimus_mllm.planner.plans import ParallelPlan
 
 CHECKPOINT_FORMAT = "optimus-checkpoint"

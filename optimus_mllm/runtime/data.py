@@ -27,8 +27,8 @@ import torch
 from PIL import Image
 
 from optimus_mllm.config import OptimusConfig
+from optimus_mllm.config.files import read_regular_file
 from optimus_mllm.errors import ConfigError
-from optimus_mllm.io_utils import read_regular_file
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import NamedTuple
 
-from optimus_mllm.pipeline_order import pipeline_producer
 from optimus_mllm.scheduler.artifact_format import Hook, LLMOp, ScheduleArtifact
+from optimus_mllm.scheduler.pipeline_order import pipeline_producer
 
 
 class EventKind(Enum):

@@ -42,7 +42,12 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.workload import (
+    EncoderWorkload,
+    IterationWorkload,
+    max_images_per_microbatch,
+)
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.plans import ParallelPlan
@@ -59,7 +64,6 @@ from optimus_mllm.scheduler.per_iteration import (
     Source,
     schedule_iteration,
 )
-from optimus_mllm.workload import EncoderWorkload, IterationWorkload, max_images_per_microbatch
 
 # this replica's workload of an iteration, every microbatch of the job checked against the maximum
 WorkloadOf = Callable[[int], IterationWorkload]

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from optimus_mllm.errors import ConfigError
-from optimus_mllm.gpu_status import warn_unverified
+from optimus_mllm.runtime.gpu_status import warn_unverified
 
 Tensor = torch.Tensor
 Activation = Callable[[Tensor], Tensor]

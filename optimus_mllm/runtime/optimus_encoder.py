@@ -5,7 +5,7 @@ its stage (``vit.EncoderStage``), process groups, kernel-level ops, hook plan an
 once per job. ``OptimusStep`` is one training step's context: the mailbox, the executor that runs
 the encoder ops at the hook points, the image-token leaves whose gradients go back to the encoder,
 and the ``HookDriver`` that turns megatron-core's timer and reduction callbacks into hook events.
-The project's ``Trainer`` and the Megatron-LM seams (``optimus_mllm.megatron_lm_seams``) drive the
+The project's ``Trainer`` and the Megatron-LM seams (``optimus_mllm.megatron.seams``) drive the
 same two objects, so the encoder runs alike under either loop.
 """
 
@@ -27,7 +27,6 @@ from megatron_patches.p2p import ChannelP2PCommunicator, build_pipeline_channels
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.config.validation import validate
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.pipeline_order import pipeline_producer
 from optimus_mllm.planner.plans import ParallelPlan, encoder_pipelines_per_llm_pipeline
 from optimus_mllm.runtime.data import ImageSource
 from optimus_mllm.runtime.dtypes import DTYPES
@@ -72,6 +71,7 @@ from optimus_mllm.runtime.user_model import (
 from optimus_mllm.runtime.verdicts import heard_by_every_rank
 from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.scheduler.artifact_format import EncoderMicrobatch, LLMOp, ScheduleArtifact
+from optimus_mllm.scheduler.pipeline_order import pipeline_producer
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from optimus_mllm.gpu_status import warn_unverified
+from optimus_mllm.runtime.gpu_status import warn_unverified
 
 
 class EncoderStream(Protocol):

@@ -41,8 +41,13 @@ import megatron_patches
 from megatron_patches.ddp import gather_main_grads
 from megatron_patches.hooks import tp_collective_hook, warmup_override
 from optimus_mllm.config import OptimusConfig
+from optimus_mllm.costing.workload import (
+    EncoderWorkload,
+    IterationWorkload,
+    check_within,
+    max_images_per_microbatch,
+)
 from optimus_mllm.errors import AgreedError, ConfigError, OptimusError
-from optimus_mllm.pipeline_order import default_warmup, rank_op_order
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.balanced import (
     balanced_transformer_config,
@@ -112,12 +117,7 @@ from optimus_mllm.runtime.vit import EncoderStage
 from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
 from optimus_mllm.scheduler.artifact_format import EncoderMicrobatch, LLMOp, ScheduleArtifact
 from optimus_mllm.scheduler.baselines import balanced_layer_ranges
-from optimus_mllm.workload import (
-    EncoderWorkload,
-    IterationWorkload,
-    check_within,
-    max_images_per_microbatch,
-)
+from optimus_mllm.scheduler.pipeline_order import default_warmup, rank_op_order
 
 
 @dataclass

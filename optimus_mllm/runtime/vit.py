@@ -48,7 +48,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from optimus_mllm.config import EncoderConfig, OptimusConfig, TPMode, encoder_tp_problem
-from optimus_mllm.params import stage_layer_bounds
+from optimus_mllm.costing.params import stage_layer_bounds
 from optimus_mllm.runtime.dtypes import ACTIVATIONS
 from optimus_mllm.runtime.encoder_ops import Block, Step, run_steps
 from optimus_mllm.runtime.layer_ops import (

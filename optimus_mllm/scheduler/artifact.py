@@ -28,9 +28,9 @@ from bisect import bisect_right
 from pathlib import Path
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.config.files import atomic_write_text, read_versioned_json
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.errors import ConfigError, OptimusError
-from optimus_mllm.io_utils import atomic_write_text, read_versioned_json
 from optimus_mllm.planner import PlannerResult
 from optimus_mllm.scheduler.artifact_checks import REMEDY, validate_artifact, validate_for_job
 from optimus_mllm.scheduler.artifact_format import (

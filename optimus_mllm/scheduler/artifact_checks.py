@@ -15,9 +15,8 @@ one written.
 from __future__ import annotations
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.errors import ConfigError, OptimusError
-from optimus_mllm.pipeline_order import default_warmup, rank_op_order
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
 from optimus_mllm.scheduler.artifact_format import (
     EncoderMicrobatch,
@@ -30,6 +29,7 @@ from optimus_mllm.scheduler.artifact_format import (
 from optimus_mllm.scheduler.encoder_costs import StageChain, build_encoder_work
 from optimus_mllm.scheduler.llm_costs import llm_op_work
 from optimus_mllm.scheduler.llm_timeline import KernelItem, OpWork, PipelineDeadlock, simulate
+from optimus_mllm.scheduler.pipeline_order import default_warmup, rank_op_order
 
 REMEDY = "re-run optimus-plan --artifact"
 PHASES = ("fwd", "bwd")

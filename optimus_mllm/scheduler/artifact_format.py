@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from optimus_mllm.config.typed_load import load_typed, to_json
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.typed_load import load_typed, to_json
 
 ARTIFACT_FORMAT = "optimus-schedule"
 # 2: the config's fingerprint; 3: pieces of kernels; 4: typed fields with readable names, the LLM

@@ -28,9 +28,8 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from optimus_mllm.config import EncoderConfig, LLMConfig, OptimusConfig, encoder_tp_problem
-from optimus_mllm.cost_model import CostModel, Phase
-from optimus_mllm.errors import OptimusError
-from optimus_mllm.memory_model import (
+from optimus_mllm.costing.cost_model import CostModel, Phase
+from optimus_mllm.costing.memory_model import (
     GIB,
     MemoryBreakdown,
     interleaving_factor,
@@ -38,7 +37,7 @@ from optimus_mllm.memory_model import (
     model_state_memory,
     param_bytes,
 )
-from optimus_mllm.params import (
+from optimus_mllm.costing.params import (
     encoder_params_per_stage,
     layer_params,
     llm_embedding_params,
@@ -46,12 +45,13 @@ from optimus_mllm.params import (
     llm_params_per_stage,
     projector_params,
 )
+from optimus_mllm.costing.workload import EncoderWorkload, IterationWorkload, heaviest
+from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner.planner import PlannerResult, gpu_memory_bytes, llm_memory
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, build_encoder_work
 from optimus_mllm.scheduler.llm_costs import llm_op_work, timeline_from_work
 from optimus_mllm.scheduler.llm_timeline import KernelItem, LLMTimeline, OpDuration, OpWork
-from optimus_mllm.workload import EncoderWorkload, IterationWorkload, heaviest
 
 PATCH_EMBED = "patch_embed"  # encoder_costs' name for the patch embedding kernel
 _PS_PER_US = 1_000_000  # balanced_partition compares times as whole picoseconds

@@ -41,7 +41,13 @@ from operator import add, itemgetter
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel, Phase
+from optimus_mllm.costing.cost_model import CostModel, Phase
+from optimus_mllm.costing.workload import (
+    EncoderWorkload,
+    IterationWorkload,
+    max_images_per_microbatch,
+    split_images,
+)
 from optimus_mllm.planner.partitions import microbatch_partitions
 from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
 from optimus_mllm.planner.plans import ParallelPlan, symmetry_groups
@@ -72,12 +78,6 @@ from optimus_mllm.scheduler.fine import (
 )
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
-from optimus_mllm.workload import (
-    EncoderWorkload,
-    IterationWorkload,
-    max_images_per_microbatch,
-    split_images,
-)
 
 Window = Literal["pre", "llm", "post"]
 FWD: Phase = "fwd"

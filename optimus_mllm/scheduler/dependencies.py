@@ -9,7 +9,7 @@ from itertools import repeat
 from operator import add, ge, itemgetter, le, sub
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.llm_costs import llm_op_work, timeline_from_work
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, PipelineDeadlock, default_warmup

@@ -1,9 +1,9 @@
 """The encoder(s) under an encoder plan: per pipeline stage, the kernel chain of one microbatch.
 
-A chain is priced for one microbatch's ``EncoderWorkload`` (``optimus_mllm/workload.py``): each
-encoder's images are the batch its kernels run, at that workload's tokens per image; an encoder with
-no image in it runs no kernel. Without a workload, today's: one image per sample at the encoder's
-``seq_length``.
+A chain is priced for one microbatch's ``EncoderWorkload`` (``optimus_mllm/costing/workload.py``):
+each encoder's images are the batch its kernels run, at that workload's tokens per image; an encoder
+with no image in it runs no kernel. Without a workload, today's: one image per sample at the
+encoder's ``seq_length``.
 
 Several encoders are independent of each other, so each stage's chain simply runs the layers of
 every encoder in turn: the scheduler treats them as one encoder (paper §4.4). A frozen encoder has
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from optimus_mllm.config import EncoderConfig, OptimusConfig
-from optimus_mllm.cost_model import (
+from optimus_mllm.costing.cost_model import (
     CostModel,
     Kernel,
     KernelWork,
@@ -29,10 +29,14 @@ from optimus_mllm.cost_model import (
     p2p_work,
     runtime_layer_ops,
 )
-from optimus_mllm.params import encoder_params_per_stage, projector_params, stage_layer_bounds
+from optimus_mllm.costing.params import (
+    encoder_params_per_stage,
+    projector_params,
+    stage_layer_bounds,
+)
+from optimus_mllm.costing.workload import EncoderWorkload
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
 from optimus_mllm.scheduler.llm_costs import activation_dtype_bytes, dp_comm_us, tp_bandwidth
-from optimus_mllm.workload import EncoderWorkload
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.workload import WorkloadDistribution, draw_iterations, llm_order
 from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
 from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
 from optimus_mllm.scheduler.per_iteration import schedule_iteration
-from optimus_mllm.workload import WorkloadDistribution, draw_iterations, llm_order
 
 # enough for a stable ranking of plans within seconds (each iteration is one scheduler run a plan)
 EXPECTED_ITERATIONS = 8

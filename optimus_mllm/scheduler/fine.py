@@ -22,7 +22,7 @@ from array import array
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from optimus_mllm.cost_model import PiecePrices
+from optimus_mllm.costing.cost_model import PiecePrices
 from optimus_mllm.scheduler.coarse import PostWindow, PreWindow
 from optimus_mllm.scheduler.dependencies import EncLLMDep
 from optimus_mllm.scheduler.encoder_costs import EncoderWork, StageChain

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import (
+from optimus_mllm.costing.cost_model import (
     CostModel,
     Kernel,
     KernelWork,
@@ -14,8 +14,8 @@ from optimus_mllm.cost_model import (
     group_bandwidth_gbps,
     p2p_work,
 )
-from optimus_mllm.memory_model import MAIN_GRAD_BYTES, param_bytes
-from optimus_mllm.params import llm_params_per_stage
+from optimus_mllm.costing.memory_model import MAIN_GRAD_BYTES, param_bytes
+from optimus_mllm.costing.params import llm_params_per_stage
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.llm_timeline import (
     KernelItem,

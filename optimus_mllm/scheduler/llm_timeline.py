@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from optimus_mllm.cost_model import Phase
-from optimus_mllm.pipeline_order import default_warmup, pipeline_producer, rank_op_order
+from optimus_mllm.costing.cost_model import Phase
+from optimus_mllm.scheduler.pipeline_order import default_warmup, pipeline_producer, rank_op_order
 
 
 class KernelItem(NamedTuple):

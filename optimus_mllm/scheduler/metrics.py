@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import LayerShape, layer_kernels
+from optimus_mllm.costing.cost_model import LayerShape, layer_kernels
 from optimus_mllm.scheduler.bubble_scheduler import Schedule
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 

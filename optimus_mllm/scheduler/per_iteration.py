@@ -35,7 +35,7 @@ that schedule without a search (``reused``); a build still running for the same 
 on, not repeated. Other workloads are searched afresh, but from the encoder chains and their moves
 into the bubbles kept from earlier iterations priced at the same chain (``ChainMoves``): the same
 schedule as alone, sooner (at fig5_8gpu, with the fine placement's single search, a build takes a
-third of the CPU time it did: ``scripts/bench_dynamic.py``'s scheduler share, 70 % of the step
+third of the CPU time it did: ``benchmarks/bench_dynamic.py``'s scheduler share, 70 % of the step
 before, 23 % after; 31 % under today's cost model, whose step is another).
 
 What the training runtime runs (``runtime/iteration_schedules``): the plan as a schedule artifact
@@ -61,13 +61,13 @@ from functools import partial
 from typing import Literal
 
 from optimus_mllm.config import OptimusConfig
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.workload import IterationWorkload, chain_sizes, heaviest, llm_order
 from optimus_mllm.planner.planner import EncoderPlanCandidate
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.workload import IterationWorkload, chain_sizes, heaviest, llm_order
 
 Source = Literal["per-iteration", "fallback"]
 

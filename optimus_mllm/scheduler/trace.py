@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.config.files import atomic_write_text
 from optimus_mllm.scheduler.bubble_scheduler import Schedule
 from optimus_mllm.scheduler.llm_costs import LLM
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline, PipelineOp

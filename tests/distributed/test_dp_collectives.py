@@ -117,7 +117,7 @@ def _modelled_elements(
 ) -> tuple[list[float], list[float]]:
     """The timeline's parameters per rank: by LLM stage, and by encoder stage."""
     from optimus_mllm.config import load_config
-    from optimus_mllm.params import llm_params_per_stage
+    from optimus_mllm.costing.params import llm_params_per_stage
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.encoder_costs import trainable_params_per_stage
 

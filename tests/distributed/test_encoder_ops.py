@@ -16,7 +16,7 @@ import torch.distributed as dist
 import yaml
 
 from optimus_mllm.config import OptimusConfig, config_from_dict
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.encoder_ops import MicrobatchRun, StageOps, build_stage_ops
 from optimus_mllm.runtime.vit import EncoderStage

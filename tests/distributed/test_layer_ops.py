@@ -31,9 +31,8 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from torch.utils.flop_counter import FlopCounterMode
 
 from optimus_mllm.config import EncoderConfig, config_from_dict
+from optimus_mllm.costing.params import encoder_params, projector_params
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.params import encoder_params, projector_params
-from optimus_mllm.profiler import profile_entries
 from optimus_mllm.runtime.data import patchify
 from optimus_mllm.runtime.encoder_ops import Block, MicrobatchRun, build_stage_ops, run_steps
 from optimus_mllm.runtime.layer_ops import (
@@ -44,6 +43,7 @@ from optimus_mllm.runtime.layer_ops import (
 )
 from optimus_mllm.runtime.llm import causal_mask
 from optimus_mllm.runtime.vit import EncoderStage
+from optimus_mllm.tools.profiler import profile_entries
 
 from support.distributed_utils import run_distributed
 from support.megatron_ranks import megatron_state

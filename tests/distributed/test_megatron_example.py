@@ -19,9 +19,9 @@ import pytest
 
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_arguments import add_optimus_args
-from optimus_mllm.megatron_flags import HONOURED_FLAGS, REFUSED_FLAGS, config_from_megatron_args
-from optimus_mllm.megatron_training import parse_args
+from optimus_mllm.megatron.arguments import add_optimus_args
+from optimus_mllm.megatron.core_training import parse_args
+from optimus_mllm.megatron.flags import HONOURED_FLAGS, REFUSED_FLAGS, config_from_megatron_args
 
 from support.paths import CONFIGS, MEGATRON_TINY_FLAGS, MEGATRON_TINY_LAYERS, REPO
 from support.train_utils import TIMEOUT_S, assert_one_error_everywhere, ranks
@@ -298,7 +298,7 @@ HONOURED = {
 
 
 def test_the_walk_covers_every_model_flag_and_the_script_takes_each():
-    from optimus_mllm.megatron_training import build_parser
+    from optimus_mllm.megatron.core_training import build_parser
 
     assert set(HONOURED) == set(HONOURED_FLAGS)
     flags = {*HONOURED_FLAGS, *(refused.flag for refused in REFUSED_FLAGS)}

@@ -1,5 +1,5 @@
 """Megatron-LM's own ``pretrain_vlm.py`` trained on gloo ranks through the CPU patches for
-``megatron.training`` (``megatron_patches.cpu.training``, ``optimus_mllm.megatron_lm_cpu``),
+``megatron.training`` (``megatron_patches.cpu.training``, ``optimus_mllm.megatron.cpu``),
 unmodified and with the one-line opt-in (``optimus_mllm.megatron.pretrain``).
 
 The tests that run Megatron-LM need a checkout at tag ``core_v0.16.1`` named by
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from optimus_mllm import megatron, megatron_lm
+from optimus_mllm.megatron import entry as megatron
+from optimus_mllm.megatron import lm as megatron_lm
 
 from support.paths import REPO, load_script
 
@@ -152,7 +153,7 @@ def _one_process(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``script`` through the CPU launcher, one process without torchrun."""
     environment = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "optimus_mllm.megatron_lm_cpu", str(script), *args],
+        [sys.executable, "-m", "optimus_mllm.megatron.cpu", str(script), *args],
         cwd=REPO,
         env=environment,
         capture_output=True,

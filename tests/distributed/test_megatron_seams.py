@@ -1,4 +1,4 @@
-"""``--optimus-schedule`` through the seams of Megatron-LM's loop (``megatron_lm_seams``),
+"""``--optimus-schedule`` through the seams of Megatron-LM's loop (``optimus_mllm.megatron.seams``),
 driven by a stand-in of the Megatron-LM calls they wrap (``support.megatron_standin``), so that CI
 covers the injection without a Megatron-LM checkout: the same losses, gradient norms and
 validation loss with and without the flag.
@@ -33,8 +33,8 @@ def _write_artifact(
     for ``images`` a microbatch (``data.max_images_per_microbatch``) where given."""
     from dataclasses import replace
 
-    from optimus_mllm.megatron_arguments import add_optimus_args, parse_args, validate_args
-    from optimus_mllm.megatron_flags import config_from_megatron_args
+    from optimus_mllm.megatron.arguments import add_optimus_args, parse_args, validate_args
+    from optimus_mllm.megatron.flags import config_from_megatron_args
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.artifact import artifact_text, schedule_job_artifact
 

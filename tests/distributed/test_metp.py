@@ -23,13 +23,14 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
 from optimus_mllm.config import TransformerSpec
-from optimus_mllm.metp_memory import (
+from optimus_mllm.costing.metp_memory import (
     metp_attention_forward_bound,
     metp_mlp_forward_peak,
     paper_attention_peak,
     paper_attention_ratio,
     paper_mlp_peak,
 )
+from optimus_mllm.costing.tp_memory import LayerBytes, layer_bytes
 from optimus_mllm.runtime.layer_ops import (
     all_gather,
     build_layer,
@@ -38,7 +39,6 @@ from optimus_mllm.runtime.layer_ops import (
 )
 from optimus_mllm.runtime.llm import causal_mask, unfused_settings
 from optimus_mllm.runtime.metp import HeadLayout, metp_attention, metp_layer_spec, metp_mlp
-from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
 from support.megatron_ranks import group_of_this_rank, megatron_state

@@ -331,9 +331,9 @@ def _llava_verdicts(argv: list[str]) -> dict[str, str | None]:
     of that config with the drop flipped, and with a GELU projector."""
     from megatron.core.models.vision import clip_vit_model
 
-    from optimus_mllm.megatron_arguments import add_optimus_args, parse_args, validate_args
-    from optimus_mllm.megatron_flags import config_from_megatron_args
-    from optimus_mllm.megatron_training import core_transformer_config_from_args
+    from optimus_mllm.megatron.arguments import add_optimus_args, parse_args, validate_args
+    from optimus_mllm.megatron.core_training import core_transformer_config_from_args
+    from optimus_mllm.megatron.flags import config_from_megatron_args
     from optimus_mllm.runtime.user_model import user_vision_problem
 
     args = validate_args(parse_args(add_optimus_args, argv), 1)

@@ -435,7 +435,7 @@ def test_converting_into_layers_that_are_not_gpt2s_is_refused(field, value):
 
     from optimus_mllm.config import load_config
     from optimus_mllm.errors import OptimusError
-    from optimus_mllm.hf_convert import gpt2_entries
+    from optimus_mllm.tools.hf_convert import gpt2_entries
 
     llm = replace(load_config(TINY).llm, **{field: value})
     with pytest.raises(
@@ -449,7 +449,7 @@ def test_converting_a_vit_into_a_clip_embedding_is_refused():
 
     from optimus_mllm.config import load_config
     from optimus_mllm.errors import OptimusError
-    from optimus_mllm.hf_convert import vit_entries
+    from optimus_mllm.tools.hf_convert import vit_entries
 
     encoder = replace(load_config(TINY).encoders[0], model_subtype="clip")
     with pytest.raises(
@@ -463,7 +463,7 @@ def test_loading_llavas_projector_into_a_merging_one_is_refused():
 
     from optimus_mllm.config import ProjectorConfig, load_config
     from optimus_mllm.errors import OptimusError
-    from optimus_mllm.hf_convert import vit_entries
+    from optimus_mllm.tools.hf_convert import vit_entries
 
     encoder = replace(load_config(TINY).encoders[0], projector=ProjectorConfig(spatial_merge=2))
     with pytest.raises(
@@ -479,7 +479,7 @@ def test_loading_llavas_projector_into_a_swiglu_one_is_refused():
 
     from optimus_mllm.config import ProjectorConfig, load_config
     from optimus_mllm.errors import OptimusError
-    from optimus_mllm.hf_convert import vit_entries
+    from optimus_mllm.tools.hf_convert import vit_entries
 
     swiglu = ProjectorConfig(activation="silu", gated_linear_unit=True)
     encoder = replace(load_config(TINY).encoders[0], projector=swiglu)

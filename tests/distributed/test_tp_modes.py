@@ -26,6 +26,16 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor, nn
 
 from optimus_mllm.config import TPMode, TransformerSpec
+from optimus_mllm.costing.tp_footprint import (
+    LayerShape,
+    activation_bytes_1d,
+    activation_bytes_2d,
+    activation_bytes_3d,
+    parameter_bytes_1d,
+    parameter_bytes_2d,
+    parameter_bytes_3d,
+)
+from optimus_mllm.costing.tp_memory import LayerBytes, layer_bytes
 from optimus_mllm.runtime.llm import causal_mask, unfused_settings
 from optimus_mllm.runtime.tp_modes.groups import (
     Cube3D,
@@ -35,16 +45,6 @@ from optimus_mllm.runtime.tp_modes.groups import (
 )
 from optimus_mllm.runtime.tp_modes.layers_2d import Linear2D, get_2d_layer_spec
 from optimus_mllm.runtime.tp_modes.layers_3d import Linear3D, get_3d_layer_spec
-from optimus_mllm.tp_footprint import (
-    LayerShape,
-    activation_bytes_1d,
-    activation_bytes_2d,
-    activation_bytes_3d,
-    parameter_bytes_1d,
-    parameter_bytes_2d,
-    parameter_bytes_3d,
-)
-from optimus_mllm.tp_memory import LayerBytes, layer_bytes
 
 from support.distributed_utils import run_distributed
 from support.megatron_ranks import megatron_state

@@ -118,7 +118,7 @@ def _both_runtimes(overrides: list[str], user: dict[str, Any]) -> dict:
     and the vision weights after the steps; compared here, on the rank, and reported as
     differences."""
     from optimus_mllm.config import load_config
-    from optimus_mllm.cost_model import CostModel
+    from optimus_mllm.costing.cost_model import CostModel
     from optimus_mllm.planner import ParallelPlan, plan
     from optimus_mllm.runtime.trainer import Trainer
     from optimus_mllm.scheduler.artifact import schedule_job_artifact

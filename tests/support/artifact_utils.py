@@ -8,13 +8,13 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from optimus_mllm.pipeline_order import rank_op_order
 from optimus_mllm.scheduler.artifact_checks import validate_artifact
 from optimus_mllm.scheduler.artifact_format import (
     ScheduleArtifact,
     artifact_from_json,
     artifact_to_json,
 )
+from optimus_mllm.scheduler.pipeline_order import rank_op_order
 
 
 def artifact_for(config_path: str | Path, overrides: Sequence[str] = ()) -> ScheduleArtifact:
@@ -125,7 +125,7 @@ def split_kernels(
     pieces of its tokens cut at ``cuts``, each hooked where the whole op was, its predicted time
     shared out."""
     from optimus_mllm.config import load_config
-    from optimus_mllm.cost_model import CostModel
+    from optimus_mllm.costing.cost_model import CostModel
     from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 
     config = load_config(str(config_path), list(overrides))

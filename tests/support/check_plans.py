@@ -48,8 +48,8 @@ from typing import Any, Literal
 import numpy as np
 
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel
-from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.config.files import atomic_write_text
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.planner import ParallelPlan, plan
 from optimus_mllm.scheduler.artifact import schedule_job_artifact
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact

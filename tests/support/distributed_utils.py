@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 _JOIN_SECONDS = 5.0
 _PORT_ATTEMPTS = 3
 # what every rank imports anyway; the fork server imports it once
-_PRELOAD = ["optimus_mllm.runtime.trainer", "optimus_mllm.megatron_training"]
+_PRELOAD = ["optimus_mllm.runtime.trainer", "optimus_mllm.megatron.core_training"]
 
 
 class _PortTaken(RuntimeError):

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from optimus_mllm.cli.common import ArgumentParser
+from optimus_mllm.config.files import atomic_write_text
+from optimus_mllm.config.yaml_input import parse_yaml
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text
-from optimus_mllm.yaml_input import parse_yaml
 
 from .paths import MEGATRON_TINY_FLAGS, REPO
 
@@ -167,7 +167,7 @@ class Inputs:
             check=True,
             capture_output=True,
         )
-        from optimus_mllm.megatron_training import build_parser, parse_args
+        from optimus_mllm.megatron.core_training import build_parser, parse_args
 
         self.megatron_parse_args = parse_args
         self.megatron_parser = build_parser
@@ -510,8 +510,8 @@ def _megatron_args(
     drawn value,
     read by ``config_from_megatron_args`` and planned, as the script does before any rank
     connects."""
-    from optimus_mllm.megatron_arguments import add_optimus_args
-    from optimus_mllm.megatron_flags import config_from_megatron_args
+    from optimus_mllm.megatron.arguments import add_optimus_args
+    from optimus_mllm.megatron.flags import config_from_megatron_args
     from optimus_mllm.planner import plan
 
     actions = [

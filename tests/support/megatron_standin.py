@@ -1,4 +1,4 @@
-"""A stand-in of the Megatron-LM calls that ``optimus_mllm.megatron_lm_seams`` wraps, for tests that
+"""A stand-in of the Megatron-LM calls that ``optimus_mllm.megatron.seams`` wraps, for tests that
 run without a Megatron-LM checkout.
 
 ``standin_pretrain`` does what ``megatron.training.pretrain`` does with a user's script, in the
@@ -13,7 +13,7 @@ optimizer its ``save_parameter_state`` / ``load_parameter_state`` file, serialis
 schedule, the calls go through ``OptimusInMegatron``'s seams exactly as
 ``megatron_patches.training_seams`` installs them. The user's script is
 ``scripts/pretrain_vlm_megatron.py`` (its provider, forward step and mock data), its flags parsed by
-``optimus_mllm.megatron_arguments`` and read back through its ``get_args``.
+``optimus_mllm.megatron.arguments`` and read back through its ``get_args``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from megatron.core.utils import get_model_config
 
 import megatron_patches
 from megatron_patches.optimizer import dp_zero_load_patches
-from optimus_mllm import megatron_arguments
-from optimus_mllm.megatron_lm_seams import OptimusInMegatron
+from optimus_mllm.megatron import arguments as megatron_arguments
+from optimus_mllm.megatron.seams import OptimusInMegatron
 from optimus_mllm.runtime.user_model import pretraining_sampler_batches
 
 from .paths import load_script

@@ -37,9 +37,11 @@ def balanced_wins(folder: Path) -> Path:
 
 
 def load_script(name: str) -> ModuleType:
-    """``scripts/NAME.py`` loaded from its file, as ``python scripts/NAME.py`` runs it (the scripts
-    are programs, not a package), for the tests of what a script itself defines."""
-    path = REPO / "scripts" / f"{name}.py"
+    """``scripts/NAME.py`` or ``benchmarks/NAME.py`` loaded from its file, as ``python
+    scripts/NAME.py`` runs it (scripts and benchmarks are programs, not packages), for the tests of
+    what a script itself defines."""
+    folder = "benchmarks" if (REPO / "benchmarks" / f"{name}.py").is_file() else "scripts"
+    path = REPO / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from optimus_mllm.tp_memory import LayerBytes
+from optimus_mllm.costing.tp_memory import LayerBytes
 
 
 class LiveBytes(TorchDispatchMode):

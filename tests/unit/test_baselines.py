@@ -12,9 +12,9 @@ import pytest
 
 from optimus_mllm.cli.plan import main as plan_main
 from optimus_mllm.config import config_from_dict, load_config
-from optimus_mllm.cost_model import CostModel, KernelWork
+from optimus_mllm.costing.cost_model import CostModel, KernelWork
+from optimus_mllm.costing.memory_model import GIB
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.memory_model import GIB
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.planner import llm_memory
 from optimus_mllm.planner.plans import ParallelPlan

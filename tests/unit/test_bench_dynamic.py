@@ -1,5 +1,5 @@
-"""scripts/bench_dynamic.py on a small setting: the JSON's shape, and per-iteration scheduling never
-slower than the static schedule for the maximum on any iteration."""
+"""benchmarks/bench_dynamic.py on a small setting: the JSON's shape, and per-iteration scheduling
+never slower than the static schedule for the maximum on any iteration."""
 
 from __future__ import annotations
 

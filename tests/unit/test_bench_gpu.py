@@ -1,5 +1,6 @@
-"""scripts/bench_gpu.py: importable anywhere; without a GPU one error line and exit status 2; each
-training mode in a process of its own; the memory plan checked against the GPU's free memory."""
+"""benchmarks/bench_gpu.py: importable anywhere; without a GPU one error line and exit status 2;
+each training mode in a process of its own; the memory plan checked against the GPU's free
+memory."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ import torch
 import yaml
 
 from optimus_mllm.config import load_config
-from optimus_mllm.memory_model import GIB
+from optimus_mllm.costing.memory_model import GIB
 from optimus_mllm.planner import plan
 
 from support.paths import CONFIGS, REPO
 
-SCRIPT = REPO / "scripts" / "bench_gpu.py"
+SCRIPT = REPO / "benchmarks" / "bench_gpu.py"
 
 
 def _bench_gpu() -> ModuleType:

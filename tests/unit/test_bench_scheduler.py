@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from optimus_mllm.calibration import load_calibration
 from optimus_mllm.config import load_config
+from optimus_mllm.config.calibration import load_calibration
 
 from support.paths import REPO, load_script
 
@@ -20,7 +20,7 @@ def test_bench_scheduler_runs_and_writes_json(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "bench_scheduler.py"),
+            str(REPO / "benchmarks" / "bench_scheduler.py"),
             "--only",
             "strong_3072",
             "model_a",
@@ -74,7 +74,7 @@ def test_bench_scheduler_paper_calibration_writes_the_paper_figures(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "bench_scheduler.py"),
+            str(REPO / "benchmarks" / "bench_scheduler.py"),
             "--calibration",
             "paper",
             "--only",
@@ -112,7 +112,7 @@ def test_bench_scheduler_paper_calibration_writes_the_paper_figures(tmp_path):
 
 def test_bench_scheduler_unknown_calibration_is_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--calibration", "nope"],
+        [sys.executable, str(REPO / "benchmarks" / "bench_scheduler.py"), "--calibration", "nope"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -125,9 +125,14 @@ def _slow_encoder_profile(path, config_file, factor: float) -> None:
     """A synthetic profile: the roofline's own times, the encoder's compute kernels ``factor``
     slower."""
     from optimus_mllm.config import load_config
-    from optimus_mllm.cost_model import KERNEL_SET, PROFILE_FORMAT, PROFILE_VERSION, CostModel
-    from optimus_mllm.profiler import profile_entries
+    from optimus_mllm.costing.cost_model import (
+        KERNEL_SET,
+        PROFILE_FORMAT,
+        PROFILE_VERSION,
+        CostModel,
+    )
     from optimus_mllm.scheduler.llm_costs import LLM
+    from optimus_mllm.tools.profiler import profile_entries
 
     config = load_config(config_file)
     roofline = CostModel(config.cluster, config.cost_model)
@@ -164,7 +169,7 @@ def test_bench_scheduler_reports_how_a_measured_profile_moves_the_figures(tmp_pa
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "bench_scheduler.py"),
+            str(REPO / "benchmarks" / "bench_scheduler.py"),
             "--only",
             setup,
             "--one-reading",
@@ -199,7 +204,7 @@ def test_bench_scheduler_times_the_scheduler_as_the_job_grows(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "bench_scheduler.py"),
+            str(REPO / "benchmarks" / "bench_scheduler.py"),
             "--scaling",
             "1536",
             "--repeat",
@@ -221,7 +226,7 @@ def test_bench_scheduler_times_the_scheduler_as_the_job_grows(tmp_path):
         and "the fastest of 2 runs" in proc.stdout
     )
     bad = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_scheduler.py"), "--scaling", "100"],
+        [sys.executable, str(REPO / "benchmarks" / "bench_scheduler.py"), "--scaling", "100"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -234,7 +239,7 @@ def test_bench_scheduler_times_the_scheduler_as_the_job_grows(tmp_path):
     bad = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "bench_scheduler.py"),
+            str(REPO / "benchmarks" / "bench_scheduler.py"),
             "--scaling",
             "1536",
             "--repeat",

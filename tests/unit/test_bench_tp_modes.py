@@ -1,4 +1,4 @@
-"""scripts/bench_tp_modes.py's figures on small cases: the bisection finds the longest sequence
+"""benchmarks/bench_tp_modes.py's figures on small cases: the bisection finds the longest sequence
 that fits, METP's is at least 1D's, the gain is computed from the two lengths, and the ViT sweep
 asks the planner (issue 37); the 2D and 3D papers' 64-GPU runs are timed and their batches
 sized by the cost and memory models (issue 36)."""

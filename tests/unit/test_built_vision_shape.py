@@ -16,7 +16,7 @@ from megatron.core.transformer import TransformerConfig
 
 from optimus_mllm.config import config_from_dict
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_lm_seams import vision_line
+from optimus_mllm.megatron.seams import vision_line
 from optimus_mllm.runtime.user_model import described_encoder
 
 from support.paths import CONFIGS

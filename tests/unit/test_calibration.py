@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from optimus_mllm.calibration import CALIBRATIONS, load_calibration
 from optimus_mllm.config import load_config
+from optimus_mllm.config.calibration import CALIBRATIONS, load_calibration
 from optimus_mllm.errors import ConfigError
 
 from support.paths import CONFIGS, REPO, load_script

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from optimus_mllm.config import ProjectorConfig, config_from_dict
-from optimus_mllm.cost_model import LayerShape, layer_kernels
-from optimus_mllm.memory_model import encoder_activation_memory_per_microbatch
-from optimus_mllm.params import encoder_params, projector_params
-from optimus_mllm.profiler import check_flops, kernel_op, profile_entries
+from optimus_mllm.costing.cost_model import LayerShape, layer_kernels
+from optimus_mllm.costing.memory_model import encoder_activation_memory_per_microbatch
+from optimus_mllm.costing.params import encoder_params, projector_params
+from optimus_mllm.tools.profiler import check_flops, kernel_op, profile_entries
 
 from support.paths import CONFIGS
 

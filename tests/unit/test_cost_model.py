@@ -8,7 +8,7 @@ import json
 import pytest
 
 from optimus_mllm.config import ClusterConfig, CostModelConfig, TransformerSpec
-from optimus_mllm.cost_model import (
+from optimus_mllm.costing.cost_model import (
     KERNEL_SET,
     PROFILE_FORMAT,
     PROFILE_VERSION,

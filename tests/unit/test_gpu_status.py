@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimus_mllm import gpu_status
+from optimus_mllm.runtime import gpu_status
 
 
 @pytest.fixture(autouse=True)

@@ -1,10 +1,12 @@
-"""The package's layers import one way: config -> planner -> scheduler -> runtime -> launchers.
+"""The package's layers import one way: config -> costing -> planner -> scheduler -> runtime ->
+launchers.
 
-The planner and scheduler run where no GPU stack is installed (``optimus-plan`` on a laptop, the
-benchmark), so they import neither torch nor megatron-core, directly or through a lower layer, and
-nothing of the runtime. Every import counts, including those inside functions and under
-``TYPE_CHECKING``: a function-level import is where a cycle hides (``megatron.py`` <->
-``megatron_training.py`` did).
+A module's layer is its folder's (``optimus_mllm/costing/...`` is in costing), so a module's place
+in the tree says what it may import. The config, cost models, planner and scheduler run where no GPU
+stack is installed (``optimus-plan`` on a laptop, the benchmark), so they import neither torch nor
+megatron-core, directly or through a lower layer, and nothing of the runtime. Every import counts,
+including those inside functions and under ``TYPE_CHECKING``: a function-level import is where a
+cycle hides (``megatron/entry.py`` <-> ``megatron/core_training.py`` did).
 """
 
 from __future__ import annotations
@@ -17,28 +19,26 @@ from pathlib import Path
 from support.paths import REPO
 
 PACKAGES = ("optimus_mllm", "megatron_patches")
-LAYERS = ("config", "planner", "scheduler", "runtime", "launchers")
-# A module's layer is that of its longest prefix here; any other module of optimus_mllm (config.py,
-# errors.py, cost_model.py, ...) is in the lowest, so that one needing a later layer fails below
-# until it is named here.
-LAYER_OF_PREFIX = {
-    "optimus_mllm.planner": "planner",
-    "optimus_mllm.scheduler": "scheduler",
-    "optimus_mllm.runtime": "runtime",
-    "optimus_mllm.profiler": "runtime",  # measures kernels with torch
-    "optimus_mllm.hf_convert": "runtime",  # writes megatron-core checkpoints
-    "megatron_patches": "runtime",
-    "optimus_mllm.cli": "launchers",
-    "optimus_mllm.train": "launchers",
-    "optimus_mllm.megatron": "launchers",
-    "optimus_mllm.megatron_arguments": "launchers",
-    "optimus_mllm.megatron_lm": "launchers",
-    "optimus_mllm.megatron_lm_cpu": "launchers",
-    "optimus_mllm.megatron_lm_seams": "launchers",
-    "optimus_mllm.megatron_flags": "launchers",
-    "optimus_mllm.megatron_unread_flags": "launchers",
-    "optimus_mllm.megatron_training": "launchers",
+LAYERS = ("config", "costing", "planner", "scheduler", "runtime", "launchers")
+# The layer of each folder of optimus_mllm (a new folder fails below until it is named here), and
+# of the few modules at its root; megatron_patches, the one place that patches megatron-core, is
+# runtime.
+LAYER_OF_FOLDER = {
+    "config": "config",
+    "costing": "costing",
+    "planner": "planner",
+    "scheduler": "scheduler",
+    "runtime": "runtime",
+    "megatron": "launchers",
+    "cli": "launchers",
+    "tools": "launchers",
 }
+LAYER_OF_ROOT_MODULE = {
+    "optimus_mllm": "config",
+    "optimus_mllm.errors": "config",
+    "optimus_mllm.train": "launchers",  # python -m optimus_mllm.train, torchrun -m ...
+}
+NO_GPU_STACK = ("config", "costing", "planner", "scheduler")
 GPU_STACK = ("torch", "megatron", "megatron_patches")
 
 
@@ -80,21 +80,38 @@ def _imported(name: str, path: Path) -> set[str]:
 IMPORTS = {name: _imported(name, path) for name, path in SOURCES.items()}
 
 
-def layer_of(name: str) -> str:
-    prefixes = [p for p in LAYER_OF_PREFIX if name == p or name.startswith(p + ".")]
-    return LAYER_OF_PREFIX[max(prefixes, key=len)] if prefixes else LAYERS[0]
+def layer_of(name: str) -> str | None:
+    """The layer of a module of ours from its folder; None for one outside every named folder."""
+    if name == "megatron_patches" or name.startswith("megatron_patches."):
+        return "runtime"
+    if name in LAYER_OF_ROOT_MODULE:
+        return LAYER_OF_ROOT_MODULE[name]
+    parts = name.split(".")
+    if parts[0] == "optimus_mllm" and len(parts) > 1:
+        return LAYER_OF_FOLDER.get(parts[1])
+    return None
 
 
 def _top_level(name: str) -> str:
     return name.partition(".")[0]
 
 
-def test_the_layer_table_names_existing_modules() -> None:
-    """A renamed or removed module leaves no stale entry behind."""
+def test_every_module_is_in_a_named_layer() -> None:
+    """A module in a folder not named above, or a new one at the package's root, is placed first."""
+    unplaced = [name for name in SOURCES if layer_of(name) is None]
+    assert not unplaced, unplaced
+
+
+def test_the_layer_tables_name_existing_folders_and_modules() -> None:
+    """A renamed or removed folder or root module leaves no stale entry behind."""
     stale = [
-        p for p in LAYER_OF_PREFIX if not any(n == p or n.startswith(p + ".") for n in SOURCES)
+        folder
+        for folder in LAYER_OF_FOLDER
+        if not any(n.startswith(f"optimus_mllm.{folder}.") for n in SOURCES)
     ]
+    stale += [name for name in LAYER_OF_ROOT_MODULE if name not in SOURCES]
     assert not stale
+    assert set(LAYER_OF_FOLDER.values()) | set(LAYER_OF_ROOT_MODULE.values()) <= set(LAYERS)
 
 
 def test_no_module_imports_a_later_layer() -> None:
@@ -102,7 +119,8 @@ def test_no_module_imports_a_later_layer() -> None:
         f"{name} ({layer_of(name)}) imports {target} ({layer_of(target)})"
         for name, targets in IMPORTS.items()
         for target in sorted(targets)
-        if target in SOURCES and LAYERS.index(layer_of(target)) > LAYERS.index(layer_of(name))
+        if target in SOURCES
+        and LAYERS.index(layer_of(target) or LAYERS[0]) > LAYERS.index(layer_of(name) or LAYERS[0])
     ]
     assert not upward, "\n".join(upward)
 
@@ -131,20 +149,21 @@ def test_no_import_cycle() -> None:
         assert cycle is None, " -> ".join(cycle)
 
 
+WITHOUT_GPU_STACK = sorted(n for n in SOURCES if layer_of(n) in NO_GPU_STACK)
 PLANNER_AND_SCHEDULER = sorted(n for n in SOURCES if layer_of(n) in ("planner", "scheduler"))
 
 
-def test_the_planner_and_scheduler_sources_name_no_gpu_stack_and_no_runtime() -> None:
+def test_the_layers_below_the_runtime_name_no_gpu_stack_and_no_runtime() -> None:
     found = [
         f"{name} imports {target}"
-        for name in PLANNER_AND_SCHEDULER
+        for name in WITHOUT_GPU_STACK
         for target in sorted(IMPORTS[name])
         if _top_level(target) in GPU_STACK or layer_of(target) in ("runtime", "launchers")
     ]
     assert not found, "\n".join(found)
 
 
-def test_importing_the_planner_and_scheduler_loads_no_torch_and_no_runtime() -> None:
+def test_importing_the_layers_below_the_runtime_loads_no_torch_and_no_runtime() -> None:
     """Imported for real, one after another in a fresh interpreter: whatever they pull in through
     the layers below (config, cost model) counts too. The first module after which torch,
     megatron-core or the runtime is loaded is named."""
@@ -154,7 +173,7 @@ import importlib, sys
 def forbidden(module):
     return module.partition(".")[0] in {GPU_STACK!r} or module.startswith("optimus_mllm.runtime")
 
-for name in {PLANNER_AND_SCHEDULER!r}:
+for name in {WITHOUT_GPU_STACK!r}:
     importlib.import_module(name)
     loaded = sorted(filter(forbidden, sys.modules))
     if loaded:
@@ -164,7 +183,8 @@ for name in {PLANNER_AND_SCHEDULER!r}:
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert len(PLANNER_AND_SCHEDULER) > 10  # the table still finds the planner's and scheduler's
+    assert len(PLANNER_AND_SCHEDULER) > 10  # the folders still hold the planner and scheduler
+    assert {"config", "costing"} <= {layer_of(n) for n in WITHOUT_GPU_STACK}
 
 
 def test_the_production_seams_do_not_import_the_cpu_emulation() -> None:

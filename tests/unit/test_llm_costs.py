@@ -9,7 +9,7 @@ import pytest
 from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
 
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel, Kernel
+from optimus_mllm.costing.cost_model import CostModel, Kernel
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.llm_costs import (
     LLM,

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from optimus_mllm.config import config_from_dict
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler import bubble_scheduler
 from optimus_mllm.scheduler.bubble_scheduler import (

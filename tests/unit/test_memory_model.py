@@ -9,7 +9,7 @@ import pytest
 
 from optimus_mllm.cli.plan import main
 from optimus_mllm.config import TransformerSpec, load_config
-from optimus_mllm.memory_model import (
+from optimus_mllm.costing.memory_model import (
     bytes_per_param_k,
     colocation_overhead,
     interleaving_factor,
@@ -18,10 +18,10 @@ from optimus_mllm.memory_model import (
     model_state_memory,
     optimizer_bytes_per_param,
 )
-from optimus_mllm.params import encoder_params, encoder_params_per_stage
+from optimus_mllm.costing.params import encoder_params, encoder_params_per_stage
+from optimus_mllm.costing.tp_memory import layer_bytes
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.planner import ParallelPlan
-from optimus_mllm.tp_memory import layer_bytes
 
 from support.paths import CONFIGS
 

@@ -1,8 +1,8 @@
 """Which optimizer states a job with ``--optimus-schedule`` saves and resumes
-(``megatron_lm_seams``): every optimizer's, the distributed one's in ``--ckpt-format torch`` only
-(other formats are refused at start-up, the weights still save and load); not a checkpoint missing
-a rank's distributed optimizer's state; and no state that an earlier version saved in the chained
-layout (marked in the checkpoint's folder)."""
+(``optimus_mllm.megatron.seams``): every optimizer's, the distributed one's in
+``--ckpt-format torch`` only (other formats are refused at start-up, the weights still save and
+load); not a checkpoint missing a rank's distributed optimizer's state; and no state that an earlier
+version saved in the chained layout (marked in the checkpoint's folder)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_lm_seams import (
+from optimus_mllm.megatron.seams import (
     OPTIMIZER_MARK,
     _check_optimizer_layout,
     refuse_distributed_optimizer_checkpoints,

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from optimus_mllm.config import load_config
-from optimus_mllm.params import encoder_params, encoder_params_per_stage, layer_params, llm_params
+from optimus_mllm.costing.params import (
+    encoder_params,
+    encoder_params_per_stage,
+    layer_params,
+    llm_params,
+)
 
 from support.paths import CONFIGS
 
@@ -43,7 +48,7 @@ def test_gpt_layer_is_12h2_plus_biases_and_norms():
 
 def test_stage_split_keeps_every_parameter():
     config = load_config(CONFIGS / "paper" / "dualenc_22b_5b.yaml")
-    from optimus_mllm.params import projector_params
+    from optimus_mllm.costing.params import projector_params
 
     total = sum(encoder_params(e) + projector_params(e, config.llm) for e in config.encoders)
     for pp in (1, 2, 4, 8):

@@ -10,14 +10,14 @@ import time
 import pytest
 
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.workload import EncoderWorkload, check_within
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
 from optimus_mllm.scheduler.per_iteration import IterationSchedule, IterationScheduler
-from optimus_mllm.workload import EncoderWorkload, check_within
 
 from support.paths import CONFIGS
 from support.validity import schedule_violations

@@ -2,7 +2,7 @@
 Megatron-LM's defaults and ``pretrain_vlm.py``'s layer-count conventions, and the artifact it writes
 accepted by ``--optimus-schedule`` for a job with the same flags.
 
-The look-alike parser (``optimus_mllm.megatron_arguments``) is checked against Megatron-LM's own
+The look-alike parser (``optimus_mllm.megatron.arguments``) is checked against Megatron-LM's own
 ``parse_args`` + ``validate_args`` where a checkout at tag ``core_v0.16.1`` is named by
 ``MEGATRON_LM_DIR`` (skipped without).
 """
@@ -20,9 +20,9 @@ import pytest
 
 from optimus_mllm.cli.plan import main as optimus_plan
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_arguments import add_optimus_args, build_parser, parse_args
-from optimus_mllm.megatron_arguments import validate_args as lookalike_validate_args
-from optimus_mllm.megatron_flags import config_from_megatron_args, runtime_for_args
+from optimus_mllm.megatron.arguments import add_optimus_args, build_parser, parse_args
+from optimus_mllm.megatron.arguments import validate_args as lookalike_validate_args
+from optimus_mllm.megatron.flags import config_from_megatron_args, runtime_for_args
 
 from support.paths import CONFIGS, MEGATRON_TINY_FLAGS, REPO
 
@@ -259,7 +259,7 @@ def test_a_jobs_whole_command_line_plans_as_its_model_flags_and_names_what_it_di
 def test_flags_that_shape_the_plan_are_read_not_passed_over(tmp_path):
     """Precision and sequence parallelism change the plan's config: they are read (and are not
     named among the flags not read)."""
-    from optimus_mllm.megatron_unread_flags import UNREAD_FLAGS
+    from optimus_mllm.megatron.unread_flags import UNREAD_FLAGS
 
     unread = {flag.flag for flag in UNREAD_FLAGS}
     lookalike = {name for a in build_parser()._actions for name in a.option_strings}
@@ -427,7 +427,7 @@ print("MEGATRON-FLAGS " + json.dumps(flags), flush=True)
 
 @needs_megatron_lm
 def test_every_flag_taken_unread_is_megatron_lms_with_its_arity_and_a_name_the_plan_does_not_read():
-    from optimus_mllm.megatron_unread_flags import UNREAD_FLAGS
+    from optimus_mllm.megatron.unread_flags import UNREAD_FLAGS
 
     done = subprocess.run(
         [sys.executable, "-c", _MEGATRON_FLAGS],
@@ -451,7 +451,7 @@ def test_every_flag_taken_unread_is_megatron_lms_with_its_arity_and_a_name_the_p
 
 
 def test_a_job_with_dropout_says_its_masks_are_not_the_plain_runs():
-    from optimus_mllm.megatron_lm_seams import dropout_line
+    from optimus_mllm.megatron.seams import dropout_line
 
     def line(*flags: str) -> str:
         args = lookalike_validate_args(
@@ -486,7 +486,7 @@ TILE_FLAGS = {
 
 @pytest.mark.parametrize("case", TILE_FLAGS)
 def test_the_most_images_a_microbatch_holds_comes_from_examples_multimodal_s_flags(case):
-    from optimus_mllm.megatron_flags import bound_line, images_bound
+    from optimus_mllm.megatron.flags import bound_line, images_bound
 
     given, most = TILE_FLAGS[case]
     args = lookalike_validate_args(parse_args(argv=list(MEGATRON_TINY_FLAGS)), 4)
@@ -500,7 +500,7 @@ def test_the_most_images_a_microbatch_holds_comes_from_examples_multimodal_s_fla
 
 
 def test_pretrain_vlm_s_flags_state_no_bound_and_plan_one_image_a_sample():
-    from optimus_mllm.megatron_flags import bound_line, images_bound
+    from optimus_mllm.megatron.flags import bound_line, images_bound
 
     args = parse_args(argv=list(MEGATRON_TINY_FLAGS))
     config = config_from_megatron_args(args, 4, 4)
@@ -520,7 +520,7 @@ def test_a_saved_schedule_planned_for_more_images_is_the_job_s_maximum(tmp_path)
     another keeps its own, and the artifact is refused naming the field."""
     from dataclasses import replace
 
-    from optimus_mllm.megatron_flags import with_schedule_bound
+    from optimus_mllm.megatron.flags import with_schedule_bound
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.artifact import (
         artifact_text,

@@ -14,10 +14,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel, KernelWork, load_profile
+from optimus_mllm.costing.cost_model import CostModel, KernelWork, load_profile
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
-from optimus_mllm.profiler import (
+from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
+from optimus_mllm.scheduler.bubble_scheduler import best_schedule
+from optimus_mllm.tools.profiler import (
     check_flops,
     kernel_callable,
     kernel_op,
@@ -27,8 +29,6 @@ from optimus_mllm.profiler import (
     wallclock_timer,
     write_profile,
 )
-from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
-from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 
 from support.paths import CONFIGS, REPO
 

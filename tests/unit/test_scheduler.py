@@ -15,9 +15,8 @@ from unittest import mock
 import pytest
 
 from optimus_mllm.config import config_from_dict, load_config
-from optimus_mllm.cost_model import CostModel, PiecePrices
+from optimus_mllm.costing.cost_model import CostModel, PiecePrices
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.pipeline_order import default_warmup, rank_op_order, schedule_table
 from optimus_mllm.planner import ParallelPlan, plan
 from optimus_mllm.scheduler import bubble_scheduler as scheduler_module
 from optimus_mllm.scheduler.artifact import load_artifact, schedule_to_artifact, write_artifact
@@ -42,6 +41,7 @@ from optimus_mllm.scheduler.intervals import FreeIntervals
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline
 from optimus_mllm.scheduler.llm_timeline import KernelItem, OpWork, PipelineDeadlock, simulate
 from optimus_mllm.scheduler.metrics import bubble_breakdown, scheduling_efficiency
+from optimus_mllm.scheduler.pipeline_order import default_warmup, rank_op_order, schedule_table
 
 from support.paths import CONFIGS, load_script
 from support.random_configs import heavy_random_config, random_config

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import read_profile
-from optimus_mllm.profiler import matching_profile
+from optimus_mllm.costing.cost_model import read_profile
+from optimus_mllm.tools.profiler import matching_profile
 
 REPO = Path(__file__).resolve().parents[2]
 

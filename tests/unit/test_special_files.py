@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.config.files import read_regular_file, special_entries
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import read_regular_file, special_entries
 from optimus_mllm.planner import plan
 from optimus_mllm.runtime.checkpoint_meta import (
     LATEST,

@@ -60,8 +60,8 @@ def test_a_cube_needs_a_cube_and_distinct_ranks() -> None:
 def test_layout_and_footprint_import_no_torch() -> None:
     """The planner and memory model (no torch) will compute grids and bytes with them."""
     code = (
-        "import sys, optimus_mllm.runtime.tp_modes.layout, optimus_mllm.tp_footprint,"
-        " optimus_mllm.tp_memory; print('torch' in sys.modules)"
+        "import sys, optimus_mllm.runtime.tp_modes.layout, optimus_mllm.costing.tp_footprint,"
+        " optimus_mllm.costing.tp_memory; print('torch' in sys.modules)"
     )
     assert (
         subprocess.run(

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from optimus_mllm.config import ClusterConfig, CostModelConfig, TransformerSpec
-from optimus_mllm.cost_model import (
+from optimus_mllm.costing.cost_model import (
     CostModel,
     KernelWork,
     LayerShape,

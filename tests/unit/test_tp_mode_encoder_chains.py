@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.planner import ParallelPlan
 from optimus_mllm.runtime.encoder_ops import build_stage_ops
 from optimus_mllm.runtime.tp_modes.groups import build_grid_groups

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.bubble_scheduler import Schedule, best_schedule
 from optimus_mllm.scheduler.plot import draw_schedule

@@ -112,7 +112,7 @@ SUMMA_PP2 = ["cluster.num_gpus=8", "cluster.gpus_per_node=8", "parallel.llm={dp:
 def test_the_planner_offers_no_baseline_the_runtime_refuses_for_a_2d_encoder():
     """The balanced baseline splits 1d layers only: the planner must not name it as the faster run
     (optimus-train would then run it, and refuse the encoder's mode)."""
-    from optimus_mllm.cost_model import CostModel
+    from optimus_mllm.costing.cost_model import CostModel
     from optimus_mllm.planner import plan
     from optimus_mllm.scheduler.baselines import runnable_baselines
 

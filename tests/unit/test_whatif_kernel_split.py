@@ -1,4 +1,4 @@
-"""scripts/whatif_kernel_split.py: the split it models, and that it runs end to end."""
+"""benchmarks/whatif_kernel_split.py: the split it models, and that it runs end to end."""
 
 import json
 import subprocess
@@ -36,7 +36,7 @@ def test_whatif_kernel_split_prints_and_writes_each_piece_size(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "whatif_kernel_split.py"),
+            str(REPO / "benchmarks" / "whatif_kernel_split.py"),
             "--only",
             "fig5_heavy",
             "--pieces",
@@ -77,7 +77,7 @@ def test_whatif_kernel_split_prints_and_writes_each_piece_size(tmp_path):
         ["--json", str(tmp_path / "missing" / "out.json")],
     ):
         bad = subprocess.run(
-            [sys.executable, str(REPO / "scripts" / "whatif_kernel_split.py"), *args],
+            [sys.executable, str(REPO / "benchmarks" / "whatif_kernel_split.py"), *args],
             capture_output=True,
             text=True,
             timeout=60,

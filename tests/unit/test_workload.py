@@ -9,7 +9,13 @@ import random
 import pytest
 
 from optimus_mllm.config import load_config
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.workload import (
+    EncoderWorkload,
+    WorkloadDistribution,
+    draw_iterations,
+    heaviest,
+)
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
@@ -17,12 +23,6 @@ from optimus_mllm.scheduler.bubble_scheduler import best_schedule, bubble_schedu
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.workload import (
-    EncoderWorkload,
-    WorkloadDistribution,
-    draw_iterations,
-    heaviest,
-)
 
 from support.paths import CONFIGS
 from support.validity import schedule_violations

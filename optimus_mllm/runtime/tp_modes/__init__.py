@@ -19,7 +19,7 @@
   refusal of the others.
 
 Built: the 2D and 3D transformer layers, and whole models in every mode; planned by the config,
-memory and cost models and the planner (``optimus_mllm/tp_footprint.py``, ``tp_memory.py``,
+memory and cost models and the planner (``optimus_mllm/costing/tp_footprint.py``, ``tp_memory.py``,
 ``cost_model.py``, outside the runtime so that the planner reads them without torch). Not built:
 the embedding and output layers partitioned the papers' way (``model``'s are replicated), and the
 runtime's LLM in these modes and its encoder in 3d (METP and 2D encoders train: ``runtime/vit``,

@@ -2,8 +2,8 @@
 
 ``cost_model.calibration`` names one. ``roofline`` (the default) keeps the config's own
 ``cost_model`` section and ``training.recompute``; any other name is a YAML file in
-``optimus_mllm/calibrations/`` (or a path to one) whose ``cost_model`` entries and ``recompute``
-replace the config's. ``paper`` is fitted to the Optimus paper's Tables 5 and 7 by
+``optimus_mllm/config/calibrations/`` (or a path to one) whose ``cost_model`` entries and
+``recompute`` replace the config's. ``paper`` is fitted to the Optimus paper's Tables 5 and 7 by
 ``scripts/fit_calibration.py``, which writes the file with its fit and residuals at the top; rerun
 it to reproduce the constants. A kernel profile measured by ``optimus-profile``
 (``cost_model.profile``) replaces both for every kernel it times.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from optimus_mllm.config.yaml_input import YAMLInputError, read_yaml_file
 from optimus_mllm.errors import ConfigError
-from optimus_mllm.yaml_input import YAMLInputError, read_yaml_file
 
 CALIBRATIONS = Path(__file__).resolve().parent / "calibrations"
 ROOFLINE = "roofline"

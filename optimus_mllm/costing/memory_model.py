@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus_mllm.config import OptimusConfig, Recompute, TPMode, TransformerSpec
-from optimus_mllm.tp_memory import layer_bytes
-from optimus_mllm.workload import max_images_per_microbatch
+from optimus_mllm.costing.tp_memory import layer_bytes
+from optimus_mllm.costing.workload import max_images_per_microbatch
 
 GIB = 1024**3
 

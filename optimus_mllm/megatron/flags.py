@@ -7,7 +7,7 @@ model is honoured (``HONOURED_FLAGS``) or refused in one line (``REFUSED_FLAGS``
 ``flag_schedule`` is the schedule the flag's value names: a saved artifact, checked against the
 job, or with ``auto`` the fastest made now. ``images_bound`` is the most images a microbatch
 holds, where the job's flags state it, which the schedule is planned for. ``optimus-plan --
-FLAGS``, the Megatron-LM seams (``megatron_lm_seams``) and the look-alike loop
+FLAGS``, the Megatron-LM seams (``optimus_mllm.megatron.seams``) and the look-alike loop
 (``megatron.train_vlm``) read a job through here.
 """
 
@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from optimus_mllm.config import OptimusConfig, config_from_dict
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.workload import max_images_per_microbatch
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_arguments import (
+from optimus_mllm.megatron.arguments import (
     validate_args,
 )
 from optimus_mllm.planner import plan
@@ -35,7 +36,6 @@ from optimus_mllm.scheduler.artifact import (
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.scheduler.baselines import runnable_baselines
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
-from optimus_mllm.workload import max_images_per_microbatch
 
 # Megatron-LM's optimizer flags that the training config takes under the same names
 _OPTIMIZER_ARGS = (
@@ -247,7 +247,7 @@ def config_from_megatron_args(
     """The Optimus config of a job described by Megatron-LM's arguments.
 
     ``args`` is a namespace as Megatron-LM's ``validate_args`` leaves it (Megatron-LM's own, or
-    ``megatron_arguments.validate_args``); one straight from ``parse_args`` (without
+    ``optimus_mllm.megatron.arguments.validate_args``); one straight from ``parse_args`` (without
     ``virtual_pipeline_model_parallel_size``) is validated here first, on a copy. The model flags
     are read as Megatron-LM's ``pretrain_vlm.py`` reads them: the LLM from the language flags with
     ``--decoder-num-layers`` layers when given (else ``--num-layers``), the vision model a copy of

@@ -1,7 +1,7 @@
 """METP against Megatron's 1D TP+SP in the project's memory model: the METP paper's experiments
 simulated, ours next to theirs (issue 37), and the same question for a ViT inside an Optimus plan.
 
-    python scripts/bench_tp_modes.py [--json OUT]
+    python benchmarks/bench_tp_modes.py [--json OUT]
 
 Four tables, no torch, no GPU:
 
@@ -60,26 +60,26 @@ from optimus_mllm.config import (
     TPMode,
     TransformerSpec,
 )
+from optimus_mllm.config.files import atomic_write_text
 from optimus_mllm.config.loader import config_from_dict
-from optimus_mllm.cost_model import (
+from optimus_mllm.costing.cost_model import (
     CostModel,
     LayerShape,
     Phase,
     group_bandwidth_gbps,
     overlap_rows_threshold,
 )
-from optimus_mllm.errors import ConfigError
-from optimus_mllm.io_utils import atomic_write_text
-from optimus_mllm.memory_model import (
+from optimus_mllm.costing.memory_model import (
     ACTIVATION_BYTES,
     GIB,
     MAIN_GRAD_BYTES,
     PARAM_BYTES,
     mode_layer_activation_bytes,
 )
-from optimus_mllm.metp_memory import paper_attention_ratio
+from optimus_mllm.costing.metp_memory import paper_attention_ratio
+from optimus_mllm.costing.tp_memory import layer_bytes
+from optimus_mllm.errors import ConfigError
 from optimus_mllm.planner import plan
-from optimus_mllm.tp_memory import layer_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 VIT_CONFIG = ROOT / "configs" / "metp_long_vision.yaml"

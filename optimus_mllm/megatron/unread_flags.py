@@ -2,7 +2,7 @@
 job's whole command line.
 
 A ``pretrain_vlm.py`` command line carries, besides the model, parallelism and batch flags that
-``optimus_mllm.megatron_arguments`` reads, flags for where the data and checkpoints are, which
+``optimus_mllm.megatron.arguments`` reads, flags for where the data and checkpoints are, which
 tokenizer reads the text, what is logged and where, and which fused kernels run. None of them
 changes the layers, the sequence, the batch or the parallel plan, so the planner may accept them
 without reading them; ``add_unread_flags`` adds them to a parser, and the command names the ones a
@@ -153,7 +153,7 @@ def add_unread_flags(
     one recorded, in the order given, in ``namespace.megatron_flags_not_read``.
 
     Args:
-        parser: a parser of Megatron-LM's flags (``megatron_arguments.build_parser``).
+        parser: a parser of Megatron-LM's flags (``optimus_mllm.megatron.arguments.build_parser``).
         flags: the flags to accept without reading.
 
     Returns:

@@ -1,6 +1,6 @@
 """Run one of Megatron-LM's own training scripts, unmodified, on a host without CUDA.
 
-    torchrun --nproc-per-node 4 -m optimus_mllm.megatron_lm_cpu \\
+    torchrun --nproc-per-node 4 -m optimus_mllm.megatron.cpu \\
         $MEGATRON_LM_DIR/pretrain_vlm.py --distributed-backend gloo --transformer-impl local ...
 
 installs the CPU patches for megatron-core and Megatron-LM's ``megatron.training``
@@ -22,7 +22,7 @@ from pathlib import Path
 from optimus_mllm.cli.common import quiet_library_warnings, run
 from optimus_mllm.errors import OptimusError
 
-_PROG = "optimus_mllm.megatron_lm_cpu"
+_PROG = "optimus_mllm.megatron.cpu"
 
 
 def _run_script(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """Wall time of optimus-train on CPU with a schedule per iteration against the artifact's one.
 
-    python scripts/bench_train_schedules.py [--iterations 20] [--repeats 2] [--nproc 4]
+    python benchmarks/bench_train_schedules.py [--iterations 20] [--repeats 2] [--nproc 4]
 
 Writes issue 34's sample webdataset (``make_sample_dataset.py --images-per-sample 0-4 --sizes
 16,32 --text-only 0.2``) to a temporary folder and trains ``configs/tiny.yaml`` on it under

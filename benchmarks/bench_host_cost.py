@@ -1,6 +1,6 @@
 """Host cost of the encoder's kernel-level ops, on the CPU: one microbatch through the executor.
 
-    python scripts/bench_host_cost.py [--config configs/tiny.yaml] [--num-layers N] [--repeats N]
+    python benchmarks/bench_host_cost.py [--config configs/tiny.yaml] [--num-layers N] [--repeats N]
         [--json OUT]
 
 The config's encoders as one stage (DP1 PP1 TP1, one process, gloo) run one microbatch's forward and
@@ -41,7 +41,7 @@ import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus_mllm.config import OptimusConfig, config_from_dict
-from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.config.files import atomic_write_text
 from optimus_mllm.planner import plan
 from optimus_mllm.runtime.dropout import microbatch_seed
 from optimus_mllm.runtime.executor import EncoderExecutor, Mailbox

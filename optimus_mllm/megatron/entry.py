@@ -6,15 +6,15 @@ provider and takes ``pretrain`` from here in place of Megatron's::
     from optimus_mllm.megatron import pretrain  # adds --optimus-schedule auto|PLAN_JSON
 
 Where Megatron-LM's ``megatron.training`` is importable, this is Megatron-LM's own ``pretrain``
-(``megatron_lm``), Optimus entering through its seams (``megatron_lm_seams``). Where it is not (the
-megatron-core wheel alone), a script written against ``megatron_training`` trains in the project's
-own loop (``train_vlm``): without the flag the vision model runs in the first pipeline stage's
-forward; with it, the encoder gets the schedule's own plan, starting from the weights the user's
-provider made, and its kernels run at the schedule's hook points inside megatron-core's schedule
-(``runtime.user_model``). ``scripts/pretrain_vlm_megatron.py`` is such a script. Either way the
-job's Megatron-LM flags make the Optimus config (``megatron_flags``): each flag that shapes the
-model is honoured or refused in one line, and a saved schedule made for another job is refused
-with the reason.
+(``optimus_mllm.megatron.lm``), Optimus entering through its seams
+(``optimus_mllm.megatron.seams``). Where it is not (the megatron-core wheel alone), a script written
+against ``optimus_mllm.megatron.core_training`` trains in the project's own loop (``train_vlm``):
+without the flag the vision model runs in the first pipeline stage's forward; with it, the encoder
+gets the schedule's own plan, starting from the weights the user's provider made, and its kernels
+run at the schedule's hook points inside megatron-core's schedule (``runtime.user_model``).
+``scripts/pretrain_vlm_megatron.py`` is such a script. Either way the job's Megatron-LM flags make
+the Optimus config (``optimus_mllm.megatron.flags``): each flag that shapes the model is honoured or
+refused in one line, and a saved schedule made for another job is refused with the reason.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from typing import Any
 
 from optimus_mllm.cli.common import quiet_library_warnings
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_arguments import (
+from optimus_mllm.megatron.arguments import (
     ExtraArgsProvider,
     add_optimus_args,
     parse_args,
     set_args,
     validate_args,
 )
-from optimus_mllm.megatron_flags import config_from_megatron_args, runtime_for_args
+from optimus_mllm.megatron.flags import config_from_megatron_args, runtime_for_args
 from optimus_mllm.planner import plan
 
 
@@ -53,13 +53,13 @@ def pretrain(
     """Megatron-LM's ``pretrain()`` with ``--optimus-schedule``: what a script imports in its place.
 
     Where Megatron-LM's ``megatron.training`` is importable, it is Megatron-LM's own ``pretrain``
-    with the flag added (``optimus_mllm.megatron_lm``), same signature and arguments. Where it is
+    with the flag added (``optimus_mllm.megatron.lm``), same signature and arguments. Where it is
     not (the megatron-core wheel alone), a script written against this project's stand-in
-    (``optimus_mllm.megatron_training``) trains in the project's loop (``train_vlm``); Megatron-LM's
-    own arguments there (``args_defaults``, the embedding ranks, ...) say in one line that
-    ``megatron.training`` cannot be imported.
+    (``optimus_mllm.megatron.core_training``) trains in the project's loop (``train_vlm``);
+    Megatron-LM's own arguments there (``args_defaults``, the embedding ranks, ...) say in one line
+    that ``megatron.training`` cannot be imported.
     """
-    from optimus_mllm import megatron_lm
+    from optimus_mllm.megatron import lm as megatron_lm
 
     if megatron_lm.megatron_training_importable():
         return megatron_lm.pretrain(
@@ -114,8 +114,8 @@ def train_vlm(
     read in Megatron-LM's pretraining-sampler order), a ``model_provider(pre_process, post_process,
     vp_stage)`` building megatron-core's LLaVA layout (``runtime.user_model``), the model type
     (``ModelType.encoder_or_decoder``) and ``forward_step(data_iterator, model)``. It parses
-    Megatron-LM's flags (``megatron_arguments``) plus ``--optimus-schedule`` and the script's own,
-    sets up ``torch.distributed`` and megatron-core's ``parallel_state``, and trains
+    Megatron-LM's flags (``optimus_mllm.megatron.arguments``) plus ``--optimus-schedule`` and the
+    script's own, sets up ``torch.distributed`` and megatron-core's ``parallel_state``, and trains
     ``--train-iters`` steps with megatron-core's DDP, optimizer and pipeline schedule, logging
     Megatron-LM's ``lm loss`` and its ``forward-compute`` / ``backward-compute`` timers. Without the
     flag the encoder runs in the first pipeline stage, as built; with it, under the schedule's own

@@ -1,6 +1,6 @@
 """GPU benchmark of the Optimus runtime's device path, on one GPU, in one run.
 
-    python scripts/bench_gpu.py [--config configs/gpu_single.yaml] [--json OUT] [--peak-tflops T]
+    python benchmarks/bench_gpu.py [--config configs/gpu_single.yaml] [--json OUT] [--peak-tflops T]
     [--steps N]
 
 1. kernel-level ops: the encoder's forward+backward as the runtime's kernel-sized ops vs the same
@@ -13,8 +13,8 @@
    encoder ops' time hidden (target >= 80 %), and the slowdown those ops cause to LLM-shaped GEMMs
    running alongside;
 3. one bubble: the encoder ops that the schedule artifact places at one hook point, predicted by the
-   roofline cost model and by a kernel profile measured here (``optimus_mllm.profiler``) vs their
-   measured time, batched as the executor runs them (target within 10 % with the profile);
+   roofline cost model and by a kernel profile measured here (``optimus_mllm.tools.profiler``) vs
+   their measured time, batched as the executor runs them (target within 10 % with the profile);
 4. a training step (ViT + GPT on this GPU, world of 1) with the Optimus runtime and the
    Megatron-style baseline: step time and MFU (target >= 40 %; Optimus no more than 2 % slower,
    there being no bubbles to fill on one GPU). Each mode trains in a process of its own
@@ -47,17 +47,16 @@ from typing import Any
 import torch
 
 from optimus_mllm.config import OptimusConfig, load_config
-from optimus_mllm.cost_model import CostModel, load_profile
+from optimus_mllm.config.files import atomic_write_bytes, atomic_write_text
+from optimus_mllm.costing.cost_model import CostModel, load_profile
+from optimus_mllm.costing.memory_model import GIB
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.gpu_status import warn_unverified
-from optimus_mllm.io_utils import atomic_write_bytes, atomic_write_text
-from optimus_mllm.memory_model import GIB
 from optimus_mllm.planner import plan
 from optimus_mllm.planner.planner import PlannerResult
-from optimus_mllm.profiler import cuda_timer, median_us, profile_kernels, write_profile
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.encoder_ops import WHOLE, MicrobatchRun, build_stage_ops
 from optimus_mllm.runtime.executor import op_batches
+from optimus_mllm.runtime.gpu_status import warn_unverified
 from optimus_mllm.runtime.hook_plan import build_hook_plan
 from optimus_mllm.runtime.streams import SideStream
 from optimus_mllm.runtime.trainer import Trainer
@@ -66,6 +65,7 @@ from optimus_mllm.scheduler.artifact import schedule_job_artifact
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 from optimus_mllm.scheduler.metrics import model_flops_per_iteration
+from optimus_mllm.tools.profiler import cuda_timer, median_us, profile_kernels, write_profile
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -755,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    warn_unverified("scripts/bench_gpu.py")
+    warn_unverified("benchmarks/bench_gpu.py")
     try:
         config = load_config(args.config)
         if config.cluster.num_gpus != 1:

@@ -1,8 +1,8 @@
 """Paper-scale benchmark of the bubble scheduler, side by side with the Optimus paper's figures.
 
-    python scripts/bench_scheduler.py [--calibration NAME] [--json OUT] [--profile PROFILE ...]
+    python benchmarks/bench_scheduler.py [--calibration NAME] [--json OUT] [--profile PROFILE ...]
         [--only NAME ...]
-    python scripts/bench_scheduler.py --scaling [GPUS ...] [--repeat N] [--json OUT]
+    python benchmarks/bench_scheduler.py --scaling [GPUS ...] [--repeat N] [--json OUT]
 
 For every setup in configs/paper/, under the cost model's calibration (``--calibration``: roofline,
 the default; paper, fitted to Tables 5 and 7 by scripts/fit_calibration.py; or a calibration file),
@@ -42,11 +42,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from optimus_mllm.calibration import ROOFLINE
 from optimus_mllm.config import OptimusConfig, load_config
-from optimus_mllm.cost_model import CostModel, LayerShape, MeasuredKernel, read_profile
+from optimus_mllm.config.calibration import ROOFLINE
+from optimus_mllm.config.files import atomic_write_text
+from optimus_mllm.costing.cost_model import CostModel, LayerShape, MeasuredKernel, read_profile
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.planner import ParallelPlan, PlannerResult, plan
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
@@ -579,7 +579,7 @@ def run_measured(
     name: str, config: OptimusConfig, profiles: list[MeasuredKernel]
 ) -> Measured | None:
     """The setup with the profiles' entries that match its kernels, or None when none does."""
-    from optimus_mllm.profiler import matching_profile
+    from optimus_mllm.tools.profiler import matching_profile
 
     table, needed = matching_profile(config, profiles)
     return Measured(run_setup(name, config, table), len(table), needed) if table else None

@@ -27,9 +27,9 @@ from optimus_mllm.config import (
     TPMode,
     TransformerSpec,
 )
+from optimus_mllm.config.files import read_versioned_json
+from optimus_mllm.costing.tp_memory import mode_degree
 from optimus_mllm.errors import ConfigError, OptimusError
-from optimus_mllm.io_utils import read_versioned_json
-from optimus_mllm.tp_memory import mode_degree
 
 Phase = Literal["fwd", "bwd"]
 KernelClass = Literal["gemm", "attention", "memory", "comm"]

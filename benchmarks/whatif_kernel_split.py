@@ -1,8 +1,8 @@
 """What-if: encoder kernels whole, in equal pieces, or cut to fit the bubbles they go into. What
 does each buy?
 
-    python scripts/whatif_kernel_split.py [--pieces US ...] [--only CASE ...] [--calibration NAME]
-        [--json OUT]
+    python benchmarks/whatif_kernel_split.py [--pieces US ...] [--only CASE ...]
+        [--calibration NAME] [--json OUT]
 
 The bubble scheduler cuts a kernel the runtime can split (a transformer layer's compute kernel) to
 fit the bubble it goes into (``scheduler/fine.py``), each piece priced by its shape: whole blocks
@@ -33,9 +33,9 @@ from typing import Literal
 from unittest import mock
 
 from optimus_mllm.config import OptimusConfig, load_config
-from optimus_mllm.cost_model import CostModel
+from optimus_mllm.config.files import atomic_write_text
+from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler import bubble_scheduler
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline

@@ -1,6 +1,6 @@
 """Which GPU code paths have run on a GPU: until one has, it warns once per process.
 
-The CUDA side stream, training on GPUs, ``optimus-profile``, ``scripts/bench_gpu.py`` and METP's
+The CUDA side stream, training on GPUs, ``optimus-profile``, ``benchmarks/bench_gpu.py`` and METP's
 P2P side stream are written and tested on CPU. ``VERIFIED`` names, for each path a
 ``scripts/gpu_truth.sh`` run has checked, that run; every other path tells its users, on one stderr
 line, that the numbers they get come from code no GPU has run yet.
@@ -19,7 +19,7 @@ VERIFIED: dict[str, str] = {
     # bench_gpu row 4: seven steps' losses equal the baseline's to bf16 rounding
     "training on one GPU": _H100_RUN,
     "optimus-profile": _H100_RUN,
-    "scripts/bench_gpu.py": _H100_RUN,
+    "benchmarks/bench_gpu.py": _H100_RUN,
     # not yet: "training on several GPUs" (NCCL) and "METP's P2P side stream" need several GPUs
 }
 _warned: set[str] = set()

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimus_mllm.config import TPMode, TransformerSpec
-from optimus_mllm.metp_memory import metp_layer_parameters, metp_layer_saved
-from optimus_mllm.tp_footprint import (
+from optimus_mllm.costing.metp_memory import metp_layer_parameters, metp_layer_saved
+from optimus_mllm.costing.tp_footprint import (
     LayerShape,
     activation_bytes_1d,
     activation_bytes_2d,

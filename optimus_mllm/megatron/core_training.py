@@ -1,6 +1,6 @@
 """What a Megatron-LM pretrain script imports from ``megatron.training``, which the megatron-core
 wheel does not ship: its flags (``parse_args`` with an ``extra_args_provider``, ``get_args``, from
-``megatron_arguments``), the language model's ``TransformerConfig`` from them
+``optimus_mllm.megatron.arguments``), the language model's ``TransformerConfig`` from them
 (``core_transformer_config_from_args``), and ``pretrain()``, which trains Megatron-style
 (``optimus_mllm.megatron.pretrain`` is the same loop with ``--optimus-schedule``).
 """
@@ -23,14 +23,14 @@ quiet_library_warnings(torch.cuda.is_available())
 # after the warnings
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
-from optimus_mllm.megatron import train_vlm  # noqa: E402
-from optimus_mllm.megatron_arguments import (  # noqa: E402
+from optimus_mllm.megatron.arguments import (  # noqa: E402
     ExtraArgsProvider,
     build_parser,
     get_args,
     parse_args,
 )
-from optimus_mllm.megatron_flags import config_from_megatron_args  # noqa: E402
+from optimus_mllm.megatron.entry import train_vlm  # noqa: E402
+from optimus_mllm.megatron.flags import config_from_megatron_args  # noqa: E402
 from optimus_mllm.runtime.llm import transformer_config  # noqa: E402
 
 __all__ = [

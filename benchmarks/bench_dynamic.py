@@ -1,6 +1,6 @@
 """Variable images per iteration: a static bubble schedule against one rebuilt for every iteration.
 
-    python scripts/bench_dynamic.py [--iterations N] [--configs NAME ...] [--json OUT]
+    python benchmarks/bench_dynamic.py [--iterations N] [--configs NAME ...] [--json OUT]
 
 Draws ``--iterations`` iterations (100 by default, seed 0) from a skewed image distribution, 0-8
 images per sample (``IMAGES_PER_SAMPLE``, mean 1.9), each image of 64, 144 or 256 patch tokens
@@ -47,8 +47,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optimus_mllm.config import OptimusConfig, load_config
-from optimus_mllm.cost_model import CostModel
-from optimus_mllm.io_utils import atomic_write_text
+from optimus_mllm.config.files import atomic_write_text
+from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.workload import (
+    EncoderWorkload,
+    IterationWorkload,
+    WorkloadDistribution,
+    draw_iterations,
+)
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.planner import EncoderPlanCandidate
 from optimus_mllm.scheduler.baselines import (
@@ -62,12 +68,6 @@ from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 from optimus_mllm.scheduler.expected import rank_by_expected_time
 from optimus_mllm.scheduler.fine import LLMBubbles
 from optimus_mllm.scheduler.per_iteration import IterationSchedule, IterationScheduler
-from optimus_mllm.workload import (
-    EncoderWorkload,
-    IterationWorkload,
-    WorkloadDistribution,
-    draw_iterations,
-)
 
 PAPER_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "paper"
 CONFIGS = ("fig5_8gpu", "strong_1536")
@@ -85,7 +85,7 @@ IMAGES_PER_SAMPLE = {
 }
 TOKENS_PER_IMAGE = {64: 0.3, 144: 0.3, 256: 0.4}
 MAX_IMAGES_PER_SAMPLE = max(IMAGES_PER_SAMPLE)
-# strong_1536 in ViT-22B's own 256-token reading (scripts/bench_scheduler.py's second reading)
+# strong_1536 in ViT-22B's own 256-token reading (benchmarks/bench_scheduler.py's second reading)
 READINGS = {
     "strong_1536": ("model.encoders.0.seq_length=256", "model.encoders.0.projector.spatial_merge=1")
 }

@@ -6,12 +6,12 @@ A Megatron-LM script (``pretrain_vlm.py``) opts in with one line after its impor
 
 and keeps every argument of its ``pretrain(...)`` call. This ``pretrain`` is Megatron-LM's, called
 with the same arguments; the only difference is that the script's ``extra_args_provider`` is chained
-after one that adds ``--optimus-schedule`` (``optimus_mllm.megatron_arguments.add_optimus_args``),
+after one that adds ``--optimus-schedule`` (``optimus_mllm.megatron.arguments.add_optimus_args``),
 so Megatron's argument parsing, ``initialize_megatron``, ``get_model``, optimizer, train and eval
 loops, ``--save``/``--load`` and logging are the job's own. Without the flag nothing else changes.
 
 With ``--optimus-schedule auto`` (or a saved artifact's path) Optimus enters through Megatron's
-seams only (``optimus_mllm.megatron_lm_seams``): the ``model_provider`` it is given, its optimizer,
+seams only (``optimus_mllm.megatron.seams``): the ``model_provider`` it is given, its optimizer,
 its pipeline schedule and its checkpoint calls. A problem with the job found at start-up is one
 line and exit code 2 on every rank.
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_arguments import add_optimus_args
+from optimus_mllm.megatron.arguments import add_optimus_args
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -51,7 +51,7 @@ def not_importable_error() -> OptimusError:
         "megatron.training cannot be imported: it is Megatron-LM's (a checkout at tag "
         f"{MEGATRON_LM_TAG} for this megatron-core), not in the megatron-core wheel; run the "
         "script from the checkout or with it on PYTHONPATH, on a host without CUDA through "
-        "python -m optimus_mllm.megatron_lm_cpu SCRIPT ARGS; without Megatron-LM, optimus-train "
+        "python -m optimus_mllm.megatron.cpu SCRIPT ARGS; without Megatron-LM, optimus-train "
         "trains from a YAML config"
     )
 
@@ -98,7 +98,7 @@ def pretrain(
     from megatron.training import get_args, training
 
     from megatron_patches.training_seams import training_seams
-    from optimus_mllm.megatron_lm_seams import OptimusInMegatron
+    from optimus_mllm.megatron.seams import OptimusInMegatron
     from optimus_mllm.scheduler.artifact import load_artifact
 
     schedule = _optimus_schedule_given(sys.argv[1:])

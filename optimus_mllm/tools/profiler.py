@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from optimus_mllm.config import OptimusConfig, TransformerSpec, encoder_tp_problem
-from optimus_mllm.cost_model import (
+from optimus_mllm.config.files import atomic_write_text
+from optimus_mllm.costing.cost_model import (
     KERNEL_SET,
     PROFILE_FORMAT,
     PROFILE_VERSION,
@@ -40,7 +41,6 @@ from optimus_mllm.cost_model import (
     Phase,
 )
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.io_utils import atomic_write_text
 from optimus_mllm.planner import ParallelPlan, PlannerResult, plan
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 from optimus_mllm.scheduler.llm_costs import LLM, llm_op_work
@@ -244,7 +244,8 @@ def _layer_op(
     }
     if name not in ops:
         raise OptimusError(
-            f"profiler: no torch op for kernel '{name}'; teach optimus_mllm/profiler.py its shape"
+            f"profiler: no torch op for kernel '{name}'; teach optimus_mllm/tools/profiler.py its "
+            "shape"
         )
     return ops[name]
 

@@ -33,16 +33,16 @@ names of ``megatron.training.training`` (``megatron_patches.training_seams``):
   in the chained layout are marked ``OPTIMIZER_MARK``.
 
 Image counts. The schedule is planned for the most images a microbatch holds: what the job's flags
-state (``megatron_flags.images_bound``: tiles, thumbnail and frames times the micro batch), else the
-saved schedule's ``data.max_images_per_microbatch``, else one image a sample. Each step every
-microbatch runs the images its batch holds, 0 up to that maximum, under the one static schedule: a
-microbatch without images has no encoder op and no message, and the user's forward gets that
-microbatch's image tokens where it calls ``vision_model`` (it does not call it without images, as
-LLaVA does not). The counts of every microbatch of the job are agreed by every rank before the
+state (``optimus_mllm.megatron.flags.images_bound``: tiles, thumbnail and frames times the micro
+batch), else the saved schedule's ``data.max_images_per_microbatch``, else one image a sample. Each
+step every microbatch runs the images its batch holds, 0 up to that maximum, under the one static
+schedule: a microbatch without images has no encoder op and no message, and the user's forward gets
+that microbatch's image tokens where it calls ``vision_model`` (it does not call it without images,
+as LLaVA does not). The counts of every microbatch of the job are agreed by every rank before the
 step (one all-reduce), so that a microbatch above the maximum is the same one-line refusal on every
 rank instead of a hang.
 
-Without ``--optimus-schedule`` none of this is installed (``megatron_lm.pretrain``).
+Without ``--optimus-schedule`` none of this is installed (``optimus_mllm.megatron.lm.pretrain``).
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ from megatron_patches.ddp import average_over
 from megatron_patches.hooks import tp_collective_hook, warmup_override
 from megatron_patches.p2p import ChannelP2PCommunicator
 from optimus_mllm.config import EncoderConfig, OptimusConfig
+from optimus_mllm.costing.workload import max_images_per_microbatch
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.megatron_flags import (
+from optimus_mllm.megatron.flags import (
     ImagesBound,
     bound_line,
     bound_source,
@@ -129,7 +130,6 @@ from optimus_mllm.runtime.user_model import (
 )
 from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
-from optimus_mllm.workload import max_images_per_microbatch
 
 # in a checkpoint folder that an earlier version saved with the flag and the distributed optimizer:
 # its optimizer state is the chained optimizer's, which this version does not resume

@@ -7,7 +7,7 @@ back. ``optimus_mllm.megatron`` says what each model flag becomes, or why it is 
 ``tests/unit/test_plan_megatron_flags.py`` checks the two against Megatron-LM's own where a
 checkout is at hand.
 
-Both ``pretrain``s parse here: Megatron-style (``megatron_training``) and with
+Both ``pretrain``s parse here: Megatron-style (``optimus_mllm.megatron.core_training``) and with
 ``--optimus-schedule`` (``optimus_mllm.megatron``).
 """
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from optimus_mllm.io_utils import read_regular_file
+from optimus_mllm.config.files import read_regular_file
 
 MAX_FILE_BYTES = 1 << 20  # a config is a few KB; /dev/zero or a dataset named by mistake is not one
 MAX_DEPTH = 32  # a config nests four levels
