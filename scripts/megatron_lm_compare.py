@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -217,6 +218,97 @@ def resume_across_the_flag(one_line: Path, args: Sequence[str], folder: Path) ->
             one_line, 4, [*args, "--load", str(flagged), "--ckpt-step", "2"]
         ),
     }
+
+
+# a checkpoint's entries that differ by design between two runs of the same numbers: the command
+# line (--optimus-schedule, the folders) and the random generators' states
+UNCOMPARED = frozenset({"args", "rng_state"})
+
+
+def state_differences(first: Any, second: Any, rel: float = 1e-4, where: str = "") -> list[str]:
+    """Where two loaded checkpoint states differ: the same nested keys, tensors of the same dtype
+    and shape within ``rel`` of the first's largest magnitude, other values equal (floats within
+    ``rel``); the ``UNCOMPARED`` entries left out. Empty where they agree."""
+    import torch
+
+    if isinstance(first, dict) and isinstance(second, dict):
+        keys, other_keys = ([k for k in d if k not in UNCOMPARED] for d in (first, second))
+        if sorted(map(repr, keys)) != sorted(map(repr, other_keys)):
+            return [
+                f"{where or '/'}: keys {sorted(map(repr, keys))} vs {sorted(map(repr, other_keys))}"
+            ]
+        return [
+            d for k in keys for d in state_differences(first[k], second[k], rel, f"{where}/{k}")
+        ]
+    if isinstance(first, (list, tuple)) and isinstance(second, (list, tuple)):
+        if len(first) != len(second):
+            return [f"{where}: {len(first)} entries vs {len(second)}"]
+        pairs = enumerate(zip(first, second))
+        return [d for i, (a, b) in pairs for d in state_differences(a, b, rel, f"{where}/{i}")]
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+        return _tensor_differences(first, second, rel, where)
+    if isinstance(first, float) and isinstance(second, float):
+        return [] if math.isclose(first, second, rel_tol=rel) else [f"{where}: {first} vs {second}"]
+    return [] if first == second else [f"{where}: {first!r} vs {second!r}"]
+
+
+def _tensor_differences(first: Any, second: Any, rel: float, where: str) -> list[str]:
+    if (first.dtype, first.shape) != (second.dtype, second.shape):
+        return [
+            f"{where}: {first.dtype} {list(first.shape)} vs {second.dtype} {list(second.shape)}"
+        ]
+    if first.numel() == 0:
+        return []
+    a, b = first.double(), second.double()
+    error, largest = float((a - b).abs().max()), float(a.abs().max())
+    if error > rel * max(largest, 1e-12):
+        return [f"{where}: differs by {error:.3g} (largest magnitude {largest:.3g})"]
+    return []
+
+
+def checkpoint_differences(first: Path, second: Path, rel: float = 1e-4) -> list[str]:
+    """Where two Megatron-LM checkpoint folders (``iter_NNNNNNN``) differ: the same files, each's
+    loaded state as ``state_differences`` compares them."""
+    import torch
+
+    names = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file())
+    others = sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file())
+    if names != others:
+        return [f"files {names} vs {others}"]
+    return [
+        d
+        for name in names
+        for d in state_differences(
+            torch.load(first / name, weights_only=False),
+            torch.load(second / name, weights_only=False),
+            rel,
+            name,
+        )
+    ]
+
+
+def distributed_optimizer_checkpoints(
+    one_line: Path, args: Sequence[str], folder: Path
+) -> dict[str, Run]:
+    """--use-distributed-optimizer checkpoints across the flag: the one-line script trained to
+    iteration 4 without and with the flag, saving there (``folder``/saved-without, saved-with),
+    then each checkpoint resumed to 6 without and with it: six launches, titled."""
+    args = [*args, "--use-distributed-optimizer", "--train-iters", "6"]
+    at_4 = ("--save-interval", "4", "--exit-interval", "4")
+    saved = {"without": folder / "saved-without", "with": folder / "saved-with"}
+    flags = {"without": (), "with": AUTO}
+    runs = {
+        f"{way} the flag, saved at 4": run_megatron_script(
+            one_line, 4, [*args, "--save", str(saved[way]), *at_4, *flags[way]]
+        )
+        for way in saved
+    }
+    for source in saved:
+        for way in flags:
+            runs[f"saved {source} the flag, resumed {way} it"] = run_megatron_script(
+                one_line, 4, [*args, "--load", str(saved[source]), *flags[way]]
+            )
+    return runs
 
 
 def main(argv: Sequence[str] | None = None) -> int:

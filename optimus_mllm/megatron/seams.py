@@ -26,11 +26,11 @@ names of ``megatron.training.training`` (``megatron_patches.training_seams``):
   Megatron saves and loads the optimizer state through its own optimizer over those chunks, built
   for the save or load and filled from (or into) the chained one (``runtime.plain_optimizer``), so
   a checkpoint is laid out as one saved without the flag and resumes either way. The distributed
-  optimizer's state is refused at start-up, saved or resumed
-  (``refuse_distributed_optimizer_state``): it shards by the chunks' DDP buffers, which hold no
-  vision parameter under the flag, so the flag cannot yet write it in Megatron-LM's layout; its
-  weights still save and load (--no-save-optim, --no-load-optim). Checkpoints that earlier
-  versions saved in the chained layout are marked ``OPTIMIZER_MARK``.
+  optimizer's state (``--ckpt-format torch``: each rank's ``distrib_optim.pt``) goes the same way
+  through the run without the flag's distributed optimizer, built over stand-ins of the chunks'
+  parameters (``runtime.plain_distributed_optimizer``); other formats of it are refused at
+  start-up (``refuse_distributed_optimizer_checkpoints``). Checkpoints that earlier versions saved
+  in the chained layout are marked ``OPTIMIZER_MARK``.
 
 Image counts. The schedule is planned for the most images a microbatch holds: what the job's flags
 state (``optimus_mllm.megatron.flags.images_bound``: tiles, thumbnail and frames times the micro
@@ -108,6 +108,12 @@ from optimus_mllm.runtime.optimus_encoder import (
     user_vision_spec,
     with_user_projector,
     with_user_vision,
+)
+from optimus_mllm.runtime.plain_distributed_optimizer import (
+    CheckpointOptimizer,
+    chained_into_plain_distributed,
+    plain_distributed_into_chained,
+    plain_distributed_optimizer,
 )
 from optimus_mllm.runtime.plain_optimizer import (
     chained_into_plain,
@@ -191,7 +197,7 @@ class OptimusInMegatron:
 
     def _start(self) -> _Job | None:
         args = self.get_args()
-        refuse_distributed_optimizer_state(args)
+        refuse_distributed_optimizer_checkpoints(args)
         world_size = dist.get_world_size()
         config = config_from_megatron_args(
             args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -272,9 +278,14 @@ class OptimusInMegatron:
                 )
                 average_over(job.encoder_ddp, parallel_state.get_data_parallel_world_size())
             job.stream.finish()
+
+            def over(chunks: list[Any]) -> MegatronOptimizer:
+                return original(config, chunks, *args, **kwargs)
+
+            distributed = self.get_args().use_distributed_optimizer
             job.plain_optimizer = partial(
-                plain_optimizer,
-                partial(original, config, model_chunks, *args, **kwargs),
+                plain_distributed_optimizer if distributed else plain_optimizer,
+                over,
                 model_chunks,
             )
             return chain_encoder_optimizer(
@@ -495,10 +506,6 @@ class OptimusInMegatron:
             )
             yield
 
-    def _plain_layout(self, optimizer: Any) -> bool:
-        """Whether the checkpoint's optimizer state goes through Megatron's own optimizer."""
-        return optimizer is not None and not self.get_args().use_distributed_optimizer
-
     def _vision_states(self, job: _Job) -> tuple[Callable[[], Any], Callable[[], Any]]:
         """The encoder stage's and the user's vision modules' sharded state dicts, built anew on
         each call (the vision modules in place)."""
@@ -518,14 +525,19 @@ class OptimusInMegatron:
             if job is None:
                 return original(iteration, model, optimizer, *rest, **kwargs)
             args = self.get_args()
+            _encoder_params_gathered(job)
             with self._user_vision_restored(job):
-                if self._plain_layout(optimizer) and not args.no_save_optim:
-                    assert job.plain_optimizer is not None, "the optimizer seam sets it"
-                    plain = job.plain_optimizer()
-                    chained_into_plain(optimizer, plain, *self._vision_states(job))
-                    return original(iteration, model, plain, *rest, **kwargs)
-                # the weights alone: a distributed optimizer's state is refused at start-up
-                return original(iteration, model, optimizer, *rest, **kwargs)
+                if optimizer is None or args.no_save_optim:
+                    return original(iteration, model, optimizer, *rest, **kwargs)
+                assert job.plain_optimizer is not None, "the optimizer seam sets it"
+                plain = job.plain_optimizer()
+                into_plain = (
+                    chained_into_plain_distributed
+                    if args.use_distributed_optimizer
+                    else chained_into_plain
+                )
+                into_plain(optimizer, plain, *self._vision_states(job))
+                return original(iteration, model, plain, *rest, **kwargs)
 
         return save_checkpoint
 
@@ -538,19 +550,22 @@ class OptimusInMegatron:
             encoder, vision = self._vision_states(job)
             with self._user_vision_restored(job):
                 plain = None
-                if self._plain_layout(optimizer):
+                if optimizer is not None:
                     assert job.plain_optimizer is not None, "the optimizer seam sets it"
                     plain = job.plain_optimizer()
                 loaded = original(model, optimizer if plain is None else plain, *args, **kwargs)
                 copy_sharded_state(
                     vision(), encoder(), "the checkpoint's vision model -> the Optimus encoder"
                 )
-                if plain is not None:
-                    # also where nothing was loaded: the plain optimizer's main parameters are
-                    # then the weights just loaded (Megatron's reload_model_params)
-                    plain_into_chained(plain, optimizer, vision, encoder)
-                elif optimizer is not None:
-                    # the distributed optimizer's state is never loaded under the flag: its main
+                if not isinstance(plain, CheckpointOptimizer):
+                    if plain is not None:
+                        # also where nothing was loaded: the plain optimizer's main parameters
+                        # are then the weights just loaded (Megatron's reload_model_params)
+                        plain_into_chained(plain, optimizer, vision, encoder)
+                elif plain.loaded:
+                    plain_distributed_into_chained(plain, optimizer, vision, encoder)
+                else:
+                    # no state loaded (--no-load-optim, --finetune, nothing saved yet): the main
                     # parameters (--bf16/--fp16) start from the weights, the encoder's just copied
                     optimizer.reload_model_params()
             return loaded
@@ -564,30 +579,37 @@ def _iteration_folder(checkpoints: str, iteration: str) -> Path:
     return Path(checkpoints, name)
 
 
-def refuse_distributed_optimizer_state(args: argparse.Namespace) -> None:
-    """Refuse, before the first step, a job that would save a distributed optimizer's state under
-    the flag: Megatron-LM's distributed optimizer shards its state by the chunks' DDP buffers,
-    which hold no vision parameter under the flag, so the state the flag holds is the chained
-    optimizer's (an LLM part and an encoder part), which no run without the flag can read, and
-    which Megatron-LM core_v0.16.1's own resume fails on here. Weights alone save and load either
-    way; resuming such a state is refused where the checkpoint is read
-    (``_check_optimizer_layout``)."""
-    if not args.use_distributed_optimizer or args.no_save_optim:
+def refuse_distributed_optimizer_checkpoints(args: argparse.Namespace) -> None:
+    """Refuse, before the first step, a distributed optimizer's state that the flag would save or
+    resume in a format other than ``--ckpt-format torch``: it writes and reads Megatron-LM's
+    ``distrib_optim.pt`` through the run without the flag's optimizer over stand-ins of the chunks'
+    parameters, which the other formats (sharded by the model's own parameters) cannot name.
+    Non-persistent checkpoints are always of another format. The weights alone save and load
+    either way (--no-save-optim, --no-load-optim)."""
+    if not args.use_distributed_optimizer:
         return
-    if getattr(args, "save", None) or getattr(args, "non_persistent_save_interval", None):
+    saves = not args.no_save_optim and (
+        getattr(args, "save", None) or getattr(args, "non_persistent_save_interval", None)
+    )
+    loads = not args.no_load_optim and getattr(args, "load", None)
+    ckpt_format = getattr(args, "ckpt_format", "torch")
+    if getattr(args, "non_persistent_save_interval", None) and saves:
+        ckpt_format = getattr(args, "non_persistent_ckpt_type", None) or "non-persistent"
+    if (saves or loads) and ckpt_format != "torch":
         raise OptimusError(
-            "--optimus-schedule with --use-distributed-optimizer and --save: the flag cannot yet "
-            "save the distributed optimizer's state in Megatron-LM's layout (a run without the "
-            "flag could not resume it); drop --use-distributed-optimizer (the flag saves the "
-            "other optimizers' state in Megatron-LM's layout), or add --no-save-optim to save "
-            "the weights alone"
+            f"--optimus-schedule with --use-distributed-optimizer and --ckpt-format {ckpt_format}: "
+            "the flag saves and resumes the distributed optimizer's state in Megatron-LM's "
+            "--ckpt-format torch layout only; use --ckpt-format torch (no "
+            "--non-persistent-save-interval), or add --no-save-optim / --no-load-optim to save "
+            "and load the weights alone"
         )
 
 
 def _check_optimizer_layout(args: argparse.Namespace, load_arg: str) -> None:
-    """Refuse an optimizer state this job cannot resume: under the flag, any distributed
-    optimizer's state (``refuse_distributed_optimizer_state``), and the chained layout that earlier
-    versions saved (``OPTIMIZER_MARK``) without it; the weights load with --no-load-optim."""
+    """Refuse an optimizer state this job cannot resume: the chained layout that earlier versions
+    saved (``OPTIMIZER_MARK``), and with the distributed optimizer a checkpoint missing a rank's
+    ``distrib_optim.pt`` (saved with --no-save-optim, or a save that did not finish); the weights
+    load with --no-load-optim."""
     load = getattr(args, load_arg, None)
     if not load or args.no_load_optim or getattr(args, "finetune", False):
         return
@@ -599,20 +621,34 @@ def _check_optimizer_layout(args: argparse.Namespace, load_arg: str) -> None:
     folder = _iteration_folder(load, iteration)
     if not folder.is_dir():
         return
-    marked = folder.joinpath(OPTIMIZER_MARK).is_file()
-    flag = f"--{load_arg.replace('_', '-')} {load}: the checkpoint at {folder.name} was saved"
-    if marked:
+    flag = f"--{load_arg.replace('_', '-')} {load}: the checkpoint at {folder.name}"
+    if folder.joinpath(OPTIMIZER_MARK).is_file():
         raise OptimusError(
-            f"{flag} by an earlier version with --optimus-schedule and "
+            f"{flag} was saved by an earlier version with --optimus-schedule and "
             "--use-distributed-optimizer, in a layout of its own that this version does not "
             "resume; add --no-load-optim to start the optimizer afresh from its weights"
         )
-    if args.use_distributed_optimizer:
-        raise OptimusError(
-            f"{flag} without --optimus-schedule, and with --use-distributed-optimizer the flag "
-            "cannot yet resume a distributed optimizer's state; resume it without the flag, or add "
-            "--no-load-optim to start the optimizer afresh from its weights"
-        )
+    if not args.use_distributed_optimizer:
+        return
+    # Megatron-LM's torch format: each model-parallel rank's folder holds model_optim_rng.pt and,
+    # with the optimizer's state, distrib_optim.pt
+    for model_file in sorted(folder.glob("mp_rank_*/model_optim_rng.pt")):
+        state_file = model_file.with_name("distrib_optim.pt")
+        if not state_file.is_file():
+            raise OptimusError(
+                f"{flag} has no distributed optimizer's state {state_file} (saved with "
+                "--no-save-optim, or its save did not finish); add --no-load-optim to start the "
+                "optimizer afresh from its weights, or resume from another checkpoint (--ckpt-step)"
+            )
+
+
+def _encoder_params_gathered(job: _Job) -> None:
+    """The encoder stage's weights all-gathered from its distributed optimizer's update now, as
+    Megatron-LM gathers the chunks' before it saves: under --overlap-param-gather they are gathered
+    only at the next forward."""
+    ddp = job.encoder_ddp
+    if ddp is not None and ddp.use_forward_hook:
+        ddp.start_param_sync(force_sync=True)
 
 
 def _read_ahead(job: _Job, data_iterator: Any, num_microbatches: int) -> tuple[Any, list[Any]]:

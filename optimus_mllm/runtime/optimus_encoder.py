@@ -437,9 +437,12 @@ def user_vision_in_place(first_chunk: nn.Module | None, taken: UserVision | None
         return
     for module in (taken.vision_model, taken.vision_projection):
         module.train(first_chunk.training)
+    # put back the very modules: under --overlap-param-gather megatron-core's DDP holds a forward
+    # pre-hook on each module of the chunk, which Megatron-LM removes by module before a save
+    stand_ins = first_chunk.vision_model, first_chunk.vision_projection
     first_chunk.vision_model = taken.vision_model
     first_chunk.vision_projection = taken.vision_projection
     try:
         yield
     finally:
-        first_chunk.vision_model, first_chunk.vision_projection = taken.stand_in, nn.Identity()
+        first_chunk.vision_model, first_chunk.vision_projection = stand_ins

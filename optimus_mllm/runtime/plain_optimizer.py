@@ -20,13 +20,14 @@ the user's vision modules in place, and moves the state between the two:
 - ``step``: the optimizer steps every parameter together, so the vision parameters take the step
   of this rank's LLM parameters.
 
-The non-distributed optimizer only: the distributed one shards its state over the DP group by the
-DDP buffers, which hold no vision parameter under the flag.
+The non-distributed optimizer's state moves here; the distributed one's goes through whole tensors
+into the same move (``plain_distributed_optimizer``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,16 +50,29 @@ STEP = "step"
 StateDicts = Callable[[], ShardedStateDict]  # a part's sharded state dict, built when called
 
 
+@dataclass(frozen=True)
+class OptimizerView:
+    """An optimizer's state as ``move_state`` reads and writes it."""
+
+    params: dict[Tensor, Tensor]  # each weight it steps -> the tensor its state is kept under
+    states: dict[Tensor, dict[str, Any]]  # that tensor -> its state entries (``step``, moments)
+
+
+def optimizer_view(optimizer: MegatronOptimizer) -> OptimizerView:
+    """A non-distributed megatron-core optimizer's own tensors and state (writes go into it)."""
+    return OptimizerView(_optimizer_params(optimizer), _torch_states(optimizer))
+
+
 def plain_optimizer(
-    build: Callable[[], MegatronOptimizer], chunks: list[nn.Module]
+    build: Callable[[list[nn.Module]], MegatronOptimizer], chunks: list[nn.Module]
 ) -> MegatronOptimizer:
-    """Megatron's optimizer over ``chunks`` (``build``), leaving the job's optimizer as it was:
-    megatron-core's mixed-precision optimizer links each weight to its main parameter
+    """Megatron's optimizer over ``chunks`` (``build(chunks)``), leaving the job's optimizer as it
+    was: megatron-core's mixed-precision optimizer links each weight to its main parameter
     (``param.main_param``, read by attention's QK clipping), and those links stay the job's."""
     params = [p for chunk in chunks for p in chunk.parameters()]
     links = [getattr(p, "main_param", None) for p in params]
     try:
-        return build()
+        return build(chunks)
     finally:
         for param, link in zip(params, links):
             if link is None:
@@ -84,8 +98,14 @@ def chained_into_plain(
         vision: builds the user's vision modules' (``user_model.vision_sharded_state_dict``; ``{}``
             off the first stage).
     """
-    _move(chained, plain, encoder, vision, "the Optimus encoder -> the vision model")
-    _copy_loss_scale(chained, plain)
+    move_state(
+        optimizer_view(chained),
+        optimizer_view(plain),
+        encoder,
+        vision,
+        "the Optimus encoder -> the vision model",
+    )
+    copy_loss_scale(chained, plain)
     _copy_hyperparameters(chained, plain)
 
 
@@ -98,22 +118,28 @@ def plain_into_chained(
     """Fill the chained optimizer's state from ``plain``'s (loaded from a checkpoint, or left as
     built where nothing was loaded). Collective over the world; the arguments as
     ``chained_into_plain``'s."""
-    _move(plain, chained, vision, encoder, "the vision model -> the Optimus encoder")
-    _copy_loss_scale(plain, chained)
+    move_state(
+        optimizer_view(plain),
+        optimizer_view(chained),
+        vision,
+        encoder,
+        "the vision model -> the Optimus encoder",
+    )
+    copy_loss_scale(plain, chained)
 
 
-def _move(
-    source: MegatronOptimizer,
-    target: MegatronOptimizer,
+def move_state(
+    source: OptimizerView,
+    target: OptimizerView,
     source_vision: StateDicts,
     target_vision: StateDicts,
     what: str,
 ) -> None:
     """``source``'s state into ``target``'s: the weights both step by identity, the vision
     weights' (the encoder's on one side, the user's vision modules' on the other) by their sharded
-    state dicts."""
-    source_params, target_params = _optimizer_params(source), _optimizer_params(target)
-    source_state, target_state = _torch_states(source), _torch_states(target)
+    state dicts. Collective over the world."""
+    source_params, target_params = source.params, target.params
+    source_state, target_state = source.states, target.states
     step = None
     with torch.no_grad():
         for weight, main in target_params.items():
@@ -270,7 +296,7 @@ def _pointed_at(state: ShardedStateDict, tensors: dict[Tensor, Tensor]) -> Shard
     return pointed
 
 
-def _copy_loss_scale(source: MegatronOptimizer, target: MegatronOptimizer) -> None:
+def copy_loss_scale(source: MegatronOptimizer, target: MegatronOptimizer) -> None:
     """The loss scale (fp16) of ``source``'s first part into ``target``'s."""
     scalers = [getattr(optimizer_parts(o)[0], "grad_scaler", None) for o in (source, target)]
     scalers = [getattr(s, "owner", s) for s in scalers]  # a OneLossScaleOptimizer part's owner

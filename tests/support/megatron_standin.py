@@ -8,9 +8,10 @@ buffers zeroed, ``get_forward_backward_func()(...)`` with its keyword arguments,
 ``optimizer.step()``), its ``evaluate`` (a forward-only call under ``torch.no_grad``), with
 ``config.finalize_model_grads_func`` and ``config.timers`` set as its ``train`` sets them, and its
 torch-format ``save_checkpoint`` / ``load_checkpoint`` (each rank's chunks'
-``state_dict_for_save_checkpoint`` and ``optimizer.state_dict()``, serialised). With a schedule, the
-calls go through ``OptimusInMegatron``'s seams exactly as ``megatron_patches.training_seams``
-installs them. The user's script is
+``state_dict_for_save_checkpoint`` and ``optimizer.state_dict()``, and with the distributed
+optimizer its ``save_parameter_state`` / ``load_parameter_state`` file, serialised). With a
+schedule, the calls go through ``OptimusInMegatron``'s seams exactly as
+``megatron_patches.training_seams`` installs them. The user's script is
 ``scripts/pretrain_vlm_megatron.py`` (its provider, forward step and mock data), its flags parsed by
 ``optimus_mllm.megatron.arguments`` and read back through its ``get_args``.
 """
@@ -18,9 +19,11 @@ installs them. The user's script is
 from __future__ import annotations
 
 import io
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +47,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 import megatron_patches
+from megatron_patches.optimizer import dp_zero_load_patches
 from optimus_mllm.megatron import arguments as megatron_arguments
 from optimus_mllm.megatron.seams import OptimusInMegatron
 from optimus_mllm.runtime.user_model import pretraining_sampler_batches
@@ -102,6 +106,11 @@ def standin_pretrain(
     vars(args).update(script_args or {})
     megatron_arguments.set_args(args)
     megatron_patches.apply()
+    # the fix of the distributed optimizer's torch-format load that Megatron-LM's CPU route installs
+    dp_zero_load = dp_zero_load_patches()
+    replaced = [getattr(patch.owner, patch.name) for patch in dp_zero_load]
+    for patch in dp_zero_load:
+        setattr(patch.owner, patch.name, patch.replacement)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -193,13 +202,25 @@ def standin_pretrain(
         parallel_state.destroy_model_parallel()
         destroy_num_microbatches_calculator()
         megatron_patches.remove()
+        for patch, original in zip(dp_zero_load, replaced):
+            setattr(patch.owner, patch.name, original)
+
+
+# in a stand-in checkpoint: this rank's distrib_optim.pt (Megatron-LM's separate file), as bytes
+DISTRIB_OPTIM = "distrib_optim.pt"
 
 
 def _save_checkpoint(iteration: int, model: list[Any], optimizer: Any, *_: Any) -> bytes:
-    """Megatron-LM's torch-format checkpoint of this rank (``generate_state_dict``), serialised."""
+    """Megatron-LM's torch-format checkpoint of this rank (``generate_state_dict``, and with the
+    distributed optimizer ``save_parameter_state``'s file: data-parallel rank 0's), serialised."""
     state: dict[str, Any] = {"iteration": iteration, "optimizer": optimizer.state_dict()}
     for key, chunk in zip(_model_keys(model), model):
         state[key] = chunk.state_dict_for_save_checkpoint()
+    if megatron_arguments.get_args().use_distributed_optimizer:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder, DISTRIB_OPTIM)
+            optimizer.save_parameter_state(str(path))
+            state[DISTRIB_OPTIM] = path.read_bytes() if path.is_file() else None
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
@@ -207,11 +228,18 @@ def _save_checkpoint(iteration: int, model: list[Any], optimizer: Any, *_: Any) 
 
 def _load_checkpoint(model: list[Any], optimizer: Any, *_: Any, saved: bytes) -> int:
     """Megatron-LM's ``load_checkpoint`` of a torch-format checkpoint: the chunks' weights and the
-    optimizer's state; the iteration to resume at."""
+    optimizer's state (``load_state_dict``, then with the distributed optimizer
+    ``load_parameter_state`` of its file); the iteration to resume at."""
     state = torch.load(io.BytesIO(saved), weights_only=False)
     for key, chunk in zip(_model_keys(model), model):
         chunk.load_state_dict(state[key], strict=True)
     optimizer.load_state_dict(state["optimizer"])
+    if megatron_arguments.get_args().use_distributed_optimizer:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder, DISTRIB_OPTIM)
+            if state.get(DISTRIB_OPTIM) is not None:  # data-parallel rank 0's, which it reads
+                path.write_bytes(state[DISTRIB_OPTIM])
+            optimizer.load_parameter_state(str(path))
     return state["iteration"]
 
 
