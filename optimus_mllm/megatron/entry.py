@@ -14,7 +14,9 @@ gets the schedule's own plan, starting from the weights the user's provider made
 run at the schedule's hook points inside megatron-core's schedule (``runtime.user_model``).
 ``scripts/pretrain_vlm_megatron.py`` is such a script. Either way the job's Megatron-LM flags make
 the Optimus config (``optimus_mllm.megatron.flags``): each flag that shapes the model is honoured or
-refused in one line, and a saved schedule made for another job is refused with the reason.
+refused in one line. With the flag, the encoder and projector are then read off the model the
+provider built (``runtime.optimus_encoder.with_user_model``, as the seams read it), the schedule is
+made for that job, and a saved schedule made for another job is refused with the reason.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from optimus_mllm.megatron.arguments import (
     set_args,
     validate_args,
 )
-from optimus_mllm.megatron.flags import config_from_megatron_args, runtime_for_args
+from optimus_mllm.megatron.flags import config_from_megatron_args, schedule_for_flag
 from optimus_mllm.planner import plan
 
 
@@ -164,7 +166,6 @@ def train_vlm(
         )
         # the providers read the flags as Megatron-LM's initialize_megatron leaves them
         validate_args(args, world_size)
-        mode, artifact = runtime_for_args(args, config)
     except OptimusError as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: error: {exc}", file=sys.stderr)
@@ -188,21 +189,24 @@ def train_vlm(
     )
     # Megatron's; the runtime's hooks chain to them
     timers = Timers(args.timing_log_level, args.timing_log_option)
+    flagged = args.optimus_schedule is not None
     try:
+        # with the flag, scheduled for the model as built (the config read off it, as the seams do)
         trainer = Trainer(
             config,
             llm_plan,
-            mode,
-            artifact,
+            "optimus" if flagged else "baseline",
+            schedule_for_flag(args.optimus_schedule) if flagged else None,
             timers=timers,
             user_model=UserModel(model_provider, forward_step_func, batches),
         )
+        artifact = trainer.artifact
         if artifact is not None:  # before the first step: the model's vision path is the encoder's
             said = trainer.probe_user_vision(0)
             if dist.get_rank() == 0:
                 print(said, flush=True)
-    except OptimusError as exc:  # the model the provider built is not the one the flags describe,
-        # or its vision path is not the encoder's
+    except OptimusError as exc:  # a model the encoder cannot run, a schedule made for another
+        # job, or a vision path that is not the encoder's
         if dist.get_rank() == 0:
             print(f"{prog}: error: {exc}", file=sys.stderr)
         dist.destroy_process_group()

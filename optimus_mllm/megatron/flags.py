@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -549,15 +550,11 @@ def _shown(value: Any) -> str:
     )
 
 
-def runtime_for_args(
-    args: argparse.Namespace, config: OptimusConfig
-) -> tuple[str, dict[str, Any] | None]:
-    """("optimus", the checked artifact, or with ``auto`` the schedule made now) with
-    ``--optimus-schedule``; ("baseline", None) without it."""
-    if args.optimus_schedule is None:
-        return "baseline", None
-    artifact, _ = flag_schedule(args.optimus_schedule, config, plan(config))
-    return ("baseline", None) if artifact is None else ("optimus", artifact)
+def schedule_for_flag(value: str) -> Callable[[OptimusConfig], ScheduleArtifact | None]:
+    """``--optimus-schedule value`` for a job whose config is read off its built model: config ->
+    what ``flag_schedule`` runs for it (the project's trainer calls it once the model is read, as
+    Megatron-LM's seams call ``flag_schedule``)."""
+    return lambda config: flag_schedule(value, config, plan(config))[0]
 
 
 def flag_schedule(

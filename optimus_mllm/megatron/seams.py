@@ -6,7 +6,7 @@ names of ``megatron.training.training`` (``megatron_patches.training_seams``):
 - **the model provider**: the user's provider builds each chunk as it always does. After this
   rank's last chunk, the job's Optimus config is read from Megatron's arguments
   (``config_from_megatron_args``), then its encoder and projector from the user's built vision
-  model and projector (``with_user_vision``, ``with_user_projector``), the schedule is
+  model and projector (``with_user_model``, as the project's trainer reads it), the schedule is
   made (``auto``) or loaded (a saved artifact), the encoder stage is built under the schedule's
   encoder plan on every rank from the user's own vision weights, and the first stage's
   ``vision_model`` / ``vision_projection`` give way to ``ImageEmbeddingsInput`` / identity
@@ -106,8 +106,7 @@ from optimus_mllm.runtime.optimus_encoder import (
     take_user_vision,
     user_vision_in_place,
     user_vision_spec,
-    with_user_projector,
-    with_user_vision,
+    with_user_model,
 )
 from optimus_mllm.runtime.plain_distributed_optimizer import (
     CheckpointOptimizer,
@@ -207,7 +206,7 @@ class OptimusInMegatron:
         flags_encoder = config.encoders[0]
         # the vision model and projector the user built, not the ones pretrain_vlm.py would build
         # from the flags (examples/multimodal builds its vision model from --vision-model-type)
-        config = with_user_projector(with_user_vision(config, first), first)
+        config = with_user_model(config, first)
         _say(vision_line(flags_encoder, config.encoders[0]))
         bound = images_bound(args)
         config = with_schedule_bound(config, self.schedule)

@@ -371,6 +371,16 @@ def with_user_projector(config: OptimusConfig, first_chunk: nn.Module | None) ->
     return replace(config, model=replace(config.model, encoders=encoders))
 
 
+def with_user_model(config: OptimusConfig, first_chunk: nn.Module | None) -> OptimusConfig:
+    """``config`` as the user's provider built the vision path: its encoder from the built
+    ``vision_model`` (``with_user_vision``), its projector from the built ``vision_projection``
+    (``with_user_projector``); the config's own fields only where the modules cannot tell (whether
+    the forward drops the class token, which the start-up probe checks). The one reading of the
+    user's model for both routes: Megatron-LM's seams and the project's trainer.
+    """
+    return with_user_projector(with_user_vision(config, first_chunk), first_chunk)
+
+
 def user_vision_spec(
     config: OptimusConfig, first_chunk: nn.Module | None, check: bool
 ) -> ModuleSpec:

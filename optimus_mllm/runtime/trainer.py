@@ -23,7 +23,7 @@ precision there; the encoder ops then run on a CUDA side stream (``streams``) un
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -101,6 +101,7 @@ from optimus_mllm.runtime.optimus_encoder import (
     take_user_vision,
     user_vision_in_place,
     user_vision_spec,
+    with_user_model,
 )
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
 from optimus_mllm.runtime.tp_modes.groups import Grid2D, build_grids
@@ -118,6 +119,10 @@ from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_i
 from optimus_mllm.scheduler.artifact_format import EncoderMicrobatch, LLMOp, ScheduleArtifact
 from optimus_mllm.scheduler.baselines import balanced_layer_ranges
 from optimus_mllm.scheduler.pipeline_order import default_warmup, rank_op_order
+
+# a model_provider's job scheduled once its model is read: the config as the built model describes
+# it (``with_user_model``) -> the artifact to run, or None to run the model as built
+ScheduleFor = Callable[[OptimusConfig], ScheduleArtifact | None]
 
 
 @dataclass
@@ -166,7 +171,7 @@ class Trainer:
         config: OptimusConfig,
         llm_plan: ParallelPlan,
         mode: Mode,
-        artifact: ScheduleArtifact | None = None,
+        artifact: ScheduleArtifact | ScheduleFor | None = None,
         *,
         side_stream: bool = True,
         timers: Any = None,
@@ -180,29 +185,24 @@ class Trainer:
         both runtimes build the encoder's layers from; by default ``layer_ops.vision_layer_spec()``.
         ``user_model``: the job's own ``model_provider``, ``forward_step`` and batches
         (``user_model``), run in place of this project's model and data; its single encoder is
-        ``config.encoders[0]``."""
+        ``config.encoders[0]``, under Optimus as the provider built it (``with_user_model``), so
+        its ``artifact`` is a ``ScheduleFor``, made once the model is read."""
         if mode == "optimus" and artifact is None:
             raise OptimusError(
                 "the Optimus runtime needs a schedule artifact (optimus-plan --artifact)"
             )
-        refuse_untrained_tp_modes(
-            llm_plan.tp_mode,
-            artifact.encoder_plan.tp_mode
-            if artifact is not None
-            else config.parallel.encoder_tp_mode,
-            config,
-            mode,
-            user_model is not None or encoder_layer_specs is not None,
-        )
-        if (
-            artifact is not None
-            and artifact.encoder_plan.tp_mode == "2d"
-            and artifact.encoder_plan.pp > 1
-        ):
-            raise ConfigError(
-                "parallel.encoder.pp",
-                "a 2d encoder trains in one pipeline stage yet (stages would pass grid blocks); "
-                "set pp: 1",
+        if mode == "optimus" and callable(artifact) != (user_model is not None):
+            raise OptimusError(
+                "a model_provider's model is scheduled once its model is read: pass a "
+                "ScheduleFor (config -> artifact) with user_model, an artifact without"
+            )
+        if not callable(artifact):
+            _refuse_unrunnable(
+                config,
+                llm_plan,
+                mode,
+                artifact,
+                user_model is not None or encoder_layer_specs is not None,
             )
         if user_model is not None and mode == "balanced":
             raise OptimusError(
@@ -228,8 +228,6 @@ class Trainer:
                     "the balanced baseline's pipeline buffers carry one image per sample; a "
                     "webdataset's microbatches (data.path) vary in images"
                 )
-        else:
-            self.images = user_images(config, user_model)
         self.device = training_device()  # before megatron-core places parameters on the current GPU
         self.stream = make_encoder_stream(self.device, side_stream)
         self._owns_patches = not megatron_patches.is_applied()
@@ -275,6 +273,11 @@ class Trainer:
                 raise OptimusError(problem)
             # the config megatron-core's schedule reads
             self.tconfig = get_model_config(self.modules[0])
+            if mode == "optimus":
+                config, artifact = self._read_user_model(artifact)
+                mode = "optimus" if artifact is not None else "baseline"
+                self.config, self.mode, self.artifact = config, mode, artifact
+            self.images = user_images(config, user_model)
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.llm_dp = parallel_state.get_data_parallel_rank()
         self.num_microbatches = config.num_microbatches_total // llm_plan.dp
@@ -406,6 +409,21 @@ class Trainer:
         if self.mode == "optimus":
             uses += encoder_uses(self.groups)
         return uses
+
+    def _read_user_model(
+        self, schedule_for: ScheduleFor
+    ) -> tuple[OptimusConfig, ScheduleArtifact | None]:
+        """With the flag: the job's config as the user's provider built its vision path
+        (``with_user_model``, the reading Megatron-LM's seams make), and the schedule made for that
+        job (None: run the model as built). Every rank takes part and refuses alike."""
+        first = (
+            self.modules[0] if parallel_state.is_pipeline_first_stage(ignore_virtual=True) else None
+        )
+        config = with_user_model(self.config, first)
+        artifact = schedule_for(config)
+        mode = "optimus" if artifact is not None else "baseline"
+        _refuse_unrunnable(config, self.plan, mode, artifact, True)
+        return config, artifact
 
     def _adopt_user_vision(self) -> None:
         """The user's vision model: left in the first stage for the baseline; with the flag, its
@@ -710,6 +728,33 @@ class Trainer:
             parallel_state.destroy_model_parallel()
         if self._owns_patches:
             megatron_patches.remove()
+
+
+def _refuse_unrunnable(
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    mode: Mode,
+    artifact: ScheduleArtifact | None,
+    custom_layers: bool,
+) -> None:
+    """The plans the runtime does not train yet, refused before their groups are made."""
+    refuse_untrained_tp_modes(
+        llm_plan.tp_mode,
+        artifact.encoder_plan.tp_mode if artifact is not None else config.parallel.encoder_tp_mode,
+        config,
+        mode,
+        custom_layers,
+    )
+    if (
+        artifact is not None
+        and artifact.encoder_plan.tp_mode == "2d"
+        and artifact.encoder_plan.pp > 1
+    ):
+        raise ConfigError(
+            "parallel.encoder.pp",
+            "a 2d encoder trains in one pipeline stage yet (stages would pass grid blocks); "
+            "set pp: 1",
+        )
 
 
 def llm_tp_grid() -> Grid2D | None:

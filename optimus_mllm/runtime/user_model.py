@@ -6,11 +6,14 @@ is a ``GPTModel`` and which, on the LLM's first pipeline stage, also holds ``vis
 ``MultimodalProjector`` of type ``mlp`` or ``affine``), and whose forward embeds images as LLaVA
 does, ``vision_projection(vision_model(images)[:, dropped:].permute(1, 0, 2))`` (``dropped``: the
 class token under ``drop_vision_class_token``, else 0), then splices them in wherever its own code
-puts image tokens. The encoder config must describe both modules: the layers' ``TransformerConfig``,
-the class token and its drop, the projector (``describe_projector`` reads it off the built module:
-its type and, for ``mlp``, its config's ffn width, activation, gating and biases; Megatron-LM's
-``pretrain_vlm.py`` builds it from the LLM's config). With Megatron-LM's ``pretrain`` the
-projector's description is the built module's, whatever the flags say.
+puts image tokens. With the flag, both routes (Megatron-LM's seams and the project's trainer) read
+the encoder config off the built modules (``optimus_encoder.with_user_model``): the layers'
+``TransformerConfig``, the class token, patches and subtype from ``vision_model``
+(``described_encoder``), the projector from ``vision_projection`` (``describe_projector``: its
+type and, for ``mlp``, its config's ffn width, activation, gating and biases), whatever the flags
+say. The flags count only where the modules cannot tell: whether the forward drops the class token
+(Megatron-LM's ``--disable-vision-class-token``), which the start-up probe checks
+(``vision_probe``). What the encoder cannot run as built is refused in one line naming the change.
 
 Without the flag the model runs as built: the encoder inside the first stage's forward. With it, the
 encoder runs under its own plan (``vit.EncoderStage``, split into kernels), starting from the
@@ -165,15 +168,41 @@ def config_problem(
 ) -> str | None:
     """Why the config ``section`` (whose layers are ``expected``) does not describe the user's
     ``part`` built with ``theirs`` (one line naming the field), or None."""
+    difference = _layer_difference(expected, theirs)
+    if difference is None:
+        return None
+    field, mine, got = difference
+    return (
+        f"model_provider: the {part}'s TransformerConfig.{field} is {_named(got)}, but {section} "
+        f"describes {_named(mine)}; make the two agree"
+    )
+
+
+def _layer_difference(
+    expected: TransformerConfig, theirs: TransformerConfig
+) -> tuple[str, Any, Any] | None:
+    """The first of ``_LAYER_FIELDS`` the two configs differ in: (field, expected's, theirs)."""
     for field in _LAYER_FIELDS:
         mine, got = _effective(expected, field), _effective(theirs, field)
         if mine != got:
-            return (
-                f"model_provider: the {part}'s TransformerConfig.{field} is {_named(got)}, but "
-                f"{section} "
-                f"describes {_named(mine)}; make the two agree"
-            )
+            return field, mine, got
     return None
+
+
+def _vision_layers_problem(expected: TransformerConfig, theirs: TransformerConfig) -> str | None:
+    """Why the encoder's layers (``expected``) do not compute the user's vision layers (built with
+    ``theirs``): a field the encoder config holds (``described_encoder`` reads it off the built
+    model) differs from the config; one it does not hold is fixed in the encoder's layers."""
+    difference = _layer_difference(expected, theirs)
+    if difference is None:
+        return None
+    field, mine, got = difference
+    if field in _ENCODER_CONFIG_FIELDS:
+        return config_problem("vision model", "model.encoders[0]", expected, theirs)
+    return (
+        f"model_provider: the vision model's TransformerConfig.{field} is {_named(got)}; the "
+        f"Optimus encoder's layers run {_named(mine)}: build the vision model with that"
+    )
 
 
 def user_vision_problem(
@@ -195,10 +224,9 @@ def user_vision_problem(
             "(LLaVA's layout) merges no tokens before its projector; set it to 1"
         )
     vision, projection = vision_modules(chunk)
-    problem = config_problem("vision model", "model.encoders[0]", expected, vision.config)
     return (
-        problem
-        or _class_token_problem(encoder, vision, chunk)
+        _vision_layers_problem(expected, vision.config)
+        or _class_token_problem(encoder, vision)
         or _patches_problem(encoder, vision)
         or projector_problem(encoder, projection, llm_hidden_size)
     )
@@ -265,7 +293,9 @@ def described_encoder(encoder: EncoderConfig, vision: nn.Module) -> EncoderConfi
     )
 
 
-def _class_token_problem(encoder: EncoderConfig, vision: nn.Module, chunk: nn.Module) -> str | None:
+def _class_token_problem(encoder: EncoderConfig, vision: nn.Module) -> str | None:
+    """Whether the forward drops the class token is not read here: the start-up probe sees what it
+    feeds the projector (``vision_probe``)."""
     theirs = vision.class_token_len if getattr(vision, "add_class_token", False) else 0
     if theirs != encoder.class_tokens:
         return (
@@ -277,15 +307,6 @@ def _class_token_problem(encoder: EncoderConfig, vision: nn.Module, chunk: nn.Mo
                 if theirs > 1
                 else "make the two agree"
             )
-        )
-    # LLaVAModel's own record of drop_vision_class_token (a model without it drops nothing)
-    drop = getattr(chunk, "_drop_vision_class_token", False) and theirs > 0
-    if drop != encoder.drop_class_token:
-        return (
-            f"model_provider: the model {'drops' if drop else 'keeps'} the vision class token "
-            "before its projector (LLaVA's drop_vision_class_token), but "
-            f"model.encoders[0].drop_class_token is {_yaml(encoder.drop_class_token)}; make the "
-            "two agree"
         )
     return None
 
@@ -311,6 +332,23 @@ def _effective(config: TransformerConfig, field: str) -> Any:
     return getattr(config, field, None)
 
 
+# the layer fields an ``EncoderConfig`` holds (``described_encoder`` reads them off the built model)
+_ENCODER_CONFIG_FIELDS = frozenset(
+    {
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "ffn_hidden_size",
+        "gated_linear_unit",
+        "activation_func",
+        "normalization",
+        "add_bias_linear",
+        "hidden_dropout",
+        "attention_dropout",
+    }
+)
 # the config's name of each activation callable megatron-core's configs hold
 _ACTIVATION_NAMES = {function: name for name, function in ACTIVATIONS.items()}
 # settings of a projector's TransformerConfig that change its MLP's math beyond what

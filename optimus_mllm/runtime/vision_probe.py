@@ -14,11 +14,15 @@ buffers). Where the two differ beyond float tolerance, the job is refused on eve
 naming where the paths part: in the encoder's own decomposition (the vision model and projector as
 LLaVA applies them, ``vision_projection(vision_model(images))``, differ from the encoder's output),
 in the user's forward around them, or in the backward (a hook or autograd function of the user's
-that changes a gradient, named by the weight it reaches first).
+that changes a gradient, named by the weight it reaches first). First, the user's own forward shows
+what it feeds ``vision_projection`` of ``vision_model``'s tokens: whether it drops the class token,
+the one part of the vision path the flags (``--disable-vision-class-token``) say rather than the
+modules; where the job says otherwise, the refusal names the flag.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -134,10 +138,13 @@ def _compare(
                     # in the model's precision, as Megatron's Float16Module casts the first stage's
                     # inputs (--bf16/--fp16)
                     features = vision(images.to(next(vision.parameters()).dtype))
-                    if getattr(first_chunk, "_drop_vision_class_token", False):
-                        features = features[:, vision.class_token_len :]
+                    features = features[:, _dropped_tokens(config) :]
                     as_llava = projection(features.permute(1, 0, 2).contiguous())
-                theirs = forward(first_chunk, iter([batch]))
+                with _tokens_seen(vision, projection) as seen:
+                    theirs = forward(first_chunk, iter([batch]))
+                problem = _drop_problem(config, seen)
+                if problem is not None:
+                    return (problem, float("inf")), None
                 theirs_grads = _gradients(theirs, theirs_params)
             first_chunk.vision_model.embeddings = tokens
             ours = forward(first_chunk, iter([batch]))
@@ -166,6 +173,69 @@ def _compare(
             whole,
         ), None
     return (None, max(parts, whole)), (theirs_params, theirs_grads, ours_params, ours_grads)
+
+
+def _dropped_tokens(config: OptimusConfig) -> int:
+    """The class tokens the encoder drops before its projector (the flags' reading)."""
+    encoder = config.encoders[0]
+    return encoder.class_tokens if encoder.drop_class_token else 0
+
+
+@contextlib.contextmanager
+def _tokens_seen(vision: nn.Module, projection: nn.Module) -> Iterator[dict[str, int]]:
+    """The tokens per image the user's forward got from ``vision_model`` (``[batch, tokens,
+    hidden]``) and fed ``vision_projection`` (``[tokens, batch, hidden]``), on their first calls:
+    what the forward drops between them."""
+    seen: dict[str, int] = {}
+
+    def vision_output(_: nn.Module, __: Any, output: torch.Tensor) -> None:
+        seen.setdefault("vision", output.shape[1])
+
+    def projector_input(_: nn.Module, inputs: tuple[Any, ...]) -> None:
+        seen.setdefault("projector", inputs[0].shape[0])
+
+    handles = [
+        vision.register_forward_hook(vision_output),
+        projection.register_forward_pre_hook(projector_input),
+    ]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _drop_problem(config: OptimusConfig, seen: dict[str, int]) -> str | None:
+    """Why the user's forward feeds its projector other tokens than the encoder does (one line
+    naming the flag that says so), or None. The flags' ``--disable-vision-class-token``
+    (``drop_class_token``) is the one reading of the vision path no module holds."""
+    if "vision" not in seen or "projector" not in seen:
+        return None
+    encoder = config.encoders[0]
+    dropped = seen["vision"] - seen["projector"]
+    if dropped == _dropped_tokens(config):
+        return None
+    where = (
+        "(Megatron-LM's --disable-vision-class-token, model.encoders[0].drop_class_token: "
+        f"{'true' if encoder.drop_class_token else 'false'})"
+    )
+    if encoder.class_tokens and dropped == encoder.class_tokens:
+        return (
+            "the start-up probe: the model's forward drops the vision model's class token before "
+            f"vision_projection, but the job keeps it {where}; give --disable-vision-class-token "
+            "(drop_class_token: true)"
+        )
+    if encoder.class_tokens and dropped == 0:
+        return (
+            "the start-up probe: the model's forward keeps the vision model's class token before "
+            f"vision_projection, but the job drops it {where}; leave out "
+            "--disable-vision-class-token (drop_class_token: false)"
+        )
+    return (
+        f"the start-up probe: the model's forward feeds vision_projection {seen['projector']} of "
+        f"the {seen['vision']} tokens vision_model gives per image; the Optimus encoder feeds it "
+        "all of them, or all but the class token; run the job without --optimus-schedule"
+    )
 
 
 def _trained(*modules: nn.Module) -> list[nn.Parameter]:

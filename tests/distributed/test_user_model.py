@@ -12,12 +12,20 @@ import pytest
 import torch.nn.functional as F
 
 from support.distributed_utils import run_distributed
-from support.paths import REPO
+from support.paths import MEGATRON_TINY_FLAGS, REPO
 
 pytestmark = pytest.mark.distributed
 
 CONFIG = str(REPO / "configs" / "megatron_tiny.yaml")
 STEPS = 2
+
+
+def _scheduled(config: Any) -> Any:
+    """The schedule of the job as the user's model describes it (what ``optimus-plan`` writes)."""
+    from optimus_mllm.planner import plan
+    from optimus_mllm.scheduler.artifact import schedule_job_artifact
+
+    return schedule_job_artifact(config, plan(config))
 
 
 def _user_model(
@@ -121,19 +129,17 @@ def _both_runtimes(overrides: list[str], user: dict[str, Any]) -> dict:
     from optimus_mllm.costing.cost_model import CostModel
     from optimus_mllm.planner import ParallelPlan, plan
     from optimus_mllm.runtime.trainer import Trainer
-    from optimus_mllm.scheduler.artifact import schedule_job_artifact
     from optimus_mllm.scheduler.encoder_costs import build_encoder_work
 
     config = load_config(CONFIG, [f"training.train_iters={STEPS}", *overrides])
     planned = plan(config)
     runs = {}
     for mode in ("baseline", "optimus"):
-        artifact = schedule_job_artifact(config, planned) if mode == "optimus" else None
         trainer = Trainer(
             config,
             planned.llm_plan,
             mode,
-            artifact,
+            _scheduled if mode == "optimus" else None,
             user_model=_user_model(config, planned.llm_plan, **user),
         )
         steps = [trainer.train_step(0)]
@@ -154,7 +160,7 @@ def _both_runtimes(overrides: list[str], user: dict[str, Any]) -> dict:
     optimus = runs["optimus"]["trainer"]
     llm = planned.llm_plan
     work = build_encoder_work(
-        config,
+        optimus.config,
         ParallelPlan(llm.dp, llm.pp, llm.tp),
         optimus.optimus.enc_plan,
         CostModel.from_config(config),
@@ -250,18 +256,16 @@ def _resumed_across_runtimes(folder: str) -> dict:
     from optimus_mllm.planner import plan
     from optimus_mllm.runtime import checkpoint, checkpoint_meta
     from optimus_mllm.runtime.trainer import Trainer
-    from optimus_mllm.scheduler.artifact import schedule_job_artifact
 
     config = load_config(CONFIG, ["training.train_iters=3"])
     planned = plan(config)
 
     def trainer(mode: str) -> Any:
-        artifact = schedule_job_artifact(config, planned) if mode == "optimus" else None
         return Trainer(
             config,
             planned.llm_plan,
             mode,
-            artifact,
+            _scheduled if mode == "optimus" else None,
             user_model=_user_model(config, planned.llm_plan),
         )
 
@@ -342,27 +346,25 @@ def test_a_users_model_trains_the_same_with_and_without_the_flag(
 
 
 def _refusals() -> list[str]:
-    """Every rank's error for user models the config does not describe, or without LLaVA's
-    layout; where the model is built, the start-up probe's line or error."""
+    """Every rank's error for user models the Optimus encoder cannot run as built, or without
+    LLaVA's layout, or whose LLM the config does not describe; where the model is built, the
+    start-up probe's line or error."""
     from megatron.core import parallel_state
 
     from optimus_mllm.config import load_config
     from optimus_mllm.errors import OptimusError
     from optimus_mllm.planner import plan
     from optimus_mllm.runtime.trainer import Trainer
-    from optimus_mllm.scheduler.artifact import schedule_job_artifact
 
     config = load_config(CONFIG, [])
     planned = plan(config)
-    artifact = schedule_job_artifact(config, planned)
     errors = []
     for changes in (
-        {"vision_changes": {"ffn_hidden_size": 128}},
-        {"vision_changes": {"hidden_dropout": 0.1}},
+        {"vision_changes": {"layernorm_epsilon": 1e-6}},
         {"language_changes": {"num_attention_heads": 8}},
         {"without_vision": True},
-        {"class_token": True},
-        {"projection_from_language": True},
+        # the config keeps the class token its forward drops
+        {"class_token": True, "drop_class_token": True},
         {},
         {"scaled_vision": True},
         {"hooked_vision": True},
@@ -372,7 +374,7 @@ def _refusals() -> list[str]:
                 config,
                 planned.llm_plan,
                 "optimus",
-                artifact,
+                _scheduled,
                 user_model=_user_model(config, planned.llm_plan, **changes),
             )
             errors.append(trainer.probe_user_vision(0))
@@ -382,18 +384,20 @@ def _refusals() -> list[str]:
     return errors
 
 
-def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
+def test_what_the_encoder_cannot_run_as_built_is_refused_on_every_rank(
     user_runs: list[dict],
 ) -> None:
+    """What the config does not describe but the built model shows (its widths, class token,
+    projector) is read off the model (``test_a_llava_1_5_model_the_flags_do_not_describe_trains``);
+    what is refused names a change the user can make."""
     reports = [runs["refusals"] for runs in user_runs]
     # every rank alike, but for the probe's cost, which each rank measures
-    assert all(report[:6] + report[7:] == reports[0][:6] + reports[0][7:] for report in reports)
-    ffn, dropout, heads, no_vision, class_token, projector, matching, scaled, hooked = reports[0]
-    assert ffn == (
-        "model_provider: the vision model's TransformerConfig.ffn_hidden_size is 128, but "
-        "model.encoders[0] describes 256; make the two agree"
+    assert all(report[:4] + report[5:] == reports[0][:4] + reports[0][5:] for report in reports)
+    epsilon, heads, no_vision, dropped, matching, scaled, hooked = reports[0]
+    assert epsilon == (
+        "model_provider: the vision model's TransformerConfig.layernorm_epsilon is 1e-06; the "
+        "Optimus encoder's layers run 1e-05: build the vision model with that"
     )
-    assert "TransformerConfig.hidden_dropout is 0.1" in dropout and "\n" not in dropout
     assert heads.startswith(
         "model_provider: the language model's TransformerConfig.num_attention_heads is 8, "
         "but model.llm describes 4"
@@ -402,13 +406,11 @@ def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
     assert no_vision.startswith(
         "model_provider: the first pipeline stage's VisionLanguageModel lacks vision_model"
     )
-    assert class_token == (
-        "model_provider: the vision model has 1 class token(s) (CLIPViTModel's add_class_token, "
-        "class_token_len), but model.encoders[0].class_token is false; make the two agree"
-    )
-    assert projector == (
-        "model_provider: the projector's TransformerConfig.ffn_hidden_size is 256, but "
-        "model.encoders[0].projector.ffn_hidden_size describes 64; make the two agree"
+    assert dropped == (
+        "the start-up probe: the model's forward drops the vision model's class token before "
+        "vision_projection, but the job keeps it (Megatron-LM's --disable-vision-class-token, "
+        "model.encoders[0].drop_class_token: false); give --disable-vision-class-token "
+        "(drop_class_token: true)"
     )
     # built as described: the start-up probe runs the vision path both ways and says what it cost
     assert matching.startswith(
@@ -421,6 +423,83 @@ def test_a_model_the_config_does_not_describe_is_refused_on_every_rank(
     ), scaled
     assert hooked.startswith("the start-up probe: the vision weights' gradients differ by "), hooked
     assert "though their forwards agree" in hooked
+
+
+# Megatron-LM's flags of the tiny job at TP2 PP2 VPP2, without dropout: they describe
+# pretrain_vlm.py's model, CLIP with its class token (dropped: --disable-vision-class-token) and the
+# LLM's MLP (ffn 256) as projector
+LLAVA_1_5_FLAGS = (*MEGATRON_TINY_FLAGS, "--hidden-dropout", "0", "--attention-dropout", "0")
+# a LLaVA-1.5-shaped model of the user's own (tests/support/user_vlm.py): CLIP without a class
+# token, or with one its forward drops; its projector Linear, GELU, Linear at the LLM's width (64)
+LLAVA_1_5_MODELS = {
+    "no class token": {},
+    "class token dropped": {"class_token": True, "drop_class_token": True},
+}
+
+
+def _llava_1_5_runs() -> dict:
+    """Each LLaVA-1.5-shaped model under the config the flags make, without the flag and with it:
+    (loss, grad norm) per step, and with the flag the start-up probe's line and the encoder ops
+    run."""
+    from megatron.core import parallel_state
+
+    from optimus_mllm.megatron.arguments import add_optimus_args, parse_args, validate_args
+    from optimus_mllm.megatron.flags import config_from_megatron_args
+    from optimus_mllm.planner import plan
+    from optimus_mllm.runtime.trainer import Trainer
+
+    args = validate_args(parse_args(add_optimus_args, list(LLAVA_1_5_FLAGS)), 4)
+    config = config_from_megatron_args(args, 4, 4)
+    llm_plan = plan(config).llm_plan
+    runs: dict = {}
+    for name, model in LLAVA_1_5_MODELS.items():
+        for mode in ("baseline", "optimus"):
+            trainer = Trainer(
+                config,
+                llm_plan,
+                mode,
+                _scheduled if mode == "optimus" else None,
+                user_model=_user_model(config, llm_plan, **model),
+            )
+            probe = trainer.probe_user_vision(0) if mode == "optimus" else None
+            steps = [trainer.train_step(i) for i in range(STEPS)]
+            runs[name, mode] = {
+                "steps": [(s.loss, s.grad_norm) for s in steps],
+                "probe": probe,
+                "ops_run": sum(len(s.encoder_record) for s in steps),
+                "projector_ffn": trainer.config.encoders[0].projector.ffn_hidden_size,
+            }
+            trainer.close()
+            parallel_state.destroy_model_parallel()
+    return runs
+
+
+def test_a_llava_1_5_model_the_flags_do_not_describe_trains_with_the_plain_numbers() -> None:
+    """The flag reads the vision path off the built model (``with_user_model``, as through
+    Megatron-LM's seams): CLIP without the class token the flags describe, or with one its forward
+    drops, and a projector of another ffn width than the flags' train at TP2 PP2 VPP2 with the
+    plain run's losses and gradient norms."""
+    reports = run_distributed(_llava_1_5_runs, 4, timeout=600)
+    for rank, runs in enumerate(reports):
+        for name in LLAVA_1_5_MODELS:
+            plain, flagged = runs[name, "baseline"], runs[name, "optimus"]
+            for (p_loss, p_norm), (f_loss, f_norm) in zip(plain["steps"], flagged["steps"]):
+                assert (p_loss is None) == (f_loss is None), (rank, name)
+                assert p_loss is None or f_loss == pytest.approx(p_loss, rel=1e-5), (
+                    rank,
+                    name,
+                    plain["steps"],
+                    flagged["steps"],
+                )
+                assert f_norm == pytest.approx(p_norm, rel=1e-5), (rank, name)
+            assert flagged["probe"].startswith("optimus: start-up probe: "), flagged["probe"]
+            assert "agree" in flagged["probe"], flagged["probe"]
+            assert flagged["ops_run"] > 0 and flagged["projector_ffn"] == 64, (rank, name)
+    assert any(
+        loss is not None
+        for runs in reports
+        for loss, _ in runs["no class token", "optimus"]["steps"]
+    )
 
 
 def test_batches_follow_megatrons_pretraining_sampler() -> None:

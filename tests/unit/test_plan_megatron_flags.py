@@ -22,7 +22,7 @@ from optimus_mllm.cli.plan import main as optimus_plan
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.megatron.arguments import add_optimus_args, build_parser, parse_args
 from optimus_mllm.megatron.arguments import validate_args as lookalike_validate_args
-from optimus_mllm.megatron.flags import config_from_megatron_args, runtime_for_args
+from optimus_mllm.megatron.flags import config_from_megatron_args, schedule_for_flag
 
 from support.paths import CONFIGS, MEGATRON_TINY_FLAGS, REPO
 
@@ -276,8 +276,8 @@ def test_an_artifact_from_the_flags_is_the_schedule_of_the_job_with_those_flags(
     assert optimus_plan([*argv, "--", *MEGATRON_TINY_FLAGS]) == 0
     job = parse_args(add_optimus_args, [*MEGATRON_TINY_FLAGS, "--optimus-schedule", str(path)])
     lookalike_validate_args(job, 4)  # as the job's pretrain() does at start-up
-    mode, artifact = runtime_for_args(job, config_from_megatron_args(job, 4, 4))
-    assert mode == "optimus" and artifact is not None
+    artifact = schedule_for_flag(job.optimus_schedule)(config_from_megatron_args(job, 4, 4))
+    assert artifact is not None
     assert (artifact.llm_plan.tp, artifact.llm_plan.pp, artifact.llm_plan.vp) == (2, 2, 2)
     # another job: the same flags with another micro batch
     other = parse_args(
@@ -285,7 +285,7 @@ def test_an_artifact_from_the_flags_is_the_schedule_of_the_job_with_those_flags(
         [*MEGATRON_TINY_FLAGS, "--micro-batch-size", "1", "--optimus-schedule", str(path)],
     )
     with pytest.raises(OptimusError, match="re-run optimus-plan"):
-        runtime_for_args(other, config_from_megatron_args(other, 4, 4))
+        schedule_for_flag(other.optimus_schedule)(config_from_megatron_args(other, 4, 4))
 
 
 def test_the_flags_of_pretrain_vlm_tiny_plan_what_its_yaml_plans(tmp_path):
