@@ -399,7 +399,7 @@ def test_the_flag_trains_under_bf16_as_without(tmp_path: Path) -> None:
     plain, optimus = run_distributed(_both, 4, argv, schedule, timeout=600)[-1]
     assert len(set(plain.losses)) == 3
     # bf16: the two runs round differently (the encoder's kernels are not the vision model's)
-    assert optimus.losses == pytest.approx(plain.losses, rel=0.0)
+    assert optimus.losses == pytest.approx(plain.losses, rel=1e-3)
     assert optimus.grad_norms == pytest.approx(plain.grad_norms, rel=1e-2)
 
 
