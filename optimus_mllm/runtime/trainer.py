@@ -39,7 +39,6 @@ from megatron.core.utils import get_model_config
 
 import megatron_patches
 from megatron_patches.ddp import gather_main_grads
-from megatron_patches.hooks import tp_collective_hook, warmup_override
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.costing.workload import (
     EncoderWorkload,
@@ -74,6 +73,7 @@ from optimus_mllm.runtime.executor import (
     embeddings_shape,
 )
 from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
+from optimus_mllm.runtime.hooked_step import EncoderSide, HookedStep, LLMOrder
 from optimus_mllm.runtime.iteration_schedules import IterationSchedules, StepSchedule
 from optimus_mllm.runtime.llm import (
     build_llm_chunks,
@@ -97,7 +97,6 @@ from optimus_mllm.runtime.optimus_encoder import (
     UserVision,
     input_waiter,
     optimus_communicator,
-    schedule_groups,
     take_user_vision,
     user_vision_in_place,
     user_vision_spec,
@@ -487,22 +486,18 @@ class Trainer:
         # the LLM's order of this step's schedule
         images_per_microbatch = self._images_per_microbatch(iteration)
         self._step_microbatches = {}
-        step = None
+        encoder = None
         if self.optimus is not None:
-            step = OptimusStep(
-                self.optimus,
-                iteration,
-                self.images,
-                self.stream,
-                self.op_order,
-                self.stage,
-                self.collectives,
-                self._wait_for_input,
-                images_per_microbatch,
+            encoder = EncoderSide(
+                self.optimus, iteration, self.images, self.stream, images_per_microbatch
             )
-            driver = step.driver
-        else:
-            driver = HookDriver(self.op_order, None, self._wait_for_input, self.collectives)
+        hooked = HookedStep(
+            LLMOrder(self.op_order, self.warmup, self.collectives),
+            self.stage,
+            self._wait_for_input,
+            encoder,
+        )
+        driver, step = hooked.driver, hooked.optimus
         self.tconfig.timers = driver.timers(self.timers)
         for model in self.ddp_models:
             model.zero_grad_buffer()
@@ -513,28 +508,18 @@ class Trainer:
             forward = self._balanced_forward_step
         else:
             forward = self._forward_step
-        forward_step = partial(forward, driver, iteration, step)
         iterators = self._data_iterators(iteration)
-        driver.fire(PRE)
-        with (
-            tp_collective_hook(driver.on_reduction, self.chunks),
-            warmup_override(lambda s: self.warmup[s]),
-        ):
-            outputs = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iterators if self.plan.vp > 1 else iterators[0],
-                model=self.models if self.plan.vp > 1 else self.models[0],
-                num_microbatches=self.num_microbatches,
-                seq_length=self._p2p_seq_length(),
-                micro_batch_size=self.config.training.micro_batch_size,
-                forward_only=False,
-                **schedule_groups(self.communicator),
-            )
-        driver.fire(POST)
-        if self.communicator is not None:
-            self.communicator.finish()
-        if step is not None:
-            step.finish()
+        outputs = hooked.run(
+            get_forward_backward_func(),
+            self.chunks,
+            self.communicator,
+            forward_step_func=partial(forward, driver, iteration, step),
+            data_iterator=iterators if self.plan.vp > 1 else iterators[0],
+            model=self.models if self.plan.vp > 1 else self.models[0],
+            num_microbatches=self.num_microbatches,
+            seq_length=self._p2p_seq_length(),
+            micro_batch_size=self.config.training.micro_batch_size,
+        )
         self._finalize_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         updated, grad_norm, _ = self.optimizer.step()
