@@ -38,7 +38,6 @@ from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.checkpoint_meta import (
     CheckpointInfo,
-    Mode,
     check_resumable,
     dist_checkpoint_folder,
     latest_checkpoint,
@@ -46,6 +45,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout_change,
 )
 from optimus_mllm.runtime.data_sources import check_dataset
+from optimus_mllm.runtime.mode import Mode
 from optimus_mllm.runtime.tp_modes.trained import refuse_untrained_tp_modes
 from optimus_mllm.runtime.webdataset_data import is_webdataset
 from optimus_mllm.scheduler.artifact import (

@@ -54,7 +54,6 @@ from optimus_mllm.runtime.balanced import (
     packed_shape,
     tied_embedding_group,
 )
-from optimus_mllm.runtime.checkpoint_meta import Mode
 from optimus_mllm.runtime.communicators import (
     FirstUse,
     create_communicators,
@@ -85,6 +84,7 @@ from optimus_mllm.runtime.llm import (
     transformer_config,
 )
 from optimus_mllm.runtime.microbatches import MicrobatchNumbering
+from optimus_mllm.runtime.mode import Mode
 from optimus_mllm.runtime.optimizer import (
     build_opt_param_scheduler,
     build_optimizer,
