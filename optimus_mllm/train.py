@@ -324,8 +324,10 @@ def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan
                 f"--baseline runs model.encoders[{i}] at the LLM's tp={tp}, but its {problem}; "
                 "run it without --baseline or pick another parallel.llm.tp"
             )
-    problem = balanced_problem(config, llm_plan) if baseline == "balanced" else None
-    if baseline == "balanced" and config.data.path is not None and is_webdataset(config.data.path):
+    if baseline != "balanced":
+        return
+    problem = balanced_problem(config, llm_plan)
+    if config.data.path is not None and is_webdataset(config.data.path):
         problem = (
             "its pipeline buffers carry one image per sample, and a webdataset's microbatches "
             "(data.path) vary in images; train it under Optimus or --baseline"
