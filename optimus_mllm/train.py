@@ -38,7 +38,6 @@ from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.runtime.checkpoint_meta import (
     CheckpointInfo,
-    Mode,
     check_resumable,
     dist_checkpoint_folder,
     latest_checkpoint,
@@ -46,6 +45,7 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout_change,
 )
 from optimus_mllm.runtime.data_sources import check_dataset
+from optimus_mllm.runtime.mode import Mode
 from optimus_mllm.runtime.tp_modes.trained import refuse_untrained_tp_modes
 from optimus_mllm.runtime.webdataset_data import is_webdataset
 from optimus_mllm.scheduler.artifact import (
@@ -324,8 +324,10 @@ def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan
                 f"--baseline runs model.encoders[{i}] at the LLM's tp={tp}, but its {problem}; "
                 "run it without --baseline or pick another parallel.llm.tp"
             )
-    problem = balanced_problem(config, llm_plan) if baseline == "balanced" else None
-    if baseline == "balanced" and config.data.path is not None and is_webdataset(config.data.path):
+    if baseline != "balanced":
+        return
+    problem = balanced_problem(config, llm_plan)
+    if config.data.path is not None and is_webdataset(config.data.path):
         problem = (
             "its pipeline buffers carry one image per sample, and a webdataset's microbatches "
             "(data.path) vary in images; train it under Optimus or --baseline"

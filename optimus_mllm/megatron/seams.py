@@ -67,7 +67,6 @@ from megatron.core.utils import get_model_config
 from torch import nn
 
 from megatron_patches.ddp import average_over
-from megatron_patches.hooks import tp_collective_hook, warmup_override
 from megatron_patches.p2p import ChannelP2PCommunicator
 from optimus_mllm.config import EncoderConfig, OptimusConfig
 from optimus_mllm.costing.workload import max_images_per_microbatch
@@ -93,16 +92,15 @@ from optimus_mllm.runtime.communicators import (
 from optimus_mllm.runtime.data import patchify
 from optimus_mllm.runtime.dtypes import DTYPES
 from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
+from optimus_mllm.runtime.hooked_step import EncoderSide, HookedStep, LLMOrder
 from optimus_mllm.runtime.llm import llm_pipelines, transformer_config
 from optimus_mllm.runtime.microbatches import MicrobatchNumbering
 from optimus_mllm.runtime.optimizer import chain_encoder_optimizer, encoder_process_groups
 from optimus_mllm.runtime.optimus_encoder import (
     OptimusEncoder,
-    OptimusStep,
     UserVision,
     input_waiter,
     optimus_communicator,
-    schedule_groups,
     take_user_vision,
     user_vision_in_place,
     user_vision_spec,
@@ -357,19 +355,19 @@ class OptimusInMegatron:
                 )
             )
             self.probed = True
-        op_order = job.artifact.llm_op_order[job.stage]
-        step = OptimusStep(
-            job.optimus,
-            self.get_args().curr_iteration,
-            images,
-            job.stream,
-            op_order,
+        hooked = HookedStep(
+            LLMOrder(job.artifact.llm_op_order[job.stage], job.artifact.warmup, job.collectives),
             job.stage,
-            job.collectives,
             input_waiter(job.communicator, job.stage, job.llm_plan),
-            counts.__getitem__,
+            EncoderSide(
+                job.optimus,
+                self.get_args().curr_iteration,
+                images,
+                job.stream,
+                counts.__getitem__,
+            ),
         )
-        driver = step.driver
+        driver, step = hooked.driver, hooked.optimus
 
         def forward_step(data: Any, chunk_model: Any, *rest: Any) -> Any:
             if job.user_vision is not None and driver.current.chunk == 0:
@@ -388,28 +386,17 @@ class OptimusInMegatron:
         config.finalize_model_grads_func = lambda *a, **k: deferred.append((a, k))
         assert job.encoder_ddp is not None, "the optimizer seam builds the encoder's DDP"
         job.encoder_ddp.zero_grad_buffer()
-        warmup = job.artifact.warmup
         try:
-            driver.fire(PRE)
-            with (
-                tp_collective_hook(
-                    driver.on_reduction, [language_model(m) for m in _unwrapped(model)]
-                ),
-                warmup_override(lambda s: warmup[s]),
-            ):
-                outputs = schedule(
-                    forward_step_func=forward_step,
-                    data_iterator=data_iterator,
-                    model=model,
-                    num_microbatches=num_microbatches,
-                    forward_only=False,
-                    **kwargs,
-                    **schedule_groups(job.communicator),
-                )
-            driver.fire(POST)
-            if job.communicator is not None:
-                job.communicator.finish()
-            step.finish()
+            outputs = hooked.run(
+                schedule,
+                [language_model(m) for m in _unwrapped(model)],
+                job.communicator,
+                forward_step_func=forward_step,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=num_microbatches,
+                **kwargs,
+            )
         finally:
             config.timers, config.finalize_model_grads_func = timers, finalize
         for args, kw in deferred:

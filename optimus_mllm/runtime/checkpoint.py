@@ -65,12 +65,10 @@ from optimus_mllm.runtime.checkpoint_meta import (
     optimizer_layout,
 )
 from optimus_mllm.runtime.sharded_state import (
-    LLM_PREFIX,
     encoder_sharded_state_dict,
-    llm_sharded_state_dict,
-    model_entries,
     part_layout,
 )
+from optimus_mllm.runtime.trainer import Trainer
 from optimus_mllm.runtime.user_model import vision_sharded_state_dict
 from optimus_mllm.scheduler.artifact_format import artifact_to_json
 
@@ -83,28 +81,14 @@ OPTIMIZER_SHARDING = {
 }
 
 
-def model_sharded_state_dict(trainer: Any) -> dict[str, ShardedStateDict]:
-    """This rank's LLM chunks and encoder stage as Megatron-LM's ``model`` / ``model<i>`` entries;
-    in the
-    balanced baseline each virtual stage's entry holds its LLM and its encoder layers alike."""
-    if trainer.mode == "balanced":
-        dp_group = parallel_state.get_data_parallel_group()
-        return {
-            key: {
-                **({} if chunk.llm is None else chunk.llm.sharded_state_dict(prefix=LLM_PREFIX)),
-                **(
-                    {}
-                    if chunk.encoder_stage is None
-                    else encoder_sharded_state_dict(trainer.config, chunk.encoder_stage, dp_group)
-                ),
-            }
-            for key, chunk in zip(model_entries(len(trainer.modules)), trainer.modules)
-        }
-    state = llm_sharded_state_dict(trainer.chunks)
+def model_sharded_state_dict(trainer: Trainer) -> dict[str, ShardedStateDict]:
+    """This rank's LLM chunks and encoder stage as Megatron-LM's ``model`` / ``model<i>`` entries
+    (the placement's), the encoder stage and the user's vision model in the first."""
+    state = trainer.placement.model_state(trainer.config, trainer.modules, trainer.chunks)
     if trainer.encoder is not None:
         dp_group = (
             trainer.groups.dp_group
-            if trainer.mode == "optimus"
+            if trainer.placement.encoder_plan
             else parallel_state.get_data_parallel_group()
         )
         state[next(iter(state))].update(
@@ -190,7 +174,7 @@ def _quietly(function: Callable[..., Any], *args: Any) -> Any:
 # -- saving ------------------------------------------------------------------------------------
 
 
-def save_checkpoint(trainer: Any, root: str | Path, iteration: int) -> Path:
+def save_checkpoint(trainer: Trainer, root: str | Path, iteration: int) -> Path:
     """Every rank calls this after step ``iteration``; returns the checkpoint folder.
 
     A failure on any rank is raised as the same OptimusError on every rank; the half-written folder
@@ -221,7 +205,7 @@ def save_checkpoint(trainer: Any, root: str | Path, iteration: int) -> Path:
     return final
 
 
-def _state_dict(trainer: Any, iteration: int) -> dict[str, Any]:
+def _state_dict(trainer: Trainer, iteration: int) -> dict[str, Any]:
     model_state = model_sharded_state_dict(trainer)
     optimizer_state = _sharded_leaves(
         _optimizer_requests(trainer.optimizer, model_state, is_loading=False)
@@ -287,7 +271,7 @@ def _fresh_dir(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -> None:
+def _publish(trainer: Trainer, root: Path, tmp: Path, final: Path, iteration: int) -> None:
     """Make ``tmp`` the checkpoint of ``iteration``, in an order that a crash at any point leaves
     ``checkpoint_meta.latest_checkpoint`` a complete checkpoint to resume from (this one or the one
     before)."""
@@ -300,7 +284,7 @@ def _publish(trainer: Any, root: Path, tmp: Path, final: Path, iteration: int) -
         "version": CHECKPOINT_VERSION,
         "iteration": iteration,
         "world_size": dist.get_world_size(),
-        "mode": trainer.mode,
+        "mode": trainer.placement.mode,
         "llm_plan": trainer.plan.as_dict(),
         "model": model_json(trainer.config),
         "optimizer_layout": optimizer_layout(trainer.config),
@@ -337,7 +321,7 @@ def _load_agreed(request: dict[str, Any], folder: Path, failed: str) -> dict[str
 # -- loading -----------------------------------------------------------------------------------
 
 
-def load_checkpoint(trainer: Any, info: CheckpointInfo, load_optimizer: bool = True) -> None:
+def load_checkpoint(trainer: Trainer, info: CheckpointInfo, load_optimizer: bool = True) -> None:
     """Load the weights of ``info`` into this rank's LLM chunks and encoder stage, the LR schedule's
     position and, with ``load_optimizer`` (the caller checked ``optimizer_layout_change``), the
     optimizer's state; whatever plans and runtime wrote it."""
@@ -435,7 +419,7 @@ def _load_optimizer(
 # -- pretrained weights ------------------------------------------------------------------------
 
 
-def load_pretrained(trainer: Any, part: str, folder: Path, flag: str) -> str:
+def load_pretrained(trainer: Trainer, part: str, folder: Path, flag: str) -> str:
     """Load the weights of one model part, ``"llm"`` or an encoder's name, from the dist checkpoint
     in ``folder`` (Megatron-LM's ``--pretrained-checkpoint``: weights only; the optimizer starts
     afresh, the run from step 0). Every rank calls this; returns what to tell the user.

@@ -13,12 +13,13 @@ import json
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 from optimus_mllm.config import ModelConfig, OptimusConfig, model_config_from_dict
 from optimus_mllm.config.files import read_regular_file, read_versioned_json, special_entries
 from optimus_mllm.errors import ConfigError, OptimusError
 from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.runtime.mode import MODES
 
 CHECKPOINT_FORMAT = "optimus-checkpoint"
 CHECKPOINT_VERSION = 3  # 3: megatron-core dist_checkpointing (2: per-rank torch.save shards)
@@ -106,10 +107,6 @@ def _iterations(root: Path) -> list[int]:
     return [int(name) for name in names if name.isascii() and name.isdigit()]
 
 
-# the runtimes: Optimus's schedule, the Megatron-style baseline, the paper's Megatron-LM balanced
-# baseline
-Mode = Literal["optimus", "baseline", "balanced"]
-_MODES: tuple[Mode, ...] = get_args(Mode)
 _META_FIELDS = {
     "iteration": int,
     "world_size": int,
@@ -146,9 +143,9 @@ def _read_complete(path: Path) -> CheckpointInfo:
         raise _Incomplete(
             f"has a meta.json whose world_size {meta['world_size']} is not its llm_plan's"
         )
-    if meta["mode"] not in _MODES:
+    if meta["mode"] not in MODES:
         raise _Incomplete(
-            f"has a meta.json with mode {meta['mode'][:20]!r}, not one of {', '.join(_MODES)}"
+            f"has a meta.json with mode {meta['mode'][:20]!r}, not one of {', '.join(MODES)}"
         )
     if meta["iteration"] != int(path.name.removeprefix("iter_")):
         raise _Incomplete(f"has the meta.json of iteration {meta['iteration']}")

@@ -39,7 +39,6 @@ from megatron.core.utils import get_model_config
 
 import megatron_patches
 from megatron_patches.ddp import gather_main_grads
-from megatron_patches.hooks import tp_collective_hook, warmup_override
 from optimus_mllm.config import OptimusConfig
 from optimus_mllm.costing.workload import (
     EncoderWorkload,
@@ -49,13 +48,6 @@ from optimus_mllm.costing.workload import (
 )
 from optimus_mllm.errors import AgreedError, ConfigError, OptimusError
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.runtime.balanced import (
-    balanced_transformer_config,
-    build_balanced_chunks,
-    packed_shape,
-    tied_embedding_group,
-)
-from optimus_mllm.runtime.checkpoint_meta import Mode
 from optimus_mllm.runtime.communicators import (
     FirstUse,
     create_communicators,
@@ -74,17 +66,15 @@ from optimus_mllm.runtime.executor import (
     embeddings_shape,
 )
 from optimus_mllm.runtime.hook_plan import POST, PRE, planned_collectives
+from optimus_mllm.runtime.hooked_step import EncoderSide, HookedStep, LLMOrder
 from optimus_mllm.runtime.iteration_schedules import IterationSchedules, StepSchedule
 from optimus_mllm.runtime.llm import (
-    build_llm_chunks,
-    causal_mask,
-    decoder_input_with_images,
     llm_pipelines,
-    masked_lm_loss,
     pre_post_process,
     transformer_config,
 )
 from optimus_mllm.runtime.microbatches import MicrobatchNumbering
+from optimus_mllm.runtime.mode import Mode
 from optimus_mllm.runtime.optimizer import (
     build_opt_param_scheduler,
     build_optimizer,
@@ -97,14 +87,13 @@ from optimus_mllm.runtime.optimus_encoder import (
     UserVision,
     input_waiter,
     optimus_communicator,
-    schedule_groups,
     take_user_vision,
     user_vision_in_place,
     user_vision_spec,
     with_user_model,
 )
+from optimus_mllm.runtime.placements import ChunkInput, placement
 from optimus_mllm.runtime.streams import make_encoder_stream, to_device, training_device
-from optimus_mllm.runtime.tp_modes.groups import Grid2D, build_grids
 from optimus_mllm.runtime.tp_modes.trained import refuse_untrained_tp_modes
 from optimus_mllm.runtime.user_model import (
     UserModel,
@@ -115,9 +104,8 @@ from optimus_mllm.runtime.user_model import (
 )
 from optimus_mllm.runtime.vision_probe import probe_vision_path
 from optimus_mllm.runtime.vit import EncoderStage
-from optimus_mllm.runtime.weights import init_llm_plan_independent_, init_plan_independent_
+from optimus_mllm.runtime.weights import init_plan_independent_
 from optimus_mllm.scheduler.artifact_format import EncoderMicrobatch, LLMOp, ScheduleArtifact
-from optimus_mllm.scheduler.baselines import balanced_layer_ranges
 from optimus_mllm.scheduler.pipeline_order import default_warmup, rank_op_order
 
 # a model_provider's job scheduled once its model is read: the config as the built model describes
@@ -187,15 +175,8 @@ class Trainer:
         (``user_model``), run in place of this project's model and data; its single encoder is
         ``config.encoders[0]``, under Optimus as the provider built it (``with_user_model``), so
         its ``artifact`` is a ``ScheduleFor``, made once the model is read."""
-        if mode == "optimus" and artifact is None:
-            raise OptimusError(
-                "the Optimus runtime needs a schedule artifact (optimus-plan --artifact)"
-            )
-        if mode == "optimus" and callable(artifact) != (user_model is not None):
-            raise OptimusError(
-                "a model_provider's model is scheduled once its model is read: pass a "
-                "ScheduleFor (config -> artifact) with user_model, an artifact without"
-            )
+        self.placement = placement(mode)
+        self.placement.refuse(artifact, user_model is not None)
         if not callable(artifact):
             _refuse_unrunnable(
                 config,
@@ -204,16 +185,11 @@ class Trainer:
                 artifact,
                 user_model is not None or encoder_layer_specs is not None,
             )
-        if user_model is not None and mode == "balanced":
-            raise OptimusError(
-                "the balanced baseline runs this project's ViT and GPT; a model_provider's model "
-                "runs under the Optimus schedule or the Megatron-style baseline"
-            )
         if user_model is not None and len(config.encoders) != 1:
             raise OptimusError(
                 "model.encoders: a model_provider's model has one vision_model; give one encoder"
             )
-        self.config, self.plan, self.mode, self.artifact = config, llm_plan, mode, artifact
+        self.config, self.plan, self.artifact = config, llm_plan, artifact
         self.encoder_layer_specs = encoder_layer_specs
         self.user_model = user_model
         self.timers = timers
@@ -223,11 +199,7 @@ class Trainer:
             self.data = microbatch_source(config)
             self.images = lambda iteration, microbatch: self.data(iteration, microbatch).images
             self.image_count = image_count(self.data)
-            if mode == "balanced" and self.image_count is not None:
-                raise OptimusError(
-                    "the balanced baseline's pipeline buffers carry one image per sample; a "
-                    "webdataset's microbatches (data.path) vary in images"
-                )
+            self.placement.refuse_data(self.image_count is not None)
         self.device = training_device()  # before megatron-core places parameters on the current GPU
         self.stream = make_encoder_stream(self.device, side_stream)
         self._owns_patches = not megatron_patches.is_applied()
@@ -237,29 +209,10 @@ class Trainer:
         tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
         # the balanced baseline's, for a word embedding tied across pipeline ranks
         self.embedding_group = None
-        if mode == "balanced":
-            ranges = balanced_layer_ranges(config, llm_plan)
-            self.tconfig = balanced_transformer_config(config, llm_plan, ranges)
-            self.embedding_group = tied_embedding_group(config, llm_plan, ranges)
-            self.modules = build_balanced_chunks(
-                config,
-                llm_plan,
-                self.tconfig,
-                ranges,
-                encoder_layer_specs,
-                synced_copy=self.embedding_group is not None,
-            )
-            self.chunks = [chunk.llm for chunk in self.modules if chunk.llm is not None]
-            init_llm_plan_independent_(
-                self.chunks, config.training.seed, parallel_state.get_tensor_model_parallel_group()
-            )
-        elif user_model is None:
-            self.tconfig = transformer_config(config, llm_plan)
-            self.chunks = build_llm_chunks(config, llm_plan, self.tconfig)
-            init_llm_plan_independent_(
-                self.chunks, config.training.seed, parallel_state.get_tensor_model_parallel_group()
-            )
-            self.modules = list(self.chunks)  # what DDP wraps and the schedule runs
+        if user_model is None:
+            parts = self.placement.build_llm(config, llm_plan, encoder_layer_specs)
+            self.tconfig, self.modules, self.chunks = parts.tconfig, parts.modules, parts.chunks
+            self.embedding_group = parts.embedding_group
         else:  # the user's modules and initialisation, as Megatron-LM's get_model builds them
             self.modules = build_user_chunks(user_model.model_provider, pre_post_process(llm_plan))
             self.chunks = [language_model(chunk) for chunk in self.modules]
@@ -273,10 +226,10 @@ class Trainer:
                 raise OptimusError(problem)
             # the config megatron-core's schedule reads
             self.tconfig = get_model_config(self.modules[0])
-            if mode == "optimus":
+            if self.placement.encoder_plan:
                 config, artifact = self._read_user_model(artifact)
-                mode = "optimus" if artifact is not None else "baseline"
-                self.config, self.mode, self.artifact = config, mode, artifact
+                self.placement = placement("optimus" if artifact is not None else "baseline")
+                self.config, self.artifact = config, artifact
             self.images = user_images(config, user_model)
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.llm_dp = parallel_state.get_data_parallel_rank()
@@ -308,26 +261,14 @@ class Trainer:
         self.user_vision: UserVision | None = None
         if user_model is not None:
             self._adopt_user_vision()
-        elif mode == "optimus":
+        elif self.placement.encoder_plan:
             self._build_optimus_encoder()
-        elif mode == "baseline":
-            # the encoder at the LLM's TP: 2d on the grid over its TP group (every rank builds
-            # every group's grid, collective); built on the first stage
-            grid = llm_tp_grid() if config.parallel.encoder_tp_mode == "2d" else None
-            if self.stage == 0:
-                self.encoder = EncoderStage(
-                    config,
-                    0,
-                    1,
-                    parallel_state.get_tensor_model_parallel_group(),
-                    layer_specs=encoder_layer_specs,
-                    tp_mode=config.parallel.encoder_tp_mode,
-                    grid=grid,
-                )
+        else:
+            self.encoder = self.placement.encoder_in_llm(config, self.stage, encoder_layer_specs)
         self.schedules: IterationSchedules | None = None
         # this step's LLM microbatch -> the job's microbatch its forwards ran (``StepResult``)
         self._step_microbatches: dict[int, int] = {}
-        if mode == "optimus" and config.training.schedule_per_iteration:
+        if self.placement.encoder_plan and config.training.schedule_per_iteration:
             if self.image_count is None:
                 raise OptimusError(
                     "training.schedule_per_iteration: needs a webdataset's varying images "
@@ -346,7 +287,9 @@ class Trainer:
         for module in [*self.modules, *([self.encoder] if self.encoder is not None else [])]:
             module.to(self.device, dtype)
         self.communicator = (
-            optimus_communicator(self.tconfig, llm_plan, self.rank) if mode == "optimus" else None
+            optimus_communicator(self.tconfig, llm_plan, self.rank)
+            if self.placement.encoder_plan
+            else None
         )
         self._wait_for_input = input_waiter(self.communicator, self.stage, llm_plan)
         self._build_training_stack()
@@ -358,7 +301,9 @@ class Trainer:
         them."""
         self.models = [wrap_ddp(self.config, self.tconfig, module) for module in self.modules]
         self.encoder_ddp = None
-        encoder_groups = encoder_process_groups(self.groups) if self.mode == "optimus" else None
+        encoder_groups = (
+            encoder_process_groups(self.groups) if self.placement.encoder_plan else None
+        )
         if self.encoder is not None:
             # DDP takes each parameter's gradient-accumulation node when it is built, and autograd
             # runs that node, with DDP's hook into main_grad, on the stream current then. Under
@@ -380,7 +325,7 @@ class Trainer:
             self.models,
             self.encoder_ddp,
             encoder_groups,
-            self.groups.dp_group_gloo if self.mode == "optimus" else None,
+            self.groups.dp_group_gloo if self.placement.encoder_plan else None,
         )
         self.opt_param_scheduler = build_opt_param_scheduler(self.config, self.optimizer)
         self.tconfig.grad_scale_func = self.optimizer.scale_loss
@@ -389,11 +334,7 @@ class Trainer:
     def encoder_stages(self) -> list[EncoderStage]:
         """This rank's encoder layers: its encoder stage, or in the balanced baseline its virtual
         stages' parts."""
-        if self.mode == "balanced":
-            return [
-                chunk.encoder_stage for chunk in self.modules if chunk.encoder_stage is not None
-            ]
-        return [self.encoder] if self.encoder is not None else []
+        return self.placement.encoder_stages(self.modules, self.encoder)
 
     @property
     def ddp_models(self) -> list[Any]:
@@ -406,7 +347,7 @@ class Trainer:
         uses = llm_uses(self.embedding_group)
         if self.communicator is not None:
             uses += pipeline_channel_uses(llm_pipelines(), self.rank, self.communicator.channels)
-        if self.mode == "optimus":
+        if self.placement.encoder_plan:
             uses += encoder_uses(self.groups)
         return uses
 
@@ -431,8 +372,8 @@ class Trainer:
         its place. The first stage checks it and every rank hears the verdict, so all refuse or
         none does."""
         first = self.modules[0] if self.stage == 0 else None
-        spec = user_vision_spec(self.config, first, check=self.mode == "optimus")
-        if self.mode == "baseline":
+        spec = user_vision_spec(self.config, first, check=self.placement.encoder_plan)
+        if not self.placement.encoder_plan:
             return
         self.encoder_layer_specs = {self.config.encoders[0].name: spec}
         self._build_optimus_encoder()
@@ -454,7 +395,7 @@ class Trainer:
         """The start-up probe (``vision_probe``) of a user's model under Optimus, on the first
         microbatch of ``iteration`` (every rank takes part): the line that says how the model's
         vision path and the encoder's compared, or ``OptimusError`` on every rank."""
-        assert self.user_model is not None and self.mode == "optimus"
+        assert self.user_model is not None and self.placement.encoder_plan
         first = self.modules[0] if self.stage == 0 else None
         batch = images = forward = None
         if first is not None:
@@ -487,54 +428,35 @@ class Trainer:
         # the LLM's order of this step's schedule
         images_per_microbatch = self._images_per_microbatch(iteration)
         self._step_microbatches = {}
-        step = None
+        encoder = None
         if self.optimus is not None:
-            step = OptimusStep(
-                self.optimus,
-                iteration,
-                self.images,
-                self.stream,
-                self.op_order,
-                self.stage,
-                self.collectives,
-                self._wait_for_input,
-                images_per_microbatch,
+            encoder = EncoderSide(
+                self.optimus, iteration, self.images, self.stream, images_per_microbatch
             )
-            driver = step.driver
-        else:
-            driver = HookDriver(self.op_order, None, self._wait_for_input, self.collectives)
+        hooked = HookedStep(
+            LLMOrder(self.op_order, self.warmup, self.collectives),
+            self.stage,
+            self._wait_for_input,
+            encoder,
+        )
+        driver, step = hooked.driver, hooked.optimus
         self.tconfig.timers = driver.timers(self.timers)
         for model in self.ddp_models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if self.user_model is not None:
-            forward = self._user_forward_step
-        elif self.mode == "balanced":
-            forward = self._balanced_forward_step
-        else:
-            forward = self._forward_step
-        forward_step = partial(forward, driver, iteration, step)
+        forward = self._forward_step if self.user_model is None else self._user_forward_step
         iterators = self._data_iterators(iteration)
-        driver.fire(PRE)
-        with (
-            tp_collective_hook(driver.on_reduction, self.chunks),
-            warmup_override(lambda s: self.warmup[s]),
-        ):
-            outputs = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iterators if self.plan.vp > 1 else iterators[0],
-                model=self.models if self.plan.vp > 1 else self.models[0],
-                num_microbatches=self.num_microbatches,
-                seq_length=self._p2p_seq_length(),
-                micro_batch_size=self.config.training.micro_batch_size,
-                forward_only=False,
-                **schedule_groups(self.communicator),
-            )
-        driver.fire(POST)
-        if self.communicator is not None:
-            self.communicator.finish()
-        if step is not None:
-            step.finish()
+        outputs = hooked.run(
+            get_forward_backward_func(),
+            self.chunks,
+            self.communicator,
+            forward_step_func=partial(forward, driver, iteration, step),
+            data_iterator=iterators if self.plan.vp > 1 else iterators[0],
+            model=self.models if self.plan.vp > 1 else self.models[0],
+            num_microbatches=self.num_microbatches,
+            seq_length=self.placement.p2p_seq_length(self.config, self.plan, self.tconfig),
+            micro_batch_size=self.config.training.micro_batch_size,
+        )
         self._finalize_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         updated, grad_norm, _ = self.optimizer.step()
@@ -604,44 +526,20 @@ class Trainer:
         data_iterator: Any,
         model: Any,
     ) -> tuple[torch.Tensor, Any]:
+        """This project's model: the placement's forward of the LLM op starting now."""
         microbatch, chunk, global_microbatch, seed = self._microbatch_in_flight(driver, iteration)
         mb = _text_on(self.data(iteration, global_microbatch), self.device)
-        mask = mb.attention_mask
-        if mask is None:
-            mask = causal_mask(self.config.llm.seq_length, self.device)
-        decoder_input = None
-        if self.chunks[chunk].pre_process:
+
+        def image_embeddings() -> torch.Tensor:
             if step is not None:
-                images = step.image_embeddings(microbatch)
-            else:
-                images = self._baseline_image_embeddings(mb, seed)
-            decoder_input = decoder_input_with_images(self.chunks[chunk], mb, images)
-        output = model(
-            mb.tokens, mb.position_ids, mask, decoder_input=decoder_input, labels=mb.labels
+                return step.image_embeddings(microbatch)
+            return self._baseline_image_embeddings(mb, seed)
+
+        return self.placement.forward(
+            ChunkInput(
+                self.config, mb, model, self.modules[chunk], seed, self.device, image_embeddings
+            )
         )
-        return output, partial(masked_lm_loss, loss_mask=mb.loss_mask)
-
-    def _balanced_forward_step(
-        self,
-        driver: HookDriver,
-        iteration: int,
-        step: OptimusStep | None,
-        data_iterator: Any,
-        model: Any,
-    ) -> tuple[torch.Tensor, Any]:
-        microbatch, chunk, global_microbatch, seed = self._microbatch_in_flight(driver, iteration)
-        mb = _text_on(self.data(iteration, global_microbatch), self.device)
-        images = to_device(mb.images[0], self.device) if self.modules[chunk].first else None
-        return model(mb, images, seed), partial(masked_lm_loss, loss_mask=mb.loss_mask)
-
-    def _p2p_seq_length(self) -> int:
-        """The ``seq_length`` megatron-core's schedule sizes its P2P tensors by: the LLM's, or in
-        the balanced
-        baseline the packed boundary buffer's (whole over TP under sequence parallelism)."""
-        if self.mode != "balanced":
-            return self.config.llm.seq_length
-        sp = self.tconfig.sequence_parallel
-        return packed_shape(self.config, self.plan)[0] * (self.plan.tp if sp else 1)
 
     def _microbatch_in_flight(
         self, driver: HookDriver, iteration: int
@@ -755,20 +653,6 @@ def _refuse_unrunnable(
             "a 2d encoder trains in one pipeline stage yet (stages would pass grid blocks); "
             "set pp: 1",
         )
-
-
-def llm_tp_grid() -> Grid2D | None:
-    """The q x q grid over this rank's LLM TP group, every LLM TP group's built (collective).
-    megatron-core's TP groups are runs of ``tp`` consecutive ranks (its default order)."""
-    tp, world = parallel_state.get_tensor_model_parallel_world_size(), dist.get_world_size()
-    groups = [tuple(range(first, first + tp)) for first in range(0, world, tp)]
-    mine = tuple(dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()))
-    if mine not in groups:
-        raise OptimusError(
-            f"the LLM's TP group {list(mine)} is not a run of consecutive ranks; a 2d encoder "
-            "under --baseline needs megatron-core's default rank order"
-        )
-    return build_grids(groups)
 
 
 def join_model_parallel(plan: ParallelPlan) -> bool:
