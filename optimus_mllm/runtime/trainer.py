@@ -10,7 +10,9 @@ weights, data and LLM plan. ``balanced``: the paper's Megatron-LM balanced basel
 tensor-parallel with the LLM. All three train with megatron-core's own stack
 (``runtime/optimizer.py``: DDP, the distributed optimizer, AdamW, clipping by one norm over LLM and
 encoder, the LR schedule), so their losses, gradient norms and weights can be compared number for
-number.
+number. What differs between the three is a ``runtime/placements.py`` ``Placement`` (the one place a
+mode's name is read); the step itself is ``runtime/hooked_step.py``'s ``HookedStep``, which the
+Megatron-LM seams (``megatron/seams.py``) run too.
 
 Under ``optimus`` with ``training.schedule_per_iteration`` (a webdataset), each step runs its own
 schedule artifact, built while the step before trained, or the fallback (``iteration_schedules``).
