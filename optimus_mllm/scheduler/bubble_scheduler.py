@@ -691,6 +691,51 @@ def bubble_scheduler(
         plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
         best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine)
         return (best.schedule() if best else None), stats
+    found, stats = search_workload(
+        config,
+        llm_plan,
+        candidate,
+        bubbles,
+        cost,
+        workload,
+        bound_us,
+        fine,
+        images_per_chain,
+        chains,
+    )
+    return (found.schedule() if found else None), stats
+
+
+@dataclass(frozen=True)
+class WorkloadBest:
+    """A workload's fastest partition as searched (``search_workload``), laid out as a Schedule
+    only when wanted: a per-iteration build searches several encoder microbatch sizes and runs
+    one, and laying out every size's schedule took a tenth of its time."""
+
+    best: _PlanBest
+    feeds: tuple[int, ...]  # ``Schedule.feeds``
+
+    @property
+    def iteration_us(self) -> float:
+        return self.best.iteration_us
+
+    def schedule(self) -> Schedule:
+        return replace(self.best.schedule(), feeds=self.feeds)
+
+
+def search_workload(
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    candidate: EncoderPlanCandidate,
+    bubbles: LLMBubbles,
+    cost: CostModel,
+    workload: IterationWorkload,
+    bound_us: float = float("inf"),
+    fine: bool = True,
+    images_per_chain: int | None = None,
+    chains: ChainMoves | None = None,
+) -> tuple[WorkloadBest | None, SchedulerStats]:
+    """``bubble_scheduler`` of a ``workload``, its best not laid out yet (see there)."""
     imageless = sum(w.empty for w in workload)
     if any(w.empty for w in workload[imageless:]):
         raise ValueError("the LLM runs the imageless microbatches first: order them so")
@@ -716,9 +761,7 @@ def bubble_scheduler(
         work, moves = chains.of(candidate.plan, split.chain, bubbles)
     plan_input = _PlanInput.of_work(candidate, work, bubbles)
     best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine, moves)
-    if best is None:
-        return None, stats
-    return replace(best.schedule(), feeds=split.feeds), stats
+    return (WorkloadBest(best, split.feeds) if best else None), stats
 
 
 class ChainMoves:
@@ -846,7 +889,7 @@ def _search_partitions(
     kept from an earlier search of the same work and bubbles (default: new ones)."""
     work, bounds = plan_input.work, plan_input.bounds
     stats = SchedulerStats(partitions_total=len(bounds))
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         if moves is None:
             moves = PipelineMoves.of_pipelines(work, bubbles)
         best: _PlanBest | None = None
@@ -868,7 +911,7 @@ def _search_partitions(
 
 
 @contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
+def cyclic_gc_paused() -> Iterator[None]:
     """The search allocates millions of small objects (kernel starts, spans, layouts) and no
     reference cycles; Python's cyclic collector would scan the growing heap again and again for
     nothing (about a fifth of the 12288-GPU benchmark row)."""
@@ -994,7 +1037,7 @@ def best_schedule(
     kernel whole, as the paper's Algorithm 1 does.
     """
     started = time.perf_counter()
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
         result = OptimusResult(best=None, llm_alone_us=bubbles.dep.timeline.iteration_us)
         plan_inputs = [
