@@ -258,26 +258,33 @@ class _PartitionScheduler:
         key = self._backward_key(j, i, low)
         shared = self.moves[j].backward
         if key not in shared:
-            shared[key] = self._first_fit_backward(j, i, low)
+            self._first_fit_backward(j, i, low)
         return shared[key]
 
     def _backward_key(self, j: int, i: int, low: int) -> BackwardKey:
         return self.moved_forward(j), tuple(self.moved_backward[j]), self.dep.backward[i], low
 
-    def _first_fit_backward(self, j: int, i: int, low: int) -> Move | None:
+    def _first_fit_backward(self, j: int, i: int, low: int) -> None:
+        """Place the backward from the last stage down to ``low`` into ``PipelineMoves.backward``,
+        and with it the move stopped above each stage on the way (its first placements, which
+        ``schedule_kernels`` tries next where this one fails or lengthens the iteration): one
+        walk down the stages instead of one per stage it stops above."""
         w = self.work
-        ready = self.dep.backward[i] + w.to_llm_us[j]
+        shared = self.moves[j].backward
+        moved, prefix, arrival, _ = self._backward_key(j, i, low)
+        ready = arrival + w.to_llm_us[j]
         placements: list[Placement] = []  # from the last stage to the first
         for e in reversed(range(low, self.pp_enc)):
             placement = self.resource(j, e).place_chain(
                 w.bwd[e], ready, self.last(j, e), w.launch_us
             )
-            if placement is None:
-                return None
+            if placement is None:  # so does every move down to a stage below
+                shared.update(((moved, prefix, arrival, stop), None) for stop in range(low, e + 1))
+                return
             # a frozen stage passes the gradient on at once (its chain ends where it starts)
             placements.append(placement if placement.starts else placement._replace(starts=[ready]))
             ready = placement.end + w.p2p_us
-        return Move.of(placements[::-1], low)
+            shared[(moved, prefix, arrival, e)] = Move.of(placements[::-1], e)
 
     def commit_backward(self, j: int, i: int, low: int) -> None:
         """Take the bubbles of the backward move just placed, once a later placement must search
