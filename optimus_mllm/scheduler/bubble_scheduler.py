@@ -75,6 +75,8 @@ from optimus_mllm.scheduler.fine import (
     PipelineMoves,
     Placement,
     Resource,
+    SameMove,
+    SeenKey,
 )
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
@@ -220,6 +222,8 @@ class _PartitionScheduler:
         self.moved_backward: list[list[tuple[float, int]]] = [[] for _ in partition]
         # backward moves not yet in resources
         self.uncommitted: list[list[Move]] = [[] for _ in partition]
+        # per pipeline: its backward moves and when each ends (tau), in order
+        self.committed: list[list[tuple[SameMove, float]]] = [[] for _ in partition]
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
         self.fine_fwd: dict[
             tuple[int, int], Move
@@ -256,22 +260,41 @@ class _PartitionScheduler:
         ``low`` as
         its gradient arrives; None if it does not fit before the LLM's end."""
         key = self._backward_key(j, i, low)
-        shared = self.moves[j].backward
-        if key not in shared:
-            self._first_fit_backward(j, i, low)
-        return shared[key]
+        moves = self.moves[j]
+        if key not in moves.backward:
+            seen = self._seen_key(j, i, low)
+            if seen in moves.backward_seen:
+                moves.backward[key] = moves.backward_seen[seen]
+            else:
+                self._first_fit_backward(j, i, low)
+        return moves.backward[key]
 
     def _backward_key(self, j: int, i: int, low: int) -> BackwardKey:
         return self.moved_forward(j), tuple(self.moved_backward[j]), self.dep.backward[i], low
 
+    def _seen_key(self, j: int, i: int, low: int) -> SeenKey:
+        """What the first-fit of LLM microbatch i's backward on pipeline j sees of the moves
+        before it: those that end after its gradient arrives (``PipelineMoves``)."""
+        arrival = self.dep.backward[i]
+        ready = arrival + self.work.to_llm_us[j]
+        ends = self.moves[j].forward_last_end
+        forward = tuple(t for t in range(self.moved_forward(j)) if ends[t] > ready)
+        backward = tuple(move for move, end in self.committed[j] if end > ready)
+        return forward, backward, arrival, low
+
     def _first_fit_backward(self, j: int, i: int, low: int) -> None:
-        """Place the backward from the last stage down to ``low`` into ``PipelineMoves.backward``,
-        and with it the move stopped above each stage on the way (its first placements, which
-        ``schedule_kernels`` tries next where this one fails or lengthens the iteration): one
-        walk down the stages instead of one per stage it stops above."""
-        w = self.work
-        shared = self.moves[j].backward
+        """Place the backward from the last stage down to ``low`` into ``PipelineMoves.backward``
+        (and ``backward_seen``), and with it the move stopped above each stage on the way (its
+        first placements, which ``schedule_kernels`` tries next where this one fails or lengthens
+        the iteration): one walk down the stages instead of one per stage it stops above."""
+        w, moves = self.work, self.moves[j]
         moved, prefix, arrival, _ = self._backward_key(j, i, low)
+        forward, backward, _, _ = self._seen_key(j, i, low)
+
+        def keep(stop: int, move: Move | None) -> None:
+            moves.backward[(moved, prefix, arrival, stop)] = move
+            moves.backward_seen[(forward, backward, arrival, stop)] = move
+
         ready = arrival + w.to_llm_us[j]
         placements: list[Placement] = []  # from the last stage to the first
         for e in reversed(range(low, self.pp_enc)):
@@ -279,17 +302,20 @@ class _PartitionScheduler:
                 w.bwd[e], ready, self.last(j, e), w.launch_us
             )
             if placement is None:  # so does every move down to a stage below
-                shared.update(((moved, prefix, arrival, stop), None) for stop in range(low, e + 1))
+                for stop in range(low, e + 1):
+                    keep(stop, None)
                 return
             # a frozen stage passes the gradient on at once (its chain ends where it starts)
             placements.append(placement if placement.starts else placement._replace(starts=[ready]))
             ready = placement.end + w.p2p_us
-            shared[(moved, prefix, arrival, e)] = Move.of(placements[::-1], e)
+            keep(e, Move.of(placements[::-1], e))
 
     def commit_backward(self, j: int, i: int, low: int) -> None:
         """Take the bubbles of the backward move just placed, once a later placement must search
         them."""
-        self.uncommitted[j].append(self.moves[j].backward[self._backward_key(j, i, low)])
+        move = self.moves[j].backward[self._backward_key(j, i, low)]
+        self.uncommitted[j].append(move)
+        self.committed[j].append((SameMove(move), move.last_end()))
         self.moved_backward[j].append((self.dep.backward[i], low))
 
     def last(self, j: int, e: int) -> float:
@@ -822,6 +848,7 @@ class ChainMoves:
             for pipeline in moves:
                 if len(pipeline.backward) > self.BACKWARD_KEPT:
                     pipeline.backward.clear()
+                    pipeline.backward_seen.clear()
             return work, moves
         work = build_encoder_work(self.config, self.llm_plan, encoder_plan, self.cost, chain)
         self._kept[key] = work, PipelineMoves.of_pipelines(work, bubbles)

@@ -15,6 +15,7 @@ from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.costing.workload import EncoderWorkload, chain_sizes, check_within
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
+from optimus_mllm.scheduler import bubble_scheduler as scheduler_module
 from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
@@ -25,6 +26,7 @@ from optimus_mllm.scheduler.per_iteration import (
     schedule_iteration,
 )
 
+from support.moves import UnseenMoves
 from support.paths import CONFIGS
 from support.validity import schedule_violations
 
@@ -317,7 +319,7 @@ def test_the_schedules_kept_for_reuse_are_bounded_and_never_those_still_to_run(j
 
 def _full_search(config, planned, candidate, bubbles, cost, workload, bound_us):
     """``schedule_iteration`` as a plain search: every size's schedule laid out, its encoder work
-    built afresh (no ``ChainMoves``)."""
+    built afresh (no ``ChainMoves``); run with ``UnseenMoves``."""
     best = None
     sizes = chain_sizes(workload)
     for size in sizes:
@@ -344,10 +346,11 @@ def _full_search(config, planned, candidate, bubbles, cost, workload, bound_us):
     return best
 
 
-def test_a_build_is_the_full_searchs_schedule_on_random_draws(job):
-    """The per-iteration build's shortcuts (chains kept across builds, one size's schedule laid
-    out, the collector paused once) give, on random image counts built one after another, the
-    schedule the plain search over the same sizes gives: not another, not a slower one."""
+def test_a_build_is_the_full_searchs_schedule_on_random_draws(job, monkeypatch):
+    """The per-iteration build's shortcuts (chains kept across builds, backward moves reused by
+    what they see, one size's schedule laid out, the collector paused once) give, on random image
+    counts built one after another, the schedule the plain search over the same sizes gives: not
+    another, not a slower one."""
     config, planned, cost, candidate, fallback = job
     bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
     chains = ChainMoves(config, planned.llm_plan, candidate.plan, bubbles, cost)
@@ -365,9 +368,11 @@ def test_a_build_is_the_full_searchs_schedule_on_random_draws(job):
             fallback.iteration_us,
             chains,
         )
-        full = _full_search(
-            config, planned, candidate, bubbles, cost, workload, fallback.iteration_us
-        )
+        with monkeypatch.context() as plain:
+            plain.setattr(scheduler_module, "PipelineMoves", UnseenMoves)
+            full = _full_search(
+                config, planned, candidate, bubbles, cost, workload, fallback.iteration_us
+            )
         assert (fast is None) == (full is None), counts
         if fast is not None:
             assert fast.images_per_chain == full.images_per_chain, counts

@@ -43,6 +43,7 @@ from optimus_mllm.scheduler.llm_timeline import KernelItem, OpWork, PipelineDead
 from optimus_mllm.scheduler.metrics import bubble_breakdown, scheduling_efficiency
 from optimus_mllm.scheduler.pipeline_order import default_warmup, rank_op_order, schedule_table
 
+from support.moves import UnseenMoves
 from support.paths import CONFIGS, load_script
 from support.random_configs import heavy_random_config, random_config
 from support.validity import schedule_violations
@@ -190,7 +191,7 @@ def _shared_moves_config(case: str):
     return config_from_dict((heavy_random_config if kind == "heavy" else random_config)(int(seed)))
 
 
-class _SnapshotEveryMove(PipelineMoves):
+class _SnapshotEveryMove(UnseenMoves):
     SNAPSHOT_EVERY = 1  # the bubbles after every move are kept, none rebuilt
 
 
@@ -204,10 +205,12 @@ def test_partitions_sharing_their_moves_schedule_as_each_alone(case):
     """A plan's partitions share each encoder pipeline's moves into the bubbles (PipelineMoves):
     forward
     moves laid out once, the bubbles left after them rebuilt from periodic copies, and backward
-    moves reused by partitions that moved the same microbatches before. Taken in an order unlike the
-    scheduler's, every partition still gets exactly the schedule it gets alone, from bubbles copied
-    after every move: the same fine chains, t0, assignment, EF/EB and latency. (That the moves
-    themselves are placed right, the validity checks on every schedule above say.)"""
+    moves reused by partitions that moved the same microbatches before, or the same ones that end
+    after its gradient arrives (``backward_seen``; alone, none is reused so). Taken in an order
+    unlike the scheduler's, every partition still gets exactly the schedule it gets alone, from
+    bubbles copied after every move: the same fine chains, t0, assignment, EF/EB and latency.
+    (That the moves themselves are placed right, the validity checks on every schedule above
+    say.)"""
     config = _shared_moves_config(case)
     planned = plan(config)
     cost = CostModel.from_config(config)
