@@ -75,7 +75,6 @@ from optimus_mllm.scheduler.fine import (
     PipelineMoves,
     Placement,
     Resource,
-    SameMove,
     SeenKey,
 )
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline
@@ -222,8 +221,9 @@ class _PartitionScheduler:
         self.moved_backward: list[list[tuple[float, int]]] = [[] for _ in partition]
         # backward moves not yet in resources
         self.uncommitted: list[list[Move]] = [[] for _ in partition]
-        # per pipeline: its backward moves and when each ends (tau), in order
-        self.committed: list[list[tuple[SameMove, float]]] = [[] for _ in partition]
+        # per pipeline: the spans of its backward moves (``Move.spans_key``) and when each ends
+        # (tau), in order
+        self.committed: list[list[tuple[tuple[bytes, ...], float]]] = [[] for _ in partition]
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
         self.fine_fwd: dict[
             tuple[int, int], Move
@@ -279,7 +279,7 @@ class _PartitionScheduler:
         ready = arrival + self.work.to_llm_us[j]
         ends = self.moves[j].forward_last_end
         forward = tuple(t for t in range(self.moved_forward(j)) if ends[t] > ready)
-        backward = tuple(move for move, end in self.committed[j] if end > ready)
+        backward = tuple(spans for spans, end in self.committed[j] if end > ready)
         return forward, backward, arrival, low
 
     def _first_fit_backward(self, j: int, i: int, low: int) -> None:
@@ -315,7 +315,7 @@ class _PartitionScheduler:
         them."""
         move = self.moves[j].backward[self._backward_key(j, i, low)]
         self.uncommitted[j].append(move)
-        self.committed[j].append((SameMove(move), move.last_end()))
+        self.committed[j].append((move.spans_key(), move.last_end()))
         self.moved_backward[j].append((self.dep.backward[i], low))
 
     def last(self, j: int, e: int) -> float:

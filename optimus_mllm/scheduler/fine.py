@@ -267,6 +267,10 @@ class Move:
             low,
         )
 
+    def spans_key(self) -> tuple[bytes, ...]:
+        """The spans the move takes, as a key: moves equal in it leave the same bubbles."""
+        return tuple(spans.tobytes() for busy in self.busy for spans in busy)
+
     def last_end(self) -> float:
         """When its last span ends (tau): a first-fit from then on does not see the move."""
         return max((spans[-1] for busy in self.busy for spans in busy if spans), default=-math.inf)
@@ -286,26 +290,10 @@ class Move:
 BackwardKey = tuple[int, tuple[tuple[float, int], ...], float, int]
 
 
-class SameMove:
-    """A move as part of a key, equal only to itself (and held by the key, so that no other move
-    takes its id)."""
-
-    __slots__ = ("move",)
-
-    def __init__(self, move: Move):
-        self.move = move
-
-    def __hash__(self) -> int:
-        return id(self.move)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SameMove) and other.move is self.move
-
-
 # a backward move's placement, by what its first-fit sees (``PipelineMoves.backward_seen``): the
-# forward moves (by index) and the backward moves before it that end after its gradient arrives,
-# its own arrival and lowest stage
-SeenKey = tuple[tuple[int, ...], tuple[SameMove, ...], float, int]
+# forward moves (by index) and the backward moves (by the spans they take, ``Move.spans_key``)
+# before it that end after its gradient arrives, its own arrival and lowest stage
+SeenKey = tuple[tuple[int, ...], tuple[tuple[bytes, ...], ...], float, int]
 
 
 class PipelineMoves:
