@@ -36,7 +36,9 @@ on, not repeated. Other workloads are searched afresh, but from the encoder chai
 into the bubbles kept from earlier iterations priced at the same chain (``ChainMoves``): the same
 schedule as alone, sooner (at fig5_8gpu, with the fine placement's single search, a build takes a
 third of the CPU time it did: ``benchmarks/bench_dynamic.py``'s scheduler share, 70 % of the step
-before, 23 % after; 31 % under today's cost model, whose step is another).
+before, 23 % after; 31 % under a later cost model, whose step is another). A backward move is
+reused by what its placement sees (``PipelineMoves.backward_seen``) and only the fastest size's
+schedule is laid out: 12.35 % before, 6.85 % after (``docs/benchmarks.md``).
 
 What the training runtime runs (``runtime/iteration_schedules``): the plan as a schedule artifact
 (``schedule_to_artifact`` with ``llm_order`` and ``images_per_chain``), whose ``feeds`` names the
