@@ -34,7 +34,7 @@ a setup where no iteration can beat static-max because the schedule for the maxi
 only what the encoder adds whatever its images (its DP collectives), a line saying so with the
 numbers (``why_no_faster_than_max``). The ``per-iteration`` row is what the training runtime runs
 (``runtime/iteration_schedules``: the same reordering and splits, each schedule a schedule
-artifact). The default 100 iterations take about 1.5 minutes of CPU.
+artifact). The default 100 iterations take about 50 s of CPU.
 """
 
 from __future__ import annotations

@@ -75,6 +75,7 @@ from optimus_mllm.scheduler.fine import (
     PipelineMoves,
     Placement,
     Resource,
+    SeenKey,
 )
 from optimus_mllm.scheduler.llm_timeline import LLMTimeline
 from optimus_mllm.scheduler.lower_bound import PartitionBound, all_gather_t0, reduce_scatters_end
@@ -220,6 +221,9 @@ class _PartitionScheduler:
         self.moved_backward: list[list[tuple[float, int]]] = [[] for _ in partition]
         # backward moves not yet in resources
         self.uncommitted: list[list[Move]] = [[] for _ in partition]
+        # per pipeline: the spans of its backward moves (``Move.spans_key``) and when each ends
+        # (tau), in order
+        self.committed: list[list[tuple[tuple[bytes, ...], float]]] = [[] for _ in partition]
         self.n_coarse_fwd = list(partition)  # microbatches 0..n-1 of pipeline j run in ``pre``
         self.fine_fwd: dict[
             tuple[int, int], Move
@@ -256,33 +260,62 @@ class _PartitionScheduler:
         ``low`` as
         its gradient arrives; None if it does not fit before the LLM's end."""
         key = self._backward_key(j, i, low)
-        shared = self.moves[j].backward
-        if key not in shared:
-            shared[key] = self._first_fit_backward(j, i, low)
-        return shared[key]
+        moves = self.moves[j]
+        if key not in moves.backward:
+            seen = self._seen_key(j, i, low)
+            if seen in moves.backward_seen:
+                moves.backward[key] = moves.backward_seen[seen]
+            else:
+                self._first_fit_backward(j, i, low)
+        return moves.backward[key]
 
     def _backward_key(self, j: int, i: int, low: int) -> BackwardKey:
         return self.moved_forward(j), tuple(self.moved_backward[j]), self.dep.backward[i], low
 
-    def _first_fit_backward(self, j: int, i: int, low: int) -> Move | None:
-        w = self.work
-        ready = self.dep.backward[i] + w.to_llm_us[j]
+    def _seen_key(self, j: int, i: int, low: int) -> SeenKey:
+        """What the first-fit of LLM microbatch i's backward on pipeline j sees of the moves
+        before it: those that end after its gradient arrives (``PipelineMoves``)."""
+        arrival = self.dep.backward[i]
+        ready = arrival + self.work.to_llm_us[j]
+        ends = self.moves[j].forward_last_end
+        forward = tuple(t for t in range(self.moved_forward(j)) if ends[t] > ready)
+        backward = tuple(spans for spans, end in self.committed[j] if end > ready)
+        return forward, backward, arrival, low
+
+    def _first_fit_backward(self, j: int, i: int, low: int) -> None:
+        """Place the backward from the last stage down to ``low`` into ``PipelineMoves.backward``
+        (and ``backward_seen``), and with it the move stopped above each stage on the way (its
+        first placements, which ``schedule_kernels`` tries next where this one fails or lengthens
+        the iteration): one walk down the stages instead of one per stage it stops above."""
+        w, moves = self.work, self.moves[j]
+        moved, prefix, arrival, _ = self._backward_key(j, i, low)
+        forward, backward, _, _ = self._seen_key(j, i, low)
+
+        def keep(stop: int, move: Move | None) -> None:
+            moves.backward[(moved, prefix, arrival, stop)] = move
+            moves.backward_seen[(forward, backward, arrival, stop)] = move
+
+        ready = arrival + w.to_llm_us[j]
         placements: list[Placement] = []  # from the last stage to the first
         for e in reversed(range(low, self.pp_enc)):
             placement = self.resource(j, e).place_chain(
                 w.bwd[e], ready, self.last(j, e), w.launch_us
             )
-            if placement is None:
-                return None
+            if placement is None:  # so does every move down to a stage below
+                for stop in range(low, e + 1):
+                    keep(stop, None)
+                return
             # a frozen stage passes the gradient on at once (its chain ends where it starts)
             placements.append(placement if placement.starts else placement._replace(starts=[ready]))
             ready = placement.end + w.p2p_us
-        return Move.of(placements[::-1], low)
+            keep(e, Move.of(placements[::-1], e))
 
     def commit_backward(self, j: int, i: int, low: int) -> None:
         """Take the bubbles of the backward move just placed, once a later placement must search
         them."""
-        self.uncommitted[j].append(self.moves[j].backward[self._backward_key(j, i, low)])
+        move = self.moves[j].backward[self._backward_key(j, i, low)]
+        self.uncommitted[j].append(move)
+        self.committed[j].append((move.spans_key(), move.last_end()))
         self.moved_backward[j].append((self.dep.backward[i], low))
 
     def last(self, j: int, e: int) -> float:
@@ -691,6 +724,51 @@ def bubble_scheduler(
         plan_input = _PlanInput.of(config, llm_plan, candidate, bubbles, cost)
         best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine)
         return (best.schedule() if best else None), stats
+    found, stats = search_workload(
+        config,
+        llm_plan,
+        candidate,
+        bubbles,
+        cost,
+        workload,
+        bound_us,
+        fine,
+        images_per_chain,
+        chains,
+    )
+    return (found.schedule() if found else None), stats
+
+
+@dataclass(frozen=True)
+class WorkloadBest:
+    """A workload's fastest partition as searched (``search_workload``), laid out as a Schedule
+    only when wanted: a per-iteration build searches several encoder microbatch sizes and runs
+    one, and laying out every size's schedule took a tenth of its time."""
+
+    best: _PlanBest
+    feeds: tuple[int, ...]  # ``Schedule.feeds``
+
+    @property
+    def iteration_us(self) -> float:
+        return self.best.iteration_us
+
+    def schedule(self) -> Schedule:
+        return replace(self.best.schedule(), feeds=self.feeds)
+
+
+def search_workload(
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    candidate: EncoderPlanCandidate,
+    bubbles: LLMBubbles,
+    cost: CostModel,
+    workload: IterationWorkload,
+    bound_us: float = float("inf"),
+    fine: bool = True,
+    images_per_chain: int | None = None,
+    chains: ChainMoves | None = None,
+) -> tuple[WorkloadBest | None, SchedulerStats]:
+    """``bubble_scheduler`` of a ``workload``, its best not laid out yet (see there)."""
     imageless = sum(w.empty for w in workload)
     if any(w.empty for w in workload[imageless:]):
         raise ValueError("the LLM runs the imageless microbatches first: order them so")
@@ -716,9 +794,7 @@ def bubble_scheduler(
         work, moves = chains.of(candidate.plan, split.chain, bubbles)
     plan_input = _PlanInput.of_work(candidate, work, bubbles)
     best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine, moves)
-    if best is None:
-        return None, stats
-    return replace(best.schedule(), feeds=split.feeds), stats
+    return (WorkloadBest(best, split.feeds) if best else None), stats
 
 
 class ChainMoves:
@@ -772,6 +848,7 @@ class ChainMoves:
             for pipeline in moves:
                 if len(pipeline.backward) > self.BACKWARD_KEPT:
                     pipeline.backward.clear()
+                    pipeline.backward_seen.clear()
             return work, moves
         work = build_encoder_work(self.config, self.llm_plan, encoder_plan, self.cost, chain)
         self._kept[key] = work, PipelineMoves.of_pipelines(work, bubbles)
@@ -846,7 +923,7 @@ def _search_partitions(
     kept from an earlier search of the same work and bubbles (default: new ones)."""
     work, bounds = plan_input.work, plan_input.bounds
     stats = SchedulerStats(partitions_total=len(bounds))
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         if moves is None:
             moves = PipelineMoves.of_pipelines(work, bubbles)
         best: _PlanBest | None = None
@@ -868,7 +945,7 @@ def _search_partitions(
 
 
 @contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
+def cyclic_gc_paused() -> Iterator[None]:
     """The search allocates millions of small objects (kernel starts, spans, layouts) and no
     reference cycles; Python's cyclic collector would scan the growing heap again and again for
     nothing (about a fifth of the 12288-GPU benchmark row)."""
@@ -994,7 +1071,7 @@ def best_schedule(
     kernel whole, as the paper's Algorithm 1 does.
     """
     started = time.perf_counter()
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
         result = OptimusResult(best=None, llm_alone_us=bubbles.dep.timeline.iteration_us)
         plan_inputs = [

@@ -267,6 +267,14 @@ class Move:
             low,
         )
 
+    def spans_key(self) -> tuple[bytes, ...]:
+        """The spans the move takes, as a key: moves equal in it leave the same bubbles."""
+        return tuple(spans.tobytes() for busy in self.busy for spans in busy)
+
+    def last_end(self) -> float:
+        """When its last span ends (tau): a first-fit from then on does not see the move."""
+        return max((spans[-1] for busy in self.busy for spans in busy if spans), default=-math.inf)
+
     def take(self, resources: list[Resource]) -> None:
         """Occupy the move's spans in a pipeline's bubbles (a stage without kernels takes
         nothing)."""
@@ -280,6 +288,12 @@ class Move:
 # a backward move's placement, by what it depends on: the forward moves before it (t), the
 # backward moves before it as (gradient arrival, lowest stage), and its own arrival and lowest stage
 BackwardKey = tuple[int, tuple[tuple[float, int], ...], float, int]
+
+
+# a backward move's placement, by what its first-fit sees (``PipelineMoves.backward_seen``): the
+# forward moves (by index) and the backward moves (by the spans they take, ``Move.spans_key``)
+# before it that end after its gradient arrives, its own arrival and lowest stage
+SeenKey = tuple[tuple[int, ...], tuple[tuple[bytes, ...], ...], float, int]
 
 
 class PipelineMoves:
@@ -296,6 +310,11 @@ class PipelineMoves:
     moves and its earlier backward moves put it, so its placement is kept by (t, the gradients'
     arrivals (tau) and lowest stages of the backward moves before, its own arrival and lowest
     stage) too: partitions that move the same microbatches in the same order reuse it.
+
+    A first-fit from a time never looks at the bubbles before it, so a backward move's placement
+    depends only on the moves before it that end after its gradient arrives (the forward ones
+    mostly end before): it is kept by those too (``backward_seen``), for partitions and iterations
+    whose other moves differ.
 
     The pipeline's coarse windows do not depend on the partition either: every layout a partition
     needs is a prefix of one pre window and, mostly, of one post window (see ``PostWindow``).
@@ -326,10 +345,12 @@ class PipelineMoves:
         self.forward_ends: list[
             float
         ] = []  # t -> its EF (tau): when its output reaches the first LLM stage
+        self.forward_last_end: list[float] = []  # t -> the t-th forward move's ``last_end``
         self.exhausted = False  # move len(moves) does not fit
         self.snapshots = {0: [r.copy() for r in self.builder]}
         # (t, (arrival, low) of each backward move before, arrival, low) -> its placement
         self.backward: dict[BackwardKey, Move | None] = {}
+        self.backward_seen: dict[SeenKey, Move | None] = {}
         self._pre = PreWindow.of(work, j, len(dep.forward), self.first)  # no partition gives j more
         self.post = PostWindow([dep.timeline.stages[s].last_compute_us for s in stages], work)
 
@@ -363,6 +384,7 @@ class PipelineMoves:
             move.take(self.builder)
             self.moves.append(move)
             self.forward_ends.append(move.ends[-1] + w.to_llm_us[self.j])
+            self.forward_last_end.append(move.last_end())
             if len(self.moves) % self.SNAPSHOT_EVERY == 0:
                 self.snapshots[len(self.moves)] = [r.copy() for r in self.builder]
         return self.moves[t] if t < len(self.moves) else None

@@ -36,7 +36,9 @@ on, not repeated. Other workloads are searched afresh, but from the encoder chai
 into the bubbles kept from earlier iterations priced at the same chain (``ChainMoves``): the same
 schedule as alone, sooner (at fig5_8gpu, with the fine placement's single search, a build takes a
 third of the CPU time it did: ``benchmarks/bench_dynamic.py``'s scheduler share, 70 % of the step
-before, 23 % after; 31 % under today's cost model, whose step is another).
+before, 23 % after; 31 % under a later cost model, whose step is another). A backward move is
+reused by what its placement sees (``PipelineMoves.backward_seen``) and only the fastest size's
+schedule is laid out: 12.35 % before, 6.85 % after (``docs/benchmarks.md``).
 
 What the training runtime runs (``runtime/iteration_schedules``): the plan as a schedule artifact
 (``schedule_to_artifact`` with ``llm_order`` and ``images_per_chain``), whose ``feeds`` names the
@@ -65,7 +67,13 @@ from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.costing.workload import IterationWorkload, chain_sizes, heaviest, llm_order
 from optimus_mllm.planner.planner import EncoderPlanCandidate
 from optimus_mllm.planner.plans import ParallelPlan
-from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, Schedule, bubble_scheduler
+from optimus_mllm.scheduler.bubble_scheduler import (
+    ChainMoves,
+    Schedule,
+    WorkloadBest,
+    cyclic_gc_paused,
+    search_workload,
+)
 from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
 
@@ -244,22 +252,23 @@ def schedule_iteration(
     (``padded``). None where no image, or nothing beats ``bound_us`` (the fallback's time:
     partitions whose lower bound cannot beat it, or the best size so far, are not searched).
     ``chains``: the plan's chains and moves kept from earlier iterations (the same schedule,
-    sooner)."""
-    build = partial(bubble_scheduler, config, llm_plan, candidate, bubbles, cost, chains=chains)
-    best: IterationSchedule | None = None
+    sooner). Only the fastest size's schedule is laid out, and Python's cyclic collector runs
+    once after the build rather than after each size's search (``cyclic_gc_paused``)."""
+    search = partial(search_workload, config, llm_plan, candidate, bubbles, cost, chains=chains)
+    best: tuple[WorkloadBest, int | None] | None = None
     sizes = chain_sizes(workload)
-    for size in sizes:
-        bound = min(bound_us, best.schedule.iteration_us if best else bound_us)
-        schedule, _ = build(bound_us=bound, workload=workload, images_per_chain=size)
-        if schedule is not None and (
-            best is None or schedule.iteration_us < best.schedule.iteration_us - EPS_US
-        ):
-            best = IterationSchedule(schedule, size)
-    if best is None and sizes and padded(workload) != workload:
-        schedule, _ = build(bound_us=bound_us, workload=padded(workload))
-        if schedule is not None:
-            best = IterationSchedule(schedule, None)
-    return best
+    with cyclic_gc_paused():
+        for size in sizes:
+            bound = min(bound_us, best[0].iteration_us if best else bound_us)
+            found, _ = search(workload, bound, images_per_chain=size)
+            if found is not None and (
+                best is None or found.iteration_us < best[0].iteration_us - EPS_US
+            ):
+                best = found, size
+        if best is None and sizes and padded(workload) != workload:
+            found, _ = search(padded(workload), bound_us)
+            best = (found, None) if found is not None else None
+        return IterationSchedule(best[0].schedule(), best[1]) if best else None
 
 
 def padded(workload: IterationWorkload) -> IterationWorkload:

@@ -4,6 +4,7 @@ out or replaced by the fallback for the planned maximum, never waited on past it
 from __future__ import annotations
 
 import dataclasses
+import random
 import threading
 import time
 
@@ -11,14 +12,21 @@ import pytest
 
 from optimus_mllm.config import load_config
 from optimus_mllm.costing.cost_model import CostModel
-from optimus_mllm.costing.workload import EncoderWorkload, check_within
+from optimus_mllm.costing.workload import EncoderWorkload, chain_sizes, check_within
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
+from optimus_mllm.scheduler import bubble_scheduler as scheduler_module
 from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, bubble_scheduler
-from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
+from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
-from optimus_mllm.scheduler.per_iteration import IterationSchedule, IterationScheduler
+from optimus_mllm.scheduler.per_iteration import (
+    IterationSchedule,
+    IterationScheduler,
+    padded,
+    schedule_iteration,
+)
 
+from support.moves import UnseenMoves
 from support.paths import CONFIGS
 from support.validity import schedule_violations
 
@@ -307,3 +315,65 @@ def test_the_schedules_kept_for_reuse_are_bounded_and_never_those_still_to_run(j
     scheduler.close()
     assert [p.source for p in plans] == ["per-iteration"] * 4
     assert len(scheduler._by_key) == 2
+
+
+def _full_search(config, planned, candidate, bubbles, cost, workload, bound_us):
+    """``schedule_iteration`` as a plain search: every size's schedule laid out, its encoder work
+    built afresh (no ``ChainMoves``); run with ``UnseenMoves``."""
+    best = None
+    sizes = chain_sizes(workload)
+    for size in sizes:
+        bound = min(bound_us, best.schedule.iteration_us if best else bound_us)
+        schedule, _ = bubble_scheduler(
+            config,
+            planned.llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            bound_us=bound,
+            workload=workload,
+            images_per_chain=size,
+        )
+        if schedule is not None and (
+            best is None or schedule.iteration_us < best.schedule.iteration_us - EPS_US
+        ):
+            best = IterationSchedule(schedule, size)
+    if best is None and sizes and padded(workload) != workload:
+        schedule, _ = bubble_scheduler(
+            config, planned.llm_plan, candidate, bubbles, cost, bound_us, workload=padded(workload)
+        )
+        best = IterationSchedule(schedule, None) if schedule is not None else None
+    return best
+
+
+def test_a_build_is_the_full_searchs_schedule_on_random_draws(job, monkeypatch):
+    """The per-iteration build's shortcuts (chains kept across builds, backward moves reused by
+    what they see, one size's schedule laid out, the collector paused once) give, on random image
+    counts built one after another, the schedule the plain search over the same sizes gives: not
+    another, not a slower one."""
+    config, planned, cost, candidate, fallback = job
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    chains = ChainMoves(config, planned.llm_plan, candidate.plan, bubbles, cost)
+    rng = random.Random(52)
+    for _ in range(6):
+        counts = rng.choices(range(MAX_IMAGES + 1), k=planned.num_microbatches)
+        workload = _workload(config, sorted(counts, key=bool))  # in the LLM's order
+        fast = schedule_iteration(
+            config,
+            planned.llm_plan,
+            candidate,
+            bubbles,
+            cost,
+            workload,
+            fallback.iteration_us,
+            chains,
+        )
+        with monkeypatch.context() as plain:
+            plain.setattr(scheduler_module, "PipelineMoves", UnseenMoves)
+            full = _full_search(
+                config, planned, candidate, bubbles, cost, workload, fallback.iteration_us
+            )
+        assert (fast is None) == (full is None), counts
+        if fast is not None:
+            assert fast.images_per_chain == full.images_per_chain, counts
+            assert _same_schedule(fast.schedule, full.schedule), counts

@@ -36,13 +36,14 @@ from optimus_mllm.scheduler.bubble_scheduler import (
 from optimus_mllm.scheduler.coarse import PostWindow, coarse_backward
 from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
 from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, build_encoder_work
-from optimus_mllm.scheduler.fine import MIN_PIECE_WORK_US, LLMBubbles, PipelineMoves, Resource
+from optimus_mllm.scheduler.fine import MIN_PIECE_WORK_US, LLMBubbles, Move, PipelineMoves, Resource
 from optimus_mllm.scheduler.intervals import FreeIntervals
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline
 from optimus_mllm.scheduler.llm_timeline import KernelItem, OpWork, PipelineDeadlock, simulate
 from optimus_mllm.scheduler.metrics import bubble_breakdown, scheduling_efficiency
 from optimus_mllm.scheduler.pipeline_order import default_warmup, rank_op_order, schedule_table
 
+from support.moves import UnseenMoves
 from support.paths import CONFIGS, load_script
 from support.random_configs import heavy_random_config, random_config
 from support.validity import schedule_violations
@@ -190,7 +191,7 @@ def _shared_moves_config(case: str):
     return config_from_dict((heavy_random_config if kind == "heavy" else random_config)(int(seed)))
 
 
-class _SnapshotEveryMove(PipelineMoves):
+class _SnapshotEveryMove(UnseenMoves):
     SNAPSHOT_EVERY = 1  # the bubbles after every move are kept, none rebuilt
 
 
@@ -204,10 +205,12 @@ def test_partitions_sharing_their_moves_schedule_as_each_alone(case):
     """A plan's partitions share each encoder pipeline's moves into the bubbles (PipelineMoves):
     forward
     moves laid out once, the bubbles left after them rebuilt from periodic copies, and backward
-    moves reused by partitions that moved the same microbatches before. Taken in an order unlike the
-    scheduler's, every partition still gets exactly the schedule it gets alone, from bubbles copied
-    after every move: the same fine chains, t0, assignment, EF/EB and latency. (That the moves
-    themselves are placed right, the validity checks on every schedule above say.)"""
+    moves reused by partitions that moved the same microbatches before, or the same ones that end
+    after its gradient arrives (``backward_seen``; alone, none is reused so). Taken in an order
+    unlike the scheduler's, every partition still gets exactly the schedule it gets alone, from
+    bubbles copied after every move: the same fine chains, t0, assignment, EF/EB and latency.
+    (That the moves themselves are placed right, the validity checks on every schedule above
+    say.)"""
     config = _shared_moves_config(case)
     planned = plan(config)
     cost = CostModel.from_config(config)
@@ -229,6 +232,54 @@ def test_partitions_sharing_their_moves_schedule_as_each_alone(case):
             assert together.fine_fwd == alone.fine_fwd, (candidate.plan, partition)
             assert together.fine_bwd == alone.fine_bwd, (candidate.plan, partition)
             assert together.evaluation == alone.evaluation, (candidate.plan, partition)
+
+
+def _after_forward_pass(work, bubbles, partition):
+    state = init_schedule(work, bubbles, partition, PipelineMoves.of_pipelines(work, bubbles))
+    return optimize_schedule(state, FWD) if state is not None else None
+
+
+def _backward_down_to(state, j, i, low):
+    """LLM microbatch i's backward on pipeline j placed stage by stage from the last down to
+    ``low``, by the definition (``_PartitionScheduler.place_backward``'s)."""
+    w = state.work
+    ready, placements = state.dep.backward[i] + w.to_llm_us[j], []
+    for e in reversed(range(low, len(w.bwd))):
+        placement = state.resource(j, e).place_chain(w.bwd[e], ready, state.last(j, e), w.launch_us)
+        if placement is None:
+            return None
+        placements.append(placement if placement.starts else placement._replace(starts=[ready]))
+        ready = placement.end + w.p2p_us
+    return Move.of(placements[::-1], low)
+
+
+def test_a_backward_move_stopped_above_a_stage_is_the_one_placed_down_to_it_alone():
+    """Placing a backward down to the first stage keeps, on the way, the move stopped above each
+    stage (``schedule_kernels`` tries those next): each is the move a search placing only down to
+    that stage gets, and a stage it does not fit makes every lower stop None."""
+    compared = stopped = 0
+    for case in [f"{kind}-{s}" for kind in ("random", "heavy") for s in range(0, 30, 5)]:
+        config = _shared_moves_config(case)
+        planned = plan(config)
+        cost = CostModel.from_config(config)
+        bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+        for candidate in planned.candidates[:3]:
+            work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)
+            if len(work.bwd) < 2:
+                continue
+            for partition in candidate.partitions.partitions[:2]:
+                walked = _after_forward_pass(work, bubbles, partition)
+                if walked is None or walked.evaluation.post is None:
+                    continue
+                for j, coarse in walked.evaluation.post.items():
+                    i = walked.evaluation.assignment.index((j, coarse[0][1]))
+                    kept = [walked.place_backward(j, i, low) for low in range(len(work.bwd))]
+                    for low, move in enumerate(kept):
+                        alone = _backward_down_to(walked, j, i, low)
+                        assert move == alone, (case, candidate.plan, partition, j, low)
+                        compared += 1
+                        stopped += low > 0 and move is not None
+    assert compared > 20 and stopped > 0
 
 
 def test_evaluation_after_each_move_equals_a_full_reevaluation():
