@@ -1,6 +1,6 @@
 """Hugging Face-style GPT-2 and ViT weights as a checkpoint of this project's model (LLaVA's keys).
 
-``scripts/convert_hf_checkpoint.py`` writes the result as a megatron-core dist checkpoint that
+``optimus-convert`` (``cli/convert.py``) writes the result as a megatron-core dist checkpoint that
 ``optimus-train --pretrained-checkpoint`` / ``--pretrained-llm`` / ``--pretrained-encoder`` load
 into any plan. The mapping is of names and layouts only:
 

@@ -1,5 +1,5 @@
 """Starting from pretrained weights: Hugging Face-style GPT-2 and ViT state dicts converted by
-``scripts/convert_hf_checkpoint.py`` give the model that a reference forward written from the
+``optimus-convert`` give the model that a reference forward written from the
 Hugging Face layouts computes; a plain megatron-core GPT checkpoint starts the LLM; the launcher's
 flags load each part, and refuse what cannot work in one line."""
 
@@ -222,7 +222,8 @@ def _convert(tmp: Path, projector: bool = True, overrides: tuple[str, ...] = ())
     done = subprocess.run(
         [
             sys.executable,
-            "scripts/convert_hf_checkpoint.py",
+            "-m",
+            "optimus_mllm.cli.convert",
             "--config",
             TINY,
             "--gpt2",

@@ -1,10 +1,9 @@
 """Convert Hugging Face-style GPT-2 / ViT weights into a checkpoint that optimus-train starts from.
 
-    python scripts/convert_hf_checkpoint.py --config configs/tiny.yaml --gpt2 gpt2/model.safetensors
-    \\
+    optimus-convert --config configs/tiny.yaml --gpt2 gpt2/model.safetensors \\
         --vit vit=vit/pytorch_model.bin --out pretrained
-    torchrun --nproc-per-node 4 -m optimus_mllm.train --config configs/tiny.yaml
-    --pretrained-checkpoint pretrained
+    torchrun --nproc-per-node 4 -m optimus_mllm.train --config configs/tiny.yaml \\
+        --pretrained-checkpoint pretrained
 
 Each input is a state dict file (``.safetensors`` needs the safetensors package; ``.bin`` / ``.pt``
 are read with ``torch.load(weights_only=True)``) or a folder of them. The output is a megatron-core
@@ -32,7 +31,7 @@ from optimus_mllm.config import load_config
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.tools.hf_convert import gpt2_entries, save_dist_checkpoint, vit_entries
 
-PROG = "convert_hf_checkpoint.py"
+PROG = "optimus-convert"
 
 
 def _read_state(path: Path, flag: str) -> dict[str, torch.Tensor]:
