@@ -169,9 +169,10 @@ def config_problem(
     """Why the config ``section`` (whose layers are ``expected``) does not describe the user's
     ``part`` built with ``theirs`` (one line naming the field), or None."""
     difference = _layer_difference(expected, theirs)
-    if difference is None:
-        return None
-    field, mine, got = difference
+    return None if difference is None else _disagreement(part, section, *difference)
+
+
+def _disagreement(part: str, section: str, field: str, mine: Any, got: Any) -> str:
     return (
         f"model_provider: the {part}'s TransformerConfig.{field} is {_named(got)}, but {section} "
         f"describes {_named(mine)}; make the two agree"
@@ -198,7 +199,7 @@ def _vision_layers_problem(expected: TransformerConfig, theirs: TransformerConfi
         return None
     field, mine, got = difference
     if field in _ENCODER_CONFIG_FIELDS:
-        return config_problem("vision model", "model.encoders[0]", expected, theirs)
+        return _disagreement("vision model", "model.encoders[0]", field, mine, got)
     return (
         f"model_provider: the vision model's TransformerConfig.{field} is {_named(got)}; the "
         f"Optimus encoder's layers run {_named(mine)}: build the vision model with that"
