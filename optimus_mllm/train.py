@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, quiet_library_warnings
 from optimus_mllm.config import OptimusConfig, encoder_tp_problem, load_config, tp_mode_problem
-from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel, profile_device_problem
 from optimus_mllm.errors import AgreedError, ConfigError, OptimusError
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.plans import ParallelPlan
@@ -230,6 +230,11 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
             "--tensorboard-dir"
         )
     config = load_config(args.config, [*args.override, *_scheduler_flag_overrides(args)])
+    device_problem = profile_device_problem(
+        config.cost_model.profile, "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    if device_problem:
+        raise OptimusError(device_problem)
     llm_mode = config.parallel.llm.tp_mode if config.parallel.llm is not None else "1d"
     refuse_untrained_tp_modes(
         llm_mode,

@@ -1,35 +1,39 @@
-"""``optimus-profile``: measure the kernels the scheduler costs on this GPU and write a kernel
-profile.
+"""``optimus-profile``: measure what the scheduler costs on the machine the job runs on and write
+a profile the cost model loads instead of its roofline and bandwidth constants.
 
-Point ``cost_model.profile`` at the written file (or pass it to ``benchmarks/bench_scheduler.py
---profile``) and the cost model uses the measured times instead of its roofline.
+    optimus-profile --config FILE.yaml --out P.json                       # one GPU or CPU process
+    torchrun --nproc-per-node N -m optimus_mllm.cli.profile --config FILE.yaml --out P.json
+
+Every compute kernel is timed at the config's shard shapes and precision: with CUDA events on a GPU,
+by wall clock on CPU at the process's threads (torchrun gives each rank one). Run as a job of the
+config's world size, every rank times the kernels at once (so a CPU's ranks share its memory as in
+training, and the profile keeps their mean) and the job's communication is measured on the LLM
+plan's own groups (``tools/comm_profiler.py``). Point ``cost_model.profile`` at the file, or pass it
+to ``optimus-plan --profile``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, run
-from optimus_mllm.config import load_config
+from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.errors import OptimusError
-from optimus_mllm.runtime.gpu_status import warn_unverified
 
 PROG = "optimus-profile"
-NO_GPU = (
-    "no CUDA GPU is visible; run it on a GPU machine (the cost model uses its roofline without a "
-    "profile)"
-)
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog=PROG,
-        description="Measure the forward and backward time of every compute kernel "
-        "the scheduler costs (encoder and LLM layers at the planned TP "
-        "shard shapes) with CUDA events; write the JSON profile the "
-        "cost model loads instead of its roofline.",
+        description="Measure the forward and backward time of every compute kernel the scheduler "
+        "costs (encoder and LLM layers at the planned TP shard shapes) on this GPU or CPU and, "
+        "under torchrun with the config's world size, the job's communication; write the JSON "
+        "profile the cost model loads instead of its roofline.",
     )
     add_config_arguments(parser, "configs/paper/fig5_8gpu.yaml")
     parser.add_argument(
@@ -54,38 +58,105 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}"
         )
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
     def body() -> int:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise OptimusError(NO_GPU)
-        warn_unverified("optimus-profile")
+        config = load_config(args.config, args.override)
+        if world not in (1, config.cluster.num_gpus):
+            raise OptimusError(
+                f"a job of {world} ranks cannot measure config {config.name}'s communication: "
+                f"run it with torchrun --nproc-per-node {config.cluster.num_gpus} (the config's "
+                "cluster.num_gpus), or as one process to time its kernels only"
+            )
         # fail before minutes of measuring, not after
         if not Path(args.out).resolve().parent.is_dir():
             raise OptimusError(
                 f"--out {args.out}: directory {Path(args.out).parent} does not exist; create it "
                 "first"
             )
-        from optimus_mllm.tools.profiler import profile_kernels, write_profile
+        profile = _measure(config, args.warmup, args.repeats, world)
+        if rank == 0:
+            from optimus_mllm.tools.profiler import write_profile
 
-        config = load_config(args.config, args.override)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
-            config.training.precision
-        ]
-        profile = profile_kernels(config, warmup=args.warmup, repeats=args.repeats, dtype=dtype)
-        write_profile(profile, args.out)
-        sys.stdout.write(format_profile(profile, args.out))
+            write_profile(profile, args.out)
+            sys.stdout.write(format_profile(profile, args.out))
         return 0
 
-    return run(PROG, body)
+    # every rank reads the same job, so every rank meets the same error; rank 0 says it
+    return run(PROG, body) if rank == 0 else _quiet(body)
+
+
+def _quiet(body: Callable[[], int]) -> int:
+    try:
+        return body()
+    except OptimusError:
+        return 2
+
+
+def _measure(config: OptimusConfig, warmup: int, repeats: int, world: int) -> dict[str, Any]:
+    import torch
+
+    from optimus_mllm.tools.profiler import profile_kernels
+
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        from optimus_mllm.runtime.gpu_status import warn_unverified
+
+        warn_unverified("optimus-profile")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = "cuda" if on_gpu else "cpu"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        config.training.precision
+    ]
+    if world == 1:
+        return profile_kernels(config, warmup=warmup, repeats=repeats, device=device, dtype=dtype)
+    return _measure_job(config, warmup, repeats, device, dtype)
+
+
+def _measure_job(
+    config: OptimusConfig, warmup: int, repeats: int, device: str, dtype: Any
+) -> dict[str, Any]:
+    """Every rank times the kernels at once; the communication on the LLM plan's groups."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from optimus_mllm.planner import plan
+    from optimus_mllm.tools.comm_profiler import measure_communication
+    from optimus_mllm.tools.profiler import profile_kernels
+
+    llm_plan = plan(config).llm_plan
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=llm_plan.tp, pipeline_model_parallel_size=llm_plan.pp
+        )
+        profile = profile_kernels(
+            config, warmup=warmup, repeats=repeats, device=device, dtype=dtype
+        )
+        times = torch.tensor([k["time_us"] for k in profile["kernels"]], dtype=torch.float64)
+        dist.all_reduce(times)
+        for kernel, total in zip(profile["kernels"], times.tolist()):
+            kernel["time_us"] = total / dist.get_world_size()
+        communication, not_measured = measure_communication(warmup, repeats)
+        profile.update(
+            world_size=dist.get_world_size(),
+            communication=communication,
+            not_measured=not_measured,
+            statistic="median per rank, mean over the ranks",
+        )
+        return profile
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def format_profile(profile: dict[str, Any], out: str) -> str:
     """The measured kernels against the roofline, one row each."""
     lines = [
         (
-            f"config {profile['config']} on {profile['device']}, {profile['dtype']}, kernel set "
+            f"config {profile['config']} on {profile['device']} (threads: {profile['threads']}), "
+            f"{profile['dtype']}, kernel set "
             f"{profile['kernel_set']}; median of {profile['repeats']} after {profile['warmup']} "
             "warm-up"
         ),
@@ -97,6 +168,11 @@ def format_profile(profile: dict[str, Any], out: str) -> str:
         lines.append(
             f"{k['module']:<12}{k['kernel']:<24}{k['phase']:<6}{k['tp']:>3}{k['time_us']:>13.1f}"
             f"{k['roofline_us']:>13.1f}{ratio:>7.2f}"
+        )
+    for c in profile.get("communication", []):
+        lines.append(
+            f"{c['collective']} over {c['group_size']} ranks ({c['group']}): "
+            f"{c['latency_us']:.1f} us + {c['us_per_byte'] * 1e6:.1f} us/MB"
         )
     lines += [
         f"not measured: {profile['not_measured']}",

@@ -2,7 +2,9 @@
 
 Every kernel has a stable name (``qkv``, ``attn_core``, ``tp_rs_attn`` ...), so durations can come
 either from a roofline over the kernel's FLOPs and bytes or from a measured JSON profile
-(``optimus-profile`` writes one on a GPU) keyed by (module, kernel, phase, tp).
+(``optimus-profile`` writes one on a GPU or on CPU ranks) keyed by (module, kernel, phase, tp).
+Communication comes from the profile's fits where it measured the collective at the group's size
+(latency plus bytes over a rate, on the job's own groups), from the link bandwidths otherwise.
 
 Shapes follow Megatron's tensor parallelism: column-parallel QKV and fc1, row-parallel output
 projection and fc2; with sequence parallelism each half-layer starts with an all-gather and ends
@@ -366,15 +368,33 @@ class CostModel:
         cluster: ClusterConfig,
         params: CostModelConfig,
         profile: dict[tuple, float] | None = None,
+        comm_fits: dict[tuple[str, int], CommFit] | None = None,
+        device_kind: str = "cuda",
     ):
         self.cluster = cluster
         self.params = params
         self.profile = profile or {}
+        self.comm_fits = comm_fits or {}
+        self.device_kind = device_kind  # what the profile measured; the roofline's is a GPU
 
     @classmethod
     def from_config(cls, config: OptimusConfig) -> CostModel:
-        profile = load_profile(config.cost_model.profile) if config.cost_model.profile else None
-        return cls(config.cluster, config.cost_model, profile)
+        path = config.cost_model.profile
+        if not path:
+            return cls(config.cluster, config.cost_model)
+        return cls(
+            config.cluster,
+            config.cost_model,
+            load_profile(path),
+            load_comm_fits(path),
+            profile_device_kind(path),
+        )
+
+    @property
+    def encoder_runs_beside_the_llm(self) -> bool:
+        """A GPU runs the encoder's kernels on a side stream while the LLM's stream waits; CPU
+        ranks run them inline, on the thread that does the LLM's work and waits."""
+        return self.device_kind == "cuda"
 
     def compute_us(self, work: KernelWork, module: str, tp: int) -> float:
         measured = self.profile.get((module, work.name, work.phase, tp))
@@ -409,6 +429,9 @@ class CostModel:
         if measured is not None:
             return measured
         assert work.collective is not None
+        fit = self.comm_fits.get((work.collective, work.group_size))
+        if fit is not None and work.ring is None:  # a METP ring step hides under its GEMMs
+            return fit.us(work.bytes)
         wire = collective_bytes_on_wire(work.collective, work.bytes, work.group_size)
         exposed = self._ring_exposed_share(work, bandwidth_gbps)
         if wire == 0 or exposed == 0:
@@ -635,6 +658,109 @@ def read_profile(path: str | Path, what: str = "cost_model.profile:") -> list[Me
 def load_profile(path: str | Path) -> dict[tuple, float]:
     """Read a kernel profile: {(module, kernel, phase, tp): microseconds}."""
     return {m.key: m.time_us for m in read_profile(path)}
+
+
+@dataclass(frozen=True)
+class CommFit:
+    """A collective measured on one group size: ``latency_us + us_per_byte * bytes``, ``bytes``
+    being the whole tensor as ``KernelWork.bytes`` counts it (gathered, reduced or sent)."""
+
+    collective: str
+    group_size: int
+    latency_us: float
+    us_per_byte: float
+
+    def us(self, tensor_bytes: float) -> float:
+        return self.latency_us + self.us_per_byte * tensor_bytes
+
+
+def fit_comm(
+    collective: str, group_size: int, sizes: list[float], times_us: list[float]
+) -> CommFit:
+    """Least squares of ``times_us`` over ``sizes`` (bytes) as latency + bytes x rate, both held
+    non-negative: a line with a negative latency would price small messages below zero."""
+    if len(sizes) != len(times_us) or len(sizes) < 2:
+        raise OptimusError(f"fit_comm: {collective} needs two or more sizes with a time each")
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(times_us) / n
+    var = sum((x - mean_x) ** 2 for x in sizes)
+    if var == 0:
+        raise OptimusError(f"fit_comm: {collective} was measured at one size only")
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times_us)) / var)
+    latency = mean_y - slope * mean_x
+    if latency < 0:  # refit through the origin
+        latency = 0.0
+        slope = sum(x * y for x, y in zip(sizes, times_us)) / sum(x * x for x in sizes)
+    return CommFit(collective, group_size, latency, slope)
+
+
+def profile_device_kind(path: str | Path) -> str:
+    """``cuda`` or ``cpu``: the kind of device a profile was measured on (a GPU where the profile
+    predates the field, as every profile then came from optimus-profile on a GPU)."""
+    data = read_versioned_json(
+        path,
+        "cost_model.profile:",
+        PROFILE_FORMAT,
+        PROFILE_VERSION,
+        "run optimus-profile to create it",
+    )
+    kind = data.get("device_kind", "cuda")
+    if kind not in ("cuda", "cpu"):
+        raise OptimusError(
+            f"cost_model.profile: {path} has device_kind {str(kind)[:20]!r}; this release reads "
+            "profiles of 'cuda' or 'cpu' devices"
+        )
+    return kind
+
+
+def profile_device_problem(path: str | None, device_kind: str) -> str | None:
+    """Why a job on ``device_kind`` cannot be costed by the profile at ``path``: a CPU's kernel
+    times say nothing of a GPU's, and the other way round."""
+    if not path:
+        return None
+    measured = profile_device_kind(path)
+    if measured == device_kind:
+        return None
+    return (
+        f"cost_model.profile: {path} was measured on a {measured} device, this job runs on "
+        f"{device_kind}; profile this machine with optimus-profile, or drop cost_model.profile"
+    )
+
+
+def load_comm_fits(path: str | Path) -> dict[tuple[str, int], CommFit]:
+    """The profile's communication fits by (collective, group size); none in a GPU kernel profile
+    of one device."""
+    data = read_versioned_json(
+        path,
+        "cost_model.profile:",
+        PROFILE_FORMAT,
+        PROFILE_VERSION,
+        "run optimus-profile to create it",
+    )
+    fits = {}
+    for i, entry in enumerate(data.get("communication", [])):
+        try:
+            fit = CommFit(
+                str(entry["collective"]),
+                int(entry["group_size"]),
+                float(entry["latency_us"]),
+                float(entry["us_per_byte"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            raise OptimusError(
+                f"cost_model.profile: communication[{i}] in {path} needs collective, group_size, "
+                "latency_us and us_per_byte"
+            ) from None
+        if (
+            not (math.isfinite(fit.latency_us) and math.isfinite(fit.us_per_byte))
+            or min(fit.latency_us, fit.us_per_byte) < 0
+        ):
+            raise OptimusError(
+                f"cost_model.profile: communication[{i}] in {path} has a negative or non-finite "
+                "latency_us or us_per_byte; re-run optimus-profile"
+            )
+        fits[(fit.collective, fit.group_size)] = fit
+    return fits
 
 
 # --------------------------------------------------------------------------------------------

@@ -60,14 +60,16 @@ class LLMBubbles:
 
 def stage_gaps(timeline: LLMTimeline) -> list[tuple[FreeIntervals, FreeIntervals]]:
     """Per LLM stage: (idle compute-stream time, time without an LLM TP collective, hidden ones
-    included) inside its span."""
+    included) inside its span. Where the encoder runs inline (CPU ranks), a TP collective's wait is
+    not idle: the thread that would run the encoder is the one waiting."""
     gaps = []
     for s, stage in enumerate(timeline.stages):
         compute, comm, hidden = timeline.kernel_intervals(s)
         link = sorted(comm + hidden)
+        busy = sorted(compute + comm) if timeline.tp_comm_is_busy else compute
         lo, hi = stage.first_compute_us, stage.last_compute_us
         gaps.append(
-            (FreeIntervals.complement(compute, lo, hi), FreeIntervals.complement(link, lo, hi))
+            (FreeIntervals.complement(busy, lo, hi), FreeIntervals.complement(link, lo, hi))
         )
     return gaps
 

@@ -253,5 +253,13 @@ def timeline_from_work(
     )
     dp = [dp_comm_us(config, p / plan.tp, plan.dp, plan.tp, cost) for p in per_stage]
     return LLMTimeline(
-        plan.pp, plan.vp, n_mb, stages, work, p2p, [a for a, _ in dp], [r for _, r in dp]
+        plan.pp,
+        plan.vp,
+        n_mb,
+        stages,
+        work,
+        p2p,
+        [a for a, _ in dp],
+        [r for _, r in dp],
+        tp_comm_is_busy=not cost.encoder_runs_beside_the_llm,
     )

@@ -120,6 +120,9 @@ class LLMTimeline:
     p2p_us: float
     dp_all_gather_us: list[float]  # per stage, exposed before the first computation
     dp_reduce_scatter_us: list[float]  # per stage, exposed after the last computation
+    # the encoder cannot run while the LLM waits for a TP collective: on CPU ranks the runtime runs
+    # encoder ops inline on the one thread that waits (a GPU runs them on a side stream)
+    tp_comm_is_busy: bool = False
 
     @property
     def forward_dependency_points(self) -> list[float]:

@@ -18,7 +18,9 @@ any key missing from a profile.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -49,8 +51,8 @@ Key = tuple[str, str, str, int]  # (module, kernel, phase, tp), as CostModel loo
 Timer = Callable[[Callable[[], object]], float]  # runs the callable once, returns microseconds
 RECOMPUTE = "recompute_"  # a forward kernel re-run inside the backward (cost_model.layer_kernels)
 NOT_MEASURED = (
-    "communication kernels (TP all-gather/reduce-scatter/all-reduce, P2P, DP collectives) need "
-    "several GPUs and are not measured; the cost model uses its bandwidth model for them"
+    "communication: not measured by a run of one rank (run optimus-profile under torchrun with the "
+    "config's world size to measure it); the cost model uses its bandwidth model for it"
 )
 
 
@@ -348,7 +350,8 @@ def cuda_timer(fn: Callable[[], object]) -> float:
 
 
 def wallclock_timer(fn: Callable[[], object]) -> float:
-    """Host time of one call, in microseconds: for exercising the profiler on CPU only."""
+    """Host time of one call, in microseconds: a CPU kernel runs synchronously, so this is its
+    time."""
     started = time.perf_counter()
     fn()
     return (time.perf_counter() - started) * 1e6
@@ -380,13 +383,11 @@ def profile_kernels(
 ) -> dict[str, Any]:
     """Measure every compute kernel the scheduler costs for ``config``; a JSON-ready profile.
 
-    ``timer`` defaults to CUDA events on a CUDA device; pass :func:`wallclock_timer` elsewhere. Each
+    ``timer`` defaults to CUDA events on a CUDA device and to the wall clock on CPU. Each
     entry keeps the cost model's FLOPs and bytes (the shape it was measured at) and its roofline.
     """
     if timer is None:
-        if torch.device(device).type != "cuda":
-            raise OptimusError(f"profiler: device {device} has no CUDA events; pass a timer")
-        timer = cuda_timer
+        timer = cuda_timer if torch.device(device).type == "cuda" else wallclock_timer
     roofline = CostModel(config.cluster, config.cost_model)
     kernels = []
     for entry in profile_entries(config):
@@ -416,18 +417,40 @@ def profile_kernels(
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
         "config": config.name,
-        "device": torch.cuda.get_device_name(device)
-        if torch.device(device).type == "cuda"
-        else device,
+        "device": device_name(device),
+        "device_kind": torch.device(device).type,
+        "threads": torch.get_num_threads(),
         "dtype": str(dtype).removeprefix("torch."),
         "kernel_set": KERNEL_SET,
         "torch": torch.__version__,
+        "megatron_core": _version("megatron-core"),
         "warmup": warmup,
         "repeats": repeats,
         "statistic": "median",
         "not_measured": NOT_MEASURED,
         "kernels": kernels,
     }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's model as the kernel reports it."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def write_profile(profile: dict[str, Any], path: str | Path) -> None:

@@ -157,8 +157,10 @@ def _overlaps(schedule: Schedule) -> list[str]:
     llm_by_stage = {}
     for s in range(tl.pp):
         compute, comm, hidden = tl.kernel_intervals(s)  # hidden collectives hold the links too
+        # on CPU ranks the thread waiting for a TP collective is the one that runs the encoder
+        busy = compute + comm if tl.tp_comm_is_busy else compute
         llm_by_stage[s] = (
-            [(a + t0, b + t0, "llm") for a, b in compute],
+            [(a + t0, b + t0, "llm") for a, b in busy],
             [(a + t0, b + t0, "llm") for a, b in comm + hidden],
         )
     encoder_compute: dict[tuple[int, int], list] = defaultdict(list)

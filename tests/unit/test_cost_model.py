@@ -19,7 +19,9 @@ from optimus_mllm.costing.cost_model import (
     LayerShape,
     PieceShape,
     collective_bytes_on_wire,
+    fit_comm,
     layer_kernels,
+    load_comm_fits,
     load_profile,
     wave_factor,
 )
@@ -270,3 +272,39 @@ def test_piece_prices_list_every_piece_short_of_the_whole_kernel():
     assert prices.us[1:4] == pytest.approx((52.0, 102.0, 202.0))
     assert [prices.most_blocks(t) for t in (40.0, 52.0, 150.0, 202.0)] == [0, 1, 2, 4]
     assert cost.piece_prices(_gemm(out_tiles=4, blocks=1), 50.0) is None  # one block: no pieces
+
+
+def test_a_communication_fit_recovers_its_line_and_keeps_latency_non_negative():
+    sizes = [1e4, 1e5, 1e6, 4e6]
+    fit = fit_comm("all_reduce", 2, sizes, [30.0 + 2e-4 * s for s in sizes])
+    assert fit.latency_us == pytest.approx(30.0)
+    assert fit.us_per_byte == pytest.approx(2e-4)
+    # times that a line through them would start below zero: through the origin instead
+    steep = fit_comm("p2p", 2, [1e4, 2e4], [1.0, 100.0])
+    assert steep.latency_us == 0.0 and steep.us(2e4) > 0
+    with pytest.raises(OptimusError, match="one size only"):
+        fit_comm("p2p", 2, [1e4, 1e4], [1.0, 2.0])
+
+
+def test_a_profiles_communication_fit_prices_its_collective_and_group_size_only(tmp_path):
+    path = _profile(tmp_path, [])
+    data = json.loads(path.read_text())
+    data["communication"] = [
+        {"collective": "all_reduce", "group_size": 2, "latency_us": 50.0, "us_per_byte": 1e-3}
+    ]
+    path.write_text(json.dumps(data))
+    cluster = ClusterConfig(num_gpus=8, intra_node_bandwidth_gbps=100)
+    model = CostModel(cluster, CostModelConfig(), load_profile(path), load_comm_fits(path))
+    two = KernelWork("tp_ar_mlp", "fwd", "comm", bytes=1e6, collective="all_reduce", group_size=2)
+    assert model.comm_us(two, 100.0) == pytest.approx(50.0 + 1e3)
+    # another group size, another collective: the bandwidth model, as without a profile
+    roofline = CostModel(cluster, CostModelConfig())
+    for work in (
+        KernelWork("tp_ar_mlp", "fwd", "comm", bytes=1e6, collective="all_reduce", group_size=4),
+        KernelWork("tp_ag_attn", "fwd", "comm", bytes=1e6, collective="all_gather", group_size=2),
+    ):
+        assert model.comm_us(work, 100.0) == roofline.comm_us(work, 100.0)
+    data["communication"][0]["latency_us"] = -1.0
+    path.write_text(json.dumps(data))
+    with pytest.raises(OptimusError, match=r"communication\[0\].*negative or non-finite"):
+        load_comm_fits(path)

@@ -14,7 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from optimus_mllm.config import load_config
-from optimus_mllm.costing.cost_model import CostModel, KernelWork, load_profile
+from optimus_mllm.costing.cost_model import CostModel, KernelWork, load_comm_fits, load_profile
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
@@ -169,9 +169,29 @@ def test_cpu_profile_loads_and_changes_the_cost_model(tmp_path):
     )
 
 
-def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+def _cli(
+    *args: str, cwd, threads: int | None = None, world: int = 1
+) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": str(REPO), **_env()}
+    if world > 1:  # what torchrun tells rank 0 of a job of ``world`` ranks
+        env.update(WORLD_SIZE=str(world), RANK="0")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.run(
         [sys.executable, "-m", "optimus_mllm.cli.profile", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def _torchrun(nproc: int, *args: str, cwd) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(nproc), "-m", "optimus_mllm.cli.profile", *args]
+    return subprocess.run(
+        command,
         capture_output=True,
         text=True,
         timeout=600,
@@ -186,21 +206,74 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="checks the no-GPU error; a CUDA GPU is visible"
-)
-def test_cli_without_gpu_exits_2_in_one_line_and_writes_nothing(tmp_path):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="profiles the CPU; a CUDA GPU is visible")
+def test_cli_on_cpu_times_the_kernels_at_one_thread_and_says_communication_was_not_measured(
+    tmp_path,
+):
     out = tmp_path / "profile.json"
-    proc = _cli("--config", str(CONFIG_FILES[0]), "--out", str(out), cwd=tmp_path)
+    proc = _cli(
+        "--config",
+        str(CONFIG_FILES[0]),
+        "--out",
+        str(out),
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        cwd=tmp_path,
+        threads=1,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert (data["device_kind"], data["threads"], data["dtype"]) == ("cpu", 1, "float32")
+    assert data["megatron_core"] and data["torch"] == torch.__version__
+    assert "communication" not in data and "run of one rank" in data["not_measured"]
+    assert set(load_profile(out)) == {e.key for e in profile_entries(load_config(CONFIG_FILES[0]))}
+    assert load_comm_fits(out) == {}
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.is_available(), reason="profiles CPU ranks; a CUDA GPU is visible")
+def test_cli_under_torchrun_fits_the_jobs_collectives_on_its_own_groups(tmp_path):
+    # tiny is DP1 PP2 TP2: the TP group's collectives and the pipeline's send/receive
+    out = tmp_path / "profile.json"
+    proc = _torchrun(
+        4,
+        "--config",
+        str(CONFIG_FILES[0]),
+        "--out",
+        str(out),
+        "--warmup",
+        "1",
+        "--repeats",
+        "3",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 4
+    fits = load_comm_fits(out)
+    assert set(fits) == {("all_reduce", 2), ("all_gather", 2), ("reduce_scatter", 2), ("p2p", 2)}
+    assert all(f.us(1e6) > 0 for f in fits.values())
+    assert "all_reduce over 2 ranks (tp)" in proc.stdout
+    assert "p2p over 2 ranks (pp)" in proc.stdout
+    # the TP group's all-reduce now costs what was measured, not NVLink's bandwidth
+    config = load_config(CONFIG_FILES[0], [f"cost_model.profile={out}"])
+    work = KernelWork("tp_ar_mlp", "fwd", "comm", bytes=1e6, collective="all_reduce", group_size=2)
+    assert CostModel.from_config(config).comm_us(work, 100.0) == fits[("all_reduce", 2)].us(1e6)
+
+
+@pytest.mark.distributed
+def test_cli_as_a_job_of_another_world_size_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "profile.json"
+    proc = _cli("--config", str(CONFIG_FILES[0]), "--out", str(out), cwd=tmp_path, world=3)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        (
-            "optimus-profile: error: no CUDA GPU is visible; run it on a GPU machine "
-            "(the cost model uses its roofline without a profile)"
-        )
+        "optimus-profile: error: a job of 3 ranks cannot measure config tiny's communication: "
+        "run it with torchrun --nproc-per-node 4 (the config's cluster.num_gpus), or as one "
+        "process to time its kernels only"
     ]
-    assert proc.stdout == ""
-    assert list(tmp_path.iterdir()) == []
+    assert not out.exists()
 
 
 @needs_gpu
