@@ -23,6 +23,7 @@ from optimus_mllm.costing.cost_model import (
     layer_kernels,
     load_comm_fits,
     load_profile,
+    profile_device_problem,
     wave_factor,
 )
 from optimus_mllm.errors import OptimusError
@@ -308,3 +309,21 @@ def test_a_profiles_communication_fit_prices_its_collective_and_group_size_only(
     path.write_text(json.dumps(data))
     with pytest.raises(OptimusError, match=r"communication\[0\].*negative or non-finite"):
         load_comm_fits(path)
+
+
+def test_a_profile_of_another_device_kind_is_refused_in_one_line(tmp_path):
+    cpu = _profile(tmp_path, [], device_kind="cpu")
+    assert profile_device_problem(str(cpu), "cpu") is None
+    assert profile_device_problem(None, "cuda") is None
+    assert profile_device_problem(str(cpu), "cuda") == (
+        f"cost_model.profile: {cpu} was measured on a cpu device, this job runs on cuda; profile "
+        "this machine with optimus-profile, or drop cost_model.profile"
+    )
+    # a profile from before the field came from optimus-profile on a GPU
+    older = tmp_path / "older"
+    older.mkdir()
+    assert "measured on a cuda device" in profile_device_problem(str(_profile(older, [])), "cpu")
+    # only a CPU profile makes the scheduler count a TP collective's wait as busy
+    cluster, params = ClusterConfig(num_gpus=8), CostModelConfig()
+    assert CostModel(cluster, params).encoder_runs_beside_the_llm
+    assert not CostModel(cluster, params, device_kind="cpu").encoder_runs_beside_the_llm
