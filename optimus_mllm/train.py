@@ -381,10 +381,9 @@ def _job_artifact(
     resume: CheckpointInfo | None,
 ) -> tuple[ScheduleArtifact | None, str | None, tuple[str, ...]]:
     """The schedule the job runs (None for a baseline), the baseline it runs (None under Optimus),
-    and what
-    to say about where they came from: ``--baseline``, ``--schedule``, else the checkpoint's
-    schedule when it fits this job, else scheduled now (a baseline placement if it beats every
-    Optimus schedule)."""
+    and what to say about where they came from: ``--baseline``, ``--schedule``, else the
+    checkpoint's schedule when it fits this job, else scheduled now (a baseline placement where no
+    Optimus schedule gains on it by more than the step noise, ``optimus_gains``)."""
     if args.baseline:
         return None, args.baseline, ()
     if args.schedule:
@@ -425,9 +424,9 @@ def _schedule_now(
     b = result.baseline
     optimus_s = "none" if result.best is None else f"{result.best.iteration_us / 1e6:.4f} s"
     note = (
-        f"the {b.name} baseline ({b.iteration_us / 1e6:.4f} s per iteration predicted) beats every "
-        "Optimus "
-        f"schedule (best {optimus_s}): running it, as --baseline {b.runtime} would"
+        f"the {b.name} baseline ({b.iteration_us / 1e6:.4f} s per iteration predicted) is no "
+        f"slower than every Optimus schedule within the step noise of {cost.step_noise:.1%} (best "
+        f"{optimus_s}): running it, as --baseline {b.runtime} would"
     )
     return None, b.runtime, (*notes, note)
 

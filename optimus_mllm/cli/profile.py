@@ -134,10 +134,13 @@ def _measure_job(
         profile = profile_kernels(
             config, warmup=warmup, repeats=repeats, device=device, dtype=dtype
         )
-        times = torch.tensor([k["time_us"] for k in profile["kernels"]], dtype=torch.float64)
-        dist.all_reduce(times)
-        for kernel, total in zip(profile["kernels"], times.tolist()):
-            kernel["time_us"] = total / dist.get_world_size()
+        measured = ("time_us", "spread_us")
+        sums = torch.tensor(
+            [[k[f] for f in measured] for k in profile["kernels"]], dtype=torch.float64
+        )
+        dist.all_reduce(sums)
+        for kernel, total in zip(profile["kernels"], sums.tolist()):
+            kernel.update({f: t / dist.get_world_size() for f, t in zip(measured, total)})
         communication, not_measured = measure_communication(warmup, repeats)
         profile.update(
             world_size=dist.get_world_size(),

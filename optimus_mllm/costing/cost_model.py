@@ -370,24 +370,29 @@ class CostModel:
         profile: dict[tuple, float] | None = None,
         comm_fits: dict[tuple[str, int], CommFit] | None = None,
         device_kind: str = "cuda",
+        step_noise: float = 0.0,
     ):
         self.cluster = cluster
         self.params = params
         self.profile = profile or {}
         self.comm_fits = comm_fits or {}
         self.device_kind = device_kind  # what the profile measured; the roofline's is a GPU
+        # the share by which a step's time varies run to run (the profile's); 0 for the roofline
+        self.step_noise = step_noise
 
     @classmethod
     def from_config(cls, config: OptimusConfig) -> CostModel:
         path = config.cost_model.profile
         if not path:
             return cls(config.cluster, config.cost_model)
+        machine = read_machine_profile(path)
         return cls(
             config.cluster,
             config.cost_model,
-            load_profile(path),
-            load_comm_fits(path),
-            profile_device_kind(path),
+            {m.key: m.time_us for m in machine.kernels},
+            machine.comm_fits,
+            machine.device_kind,
+            machine.step_noise,
         )
 
     @property
@@ -694,31 +699,12 @@ def fit_comm(
     return CommFit(collective, group_size, latency, slope)
 
 
-def profile_device_kind(path: str | Path) -> str:
-    """``cuda`` or ``cpu``: the kind of device a profile was measured on (a GPU where the profile
-    predates the field, as every profile then came from optimus-profile on a GPU)."""
-    data = read_versioned_json(
-        path,
-        "cost_model.profile:",
-        PROFILE_FORMAT,
-        PROFILE_VERSION,
-        "run optimus-profile to create it",
-    )
-    kind = data.get("device_kind", "cuda")
-    if kind not in ("cuda", "cpu"):
-        raise OptimusError(
-            f"cost_model.profile: {path} has device_kind {str(kind)[:20]!r}; this release reads "
-            "profiles of 'cuda' or 'cpu' devices"
-        )
-    return kind
-
-
 def profile_device_problem(path: str | None, device_kind: str) -> str | None:
     """Why a job on ``device_kind`` cannot be costed by the profile at ``path``: a CPU's kernel
     times say nothing of a GPU's, and the other way round."""
     if not path:
         return None
-    measured = profile_device_kind(path)
+    measured = read_machine_profile(path).device_kind
     if measured == device_kind:
         return None
     return (
@@ -727,16 +713,30 @@ def profile_device_problem(path: str | None, device_kind: str) -> str | None:
     )
 
 
-def load_comm_fits(path: str | Path) -> dict[tuple[str, int], CommFit]:
-    """The profile's communication fits by (collective, group size); none in a GPU kernel profile
-    of one device."""
+@dataclass(frozen=True)
+class MachineProfile:
+    """Everything a profile says about the machine: kernel times, communication fits, the device
+    kind and the step-to-step noise."""
+
+    kernels: list[MeasuredKernel]
+    comm_fits: dict[tuple[str, int], CommFit]
+    device_kind: str  # cuda or cpu
+    step_noise: float
+
+
+def read_machine_profile(path: str | Path) -> MachineProfile:
+    """Read a profile; one written before a field existed came from optimus-profile on one GPU:
+    a ``cuda`` device, no communication fits, no spreads."""
+    what = "cost_model.profile:"
     data = read_versioned_json(
-        path,
-        "cost_model.profile:",
-        PROFILE_FORMAT,
-        PROFILE_VERSION,
-        "run optimus-profile to create it",
+        path, what, PROFILE_FORMAT, PROFILE_VERSION, "run optimus-profile to create it"
     )
+    kind = data.get("device_kind", "cuda")
+    if kind not in ("cuda", "cpu"):
+        raise OptimusError(
+            f"{what} {path} has device_kind {str(kind)[:20]!r}; this release reads profiles of "
+            "'cuda' or 'cpu' devices"
+        )
     fits = {}
     for i, entry in enumerate(data.get("communication", [])):
         try:
@@ -748,19 +748,43 @@ def load_comm_fits(path: str | Path) -> dict[tuple[str, int], CommFit]:
             )
         except (KeyError, TypeError, ValueError):
             raise OptimusError(
-                f"cost_model.profile: communication[{i}] in {path} needs collective, group_size, "
-                "latency_us and us_per_byte"
+                f"{what} communication[{i}] in {path} needs collective, group_size, latency_us "
+                "and us_per_byte"
             ) from None
         if (
             not (math.isfinite(fit.latency_us) and math.isfinite(fit.us_per_byte))
             or min(fit.latency_us, fit.us_per_byte) < 0
         ):
             raise OptimusError(
-                f"cost_model.profile: communication[{i}] in {path} has a negative or non-finite "
-                "latency_us or us_per_byte; re-run optimus-profile"
+                f"{what} communication[{i}] in {path} has a negative or non-finite latency_us "
+                "or us_per_byte; re-run optimus-profile"
             )
         fits[(fit.collective, fit.group_size)] = fit
-    return fits
+    kernels = read_profile(path, what)
+    try:
+        spreads = [float(k.get("spread_us", 0.0)) for k in data["kernels"]]
+    except (TypeError, ValueError, AttributeError):
+        spreads = [math.nan]
+    if not all(math.isfinite(s) and s >= 0 for s in spreads):
+        raise OptimusError(
+            f"{what} a kernel's spread_us in {path} is negative or not a number; re-run "
+            "optimus-profile"
+        )
+    return MachineProfile(kernels, fits, kind, step_noise([k.time_us for k in kernels], spreads))
+
+
+def step_noise(times_us: list[float], spreads_us: list[float]) -> float:
+    """How far a step's time lands from its prediction run to run, as a share: the kernels' typical
+    deviations (half their interquartile ranges) added up over their medians added up. Adding
+    them treats the kernels' noise as one (a busy machine slows them all at once), the cautious
+    reading for deciding whether a predicted speed-up is real."""
+    total = sum(times_us)
+    return sum(spreads_us) / total if total > 0 else 0.0
+
+
+def load_comm_fits(path: str | Path) -> dict[tuple[str, int], CommFit]:
+    """The profile's communication fits by (collective, group size)."""
+    return read_machine_profile(path).comm_fits
 
 
 # --------------------------------------------------------------------------------------------

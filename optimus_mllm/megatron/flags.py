@@ -36,7 +36,7 @@ from optimus_mllm.scheduler.artifact import (
 )
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.scheduler.baselines import runnable_baselines
-from optimus_mllm.scheduler.bubble_scheduler import best_schedule
+from optimus_mllm.scheduler.bubble_scheduler import best_schedule, optimus_gains
 
 # Megatron-LM's optimizer flags that the training config takes under the same names
 _OPTIMIZER_ARGS = (
@@ -573,12 +573,16 @@ def flag_schedule(
         megatron = [
             b for b in runnable_baselines(config, planned.llm_plan, cost) if b.runtime == "baseline"
         ]
-        if best is None or (megatron and megatron[0].iteration_us < best.iteration_us):
+        if best is None or (
+            megatron
+            and not optimus_gains(best.iteration_us, megatron[0].iteration_us, cost.step_noise)
+        ):
             optimus_s = "none" if best is None else f"{best.iteration_us / 1e6:.4f} s"
             return None, (
                 "optimus: --optimus-schedule auto: Megatron-LM's placement (the vision model in "
-                "the first pipeline stage) is predicted faster than every Optimus schedule (best "
-                f"{optimus_s}); training as Megatron-LM does"
+                "the first pipeline stage) is predicted no slower than every Optimus schedule "
+                f"within the step noise of {cost.step_noise:.1%} (best {optimus_s}); training "
+                "as Megatron-LM does"
             )
         artifact = schedule_to_artifact(best, config)
         source = "--optimus-schedule auto"

@@ -1054,6 +1054,13 @@ class OptimusResult:
         )
 
 
+def optimus_gains(optimus_us: float, baseline_us: float, noise: float) -> bool:
+    """Whether an Optimus schedule is predicted faster than a baseline by more than the machine's
+    step-to-step noise (a share, the profile's): a gain inside the noise is no gain, and running
+    the baseline then is never slower; a tie goes to the baseline."""
+    return optimus_us < baseline_us * (1.0 - noise) - EPS_US
+
+
 def best_schedule(
     config: OptimusConfig,
     planned: PlannerResult,
@@ -1064,7 +1071,8 @@ def best_schedule(
     """Optimus (Algorithm 1): run the bubble scheduler on every encoder plan, keep the fastest
     schedule;
     then the baseline placements the runtime can run (``runnable_baselines``, at the LLM plan's V)
-    as further candidates: one strictly faster than every schedule is the result's ``baseline``.
+    as further candidates: where the fastest schedule does not gain on one (``optimus_gains``), the
+    fastest such baseline is the result's ``baseline``.
 
     Plans are tried in order of their lower bound, so that the best schedule found early lets the
     bound skip plans (and partitions) that cannot beat it. ``cut_kernels=False`` runs every encoder
@@ -1097,11 +1105,11 @@ def best_schedule(
                 outcome = PlanOutcome(enc_plan, "infeasible", None, lower_bound, stats)
             result.outcomes.append(outcome)
         result.best = best.schedule() if best else None
-        faster = [
+        no_slower = [
             b
             for b in runnable_baselines(config, planned.llm_plan, cost)
-            if best is None or b.iteration_us < best.iteration_us - EPS_US
+            if best is None or not optimus_gains(best.iteration_us, b.iteration_us, cost.step_noise)
         ]
-        result.baseline = min(faster, key=lambda b: b.iteration_us, default=None)
+        result.baseline = min(no_slower, key=lambda b: b.iteration_us, default=None)
     result.runtime_s = time.perf_counter() - started
     return result

@@ -357,15 +357,28 @@ def wallclock_timer(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - started) * 1e6
 
 
-def median_us(fn: Callable[[], object], warmup: int, repeats: int, timer: Timer) -> float:
-    """Median of ``repeats`` timed calls after ``warmup`` untimed ones."""
+def timings_us(fn: Callable[[], object], warmup: int, repeats: int, timer: Timer) -> list[float]:
+    """``repeats`` timed calls after ``warmup`` untimed ones."""
     if repeats < 1 or warmup < 0:
         raise OptimusError(
             f"profiler: needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}"
         )
     for _ in range(warmup):
         fn()
-    return statistics.median(timer(fn) for _ in range(repeats))
+    return [timer(fn) for _ in range(repeats)]
+
+
+def median_us(fn: Callable[[], object], warmup: int, repeats: int, timer: Timer) -> float:
+    """Median of ``repeats`` timed calls after ``warmup`` untimed ones."""
+    return statistics.median(timings_us(fn, warmup, repeats, timer))
+
+
+def spread_us(times: list[float]) -> float:
+    """Half the interquartile range: how far a typical run lands from the median."""
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,7 +409,7 @@ def profile_kernels(
         fn = kernel_callable(
             op, entry.work.phase, entry.work.name.startswith(RECOMPUTE), device, dtype
         )
-        measured = median_us(fn, warmup, repeats, timer)
+        times = timings_us(fn, warmup, repeats, timer)
         del fn  # free this kernel's tensors before the next one's
         module, kernel, phase, tp = entry.key
         kernels.append(
@@ -405,7 +418,8 @@ def profile_kernels(
                 "kernel": kernel,
                 "phase": phase,
                 "tp": tp,
-                "time_us": measured,
+                "time_us": statistics.median(times),
+                "spread_us": spread_us(times),
                 "roofline_us": roofline.compute_us(entry.work, module, tp),
                 "flops": entry.work.flops,
                 "bytes": entry.work.bytes,

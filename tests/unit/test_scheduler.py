@@ -21,6 +21,7 @@ from optimus_mllm.planner import ParallelPlan, plan
 from optimus_mllm.scheduler import bubble_scheduler as scheduler_module
 from optimus_mllm.scheduler.artifact import load_artifact, schedule_to_artifact, write_artifact
 from optimus_mllm.scheduler.artifact_format import artifact_to_json
+from optimus_mllm.scheduler.baselines import runnable_baselines
 from optimus_mllm.scheduler.bubble_scheduler import (
     BWD,
     FWD,
@@ -31,6 +32,7 @@ from optimus_mllm.scheduler.bubble_scheduler import (
     find_critical,
     init_schedule,
     optimize_schedule,
+    optimus_gains,
     schedule_kernels,
 )
 from optimus_mllm.scheduler.coarse import PostWindow, coarse_backward
@@ -792,3 +794,22 @@ def test_on_cpu_ranks_no_encoder_kernel_runs_while_the_llm_waits_for_a_tp_collec
 
     assert inside_tp_waits(on_gpu) > 0  # the GPU's side stream fills them: the check can fail
     assert inside_tp_waits(on_cpu) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_optimus_runs_only_where_it_gains_more_than_the_step_noise():
+    assert optimus_gains(90.0, 100.0, 0.05) and not optimus_gains(96.0, 100.0, 0.05)
+    assert not optimus_gains(100.0, 100.0, 0.0)  # a tie goes to the baseline
+    config = load_config(CONFIGS / "tiny.yaml")
+    planned = plan(config)
+    quiet = best_schedule(config, planned, CostModel.from_config(config))
+    assert quiet.baseline is None
+    baselines = runnable_baselines(config, planned.llm_plan, CostModel.from_config(config))
+    fastest = min(b.iteration_us for b in baselines)
+    gain = 1 - quiet.best.iteration_us / fastest
+    assert gain > 0.01
+    for noise, runs_baseline in ((gain - 0.01, False), (gain + 0.01, True)):
+        cost = CostModel(config.cluster, config.cost_model, step_noise=noise)
+        result = best_schedule(config, planned, cost)
+        assert (result.baseline is not None) == runs_baseline, noise
+        if runs_baseline:
+            assert result.baseline.iteration_us == pytest.approx(fastest)
