@@ -23,6 +23,8 @@ from optimus_mllm.planner.planner import choose_virtual_stages
 from support.paths import CONFIGS, balanced_wins
 
 PAPER = sorted(p.stem for p in (CONFIGS / "paper").glob("*.yaml"))
+# benchmarks/bench_e2e.py's 2-rank CPU configs
+CPU = sorted(f"cpu/{p.stem}" for p in (CONFIGS / "cpu").glob("*.yaml"))
 
 
 def test_figure5_example_includes_the_papers_encoder_plan():
@@ -34,10 +36,9 @@ def test_figure5_example_includes_the_papers_encoder_plan():
     assert fig5.m == 2
 
 
-@pytest.mark.parametrize("name", PAPER + ["tiny"])
+@pytest.mark.parametrize("name", PAPER + ["tiny"] + CPU)
 def test_every_listed_plan_obeys_divisibility(name):
-    path = CONFIGS / "paper" / f"{name}.yaml" if name != "tiny" else CONFIGS / "tiny.yaml"
-    config = load_config(path)
+    config = load_config(CONFIGS / ("paper" if name in PAPER else "") / f"{name}.yaml")
     result = plan(config)
     llm, n = result.llm_plan, config.cluster.num_gpus
     assert llm.world_size == n
