@@ -15,7 +15,7 @@ from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 from optimus_mllm.scheduler.placements import PLACEMENT_MODES, predicted_placements
 
-from support.paths import CONFIGS, REPO, balanced_wins
+from support.paths import CONFIGS, MEGATRON_TINY_FLAGS, REPO, balanced_wins
 
 CPU_CONFIGS = sorted((CONFIGS / "cpu").glob("*.yaml"))
 # the scheduler's float tolerance (intervals.EPS_US) as seconds, with room to spare
@@ -87,8 +87,14 @@ def test_optimus_plan_profile_is_the_cost_model_profile_override(tmp_path, capsy
     assert outputs[0] == outputs[1] != outputs[2]
 
 
-def test_optimus_plan_refuses_a_missing_profile_in_one_line(tmp_path, capsys):
-    missing = str(tmp_path / "none.json")
-    assert main(["--config", str(CONFIGS / "tiny.yaml"), "--profile", missing]) == 2
+@pytest.mark.parametrize("job", ["config", "megatron flags"])
+def test_optimus_plan_refuses_a_missing_profile_in_one_line(job, tmp_path, capsys):
+    """--profile prices a job given as a config or as Megatron-LM flags alike."""
+    given = (
+        ["--config", str(CONFIGS / "tiny.yaml")]
+        if job == "config"
+        else ["--world-size", "4", "--", *MEGATRON_TINY_FLAGS]
+    )
+    assert main(["--profile", str(tmp_path / "none.json"), *given]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cost_model.profile" in err
