@@ -18,6 +18,10 @@ With a workload distribution in the config (``data.images_per_sample``), the out
 plans ranked by expected iteration time over iterations drawn from it (``scheduler/expected.py``),
 and the artifact, trace and plot are the expected-fastest plan's schedule for the planned maximum:
 the fallback a per-iteration schedule falls back to.
+
+The output ends with one line per placement (Megatron-LM's, balanced, Optimus: what
+``optimus-train`` can run) and its predicted iteration time, the one ``optimus-train`` runs with no
+flag marked (``scheduler/placements.py``); ``--profile`` prices them from a measured kernel profile.
 """
 
 from __future__ import annotations
