@@ -18,6 +18,10 @@ With a workload distribution in the config (``data.images_per_sample``), the out
 plans ranked by expected iteration time over iterations drawn from it (``scheduler/expected.py``),
 and the artifact, trace and plot are the expected-fastest plan's schedule for the planned maximum:
 the fallback a per-iteration schedule falls back to.
+
+The output ends with one line per placement (Megatron-LM's, balanced, Optimus: what
+``optimus-train`` can run) and its predicted iteration time, the one ``optimus-train`` runs with no
+flag marked (``scheduler/placements.py``); ``--profile`` prices them from a measured kernel profile.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, run
@@ -44,6 +48,7 @@ from optimus_mllm.scheduler.baselines import no_placement_problem
 from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, best_schedule
 from optimus_mllm.scheduler.expected import ExpectedRanking, rank_by_expected_time
 from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency
+from optimus_mllm.scheduler.placements import PlacementPrediction, predicted_placements
 
 PROG = "optimus-plan"
 # what separates optimus-plan's own flags from a Megatron-LM command line
@@ -54,7 +59,7 @@ RANKING = "simulated iteration time (bubble scheduler)"
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog=PROG,
-        usage=f"{PROG} [--json OUT] [--artifact OUT] [--trace OUT] [--png OUT] "
+        usage=f"{PROG} [--json OUT] [--artifact OUT] [--trace OUT] [--png OUT] [--profile P] "
         "(--config YAML [--override KEY=VALUE ...] | "
         "--world-size N [--gpus-per-node G] -- MEGATRON_FLAGS ...)",
         description="Choose the LLM plan, enumerate colocated encoder plans and "
@@ -78,6 +83,12 @@ def build_parser() -> ArgumentParser:
         type=int,
         metavar="G",
         help="with Megatron-LM flags: ranks per node (default 8, at most --world-size)",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="P",
+        help="kernel profile (optimus-profile --out) to price the job with; the same as "
+        "--override cost_model.profile=P",
     )
     parser.add_argument(
         "--json", metavar="OUT", help="also write the plans and their schedules as JSON"
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         expected = (
             rank_by_expected_time(config, planned, cost, distribution) if distribution else None
         )
+        placements = predicted_placements(config, planned, scheduled, cost)
         schedule = scheduled.best
         if expected is not None:
             schedule = expected.best.fallback if expected.best else None
@@ -127,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.json:
             result = result_to_dict(planned, scheduled)
+            result["placements"] = [asdict(p) for p in placements]
             if expected is not None:
                 result["expected"] = expected_to_dict(expected)
             atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
@@ -147,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(format_result(config, planned, scheduled))
         if expected is not None:
             sys.stdout.write(format_expected(expected))
+        sys.stdout.write(format_placements(placements))
         return 0
 
     return run(PROG, body)
@@ -200,14 +214,17 @@ def job_config(
         ``optimus_mllm.megatron.unread_flags`` in the order given, then ``--optimus-schedule`` (none
         with ``--config``).
     """
+    profile = [f"cost_model.profile={args.profile}"] if args.profile else []
     if megatron_argv is None:
-        return load_config(args.config, args.override), []
+        return load_config(args.config, [*args.override, *profile]), []
     # the job's own command line, pasted whole: --optimus-schedule and the flags that do not shape
     # the plan are taken too
     parser = megatron_parser(_taken_not_read, parser_class=_MegatronFlagsParser, prog=PROG)
     flags = parser.parse_args(megatron_argv)
     gpus_per_node = 8 if args.gpus_per_node is None else args.gpus_per_node
     config = config_from_megatron_args(flags, args.world_size, gpus_per_node)
+    if args.profile:
+        config = replace(config, cost_model=replace(config.cost_model, profile=args.profile))
     not_read = getattr(flags, UNREAD_DEST)
     if flags.optimus_schedule is not None:
         not_read = [*not_read, "--optimus-schedule"]
@@ -336,6 +353,18 @@ def format_expected(expected: ExpectedRanking) -> str:
             f"maximum (iteration {_seconds(best.fallback.iteration_us)} s) is the fallback the "
             "artifact holds"
         )
+    return "\n".join(lines) + "\n"
+
+
+def format_placements(placements: list[PlacementPrediction]) -> str:
+    """One line per placement: its predicted iteration time, or why the job cannot run it; the
+    planned one marked."""
+    lines = ["", "placements (predicted iteration; * the one optimus-train runs with no flag):"]
+    for p in placements:
+        if p.iteration_s is None:
+            lines.append(f"  {p.mode:<12} cannot run: {p.problem}")
+        else:
+            lines.append(f"  {p.mode:<12} {p.iteration_s:.4f} s" + (" *" if p.planned else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -382,9 +382,14 @@ def test_scheduler_leaves_the_cyclic_gc_as_it_found_it(enabled):
         gc.enable()
 
 
-@pytest.mark.parametrize("name", ["tiny", "fig5_8gpu", "strong_3072", "dualenc_22b_5b", "model_a"])
+@pytest.mark.parametrize(
+    "name",
+    ["tiny", "fig5_8gpu", "strong_3072", "dualenc_22b_5b", "model_a"]
+    + sorted(f"cpu/{p.stem}" for p in (CONFIGS / "cpu").glob("*.yaml")),
+)
 def test_shipped_configs_give_valid_schedules(name):
-    path = CONFIGS / f"{name}.yaml" if name == "tiny" else CONFIGS / "paper" / f"{name}.yaml"
+    paper = name != "tiny" and not name.startswith("cpu/")
+    path = CONFIGS / ("paper" if paper else "") / f"{name}.yaml"
     config = load_config(path)
     result = best_schedule(config, plan(config), CostModel.from_config(config))
     assert result.best is not None
