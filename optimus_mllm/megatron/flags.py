@@ -35,7 +35,7 @@ from optimus_mllm.scheduler.artifact import (
     schedule_to_artifact,
 )
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
-from optimus_mllm.scheduler.baselines import runnable_baselines
+from optimus_mllm.scheduler.baselines import runnable_megatron_lm_baseline
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule, optimus_gains
 
 # Megatron-LM's optimizer flags that the training config takes under the same names
@@ -570,19 +570,18 @@ def flag_schedule(
     else:
         cost = CostModel.from_config(config)
         best = best_schedule(config, planned, cost).best
-        megatron = [
-            b for b in runnable_baselines(config, planned.llm_plan, cost) if b.runtime == "baseline"
-        ]
+        megatron = runnable_megatron_lm_baseline(config, planned.llm_plan, cost)
         if best is None or (
-            megatron
-            and not optimus_gains(best.iteration_us, megatron[0].iteration_us, cost.step_noise)
+            megatron is not None
+            and not optimus_gains(best.iteration_us, megatron.iteration_us, cost.step_noise)
         ):
             optimus_s = "none" if best is None else f"{best.iteration_us / 1e6:.4f} s"
+            megatron_s = "" if megatron is None else f", {megatron.iteration_us / 1e6:.4f} s"
             return None, (
                 "optimus: --optimus-schedule auto: Megatron-LM's placement (the vision model in "
-                "the first pipeline stage) is predicted no slower than every Optimus schedule "
-                f"within the step noise of {cost.step_noise:.1%} (best {optimus_s}); training "
-                "as Megatron-LM does"
+                f"the first pipeline stage{megatron_s} per iteration predicted) is no slower than "
+                f"every Optimus schedule (best {optimus_s}) within the step noise of "
+                f"{cost.step_noise:.1%}; training as Megatron-LM does"
             )
         artifact = schedule_to_artifact(best, config)
         source = "--optimus-schedule auto"

@@ -235,6 +235,18 @@ def runnable_baselines(
     return [b for b in baseline_placements(config, llm_plan, cost) if b.memory.total <= capacity]
 
 
+def runnable_megatron_lm_baseline(
+    config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel
+) -> BaselineResult | None:
+    """Megatron-LM's own placement (the encoders in the first pipeline stage) where the runtime
+    can run it and it fits in GPU memory: what ``--optimus-schedule auto`` weighs Optimus against,
+    as a Megatron-LM job trains no other baseline."""
+    if megatron_lm_problem(config, llm_plan) is not None:
+        return None
+    baseline = megatron_lm_baseline(config, llm_plan, cost)
+    return baseline if baseline.memory.total <= gpu_memory_bytes(config) else None
+
+
 def baseline_placements(
     config: OptimusConfig, llm_plan: ParallelPlan, cost: CostModel
 ) -> list[BaselineResult]:

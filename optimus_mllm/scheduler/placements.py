@@ -9,8 +9,8 @@
   with no flag when no baseline beats it).
 
 The planned placement is ``best_schedule``'s choice, which ``optimus-train`` runs with no flag: the
-baseline it found strictly faster, else Optimus. A tie goes to Optimus, so the planned time is the
-smallest prediction up to the scheduler's float tolerance.
+fastest baseline where Optimus does not gain on it by more than the profile's step noise
+(``optimus_gains``; a tie goes to the baseline), else Optimus.
 """
 
 from __future__ import annotations

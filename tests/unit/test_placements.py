@@ -1,6 +1,6 @@
 """The placements a job can train under (``scheduler/placements.py``) and optimus-plan's lines and
 JSON of them: one line per placement, exactly one planned, and the planned one what
-``best_schedule`` picks, the fastest prediction but for ties (which go to Optimus)."""
+``best_schedule`` picks, the fastest prediction (a tie goes to the baseline)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from optimus_mllm.cli.plan import main
 from optimus_mllm.config import load_config
 from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.megatron.flags import flag_schedule
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 from optimus_mllm.scheduler.placements import PLACEMENT_MODES, predicted_placements
@@ -98,3 +99,21 @@ def test_optimus_plan_refuses_a_missing_profile_in_one_line(job, tmp_path, capsy
     assert main(["--profile", str(tmp_path / "none.json"), *given]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cost_model.profile" in err
+
+
+def test_optimus_schedule_auto_trains_as_megatron_lm_does_where_optimus_gains_nothing():
+    # one GPU, no pipeline: no bubbles, so Optimus's best ties Megatron-LM's placement
+    config = load_config(CONFIGS / "gpu_single.yaml")
+    artifact, line = flag_schedule("auto", config, plan(config))
+    assert artifact is None
+    assert line.startswith(
+        "optimus: --optimus-schedule auto: Megatron-LM's placement (the vision model in the first "
+        "pipeline stage, "
+    )
+    assert line.endswith("within the step noise of 0.0%; training as Megatron-LM does")
+    # where the pipeline has bubbles Optimus gains, and the flag runs its schedule
+    config = load_config(CONFIGS / "cpu" / "pp2_v1_heavy_vit.yaml")
+    artifact, line = flag_schedule("auto", config, plan(config))
+    assert artifact is not None and line.startswith(
+        "optimus: --optimus-schedule auto: encoder plan"
+    )
