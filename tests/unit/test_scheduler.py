@@ -713,11 +713,10 @@ def test_planner_and_scheduler_do_not_import_torch():
 
 
 def _never_slower_than_the_baselines(config) -> OptimusResult:
-    """The scheduler's result (its fastest schedule, or a baseline placement that beats it) against
-    both
-    Megatron-LM baselines at the LLM plan's V, computed here on their own (balanced: single-encoder
-    models whose microbatches the interleaved schedule can take); a chosen baseline is one the
-    runtime runs."""
+    """The scheduler's result (its fastest schedule, or a baseline placement it does not beat)
+    against both Megatron-LM baselines at the LLM plan's V, computed here on their own (balanced:
+    single-encoder models whose microbatches the interleaved schedule can take); a chosen baseline
+    is one the runtime runs."""
     from optimus_mllm.scheduler.baselines import (
         balanced_problem,
         megatron_lm_balanced_baseline,
@@ -736,11 +735,14 @@ def _never_slower_than_the_baselines(config) -> OptimusResult:
             f"result {result.iteration_us:.1f} us > {baseline.name} {baseline.iteration_us:.1f} us"
         )
     if result.baseline is not None:
-        assert (
-            result.baseline.runtime == "balanced"
-            and balanced_problem(config, planned.llm_plan) is None
+        # the fastest baseline Optimus does not gain on (a tie goes to the baseline), one the
+        # runtime runs
+        assert result.baseline.runtime != "balanced" or (
+            balanced_problem(config, planned.llm_plan) is None
         )
-        assert result.best is None or result.baseline.iteration_us < result.best.iteration_us
+        assert result.best is None or not optimus_gains(
+            result.best.iteration_us, result.baseline.iteration_us, cost.step_noise
+        )
     return result
 
 
@@ -764,11 +766,14 @@ BALANCED_WINS_SEED = 9
 @pytest.mark.parametrize("seed", range(30))
 def test_optimus_never_slower_than_the_baselines_on_heavy_encoder_configs(seed):
     """Encoders 4-16x wider than the random configs'. On one seed the balanced baseline beats every
-    Optimus
-    schedule, so it is the scheduler's result."""
+    Optimus schedule, so it is the scheduler's result; where the LLM has no pipeline, Optimus's
+    best ties Megatron-LM's placement, which the job then runs (a tie goes to the baseline)."""
     result = _never_slower_than_the_baselines(config_from_dict(heavy_random_config(seed)))
-    chosen = "Megatron-LM balanced" if seed == BALANCED_WINS_SEED else None
-    assert (result.baseline.name if result.baseline else None) == chosen
+    if seed == BALANCED_WINS_SEED:
+        assert result.baseline.name == "Megatron-LM balanced"
+    elif result.baseline is not None:  # no pipeline (PP1): Optimus only ties Megatron-LM's own
+        assert result.baseline.name == "Megatron-LM"
+        assert result.best.iteration_us == pytest.approx(result.baseline.iteration_us, rel=1e-12)
 
 
 def test_on_cpu_ranks_no_encoder_kernel_runs_while_the_llm_waits_for_a_tp_collective():
