@@ -95,8 +95,7 @@ def _quiet(body: Callable[[], int]) -> int:
 
 def _measure(config: OptimusConfig, warmup: int, repeats: int, world: int) -> dict[str, Any]:
     import torch
-
-    from optimus_mllm.tools.profiler import profile_kernels
+    import torch.distributed as dist
 
     on_gpu = torch.cuda.is_available()
     if on_gpu:
@@ -108,50 +107,74 @@ def _measure(config: OptimusConfig, warmup: int, repeats: int, world: int) -> di
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         config.training.precision
     ]
-    if world == 1:
-        return profile_kernels(config, warmup=warmup, repeats=repeats, device=device, dtype=dtype)
-    return _measure_job(config, warmup, repeats, device, dtype)
+    if world == 1:  # megatron-core's layers need a process group, of this one process
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    try:
+        return _measure_job(config, warmup, repeats, device, dtype)
+    finally:
+        dist.destroy_process_group()
 
 
 def _measure_job(
     config: OptimusConfig, warmup: int, repeats: int, device: str, dtype: Any
 ) -> dict[str, Any]:
-    """Every rank times the kernels at once; the communication on the LLM plan's groups."""
-    import torch
+    """Every rank times the kernels at once and, on CPU, the layers around them (at TP 1); then
+    the communication on the LLM plan's groups."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
 
+    import megatron_patches
     from optimus_mllm.planner import plan
     from optimus_mllm.tools.comm_profiler import measure_communication
-    from optimus_mllm.tools.profiler import profile_kernels
+    from optimus_mllm.tools.layer_profiler import measure_layer_scales
+    from optimus_mllm.tools.profiler import profile_kernels, wallclock_timer
 
-    llm_plan = plan(config).llm_plan
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=llm_plan.tp, pipeline_model_parallel_size=llm_plan.pp
-        )
-        profile = profile_kernels(
-            config, warmup=warmup, repeats=repeats, device=device, dtype=dtype
-        )
-        measured = ("time_us", "spread_us")
-        sums = torch.tensor(
-            [[k[f] for f in measured] for k in profile["kernels"]], dtype=torch.float64
-        )
-        dist.all_reduce(sums)
-        for kernel, total in zip(profile["kernels"], sums.tolist()):
-            kernel.update({f: t / dist.get_world_size() for f, t in zip(measured, total)})
-        communication, not_measured = measure_communication(warmup, repeats)
-        profile.update(
-            world_size=dist.get_world_size(),
-            communication=communication,
-            not_measured=not_measured,
-            statistic="median per rank, mean over the ranks",
-        )
+    world = dist.get_world_size()
+    profile = profile_kernels(config, warmup=warmup, repeats=repeats, device=device, dtype=dtype)
+    _mean_over_ranks(profile["kernels"], ("time_us", "spread_us"))
+    if device == "cpu":
+        megatron_patches.apply()  # megatron-core's layers on CPU, as the runtime runs them
+        parallel_state.initialize_model_parallel()
+        try:
+            tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
+            scales = measure_layer_scales(config, warmup, repeats, dtype, wallclock_timer)
+        finally:
+            parallel_state.destroy_model_parallel()
+        _mean_over_ranks(scales, ("layer_us", "kernels_us", "scale"))
+        profile["layer_scales"] = scales
+    if world == 1:
         return profile
+    llm_plan = plan(config).llm_plan
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=llm_plan.tp, pipeline_model_parallel_size=llm_plan.pp
+    )
+    try:
+        communication, not_measured = measure_communication(warmup, repeats)
     finally:
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    profile.update(
+        world_size=world,
+        communication=communication,
+        not_measured=not_measured,
+        statistic="median per rank, mean over the ranks",
+    )
+    return profile
+
+
+def _mean_over_ranks(rows: list[dict[str, Any]], fields: tuple[str, ...]) -> None:
+    """Replace ``fields`` of every row by their mean over the ranks (each has the same rows)."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    sums = torch.tensor(
+        [[row[f] for f in fields] for row in rows], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(sums)
+    for row, total in zip(rows, sums.tolist()):
+        row.update({f: t / dist.get_world_size() for f, t in zip(fields, total)})
 
 
 def format_profile(profile: dict[str, Any], out: str) -> str:

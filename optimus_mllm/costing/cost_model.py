@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, NoReturn
 
@@ -715,8 +715,8 @@ def profile_device_problem(path: str | None, device_kind: str) -> str | None:
 
 @dataclass(frozen=True)
 class MachineProfile:
-    """Everything a profile says about the machine: kernel times, communication fits, the device
-    kind and the step-to-step noise."""
+    """Everything a profile says about the machine: kernel times (each scaled by its layer's
+    measured host work), communication fits, the device kind and the step-to-step noise."""
 
     kernels: list[MeasuredKernel]
     comm_fits: dict[tuple[str, int], CommFit]
@@ -770,7 +770,32 @@ def read_machine_profile(path: str | Path) -> MachineProfile:
             f"{what} a kernel's spread_us in {path} is negative or not a number; re-run "
             "optimus-profile"
         )
-    return MachineProfile(kernels, fits, kind, step_noise([k.time_us for k in kernels], spreads))
+    scales = _layer_scales(data, path, what)
+    noise = step_noise([k.time_us for k in kernels], spreads)
+    # a kernel in training costs its layer's scale times its time alone (tools/layer_profiler.py)
+    kernels = [
+        replace(k, time_us=k.time_us * scales.get((k.key[0], k.key[2]), 1.0)) for k in kernels
+    ]
+    return MachineProfile(kernels, fits, kind, noise)
+
+
+def _layer_scales(data: dict, path: str | Path, what: str) -> dict[tuple[str, str], float]:
+    """The profile's layer scales by (module, phase); none in a profile measured on a GPU."""
+    scales = {}
+    for i, entry in enumerate(data.get("layer_scales", [])):
+        try:
+            key, scale = (str(entry["module"]), str(entry["phase"])), float(entry["scale"])
+        except (KeyError, TypeError, ValueError):
+            raise OptimusError(
+                f"{what} layer_scales[{i}] in {path} needs module, phase and scale"
+            ) from None
+        if not (math.isfinite(scale) and scale > 0):
+            raise OptimusError(
+                f"{what} layer_scales[{i}] in {path} has scale {scale}, not a positive number; "
+                "re-run optimus-profile"
+            )
+        scales[key] = scale
+    return scales
 
 
 def step_noise(times_us: list[float], spreads_us: list[float]) -> float:

@@ -212,12 +212,12 @@ def kernel_op(config: OptimusConfig, entry: ProfileEntry) -> KernelOp:
             return KernelOp("linear", (merged, h_in // t, h_llm))
         if name == "projector_fc2":
             return KernelOp("linear", (merged, ffn, h_llm))
-    return _layer_op(
+    return layer_op(
         spec, name, t, mbs, config.training.sequence_parallel, causal=entry.module == LLM
     )
 
 
-def _layer_op(
+def layer_op(
     spec: TransformerSpec, name: str, t: int, mbs: int, sequence_parallel: bool, causal: bool
 ) -> KernelOp:
     """A transformer layer's kernel on one TP rank (Megatron's column/row-parallel split)."""

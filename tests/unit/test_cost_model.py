@@ -24,6 +24,7 @@ from optimus_mllm.costing.cost_model import (
     load_comm_fits,
     load_profile,
     profile_device_problem,
+    read_machine_profile,
     wave_factor,
 )
 from optimus_mllm.errors import OptimusError
@@ -327,3 +328,29 @@ def test_a_profile_of_another_device_kind_is_refused_in_one_line(tmp_path):
     cluster, params = ClusterConfig(num_gpus=8), CostModelConfig()
     assert CostModel(cluster, params).encoder_runs_beside_the_llm
     assert not CostModel(cluster, params, device_kind="cpu").encoder_runs_beside_the_llm
+
+
+def test_a_profiles_layer_scale_multiplies_its_modules_kernels_in_that_phase(tmp_path):
+    fc1 = {"module": "llm", "kernel": "fc1", "tp": 1, "time_us": 10.0}
+    path = _profile(
+        tmp_path,
+        [
+            {**fc1, "phase": "fwd"},
+            {**fc1, "phase": "bwd"},
+            {**fc1, "module": "vit", "phase": "fwd"},
+        ],
+        layer_scales=[{"module": "llm", "phase": "fwd", "scale": 1.5}],
+    )
+    times = {k.key: k.time_us for k in read_machine_profile(path).kernels}
+    assert times == {
+        ("llm", "fc1", "fwd", 1): 15.0,
+        ("llm", "fc1", "bwd", 1): 10.0,
+        ("vit", "fc1", "fwd", 1): 10.0,
+    }
+    assert load_profile(path)[("llm", "fc1", "fwd", 1)] == 10.0  # the file's own times
+    for bad in (0.0, float("nan"), "x"):
+        data = json.loads(path.read_text())
+        data["layer_scales"][0]["scale"] = bad
+        path.write_text(json.dumps(data))
+        with pytest.raises(OptimusError, match=r"layer_scales\[0\]"):
+            read_machine_profile(path)

@@ -228,6 +228,12 @@ def test_cli_on_cpu_times_the_kernels_at_one_thread_and_says_communication_was_n
     assert (data["device_kind"], data["threads"], data["dtype"]) == ("cpu", 1, "float32")
     assert data["megatron_core"] and data["torch"] == torch.__version__
     assert "communication" not in data and "run of one rank" in data["not_measured"]
+    # each module's layer, as the runtime builds it, timed beside its kernels
+    scales = {(s["module"], s["phase"]): s for s in data["layer_scales"]}
+    assert set(scales) == {("llm", "fwd"), ("llm", "bwd"), ("vit", "fwd"), ("vit", "bwd")}
+    for s in scales.values():
+        assert s["layer_us"] > 0 and s["kernels_us"] > 0
+        assert s["scale"] == pytest.approx(s["layer_us"] / s["kernels_us"])
     assert set(load_profile(out)) == {e.key for e in profile_entries(load_config(CONFIG_FILES[0]))}
     assert load_comm_fits(out) == {}
 
