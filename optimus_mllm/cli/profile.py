@@ -136,14 +136,19 @@ def _measure_job(
     _mean_over_ranks(profile["kernels"], ("time_us", "spread_us"))
     if device == "cpu":
         megatron_patches.apply()  # megatron-core's layers on CPU, as the runtime runs them
-        parallel_state.initialize_model_parallel()
+        # TP 1 and one data-parallel rank: every rank times its own layer and optimizer
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
         try:
             tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
-            scales = measure_layer_scales(config, warmup, repeats, dtype, wallclock_timer)
+            scales, per_param = measure_layer_scales(
+                config, warmup, repeats, dtype, wallclock_timer
+            )
         finally:
             parallel_state.destroy_model_parallel()
+        optimizer = [{"optimizer_us_per_param": per_param}]
         _mean_over_ranks(scales, ("layer_us", "kernels_us", "scale"))
-        profile["layer_scales"] = scales
+        _mean_over_ranks(optimizer, ("optimizer_us_per_param",))
+        profile.update(layer_scales=scales, **optimizer[0])
     if world == 1:
         return profile
     llm_plan = plan(config).llm_plan

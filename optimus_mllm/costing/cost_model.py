@@ -371,6 +371,7 @@ class CostModel:
         comm_fits: dict[tuple[str, int], CommFit] | None = None,
         device_kind: str = "cuda",
         step_noise: float = 0.0,
+        optimizer_us_per_param: float = 0.0,
     ):
         self.cluster = cluster
         self.params = params
@@ -379,6 +380,9 @@ class CostModel:
         self.device_kind = device_kind  # what the profile measured; the roofline's is a GPU
         # the share by which a step's time varies run to run (the profile's); 0 for the roofline
         self.step_noise = step_noise
+        # the optimizer step's host time per parameter (the profile's); 0 for the roofline, which
+        # prices only a step's kernels and collectives
+        self.optimizer_us_per_param = optimizer_us_per_param
 
     @classmethod
     def from_config(cls, config: OptimusConfig) -> CostModel:
@@ -393,7 +397,12 @@ class CostModel:
             machine.comm_fits,
             machine.device_kind,
             machine.step_noise,
+            machine.optimizer_us_per_param,
         )
+
+    def optimizer_us(self, params: float) -> float:
+        """One optimizer step over ``params`` parameters on one rank."""
+        return self.optimizer_us_per_param * params
 
     @property
     def encoder_runs_beside_the_llm(self) -> bool:
@@ -722,6 +731,7 @@ class MachineProfile:
     comm_fits: dict[tuple[str, int], CommFit]
     device_kind: str  # cuda or cpu
     step_noise: float
+    optimizer_us_per_param: float  # 0 where the profile did not measure the optimizer
 
 
 def read_machine_profile(path: str | Path) -> MachineProfile:
@@ -776,7 +786,13 @@ def read_machine_profile(path: str | Path) -> MachineProfile:
     kernels = [
         replace(k, time_us=k.time_us * scales.get((k.key[0], k.key[2]), 1.0)) for k in kernels
     ]
-    return MachineProfile(kernels, fits, kind, noise)
+    optimizer = data.get("optimizer_us_per_param", 0.0)
+    if not isinstance(optimizer, (int, float)) or not (math.isfinite(optimizer) and optimizer >= 0):
+        raise OptimusError(
+            f"{what} optimizer_us_per_param in {path} is not a non-negative number; re-run "
+            "optimus-profile"
+        )
+    return MachineProfile(kernels, fits, kind, noise, float(optimizer))
 
 
 def _layer_scales(data: dict, path: str | Path, what: str) -> dict[tuple[str, str], float]:

@@ -501,8 +501,14 @@ class _PartitionScheduler:
         for j in range(w.num_pipelines):
             for e in range(self.pp_enc):
                 s = w.llm_stage(j, e)
-                llm_only = tl.stages[s].last_compute_us + tl.dp_reduce_scatter_us[s]
-                end = reduce_scatters_end(tl, s, w.dp_reduce_scatter_us, backward_end.get((j, e)))
+                llm_only = (
+                    tl.stages[s].last_compute_us
+                    + tl.dp_reduce_scatter_us[s]
+                    + tl.stage_optimizer_us(s)
+                )
+                end = reduce_scatters_end(
+                    tl, s, w.dp_reduce_scatter_us, backward_end.get((j, e)), w.optimizer_step_us
+                )
                 end_by_resource[(j, e)] = (end, end > llm_only + EPS_US)
                 tail = max(tail, end)
         return end_by_resource, tail

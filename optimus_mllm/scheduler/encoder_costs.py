@@ -36,7 +36,12 @@ from optimus_mllm.costing.params import (
 )
 from optimus_mllm.costing.workload import EncoderWorkload
 from optimus_mllm.planner.plans import ParallelPlan, encoder_stage_gpus
-from optimus_mllm.scheduler.llm_costs import activation_dtype_bytes, dp_comm_us, tp_bandwidth
+from optimus_mllm.scheduler.llm_costs import (
+    activation_dtype_bytes,
+    dp_comm_us,
+    optimizer_step_us,
+    tp_bandwidth,
+)
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ class EncoderWork:
     llm_tp: int
     # what cutting a kernel into one more piece adds: its launch (kernel_overhead_us)
     launch_us: float = 0.0
+    # a rank's optimizer step over its encoder parameters, after their reduce-scatter
+    optimizer_step_us: float = 0.0
 
     def whole(self) -> EncoderWork:
         """The same work with every kernel run whole: the paper's Algorithm 1, which places
@@ -179,13 +186,8 @@ def build_encoder_work(
                 if e == 0:
                     bwd[e].append(_patch_embed(config, enc, images, cost, enc_plan.tp, "bwd"))
     layout = encoder_stage_gpus(llm_plan, enc_plan)
-    ag, rs = dp_comm_us(
-        config,
-        max(trainable_params_per_stage(config, enc_plan.pp)) / enc_plan.tp,
-        enc_plan.dp,
-        enc_plan.tp,
-        cost,
-    )
+    params_per_rank = max(trainable_params_per_stage(config, enc_plan.pp)) / enc_plan.tp
+    ag, rs = dp_comm_us(config, params_per_rank, enc_plan.dp, enc_plan.tp, cost)
     return EncoderWork(
         plan=enc_plan,
         fwd=tuple(StageChain(tuple(c)) for c in fwd),
@@ -200,6 +202,7 @@ def build_encoder_work(
         stage_gpus=tuple(tuple(tuple(g) for g in stages) for stages in layout),
         llm_tp=llm_plan.tp,
         launch_us=config.cost_model.kernel_overhead_us,
+        optimizer_step_us=optimizer_step_us(config, params_per_rank, enc_plan.dp, cost),
     )
 
 

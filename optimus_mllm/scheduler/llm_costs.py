@@ -224,6 +224,15 @@ def dp_comm_us(
     return cost.comm_us(ag, bw), cost.comm_us(rs, bw)
 
 
+def optimizer_step_us(
+    config: OptimusConfig, params_per_rank: float, dp: int, cost: CostModel
+) -> float:
+    """One rank's optimizer step over ``params_per_rank``: the distributed optimizer updates its
+    1/dp shard, Megatron's plain one every parameter."""
+    shard = params_per_rank / dp if config.training.distributed_optimizer else params_per_rank
+    return cost.optimizer_us(shard)
+
+
 def build_llm_timeline(
     config: OptimusConfig, plan: ParallelPlan, cost: CostModel, warmup: list[int] | None = None
 ) -> LLMTimeline:
@@ -252,6 +261,7 @@ def timeline_from_work(
         stage_params if stage_params is not None else llm_params_per_stage(config.llm, plan.pp)
     )
     dp = [dp_comm_us(config, p / plan.tp, plan.dp, plan.tp, cost) for p in per_stage]
+    optimizer = [optimizer_step_us(config, p / plan.tp, plan.dp, cost) for p in per_stage]
     return LLMTimeline(
         plan.pp,
         plan.vp,
@@ -262,4 +272,5 @@ def timeline_from_work(
         [a for a, _ in dp],
         [r for _, r in dp],
         tp_comm_is_busy=not cost.encoder_runs_beside_the_llm,
+        optimizer_step_us=optimizer,
     )

@@ -123,6 +123,11 @@ class LLMTimeline:
     # the encoder cannot run while the LLM waits for a TP collective: on CPU ranks the runtime runs
     # encoder ops inline on the one thread that waits (a GPU runs them on a side stream)
     tp_comm_is_busy: bool = False
+    # per stage: its optimizer step, after its gradients are reduced (0 without a profile)
+    optimizer_step_us: list[float] | None = None
+
+    def stage_optimizer_us(self, stage: int) -> float:
+        return self.optimizer_step_us[stage] if self.optimizer_step_us else 0.0
 
     @property
     def forward_dependency_points(self) -> list[float]:
@@ -156,8 +161,12 @@ class LLMTimeline:
 
     @property
     def tail_us(self) -> float:
-        """From the LLM's origin to the end of the last stage's reduce-scatter."""
-        return max(s.last_compute_us + rs for s, rs in zip(self.stages, self.dp_reduce_scatter_us))
+        """From the LLM's origin to the end of the last stage's reduce-scatter and optimizer
+        step."""
+        return max(
+            s.last_compute_us + rs + self.stage_optimizer_us(i)
+            for i, (s, rs) in enumerate(zip(self.stages, self.dp_reduce_scatter_us))
+        )
 
     @property
     def iteration_us(self) -> float:

@@ -123,6 +123,7 @@ class PartitionBound:
                     work.llm_stage(j, 0),
                     work.dp_reduce_scatter_us,
                     dep.backward[-1] + work.to_llm_us[j] + chain,
+                    work.optimizer_step_us,
                 )
                 for j in range(work.num_pipelines)
             )
@@ -163,7 +164,11 @@ class PartitionBound:
             if after > 0:
                 encoder_done = tl.stages[s].last_compute_us + after
                 bound = max(
-                    bound, t0 + reduce_scatters_end(tl, s, work.dp_reduce_scatter_us, encoder_done)
+                    bound,
+                    t0
+                    + reduce_scatters_end(
+                        tl, s, work.dp_reduce_scatter_us, encoder_done, work.optimizer_step_us
+                    ),
                 )
         return bound
 
@@ -181,16 +186,23 @@ def all_gather_t0(work: EncoderWork, timeline: LLMTimeline) -> float:
 
 
 def reduce_scatters_end(
-    timeline: LLMTimeline, stage: int, encoder_rs_us: float, encoder_done: float | None
+    timeline: LLMTimeline,
+    stage: int,
+    encoder_rs_us: float,
+    encoder_done: float | None,
+    encoder_optimizer_us: float = 0.0,
 ) -> float:
     """When the GPUs of LLM stage ``stage`` finish their gradient reduce-scatters (tau): the LLM's
     after
     its last computation, and the encoder's (``encoder_rs_us``) after its last backward there
-    (``encoder_done``; None where these GPUs hold no encoder gradients)."""
+    (``encoder_done``; None where these GPUs hold no encoder gradients); then the optimizer steps
+    over the stage's parameters (the encoder's, ``encoder_optimizer_us``, where it has some)."""
     transfers = [(timeline.stages[stage].last_compute_us, timeline.dp_reduce_scatter_us[stage])]
+    optimizer = timeline.stage_optimizer_us(stage)
     if encoder_done is not None:
         transfers.append((encoder_done, encoder_rs_us))
-    return network_fifo_end(transfers)
+        optimizer += encoder_optimizer_us
+    return network_fifo_end(transfers) + optimizer
 
 
 def network_fifo_end(transfers: list[tuple[float, float]]) -> float:

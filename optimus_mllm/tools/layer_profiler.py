@@ -10,9 +10,12 @@ the sum of its kernels timed alone at the same shapes. Their ratio, a layer scal
 phase), multiplies that module's measured kernels when the cost model loads the profile
 (``costing.cost_model.read_machine_profile``).
 
-Measured at TP 1, on megatron-core's ``parallel_state`` initialised at TP 1 and PP 1 (every rank
-its own TP group), and applied at every TP: a TP shard's kernels are smaller, so the scale of a
-TP > 1 layer is, if anything, larger than this one.
+Measured at TP 1 and one data-parallel rank (every rank its own TP and DP group), and applied at
+every TP: a TP shard's kernels are smaller, so the scale of a TP > 1 layer is, if anything, larger
+than this one. The LLM's layer runs under the runtime's megatron-core DDP, so its backward includes
+the accumulation into the gradient buffer; the runtime's optimizer (``runtime/optimizer.py``) then
+steps over it, timed per parameter: the host cost of the optimizer step the cost model adds after a
+rank's gradients are reduced.
 """
 
 from __future__ import annotations
@@ -37,21 +40,35 @@ from optimus_mllm.tools.profiler import (
 
 def measure_layer_scales(
     config: OptimusConfig, warmup: int, repeats: int, dtype: torch.dtype, timer: Timer
-) -> list[dict[str, Any]]:
-    """One entry per (module, phase): the layer's time, its kernels' summed time, their ratio."""
+) -> tuple[list[dict[str, Any]], float]:
+    """One entry per (module, phase): the layer's time, its kernels' summed time, their ratio; and
+    the optimizer step's time per parameter. Needs ``parallel_state`` with one data-parallel rank
+    and TP 1 (``initialize_model_parallel(pipeline_model_parallel_size=world)``)."""
     from megatron.core import parallel_state
+
+    from optimus_mllm.runtime.optimizer import build_optimizer
 
     mbs = config.training.micro_batch_size
     entries = []
-    llm_layer = _llm_layer(config, dtype)
+    llm_layer, ddp = _llm_layer(config, dtype)
     entries += _scales("llm", config.llm, mbs, llm_layer, True, config, warmup, repeats, timer)
+    # the runtime's optimizer over the layer's gradients: its step, as train_step runs it
+    optimizer = build_optimizer(config, [ddp], None, None)
+
+    def step() -> None:
+        ddp.finish_grad_sync()
+        optimizer.step()
+
+    per_param = statistics.median(timings_us(step, warmup, repeats, timer)) / sum(
+        p.numel() for p in ddp.parameters()
+    )
     group = parallel_state.get_tensor_model_parallel_group()
     for enc in config.encoders:
         if enc.num_layers < 2:  # no middle layer: its kernels keep their own times (scale 1)
             continue
         layer = _encoder_layer(config, enc, group, dtype)
         entries += _scales(enc.name, enc, mbs, layer, False, config, warmup, repeats, timer)
-    return entries
+    return entries, per_param
 
 
 LayerRun = Callable[[], torch.Tensor]  # one forward of the layer, its graph kept for a backward
@@ -132,12 +149,16 @@ def _kernels_us(
     return total
 
 
-def _llm_layer(config: OptimusConfig, dtype: torch.dtype) -> LayerRun:
-    """One megatron-core GPT decoder layer, as a middle pipeline chunk holds it."""
+def _llm_layer(config: OptimusConfig, dtype: torch.dtype) -> tuple[LayerRun, Any]:
+    """One megatron-core GPT decoder layer, as a middle pipeline chunk holds it, under the
+    runtime's megatron-core DDP (its backward accumulates into the gradient buffer)."""
     from optimus_mllm.runtime.llm import causal_mask, gpt_chunk, transformer_config
+    from optimus_mllm.runtime.optimizer import wrap_ddp
 
     plan = ParallelPlan(1, 1, 1)
-    chunk = gpt_chunk(config, plan, transformer_config(config, plan), 1, False, False, 0)
+    tconfig = transformer_config(config, plan)
+    chunk = gpt_chunk(config, plan, tconfig, 1, False, False, 0)
+    ddp = wrap_ddp(config, tconfig, chunk)
     llm = config.llm
     x = torch.randn(
         llm.seq_length, config.training.micro_batch_size, llm.hidden_size, dtype=dtype
@@ -146,9 +167,9 @@ def _llm_layer(config: OptimusConfig, dtype: torch.dtype) -> LayerRun:
 
     def forward() -> torch.Tensor:
         chunk.set_input_tensor(x)
-        return chunk(input_ids=None, position_ids=None, attention_mask=mask)
+        return ddp(input_ids=None, position_ids=None, attention_mask=mask)
 
-    return forward
+    return forward, ddp
 
 
 def _encoder_layer(config: OptimusConfig, enc: Any, group: Any, dtype: torch.dtype) -> LayerRun:

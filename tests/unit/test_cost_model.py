@@ -354,3 +354,18 @@ def test_a_profiles_layer_scale_multiplies_its_modules_kernels_in_that_phase(tmp
         path.write_text(json.dumps(data))
         with pytest.raises(OptimusError, match=r"layer_scales\[0\]"):
             read_machine_profile(path)
+
+
+def test_a_profiles_optimizer_step_is_priced_per_parameter(tmp_path):
+    path = _profile(tmp_path, [], optimizer_us_per_param=0.01)
+    machine = read_machine_profile(path)
+    assert machine.optimizer_us_per_param == 0.01
+    cost = CostModel(ClusterConfig(num_gpus=8), CostModelConfig(), optimizer_us_per_param=0.01)
+    assert cost.optimizer_us(1e6) == pytest.approx(1e4)
+    assert CostModel(ClusterConfig(num_gpus=8), CostModelConfig()).optimizer_us(1e6) == 0.0
+    for bad in (-1.0, "fast"):
+        data = json.loads(path.read_text())
+        data["optimizer_us_per_param"] = bad
+        path.write_text(json.dumps(data))
+        with pytest.raises(OptimusError, match="optimizer_us_per_param"):
+            read_machine_profile(path)

@@ -68,8 +68,23 @@ def test_no_partition_schedules_faster_than_its_lower_bound(seed, kind):
     coarse
     or fine, so pruning by it drops no better schedule."""
     config = _config(kind, seed)
+    _bound_holds(config, CostModel.from_config(config))
+
+
+@pytest.mark.parametrize("kind", ["random", "heavy"])
+@pytest.mark.parametrize("seed", range(10))
+def test_the_bound_holds_with_a_cpu_profiles_inline_encoder_and_optimizer_step(seed, kind):
+    """A CPU profile's cost model: TP collectives' waits are busy and every rank's optimizer step
+    follows its reduce-scatters; the bound still never exceeds a schedule."""
+    config = _config(kind, seed)
+    cost = CostModel(
+        config.cluster, config.cost_model, device_kind="cpu", optimizer_us_per_param=1e-4
+    )
+    _bound_holds(config, cost)
+
+
+def _bound_holds(config, cost) -> None:
     planned = plan(config)
-    cost = CostModel.from_config(config)
     bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
     for candidate in planned.candidates:
         work = build_encoder_work(config, planned.llm_plan, candidate.plan, cost)

@@ -234,6 +234,7 @@ def test_cli_on_cpu_times_the_kernels_at_one_thread_and_says_communication_was_n
     for s in scales.values():
         assert s["layer_us"] > 0 and s["kernels_us"] > 0
         assert s["scale"] == pytest.approx(s["layer_us"] / s["kernels_us"])
+    assert data["optimizer_us_per_param"] > 0  # the runtime's optimizer over the LLM layer
     assert set(load_profile(out)) == {e.key for e in profile_entries(load_config(CONFIG_FILES[0]))}
     assert load_comm_fits(out) == {}
 

@@ -16,6 +16,7 @@ import pytest
 
 from optimus_mllm.config import config_from_dict, load_config
 from optimus_mllm.costing.cost_model import CostModel, PiecePrices
+from optimus_mllm.costing.params import llm_params_per_stage
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import ParallelPlan, plan
 from optimus_mllm.scheduler import bubble_scheduler as scheduler_module
@@ -37,7 +38,12 @@ from optimus_mllm.scheduler.bubble_scheduler import (
 )
 from optimus_mllm.scheduler.coarse import PostWindow, coarse_backward
 from optimus_mllm.scheduler.dependencies import adjusted_warmup, get_enc_llm_dep
-from optimus_mllm.scheduler.encoder_costs import EncoderKernel, StageChain, build_encoder_work
+from optimus_mllm.scheduler.encoder_costs import (
+    EncoderKernel,
+    StageChain,
+    build_encoder_work,
+    trainable_params_per_stage,
+)
 from optimus_mllm.scheduler.fine import MIN_PIECE_WORK_US, LLMBubbles, Move, PipelineMoves, Resource
 from optimus_mllm.scheduler.intervals import FreeIntervals
 from optimus_mllm.scheduler.llm_costs import build_llm_timeline
@@ -823,3 +829,28 @@ def test_optimus_runs_only_where_it_gains_more_than_the_step_noise():
         assert (result.baseline is not None) == runs_baseline, noise
         if runs_baseline:
             assert result.baseline.iteration_us == pytest.approx(fastest)
+
+
+def test_a_profiles_optimizer_step_follows_each_ranks_reduce_scatters():
+    """Every placement's iteration grows by the optimizer step of its fullest rank, the one the
+    Megatron-LM placement loads with the whole encoder."""
+    config = load_config(CONFIGS / "cpu" / "pp2_v1_heavy_vit.yaml")
+    planned = plan(config)
+    quiet = CostModel(config.cluster, config.cost_model, device_kind="cpu")
+    stepping = CostModel(
+        config.cluster, config.cost_model, device_kind="cpu", optimizer_us_per_param=1e-3
+    )
+    before, after = (
+        {b.runtime: b.iteration_us for b in runnable_baselines(config, planned.llm_plan, c)}
+        for c in (quiet, stepping)
+    )
+    llm_stage = llm_params_per_stage(config.llm, planned.llm_plan.pp)
+    encoder = sum(trainable_params_per_stage(config, 1))
+    # Megatron-LM's placement: stage 0 holds its LLM layers and the whole encoder
+    assert after["megatron-lm"] - before["megatron-lm"] == pytest.approx(
+        1e-3 * (llm_stage[0] + encoder), rel=1e-6
+    )
+    optimus_quiet = best_schedule(config, planned, quiet).best.iteration_us
+    optimus = best_schedule(config, planned, stepping).best
+    assert schedule_violations(optimus) == []
+    assert optimus.iteration_us > optimus_quiet
