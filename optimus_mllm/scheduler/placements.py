@@ -31,6 +31,7 @@ from optimus_mllm.scheduler.bubble_scheduler import OptimusResult
 PlacementMode = Literal["megatron-lm", "balanced", "optimus"]
 # bench_e2e's and optimus-train's order: the paper's baselines, then the method
 PLACEMENT_MODES: tuple[PlacementMode, ...] = ("megatron-lm", "balanced", "optimus")
+OPTIMUS: PlacementMode = "optimus"
 
 
 @dataclass(frozen=True)
@@ -57,41 +58,33 @@ def predicted_placements(
     Returns:
         One prediction per mode; exactly one is planned when the job can run any placement.
     """
-    if scheduled.baseline is not None:
-        chosen: PlacementMode | None = _mode(scheduled.baseline.runtime)
-    else:
-        chosen = "optimus" if scheduled.best is not None else None
-    runnable = {b.runtime: b for b in runnable_baselines(config, planned.llm_plan, cost)}
-    found = []
-    for mode in PLACEMENT_MODES:
-        if mode == "optimus":
-            best = scheduled.best
-            seconds = None if best is None else best.iteration_us / 1e6
-            problem = None if best is not None else "no encoder plan could be scheduled"
-        else:
-            baseline = runnable.get(mode)
-            seconds = None if baseline is None else baseline.iteration_us / 1e6
-            problem = None if baseline else _baseline_problem(mode, config, planned)
-        found.append(PlacementPrediction(mode, seconds, mode == chosen, problem))
-    return found
+    seconds: dict[str, float] = {
+        b.runtime: b.iteration_us / 1e6 for b in runnable_baselines(config, planned.llm_plan, cost)
+    }
+    if scheduled.best is not None:
+        seconds[OPTIMUS] = scheduled.best.iteration_us / 1e6
+    # optimus-train's choice: the baseline best_schedule returned, else Optimus where it scheduled
+    chosen = scheduled.baseline.runtime if scheduled.baseline is not None else OPTIMUS
+    return [
+        PlacementPrediction(
+            mode,
+            seconds.get(mode),
+            mode == chosen and mode in seconds,
+            None if mode in seconds else _problem(mode, config, planned),
+        )
+        for mode in PLACEMENT_MODES
+    ]
 
 
-def _mode(runtime: str) -> PlacementMode:
-    """The placement mode of a baseline's ``optimus-train --baseline`` value."""
-    modes: dict[str, PlacementMode] = {"megatron-lm": "megatron-lm", "balanced": "balanced"}
-    return modes[runtime]
+# why a baseline placement cannot run, by mode (runnable_baselines also rules out what does not fit)
+_BASELINE_PROBLEMS = {"megatron-lm": megatron_lm_problem, "balanced": balanced_problem}
 
 
-def _baseline_problem(mode: PlacementMode, config: OptimusConfig, planned: PlannerResult) -> str:
-    """Why the job cannot run the baseline ``mode`` (not among ``runnable_baselines``)."""
-    llm_plan = planned.llm_plan
-    problem = (
-        megatron_lm_problem(config, llm_plan)
-        if mode == "megatron-lm"
-        else balanced_problem(config, llm_plan)
-    )
-    # baseline_placements leaves a baseline out only for these problems, runnable_baselines also
-    # for memory
+def _problem(mode: PlacementMode, config: OptimusConfig, planned: PlannerResult) -> str:
+    """Why the job cannot run the placement ``mode``."""
+    if mode not in _BASELINE_PROBLEMS:
+        return "no encoder plan could be scheduled"
+    problem = _BASELINE_PROBLEMS[mode](config, planned.llm_plan)
     return problem or (
         f"does not fit in cluster.gpu_memory_gib={config.cluster.gpu_memory_gib:g} GiB"
     )
