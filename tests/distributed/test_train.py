@@ -110,9 +110,11 @@ def test_encoder_plan_not_dividing_the_llm_plan_exits_2_on_every_rank():
 
 
 def test_missing_dataset_exits_2_on_every_rank(tmp_path):
+    # fresh interpreters, as torchrun starts them: nothing the imports print reaches stderr either
     missing = tmp_path / "no-such-data"
     assert_one_error_everywhere(
-        ranks(4, "--override", f"data.path={missing}"), f"data.path: {missing} does not"
+        ranks(4, "--override", f"data.path={missing}", interpreters=True),
+        f"data.path: {missing} does not",
     )
 
 

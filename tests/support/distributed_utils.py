@@ -10,7 +10,7 @@ The rendezvous port is one the OS called free a moment before; when another job 
 
 Without a GPU, ranks fork from one server that imported torch, megatron-core and the runtime once
 per test session: a spawned rank spends about 9 s of CPU on those imports, which on two cores was a
-third of the multi-rank tests' time. Where CUDA is visible they are spawned (``_start_context``).
+third of the multi-rank tests' time. Where CUDA is visible they are spawned (``start_context``).
 Each rank still starts with the caller's current environment.
 """
 
@@ -32,7 +32,11 @@ import torch.multiprocessing as mp
 _JOIN_SECONDS = 5.0
 _PORT_ATTEMPTS = 3
 # what every rank imports anyway; the fork server imports it once
-_PRELOAD = ["optimus_mllm.runtime.trainer", "optimus_mllm.megatron.core_training"]
+_PRELOAD = [
+    "optimus_mllm.runtime.trainer",
+    "optimus_mllm.megatron.core_training",
+    "optimus_mllm.train",
+]
 
 
 class _PortTaken(RuntimeError):
@@ -46,7 +50,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _start_context() -> Any:
+def start_context() -> Any:
     """Forked from the preloaded fork server on a host without a GPU; spawned where CUDA is visible:
     on an H100, torch refused CUDA in ranks forked from the server ("Cannot re-initialize CUDA in
     forked subprocess"), as it does in any child of a process that has queried CUDA."""
@@ -166,7 +170,7 @@ def run_distributed(
 def _launch(
     fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float
 ) -> list[Any]:
-    context = _start_context()
+    context = start_context()
     results = context.Queue()
     port = free_port()
     environment = dict(os.environ)

@@ -1,4 +1,12 @@
-"""Launching ``python -m optimus_mllm.train`` from tests: under torchrun, or rank by rank."""
+"""Launching ``python -m optimus_mllm.train`` from tests: under torchrun, or rank by rank.
+
+Rank by rank (``ranks``), each rank is forked from the test session's fork server, which imported
+torch, megatron-core and ``optimus_mllm.train`` once (``distributed_utils.start_context``), and
+runs ``optimus_mllm.train.main`` as ``python -m optimus_mllm.train`` would, with torchrun's
+environment variables and its stdout and stderr in files of its own: a fresh interpreter spent
+3-4 s of CPU on those imports per rank, most of an error test's time on two cores. Where CUDA is
+visible the ranks are spawned interpreters, as before.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +14,14 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
-from .distributed_utils import free_port
+from .distributed_utils import free_port, start_context
 from .paths import CONFIGS, REPO
 
 TINY = str(CONFIGS / "tiny.yaml")
@@ -71,14 +82,14 @@ TRAIN = ("-m", "optimus_mllm.train", "--config", TINY)
 
 
 def ranks(
-    world: int, *args: str, program: tuple[str, ...] = TRAIN
+    world: int, *args: str, program: tuple[str, ...] = TRAIN, interpreters: bool = False
 ) -> list[subprocess.CompletedProcess]:
     """Start ``world`` ranks of ``program`` the way torchrun does (its environment variables); wait
-    for each."""
+    for each. The training program's ranks fork from the fork server unless ``interpreters`` (a
+    fresh interpreter each, which also shows what the imports print)."""
     port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = {
+    environments = [
+        {
             **os.environ,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
@@ -87,6 +98,12 @@ def ranks(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,
         }
+        for rank in range(world)
+    ]
+    if program == TRAIN and not interpreters and not torch.cuda.is_available():
+        return _forked_ranks([*TRAIN[2:], *args], environments)
+    procs = []
+    for env in environments:
         procs.append(
             subprocess.Popen(
                 [sys.executable, *program, *args],
@@ -98,6 +115,69 @@ def ranks(
             )
         )
     return communicate_all(procs)
+
+
+def _train_rank(argv: list[str], environment: dict[str, str], out: str, err: str) -> None:
+    """One rank of ``python -m optimus_mllm.train argv`` in a forked process: its environment,
+    working directory and output files, then ``main``'s exit code as the process's."""
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(REPO)
+    for path, fd in ((out, 1), (err, 2)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.argv = [str(REPO / "optimus_mllm" / "train.py"), *argv]
+    from optimus_mllm.train import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then exit 1
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def _forked_ranks(
+    argv: list[str], environments: list[dict[str, str]]
+) -> list[subprocess.CompletedProcess]:
+    """``ranks`` of the training program, forked from the fork server; killed after
+    ``TIMEOUT_S``."""
+    context = start_context()
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [(f"{tmp}/{rank}.out", f"{tmp}/{rank}.err") for rank in range(len(environments))]
+        processes = [
+            # not daemonic: megatron-core's checkpoint writer starts processes of its own
+            context.Process(target=_train_rank, args=(argv, env, *paths), daemon=False)
+            for env, paths in zip(environments, files)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            for process in processes:
+                process.join(max(deadline - time.monotonic(), 0.1))
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        command = [sys.executable, *TRAIN[:2], *argv]
+        return [
+            subprocess.CompletedProcess(
+                command,
+                process.exitcode,
+                Path(out).read_text(errors="replace"),
+                Path(err).read_text(errors="replace"),
+            )
+            for process, (out, err) in zip(processes, files)
+        ]
 
 
 def torchrun_nodes(*node_args: tuple[str, ...], nproc: int = 2) -> list[subprocess.Popen]:
