@@ -1,11 +1,12 @@
 """Launching ``python -m optimus_mllm.train`` from tests: under torchrun, or rank by rank.
 
-Rank by rank (``ranks``), each rank is forked from the test session's fork server, which imported
-torch, megatron-core and ``optimus_mllm.train`` once (``distributed_utils.start_context``), and
-runs ``optimus_mllm.train.main`` as ``python -m optimus_mllm.train`` would, with torchrun's
-environment variables and its stdout and stderr in files of its own: a fresh interpreter spent
-3-4 s of CPU on those imports per rank, most of an error test's time on two cores. Where CUDA is
-visible the ranks are spawned interpreters, as before.
+Rank by rank (``ranks``, and ``torchrun`` unless told otherwise), each rank is forked from the test
+session's fork server, which imported torch, megatron-core and ``optimus_mllm.train`` once
+(``distributed_utils.start_context``), and runs ``optimus_mllm.train.main`` as ``python -m
+optimus_mllm.train`` would, with torchrun's environment variables and its stdout and stderr in
+files of its own: a fresh interpreter spent 3-4 s of CPU on those imports per rank, most of an
+error test's time on two cores. Where CUDA is visible the ranks are spawned interpreters, as
+before.
 """
 
 from __future__ import annotations
@@ -44,8 +45,20 @@ def approx_per_rank(values: list[float | None], rel: float) -> list[object]:
     return [None if value is None else pytest.approx(value, rel=rel) for value in values]
 
 
-def torchrun(*args: str, nproc: int = 4) -> list[str]:
-    """Train under torchrun; its stdout lines, after checking exit 0."""
+def torchrun(*args: str, nproc: int = 4, interpreters: bool = False) -> list[str]:
+    """Train ``nproc`` ranks as torchrun starts them; their stdout lines in rank order, after
+    checking that every rank exited 0. The ranks fork from the fork server (``ranks``) with
+    torchrun's one thread a rank, unless ``interpreters``: then torchrun itself runs them."""
+    if interpreters or torch.cuda.is_available():
+        return _under_torchrun(args, nproc)
+    threads = {"OMP_NUM_THREADS": "1"} if nproc > 1 else {}  # torchrun's default
+    environment = {**os.environ, **threads}
+    done = ranks(nproc, *args, environment=environment)
+    assert [d.returncode for d in done] == [0] * nproc, "".join(d.stderr for d in done)[-3000:]
+    return [line for d in done for line in d.stdout.splitlines()]
+
+
+def _under_torchrun(args: tuple[str, ...], nproc: int) -> list[str]:
     command = [
         sys.executable,
         "-m",
@@ -82,15 +95,20 @@ TRAIN = ("-m", "optimus_mllm.train", "--config", TINY)
 
 
 def ranks(
-    world: int, *args: str, program: tuple[str, ...] = TRAIN, interpreters: bool = False
+    world: int,
+    *args: str,
+    program: tuple[str, ...] = TRAIN,
+    interpreters: bool = False,
+    environment: dict[str, str] | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """Start ``world`` ranks of ``program`` the way torchrun does (its environment variables); wait
     for each. The training program's ranks fork from the fork server unless ``interpreters`` (a
-    fresh interpreter each, which also shows what the imports print)."""
+    fresh interpreter each, which also shows what the imports print). ``environment``: the ranks'
+    variables before torchrun's, by default this process's."""
     port = str(free_port())
     environments = [
         {
-            **os.environ,
+            **(os.environ if environment is None else environment),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world),
@@ -122,6 +140,8 @@ def _train_rank(argv: list[str], environment: dict[str, str], out: str, err: str
     working directory and output files, then ``main``'s exit code as the process's."""
     os.environ.clear()
     os.environ.update(environment)
+    if "OMP_NUM_THREADS" in environment:  # read by torch at import, in the server before the fork
+        torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
     os.chdir(REPO)
     for path, fd in ((out, 1), (err, 2)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
