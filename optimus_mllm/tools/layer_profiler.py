@@ -2,10 +2,11 @@
 
 The kernel profile times each kernel alone, in a tight loop. A training step also runs what lies
 between the kernels -- residual adds, biases applied outside a GEMM, dropout, reshapes, autograd's
-bookkeeping, the modules' Python -- which on CPU ranks adds a large share (this machine: 40 % on
-a 256-wide LLM layer). So for each module (the LLM and every encoder) a layer is built as the
-runtime builds it -- megatron-core's GPT decoder layer for the LLM (``runtime/llm.py``), the
-encoder's ``VisionStage`` steps (``runtime/vit.py``) -- and timed forward and backward, next to
+bookkeeping, the modules' Python -- which on CPU ranks adds a large share (``optimus-profile``
+prints it as the profile's ``layer_scales``). So for each module (the LLM and every encoder) a
+layer is built as the runtime builds it -- megatron-core's GPT decoder layer for the LLM
+(``runtime/llm.py``), the encoder's ``VisionStage`` steps (``runtime/vit.py``) -- and timed
+forward and backward, next to
 the sum of its kernels timed alone at the same shapes. Their ratio, a layer scale per (module,
 phase), multiplies that module's measured kernels when the cost model loads the profile
 (``costing.cost_model.read_machine_profile``).
