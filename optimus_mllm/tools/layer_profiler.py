@@ -6,10 +6,9 @@ bookkeeping, the modules' Python -- which on CPU ranks adds a large share (``opt
 prints it as the profile's ``layer_scales``). So for each module (the LLM and every encoder) a
 layer is built as the runtime builds it -- megatron-core's GPT decoder layer for the LLM
 (``runtime/llm.py``), the encoder's ``VisionStage`` steps (``runtime/vit.py``) -- and timed
-forward and backward, next to
-the sum of its kernels timed alone at the same shapes. Their ratio, a layer scale per (module,
-phase), multiplies that module's measured kernels when the cost model loads the profile
-(``costing.cost_model.read_machine_profile``).
+forward and backward, next to the sum of its kernels timed alone at the same shapes. Their ratio,
+a layer scale per (module, phase), multiplies that module's measured kernels when the cost model
+loads the profile (``costing.cost_model.read_machine_profile``).
 
 Measured at TP 1 and one data-parallel rank (every rank its own TP and DP group), and applied at
 every TP: a TP shard's kernels are smaller, so the scale of a TP > 1 layer is, if anything, larger
