@@ -196,7 +196,21 @@ def _free_port() -> int:
 AUTO = ("--optimus-schedule", "auto")
 
 
-def resume_across_the_flag(one_line: Path, args: Sequence[str], folder: Path) -> dict[str, Run]:
+def optimus_schedule_file(args: Sequence[str], out: Path) -> tuple[str, str]:
+    """The flag that runs Optimus's fastest schedule for the job of ``args`` on 4 ranks, from a
+    plan file ``optimus-plan`` writes: ``--optimus-schedule auto`` trains as Megatron-LM does where
+    Optimus is not predicted to gain, and a check of the flag's own path needs it to run."""
+    from optimus_mllm.cli.plan import main as optimus_plan
+
+    argv = ["--world-size", "4", "--gpus-per-node", "4", "--artifact", str(out), "--", *args]
+    if optimus_plan(argv) != 0:
+        raise RuntimeError(f"optimus-plan could not plan the job {list(args)}")
+    return ("--optimus-schedule", str(out))
+
+
+def resume_across_the_flag(
+    one_line: Path, args: Sequence[str], folder: Path, flag: Sequence[str] = AUTO
+) -> dict[str, Run]:
     """Checkpoints across the flag: the one-line script trained to iteration 4 without the flag
     (saving at 2 on the way) and to 2 with it (saving there), then each checkpoint resumed at 2
     to 4 the other way (``--ckpt-step 2``), checkpoints under ``folder``. Iteration 4 is the first
@@ -209,10 +223,10 @@ def resume_across_the_flag(one_line: Path, args: Sequence[str], folder: Path) ->
             one_line, 4, [*args, "--save", str(plain), *every_2]
         ),
         "with the flag, saved at 2": run_megatron_script(
-            one_line, 4, [*args, "--save", str(flagged), *every_2, "--exit-interval", "2", *AUTO]
+            one_line, 4, [*args, "--save", str(flagged), *every_2, "--exit-interval", "2", *flag]
         ),
         "saved without, resumed with the flag": run_megatron_script(
-            one_line, 4, [*args, "--load", str(plain), "--ckpt-step", "2", *AUTO]
+            one_line, 4, [*args, "--load", str(plain), "--ckpt-step", "2", *flag]
         ),
         "saved with the flag, resumed without": run_megatron_script(
             one_line, 4, [*args, "--load", str(flagged), "--ckpt-step", "2"]
@@ -288,7 +302,7 @@ def checkpoint_differences(first: Path, second: Path, rel: float = 1e-4) -> list
 
 
 def distributed_optimizer_checkpoints(
-    one_line: Path, args: Sequence[str], folder: Path
+    one_line: Path, args: Sequence[str], folder: Path, flag: Sequence[str] = AUTO
 ) -> dict[str, Run]:
     """--use-distributed-optimizer checkpoints across the flag: the one-line script trained to
     iteration 4 without and with the flag, saving there (``folder``/saved-without, saved-with),
@@ -296,7 +310,7 @@ def distributed_optimizer_checkpoints(
     args = [*args, "--use-distributed-optimizer", "--train-iters", "6"]
     at_4 = ("--save-interval", "4", "--exit-interval", "4")
     saved = {"without": folder / "saved-without", "with": folder / "saved-with"}
-    flags = {"without": (), "with": AUTO}
+    flags = {"without": (), "with": tuple(flag)}
     runs = {
         f"{way} the flag, saved at 4": run_megatron_script(
             one_line, 4, [*args, "--save", str(saved[way]), *at_4, *flags[way]]

@@ -43,7 +43,9 @@ def _train(
 
 def _ran_optimus(run) -> None:
     """The flagged run really ran the Optimus schedule, not Megatron-LM's placement."""
-    assert "optimus: --optimus-schedule auto: encoder plan" in run.output, run.output[-3000:]
+    assert re.search(
+        r"optimus: (--optimus-schedule auto|the schedule \S+): encoder plan", run.output
+    ), run.output[-3000:]
     # pretrain_vlm.py's flags state no bound on the images of a microbatch (issue 34)
     assert "optimus: planned for at most 2 images a microbatch (one image a sample" in run.output
     assert re.search(r"optimus: first step: \d+ of the [1-9]\d* encoder ops", run.output), (
@@ -51,13 +53,28 @@ def _ran_optimus(run) -> None:
     )
 
 
+def _optimus(tmp_path: Path, args: tuple[str, ...]) -> tuple[str, str]:
+    """The flag that runs Optimus's fastest schedule for ``args`` (a plan file): at dp2-pp2 these
+    tiny shapes predict Megatron-LM's placement faster, where ``auto`` rightly trains as it."""
+    return _compare.optimus_schedule_file(
+        _planned([*_compare.TINY_VLM_ARGS, *args]), tmp_path / "optimus-plan.json"
+    )
+
+
+def _planned(args: list[str]) -> list[str]:
+    """``args`` as optimus-plan takes them: it refuses the overlap pair (it may change the
+    gradients' reduction), which the flag's job does not read into the plan either, so the plan
+    made without it is the job's."""
+    return [a for a in args if a not in ("--overlap-grad-reduce", "--overlap-param-gather")]
+
+
 def _plain_and_flagged(tmp_path: Path, args: tuple[str, ...]) -> tuple:
-    """The one-line script trained under ``args`` without and with ``--optimus-schedule auto``;
-    the flagged run checked to have run the Optimus schedule."""
+    """The one-line script trained under ``args`` without and with the flag (Optimus's fastest
+    schedule, ``_optimus``); the flagged run checked to have run the Optimus schedule."""
     assert CHECKOUT is not None
     script = _compare.with_one_line(CHECKOUT, tmp_path)
     plain = _train(script, args)
-    optimus = _train(script, (*args, *AUTO))
+    optimus = _train(script, (*args, *_optimus(tmp_path, args)))
     _ran_optimus(optimus)
     return plain, optimus
 
@@ -107,10 +124,11 @@ def test_the_weights_the_flag_saves_with_the_distributed_optimizer_resume_either
     args += ("--train-iters", "4")
     ckpt = str(tmp_path / "ckpt")
     save = ("--save", ckpt, "--save-interval", "2", "--exit-interval", "2", "--no-save-optim")
-    _ran_optimus(_train(script, (*args, *save, *AUTO), iterations=(1, 2)))
+    flag = _optimus(tmp_path, args)
+    _ran_optimus(_train(script, (*args, *save, *flag), iterations=(1, 2)))
     load = ("--load", ckpt, "--no-load-optim")
     plain = _train(script, (*args, *load), iterations=(3, 4))
-    optimus = _train(script, (*args, *load, *AUTO), iterations=(3, 4))
+    optimus = _train(script, (*args, *load, *flag), iterations=(3, 4))
     _ran_optimus(optimus)
     for a, b in zip(plain.iterations, optimus.iterations, strict=True):
         # bf16: the encoder's kernels round otherwise than the vision model's
@@ -234,7 +252,11 @@ def test_the_distributed_optimizer_s_checkpoint_is_the_plain_one_and_resumes_eit
     script = _compare.with_one_line(CHECKOUT, tmp_path)
     args = (*_compare.TINY_VLM_ARGS, *_compare.LAYOUTS["dp2-pp2"], *flags)
     bf16 = "--bf16" in flags
-    runs = _compare.distributed_optimizer_checkpoints(script, args, tmp_path)
+    flag = _compare.optimus_schedule_file(
+        _planned([*args, "--use-distributed-optimizer", "--train-iters", "6"]),
+        tmp_path / "optimus-plan.json",
+    )
+    runs = _compare.distributed_optimizer_checkpoints(script, args, tmp_path, flag)
     for title, run in runs.items():
         assert run.returncode == 0, (title, run.output[-4000:])
     saved_without, saved_with, reference, *resumed = runs.values()
@@ -279,7 +301,7 @@ def test_the_distributed_optimizer_s_checkpoint_is_the_plain_one_and_resumes_eit
             "6",
             "--load",
             str(tmp_path / "saved-with"),
-            *AUTO,
+            *flag,
         ],
     )
     assert run.returncode != 0 and not run.iterations, run.output[-3000:]
