@@ -97,6 +97,8 @@ def _measure(config: OptimusConfig, warmup: int, repeats: int, world: int) -> di
     import torch
     import torch.distributed as dist
 
+    from optimus_mllm.runtime.dtypes import DTYPES
+
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         from optimus_mllm.runtime.gpu_status import warn_unverified
@@ -104,9 +106,7 @@ def _measure(config: OptimusConfig, warmup: int, repeats: int, world: int) -> di
         warn_unverified("optimus-profile")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = "cuda" if on_gpu else "cpu"
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
-        config.training.precision
-    ]
+    dtype = DTYPES[config.training.precision]
     if world == 1:  # megatron-core's layers need a process group, of this one process
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     else:

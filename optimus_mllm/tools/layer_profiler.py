@@ -29,6 +29,8 @@ import torch
 from optimus_mllm.config import OptimusConfig, TransformerSpec
 from optimus_mllm.costing.cost_model import LayerShape, Phase, layer_kernels
 from optimus_mllm.planner.plans import ParallelPlan
+from optimus_mllm.runtime.dtypes import DTYPES
+from optimus_mllm.scheduler.llm_costs import activation_dtype_bytes
 from optimus_mllm.tools.profiler import (
     RECOMPUTE,
     Timer,
@@ -96,10 +98,10 @@ def _scales(
         1,
         batch,
         False,
-        4 if config.training.precision == "fp32" else 2,
+        activation_dtype_bytes(config),
         config.training.recompute,
     )
-    dtype = _DTYPES[config.training.precision]
+    dtype = DTYPES[config.training.precision]
     found = []
     for phase, times in (("fwd", fwd_times), ("bwd", bwd_times)):
         kernels_us = _kernels_us(shape, phase, causal, warmup, repeats, dtype, timer)
@@ -122,9 +124,6 @@ def _forward_backward_us(layer: LayerRun, timer: Timer) -> tuple[float, float]:
     fwd = timer(lambda: out.append(layer()))
     grad = torch.ones_like(out[0])
     return fwd, timer(lambda: out[0].backward(grad))
-
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _kernels_us(
