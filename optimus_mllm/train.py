@@ -23,6 +23,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -329,16 +330,26 @@ def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan
                 f"--baseline runs model.encoders[{i}] at the LLM's tp={tp}, but its {problem}; "
                 "run it without --baseline or pick another parallel.llm.tp"
             )
-    if baseline != "balanced":
-        return
-    problem = balanced_problem(config, llm_plan)
+    problem = _BASELINE_PROBLEMS[baseline](config, llm_plan)
+    if problem:
+        raise OptimusError(f"--baseline {baseline}: {problem}")
+
+
+def _balanced_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
+    """Why the balanced baseline cannot run this job, beyond the TP both baselines share."""
     if config.data.path is not None and is_webdataset(config.data.path):
-        problem = (
+        return (
             "its pipeline buffers carry one image per sample, and a webdataset's microbatches "
             "(data.path) vary in images; train it under Optimus or --baseline"
         )
-    if problem:
-        raise OptimusError(f"--baseline balanced: {problem}")
+    return balanced_problem(config, llm_plan)
+
+
+# what each --baseline refuses beyond the encoders' TP; Megatron-LM's placement nothing more
+_BASELINE_PROBLEMS: dict[str, Callable[[OptimusConfig, ParallelPlan], str | None]] = {
+    "megatron-lm": lambda config, llm_plan: None,
+    "balanced": _balanced_problem,
+}
 
 
 def _pretrained_parts(
