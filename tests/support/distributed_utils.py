@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -81,6 +82,7 @@ def _rank_main(
     # the fork server's environment is the one it started with, not the caller's of now
     os.environ.clear()
     os.environ.update(environment)
+    os.setpgrp()  # the rank's own process group, which ``stop_ranks`` ends with what it started
     try:
         torch.set_num_threads(1)  # N ranks share few cores: avoid oversubscription
         backend = _backend(world_size)
@@ -146,12 +148,19 @@ def _collect(processes: list[BaseProcess], results: Any, timeout: float) -> dict
     return outputs
 
 
-def _stop(processes: list[BaseProcess]) -> None:
+def stop_ranks(processes: list[BaseProcess], join_s: float = _JOIN_SECONDS) -> None:
+    """Wait up to ``join_s`` for each rank, kill it if still running, then kill what it left in
+    its process group: a rank a test kills mid-save leaves megatron-core's forked checkpoint
+    writer waiting forever on a queue its parent held."""
     for process in processes:
-        process.join(_JOIN_SECONDS)
+        process.join(join_s)
         if process.is_alive():
             process.kill()
             process.join()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # nothing of the rank's is left
+            pass
 
 
 def run_distributed(
@@ -192,6 +201,6 @@ def _launch(
             process.kill()
         raise
     finally:
-        _stop(processes)
+        stop_ranks(processes)
         results.close()
     return [outputs[rank] for rank in range(world_size)]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .distributed_utils import free_port, start_context
+from .distributed_utils import free_port, start_context, stop_ranks
 from .paths import CONFIGS, REPO
 
 TINY = str(CONFIGS / "tiny.yaml")
@@ -140,6 +140,7 @@ def _train_rank(argv: list[str], environment: dict[str, str], out: str, err: str
     working directory and output files, then ``main``'s exit code as the process's."""
     os.environ.clear()
     os.environ.update(environment)
+    os.setpgrp()  # the rank's own process group, which ``stop_ranks`` ends with what it started
     if "OMP_NUM_THREADS" in environment:  # read by torch at import, in the server before the fork
         torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
     os.chdir(REPO)
@@ -184,10 +185,7 @@ def _forked_ranks(
             for process in processes:
                 process.join(max(deadline - time.monotonic(), 0.1))
         finally:
-            for process in processes:
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+            stop_ranks(processes, join_s=0)
         command = [sys.executable, *TRAIN[:2], *argv]
         return [
             subprocess.CompletedProcess(
