@@ -128,30 +128,30 @@ def _measure_job(
     import megatron_patches
     from optimus_mllm.planner import plan
     from optimus_mllm.tools.comm_profiler import measure_communication
-    from optimus_mllm.tools.layer_profiler import measure_layer_scales
+    from optimus_mllm.tools.layer_profiler import measure_layer_host
     from optimus_mllm.tools.profiler import profile_kernels, wallclock_timer
 
     world = dist.get_world_size()
+    llm_plan = plan(config).llm_plan
     profile = profile_kernels(config, warmup=warmup, repeats=repeats, device=device, dtype=dtype)
     _mean_over_ranks(profile["kernels"], ("time_us", "spread_us"))
     if device == "cpu":
         megatron_patches.apply()  # megatron-core's layers on CPU, as the runtime runs them
-        # TP 1 and one data-parallel rank: every rank times its own layer and optimizer
+        # TP 1 and one data-parallel rank: every rank times its own layers and optimizer
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
         try:
             tensor_parallel.model_parallel_cuda_manual_seed(config.training.seed)
-            scales, per_param = measure_layer_scales(
-                config, warmup, repeats, dtype, wallclock_timer
+            host, per_param = measure_layer_host(
+                config, llm_plan, warmup, repeats, dtype, wallclock_timer
             )
         finally:
             parallel_state.destroy_model_parallel()
         optimizer = [{"optimizer_us_per_param": per_param}]
-        _mean_over_ranks(scales, ("layer_us", "kernels_us", "scale"))
+        _mean_over_ranks(host, ("layer_us", "kernels_us", "host_us"))
         _mean_over_ranks(optimizer, ("optimizer_us_per_param",))
-        profile.update(layer_scales=scales, **optimizer[0])
+        profile.update(layer_host=host, **optimizer[0])
     if world == 1:
         return profile
-    llm_plan = plan(config).llm_plan
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=llm_plan.tp, pipeline_model_parallel_size=llm_plan.pp
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NoReturn
 
@@ -372,6 +372,7 @@ class CostModel:
         device_kind: str = "cuda",
         step_noise: float = 0.0,
         optimizer_us_per_param: float = 0.0,
+        layer_host_us: dict[tuple[str, Phase], float] | None = None,
     ):
         self.cluster = cluster
         self.params = params
@@ -383,6 +384,9 @@ class CostModel:
         # the optimizer step's host time per parameter (the profile's); 0 for the roofline, which
         # prices only a step's kernels and collectives
         self.optimizer_us_per_param = optimizer_us_per_param
+        # per (module, phase): the host work one layer adds to its kernels (the profile's); none
+        # for the roofline, whose kernels are a GPU's, launched ahead of the host
+        self.layer_host_us = layer_host_us or {}
 
     @classmethod
     def from_config(cls, config: OptimusConfig) -> CostModel:
@@ -398,6 +402,7 @@ class CostModel:
             machine.device_kind,
             machine.step_noise,
             machine.optimizer_us_per_param,
+            machine.layer_host_us,
         )
 
     def optimizer_us(self, params: float) -> float:
@@ -534,13 +539,18 @@ class CostModel:
     def layer(
         self, shape: LayerShape, phase: Phase, module: str, tp_bandwidth_gbps: float
     ) -> list[Kernel]:
-        """Costed kernels of one layer's forward or backward on one TP rank."""
+        """Costed kernels of one layer's forward or backward on one TP rank: each compute kernel
+        its time plus an even share of the layer's measured host work (``layer_host_us``), which
+        does not shrink with the TP shard."""
+        works = layer_kernels(shape, phase)
+        computes = sum(not work.is_comm for work in works)
+        host_us = self.layer_host_us.get((module, phase), 0.0) / max(computes, 1)
         kernels = []
-        for work in layer_kernels(shape, phase):
+        for work in works:
             if work.is_comm:
                 us = self.comm_us(work, tp_bandwidth_gbps, module, shape.tp)
             else:
-                us = self.compute_us(work, module, shape.tp)
+                us = self.compute_us(work, module, shape.tp) + host_us
             kernels.append(Kernel(work.name, work.phase, work.is_comm, us, work.flops))
         return kernels
 
@@ -724,14 +734,15 @@ def profile_device_problem(path: str | None, device_kind: str) -> str | None:
 
 @dataclass(frozen=True)
 class MachineProfile:
-    """Everything a profile says about the machine: kernel times (each scaled by its layer's
-    measured host work), communication fits, the device kind and the step-to-step noise."""
+    """Everything a profile says about the machine: kernel times, each layer's host work around
+    its kernels, communication fits, the device kind and the step-to-step noise."""
 
     kernels: list[MeasuredKernel]
     comm_fits: dict[tuple[str, int], CommFit]
     device_kind: str  # cuda or cpu
     step_noise: float
     optimizer_us_per_param: float  # 0 where the profile did not measure the optimizer
+    layer_host_us: dict[tuple[str, Phase], float]  # (module, phase) -> per layer; none on a GPU
 
 
 def read_machine_profile(path: str | Path) -> MachineProfile:
@@ -780,38 +791,41 @@ def read_machine_profile(path: str | Path) -> MachineProfile:
             f"{what} a kernel's spread_us in {path} is negative or not a number; re-run "
             "optimus-profile"
         )
-    scales = _layer_scales(data, path, what)
+    host = _layer_host(data, path, what)
     noise = step_noise([k.time_us for k in kernels], spreads)
-    # a kernel in training costs its layer's scale times its time alone (tools/layer_profiler.py)
-    kernels = [
-        replace(k, time_us=k.time_us * scales.get((k.key[0], k.key[2]), 1.0)) for k in kernels
-    ]
     optimizer = data.get("optimizer_us_per_param", 0.0)
     if not isinstance(optimizer, (int, float)) or not (math.isfinite(optimizer) and optimizer >= 0):
         raise OptimusError(
             f"{what} optimizer_us_per_param in {path} is not a non-negative number; re-run "
             "optimus-profile"
         )
-    return MachineProfile(kernels, fits, kind, noise, float(optimizer))
+    return MachineProfile(kernels, fits, kind, noise, float(optimizer), host)
 
 
-def _layer_scales(data: dict, path: str | Path, what: str) -> dict[tuple[str, str], float]:
-    """The profile's layer scales by (module, phase); none in a profile measured on a GPU."""
-    scales = {}
-    for i, entry in enumerate(data.get("layer_scales", [])):
+def _layer_host(data: dict, path: str | Path, what: str) -> dict[tuple[str, Phase], float]:
+    """The profile's host work per layer by (module, phase) (``tools/layer_profiler.py``); none in
+    a profile measured on a GPU."""
+    if "layer_scales" in data:  # the first CPU profiles scaled kernels instead: not comparable
+        raise OptimusError(
+            f"{what} {path} has layer_scales, which this release no longer reads (it adds each "
+            "layer's host work instead); re-run optimus-profile"
+        )
+    host: dict[tuple[str, Phase], float] = {}
+    for i, entry in enumerate(data.get("layer_host", [])):
         try:
-            key, scale = (str(entry["module"]), str(entry["phase"])), float(entry["scale"])
+            phase = entry["phase"]
+            key, us = (str(entry["module"]), phase), float(entry["host_us"])
         except (KeyError, TypeError, ValueError):
             raise OptimusError(
-                f"{what} layer_scales[{i}] in {path} needs module, phase and scale"
+                f"{what} layer_host[{i}] in {path} needs module, phase and host_us"
             ) from None
-        if not (math.isfinite(scale) and scale > 0):
+        if phase not in ("fwd", "bwd") or not (math.isfinite(us) and us >= 0):
             raise OptimusError(
-                f"{what} layer_scales[{i}] in {path} has scale {scale}, not a positive number; "
-                "re-run optimus-profile"
+                f"{what} layer_host[{i}] in {path} needs phase fwd or bwd and host_us a "
+                "non-negative number; re-run optimus-profile"
             )
-        scales[key] = scale
-    return scales
+        host[key] = us
+    return host
 
 
 def step_noise(times_us: list[float], spreads_us: list[float]) -> float:

@@ -1,25 +1,28 @@
-"""Measure what a whole layer costs beyond its kernels: the runtime's host work around them.
+"""Measure what a layer costs beyond its kernels: the runtime's host work around them.
 
 The kernel profile times each kernel alone, in a tight loop. A training step also runs what lies
 between the kernels -- residual adds, biases applied outside a GEMM, dropout, reshapes, autograd's
-bookkeeping, the modules' Python -- which on CPU ranks adds a large share (``optimus-profile``
-prints it as the profile's ``layer_scales``). So for each module (the LLM and every encoder) a
-layer is built as the runtime builds it -- megatron-core's GPT decoder layer for the LLM
-(``runtime/llm.py``), the encoder's ``VisionStage`` steps (``runtime/vit.py``) -- and timed
-forward and backward, next to the sum of its kernels timed alone at the same shapes. Their ratio,
-a layer scale per (module, phase), multiplies that module's measured kernels when the cost model
-loads the profile (``costing.cost_model.read_machine_profile``).
+bookkeeping, the modules' Python -- which on CPU ranks adds a large share. So for each module (the
+LLM and every encoder) a stage of layers is built as the runtime builds it -- megatron-core's GPT
+decoder layers for the LLM (``runtime/llm.py``), an encoder's ``VisionStage`` (``runtime/vit.py``)
+-- and timed forward and backward, next to the sum of one layer's kernels timed alone at the same
+shapes. The difference per layer is the layer's host work (the profile's ``layer_host``), which the
+cost model adds to that module's layers at every TP (``costing.cost_model.CostModel.layer``).
 
-Measured at TP 1 and one data-parallel rank (every rank its own TP and DP group), and applied at
-every TP: a TP shard's kernels are smaller, so the scale of a TP > 1 layer is, if anything, larger
-than this one. The LLM's layer runs under the runtime's megatron-core DDP, so its backward includes
-the accumulation into the gradient buffer; the runtime's optimizer (``runtime/optimizer.py``) then
-steps over it, timed per parameter: the host cost of the optimizer step the cost model adds after a
-rank's gradients are reduced.
+The host work is an addition, not a factor: it is Python and dispatch per op, the same for a TP
+shard's smaller kernels (measured on 2 CPU ranks: a TP 2 LLM layer forward took as long as a TP 1
+one, while its kernels alone took half). It is measured at TP 1 and one data-parallel rank (every
+rank its own TP and DP group), on as many distinct layers as one pipeline chunk of the job holds
+(the LLM) or the whole encoder holds, so that each layer reads its own weights as in training
+rather than one layer's from cache. The LLM's layers run under the runtime's megatron-core DDP, so
+their backward includes the accumulation into the gradient buffer; the runtime's optimizer
+(``runtime/optimizer.py``) then steps over them, timed per parameter: the host cost of the
+optimizer step the cost model adds after a rank's gradients are reduced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -40,21 +43,32 @@ from optimus_mllm.tools.profiler import (
 )
 
 
-def measure_layer_scales(
-    config: OptimusConfig, warmup: int, repeats: int, dtype: torch.dtype, timer: Timer
+def measure_layer_host(
+    config: OptimusConfig,
+    plan: ParallelPlan,
+    warmup: int,
+    repeats: int,
+    dtype: torch.dtype,
+    timer: Timer,
 ) -> tuple[list[dict[str, Any]], float]:
-    """One entry per (module, phase): the layer's time, its kernels' summed time, their ratio; and
-    the optimizer step's time per parameter. Needs ``parallel_state`` with one data-parallel rank
-    and TP 1 (``initialize_model_parallel(pipeline_model_parallel_size=world)``)."""
+    """One entry per (module, phase): a layer's time in a stage of distinct layers, its kernels'
+    summed time alone, and their difference, the layer's host work; and the optimizer step's time
+    per parameter. ``plan``: the job's LLM plan (its chunk's layer count). Needs
+    ``parallel_state`` with one data-parallel rank and TP 1
+    (``initialize_model_parallel(pipeline_model_parallel_size=world)``)."""
     from megatron.core import parallel_state
 
     from optimus_mllm.runtime.optimizer import build_optimizer
 
     mbs = config.training.micro_batch_size
+    # the layers of one pipeline chunk, as the runtime splits the LLM (runtime/llm.py)
+    llm_layers = max(1, config.llm.num_layers // (plan.pp * plan.vp))
     entries = []
-    llm_layer, ddp = _llm_layer(config, dtype)
-    entries += _scales("llm", config.llm, mbs, llm_layer, True, config, warmup, repeats, timer)
-    # the runtime's optimizer over the layer's gradients: its step, as train_step runs it
+    llm_stage, ddp = _llm_stage(config, llm_layers, dtype)
+    entries += _host(
+        "llm", config.llm, mbs, llm_stage, llm_layers, True, config, warmup, repeats, timer
+    )
+    # the runtime's optimizer over the chunk's gradients: its step, as train_step runs it
     optimizer = build_optimizer(config, [ddp], None, None)
 
     def step() -> None:
@@ -66,21 +80,22 @@ def measure_layer_scales(
     )
     group = parallel_state.get_tensor_model_parallel_group()
     for enc in config.encoders:
-        if enc.num_layers < 2:  # no middle layer: its kernels keep their own times (scale 1)
-            continue
-        layer = _encoder_layer(config, enc, group, dtype)
-        entries += _scales(enc.name, enc, mbs, layer, False, config, warmup, repeats, timer)
+        stage = _encoder_stage(config, enc, group, dtype)
+        entries += _host(
+            enc.name, enc, mbs, stage, enc.num_layers, False, config, warmup, repeats, timer
+        )
     return entries, per_param
 
 
-LayerRun = Callable[[], torch.Tensor]  # one forward of the layer, its graph kept for a backward
+LayerRun = Callable[[], torch.Tensor]  # one forward of the layers, their graph kept for a backward
 
 
-def _scales(
+def _host(
     module: str,
     spec: TransformerSpec,
     batch: int,
-    layer: LayerRun,
+    stage: LayerRun,
+    layers: int,
     causal: bool,
     config: OptimusConfig,
     warmup: int,
@@ -89,7 +104,7 @@ def _scales(
 ) -> list[dict[str, Any]]:
     fwd_times, bwd_times = [], []
     for i in range(warmup + repeats):
-        fwd, bwd = _forward_backward_us(layer, timer)
+        fwd, bwd = _forward_backward_us(stage, timer)
         if i >= warmup:
             fwd_times.append(fwd)
             bwd_times.append(bwd)
@@ -105,14 +120,16 @@ def _scales(
     found = []
     for phase, times in (("fwd", fwd_times), ("bwd", bwd_times)):
         kernels_us = _kernels_us(shape, phase, causal, warmup, repeats, dtype, timer)
-        layer_us = statistics.median(times)
+        layer_us = statistics.median(times) / layers
         found.append(
             {
                 "module": module,
                 "phase": phase,
+                "layers": layers,
                 "layer_us": layer_us,
                 "kernels_us": kernels_us,
-                "scale": layer_us / kernels_us,
+                # a layer faster than its kernels alone (a fused or cached run) adds nothing
+                "host_us": max(0.0, layer_us - kernels_us),
             }
         )
     return found
@@ -148,15 +165,15 @@ def _kernels_us(
     return total
 
 
-def _llm_layer(config: OptimusConfig, dtype: torch.dtype) -> tuple[LayerRun, Any]:
-    """One megatron-core GPT decoder layer, as a middle pipeline chunk holds it, under the
-    runtime's megatron-core DDP (its backward accumulates into the gradient buffer)."""
+def _llm_stage(config: OptimusConfig, layers: int, dtype: torch.dtype) -> tuple[LayerRun, Any]:
+    """A middle pipeline chunk of ``layers`` megatron-core GPT decoder layers, under the runtime's
+    megatron-core DDP (its backward accumulates into the gradient buffer)."""
     from optimus_mllm.runtime.llm import causal_mask, gpt_chunk, transformer_config
     from optimus_mllm.runtime.optimizer import wrap_ddp
 
     plan = ParallelPlan(1, 1, 1)
     tconfig = transformer_config(config, plan)
-    chunk = gpt_chunk(config, plan, tconfig, 1, False, False, 0)
+    chunk = gpt_chunk(config, plan, tconfig, layers, False, False, 0)
     ddp = wrap_ddp(config, tconfig, chunk)
     llm = config.llm
     x = torch.randn(
@@ -171,11 +188,15 @@ def _llm_layer(config: OptimusConfig, dtype: torch.dtype) -> tuple[LayerRun, Any
     return forward, ddp
 
 
-def _encoder_layer(config: OptimusConfig, enc: Any, group: Any, dtype: torch.dtype) -> LayerRun:
-    """One middle layer of the encoder's ``VisionStage``, run as its steps."""
+def _encoder_stage(config: OptimusConfig, enc: Any, group: Any, dtype: torch.dtype) -> LayerRun:
+    """The encoder's layers as a ``VisionStage`` runs them, without its patch embedding and
+    projector: the middle layers [1, n + 1) of the same encoder made two layers longer."""
     from optimus_mllm.runtime.vit import VisionStage
 
-    stage = VisionStage(enc, config.llm.hidden_size, (1, 2), group, params_dtype=dtype)
+    longer = dataclasses.replace(enc, num_layers=enc.num_layers + 2)
+    stage = VisionStage(
+        longer, config.llm.hidden_size, (1, enc.num_layers + 1), group, params_dtype=dtype
+    )
     x = torch.randn(
         enc.layer_tokens, config.training.micro_batch_size, enc.hidden_size, dtype=dtype
     ).requires_grad_()

@@ -330,30 +330,54 @@ def test_a_profile_of_another_device_kind_is_refused_in_one_line(tmp_path):
     assert not CostModel(cluster, params, device_kind="cpu").encoder_runs_beside_the_llm
 
 
-def test_a_profiles_layer_scale_multiplies_its_modules_kernels_in_that_phase(tmp_path):
+def test_a_profiles_layer_host_work_is_added_to_its_layers_at_every_tp(tmp_path):
     fc1 = {"module": "llm", "kernel": "fc1", "tp": 1, "time_us": 10.0}
     path = _profile(
         tmp_path,
-        [
-            {**fc1, "phase": "fwd"},
-            {**fc1, "phase": "bwd"},
-            {**fc1, "module": "vit", "phase": "fwd"},
-        ],
-        layer_scales=[{"module": "llm", "phase": "fwd", "scale": 1.5}],
+        [{**fc1, "phase": "fwd"}, {**fc1, "phase": "bwd"}],
+        layer_host=[{"module": "llm", "phase": "fwd", "host_us": 800.0}],
     )
-    times = {k.key: k.time_us for k in read_machine_profile(path).kernels}
-    assert times == {
-        ("llm", "fc1", "fwd", 1): 15.0,
-        ("llm", "fc1", "bwd", 1): 10.0,
-        ("vit", "fc1", "fwd", 1): 10.0,
-    }
-    assert load_profile(path)[("llm", "fc1", "fwd", 1)] == 10.0  # the file's own times
-    for bad in (0.0, float("nan"), "x"):
+    machine = read_machine_profile(path)
+    assert machine.layer_host_us == {("llm", "fwd"): 800.0}
+    # the kernels keep the times they were measured at alone
+    assert {k.key: k.time_us for k in machine.kernels} == load_profile(path)
+    spec = TransformerSpec(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=16
+    )
+    for tp in (1, 2):
+        shape = LayerShape(spec, tp, 1, False, 4)
+        plain = CostModel(ClusterConfig(num_gpus=8), CostModelConfig())
+        hosted = CostModel(
+            ClusterConfig(num_gpus=8), CostModelConfig(), layer_host_us=machine.layer_host_us
+        )
+        for phase, added in (("fwd", 800.0), ("bwd", 0.0)):
+            before, after = (
+                plain.layer(shape, phase, "llm", 100.0),
+                hosted.layer(shape, phase, "llm", 100.0),
+            )
+            # the layer's host work once per layer, over its compute kernels, whatever the TP;
+            # its collectives cost what they did
+            assert sum(k.duration_us for k in after) == pytest.approx(
+                sum(k.duration_us for k in before) + added
+            )
+            assert [k.duration_us for k in after if k.is_comm] == [
+                k.duration_us for k in before if k.is_comm
+            ]
+            assert plain.layer(shape, phase, "vit", 100.0) == hosted.layer(
+                shape, phase, "vit", 100.0
+            )
+    for bad in (-1.0, float("nan"), "x"):
         data = json.loads(path.read_text())
-        data["layer_scales"][0]["scale"] = bad
+        data["layer_host"][0]["host_us"] = bad
         path.write_text(json.dumps(data))
-        with pytest.raises(OptimusError, match=r"layer_scales\[0\]"):
+        with pytest.raises(OptimusError, match=r"layer_host\[0\]"):
             read_machine_profile(path)
+    # a profile of the first CPU format scaled kernels by a factor: re-profiled, not misread
+    data["layer_host"][0]["host_us"] = 1.0
+    data["layer_scales"] = [{"module": "llm", "phase": "fwd", "scale": 1.5}]
+    path.write_text(json.dumps(data))
+    with pytest.raises(OptimusError, match=r"has layer_scales.*re-run optimus-profile$"):
+        read_machine_profile(path)
 
 
 def test_a_profiles_optimizer_step_is_priced_per_parameter(tmp_path):

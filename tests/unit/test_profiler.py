@@ -228,14 +228,22 @@ def test_cli_on_cpu_times_the_kernels_at_one_thread_and_says_communication_was_n
     assert (data["device_kind"], data["threads"], data["dtype"]) == ("cpu", 1, "float32")
     assert data["megatron_core"] and data["torch"] == torch.__version__
     assert "communication" not in data and "run of one rank" in data["not_measured"]
-    # each module's layer, as the runtime builds it, timed beside its kernels
-    scales = {(s["module"], s["phase"]): s for s in data["layer_scales"]}
-    assert set(scales) == {("llm", "fwd"), ("llm", "bwd"), ("vit", "fwd"), ("vit", "bwd")}
-    for s in scales.values():
-        assert s["layer_us"] > 0 and s["kernels_us"] > 0
-        assert s["scale"] == pytest.approx(s["layer_us"] / s["kernels_us"])
-    assert data["optimizer_us_per_param"] > 0  # the runtime's optimizer over the LLM layer
-    assert set(load_profile(out)) == {e.key for e in profile_entries(load_config(CONFIG_FILES[0]))}
+    # each module's layers, as the runtime builds them, timed beside one layer's kernels: a
+    # pipeline chunk's worth of the LLM's, all of the encoder's
+    config = load_config(CONFIG_FILES[0])
+    llm_plan = plan(config).llm_plan
+    host = {(h["module"], h["phase"]): h for h in data["layer_host"]}
+    assert set(host) == {("llm", "fwd"), ("llm", "bwd"), ("vit", "fwd"), ("vit", "bwd")}
+    for (module, _), h in host.items():
+        assert h["layers"] == (
+            config.llm.num_layers // (llm_plan.pp * llm_plan.vp)
+            if module == "llm"
+            else config.encoders[0].num_layers
+        )
+        assert h["layer_us"] > 0 and h["kernels_us"] > 0
+        assert h["host_us"] == pytest.approx(max(0.0, h["layer_us"] - h["kernels_us"]))
+    assert data["optimizer_us_per_param"] > 0  # the runtime's optimizer over the LLM's chunk
+    assert set(load_profile(out)) == {e.key for e in profile_entries(config)}
     assert load_comm_fits(out) == {}
 
 
