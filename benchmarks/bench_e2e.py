@@ -20,9 +20,19 @@ and predicted, and the placement the planner runs (``*``: what ``optimus-train``
 flag); ``--json OUT`` writes the rows. ``--nproc`` must be the configs' ``cluster.num_gpus`` (a
 config is not rescaled) and at most this machine's cores.
 
+With ``MEGATRON_LM_DIR`` naming a Megatron-LM checkout (tag ``core_v0.16.1``), each config that
+Megatron-LM's flags express exactly (``script_flags``: else one line says why, e.g. a projector
+that merges patches, or interleaved stages, which the script cannot run at this tag) also trains
+the checkout's own ``pretrain_vlm.py`` on gloo ranks (``scripts/megatron_lm_compare.py``'s CPU
+launcher), one thread a rank, for ``--steps`` iterations: unmodified (mode
+``megatron-lm-script``), and with the one-line opt-in, ``--optimus-schedule auto`` and
+``--optimus-profile`` the profile above (mode ``megatron-lm-script+optimus``). Measured is the
+median of Megatron's own ``elapsed time per iteration`` after the first two; predicted, for the
+unmodified script, Megatron-LM's placement as the flag prices it with the profile, and with the
+flag, what the flag's start-up line says it runs. A line per config gives the speed-up a
+Megatron-LM user gets from the one flag, measured and predicted.
+
 A measurement, not a test: it needs an otherwise idle machine, as other work moves every number.
-Not done yet: issue 52's rows of Megatron-LM's own ``pretrain_vlm.py`` (``MEGATRON_LM_DIR``,
-modes ``megatron-lm-script`` and ``megatron-lm-script+optimus``).
 """
 
 from __future__ import annotations
@@ -93,8 +103,8 @@ MODE_FLAGS: dict[PlacementMode, tuple[str, ...]] = {
 
 # Megatron-LM's own pretrain_vlm.py, unmodified and with the one-line opt-in and the flag
 ScriptMode = Literal["megatron-lm-script", "megatron-lm-script+optimus"]
-SCRIPT = "megatron-lm-script"
-SCRIPT_WITH_FLAG = "megatron-lm-script+optimus"
+SCRIPT: ScriptMode = "megatron-lm-script"
+SCRIPT_WITH_FLAG: ScriptMode = "megatron-lm-script+optimus"
 # the flag's start-up line: "optimus: --optimus-schedule auto: ... 1.2345 s per iteration
 # predicted ..." (its Optimus schedule's, or where it trains as Megatron-LM does, Megatron-LM's)
 FLAG_LINE = re.compile(r"^optimus: --optimus-schedule auto: .*$", re.MULTILINE)
@@ -492,7 +502,14 @@ def run_script(
     if with_flag:
         script = compare.with_one_line(checkout, folder)
         args += [*compare.AUTO, *(["--optimus-profile", profile] if profile else [])]
-    run = compare.run_megatron_script(script, nproc, args, variables={"OMP_NUM_THREADS": "1"})
+    # start-up (a minute on a busy machine) and a generous minute an iteration
+    timeout_s = 300 + 60 * steps
+    try:
+        run = compare.run_megatron_script(
+            script, nproc, args, timeout_s, variables={"OMP_NUM_THREADS": "1"}
+        )
+    except subprocess.TimeoutExpired:
+        return ScriptRun(f"{PRETRAIN_VLM} ran past {timeout_s} s", None)
     found = FLAG_LINE.search(run.output)
     said = found[0] if found else None
     if run.returncode != 0:
