@@ -20,15 +20,28 @@ and predicted, and the placement the planner runs (``*``: what ``optimus-train``
 flag); ``--json OUT`` writes the rows. ``--nproc`` must be the configs' ``cluster.num_gpus`` (a
 config is not rescaled) and at most this machine's cores.
 
+With ``MEGATRON_LM_DIR`` naming a Megatron-LM checkout (tag ``core_v0.16.1``), each config that
+Megatron-LM's flags express exactly (``script_flags``: else one line says why, e.g. a projector
+that merges patches, or interleaved stages, which the script cannot run at this tag) also trains
+the checkout's own ``pretrain_vlm.py`` on gloo ranks (``scripts/megatron_lm_compare.py``'s CPU
+launcher), one thread a rank, for ``--steps`` iterations: unmodified (mode
+``megatron-lm-script``), and with the one-line opt-in, ``--optimus-schedule auto`` and
+``--optimus-profile`` the profile above (mode ``megatron-lm-script+optimus``). Measured is the
+median of Megatron's own ``elapsed time per iteration`` after the first two; predicted, for the
+unmodified script, Megatron-LM's placement as the flag prices it with the profile, and with the
+flag, what the flag's start-up line says it runs. A line per config gives the speed-up a
+Megatron-LM user gets from the one flag, measured and predicted.
+
 A measurement, not a test: it needs an otherwise idle machine, as other work moves every number.
-Not done yet: issue 52's rows of Megatron-LM's own ``pretrain_vlm.py`` (``MEGATRON_LM_DIR``,
-modes ``megatron-lm-script`` and ``megatron-lm-script+optimus``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
+import math
 import os
 import re
 import statistics
@@ -37,20 +50,43 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import ModuleType
+from typing import Literal
 
 from optimus_mllm.cli.common import ArgumentParser
-from optimus_mllm.config import load_config
+from optimus_mllm.config import DataConfig, OptimusConfig, load_config
 from optimus_mllm.config.files import atomic_write_text
 from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.megatron.arguments import add_optimus_args
+from optimus_mllm.megatron.arguments import build_parser as megatron_parser
+from optimus_mllm.megatron.flags import config_from_megatron_args
+from optimus_mllm.megatron.unread_flags import add_unread_flags
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.artifact import write_artifact
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
+from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_fingerprint
 from optimus_mllm.scheduler.placements import (
     PlacementMode,
     PlacementPrediction,
     predicted_placements,
 )
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _script(name: str) -> ModuleType:
+    """``scripts/NAME.py``, a program rather than a package, loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+# Megatron-LM's pretrain_vlm.py on gloo ranks: its CPU flags, the one-line opt-in, the runs
+compare = _script("megatron_lm_compare")
 
 PROG = "bench_e2e"
 NO_PROFILE = "the cost model's constants (no profile)"
@@ -63,6 +99,19 @@ MODE_FLAGS: dict[PlacementMode, tuple[str, ...]] = {
     "balanced": ("--baseline", "balanced"),
     "optimus": (),
 }
+
+
+# Megatron-LM's own pretrain_vlm.py, unmodified and with the one-line opt-in and the flag
+ScriptMode = Literal["megatron-lm-script", "megatron-lm-script+optimus"]
+SCRIPT: ScriptMode = "megatron-lm-script"
+SCRIPT_WITH_FLAG: ScriptMode = "megatron-lm-script+optimus"
+# the flag's start-up line: "optimus: --optimus-schedule auto: ... 1.2345 s per iteration
+# predicted ..." (its Optimus schedule's, or where it trains as Megatron-LM does, Megatron-LM's)
+FLAG_LINE = re.compile(r"^optimus: --optimus-schedule auto: .*$", re.MULTILINE)
+FLAG_PREDICTED = re.compile(r"([0-9.]+) s per iteration predicted")
+# the one Megatron-LM tokenizer without files pads its vocabulary (plus its end-of-document token)
+# to a multiple of --make-vocab-size-divisible-by (128) x TP
+VOCAB_DIVISOR = 128
 
 
 @dataclass(frozen=True)
@@ -79,7 +128,7 @@ class Row:
     """One placement of one config: predicted and measured, or why there is no measurement."""
 
     config: str
-    mode: PlacementMode
+    mode: PlacementMode | ScriptMode
     predicted_s: float | None
     measured_s: float | None
     planned: bool
@@ -87,6 +136,7 @@ class Row:
     loss: float | None = None
     steps: int | None = None
     problem: str | None = None  # why the placement was not measured
+    said: str | None = None  # the flag's start-up line (megatron-lm-script+optimus)
 
 
 def build_parser() -> ArgumentParser:
@@ -140,6 +190,12 @@ def usage_problem(args: argparse.Namespace, cores: int) -> str | None:
         if not Path(path).is_file():
             flag = "--profile" if path == args.profile else "--config"
             return f"{flag} {path}: no such file"
+    checkout = compare.megatron_lm_dir()
+    if checkout is not None and not (checkout / PRETRAIN_VLM).is_file():
+        return (
+            f"MEGATRON_LM_DIR {checkout}: no {PRETRAIN_VLM}; name a Megatron-LM checkout at tag "
+            "core_v0.16.1, or unset it to leave out pretrain_vlm.py's rows"
+        )
     return None
 
 
@@ -243,6 +299,277 @@ def train(
     return measured if measured is not None else "optimus-train printed no step past warm-up"
 
 
+# -- Megatron-LM's own pretrain_vlm.py ----------------------------------------------------------
+
+# fields of the ViT's layers that pretrain_vlm.py copies from the LLM's TransformerConfig
+_SHARED_LAYER_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "kv_channels",
+    "num_query_groups",
+    "gated_linear_unit",
+    "activation",
+    "add_bias_linear",
+    "normalization",
+    "hidden_dropout",
+    "attention_dropout",
+)
+# and of its projector, a copy of the LLM's MLP
+_PROJECTOR_FIELDS = ("ffn_hidden_size", "activation", "gated_linear_unit", "add_bias_linear")
+
+
+def script_flags(config: OptimusConfig) -> tuple[str, ...] | str:
+    """The Megatron-LM command line with which ``pretrain_vlm.py`` (tag ``core_v0.16.1``) builds
+    and trains the config's job on this machine's CPUs (``CPU_VLM_ARGS`` and the model's flags),
+    or why no flags do (one line).
+
+    Strict: beyond the refusals that name a field, the flags are read back as the flag reads them
+    (``config_from_megatron_args``) and their job's schedule fingerprint (model, batch, precision,
+    optimizer kind) and LLM plan must be the config's, but for the vocabulary, which the flags
+    state less Megatron's end-of-document token.
+    """
+    problem = _unexpressed(config)
+    if problem is not None:
+        return problem
+    flags = (*compare.CPU_VLM_ARGS, *_model_flags(config))
+    try:
+        built = flags_config(flags, config.cluster.num_gpus)
+    except OptimusError as exc:
+        return f"Megatron-LM's flags for it are refused: {exc}"
+    difference = _flags_difference(config, built)
+    if difference is not None:
+        return f"pretrain_vlm.py's flags build another job: {difference}"
+    return flags
+
+
+def flags_config(flags: tuple[str, ...], nproc: int, profile: str | None = None) -> OptimusConfig:
+    """The config ``--optimus-schedule`` reads off ``flags`` on ``nproc`` ranks of one machine,
+    priced with ``profile`` (``--optimus-profile``)."""
+    given = [*flags, *(["--optimus-profile", profile] if profile else [])]
+    parser = megatron_parser(lambda p: add_unread_flags(add_optimus_args(p)))
+    return config_from_megatron_args(parser.parse_args(given), nproc, nproc)
+
+
+def _unexpressed(config: OptimusConfig) -> str | None:
+    """What of the config Megatron-LM's pretrain_vlm.py cannot build or run, in one line."""
+    if len(config.encoders) != 1:
+        return f"model.encoders: {len(config.encoders)} encoders; pretrain_vlm.py builds one ViT"
+    enc, llm, llm_plan = config.encoders[0], config.llm, config.parallel.llm
+    if llm_plan is None or llm_plan.vp is None:
+        return "parallel.llm: give dp, pp, tp and vp; pretrain_vlm.py takes them as flags"
+    if llm_plan.vp != 1:
+        return (
+            f"parallel.llm.vp {llm_plan.vp}: pretrain_vlm.py cannot run interleaved at "
+            "core_v0.16.1 (its providers take no vp_stage)"
+        )
+    if llm_plan.tp_mode != "1d" or config.parallel.encoder is not None:
+        return "parallel: Megatron-LM runs 1-D TP and --optimus-schedule auto plans the encoder"
+    if enc.name != "vit":
+        return f"model.encoders[0].name {enc.name}: the flag names its ViT vit (profile keys)"
+    for field in _SHARED_LAYER_FIELDS:
+        if getattr(enc, field) != getattr(llm, field):
+            return (
+                f"model.encoders[0].{field} {getattr(enc, field)} is not model.llm's "
+                f"{getattr(llm, field)}: pretrain_vlm.py's ViT is a copy of the LLM's layers"
+            )
+    if (llm.activation, llm.gated_linear_unit) not in (("gelu", False), ("silu", True)):
+        return "model.llm.activation: Megatron-LM's flags give GELU, or SwiGLU with --swiglu"
+    if (enc.model_subtype, enc.class_token, enc.in_channels) != ("clip", True, 3):
+        return (
+            "model.encoders[0]: pretrain_vlm.py builds CLIP (model_subtype clip) with its class "
+            "token (class_token true) on 3-channel images"
+        )
+    projector = enc.projector
+    if projector.type != "mlp" or projector.spatial_merge != 1:
+        return (
+            f"model.encoders[0].projector: {projector.type} with spatial_merge "
+            f"{projector.spatial_merge}; pretrain_vlm.py's projector is an MLP merging no patches"
+        )
+    for field in _PROJECTOR_FIELDS:
+        if getattr(projector, field) != getattr(llm, field):
+            return (
+                f"model.encoders[0].projector.{field} {getattr(projector, field)} is not "
+                f"model.llm's {getattr(llm, field)}: pretrain_vlm.py's projector is the LLM's MLP"
+            )
+    if math.isqrt(enc.seq_length) ** 2 != enc.seq_length:
+        return (
+            f"model.encoders[0].seq_length {enc.seq_length}: pretrain_vlm.py's images are "
+            "square (--img-h = --img-w); give a square number of patches"
+        )
+    divisor = VOCAB_DIVISOR * llm_plan.tp
+    if llm.vocab_size % divisor:
+        return (
+            f"model.llm.vocab_size {llm.vocab_size}: Megatron-LM pads its vocabulary to a "
+            f"multiple of {VOCAB_DIVISOR} x TP = {divisor}; give such a multiple"
+        )
+    # the placeholder names a token of the text, which mock data has none of
+    if config.data != DataConfig(image_placeholder=config.data.image_placeholder):
+        return "data: pretrain_vlm.py trains on Megatron's mock data, one image a sample"
+    return None
+
+
+def _model_flags(config: OptimusConfig) -> tuple[str, ...]:
+    """pretrain_vlm.py's flags for the config's model, plan and training (where ``_unexpressed``
+    finds nothing)."""
+    enc, llm, training = config.encoders[0], config.llm, config.training
+    llm_plan = config.parallel.llm
+    assert llm_plan is not None
+    side = math.isqrt(enc.seq_length) * enc.patch_size
+    text = llm.seq_length - enc.image_tokens
+    flags = [
+        *("--encoder-num-layers", enc.num_layers, "--decoder-num-layers", llm.num_layers),
+        *("--hidden-size", llm.hidden_size, "--ffn-hidden-size", llm.ffn_hidden_size),
+        *("--num-attention-heads", llm.num_attention_heads, "--normalization", llm.normalization),
+        *("--hidden-dropout", llm.hidden_dropout, "--attention-dropout", llm.attention_dropout),
+        *("--seq-length", text, "--dataloader-seq-length", text),
+        *("--max-position-embeddings", llm.seq_length),
+        *("--position-embedding-type", llm.position_embedding_type),
+        # the null tokenizer adds its end-of-document token
+        *("--vocab-size", llm.vocab_size - 1),
+        *("--img-h", side, "--img-w", side, "--patch-dim", enc.patch_size),
+        *("--tensor-model-parallel-size", llm_plan.tp),
+        *("--pipeline-model-parallel-size", llm_plan.pp),
+        *("--micro-batch-size", training.micro_batch_size),
+        *("--global-batch-size", training.global_batch_size),
+        *("--train-iters", training.train_iters, "--seed", training.seed),
+        *("--optimizer", training.optimizer, "--lr", training.lr, "--min-lr", training.min_lr),
+        *("--lr-decay-style", training.lr_decay_style),
+        *("--lr-warmup-iters", training.lr_warmup_iters),
+        *("--weight-decay", training.weight_decay, "--clip-grad", training.clip_grad),
+        *("--adam-beta1", training.adam_beta1, "--adam-beta2", training.adam_beta2),
+        *("--adam-eps", training.adam_eps, "--sgd-momentum", training.sgd_momentum),
+    ]
+    if llm.kv_channels is not None:
+        flags += ["--kv-channels", llm.kv_channels]
+    if llm.num_query_groups is not None:
+        flags += ["--group-query-attention", "--num-query-groups", llm.num_query_groups]
+    switches = {
+        "--swiglu": llm.gated_linear_unit,
+        "--disable-bias-linear": not llm.add_bias_linear,
+        "--untie-embeddings-and-output-weights": llm.untie_embeddings_and_output_weights,
+        "--disable-vision-class-token": enc.drop_class_token,
+        "--freeze-ViT": enc.frozen,
+        "--bf16": training.precision == "bf16",
+        "--fp16": training.precision == "fp16",
+        "--sequence-parallel": training.sequence_parallel,
+        "--use-distributed-optimizer": training.distributed_optimizer,
+    }
+    flags += [flag for flag, on in switches.items() if on]
+    if training.recompute == "full":  # the config's full recompute: every layer, one at a time
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        flags += ["--recompute-num-layers", "1"]
+    elif training.recompute == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    return tuple(str(flag) for flag in flags)
+
+
+def _flags_difference(config: OptimusConfig, built: OptimusConfig) -> str | None:
+    """The first setting in which the flags' job differs from the config's, or None."""
+    if built.parallel.llm != config.parallel.llm:
+        return f"parallel.llm {built.parallel.llm}, the config has {config.parallel.llm}"
+    # Megatron-LM's embedding is the padded vocabulary, one more than --vocab-size here
+    llm = dataclasses.replace(built.llm, vocab_size=built.llm.vocab_size + 1)
+    built = dataclasses.replace(built, model=dataclasses.replace(built.model, llm=llm))
+    return fingerprint_difference(schedule_fingerprint(config), schedule_fingerprint(built))
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """One pretrain_vlm.py run: its median iteration after warm-up and last ``lm loss``, or why
+    there is none, and the flag's start-up line where it had the flag."""
+
+    measured: Measured | str
+    said: str | None
+
+
+def run_script(
+    flags: tuple[str, ...],
+    with_flag: bool,
+    nproc: int,
+    steps: int,
+    profile: str | None,
+    folder: Path,
+    warmup: int = WARMUP_STEPS,
+) -> ScriptRun:
+    """pretrain_vlm.py of ``MEGATRON_LM_DIR`` on ``nproc`` gloo ranks, one thread each, for
+    ``steps`` iterations: unmodified, or (``with_flag``) with the one-line opt-in and
+    ``--optimus-schedule auto`` (and ``--optimus-profile profile``)."""
+    checkout = compare.megatron_lm_dir()
+    assert checkout is not None
+    args = [*flags, "--train-iters", str(steps)]
+    script = checkout / "pretrain_vlm.py"
+    if with_flag:
+        script = compare.with_one_line(checkout, folder)
+        args += [*compare.AUTO, *(["--optimus-profile", profile] if profile else [])]
+    # start-up (a minute on a busy machine) and a generous minute an iteration
+    timeout_s = 300 + 60 * steps
+    try:
+        run = compare.run_megatron_script(
+            script, nproc, args, timeout_s, variables={"OMP_NUM_THREADS": "1"}
+        )
+    except subprocess.TimeoutExpired:
+        return ScriptRun(f"{PRETRAIN_VLM} ran past {timeout_s} s", None)
+    found = FLAG_LINE.search(run.output)
+    said = found[0] if found else None
+    if run.returncode != 0:
+        return ScriptRun(error_line(PRETRAIN_VLM, run.output), said)
+    return ScriptRun(parse_script(run.output, warmup) or _NO_ITERATION, said)
+
+
+PRETRAIN_VLM = "pretrain_vlm.py"
+_NO_ITERATION = "pretrain_vlm.py printed no iteration past warm-up"
+
+
+def parse_script(output: str, warmup: int = WARMUP_STEPS) -> Measured | None:
+    """The median of Megatron's ``elapsed time per iteration`` after ``warmup`` iterations and
+    the last iteration's ``lm loss``; None without an iteration past warm-up."""
+    elapsed = compare.elapsed_ms(output)
+    times = [ms / 1000 for number, ms in sorted(elapsed.items()) if number > warmup]
+    iterations = compare.parse_iterations(output)
+    if not times or not iterations:
+        return None
+    return Measured(statistics.median(times), iterations[-1].lm_loss, len(elapsed))
+
+
+def flag_predicted_s(said: str | None) -> float | None:
+    """What the flag's start-up line predicts for the iteration it runs: its Optimus schedule's,
+    or where it trains as Megatron-LM does, Megatron-LM's placement's (None: no number)."""
+    found = FLAG_PREDICTED.search(said or "")
+    return float(found[1]) if found else None
+
+
+def script_rows(
+    name: str,
+    flags: tuple[str, ...],
+    nproc: int,
+    steps: int,
+    profile: str | None,
+    folder: Path,
+    warmup: int = WARMUP_STEPS,
+) -> list[Row]:
+    """pretrain_vlm.py's two rows for a config: without the flag, predicted as the flag prices
+    Megatron-LM's placement, and with it, predicted as the flag says."""
+    config = flags_config(flags, nproc, profile)
+    planned = plan(config)
+    cost = CostModel.from_config(config)
+    placements = predicted_placements(config, planned, best_schedule(config, planned, cost), cost)
+    megatron = next(p for p in placements if p.mode == "megatron-lm")
+    rows = []
+    for mode, with_flag in ((SCRIPT, False), (SCRIPT_WITH_FLAG, True)):
+        run = run_script(flags, with_flag, nproc, steps, profile, folder, warmup)
+        print(f"{name} {mode}: {_measured_text(run.measured)}", flush=True)
+        predicted = flag_predicted_s(run.said) if with_flag else megatron.iteration_s
+        row = Row(name, mode, predicted, None, False, profile or NO_PROFILE, said=run.said)
+        if isinstance(run.measured, Measured):
+            got = run.measured
+            row = replace(row, measured_s=got.step_s, loss=got.loss, steps=got.steps)
+        else:
+            row = replace(row, problem=run.measured)
+        rows.append(row)
+    return rows
+
+
 def build_rows(
     config: str,
     predictions: list[PlacementPrediction],
@@ -269,7 +596,7 @@ def _seconds(value: float | None) -> str:
 def format_table(rows: list[Row]) -> str:
     """Predicted against measured per placement; ``*`` marks the planned one."""
     header = (
-        f"{'config':<20} {'mode':<12} {'predicted s':>12} {'measured s':>11} "
+        f"{'config':<20} {'mode':<26} {'predicted s':>12} {'measured s':>11} "
         f"{'meas/pred':>10} {'loss':>8}  planned"
     )
     lines = [header, "-" * len(header)]
@@ -281,7 +608,7 @@ def format_table(rows: list[Row]) -> str:
         )
         loss = "-" if r.loss is None else f"{r.loss:.4f}"
         line = (
-            f"{r.config:<20} {r.mode:<12} {_seconds(r.predicted_s):>12} "
+            f"{r.config:<20} {r.mode:<26} {_seconds(r.predicted_s):>12} "
             f"{_seconds(r.measured_s):>11} {ratio:>10} {loss:>8}  {'*' if r.planned else ''}"
         )
         lines.append(line.rstrip())
@@ -314,7 +641,25 @@ def format_speedups(rows: list[Row]) -> str:
             f"{'; '.join(against)}; the planner runs {planned}; predicted from "
             f"{optimus.predicted_from}"
         )
+        if SCRIPT in own and SCRIPT_WITH_FLAG in own:
+            lines.append(_flag_speedup(config, own[SCRIPT], own[SCRIPT_WITH_FLAG]))
     return "\n".join(lines) + "\n"
+
+
+def _flag_speedup(config: str, plain: Row, flagged: Row) -> str:
+    """What the one flag gives a pretrain_vlm.py job, measured and predicted, and what it ran."""
+    ran = "no line from the flag"
+    if flagged.said is not None:
+        ran = (
+            "Megatron-LM's placement"
+            if "training as Megatron-LM does" in flagged.said
+            else ("an Optimus schedule")
+        )
+    return (
+        f"{config}: pretrain_vlm.py's speed-up from --optimus-schedule auto (iteration without / "
+        f"with): measured {_speedup(plain.measured_s, flagged.measured_s)}, predicted "
+        f"{_speedup(plain.predicted_s, flagged.predicted_s)}; the flag ran {ran}"
+    )
 
 
 def write_json(rows: list[Row], out: str) -> None:
@@ -340,7 +685,14 @@ def bench_config(path: str, args: argparse.Namespace, folder: Path) -> list[Row]
             own = schedule if p.mode == "optimus" and scheduled else None
             measured[p.mode] = train(path, p.mode, args.nproc, args.steps, profile, own)
             print(f"{name} {p.mode}: {_measured_text(measured[p.mode])}", flush=True)
-    return build_rows(name, predictions, measured, profile or NO_PROFILE)
+    rows = build_rows(name, predictions, measured, profile or NO_PROFILE)
+    if compare.megatron_lm_dir() is None:
+        return rows
+    flags = script_flags(load_config(path))
+    if isinstance(flags, str):
+        print(f"{name}: no pretrain_vlm.py rows: {flags}", flush=True)
+        return rows
+    return rows + script_rows(name, flags, args.nproc, args.steps, profile, folder)
 
 
 def _measured_text(got: Measured | str) -> str:

@@ -27,17 +27,30 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Megatron-LM's flags for a tiny LLaVA (CLIP with its class token, the MLP projector) on the CPU:
-# its mock data and null tokenizer, gloo, the local (torch) layers and no fused kernels. The vocab
-# (255 + the null tokenizer's end-of-document token) is a multiple of 128 * TP for TP 1 and 2, so
-# the padded vocab, and with it the weights --use-cpu-initialization draws, are the same at both.
+# Megatron-LM's flags that run pretrain_vlm.py on the CPU, whatever the model: its mock data and
+# null tokenizer, gloo, the local (torch) layers and no fused kernels, each iteration logged, no
+# evaluation
+CPU_VLM_ARGS = (
+    *("--mock-data", "--tokenizer-type", "NullTokenizer"),
+    *("--distributed-backend", "gloo", "--transformer-impl", "local"),
+    *("--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--rerun-mode", "disabled"),
+    *("--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"),
+    *("--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion"),
+    *("--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000"),
+    *("--ckpt-format", "torch"),
+)
+
+# Megatron-LM's flags for a tiny LLaVA (CLIP with its class token, the MLP projector) on the CPU,
+# dropout 0. The vocab (255 + the null tokenizer's end-of-document token) is a multiple of
+# 128 * TP for TP 1 and 2, so the padded vocab, and with it the weights --use-cpu-initialization
+# draws, are the same at both.
 TINY_VLM_ARGS = (
     *("--decoder-num-layers", "2", "--encoder-num-layers", "2"),
     *("--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4"),
@@ -45,14 +58,8 @@ TINY_VLM_ARGS = (
     *("--img-h", "32", "--img-w", "32", "--patch-dim", "16"),
     *("--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3"),
     *("--lr", "1e-3", "--min-lr", "1e-3", "--lr-decay-style", "constant", "--seed", "1234"),
-    *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"),
-    *("--distributed-backend", "gloo", "--transformer-impl", "local"),
-    *("--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--rerun-mode", "disabled"),
-    *("--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"),
-    *("--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion"),
-    *("--hidden-dropout", "0", "--attention-dropout", "0"),
-    *("--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000"),
-    *("--ckpt-format", "torch"),
+    *("--vocab-size", "255", "--hidden-dropout", "0", "--attention-dropout", "0"),
+    *CPU_VLM_ARGS,
 )
 
 ONE_LINE = "from optimus_mllm.megatron import pretrain"
@@ -98,6 +105,18 @@ def parse_iterations(output: str) -> tuple[Iteration, ...]:
     )
 
 
+# " ... iteration        3/       5 | ... | elapsed time per iteration (ms): 2731.4 | ..."
+_ELAPSED = re.compile(
+    r"iteration\s+(\d+)/\s*\d+ \|[^\n]*?\| elapsed time per iteration \(ms\): ([0-9.]+) \|"
+)
+
+
+def elapsed_ms(output: str) -> dict[int, float]:
+    """Megatron's ``elapsed time per iteration (ms)`` by iteration number, as its training log
+    prints it every ``--log-interval`` iterations (with 1, each iteration's own time)."""
+    return {int(match[1]): float(match[2]) for match in _ELAPSED.finditer(output)}
+
+
 def with_one_line(checkout: Path, folder: Path) -> Path:
     """A copy of ``checkout``'s ``pretrain_vlm.py`` in ``folder`` with the one-line opt-in.
 
@@ -133,7 +152,12 @@ def agree(first: Run, second: Run, rel: float = 1e-5) -> bool:
 
 
 def run_megatron_script(
-    script: Path, nproc: int, args: Sequence[str], timeout_s: float = 900, nodes: int = 1
+    script: Path,
+    nproc: int,
+    args: Sequence[str],
+    timeout_s: float = 900,
+    nodes: int = 1,
+    variables: Mapping[str, str] | None = None,
 ) -> Run:
     """``torchrun`` ``script`` on ``nproc`` local gloo ranks (``optimus_mllm.megatron.cpu``);
     with ``nodes`` > 1, on ``nodes`` torchrun agents of ``nproc`` ranks each, started on their own
@@ -141,10 +165,10 @@ def run_megatron_script(
 
     ``PYTHONPATH`` starts with this repository (its ``optimus_mllm`` is the one run);
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as Megatron-LM's examples set it (its ``validate_args``
-    requires it at TP>1). The output is every agent's, one after the other; the exit status the
-    first non-zero one.
+    requires it at TP>1); ``variables`` are set over this process's environment. The output is
+    every agent's, one after the other; the exit status the first non-zero one.
     """
-    environment = dict(os.environ)
+    environment = {**os.environ, **(variables or {})}
     environment["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), *filter(None, [environment.get("PYTHONPATH")])]
     )

@@ -718,17 +718,20 @@ def fit_comm(
     return CommFit(collective, group_size, latency, slope)
 
 
-def profile_device_problem(path: str | None, device_kind: str) -> str | None:
+def profile_device_problem(
+    path: str | None, device_kind: str, field: str = "cost_model.profile"
+) -> str | None:
     """Why a job on ``device_kind`` cannot be costed by the profile at ``path``: a CPU's kernel
-    times say nothing of a GPU's, and the other way round."""
+    times say nothing of a GPU's, and the other way round. ``field`` names where the path was
+    given, in the line and in a file's own errors."""
     if not path:
         return None
-    measured = read_machine_profile(path).device_kind
+    measured = read_machine_profile(path, f"{field}:").device_kind
     if measured == device_kind:
         return None
     return (
-        f"cost_model.profile: {path} was measured on a {measured} device, this job runs on "
-        f"{device_kind}; profile this machine with optimus-profile, or drop cost_model.profile"
+        f"{field}: {path} was measured on a {measured} device, this job runs on "
+        f"{device_kind}; profile this machine with optimus-profile, or drop {field}"
     )
 
 
@@ -745,10 +748,9 @@ class MachineProfile:
     layer_host_us: dict[tuple[str, Phase], float]  # (module, phase) -> per layer; none on a GPU
 
 
-def read_machine_profile(path: str | Path) -> MachineProfile:
+def read_machine_profile(path: str | Path, what: str = "cost_model.profile:") -> MachineProfile:
     """Read a profile; one written before a field existed came from optimus-profile on one GPU:
-    a ``cuda`` device, no communication fits, no spreads."""
-    what = "cost_model.profile:"
+    a ``cuda`` device, no communication fits, no spreads. ``what`` starts the error messages."""
     data = read_versioned_json(
         path, what, PROFILE_FORMAT, PROFILE_VERSION, "run optimus-profile to create it"
     )

@@ -310,7 +310,8 @@ def get_args() -> argparse.Namespace:
 
 
 def add_optimus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron's ``extra_args_provider``: the one flag Optimus needs."""
+    """Megatron's ``extra_args_provider``: the one flag Optimus needs, and the profile it may
+    price the job with."""
     group = parser.add_argument_group(title="optimus")
     group.add_argument(
         "--optimus-schedule",
@@ -319,5 +320,13 @@ def add_optimus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="run the encoders in the LLM's pipeline bubbles: 'auto' plans and schedules the job "
         "at start-up, PLAN_JSON is a saved schedule (optimus-plan --artifact); left out, the job "
         "runs Megatron-style",
+    )
+    group.add_argument(
+        "--optimus-profile",
+        metavar="P",
+        default=None,
+        help="with --optimus-schedule: price the job with this machine's kernel profile "
+        "(optimus-profile --out P, as optimus-plan --profile) instead of the cost model's GPU "
+        "constants; a saved schedule must have been made with the same profile",
     )
     return parser

@@ -34,7 +34,11 @@ from optimus_mllm.megatron.arguments import (
     set_args,
     validate_args,
 )
-from optimus_mllm.megatron.flags import config_from_megatron_args, schedule_for_flag
+from optimus_mllm.megatron.flags import (
+    config_from_megatron_args,
+    optimus_profile_problem,
+    schedule_for_flag,
+)
 from optimus_mllm.planner import plan
 
 
@@ -160,6 +164,13 @@ def train_vlm(
                 "model_provider's model and its inputs as Megatron-LM's Float16Module does; train "
                 "in fp32 here, or with Megatron-LM's own pretrain (optimus_mllm.megatron.pretrain)"
             )
+        problem = optimus_profile_problem(
+            args.optimus_schedule,
+            getattr(args, "optimus_profile", None),  # the flag's parser only
+            "cuda" if torch.cuda.is_available() else "cpu",
+        )
+        if problem is not None:
+            raise OptimusError(problem)
         world_size = int(os.environ["WORLD_SIZE"])
         config = config_from_megatron_args(
             args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 8))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from optimus_mllm.config import OptimusConfig, config_from_dict
-from optimus_mllm.costing.cost_model import CostModel
+from optimus_mllm.costing.cost_model import CostModel, profile_device_problem
 from optimus_mllm.costing.workload import max_images_per_microbatch
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.megatron.arguments import (
@@ -262,7 +262,7 @@ def config_from_megatron_args(
     ``train_iters``, ``seed``, ``bf16``/``fp16``, ``sequence_parallel``,
     ``use_distributed_optimizer`` and the optimizer flags of ``_OPTIMIZER_ARGS``. Data:
     ``data.max_images_per_microbatch`` where examples/multimodal's flags bound it
-    (``images_bound``).
+    (``images_bound``). Pricing: ``cost_model.profile`` from ``--optimus-profile``.
 
     Args:
         args: Megatron-LM's arguments, validated or straight from ``parse_args``.
@@ -360,6 +360,8 @@ def config_from_megatron_args(
     bound = images_bound(args)
     if bound.images is not None:
         raw["data"] = {"max_images_per_microbatch": bound.images}
+    if getattr(args, "optimus_profile", None):
+        raw["cost_model"] = {"profile": args.optimus_profile}
     try:
         return config_from_dict(raw)
     except OptimusError as exc:  # name the flag the user gave, not the config field it became
@@ -421,6 +423,26 @@ def images_bound(args: argparse.Namespace) -> ImagesBound:
         mbs * per_sample,
         f"--micro-batch-size {mbs} x {per_sample} a sample: {said}, --num-frames {frames}",
     )
+
+
+def optimus_profile_problem(
+    schedule: str | None, profile: str | None, device_kind: str
+) -> str | None:
+    """Why ``--optimus-profile profile`` cannot price the job of ``--optimus-schedule schedule``
+    on ``device_kind`` (``cuda`` or ``cpu``), in one line; None where it can or is not given.
+    Decided from the command line and the file alone, so alike on every rank before any
+    connects."""
+    if profile is None:
+        return None
+    if schedule is None:
+        return (
+            f"--optimus-profile {profile}: prices what --optimus-schedule runs; add "
+            "--optimus-schedule auto, or drop --optimus-profile"
+        )
+    try:
+        return profile_device_problem(profile, device_kind, "--optimus-profile")
+    except OptimusError as error:  # a file that is not a profile of this release
+        return str(error)
 
 
 def with_schedule_bound(config: OptimusConfig, schedule: str) -> OptimusConfig:

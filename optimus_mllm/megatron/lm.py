@@ -12,8 +12,9 @@ loops, ``--save``/``--load`` and logging are the job's own. Without the flag not
 
 With ``--optimus-schedule auto`` (or a saved artifact's path) Optimus enters through Megatron's
 seams only (``optimus_mllm.megatron.seams``): the ``model_provider`` it is given, its optimizer,
-its pipeline schedule and its checkpoint calls. A problem with the job found at start-up is one
-line and exit code 2 on every rank.
+its pipeline schedule and its checkpoint calls. ``--optimus-profile P`` beside it prices the job
+with this machine's kernel profile. A problem with the job found at start-up is one line and exit
+code 2 on every rank.
 """
 
 from __future__ import annotations
@@ -56,13 +57,13 @@ def not_importable_error() -> OptimusError:
     )
 
 
-def _optimus_schedule_given(argv: list[str]) -> str | None:
-    """``--optimus-schedule``'s value in the command line, read the way Megatron's parser reads it
-    (no abbreviations), before Megatron parses it: the decision is made before any rank
-    connects."""
+def _optimus_args_given(argv: list[str]) -> argparse.Namespace:
+    """``--optimus-schedule`` and ``--optimus-profile`` in the command line, read the way
+    Megatron's parser reads them (no abbreviations), before Megatron parses it: the decisions are
+    made before any rank connects."""
     parser = add_optimus_args(argparse.ArgumentParser(allow_abbrev=False, add_help=False))
     known, _ = parser.parse_known_args(argv)
-    return known.optimus_schedule
+    return known
 
 
 def _with_optimus_args(extra_args_provider: ExtraArgsProvider | None) -> ExtraArgsProvider:
@@ -95,13 +96,20 @@ def pretrain(
     """
     if not megatron_training_importable():
         exit_on_error(not_importable_error())
+    import torch
     from megatron.training import get_args, training
 
     from megatron_patches.training_seams import training_seams
+    from optimus_mllm.megatron.flags import optimus_profile_problem
     from optimus_mllm.megatron.seams import OptimusInMegatron
     from optimus_mllm.scheduler.artifact import load_artifact
 
-    schedule = _optimus_schedule_given(sys.argv[1:])
+    given = _optimus_args_given(sys.argv[1:])
+    schedule = given.optimus_schedule
+    device_kind = "cuda" if torch.cuda.is_available() else "cpu"
+    problem = optimus_profile_problem(schedule, given.optimus_profile, device_kind)
+    if problem is not None:
+        exit_on_error(OptimusError(problem))
     if schedule not in (None, "auto"):
         # a schedule that cannot be read is one line on every rank before any rank connects; that
         # it fits the job is checked once Megatron has parsed the job's flags

@@ -178,6 +178,22 @@ def test_the_flag_reaches_only_the_opted_in_script(tmp_path: Path) -> None:
     assert "unrecognized arguments: --optimus-schedule" in unmodified.stderr
 
 
+@pytest.mark.distributed
+@needs_megatron_lm
+def test_a_profile_of_another_device_is_refused_before_megatron_starts(tmp_path: Path) -> None:
+    # a GPU's profile for a CPU job: one line, exit 2, before the ranks connect
+    assert CHECKOUT is not None
+    gpu = REPO / "profiles" / "h100_strong.json"
+    flags = ("--optimus-schedule", "auto", "--optimus-profile", str(gpu))
+    refused = _one_process(with_one_line(CHECKOUT, tmp_path), *TINY_VLM_ARGS, *flags)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"pretrain_vlm.py: error: --optimus-profile: {gpu} was measured on a cuda device, this "
+        "job runs on cpu; profile this machine with optimus-profile, or drop --optimus-profile"
+    ), last
+
+
 def test_the_readme_s_one_line_is_the_one_the_comparison_applies() -> None:
     # the diff for pretrain_vlm.py in docs/megatron-lm.md, and its copy in the README, is the edit
     # megatron_lm_compare.with_one_line makes
@@ -198,10 +214,10 @@ def test_the_script_s_extra_args_come_after_the_flag() -> None:
     parser = megatron_lm._with_optimus_args(script_args)(argparse.ArgumentParser())
     args = parser.parse_args(["--optimus-schedule", "plan.json", "--freeze-LM"])
     assert (args.optimus_schedule, args.freeze_LM) == ("plan.json", True)
-    assert (
-        megatron_lm._optimus_schedule_given(["--lr", "1", "--optimus-schedule", "auto"]) == "auto"
-    )
-    assert megatron_lm._optimus_schedule_given(["--optimus-sched", "auto"]) is None  # no abbrev
+    given = megatron_lm._optimus_args_given(["--lr", "1", "--optimus-schedule", "auto"])
+    assert (given.optimus_schedule, given.optimus_profile) == ("auto", None)
+    abbreviated = megatron_lm._optimus_args_given(["--optimus-sched", "auto"])
+    assert abbreviated.optimus_schedule is None  # no abbreviations
 
 
 @pytest.mark.skipif(

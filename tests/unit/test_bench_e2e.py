@@ -99,3 +99,155 @@ def test_a_failed_run_is_said_in_its_own_error_line(bench):
     )
     assert bench.error_line("optimus-train", "a\nlast line\n\n") == "last line"
     assert bench.error_line("optimus-profile", "") == "optimus-profile failed with no output"
+
+
+# Megatron-LM's own pretrain_vlm.py: the flags of a config, and what its log says
+
+LLAVA = CONFIGS / "cpu" / "pp2_v1_llava.yaml"
+
+# pretrain_vlm.py's log (configs/cpu/pp2_v1_llava.yaml, 4 iterations, with the flag), shortened
+SCRIPT_OUTPUT = """\
+optimus: --optimus-schedule auto: encoder plan DP2 PP1 TP1, warm-up [1, 0], 1.8500 s per \
+iteration predicted
+ [2026-11-29 10:00:01] iteration        1/       4 | consumed samples:            8 | elapsed \
+time per iteration (ms): 9000.5 | learning rate: 1.000000E-04 | global batch size:     8 | lm \
+loss: 6.970000E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
+ [2026-11-29 10:00:04] iteration        2/       4 | consumed samples:           16 | elapsed \
+time per iteration (ms): 3000.0 | learning rate: 7.5E-05 | global batch size:     8 | lm loss: \
+6.960000E+00 | loss scale: 1.0 | grad norm: 1.100 | number of skipped iterations:   0 |
+ [2026-11-29 10:00:06] iteration        3/       4 | consumed samples:           24 | elapsed \
+time per iteration (ms): 2000.0 | learning rate: 5.0E-05 | global batch size:     8 | lm loss: \
+6.950000E+00 | loss scale: 1.0 | grad norm: 1.000 | number of skipped iterations:   0 |
+ [2026-11-29 10:00:09] iteration        4/       4 | consumed samples:           32 | elapsed \
+time per iteration (ms): 2500.0 | learning rate: 2.5E-05 | global batch size:     8 | lm loss: \
+6.940000E+00 | loss scale: 1.0 | grad norm: 0.900 | number of skipped iterations:   0 |
+"""
+FALLBACK = (
+    "optimus: --optimus-schedule auto: Megatron-LM's placement (the vision model in the first "
+    "pipeline stage, 2.1000 s per iteration predicted) is no slower than every Optimus schedule "
+    "(best 2.1500 s) within the step noise of 3.0%; training as Megatron-LM does"
+)
+
+
+def test_megatron_s_elapsed_time_per_iteration_is_read_after_warm_up(bench):
+    assert bench.compare.elapsed_ms(SCRIPT_OUTPUT) == {1: 9000.5, 2: 3000.0, 3: 2000.0, 4: 2500.0}
+    assert bench.parse_script(SCRIPT_OUTPUT) == bench.Measured(step_s=2.25, loss=6.94, steps=4)
+    assert bench.parse_script(SCRIPT_OUTPUT, warmup=3) == bench.Measured(2.5, 6.94, 4)
+    assert bench.parse_script(SCRIPT_OUTPUT, warmup=4) is None
+    assert bench.parse_script("") is None
+
+
+def test_the_flag_s_prediction_is_the_iteration_it_says_it_runs(bench):
+    said = bench.FLAG_LINE.search(SCRIPT_OUTPUT)[0]
+    assert bench.flag_predicted_s(said) == 1.85
+    assert bench.flag_predicted_s(FALLBACK) == 2.1  # Megatron-LM's placement, which it runs
+    assert bench.flag_predicted_s(None) is None
+
+
+def _read_back(bench, flags):
+    """The config the flag reads off pretrain_vlm.py's command line, as Megatron-LM passes it."""
+    return bench.flags_config(flags, 2)
+
+
+def test_a_config_pretrain_vlm_can_build_is_its_flags_job(bench):
+    from dataclasses import replace
+
+    from optimus_mllm.config import load_config
+
+    config = load_config(LLAVA)
+    flags = bench.script_flags(config)
+    assert not isinstance(flags, str), flags
+    assert flags[: len(bench.compare.CPU_VLM_ARGS)] == bench.compare.CPU_VLM_ARGS
+    built = _read_back(bench, flags)
+    # the ViT, its projector and the LLM as the YAML has them; the null tokenizer's
+    # end-of-document token makes Megatron's vocabulary one more than --vocab-size
+    assert built.encoders == config.encoders
+    assert replace(built.llm, vocab_size=built.llm.vocab_size + 1) == config.llm
+    assert built.parallel.llm == config.parallel.llm
+    assert built.cluster == config.cluster
+    same = ("global_batch_size", "micro_batch_size", "precision", "distributed_optimizer")
+    same += ("sequence_parallel", "recompute", "optimizer", "lr", "min_lr", "seed")
+    for field in same:
+        assert getattr(built.training, field) == getattr(config.training, field), field
+    # the picture: 64 x 64 pixels in 4 x 4 patches, 64 text tokens beside the 256 image tokens
+    given = dict(zip(flags, flags[1:]))
+    assert (given["--img-h"], given["--img-w"], given["--patch-dim"]) == ("64", "64", "4")
+    assert (given["--seq-length"], given["--dataloader-seq-length"]) == ("64", "64")
+    assert "--disable-vision-class-token" in flags and "--swiglu" not in flags
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        (
+            "model.encoders.0.projector.spatial_merge=2",
+            "projector: mlp with spatial_merge 2; pretrain_vlm.py's projector is an MLP merging "
+            "no patches",
+        ),
+        ("parallel.llm.vp=2", "parallel.llm.vp 2: pretrain_vlm.py cannot run interleaved"),
+        (
+            "model.encoders.0.class_token=false model.encoders.0.drop_class_token=false",
+            "builds CLIP (model_subtype clip) with its class token",
+        ),
+        (
+            "model.encoders.0.normalization=RMSNorm",
+            "normalization RMSNorm is not model.llm's LayerNorm",
+        ),
+        (
+            "model.encoders.0.num_attention_heads=2",
+            "num_attention_heads 2 is not model.llm's 4: pretrain_vlm.py's ViT is a copy",
+        ),
+        ("model.encoders.0.projector.ffn_hidden_size=192", "projector is the LLM's MLP"),
+        ("model.llm.vocab_size=1000", "vocab_size 1000: Megatron-LM pads its vocabulary"),
+        ("model.encoders.0.name=vision", "name vision: the flag names its ViT vit"),
+        ("data.max_images_per_microbatch=2", "data: pretrain_vlm.py trains on Megatron's mock"),
+        ("cluster.gpus_per_node=1", "build another job: cluster.gpus_per_node=1, this job has 2"),
+    ],
+)
+def test_a_config_the_flags_would_build_otherwise_is_refused_in_one_line(bench, override, said):
+    from optimus_mllm.config import load_config
+
+    why = bench.script_flags(load_config(LLAVA, override.split()))
+    assert isinstance(why, str) and "\n" not in why and said in why, why
+
+
+def test_the_other_cpu_configs_say_why_pretrain_vlm_cannot_run_them(bench):
+    from optimus_mllm.config import load_config
+
+    for name in ("dp2", "pp2_v1_heavy_vit", "tp2"):  # a ViT narrower than the LLM
+        why = bench.script_flags(load_config(CONFIGS / "cpu" / f"{name}.yaml"))
+        assert "pretrain_vlm.py's ViT is a copy of the LLM's layers" in why, (name, why)
+    for name in ("pp2_v2_heavy_vit", "pp2_v2_light_vit"):
+        why = bench.script_flags(load_config(CONFIGS / "cpu" / f"{name}.yaml"))
+        assert "cannot run interleaved" in why, (name, why)
+
+
+def test_the_script_rows_and_the_flag_s_speed_up(bench):
+    said = bench.FLAG_LINE.search(SCRIPT_OUTPUT)[0]
+    rows = [
+        bench.Row("llava", "megatron-lm", 2.4, 3.0, False, "p.json"),
+        bench.Row("llava", "balanced", 2.2, 2.8, False, "p.json"),
+        bench.Row("llava", "optimus", 1.9, 2.5, True, "p.json"),
+        bench.Row("llava", bench.SCRIPT, 2.4, 3.2, False, "p.json", loss=6.94, steps=4),
+        bench.Row(
+            "llava", bench.SCRIPT_WITH_FLAG, 1.85, 2.56, False, "p.json", 6.94, 4, None, said
+        ),
+    ]
+    text = bench.format_table(rows) + bench.format_speedups(rows)
+    assert "llava                megatron-lm-script+optimus       1.8500      2.5600" in text
+    assert (
+        "llava: pretrain_vlm.py's speed-up from --optimus-schedule auto (iteration without / "
+        "with): measured 1.250x, predicted 1.297x; the flag ran an Optimus schedule"
+    ) in text
+    fell_back = [*rows[:4], bench.replace(rows[4], said=FALLBACK, predicted_s=2.1)]
+    assert "the flag ran Megatron-LM's placement" in bench.format_speedups(fell_back)
+
+
+def test_a_megatron_lm_dir_without_pretrain_vlm_is_one_line(bench, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(tmp_path))
+    monkeypatch.setattr(bench, "available_cores", lambda: 8)
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--config", str(LLAVA), "--nproc", "2", "--steps", "3"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"MEGATRON_LM_DIR {tmp_path}: no pretrain_vlm.py" in err[0], err

@@ -542,3 +542,51 @@ def test_a_saved_schedule_planned_for_more_images_is_the_job_s_maximum(tmp_path)
     assert with_schedule_bound(tiles, str(path)) is tiles
     with pytest.raises(OptimusError, match="data.max_images_per_microbatch=6, this job has 8"):
         load_job_artifact(path, plan(tiles), tiles, 4)
+
+
+def _cpu_profile(folder: Path, device_kind: str = "cpu") -> Path:
+    """A kernel profile of no kernels, as optimus-profile writes one on ``device_kind``."""
+    from optimus_mllm.costing.cost_model import KERNEL_SET, PROFILE_FORMAT, PROFILE_VERSION
+
+    path = folder / f"{device_kind}.profile.json"
+    header = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "kernel_set": KERNEL_SET}
+    path.write_text(json.dumps({**header, "kernels": [], "device_kind": device_kind}))
+    return path
+
+
+def test_optimus_profile_prices_the_flag_s_job_with_the_machine_s_profile(tmp_path):
+    from optimus_mllm.costing.cost_model import CostModel
+
+    profile = str(_cpu_profile(tmp_path))
+    flags = [*MEGATRON_TINY_FLAGS, "--optimus-schedule", "auto", "--optimus-profile", profile]
+    args = build_parser(add_optimus_args).parse_args(flags)
+    config = config_from_megatron_args(args, 4, 4)
+    assert config.cost_model.profile == profile
+    assert CostModel.from_config(config).device_kind == "cpu"
+    # without it the flag prices with the cost model's constants, as before
+    without = config_from_megatron_args(build_parser(add_optimus_args).parse_args(flags[:-2]), 4, 4)
+    assert without.cost_model.profile is None
+
+
+def test_a_bad_optimus_profile_is_one_line_naming_the_flag(tmp_path):
+    from optimus_mllm.megatron.flags import optimus_profile_problem
+
+    cpu, gpu = str(_cpu_profile(tmp_path)), str(_cpu_profile(tmp_path, "cuda"))
+    assert optimus_profile_problem("auto", cpu, "cpu") is None
+    assert optimus_profile_problem(None, None, "cpu") is None
+    assert optimus_profile_problem(None, cpu, "cpu") == (
+        f"--optimus-profile {cpu}: prices what --optimus-schedule runs; add --optimus-schedule "
+        "auto, or drop --optimus-profile"
+    )
+    assert optimus_profile_problem("auto", gpu, "cpu") == (
+        f"--optimus-profile: {gpu} was measured on a cuda device, this job runs on cpu; profile "
+        "this machine with optimus-profile, or drop --optimus-profile"
+    )
+    missing = str(tmp_path / "missing.json")
+    assert optimus_profile_problem("plan.json", missing, "cpu") == (
+        f"--optimus-profile: {missing} does not exist; run optimus-profile to create it"
+    )
+    not_json = tmp_path / "not.json"
+    not_json.write_text("{")
+    said = optimus_profile_problem("auto", str(not_json), "cuda")
+    assert said is not None and said.startswith(f"--optimus-profile: {not_json} is not valid JSON")
