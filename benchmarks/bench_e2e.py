@@ -2,7 +2,7 @@
 item 4).
 
     python benchmarks/bench_e2e.py --config configs/cpu/pp2_v1_heavy_vit.yaml [YAML ...] \\
-        --nproc 2 --steps 5 [--profile P] [--json OUT]
+        --nproc 2 --steps 5 [--profile P] [--rounds R] [--json OUT]
 
 Per config: it profiles the machine with ``optimus-profile`` under torchrun as a job of ``--nproc``
 ranks, unless given ``--profile`` (where profiling fails, it says so in one line and predicts with
@@ -31,6 +31,11 @@ median of Megatron's own ``elapsed time per iteration`` after the first two; pre
 unmodified script, Megatron-LM's placement as the flag prices it with the profile, and with the
 flag, what the flag's start-up line says it runs. A line per config gives the speed-up a
 Megatron-LM user gets from the one flag, measured and predicted.
+
+With ``--rounds R`` it does all of that R times, round after round (each round profiles again),
+and keeps each row's median over the rounds, with the range of its measurements, and as planned
+the placement each config's rounds planned most often: this machine's speed drifts by 10-15 %
+within minutes, which one round cannot tell from a wrong prediction.
 
 A measurement, not a test: it needs an otherwise idle machine, as other work moves every number.
 """
@@ -137,6 +142,8 @@ class Row:
     steps: int | None = None
     problem: str | None = None  # why the placement was not measured
     said: str | None = None  # the flag's start-up line (megatron-lm-script+optimus)
+    # over --rounds: the fastest and slowest round's measurement (None: one round or none)
+    measured_range_s: tuple[float, float] | None = None
 
 
 def build_parser() -> ArgumentParser:
@@ -168,6 +175,15 @@ def build_parser() -> ArgumentParser:
         metavar="P",
         help="kernel profile to predict with (optimus-profile --out) instead of profiling here",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="profile, predict and train every config R times, round after round, and keep each "
+        "row's median over the rounds, with the range of its measurements: this machine's "
+        "speed drifts by minutes (default: %(default)s)",
+    )
     parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON")
     return parser
 
@@ -181,6 +197,8 @@ def usage_problem(args: argparse.Namespace, cores: int) -> str | None:
         )
     if args.nproc < 1:
         return f"--nproc {args.nproc}: give a positive number of ranks"
+    if args.rounds < 1:
+        return f"--rounds {args.rounds}: give at least 1"
     if args.nproc > cores:
         return (
             f"--nproc {args.nproc}: more ranks than this machine's {cores} cores; one thread a "
@@ -589,6 +607,43 @@ def build_rows(
     return rows
 
 
+def combine_rounds(rounds: list[list[Row]]) -> list[Row]:
+    """One row per (config, mode) of the first round, its times the median over the rounds that
+    have one, the range of its measurements, and as planned the placement each config's rounds
+    planned most often (a tie goes to the earliest round's)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    by_key: dict[tuple[str, str], list[Row]] = {}
+    for rows in rounds:
+        for r in rows:
+            by_key.setdefault((r.config, r.mode), []).append(r)
+    planned: dict[str, str] = {}
+    for config in dict.fromkeys(r.config for r in rounds[0]):
+        picks = [r.mode for rows in rounds for r in rows if r.config == config and r.planned]
+        if picks:
+            planned[config] = max(dict.fromkeys(picks), key=picks.count)
+    combined = []
+    for (config, mode), rows in by_key.items():
+        predicted = [r.predicted_s for r in rows if r.predicted_s is not None]
+        measured = [r.measured_s for r in rows if r.measured_s is not None]
+        last = rows[-1]
+        combined.append(
+            replace(
+                last,
+                predicted_s=statistics.median(predicted) if predicted else None,
+                measured_s=statistics.median(measured) if measured else None,
+                measured_range_s=(min(measured), max(measured)) if measured else None,
+                planned=planned.get(config) == mode,
+                predicted_from=rows[0].predicted_from
+                if len({r.predicted_from for r in rows}) == 1
+                else f"{len(rows)} profiles, one a round",
+                problem=next((r.problem for r in rows if r.problem), None),
+                said=next((r.said for r in reversed(rows) if r.said), None),
+            )
+        )
+    return combined
+
+
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
@@ -597,7 +652,7 @@ def format_table(rows: list[Row]) -> str:
     """Predicted against measured per placement; ``*`` marks the planned one."""
     header = (
         f"{'config':<20} {'mode':<26} {'predicted s':>12} {'measured s':>11} "
-        f"{'meas/pred':>10} {'loss':>8}  planned"
+        f"{'range s':>15} {'meas/pred':>10} {'loss':>8}  planned"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -607,9 +662,15 @@ def format_table(rows: list[Row]) -> str:
             else "-"
         )
         loss = "-" if r.loss is None else f"{r.loss:.4f}"
+        spread = (
+            "-"
+            if r.measured_range_s is None
+            else f"{r.measured_range_s[0]:.3f}-{r.measured_range_s[1]:.3f}"
+        )
         line = (
             f"{r.config:<20} {r.mode:<26} {_seconds(r.predicted_s):>12} "
-            f"{_seconds(r.measured_s):>11} {ratio:>10} {loss:>8}  {'*' if r.planned else ''}"
+            f"{_seconds(r.measured_s):>11} {spread:>15} {ratio:>10} {loss:>8}  "
+            f"{'*' if r.planned else ''}"
         )
         lines.append(line.rstrip())
     lines += [f"  {r.config} {r.mode}: not measured: {r.problem}" for r in rows if r.problem]
@@ -709,17 +770,25 @@ def main(argv: list[str] | None = None) -> int:
         problem = next(filter(None, (config_problem(c, args.nproc) for c in args.config)), None)
     if problem is not None:
         parser.error(problem)
-    rows: list[Row] = []
+    rounds: list[list[Row]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for path in args.config:
-            try:
-                rows += bench_config(path, args, Path(tmp))
-            except OptimusError as exc:  # e.g. a profile the cost model refuses
-                print(f"{PROG}: error: {path}: {exc}", file=sys.stderr)
-                return 2
+        for r in range(args.rounds):
+            folder = Path(tmp) / f"round{r + 1}"
+            folder.mkdir()
+            rounds.append([])
+            for path in args.config:
+                if args.rounds > 1:
+                    print(f"round {r + 1}/{args.rounds}: {path}", flush=True)
+                try:
+                    rounds[-1] += bench_config(path, args, folder)
+                except OptimusError as exc:  # e.g. a profile the cost model refuses
+                    print(f"{PROG}: error: {path}: {exc}", file=sys.stderr)
+                    return 2
+        rows = combine_rounds(rounds)
+    over = f"; median of {args.rounds} rounds" if args.rounds > 1 else ""
     print(
         f"\n{args.nproc} ranks, one thread each; median step of steps {WARMUP_STEPS + 1}-"
-        f"{args.steps}"
+        f"{args.steps}{over}"
     )
     sys.stdout.write(format_table(rows))
     sys.stdout.write(format_speedups(rows))

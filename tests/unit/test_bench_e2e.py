@@ -78,6 +78,7 @@ def test_rows_table_and_json(bench, tmp_path, capsys):
         (["--nproc", "4"], "has cluster.num_gpus=2; give --nproc 2"),
         (["--config", "no/such.yaml"], "--config no/such.yaml: no such file"),
         (["--profile", "no/such.json"], "--profile no/such.json: no such file"),
+        (["--rounds", "0"], "--rounds 0: give at least 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(bench, flags, said, capsys, monkeypatch):
@@ -90,6 +91,43 @@ def test_bad_input_is_one_line_and_exit_2(bench, flags, said, capsys, monkeypatc
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and said in err
+
+
+def test_rounds_keep_each_rows_medians_its_range_and_the_placement_planned_most(bench):
+    def rounds(*rows):
+        return [
+            [
+                bench.Row("pp2", mode, predicted, measured, planned, f"r{i}.json")
+                for mode, predicted, measured, planned in round_rows
+            ]
+            for i, round_rows in enumerate(rows)
+        ]
+
+    combined = bench.combine_rounds(
+        rounds(
+            [("megatron-lm", 2.0, 3.0, False), ("optimus", 1.5, 2.0, True)],
+            [("megatron-lm", 2.2, 2.5, True), ("optimus", 1.7, None, False)],
+            [("megatron-lm", 2.1, 2.8, False), ("optimus", 1.6, 2.4, True)],
+        )
+    )
+    got = [(r.mode, r.predicted_s, r.measured_s, r.measured_range_s, r.planned) for r in combined]
+    # optimus's second round failed: its median and range are of the two it measured
+    assert got == [
+        ("megatron-lm", 2.1, 2.8, (2.5, 3.0), False),
+        ("optimus", 1.6, 2.2, (2.0, 2.4), True),
+    ]
+    assert combined[0].predicted_from == "3 profiles, one a round"
+    assert "2.500-3.000" in bench.format_table(combined)
+    # a tie between the planned placements goes to the earliest round's
+    tied = bench.combine_rounds(
+        rounds(
+            [("megatron-lm", 2.0, 3.0, True), ("optimus", 1.5, 2.0, False)],
+            [("megatron-lm", 2.0, 3.0, False), ("optimus", 1.5, 2.0, True)],
+        )
+    )
+    assert [r.planned for r in tied] == [True, False]
+    one = rounds([("optimus", 1.5, 2.0, True)])
+    assert bench.combine_rounds(one) == one[0]
 
 
 def test_a_failed_run_is_said_in_its_own_error_line(bench):
