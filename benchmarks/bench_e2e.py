@@ -69,6 +69,7 @@ from optimus_mllm.megatron.flags import config_from_megatron_args
 from optimus_mllm.megatron.unread_flags import add_unread_flags
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.artifact import write_artifact
+from optimus_mllm.scheduler.baselines import runnable_megatron_lm_baseline
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_fingerprint
 from optimus_mllm.scheduler.placements import (
@@ -567,17 +568,17 @@ def script_rows(
     warmup: int = WARMUP_STEPS,
 ) -> list[Row]:
     """pretrain_vlm.py's two rows for a config: without the flag, predicted as the flag prices
-    Megatron-LM's placement, and with it, predicted as the flag says."""
+    Megatron-LM's placement (``runnable_megatron_lm_baseline``, what ``--optimus-schedule auto``
+    weighs Optimus against), and with it, predicted as the flag says."""
     config = flags_config(flags, nproc, profile)
-    planned = plan(config)
     cost = CostModel.from_config(config)
-    placements = predicted_placements(config, planned, best_schedule(config, planned, cost), cost)
-    megatron = next(p for p in placements if p.mode == "megatron-lm")
+    megatron = runnable_megatron_lm_baseline(config, plan(config).llm_plan, cost)
+    megatron_s = None if megatron is None else megatron.iteration_us / 1e6
     rows = []
     for mode, with_flag in ((SCRIPT, False), (SCRIPT_WITH_FLAG, True)):
         run = run_script(flags, with_flag, nproc, steps, profile, folder, warmup)
         print(f"{name} {mode}: {_measured_text(run.measured)}", flush=True)
-        predicted = flag_predicted_s(run.said) if with_flag else megatron.iteration_s
+        predicted = flag_predicted_s(run.said) if with_flag else megatron_s
         row = Row(name, mode, predicted, None, False, profile or NO_PROFILE, said=run.said)
         if isinstance(run.measured, Measured):
             got = run.measured

@@ -62,7 +62,7 @@ def measure_layer_host(
 
     mbs = config.training.micro_batch_size
     # the layers of one pipeline chunk, as the runtime splits the LLM (runtime/llm.py)
-    llm_layers = max(1, config.llm.num_layers // (plan.pp * plan.vp))
+    llm_layers = config.llm.num_layers // (plan.pp * plan.vp)
     entries = []
     llm_stage, ddp = _llm_stage(config, llm_layers, dtype)
     entries += _host(
