@@ -62,6 +62,15 @@ def start_context() -> Any:
     return context
 
 
+def become_rank(environment: dict[str, str]) -> None:
+    """First thing in a rank forked from the fork server: the caller's environment (the server's
+    is the one it started with) and a process group of the rank's own, which ``stop_ranks`` ends
+    with whatever the rank started."""
+    os.environ.clear()
+    os.environ.update(environment)
+    os.setpgrp()
+
+
 def _backend(world_size: int) -> str:
     """gloo, or NCCL where every rank has a GPU of its own, as the launcher chooses: on an H100,
     gloo died with SIGSEGV in the distributed optimizer's coalesced all-gather of CUDA tensors."""
@@ -79,10 +88,7 @@ def _rank_main(
     results: Any,
     environment: dict[str, str],
 ) -> None:
-    # the fork server's environment is the one it started with, not the caller's of now
-    os.environ.clear()
-    os.environ.update(environment)
-    os.setpgrp()  # the rank's own process group, which ``stop_ranks`` ends with what it started
+    become_rank(environment)
     try:
         torch.set_num_threads(1)  # N ranks share few cores: avoid oversubscription
         backend = _backend(world_size)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .distributed_utils import free_port, start_context, stop_ranks
+from .distributed_utils import become_rank, free_port, start_context, stop_ranks
 from .paths import CONFIGS, REPO
 
 TINY = str(CONFIGS / "tiny.yaml")
@@ -138,9 +138,7 @@ def ranks(
 def _train_rank(argv: list[str], environment: dict[str, str], out: str, err: str) -> None:
     """One rank of ``python -m optimus_mllm.train argv`` in a forked process: its environment,
     working directory and output files, then ``main``'s exit code as the process's."""
-    os.environ.clear()
-    os.environ.update(environment)
-    os.setpgrp()  # the rank's own process group, which ``stop_ranks`` ends with what it started
+    become_rank(environment)
     if "OMP_NUM_THREADS" in environment:  # read by torch at import, in the server before the fork
         torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
     os.chdir(REPO)
