@@ -3,16 +3,17 @@
 Rank by rank (``ranks``, and ``torchrun`` unless told otherwise), each rank is forked from the test
 session's fork server, which imported torch, megatron-core and ``optimus_mllm.train`` once
 (``distributed_utils.start_context``), and runs ``optimus_mllm.train.main`` as ``python -m
-optimus_mllm.train`` would, with torchrun's environment variables and its stdout and stderr in
-files of its own: a fresh interpreter spent 3-4 s of CPU on those imports per rank, most of an
-error test's time on two cores. Where CUDA is visible the ranks are spawned interpreters, as
-before.
+optimus_mllm.train`` would, or a script as ``python SCRIPT`` would, with torchrun's environment
+variables and its stdout and stderr in files of its own: a fresh interpreter spent 3-4 s of CPU on
+those imports per rank (5-7 s with megatron-core's), most of an error test's time on two cores.
+Where CUDA is visible the ranks are spawned interpreters, as before.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -118,8 +119,9 @@ def ranks(
         }
         for rank in range(world)
     ]
-    if program == TRAIN and not interpreters and not torch.cuda.is_available():
-        return _forked_ranks([*TRAIN[2:], *args], environments)
+    forkable = program == TRAIN or (len(program) == 1 and program[0].endswith(".py"))
+    if forkable and not interpreters and not torch.cuda.is_available():
+        return _forked_ranks(program, [*program[2:], *args], environments)
     procs = []
     for env in environments:
         procs.append(
@@ -135,9 +137,12 @@ def ranks(
     return communicate_all(procs)
 
 
-def _train_rank(argv: list[str], environment: dict[str, str], out: str, err: str) -> None:
-    """One rank of ``python -m optimus_mllm.train argv`` in a forked process: its environment,
-    working directory and output files, then ``main``'s exit code as the process's."""
+def _program_rank(
+    program: tuple[str, ...], argv: list[str], environment: dict[str, str], out: str, err: str
+) -> None:
+    """One rank of ``python -m optimus_mllm.train argv`` or ``python SCRIPT argv`` in a forked
+    process: its environment, working directory and output files, then the program's exit code as
+    the process's."""
     become_rank(environment)
     if "OMP_NUM_THREADS" in environment:  # read by torch at import, in the server before the fork
         torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
@@ -146,12 +151,19 @@ def _train_rank(argv: list[str], environment: dict[str, str], out: str, err: str
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(file, fd)
         os.close(file)
-    sys.argv = [str(REPO / "optimus_mllm" / "train.py"), *argv]
-    from optimus_mllm.train import main
-
     try:
-        code = main(argv)
-    except SystemExit as exit_:  # argparse's usage errors
+        if program == TRAIN:
+            sys.argv = [str(REPO / "optimus_mllm" / "train.py"), *argv]
+            from optimus_mllm.train import main
+
+            code = main(argv)
+        else:
+            (script,) = program
+            sys.argv = [script, *argv]
+            sys.path.insert(0, str(Path(script).resolve().parent))  # as ``python SCRIPT`` does
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+    except SystemExit as exit_:  # argparse's usage errors, a script's sys.exit
         code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
     except BaseException:  # noqa: BLE001 - printed as the interpreter would, then exit 1
         import traceback
@@ -164,16 +176,16 @@ def _train_rank(argv: list[str], environment: dict[str, str], out: str, err: str
 
 
 def _forked_ranks(
-    argv: list[str], environments: list[dict[str, str]]
+    program: tuple[str, ...], argv: list[str], environments: list[dict[str, str]]
 ) -> list[subprocess.CompletedProcess]:
-    """``ranks`` of the training program, forked from the fork server; killed after
-    ``TIMEOUT_S``."""
+    """``ranks`` of ``program`` (the training program or a script), forked from the fork server;
+    killed after ``TIMEOUT_S``."""
     context = start_context()
     with tempfile.TemporaryDirectory() as tmp:
         files = [(f"{tmp}/{rank}.out", f"{tmp}/{rank}.err") for rank in range(len(environments))]
         processes = [
             # not daemonic: megatron-core's checkpoint writer starts processes of its own
-            context.Process(target=_train_rank, args=(argv, env, *paths), daemon=False)
+            context.Process(target=_program_rank, args=(program, argv, env, *paths), daemon=False)
             for env, paths in zip(environments, files)
         ]
         for process in processes:
@@ -184,7 +196,7 @@ def _forked_ranks(
                 process.join(max(deadline - time.monotonic(), 0.1))
         finally:
             stop_ranks(processes, join_s=0)
-        command = [sys.executable, *TRAIN[:2], *argv]
+        command = [sys.executable, *program[:2], *argv]
         return [
             subprocess.CompletedProcess(
                 command,
