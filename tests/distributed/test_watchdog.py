@@ -15,7 +15,7 @@ from PIL import Image
 
 from support.distributed_utils import free_port
 from support.paths import REPO
-from support.train_utils import TINY
+from support.train_utils import TINY, ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -54,6 +54,12 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
             p.kill()
 
 
+def _ranks(world: int, *args: str) -> list[tuple[int, str, str]]:
+    """``world`` ranks of the training program to their end, forked from the fork server (a fresh
+    interpreter per rank spent 5-7 s of CPU on imports); (exit code, stdout, stderr) per rank."""
+    return [(d.returncode, d.stdout, d.stderr) for d in ranks(world, *args)]
+
+
 def _one_line_in_all(results: list[tuple[int, str, str]], expected: str) -> None:
     """One rank printed one line with ``expected`` on stderr, and no rank anything else."""
     lines = [line for _, _, err in results for line in err.splitlines()]
@@ -84,9 +90,7 @@ def test_an_image_only_one_rank_reads_ends_every_rank_with_its_line(dataset_with
     with open(os.path.join(root, "captions.jsonl"), "w") as out:
         out.writelines(json.dumps(record) + "\n" for record in records)
     started = time.monotonic()
-    results = _finish(
-        _start(4, "--override", f"data.path={root}", "training.global_batch_size=16"), timeout=120
-    )
+    results = _ranks(4, "--override", f"data.path={root}", "training.global_batch_size=16")
     assert [code for code, _, _ in results] == [2] * 4, [err[-2000:] for _, _, err in results]
     _one_line_in_all(results, "captions.jsonl line 6: cannot read")
     assert time.monotonic() - started < 90
@@ -100,7 +104,7 @@ def test_a_decompression_bomb_is_one_line(tmp_path):
     (root / "captions.jsonl").write_text(
         json.dumps({"image": "images/big.png", "text": "too big"}) + "\n"
     )
-    results = _finish(_start(4, "--override", f"data.path={root}"), timeout=120)
+    results = _ranks(4, "--override", f"data.path={root}")
     assert [code for code, _, _ in results] == [2] * 4
     _one_line_in_all(results, "Pillow's decompression-bomb limit")
 
