@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, quiet_library_warnings
 from optimus_mllm.config import OptimusConfig, encoder_tp_problem, load_config, tp_mode_problem
+from optimus_mllm.config.files import is_webdataset
 from optimus_mllm.costing.cost_model import CostModel, profile_device_problem
 from optimus_mllm.errors import AgreedError, ConfigError, OptimusError
 from optimus_mllm.planner import PlannerResult, plan
@@ -48,7 +49,6 @@ from optimus_mllm.runtime.checkpoint_meta import (
 from optimus_mllm.runtime.data_sources import check_dataset
 from optimus_mllm.runtime.mode import Mode
 from optimus_mllm.runtime.tp_modes.trained import refuse_untrained_tp_modes
-from optimus_mllm.runtime.webdataset_data import is_webdataset
 from optimus_mllm.scheduler.artifact import (
     artifact_text,
     load_job_artifact,
@@ -335,20 +335,10 @@ def _check_baseline(baseline: str, config: OptimusConfig, llm_plan: ParallelPlan
         raise OptimusError(f"--baseline {baseline}: {problem}")
 
 
-def _balanced_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
-    """Why the balanced baseline cannot run this job, beyond the TP both baselines share."""
-    if config.data.path is not None and is_webdataset(config.data.path):
-        return (
-            "its pipeline buffers carry one image per sample, and a webdataset's microbatches "
-            "(data.path) vary in images; train it under Optimus or --baseline"
-        )
-    return balanced_problem(config, llm_plan)
-
-
 # what each --baseline refuses beyond the encoders' TP; Megatron-LM's placement nothing more
 _BASELINE_PROBLEMS: dict[str, Callable[[OptimusConfig, ParallelPlan], str | None]] = {
     "megatron-lm": lambda config, llm_plan: None,
-    "balanced": _balanced_problem,
+    "balanced": balanced_problem,
 }
 
 

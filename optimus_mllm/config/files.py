@@ -14,6 +14,14 @@ from typing import Any
 
 from optimus_mllm.errors import OptimusError
 
+ENERGON_META = ".nv-meta"  # energon's metadata folder: what makes data.path a webdataset
+
+
+def is_webdataset(path: str | Path) -> bool:
+    """Whether ``path`` is an energon dataset (it has ``.nv-meta``): multimodal samples whose
+    microbatches vary in images, where a captions.jsonl has one image per sample."""
+    return (Path(path) / ENERGON_META).is_dir()
+
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write to a temporary file in the same directory, then rename over ``path``; synced, so that

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 from optimus_mllm.config import OptimusConfig
+from optimus_mllm.config.files import is_webdataset
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.runtime.data import (
     ImageCount,
@@ -15,7 +16,7 @@ from optimus_mllm.runtime.data import (
     check_captions_dataset,
     synthetic_microbatch,
 )
-from optimus_mllm.runtime.webdataset_data import WebdatasetSource, is_webdataset
+from optimus_mllm.runtime.webdataset_data import WebdatasetSource
 
 
 def microbatch_source(config: OptimusConfig) -> MicrobatchSource:

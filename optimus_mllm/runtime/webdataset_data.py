@@ -34,20 +34,15 @@ import torch
 from PIL import Image
 
 from optimus_mllm.config import OptimusConfig
+from optimus_mllm.config.files import ENERGON_META
 from optimus_mllm.errors import ConfigError
 from optimus_mllm.runtime.data import Microbatch, check_image_model, encoder_patches
 
-META = ".nv-meta"  # energon's metadata folder
 PAD = 0  # token id of padding and of image positions (their embeddings are replaced)
 IMAGE = -1  # an image position while a row is packed
 BYTE_VOCAB = 256
 # rows and samples kept: the encoder and LLM stages on one rank ask for the same microbatches
 _CACHED = 256
-
-
-def is_webdataset(path: str | Path) -> bool:
-    """Whether ``path`` is an energon dataset (it has ``.nv-meta``)."""
-    return (Path(path) / META).is_dir()
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,13 +137,14 @@ class EnergonSamples:
         except EmptyDatasetError:
             raise ConfigError(
                 "data.path",
-                f"{root} has no shards in its train split ({META}/split.yaml); add .tar shards "
-                "and run energon prepare, or python scripts/make_sample_dataset.py --out DIR",
+                f"{root} has no shards in its train split ({ENERGON_META}/split.yaml); add .tar "
+                "shards and run energon prepare, or python scripts/make_sample_dataset.py --out "
+                "DIR",
             ) from None
         except (OSError, ValueError, AssertionError) as exc:
             raise ConfigError(
                 "data.path",
-                f"{root}/{META} is not a prepared energon dataset with a train split "
+                f"{root}/{ENERGON_META} is not a prepared energon dataset with a train split "
                 f"({exc.__class__.__name__}); run energon prepare on it",
             ) from None
         self._reader = ShardInfosITarReader(path, meta.shards)

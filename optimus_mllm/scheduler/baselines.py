@@ -28,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from optimus_mllm.config import EncoderConfig, LLMConfig, OptimusConfig, encoder_tp_problem
+from optimus_mllm.config.files import is_webdataset
 from optimus_mllm.costing.cost_model import CostModel, Phase
 from optimus_mllm.costing.memory_model import (
     GIB,
@@ -342,6 +343,11 @@ def balanced_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | Non
 def _balanced_split_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
     """Why the layers cannot be split, or their encoders not run, as the balanced baseline does; or
     None."""
+    if config.data.path is not None and is_webdataset(config.data.path):
+        return (
+            "its pipeline buffers carry one image per sample, and a webdataset's microbatches "
+            "(data.path) vary in images; train it under Optimus or --baseline megatron-lm"
+        )
     problem = megatron_lm_problem(config, llm_plan)
     if problem:
         return problem

@@ -46,6 +46,20 @@ def test_a_faster_baseline_is_the_planned_placement(tmp_path):
     assert [p.mode for p in found if p.planned] == ["balanced"]
 
 
+def test_a_webdataset_job_is_never_planned_onto_the_balanced_baseline(tmp_path):
+    """The balanced baseline's buffers carry one image per sample, so optimus-train refuses it on a
+    webdataset: where it would win, the prediction says why it cannot run and plans another."""
+    (tmp_path / "data" / ".nv-meta").mkdir(parents=True)
+    config = load_config(balanced_wins(tmp_path), [f"data.path={tmp_path / 'data'}"])
+    planned, cost = plan(config), CostModel.from_config(config)
+    scheduled = best_schedule(config, planned, cost)
+    found = {p.mode: p for p in predicted_placements(config, planned, scheduled, cost)}
+    assert found["balanced"].iteration_s is None and not found["balanced"].planned
+    assert "a webdataset's microbatches (data.path) vary in images" in found["balanced"].problem
+    assert scheduled.baseline is None or scheduled.baseline.runtime != "balanced"
+    assert sum(p.planned for p in found.values()) == 1
+
+
 def test_a_placement_the_job_cannot_run_says_why():
     """With one ViT head, the baselines cannot run the ViT at the LLM's TP, 2; Optimus runs it at
     TP1."""
