@@ -259,7 +259,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Job:
         )
     parts = _pretrained_parts(args, config)
     check_dataset(config)
-    webdataset = config.data.path is not None and is_webdataset(config.data.path)
+    webdataset = is_webdataset(config.data.path)
     if config.training.schedule_per_iteration and not webdataset:
         raise ConfigError(
             "training.schedule_per_iteration",

@@ -17,10 +17,11 @@ from optimus_mllm.errors import OptimusError
 ENERGON_META = ".nv-meta"  # energon's metadata folder: what makes data.path a webdataset
 
 
-def is_webdataset(path: str | Path) -> bool:
-    """Whether ``path`` is an energon dataset (it has ``.nv-meta``): multimodal samples whose
-    microbatches vary in images, where a captions.jsonl has one image per sample."""
-    return (Path(path) / ENERGON_META).is_dir()
+def is_webdataset(path: str | Path | None) -> bool:
+    """Whether ``path`` (``data.path``; None: no dataset) is an energon dataset (it has
+    ``.nv-meta``): multimodal samples whose microbatches vary in images, where a captions.jsonl has
+    one image per sample."""
+    return path is not None and (Path(path) / ENERGON_META).is_dir()
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

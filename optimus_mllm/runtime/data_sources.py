@@ -49,9 +49,7 @@ def check_dataset(config: OptimusConfig) -> None:
 
 
 def _check_tokenizer_use(config: OptimusConfig) -> None:
-    if config.data.tokenizer is not None and not (
-        config.data.path is not None and is_webdataset(config.data.path)
-    ):
+    if config.data.tokenizer is not None and not is_webdataset(config.data.path):
         raise ConfigError(
             "data.tokenizer",
             "tokenizes the text of an energon webdataset (data.path with .nv-meta); captions.jsonl "

@@ -343,7 +343,7 @@ def balanced_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | Non
 def _balanced_split_problem(config: OptimusConfig, llm_plan: ParallelPlan) -> str | None:
     """Why the layers cannot be split, or their encoders not run, as the balanced baseline does; or
     None."""
-    if config.data.path is not None and is_webdataset(config.data.path):
+    if is_webdataset(config.data.path):
         return (
             "its pipeline buffers carry one image per sample, and a webdataset's microbatches "
             "(data.path) vary in images; train it under Optimus or --baseline megatron-lm"
