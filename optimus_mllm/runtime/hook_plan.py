@@ -237,9 +237,10 @@ class _HookMapper:
 
 
 def _repair(plan: HookPlan, artifact: ScheduleArtifact) -> HookPlan:
+    graph = _WaitGraph(plan, artifact)  # the LLM's part once: only encoder ops move below
     moved: list[tuple[int, str]] = []
     while True:
-        stuck = _stuck_microbatches(plan, artifact)
+        stuck = graph.stuck(plan.stages)
         if not stuck:
             return replace(plan, moved_microbatches=tuple(moved))
         # nodes behind a cycle are reported too; a moved microbatch is coarse and needs no second
@@ -259,7 +260,7 @@ def _repair(plan: HookPlan, artifact: ScheduleArtifact) -> HookPlan:
                         else op
                         for op in st.ops
                     ),
-                    plan.events[st.llm_stage],
+                    graph.position[st.llm_stage],
                 ),
             )
             for st in plan.stages
@@ -268,8 +269,7 @@ def _repair(plan: HookPlan, artifact: ScheduleArtifact) -> HookPlan:
         moved.append((microbatch, phase))
 
 
-def _reordered(ops: tuple[PlannedOp, ...], events: tuple[Event, ...]) -> tuple[PlannedOp, ...]:
-    position = {e: i for i, e in enumerate(events)}
+def _reordered(ops: tuple[PlannedOp, ...], position: dict[Event, int]) -> tuple[PlannedOp, ...]:
     # stable: chain order kept within an event
     return tuple(sorted(ops, key=lambda op: position[op.event]))
 
@@ -277,82 +277,103 @@ def _reordered(ops: tuple[PlannedOp, ...], events: tuple[Event, ...]) -> tuple[P
 def _stuck_microbatches(plan: HookPlan, artifact: ScheduleArtifact) -> set[tuple[int, str]]:
     """(microbatch, phase) of encoder work on a wait cycle; empty when the placement cannot
     deadlock."""
-    nodes: dict[tuple[int, Event, str], int] = {}
-    for s, events in plan.events.items():
-        for e in events:
-            for kind in ("arrive", "done"):
-                nodes[(s, e, kind)] = len(nodes)
-    edges: dict[int, list[int]] = defaultdict(list)
-    owner: dict[int, set[tuple[int, str]]] = defaultdict(set)
+    return _WaitGraph(plan, artifact).stuck(plan.stages)
 
-    def edge(a: tuple, b: tuple) -> None:
-        edges[nodes[a]].append(nodes[b])
 
-    for s, events in plan.events.items():  # program order
-        for a, b in zip(events, events[1:]):
-            edge((s, a, "arrive"), (s, a, "done"))
-            edge((s, a, "done"), (s, b, "arrive"))
-        edge((s, events[-1], "arrive"), (s, events[-1], "done"))
-    pp, vp = artifact.llm_plan.pp, artifact.llm_plan.vp
-    where = {s: {op: k for k, op in enumerate(order)} for s, order in plan.op_order.items()}
-    for s, order in plan.op_order.items():  # the LLM's own P2P: an op needs its producer's output
-        for k, op in enumerate(order):
-            producer = pipeline_producer(s, op.chunk, op.phase, pp, vp)
-            if producer is not None:
-                ps, pchunk = producer
-                pk = where[ps][LLMOp(op.microbatch, pchunk, op.phase)]
-                edge(
-                    (ps, Event(EventKind.OP_END, pk), "arrive"),
-                    (s, _after_start(plan.events[s], k), "arrive"),
-                )
-    chains: dict[tuple[int, int, int, str], list[Event]] = defaultdict(list)
-    for st in plan.stages:
-        for op in st.ops:
-            chains[(st.encoder_pipeline, st.encoder_stage, op.local_microbatch, op.phase)].append(
-                op.event
+class _WaitGraph:
+    """Each event of each LLM stage as two nodes, ``arrive`` and ``done`` (numbered
+    ``2 * position`` and one more, after the stages before), with the edges the LLM alone fixes
+    -- program order and its own P2P -- built once; ``stuck`` adds the encoder's for a placement.
+    The repair moves encoder ops only, so it rebuilds none of the LLM's edges."""
+
+    def __init__(self, plan: HookPlan, artifact: ScheduleArtifact):
+        self.offset: dict[int, int] = {}
+        self.position: dict[int, dict[Event, int]] = {}
+        size = 0
+        for s, events in plan.events.items():
+            self.offset[s] = size
+            self.position[s] = {e: i for i, e in enumerate(events)}
+            size += 2 * len(events)
+        self.size = size
+        self.llm_edges: list[list[int]] = [[] for _ in range(size)]
+        for s, events in plan.events.items():  # program order: arrive -> done -> next arrive
+            base = self.offset[s]
+            for i in range(len(events)):
+                self.llm_edges[base + 2 * i].append(base + 2 * i + 1)
+                if i + 1 < len(events):
+                    self.llm_edges[base + 2 * i + 1].append(base + 2 * i + 2)
+        pp, vp = artifact.llm_plan.pp, artifact.llm_plan.vp
+        self.where = {
+            s: {op: k for k, op in enumerate(order)} for s, order in plan.op_order.items()
+        }
+        for (
+            s,
+            order,
+        ) in plan.op_order.items():  # the LLM's own P2P: an op needs its producer's output
+            for k, op in enumerate(order):
+                producer = pipeline_producer(s, op.chunk, op.phase, pp, vp)
+                if producer is not None:
+                    ps, pchunk = producer
+                    pk = self.where[ps][LLMOp(op.microbatch, pchunk, op.phase)]
+                    self.llm_edges[self.arrive(ps, Event(EventKind.OP_END, pk))].append(
+                        self.after_start(s, k)
+                    )
+        self.assignment = tuple(zip(artifact.assignment, artifact.feeds))
+
+    def arrive(self, stage: int, event: Event) -> int:
+        return self.offset[stage] + 2 * self.position[stage][event]
+
+    def done(self, stage: int, event: Event) -> int:
+        return self.arrive(stage, event) + 1
+
+    def after_start(self, stage: int, k: int) -> int:
+        """The arrive node of the event right after LLM op k starts: where it has needed its
+        input."""
+        return self.arrive(stage, Event(EventKind.OP_START, k)) + 2
+
+    def stuck(self, stages: tuple[StageHookPlan, ...]) -> set[tuple[int, str]]:
+        """(microbatch, phase) of encoder work on a wait cycle of this placement."""
+        edges = [list(targets) for targets in self.llm_edges]
+        owner: dict[int, set[tuple[int, str]]] = defaultdict(set)
+        chains: dict[tuple[int, int, int, str], list[Event]] = defaultdict(list)
+        for st in stages:
+            for op in st.ops:
+                chains[
+                    (st.encoder_pipeline, st.encoder_stage, op.local_microbatch, op.phase)
+                ].append(op.event)
+                owner[self.done(st.llm_stage, op.event)].add((op.microbatch, op.phase))
+        llm_stage = {(st.encoder_pipeline, st.encoder_stage): st.llm_stage for st in stages}
+        last = max(e for _, e in llm_stage)
+        # each encoder microbatch and the LLM microbatch it feeds (an imageless one is fed by none:
+        # the LLM waits on no encoder for it)
+        for source, i in self.assignment:
+            j, k = source.encoder_pipeline, source.local_microbatch
+            for e in range(last + 1):  # the encoder pipeline's own P2P, forward then backward
+                if e > 0:
+                    edges[
+                        self.done(llm_stage[(j, e - 1)], chains[(j, e - 1, k, "fwd")][-1])
+                    ].append(self.done(llm_stage[(j, e)], chains[(j, e, k, "fwd")][0]))
+                if e < last and chains.get((j, e, k, "bwd")):
+                    edges[
+                        self.done(llm_stage[(j, e + 1)], chains[(j, e + 1, k, "bwd")][-1])
+                    ].append(self.done(llm_stage[(j, e)], chains[(j, e, k, "bwd")][0]))
+            first_fwd = self.where[0][LLMOp(i, 0, "fwd")]  # A_i into the first LLM stage's chunk 0
+            edges[self.done(llm_stage[(j, last)], chains[(j, last, k, "fwd")][-1])].append(
+                self.after_start(0, first_fwd)
             )
-            owner[nodes[(st.llm_stage, op.event, "done")]].add((op.microbatch, op.phase))
-    llm_stage = {(st.encoder_pipeline, st.encoder_stage): st.llm_stage for st in plan.stages}
-    last = max(e for _, e in llm_stage)
-    # each encoder microbatch and the LLM microbatch it feeds (an imageless one is fed by none: the
-    # LLM waits on no encoder for it)
-    for source, i in zip(artifact.assignment, artifact.feeds):
-        j, k = source.encoder_pipeline, source.local_microbatch
-        for e in range(last + 1):  # the encoder pipeline's own P2P, forward then backward
-            if e > 0:
-                edge(
-                    (llm_stage[(j, e - 1)], chains[(j, e - 1, k, "fwd")][-1], "done"),
-                    (llm_stage[(j, e)], chains[(j, e, k, "fwd")][0], "done"),
+            if chains.get((j, last, k, "bwd")):  # G_i out of it
+                last_bwd = self.where[0][LLMOp(i, 0, "bwd")]
+                edges[self.arrive(0, Event(EventKind.OP_END, last_bwd))].append(
+                    self.done(llm_stage[(j, last)], chains[(j, last, k, "bwd")][0])
                 )
-            if e < last and chains.get((j, e, k, "bwd")):
-                edge(
-                    (llm_stage[(j, e + 1)], chains[(j, e + 1, k, "bwd")][-1], "done"),
-                    (llm_stage[(j, e)], chains[(j, e, k, "bwd")][0], "done"),
-                )
-        first_fwd = where[0][LLMOp(i, 0, "fwd")]  # A_i into the first LLM stage's chunk 0
-        edge(
-            (llm_stage[(j, last)], chains[(j, last, k, "fwd")][-1], "done"),
-            (0, _after_start(plan.events[0], first_fwd), "arrive"),
-        )
-        if chains.get((j, last, k, "bwd")):  # G_i out of it
-            last_bwd = where[0][LLMOp(i, 0, "bwd")]
-            edge(
-                (0, Event(EventKind.OP_END, last_bwd), "arrive"),
-                (llm_stage[(j, last)], chains[(j, last, k, "bwd")][0], "done"),
-            )
-    remaining = _nodes_on_or_after_cycles(len(nodes), edges)
-    return {mb_phase for node in remaining for mb_phase in owner.get(node, ())}
+        remaining = _nodes_on_or_after_cycles(self.size, edges)
+        return {mb_phase for node in remaining for mb_phase in owner.get(node, ())}
 
 
-def _after_start(events: tuple[Event, ...], k: int) -> Event:
-    """The event right after op k starts: where the LLM has needed its input."""
-    return events[events.index(Event(EventKind.OP_START, k)) + 1]
-
-
-def _nodes_on_or_after_cycles(n: int, edges: dict[int, list[int]]) -> set[int]:
+def _nodes_on_or_after_cycles(n: int, edges: list[list[int]]) -> set[int]:
     """Kahn's algorithm: the nodes never freed are on a cycle or wait behind one."""
     indegree = [0] * n
-    for targets in edges.values():
+    for targets in edges:
         for b in targets:
             indegree[b] += 1
     ready = [v for v in range(n) if indegree[v] == 0]
@@ -360,7 +381,7 @@ def _nodes_on_or_after_cycles(n: int, edges: dict[int, list[int]]) -> set[int]:
     while ready:
         v = ready.pop()
         freed += 1
-        for b in edges.get(v, ()):
+        for b in edges[v]:
             indegree[b] -= 1
             if indegree[b] == 0:
                 ready.append(b)
