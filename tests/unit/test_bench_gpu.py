@@ -113,15 +113,15 @@ def test_train_mode_prints_a_profiled_step(tmp_path):
 @pytest.mark.parametrize(
     "argv", [["--trace", "t.json"], ["--train-mode", "optimus", "--trace", "t"]]
 )
-def test_a_trace_without_a_profiled_step_is_refused_in_one_line(argv, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--trace" in proc.stderr
+def test_a_trace_without_a_profiled_step_is_refused_in_one_line(
+    argv, tmp_path, monkeypatch, capsys
+):
+    """In this process: the refusal comes before anything is built (the script's own exit status
+    is ``main``'s, as ``test_without_a_gpu_exits_2_with_one_line`` checks in an interpreter)."""
+    monkeypatch.chdir(tmp_path)
+    assert _bench_gpu().main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--trace" in err
     assert not list(tmp_path.iterdir())
 
 
