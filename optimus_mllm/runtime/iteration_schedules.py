@@ -54,7 +54,7 @@ from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.artifact import artifact_text, schedule_to_artifact
 from optimus_mllm.scheduler.artifact_checks import validate_artifact
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
-from optimus_mllm.scheduler.bubble_scheduler import Schedule, bubble_scheduler
+from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
 from optimus_mllm.scheduler.per_iteration import (
@@ -113,8 +113,17 @@ class IterationSchedules:
         self.bubbles = LLMBubbles.of(get_enc_llm_dep(config, llm_plan, self.cost))
         most = max_images_per_microbatch(config)
         maximum = (EncoderWorkload.of_images(config, most),) * artifact.num_microbatches
+        # the chains and moves every build shares (``ChainMoves``; builds run one at a time, on
+        # the scheduler's thread), the fallback's among them
+        self.chains = ChainMoves(config, llm_plan, self.candidate.plan, self.bubbles, self.cost)
         fallback, _ = bubble_scheduler(
-            config, llm_plan, self.candidate, self.bubbles, self.cost, workload=maximum
+            config,
+            llm_plan,
+            self.candidate,
+            self.bubbles,
+            self.cost,
+            workload=maximum,
+            chains=self.chains,
         )
         if fallback is None:
             raise OptimusError(
@@ -171,6 +180,7 @@ class IterationSchedules:
             self.cost,
             workload,
             bound_us=self.scheduler.fallback.iteration_us,
+            chains=self.chains,
         )
         if built is not None:
             self._convert(built.schedule, built.images_per_chain)

@@ -773,8 +773,11 @@ def search_workload(
     fine: bool = True,
     images_per_chain: int | None = None,
     chains: ChainMoves | None = None,
+    schedules_at_most: int | None = None,
 ) -> tuple[WorkloadBest | None, SchedulerStats]:
-    """``bubble_scheduler`` of a ``workload``, its best not laid out yet (see there)."""
+    """``bubble_scheduler`` of a ``workload``, its best not laid out yet (see there).
+    ``schedules_at_most``: stop once that many partitions have scheduled, in lower-bound order
+    (None: every partition the bound leaves)."""
     imageless = sum(w.empty for w in workload)
     if any(w.empty for w in workload[imageless:]):
         raise ValueError("the LLM runs the imageless microbatches first: order them so")
@@ -799,7 +802,9 @@ def search_workload(
     else:
         work, moves = chains.of(candidate.plan, split.chain, bubbles)
     plan_input = _PlanInput.of_work(candidate, work, bubbles)
-    best, stats = _search_partitions(plan_input, llm_plan, bubbles, bound_us, fine, moves)
+    best, stats = _search_partitions(
+        plan_input, llm_plan, bubbles, bound_us, fine, moves, schedules_at_most
+    )
     return (WorkloadBest(best, split.feeds) if best else None), stats
 
 
@@ -924,23 +929,31 @@ def _search_partitions(
     bound_us: float,
     fine: bool,
     moves: list[PipelineMoves] | None = None,
+    schedules_at_most: int | None = None,
 ) -> tuple[_PlanBest | None, SchedulerStats]:
     """``bubble_scheduler`` up to its fastest partition; ``moves``: the encoder pipelines' moves
-    kept from an earlier search of the same work and bubbles (default: new ones)."""
+    kept from an earlier search of the same work and bubbles (default: new ones);
+    ``schedules_at_most``: the search stops once that many partitions have scheduled (the rest
+    count as pruned)."""
     work, bounds = plan_input.work, plan_input.bounds
     stats = SchedulerStats(partitions_total=len(bounds))
+    scheduled = 0
     with cyclic_gc_paused():
         if moves is None:
             moves = PipelineMoves.of_pipelines(work, bubbles)
         best: _PlanBest | None = None
         for partition in sorted(bounds, key=bounds.get):
-            if bounds[partition] >= min(bound_us, best.iteration_us if best else bound_us) - EPS_US:
+            if (
+                bounds[partition] >= min(bound_us, best.iteration_us if best else bound_us) - EPS_US
+                or scheduled == schedules_at_most
+            ):
                 stats.partitions_pruned += 1
                 continue
             stats.partitions_searched += 1
             state = init_schedule(work, bubbles, partition, moves)
             if state is None:
                 continue
+            scheduled += 1
             coarse_us = state.evaluation.iteration_us
             if fine:
                 state = optimize_schedule(state, FWD)

@@ -7,6 +7,7 @@ import dataclasses
 import random
 import threading
 import time
+from functools import partial
 
 import pytest
 
@@ -16,7 +17,7 @@ from optimus_mllm.costing.workload import EncoderWorkload, chain_sizes, check_wi
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler import bubble_scheduler as scheduler_module
-from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, bubble_scheduler
+from optimus_mllm.scheduler.bubble_scheduler import ChainMoves, bubble_scheduler, search_workload
 from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.fine import LLMBubbles
 from optimus_mllm.scheduler.per_iteration import (
@@ -350,7 +351,7 @@ def test_a_build_is_the_full_searchs_schedule_on_random_draws(job, monkeypatch):
     """The per-iteration build's shortcuts (chains kept across builds, backward moves reused by
     what they see, one size's schedule laid out, the collector paused once) give, on random image
     counts built one after another, the schedule the plain search over the same sizes gives: not
-    another, not a slower one."""
+    another, not a slower one. (Without its budget of partitions: see the next test.)"""
     config, planned, cost, candidate, fallback = job
     bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
     chains = ChainMoves(config, planned.llm_plan, candidate.plan, bubbles, cost)
@@ -367,6 +368,7 @@ def test_a_build_is_the_full_searchs_schedule_on_random_draws(job, monkeypatch):
             workload,
             fallback.iteration_us,
             chains,
+            schedules_at_most=None,
         )
         with monkeypatch.context() as plain:
             plain.setattr(scheduler_module, "PipelineMoves", UnseenMoves)
@@ -377,3 +379,34 @@ def test_a_build_is_the_full_searchs_schedule_on_random_draws(job, monkeypatch):
         if fast is not None:
             assert fast.images_per_chain == full.images_per_chain, counts
             assert _same_schedule(fast.schedule, full.schedule), counts
+
+
+def test_an_iterations_search_stops_after_its_budget_of_schedules(job):
+    """``schedules_at_most``: the search runs partitions in lower-bound order until that many have
+    scheduled and keeps the fastest of those; a budget above what the bound leaves is the full
+    search, schedule for schedule; a smaller one never beats it and never searches more."""
+    config, planned, cost, candidate, fallback = job
+    bubbles = LLMBubbles.of(get_enc_llm_dep(config, planned.llm_plan, cost))
+    rng = random.Random(7)
+    budgeted = 0
+    for _ in range(4):
+        counts = rng.choices(range(1, MAX_IMAGES + 1), k=planned.num_microbatches)
+        workload = _workload(config, counts)
+        search = partial(
+            search_workload, config, planned.llm_plan, candidate, bubbles, cost, workload
+        )
+        full, full_stats = search(fallback.iteration_us)
+        whole, _ = search(fallback.iteration_us, schedules_at_most=10**6)
+        one, one_stats = search(fallback.iteration_us, schedules_at_most=1)
+        assert (full is None) == (whole is None) == (one is None), counts
+        if full is None:
+            continue
+        assert _same_schedule(whole.schedule(), full.schedule()), counts
+        assert one.iteration_us >= full.iteration_us - EPS_US, counts
+        assert one_stats.partitions_searched <= full_stats.partitions_searched, counts
+        assert (
+            one_stats.partitions_searched + one_stats.partitions_pruned
+            == one_stats.partitions_total
+        )
+        budgeted += one_stats.partitions_searched < full_stats.partitions_searched
+    assert budgeted, "the budget of one schedule cut no search short: the test checks nothing"
