@@ -70,12 +70,11 @@ from optimus_mllm.megatron.unread_flags import add_unread_flags
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.artifact import write_artifact
 from optimus_mllm.scheduler.baselines import runnable_megatron_lm_baseline
-from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 from optimus_mllm.scheduler.fingerprint import fingerprint_difference, schedule_fingerprint
 from optimus_mllm.scheduler.placements import (
     PlacementMode,
     PlacementPrediction,
-    predicted_placements,
+    job_placements,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -274,14 +273,14 @@ def predict(
     path: str, profile: str | None, schedule_out: Path
 ) -> tuple[list[PlacementPrediction], bool]:
     """Every placement's prediction for the config priced with ``profile`` (None: the cost
-    model's constants), and whether Optimus's fastest schedule was written to ``schedule_out``."""
+    model's constants), and whether Optimus's schedule (``JobPlacements.schedule``) was written to
+    ``schedule_out``."""
     config = load_config(path, _profile_override(profile))
     planned = plan(config)
-    cost = CostModel.from_config(config)
-    scheduled = best_schedule(config, planned, cost)
-    if scheduled.best is not None:
-        write_artifact(scheduled.best, config, schedule_out)
-    return predicted_placements(config, planned, scheduled, cost), scheduled.best is not None
+    job = job_placements(config, planned, CostModel.from_config(config))
+    if job.schedule is not None:
+        write_artifact(job.schedule, config, schedule_out)
+    return job.placements, job.schedule is not None
 
 
 def _profile_override(profile: str | None) -> list[str]:

@@ -56,8 +56,8 @@ from optimus_mllm.scheduler.artifact import (
 )
 from optimus_mllm.scheduler.artifact_format import ScheduleArtifact
 from optimus_mllm.scheduler.baselines import balanced_problem, no_placement_problem
-from optimus_mllm.scheduler.bubble_scheduler import best_schedule
 from optimus_mllm.scheduler.fingerprint import config_settings
+from optimus_mllm.scheduler.placements import OPTIMUS, job_placements
 
 if TYPE_CHECKING:
     from optimus_mllm.runtime.trainer import StepResult
@@ -414,20 +414,24 @@ def _job_artifact(
 def _schedule_now(
     config: OptimusConfig, planned: PlannerResult, notes: tuple[str, ...]
 ) -> tuple[ScheduleArtifact | None, str | None, tuple[str, ...]]:
-    """Optimus's fastest schedule, or the baseline placement that beats it (the scheduler's
-    result)."""
+    """Optimus's schedule, or the baseline placement that beats it: what ``optimus-plan`` prints
+    as planned (``job_placements``)."""
     cost = CostModel.from_config(config)
-    result = best_schedule(config, planned, cost)
-    if result.baseline is None:
-        if result.best is None:
+    job = job_placements(config, planned, cost)
+    b = job.baseline
+    if b is None:
+        if job.schedule is None:
             raise OptimusError(no_placement_problem(config, planned, cost))
-        return schedule_to_artifact(result.best, config), None, notes
-    b = result.baseline
-    optimus_s = "none" if result.best is None else f"{result.best.iteration_us / 1e6:.4f} s"
+        return schedule_to_artifact(job.schedule, config), None, notes
+    optimus = job.predicted_s(OPTIMUS)
+    optimus_s = "none" if optimus is None else f"{optimus:.4f} s"
+    over = (
+        "" if job.expected is None else f", the mean of {job.expected.iterations} drawn iterations"
+    )
     note = (
-        f"the {b.name} baseline ({b.iteration_us / 1e6:.4f} s per iteration predicted) is no "
-        f"slower than every Optimus schedule within the step noise of {cost.step_noise:.1%} (best "
-        f"{optimus_s}): running it, as --baseline {b.runtime} would"
+        f"the {b.name} baseline ({job.predicted_s(b.runtime):.4f} s per iteration predicted{over}) "
+        f"is no slower than every Optimus schedule within the step noise of {cost.step_noise:.1%} "
+        f"(best {optimus_s}): running it, as --baseline {b.runtime} would"
     )
     return None, b.runtime, (*notes, note)
 

@@ -37,7 +37,6 @@ from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.config.files import atomic_write_text
 from optimus_mllm.costing.cost_model import CostModel
 from optimus_mllm.costing.memory_model import GIB, MemoryBreakdown
-from optimus_mllm.costing.workload import WorkloadDistribution
 from optimus_mllm.errors import OptimusError
 from optimus_mllm.megatron.arguments import add_optimus_args
 from optimus_mllm.megatron.arguments import build_parser as megatron_parser
@@ -45,10 +44,10 @@ from optimus_mllm.megatron.flags import config_from_megatron_args
 from optimus_mllm.megatron.unread_flags import UNREAD_DEST, add_unread_flags
 from optimus_mllm.planner import EncoderPlanCandidate, PlannerResult, plan
 from optimus_mllm.scheduler.baselines import no_placement_problem
-from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome, best_schedule
-from optimus_mllm.scheduler.expected import ExpectedRanking, rank_by_expected_time
+from optimus_mllm.scheduler.bubble_scheduler import OptimusResult, PlanOutcome
+from optimus_mllm.scheduler.expected import ExpectedRanking
 from optimus_mllm.scheduler.metrics import mfu, scheduling_efficiency
-from optimus_mllm.scheduler.placements import PlacementPrediction, predicted_placements
+from optimus_mllm.scheduler.placements import PlacementPrediction, job_placements
 
 PROG = "optimus-plan"
 # what separates optimus-plan's own flags from a Megatron-LM command line
@@ -121,17 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         config, not_read = job_config(args, megatron_argv)
         planned = plan(config)
         cost = CostModel.from_config(config)
-        scheduled = best_schedule(config, planned, cost)
-        if scheduled.best is None and scheduled.baseline is None:
+        job = job_placements(config, planned, cost)
+        scheduled, expected, schedule = job.scheduled, job.expected, job.schedule
+        if schedule is None and job.baseline is None:
             raise OptimusError(no_placement_problem(config, planned, cost))
-        distribution = WorkloadDistribution.of_config(config)
-        expected = (
-            rank_by_expected_time(config, planned, cost, distribution) if distribution else None
-        )
-        placements = predicted_placements(config, planned, scheduled, cost)
-        schedule = scheduled.best
-        if expected is not None:
-            schedule = expected.best.fallback if expected.best else None
         if (args.artifact or args.trace or args.png) and schedule is None:
             raise OptimusError(
                 "no encoder plan could be scheduled, so there is no schedule to write; "
@@ -139,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.json:
             result = result_to_dict(planned, scheduled)
-            result["placements"] = [asdict(p) for p in placements]
+            result["placements"] = [asdict(p) for p in job.placements]
             if expected is not None:
                 result["expected"] = expected_to_dict(expected)
             atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
@@ -160,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(format_result(config, planned, scheduled))
         if expected is not None:
             sys.stdout.write(format_expected(expected))
-        sys.stdout.write(format_placements(placements))
+        sys.stdout.write(format_placements(job.placements, expected is not None))
         return 0
 
     return run(PROG, body)
@@ -356,10 +348,11 @@ def format_expected(expected: ExpectedRanking) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_placements(placements: list[PlacementPrediction]) -> str:
-    """One line per placement: its predicted iteration time, or why the job cannot run it; the
-    planned one marked."""
-    lines = ["", "placements (predicted iteration; * the one optimus-train runs with no flag):"]
+def format_placements(placements: list[PlacementPrediction], over_drawn: bool = False) -> str:
+    """One line per placement: its predicted iteration time (``over_drawn``: the mean over the
+    drawn iterations), or why the job cannot run it; the planned one marked."""
+    what = "mean over the drawn iterations" if over_drawn else "predicted iteration"
+    lines = ["", f"placements ({what}; * the one optimus-train runs with no flag):"]
     for p in placements:
         if p.iteration_s is None:
             lines.append(f"  {p.mode:<12} cannot run: {p.problem}")

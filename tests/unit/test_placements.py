@@ -60,6 +60,57 @@ def test_a_webdataset_job_is_never_planned_onto_the_balanced_baseline(tmp_path):
     assert sum(p.planned for p in found.values()) == 1
 
 
+VARYING_IMAGES = [
+    "data.max_images_per_microbatch=4",
+    "data.images_per_sample={0: 0.2, 1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2}",
+    "training.schedule_per_iteration=true",
+]
+
+
+def test_a_job_whose_images_vary_is_priced_and_chosen_over_its_drawn_iterations():
+    """With ``data.images_per_sample`` every placement is its mean over the iterations
+    optimus-plan draws (the baselines each microbatch with its own images, computed here again
+    from the draws), one rule picks among those means, and optimus-train runs that pick: the
+    expected-fastest encoder plan's schedule, the one optimus-plan writes."""
+    from optimus_mllm.costing.workload import WorkloadDistribution, draw_iterations
+    from optimus_mllm.scheduler.baselines import megatron_lm_baseline
+    from optimus_mllm.scheduler.bubble_scheduler import optimus_gains
+    from optimus_mllm.scheduler.expected import EXPECTED_ITERATIONS
+    from optimus_mllm.scheduler.placements import job_placements
+    from optimus_mllm.train import _schedule_now
+
+    config = load_config(CONFIGS / "cpu" / "pp2_v2_heavy_vit.yaml", VARYING_IMAGES)
+    planned, cost = plan(config), CostModel.from_config(config)
+    job = job_placements(config, planned, cost)
+    drawn = draw_iterations(
+        config,
+        WorkloadDistribution.of_config(config),
+        EXPECTED_ITERATIONS,
+        planned.num_microbatches,
+        config.training.seed,
+    )
+    megatron = [megatron_lm_baseline(config, planned.llm_plan, cost, w).iteration_us for w in drawn]
+    assert len(set(megatron)) > 1, "the draws differ, so the constant workload's price would not do"
+    found = {p.mode: p for p in job.placements}
+    assert found["megatron-lm"].iteration_s * 1e6 == pytest.approx(sum(megatron) / len(drawn))
+    assert found["optimus"].iteration_s * 1e6 == pytest.approx(job.expected.best.expected_us)
+    assert job.schedule is job.expected.best.fallback
+    runnable = {m: p.iteration_s for m, p in found.items() if p.iteration_s is not None}
+    slower = [
+        m
+        for m, s in runnable.items()
+        if m != "optimus" and not optimus_gains(runnable["optimus"], s, cost.step_noise)
+    ]
+    planned_mode = min(slower, key=runnable.get) if slower else "optimus"
+    assert [m for m, p in found.items() if p.planned] == [planned_mode]
+    artifact, baseline, _ = _schedule_now(config, planned, ())
+    if planned_mode == "optimus":
+        assert baseline is None
+        assert artifact.encoder_plan == job.expected.best.candidate.plan
+    else:
+        assert artifact is None and baseline == planned_mode
+
+
 def test_a_placement_the_job_cannot_run_says_why():
     """With one ViT head, the baselines cannot run the ViT at the LLM's TP, 2; Optimus runs it at
     TP1."""
