@@ -13,7 +13,11 @@ job can run with ``optimus-train`` under torchrun for ``--steps`` steps, one thr
 and warm-up). Megatron-LM's placement runs with ``--baseline megatron-lm``, the balanced one with
 ``--baseline balanced``, and Optimus with ``--schedule``, its fastest schedule written here, so that
 the Optimus row is Optimus even where the planner would run a baseline. The last step's loss is
-kept per placement: the placements train the same model, so their losses should agree.
+kept per placement: the placements train the same model, so their losses should agree. A config
+whose images vary (``data.images_per_sample``, as ``configs/cpu/pp2_v2_varying_images.yaml``) and
+that names no dataset trains on a sample webdataset drawn from its histogram (``sample_data``), its
+predictions the means over the iterations ``optimus-plan`` draws; with
+``training.schedule_per_iteration`` the Optimus row runs a schedule of each iteration's own.
 
 It prints predicted against measured per placement, Optimus's speed-up over each baseline, measured
 and predicted, and the placement the planner runs (``*``: what ``optimus-train`` runs with no
@@ -96,6 +100,9 @@ compare = _script("megatron_lm_compare")
 PROG = "bench_e2e"
 NO_PROFILE = "the cost model's constants (no profile)"
 WARMUP_STEPS = 2  # the steps left out of the median: start-up, then the first full step
+# samples in the dataset ``sample_data`` makes: more than 6 steps of 8 samples draw, so a short
+# run sees no sample twice
+SAMPLE_DATA_SAMPLES = 64
 # optimus-train's step line: "step 3/5 | loss 6.9783 | grad norm ... | 3271.8 ms | ..."
 STEP_LINE = re.compile(r"^step (\d+)/\d+ \| loss (\S+) \| .* \| ([0-9.]+) ms \| ")
 # the flags that make optimus-train run each placement (Optimus's adds its --schedule)
@@ -269,13 +276,43 @@ def profile_job(path: str, nproc: int, out: Path) -> str | None:
     return None if done.returncode == 0 else error_line("optimus-profile", done.stderr)
 
 
+def sample_data(path: str, folder: Path) -> list[str]:
+    """For a config whose images vary (``data.images_per_sample``) and that names no dataset: a
+    sample webdataset drawn from its histogram (``scripts/make_sample_dataset.py``, images of its
+    encoder's size, ``SAMPLE_DATA_SAMPLES`` samples, the config's seed) written under ``folder``,
+    as the ``data.path`` override every run of the config takes; [] for any other config."""
+    config = load_config(path)
+    data = config.data
+    if data.images_per_sample is None or data.path is not None:
+        return []
+    counts = sorted(data.images_per_sample)
+    weights = {round(w, 9) for w in data.images_per_sample.values()}
+    if counts != list(range(counts[0], counts[-1] + 1)) or len(weights) != 1:
+        raise OptimusError(
+            f"data.images_per_sample: the sample dataset this bench makes draws a sample's images "
+            f"uniformly from a range of counts, not {dict(data.images_per_sample)}; give each "
+            "count from the lowest to the highest the same weight, or a dataset as data.path"
+        )
+    if len(config.encoders) != 1:
+        raise OptimusError("encoders: the sample dataset is for one encoder; give data.path")
+    encoder = config.encoders[0]
+    out = folder / f"{Path(path).stem}.data"
+    make = _script("make_sample_dataset")
+    args = ["--out", str(out), "--images-per-sample", f"{counts[0]}-{counts[-1]}"]
+    args += ["--sizes", str(math.isqrt(encoder.seq_length) * encoder.patch_size)]
+    args += ["--text-only", "0", "--num-samples", str(SAMPLE_DATA_SAMPLES)]
+    if make.main([*args, "--seed", str(config.training.seed)]) != 0:
+        raise OptimusError(f"scripts/make_sample_dataset.py {' '.join(args)} failed")
+    return [f"data.path={out}"]
+
+
 def predict(
-    path: str, profile: str | None, schedule_out: Path
+    path: str, profile: str | None, schedule_out: Path, overrides: list[str]
 ) -> tuple[list[PlacementPrediction], bool]:
-    """Every placement's prediction for the config priced with ``profile`` (None: the cost
-    model's constants), and whether Optimus's schedule (``JobPlacements.schedule``) was written to
-    ``schedule_out``."""
-    config = load_config(path, _profile_override(profile))
+    """Every placement's prediction for the config (with ``overrides``) priced with ``profile``
+    (None: the cost model's constants), and whether Optimus's schedule
+    (``JobPlacements.schedule``) was written to ``schedule_out``."""
+    config = load_config(path, [*_profile_override(profile), *overrides])
     planned = plan(config)
     job = job_placements(config, planned, CostModel.from_config(config))
     if job.schedule is not None:
@@ -294,6 +331,7 @@ def train(
     steps: int,
     profile: str | None,
     schedule: Path | None,
+    overrides: list[str],
 ) -> Measured | str:
     """Train one placement for ``steps`` steps: its measurement, or why there is none (one line).
 
@@ -305,8 +343,9 @@ def train(
         profile: the profile it was predicted with, given to optimus-train too so that the job it
             plans is the one predicted.
         schedule: Optimus's schedule artifact (the ``optimus`` mode only).
+        overrides: the config's further overrides (``sample_data``'s).
     """
-    overrides = [f"training.train_iters={steps}", *_profile_override(profile)]
+    overrides = [f"training.train_iters={steps}", *_profile_override(profile), *overrides]
     args = ["--config", path, "--override", *overrides, *MODE_FLAGS[mode]]
     if schedule is not None:
         args += ["--schedule", str(schedule)]
@@ -739,12 +778,13 @@ def bench_config(path: str, args: argparse.Namespace, folder: Path) -> list[Row]
         else:
             print(f"{name}: profiling failed ({failed}); predicting without a profile")
     schedule = folder / f"{name}.schedule.json"
-    predictions, scheduled = predict(path, profile, schedule)
+    data = sample_data(path, folder)
+    predictions, scheduled = predict(path, profile, schedule, data)
     measured: dict[str, Measured | str] = {}
     for p in predictions:
         if p.iteration_s is not None:
             own = schedule if p.mode == "optimus" and scheduled else None
-            measured[p.mode] = train(path, p.mode, args.nproc, args.steps, profile, own)
+            measured[p.mode] = train(path, p.mode, args.nproc, args.steps, profile, own, data)
             print(f"{name} {p.mode}: {_measured_text(measured[p.mode])}", flush=True)
     rows = build_rows(name, predictions, measured, profile or NO_PROFILE)
     if compare.megatron_lm_dir() is None:

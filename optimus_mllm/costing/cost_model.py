@@ -373,10 +373,13 @@ class CostModel:
         step_noise: float = 0.0,
         optimizer_us_per_param: float = 0.0,
         layer_host_us: dict[tuple[str, Phase], float] | None = None,
+        profile_shapes: dict[tuple, tuple[float, float]] | None = None,
     ):
         self.cluster = cluster
         self.params = params
         self.profile = profile or {}
+        # per profile key, where the profile records it: the (FLOPs, bytes) its time was taken at
+        self.profile_shapes = profile_shapes or {}
         self.comm_fits = comm_fits or {}
         self.device_kind = device_kind  # what the profile measured; the roofline's is a GPU
         # the share by which a step's time varies run to run (the profile's); 0 for the roofline
@@ -403,6 +406,11 @@ class CostModel:
             machine.step_noise,
             machine.optimizer_us_per_param,
             machine.layer_host_us,
+            {
+                m.key: (float(m.flops), float(m.bytes))
+                for m in machine.kernels
+                if m.flops is not None and m.bytes is not None
+            },
         )
 
     def optimizer_us(self, params: float) -> float:
@@ -415,8 +423,23 @@ class CostModel:
         ranks run them inline, on the thread that does the LLM's work and waits."""
         return self.device_kind == "cuda"
 
+    def measured_us(self, work: KernelWork, module: str, tp: int) -> float | None:
+        """The profile's time for ``work``, or None where it has none. A profile times each kernel
+        at the config's shape, one image a sample; the same kernel at another size (an encoder
+        microbatch of more images, other tokens per image) is priced as that time scaled by its
+        work: FLOPs for GEMMs and attention, bytes for the rest (unscaled where the profile does
+        not record its shape)."""
+        key = (module, work.name, work.phase, tp)
+        measured = self.profile.get(key)
+        if measured is None or key not in self.profile_shapes:
+            return measured
+        flops, nbytes = self.profile_shapes[key]
+        if work.kind in ("gemm", "attention") and flops > 0:
+            return measured * work.flops / flops
+        return measured * work.bytes / nbytes if nbytes > 0 else measured
+
     def compute_us(self, work: KernelWork, module: str, tp: int) -> float:
-        measured = self.profile.get((module, work.name, work.phase, tp))
+        measured = self.measured_us(work, module, tp)
         if measured is not None:
             return measured
         p = self.params
@@ -444,7 +467,7 @@ class CostModel:
     def comm_us(
         self, work: KernelWork, bandwidth_gbps: float, module: str = "", tp: int = 0
     ) -> float:
-        measured = self.profile.get((module, work.name, work.phase, tp))
+        measured = self.measured_us(work, module, tp)
         if measured is not None:
             return measured
         assert work.collective is not None

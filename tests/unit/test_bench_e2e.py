@@ -289,3 +289,50 @@ def test_a_megatron_lm_dir_without_pretrain_vlm_is_one_line(bench, tmp_path, cap
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"MEGATRON_LM_DIR {tmp_path}: no pretrain_vlm.py" in err[0], err
+
+
+@pytest.mark.distributed  # energon's preparation of the shards starts worker processes
+def test_a_config_whose_images_vary_trains_on_a_sample_dataset_drawn_from_its_histogram(
+    bench, tmp_path
+):
+    """configs/cpu/pp2_v2_varying_images.yaml names no dataset: the bench makes a webdataset whose
+    samples carry 0-4 images each, 64 px (the ViT's 256 tokens in 4 px patches), and every run of
+    the config reads it; a config with a dataset, or images that do not vary, gets none."""
+    import io
+    import tarfile
+    from collections import Counter
+
+    from PIL import Image
+
+    path = str(CONFIGS / "cpu" / "pp2_v2_varying_images.yaml")
+    override = bench.sample_data(path, tmp_path)
+    data = tmp_path / "pp2_v2_varying_images.data"
+    assert override == [f"data.path={data}"]
+    assert (data / ".nv-meta").is_dir()
+    images: Counter[str] = Counter()
+    sizes = set()
+    for shard in sorted(data.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                key, _, ext = member.name.partition(".")
+                images[key] += 0
+                if ext.endswith("png"):
+                    images[key] += 1
+                    sizes.add(Image.open(io.BytesIO(tar.extractfile(member).read())).size)
+    assert len(images) == bench.SAMPLE_DATA_SAMPLES
+    assert set(images.values()) == set(range(5))  # every count of the histogram, no other
+    assert sizes == {(64, 64)}
+    assert bench.sample_data(str(CONFIGS / "cpu" / "pp2_v2_heavy_vit.yaml"), tmp_path) == []
+
+
+def test_a_histogram_the_sample_dataset_cannot_draw_is_refused_in_one_line(bench, tmp_path):
+    from optimus_mllm.errors import OptimusError
+
+    raw = (CONFIGS / "cpu" / "pp2_v2_varying_images.yaml").read_text()
+    skewed = tmp_path / "skewed.yaml"
+    skewed.write_text(raw.replace("{0: 0.2, 1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2}", "{0: 0.5, 4: 0.5}"))
+    with pytest.raises(
+        OptimusError, match=r"^data\.images_per_sample: .* not \{0: 0\.5, 4: 0\.5\}"
+    ):
+        bench.sample_data(str(skewed), tmp_path)
+    assert not list(tmp_path.glob("*.data"))

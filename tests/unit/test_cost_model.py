@@ -148,6 +148,34 @@ def test_measured_profile_overrides_roofline(tmp_path):
     assert roofline["qkv"].duration_us != 123.5
 
 
+def test_a_kernel_measured_at_one_size_is_priced_at_another_by_its_work(tmp_path):
+    """A profile times each kernel at the config's shape (one image a sample); the same kernel on
+    three images has three times the GEMM's FLOPs and the norm's bytes, so three times their
+    time, not the one image's. At the shape measured a time is kept exactly, and an entry without
+    its shape (an older profile) is not scaled."""
+    from optimus_mllm.config import load_config
+
+    from support.paths import CONFIGS
+
+    gemm = KernelWork("qkv", "fwd", "gemm", flops=4e6, bytes=3e4)
+    norm = KernelWork("ln_attn", "fwd", "memory", flops=1e3, bytes=2e4)
+    shaped = [
+        {"module": "vit", "kernel": w.name, "phase": "fwd", "tp": 1, "time_us": us}
+        | {"flops": w.flops, "bytes": w.bytes}
+        for w, us in ((gemm, 50.0), (norm, 8.0))
+    ]
+    bare = [{"module": "vit", "kernel": "fc1", "phase": "fwd", "tp": 1, "time_us": 70.0}]
+    path = _profile(tmp_path, shaped + bare)
+    config = load_config(CONFIGS / "tiny.yaml", [f"cost_model.profile={path}"])
+    cost = CostModel.from_config(config)
+    assert cost.compute_us(gemm, "vit", 1) == 50.0
+    assert cost.compute_us(norm, "vit", 1) == 8.0
+    three = {"flops": 3 * gemm.flops, "bytes": 3 * gemm.bytes}
+    assert cost.compute_us(KernelWork("qkv", "fwd", "gemm", **three), "vit", 1) == 150.0
+    assert cost.compute_us(KernelWork("ln_attn", "fwd", "memory", 3e3, 6e4), "vit", 1) == 24.0
+    assert cost.compute_us(KernelWork("fc1", "fwd", "gemm", 9e9, 9e9), "vit", 1) == 70.0
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

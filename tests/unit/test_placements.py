@@ -19,11 +19,13 @@ from optimus_mllm.scheduler.placements import PLACEMENT_MODES, predicted_placeme
 from support.paths import CONFIGS, MEGATRON_TINY_FLAGS, REPO, balanced_wins
 
 CPU_CONFIGS = sorted((CONFIGS / "cpu").glob("*.yaml"))
+# those priced at one workload; a config whose images vary is priced over drawn iterations (below)
+CONSTANT_CONFIGS = [p for p in CPU_CONFIGS if load_config(p).data.images_per_sample is None]
 # the scheduler's float tolerance (intervals.EPS_US) as seconds, with room to spare
 TIE_S = 1e-9
 
 
-@pytest.mark.parametrize("path", [CONFIGS / "tiny.yaml", *CPU_CONFIGS], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [CONFIGS / "tiny.yaml", *CONSTANT_CONFIGS], ids=lambda p: p.stem)
 def test_the_planned_placement_is_best_schedules_choice_and_the_fastest(path):
     config = load_config(path)
     planned, cost = plan(config), CostModel.from_config(config)
@@ -60,13 +62,6 @@ def test_a_webdataset_job_is_never_planned_onto_the_balanced_baseline(tmp_path):
     assert sum(p.planned for p in found.values()) == 1
 
 
-VARYING_IMAGES = [
-    "data.max_images_per_microbatch=4",
-    "data.images_per_sample={0: 0.2, 1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2}",
-    "training.schedule_per_iteration=true",
-]
-
-
 def test_a_job_whose_images_vary_is_priced_and_chosen_over_its_drawn_iterations():
     """With ``data.images_per_sample`` every placement is its mean over the iterations
     optimus-plan draws (the baselines each microbatch with its own images, computed here again
@@ -79,7 +74,7 @@ def test_a_job_whose_images_vary_is_priced_and_chosen_over_its_drawn_iterations(
     from optimus_mllm.scheduler.placements import job_placements
     from optimus_mllm.train import _schedule_now
 
-    config = load_config(CONFIGS / "cpu" / "pp2_v2_heavy_vit.yaml", VARYING_IMAGES)
+    config = load_config(CONFIGS / "cpu" / "pp2_v2_varying_images.yaml")
     planned, cost = plan(config), CostModel.from_config(config)
     job = job_placements(config, planned, cost)
     drawn = draw_iterations(
@@ -131,7 +126,9 @@ def test_optimus_plan_prints_and_writes_one_row_per_placement(path, tmp_path, ca
     out_json = tmp_path / "plan.json"
     assert main(["--config", str(path), "--json", str(out_json)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    at = lines.index("placements (predicted iteration; * the one optimus-train runs with no flag):")
+    varies = load_config(path).data.images_per_sample is not None
+    over = "mean over the drawn iterations" if varies else "predicted iteration"
+    at = lines.index(f"placements ({over}; * the one optimus-train runs with no flag):")
     rows = lines[at + 1 :]
     assert [row.split()[0] for row in rows] == list(PLACEMENT_MODES)
     assert sum(row.endswith(" *") for row in rows) == 1
