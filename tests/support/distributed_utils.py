@@ -6,7 +6,7 @@ results in rank order.
 ``fn`` and ``args`` must be picklable (a module-level function). If a rank raises, dies or the
 timeout passes, every rank is killed and the failure (with the rank's traceback) is raised.
 The rendezvous port is one the OS called free a moment before; when another job takes it first
-(tests run beside each other), the ranks are started again on a new one, up to ``_PORT_ATTEMPTS``.
+(tests run beside each other), the ranks are started again on a new one, up to ``PORT_ATTEMPTS``.
 
 Without a GPU, ranks fork from one server that imported torch, megatron-core and the runtime once
 per test session: a spawned rank spends about 9 s of CPU on those imports, which on two cores was a
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _JOIN_SECONDS = 5.0
-_PORT_ATTEMPTS = 3
+PORT_ATTEMPTS = 3
 # what every rank imports anyway; the fork server imports it once
 _PRELOAD = [
     "optimus_mllm.runtime.trainer",
@@ -173,11 +173,11 @@ def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return each rank's result, rank order."""
-    for attempt in range(_PORT_ATTEMPTS):
+    for attempt in range(PORT_ATTEMPTS):
         try:
             return _launch(fn, world_size, args, timeout)
         except _PortTaken:
-            if attempt == _PORT_ATTEMPTS - 1:
+            if attempt == PORT_ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
 

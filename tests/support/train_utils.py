@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .distributed_utils import become_rank, free_port, start_context, stop_ranks
+from .distributed_utils import PORT_ATTEMPTS, become_rank, free_port, start_context, stop_ranks
 from .paths import CONFIGS, REPO
 
 TINY = str(CONFIGS / "tiny.yaml")
@@ -55,7 +55,9 @@ def torchrun(*args: str, nproc: int = 4, interpreters: bool = False) -> list[str
     threads = {"OMP_NUM_THREADS": "1"} if nproc > 1 else {}  # torchrun's default
     environment = {**os.environ, **threads}
     done = ranks(nproc, *args, environment=environment)
-    assert [d.returncode for d in done] == [0] * nproc, "".join(d.stderr for d in done)[-3000:]
+    assert [d.returncode for d in done] == [0] * nproc, "".join(
+        f"--- rank {rank} exited {d.returncode}:\n{d.stderr[-1500:]}" for rank, d in enumerate(done)
+    )
     return [line for d in done for line in d.stdout.splitlines()]
 
 
@@ -105,8 +107,29 @@ def ranks(
     """Start ``world`` ranks of ``program`` the way torchrun does (its environment variables); wait
     for each. The training program's ranks fork from the fork server unless ``interpreters`` (a
     fresh interpreter each, which also shows what the imports print). ``environment``: the ranks'
-    variables before torchrun's, by default this process's."""
-    port = str(free_port())
+    variables before torchrun's, by default this process's. The rendezvous port is one the OS
+    called free a moment before; where another job took it first (rank 0's store could not
+    listen on it), the ranks start again on a new one, up to ``PORT_ATTEMPTS`` times."""
+    done = _ranks_on(str(free_port()), world, args, program, interpreters, environment)
+    for _ in range(PORT_ATTEMPTS - 1):
+        if not any(_PORT_TAKEN in d.stderr.lower() for d in done):
+            break
+        done = _ranks_on(str(free_port()), world, args, program, interpreters, environment)
+    return done
+
+
+# what torch's TCPStore says when its port was taken between free_port and its listen
+_PORT_TAKEN = "address already in use"
+
+
+def _ranks_on(
+    port: str,
+    world: int,
+    args: tuple[str, ...],
+    program: tuple[str, ...],
+    interpreters: bool,
+    environment: dict[str, str] | None,
+) -> list[subprocess.CompletedProcess]:
     environments = [
         {
             **(os.environ if environment is None else environment),
@@ -192,8 +215,15 @@ def _forked_ranks(
             process.start()
         deadline = time.monotonic() + TIMEOUT_S
         try:
-            for process in processes:
-                process.join(max(deadline - time.monotonic(), 0.1))
+            # until all exit, or one could not listen on the port: the others would wait for its
+            # store until the deadline, and ``ranks`` starts them all again on another port
+            while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+                if any(
+                    p.exitcode and _PORT_TAKEN in Path(err).read_text(errors="replace").lower()
+                    for p, (_, err) in zip(processes, files)
+                ):
+                    break
+                time.sleep(0.05)
         finally:
             stop_ranks(processes, join_s=0)
         command = [sys.executable, *program[:2], *argv]
