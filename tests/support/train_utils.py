@@ -3,7 +3,8 @@
 Rank by rank (``ranks``, and ``torchrun`` unless told otherwise), each rank is forked from the test
 session's fork server, which imported torch, megatron-core and ``optimus_mllm.train`` once
 (``distributed_utils.start_context``), and runs ``optimus_mllm.train.main`` as ``python -m
-optimus_mllm.train`` would, or a script as ``python SCRIPT`` would, with torchrun's environment
+optimus_mllm.train`` would, another module as ``python -m MODULE`` would, or a script as ``python
+SCRIPT`` would, with torchrun's environment
 variables and its stdout and stderr in files of its own: a fresh interpreter spent 3-4 s of CPU on
 those imports per rank (5-7 s with megatron-core's), most of an error test's time on two cores.
 Where CUDA is visible the ranks are spawned interpreters, as before.
@@ -142,7 +143,7 @@ def _ranks_on(
         }
         for rank in range(world)
     ]
-    forkable = program == TRAIN or (len(program) == 1 and program[0].endswith(".py"))
+    forkable = program[0] == "-m" or (len(program) == 1 and program[0].endswith(".py"))
     if forkable and not interpreters and not torch.cuda.is_available():
         return _forked_ranks(program, [*program[2:], *args], environments)
     procs = []
@@ -163,9 +164,9 @@ def _ranks_on(
 def _program_rank(
     program: tuple[str, ...], argv: list[str], environment: dict[str, str], out: str, err: str
 ) -> None:
-    """One rank of ``python -m optimus_mllm.train argv`` or ``python SCRIPT argv`` in a forked
-    process: its environment, working directory and output files, then the program's exit code as
-    the process's."""
+    """One rank of ``python -m optimus_mllm.train argv``, ``python -m MODULE argv`` or ``python
+    SCRIPT argv`` in a forked process: its environment, working directory and output files, then
+    the program's exit code as the process's."""
     become_rank(environment)
     if "OMP_NUM_THREADS" in environment:  # read by torch at import, in the server before the fork
         torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
@@ -180,6 +181,10 @@ def _program_rank(
             from optimus_mllm.train import main
 
             code = main(argv)
+        elif program[0] == "-m":  # python -m MODULE: run as __main__, argv[0] its file
+            sys.argv = [program[1], *argv]
+            runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+            code = 0
         else:
             (script,) = program
             sys.argv = [script, *argv]

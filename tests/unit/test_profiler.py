@@ -187,17 +187,22 @@ def _cli(
     )
 
 
-def _torchrun(nproc: int, *args: str, cwd) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(nproc), "-m", "optimus_mllm.cli.profile", *args]
-    return subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=cwd,
-        env={"PYTHONPATH": str(REPO), **_env()},
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """``nproc`` ranks of optimus-profile as torchrun starts them (its variables, one thread a
+    rank), forked from the test session's fork server (``train_utils.ranks``): rank 0's exit
+    status and stderr, and every rank's stdout."""
+    from support.train_utils import ranks
+
+    done = ranks(
+        nproc, *args, program=("-m", "optimus_mllm.cli.profile"), environment=_torchrun_env()
     )
+    failed = next((d for d in done if d.returncode != 0), done[0])
+    stdout = "".join(d.stdout for d in done)
+    return subprocess.CompletedProcess(failed.args, failed.returncode, stdout, failed.stderr)
+
+
+def _torchrun_env() -> dict[str, str]:
+    return {**_env(), "OMP_NUM_THREADS": "1"}  # torchrun's default for more than one rank
 
 
 def _env() -> dict[str, str]:
@@ -262,7 +267,6 @@ def test_cli_under_torchrun_fits_the_jobs_collectives_on_its_own_groups(tmp_path
         "1",
         "--repeats",
         "3",
-        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
