@@ -97,7 +97,8 @@ def test_idle_fraction_is_p_minus_1_over_v_m(pp, vp, m):
 
 
 def test_schedule_table_and_warmup_match_megatron_core():
-    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    from megatron.core.pipeline_parallel import schedules
+
     for m, vp, group in [(8, 2, 4), (16, 12, 8), (12, 3, 4), (6, 2, 4)]:
         assert schedule_table(m, vp, group) == schedules.get_schedule_table(m, vp, group)
     # megatron-core's formula: (PP - rank - 1) * 2 + (V - 1) * group, capped at the total
