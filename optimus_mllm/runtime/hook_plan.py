@@ -306,10 +306,8 @@ class _WaitGraph:
         self.where = {
             s: {op: k for k, op in enumerate(order)} for s, order in plan.op_order.items()
         }
-        for (
-            s,
-            order,
-        ) in plan.op_order.items():  # the LLM's own P2P: an op needs its producer's output
+        # the LLM's own P2P: an op needs its producer's output
+        for s, order in plan.op_order.items():
             for k, op in enumerate(order):
                 producer = pipeline_producer(s, op.chunk, op.phase, pp, vp)
                 if producer is not None:
