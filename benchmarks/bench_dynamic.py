@@ -57,15 +57,11 @@ from optimus_mllm.costing.workload import (
 )
 from optimus_mllm.planner import PlannerResult, plan
 from optimus_mllm.planner.planner import EncoderPlanCandidate
-from optimus_mllm.scheduler.baselines import (
-    balanced_problem,
-    megatron_lm_balanced_baseline,
-    megatron_lm_baseline,
-)
+from optimus_mllm.scheduler.baselines import balanced_problem
 from optimus_mllm.scheduler.bubble_scheduler import Schedule, bubble_scheduler
 from optimus_mllm.scheduler.dependencies import EPS_US, get_enc_llm_dep
 from optimus_mllm.scheduler.encoder_costs import build_encoder_work
-from optimus_mllm.scheduler.expected import rank_by_expected_time
+from optimus_mllm.scheduler.expected import baseline_iteration_us, rank_by_expected_time
 from optimus_mllm.scheduler.fine import LLMBubbles
 from optimus_mllm.scheduler.per_iteration import IterationSchedule, IterationScheduler
 
@@ -128,19 +124,18 @@ def bench(
     chosen = rank_by_expected_time(config, planned, cost, distribution).best
     if chosen is None:
         raise SystemExit(f"{name}: no encoder plan schedules the planned maximum")
-    times: dict[str, list[float]] = {}
-    times["megatron"] = [
-        megatron_lm_baseline(config, planned.llm_plan, cost, w).iteration_us / 1e6 for w in drawn
-    ]
     maximum = distribution.maximum(config)
+    # each baseline as optimus-plan prices it over its own draws (``expected``)
+    baselines = {"megatron": "megatron-lm"}
     if balanced_problem(config, planned.llm_plan) is None:
-        times["balanced"] = [
-            megatron_lm_balanced_baseline(
-                config, planned.llm_plan, cost, workload=w, split_for=maximum
-            ).iteration_us
-            / 1e6
-            for w in drawn
+        baselines["balanced"] = "balanced"
+    times: dict[str, list[float]] = {
+        policy: [
+            us / 1e6
+            for us in baseline_iteration_us(runtime, config, planned.llm_plan, cost, drawn, maximum)
         ]
+        for policy, runtime in baselines.items()
+    }
     fallback = chosen.fallback
     times["static-max"] = [fallback.iteration_us / 1e6] * len(drawn)
     times["static-mean"] = _static_mean(

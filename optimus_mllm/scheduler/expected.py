@@ -27,6 +27,7 @@ from optimus_mllm.costing.workload import (
     llm_order,
 )
 from optimus_mllm.planner.planner import EncoderPlanCandidate, PlannerResult
+from optimus_mllm.planner.plans import ParallelPlan
 from optimus_mllm.scheduler.baselines import (
     BaselineResult,
     megatron_lm_balanced_baseline,
@@ -137,11 +138,24 @@ def expected_baseline(
     drawn: list[IterationWorkload],
     maximum: EncoderWorkload,
 ) -> ExpectedBaseline:
-    """``baseline``'s mean iteration time over ``drawn``, each microbatch with its own images in
-    data order; balanced keeps one layer split, made for ``maximum``, as its runtime does."""
-    at = _AT_WORKLOAD[baseline.runtime]
-    times = [at(config, planned.llm_plan, cost, w, maximum).iteration_us for w in drawn]
+    """``baseline``'s mean iteration time over ``drawn`` (``baseline_iteration_us``)."""
+    times = baseline_iteration_us(baseline.runtime, config, planned.llm_plan, cost, drawn, maximum)
     return ExpectedBaseline(baseline, sum(times) / len(times))
+
+
+def baseline_iteration_us(
+    runtime: str,
+    config: OptimusConfig,
+    llm_plan: ParallelPlan,
+    cost: CostModel,
+    drawn: list[IterationWorkload],
+    maximum: EncoderWorkload,
+) -> list[float]:
+    """Each drawn iteration's time under the baseline ``runtime`` runs (``megatron-lm`` or
+    ``balanced``), each microbatch with its own images in data order; balanced keeps one layer
+    split, made for ``maximum``, as its runtime does."""
+    at = _AT_WORKLOAD[runtime]
+    return [at(config, llm_plan, cost, w, maximum).iteration_us for w in drawn]
 
 
 # each baseline runtime's pricing of one drawn iteration: (config, LLM plan, cost, the iteration's
