@@ -209,36 +209,77 @@ def check_carried_megatron(wheel: Path, version: str) -> str:
     return f"carried megatron-core {version}: {names} names from {len(imports)} modules resolve"
 
 
+# Every program's probe in one interpreter (an interpreter per probe imported torch each time:
+# seconds of CI apiece): ``--help`` run as ``python3 -m MODULE`` or ``python3 SCRIPT`` runs it,
+# the GPU tests collected through pytest's API. A script's folder leaves sys.path with it, and
+# what it imported from there sys.modules, so that no later program finds a module its own path
+# would not.
+_PROBE = """
+import json, pathlib, runpy, sys
+failed = {}
+for name, argv in json.loads(sys.argv[1]):
+    path, before = list(sys.path), set(sys.modules)
+    folder = None if argv[0] == "-m" else str(pathlib.Path(argv[0]).resolve().parent)
+    try:
+        if argv[:2] == ["-m", "pytest"]:
+            import pytest
+            code = pytest.main(argv[2:])
+        else:
+            sys.argv = [argv[1] if folder is None else argv[0], *argv[2 if folder is None else 1:]]
+            try:
+                if folder is None:
+                    runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+                else:
+                    sys.path.insert(0, folder)
+                    runpy.run_path(argv[0], run_name="__main__")
+                code = 0
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        if code:
+            failed[name] = f"exit {code}"
+    except BaseException as error:
+        failed[name] = f"{type(error).__name__}: {error}"
+    sys.path[:] = path
+    for module in set(sys.modules) - before:
+        if folder and (getattr(sys.modules[module], "__file__", None) or "").startswith(folder):
+            del sys.modules[module]
+print(json.dumps(failed))
+"""
+
+
 def check_programs(steps: list[Step], pytest_timeout: Path) -> list[str]:
     """Every Python program a step starts imports here: ``--help``, or the tests collected."""
-    done, probed = [], set()
+    probes: dict[tuple[str, ...], str] = {}  # a program several steps start is probed once
+    for step in steps:
+        argv = list(step.argv)
+        if argv[0] != "python3":
+            continue
+        if argv[1:3] == ["-m", "pytest"]:
+            probe = (*argv[1:], "--collect-only", "-q")
+        else:  # python3 -m MODULE ... / python3 SCRIPT ...
+            probe = (*argv[1:3], "--help") if argv[1] == "-m" else (argv[1], "--help")
+        probes.setdefault(probe, step.name)
     with tempfile.TemporaryDirectory() as site:
         install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
         install += ["--disable-pip-version-check", "--root-user-action=ignore"]
         subprocess.run([*install, "--target", site, str(pytest_timeout)], check=True, timeout=120)
         env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
-        for step in steps:
-            argv = list(step.argv)
-            if argv[0] != "python3":
-                continue
-            argv[0] = sys.executable
-            if argv[1:3] == ["-m", "pytest"]:
-                probe = [*argv, "--collect-only", "-q"]
-            else:  # python3 -m MODULE ... / python3 SCRIPT ...
-                probe = argv[:3] + ["--help"] if argv[1] == "-m" else argv[:2] + ["--help"]
-            # a program several steps start is probed once: each probe is an interpreter that
-            # imports torch, a few seconds of CI
-            if tuple(probe) in probed:
-                done.append(step.name)
-                continue
-            probed.add(tuple(probe))
-            proc = subprocess.run(
-                probe, capture_output=True, text=True, env=env, cwd=REPO, timeout=300
-            )
-            if proc.returncode != 0:
-                raise PreflightError(f"step {step.name}: {' '.join(probe)}: {_last_line(proc)}")
-            done.append(step.name)
-    return done
+        listed = json.dumps([(name, list(probe)) for probe, name in probes.items()])
+        proc = subprocess.run(
+            [sys.executable, "-c", _PROBE, listed],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=300,
+        )
+    if proc.returncode != 0:
+        raise PreflightError(f"probing the steps' programs failed: {_last_line(proc)}")
+    failed = json.loads(proc.stdout.strip().splitlines()[-1])
+    for probe, name in probes.items():
+        if name in failed:
+            raise PreflightError(f"step {name}: python3 {' '.join(probe)}: {failed[name]}")
+    return [s.name for s in steps if s.argv[0] == "python3"]
 
 
 def _last_line(proc: subprocess.CompletedProcess) -> str:

@@ -58,6 +58,35 @@ def test_preflight_passes_and_prints_the_device_call():
     assert any(line.startswith("longest run: ") for line in lines), lines
 
 
+def test_a_program_that_does_not_import_names_its_step(tmp_path):
+    """The programs are probed in one interpreter, yet each as its own: a module one script
+    imported from its folder is not there for a script in another folder."""
+    _wheels_or_skip()
+    preflight = _preflight()
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "main.py").write_text(
+            "import argparse, helper\nargparse.ArgumentParser().parse_args()\n"
+        )
+    (tmp_path / "a" / "helper.py").write_text("")
+    wheel = preflight.wheel_files()["pytest_timeout"][0]
+    steps = preflight.read_steps(
+        _table(
+            tmp_path,
+            [
+                ("first", "10", ["python3", str(tmp_path / "a" / "main.py")]),
+                ("second", "10", ["python3", str(tmp_path / "b" / "main.py"), "--json", "x"]),
+            ],
+        )
+    )
+    assert preflight.check_programs(steps[:1], wheel) == ["first"]
+    with pytest.raises(
+        preflight.PreflightError,
+        match=r"^step second: python3 \S+/b/main.py --help: ModuleNotFoundError: .*'helper'",
+    ):
+        preflight.check_programs(steps, wheel)
+
+
 def _table(tmp_path: Path, rows: list[tuple[str, str, list[str]]]) -> Path:
     path = tmp_path / "steps"
     path.write_text("".join(f"{n}\t{limit}\t{chr(31).join(argv)}\n" for n, limit, argv in rows))
