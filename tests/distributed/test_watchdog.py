@@ -6,58 +6,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from support.distributed_utils import free_port
-from support.paths import REPO
-from support.train_utils import TINY, ranks
+from support.train_utils import Watch, ranks
 
 pytestmark = pytest.mark.distributed
 
-TRAIN = [sys.executable, "-m", "optimus_mllm.train", "--config", TINY]
 
-
-def _start(world: int, *args: str) -> list[subprocess.Popen]:
-    port = str(free_port())
-    return [
-        subprocess.Popen(
-            [*TRAIN, *args],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-            },
-        )
-        for rank in range(world)
-    ]
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-        return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
-    finally:
-        for p in procs:
-            p.kill()
-
-
-def _ranks(world: int, *args: str) -> list[tuple[int, str, str]]:
+def _ranks(world: int, *args: str, watch: Watch | None = None) -> list[tuple[int, str, str]]:
     """``world`` ranks of the training program to their end, forked from the fork server (a fresh
     interpreter per rank spent 5-7 s of CPU on imports); (exit code, stdout, stderr) per rank."""
-    return [(d.returncode, d.stdout, d.stderr) for d in ranks(world, *args)]
+    return [(d.returncode, d.stdout, d.stderr) for d in ranks(world, *args, watch=watch)]
 
 
 def _one_line_in_all(results: list[tuple[int, str, str]], expected: str) -> None:
@@ -109,15 +72,19 @@ def test_a_decompression_bomb_is_one_line(tmp_path):
     _one_line_in_all(results, "Pillow's decompression-bomb limit")
 
 
-def test_a_rank_killed_mid_training_is_named_by_one_line(tmp_path):
-    procs = _start(4, "--override", "training.train_iters=200")
-    for line in procs[0].stdout:  # rank 0 prints the step lines
-        if line.startswith("step 2/"):
-            break
-    killed = time.monotonic()
-    os.kill(procs[2].pid, signal.SIGKILL)
-    results = _finish(procs, timeout=60)
-    assert time.monotonic() - killed < 30
+def test_a_rank_killed_mid_training_is_named_by_one_line():
+    killed: list[float] = []
+
+    def kill_rank_2_after_step_2(pids: list[int], outputs: list[Path]) -> None:
+        # rank 0 prints the step lines, flushed as each step ends (into a file it opens once
+        # forked)
+        printed = outputs[0].read_text(errors="replace") if outputs[0].is_file() else ""
+        if not killed and "\nstep 2/" in "\n" + printed:
+            killed.append(time.monotonic())
+            os.kill(pids[2], signal.SIGKILL)
+
+    results = _ranks(4, "--override", "training.train_iters=200", watch=kill_rank_2_after_step_2)
+    assert killed and time.monotonic() - killed[0] < 30
     assert [code for code, _, _ in results] == [2, 2, -signal.SIGKILL, 2], [
         err[-2000:] for _, _, err in results
     ]

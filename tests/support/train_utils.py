@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,7 @@ def step_numbers(lines: list[str]) -> dict[int, str]:
 
 
 TRAIN = ("-m", "optimus_mllm.train", "--config", TINY)
+Watch = Callable[[list[int], list[Path]], None]  # (each rank's pid, each rank's stdout file)
 
 
 def ranks(
@@ -104,18 +106,20 @@ def ranks(
     program: tuple[str, ...] = TRAIN,
     interpreters: bool = False,
     environment: dict[str, str] | None = None,
+    watch: Watch | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """Start ``world`` ranks of ``program`` the way torchrun does (its environment variables); wait
     for each. The training program's ranks fork from the fork server unless ``interpreters`` (a
     fresh interpreter each, which also shows what the imports print). ``environment``: the ranks'
-    variables before torchrun's, by default this process's. The rendezvous port is one the OS
-    called free a moment before; where another job took it first (rank 0's store could not
-    listen on it), the ranks start again on a new one, up to ``PORT_ATTEMPTS`` times."""
-    done = _ranks_on(str(free_port()), world, args, program, interpreters, environment)
+    variables before torchrun's, by default this process's. ``watch``: called while forked ranks
+    run, with their pids and stdout files (a test that kills a rank mid-run). The rendezvous port
+    is one the OS called free a moment before; where another job took it first (rank 0's store
+    could not listen on it), the ranks start again on a new one, up to ``PORT_ATTEMPTS`` times."""
+    done = _ranks_on(str(free_port()), world, args, program, interpreters, environment, watch)
     for _ in range(PORT_ATTEMPTS - 1):
         if not any(_PORT_TAKEN in d.stderr.lower() for d in done):
             break
-        done = _ranks_on(str(free_port()), world, args, program, interpreters, environment)
+        done = _ranks_on(str(free_port()), world, args, program, interpreters, environment, watch)
     return done
 
 
@@ -130,6 +134,7 @@ def _ranks_on(
     program: tuple[str, ...],
     interpreters: bool,
     environment: dict[str, str] | None,
+    watch: Watch | None,
 ) -> list[subprocess.CompletedProcess]:
     environments = [
         {
@@ -145,7 +150,8 @@ def _ranks_on(
     ]
     forkable = program[0] == "-m" or (len(program) == 1 and program[0].endswith(".py"))
     if forkable and not interpreters and not torch.cuda.is_available():
-        return _forked_ranks(program, [*program[2:], *args], environments)
+        return _forked_ranks(program, [*program[2:], *args], environments, watch)
+    assert watch is None, "a watch needs forked ranks"
     procs = []
     for env in environments:
         procs.append(
@@ -204,7 +210,10 @@ def _program_rank(
 
 
 def _forked_ranks(
-    program: tuple[str, ...], argv: list[str], environments: list[dict[str, str]]
+    program: tuple[str, ...],
+    argv: list[str],
+    environments: list[dict[str, str]],
+    watch: Watch | None,
 ) -> list[subprocess.CompletedProcess]:
     """``ranks`` of ``program`` (the training program or a script), forked from the fork server;
     killed after ``TIMEOUT_S``."""
@@ -228,6 +237,8 @@ def _forked_ranks(
                     for p, (_, err) in zip(processes, files)
                 ):
                     break
+                if watch is not None:
+                    watch([p.pid for p in processes], [Path(out) for out, _ in files])
                 time.sleep(0.05)
         finally:
             stop_ranks(processes, join_s=0)
