@@ -30,6 +30,7 @@ from support.train_utils import (
     SUMMARY,
     TINY,
     communicate_all,
+    ranks,
     step_numbers,
     torchrun,
     torchrun_nodes,
@@ -85,25 +86,24 @@ def test_two_nodes_of_two_train_like_one_node_of_four():
     assert len(step_numbers(one_node)) == 3, one_node
 
 
-def _the_one_error_line(agents: list[subprocess.CompletedProcess]) -> str:
-    """Every agent failed, nothing trained, and one line across both nodes says why."""
-    assert all(agent.returncode != 0 for agent in agents), [a.stdout for a in agents]
-    assert not any(STEP.match(line) for a in agents for line in a.stdout.splitlines())
-    errors = [
-        line
-        for agent in agents
-        for line in agent.stderr.splitlines()
-        if line.startswith("optimus-train: error:")
-    ]
-    assert len(errors) == 1, [agent.stderr[-3000:] for agent in agents]
+def _the_one_error_line(done: list[subprocess.CompletedProcess]) -> str:
+    """Every rank of both nodes exited 2, nothing trained, and one line across them says why."""
+    assert [d.returncode for d in done] == [2] * len(done), [d.stderr[-3000:] for d in done]
+    assert not any(STEP.match(line) for d in done for line in d.stdout.splitlines())
+    errors = [line for d in done for line in d.stderr.splitlines()]
+    assert len(errors) == 1 and errors[0].startswith("optimus-train: error:"), errors
     return errors[0]
+
+
+# The refusals start the ranks of both nodes forked, each node's with its own arguments and
+# torchrun's numbering (a fresh interpreter per rank and agent cost 6 imports of torch a test);
+# the two-node training above runs under real agents.
 
 
 def test_a_node_launched_with_another_setting_stops_the_job_in_one_line():
     """Each node reads its own command line: one with another learning rate used to train, silently,
     a job of mixed learning rates."""
-    agents = communicate_all(torchrun_nodes(TWO_NODES, (*TWO_NODES, "training.lr=5e-4")))
-    error = _the_one_error_line(agents)
+    error = _the_one_error_line(ranks(4, nodes=(TWO_NODES, (*TWO_NODES, "training.lr=5e-4"))))
     said = re.fullmatch(
         r"optimus-train: error: rank 2 \(host .+\) runs another job than rank 0 \(host .+\): "
         r"training\.lr is (\S+) there, (\S+) on rank 0; launch every node with the same command "
@@ -117,8 +117,7 @@ def test_a_node_missing_a_file_stops_the_job_in_one_line(tmp_path):
     """A problem one node meets before connecting used to stop that node's ranks silently (only
     rank 0 reports such problems) and leave the other node's ranks waiting in the handshake."""
     missing = tmp_path / "no-such-data"
-    agents = communicate_all(torchrun_nodes(TWO_NODES, (*TWO_NODES, f"data.path={missing}")))
-    error = _the_one_error_line(agents)
+    error = _the_one_error_line(ranks(4, nodes=(TWO_NODES, (*TWO_NODES, f"data.path={missing}"))))
     assert re.fullmatch(
         rf"optimus-train: error: rank [02] \(host .+\): data\.path: {re.escape(str(missing))} .+",
         error,

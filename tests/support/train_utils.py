@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -107,20 +108,38 @@ def ranks(
     interpreters: bool = False,
     environment: dict[str, str] | None = None,
     watch: Watch | None = None,
+    nodes: tuple[tuple[str, ...], ...] = ((),),
 ) -> list[subprocess.CompletedProcess]:
     """Start ``world`` ranks of ``program`` the way torchrun does (its environment variables); wait
     for each. The training program's ranks fork from the fork server unless ``interpreters`` (a
     fresh interpreter each, which also shows what the imports print). ``environment``: the ranks'
     variables before torchrun's, by default this process's. ``watch``: called while forked ranks
-    run, with their pids and stdout files (a test that kills a rank mid-run). The rendezvous port
-    is one the OS called free a moment before; where another job took it first (rank 0's store
-    could not listen on it), the ranks start again on a new one, up to ``PORT_ATTEMPTS`` times."""
-    done = _ranks_on(str(free_port()), world, args, program, interpreters, environment, watch)
+    run, with their pids and stdout files (a test that kills a rank mid-run). ``nodes``: each
+    node's arguments after ``args``, the ranks split evenly over the nodes in order, as torchrun's
+    agents number them (``torchrun_nodes`` launches real agents). The rendezvous port is one the
+    OS called free a moment before; where another job took it first (rank 0's store could not
+    listen on it), the ranks start again on a new one, up to ``PORT_ATTEMPTS`` times."""
+    per_node = world // len(nodes)
+    assert per_node * len(nodes) == world, (world, len(nodes))
+    launch = _Launch(program, interpreters, environment, watch, nodes, per_node)
+    done = _ranks_on(str(free_port()), world, args, launch)
     for _ in range(PORT_ATTEMPTS - 1):
         if not any(_PORT_TAKEN in d.stderr.lower() for d in done):
             break
-        done = _ranks_on(str(free_port()), world, args, program, interpreters, environment, watch)
+        done = _ranks_on(str(free_port()), world, args, launch)
     return done
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """How ``ranks`` starts its ranks (its arguments)."""
+
+    program: tuple[str, ...]
+    interpreters: bool
+    environment: dict[str, str] | None
+    watch: Watch | None
+    nodes: tuple[tuple[str, ...], ...]
+    per_node: int
 
 
 # what torch's TCPStore says when its port was taken between free_port and its listen
@@ -128,35 +147,32 @@ _PORT_TAKEN = "address already in use"
 
 
 def _ranks_on(
-    port: str,
-    world: int,
-    args: tuple[str, ...],
-    program: tuple[str, ...],
-    interpreters: bool,
-    environment: dict[str, str] | None,
-    watch: Watch | None,
+    port: str, world: int, args: tuple[str, ...], launch: _Launch
 ) -> list[subprocess.CompletedProcess]:
     environments = [
         {
-            **(os.environ if environment is None else environment),
+            **(os.environ if launch.environment is None else launch.environment),
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank % launch.per_node),
+            "GROUP_RANK": str(rank // launch.per_node),
             "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(launch.per_node),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,
         }
         for rank in range(world)
     ]
+    argvs = [[*args, *launch.nodes[rank // launch.per_node]] for rank in range(world)]
+    program = launch.program
     forkable = program[0] == "-m" or (len(program) == 1 and program[0].endswith(".py"))
-    if forkable and not interpreters and not torch.cuda.is_available():
-        return _forked_ranks(program, [*program[2:], *args], environments, watch)
-    assert watch is None, "a watch needs forked ranks"
+    if forkable and not launch.interpreters and not torch.cuda.is_available():
+        return _forked_ranks(program, [[*program[2:], *a] for a in argvs], environments, launch)
+    assert launch.watch is None, "a watch needs forked ranks"
     procs = []
-    for env in environments:
+    for env, argv in zip(environments, argvs):
         procs.append(
             subprocess.Popen(
-                [sys.executable, *program, *args],
+                [sys.executable, *program, *argv],
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -211,9 +227,9 @@ def _program_rank(
 
 def _forked_ranks(
     program: tuple[str, ...],
-    argv: list[str],
+    argvs: list[list[str]],
     environments: list[dict[str, str]],
-    watch: Watch | None,
+    launch: _Launch,
 ) -> list[subprocess.CompletedProcess]:
     """``ranks`` of ``program`` (the training program or a script), forked from the fork server;
     killed after ``TIMEOUT_S``."""
@@ -223,7 +239,7 @@ def _forked_ranks(
         processes = [
             # not daemonic: megatron-core's checkpoint writer starts processes of its own
             context.Process(target=_program_rank, args=(program, argv, env, *paths), daemon=False)
-            for env, paths in zip(environments, files)
+            for argv, env, paths in zip(argvs, environments, files)
         ]
         for process in processes:
             process.start()
@@ -237,20 +253,19 @@ def _forked_ranks(
                     for p, (_, err) in zip(processes, files)
                 ):
                     break
-                if watch is not None:
-                    watch([p.pid for p in processes], [Path(out) for out, _ in files])
+                if launch.watch is not None:
+                    launch.watch([p.pid for p in processes], [Path(out) for out, _ in files])
                 time.sleep(0.05)
         finally:
             stop_ranks(processes, join_s=0)
-        command = [sys.executable, *program[:2], *argv]
         return [
             subprocess.CompletedProcess(
-                command,
+                [sys.executable, *program[:2], *argv],
                 process.exitcode,
                 Path(out).read_text(errors="replace"),
                 Path(err).read_text(errors="replace"),
             )
-            for process, (out, err) in zip(processes, files)
+            for process, argv, (out, err) in zip(processes, argvs, files)
         ]
 
 
