@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +166,43 @@ def _measure_job(
         not_measured=not_measured,
         statistic="median per rank, mean over the ranks",
     )
+    if device == "cpu" and world == config.cluster.num_gpus:
+        step_host = _measure_step_host(config, llm_plan, profile)
+        if step_host is not None:
+            profile["step_host"] = step_host
     return profile
+
+
+def _measure_step_host(
+    config: OptimusConfig, llm_plan: Any, profile: dict[str, Any]
+) -> dict[str, Any] | None:
+    """A few real steps of Megatron-LM's placement (the runtime's baseline), and the schedule's
+    host work per LLM op fitted to them with the rest of ``profile`` (``scheduler/step_host.py``);
+    None where the job cannot run that placement (its encoders do not shard at the LLM's TP)."""
+    import tempfile
+
+    from optimus_mllm.costing.cost_model import CostModel
+    from optimus_mllm.scheduler.baselines import megatron_lm_baseline, megatron_lm_problem
+    from optimus_mllm.scheduler.step_host import fit_config, fit_microbatch_host_us
+    from optimus_mllm.tools.profiler import write_profile
+    from optimus_mllm.tools.step_profiler import measure_baseline_step_us
+
+    if megatron_lm_problem(config, llm_plan) is not None:
+        return None
+    fit = fit_config(config, llm_plan)
+    measured = [{"measured_step_us": measure_baseline_step_us(fit, llm_plan)}]
+    _mean_over_ranks(measured, ("measured_step_us",))
+    measured_us = measured[0]["measured_step_us"]
+    with tempfile.TemporaryDirectory() as folder:  # the cost model reads a profile from a file
+        path = str(Path(folder) / "profile.json")
+        write_profile(profile, path)
+        cost = CostModel.from_config(replace(fit, cost_model=replace(fit.cost_model, profile=path)))
+    return {
+        "microbatches": fit.num_microbatches_total // llm_plan.dp,
+        "measured_step_us": measured_us,
+        "predicted_step_us": megatron_lm_baseline(fit, llm_plan, cost).iteration_us,
+        "microbatch_host_us": fit_microbatch_host_us(fit, llm_plan, cost, measured_us),
+    }
 
 
 def _mean_over_ranks(rows: list[dict[str, Any]], fields: tuple[str, ...]) -> None:
@@ -204,6 +241,14 @@ def format_profile(profile: dict[str, Any], out: str) -> str:
         lines.append(
             f"{c['collective']} over {c['group_size']} ranks ({c['group']}): "
             f"{c['latency_us']:.1f} us + {c['us_per_byte'] * 1e6:.1f} us/MB"
+        )
+    if "step_host" in profile:
+        fit = profile["step_host"]
+        lines.append(
+            f"Megatron-LM's placement at {fit['microbatches']} microbatches: measured "
+            f"{fit['measured_step_us'] / 1e6:.4f} s a step, kernels, layers, communication and "
+            f"optimizer predict {fit['predicted_step_us'] / 1e6:.4f} s; the schedule's host work "
+            f"{fit['microbatch_host_us'] / 1e3:.2f} ms per LLM op makes up the rest"
         )
     lines += [
         f"not measured: {profile['not_measured']}",

@@ -15,6 +15,7 @@ its paper's chain (the section at the end).
 
 from __future__ import annotations
 
+import copy
 import math
 from bisect import bisect_right
 from collections.abc import Callable
@@ -374,6 +375,7 @@ class CostModel:
         optimizer_us_per_param: float = 0.0,
         layer_host_us: dict[tuple[str, Phase], float] | None = None,
         profile_shapes: dict[tuple, tuple[float, float]] | None = None,
+        microbatch_host_us: float = 0.0,
     ):
         self.cluster = cluster
         self.params = params
@@ -390,6 +392,17 @@ class CostModel:
         # per (module, phase): the host work one layer adds to its kernels (the profile's); none
         # for the roofline, whose kernels are a GPU's, launched ahead of the host
         self.layer_host_us = layer_host_us or {}
+        # the host work megatron-core's pipeline schedule adds to each LLM op (one chunk's forward
+        # or backward of one microbatch) beyond its layers: the step around the forward and
+        # backward, its P2P, data and gradient hooks (the profile's ``step_host``); 0 for the
+        # roofline
+        self.microbatch_host_us = microbatch_host_us
+
+    def with_microbatch_host(self, microbatch_host_us: float) -> CostModel:
+        """This cost model with another host cost per LLM op (the profile's fit tries several)."""
+        other = copy.copy(self)
+        other.microbatch_host_us = microbatch_host_us
+        return other
 
     @classmethod
     def from_config(cls, config: OptimusConfig) -> CostModel:
@@ -411,6 +424,7 @@ class CostModel:
                 for m in machine.kernels
                 if m.flops is not None and m.bytes is not None
             },
+            machine.microbatch_host_us,
         )
 
     def optimizer_us(self, params: float) -> float:
@@ -769,6 +783,7 @@ class MachineProfile:
     step_noise: float
     optimizer_us_per_param: float  # 0 where the profile did not measure the optimizer
     layer_host_us: dict[tuple[str, Phase], float]  # (module, phase) -> per layer; none on a GPU
+    microbatch_host_us: float = 0.0  # per LLM op; 0 where the profile did not fit it
 
 
 def read_machine_profile(path: str | Path, what: str = "cost_model.profile:") -> MachineProfile:
@@ -824,7 +839,20 @@ def read_machine_profile(path: str | Path, what: str = "cost_model.profile:") ->
             f"{what} optimizer_us_per_param in {path} is not a non-negative number; re-run "
             "optimus-profile"
         )
-    return MachineProfile(kernels, fits, kind, noise, float(optimizer), host)
+    step_host = data.get("step_host", {})
+    microbatch_host = (
+        step_host.get("microbatch_host_us", 0.0) if isinstance(step_host, dict) else -1
+    )
+    if not isinstance(microbatch_host, (int, float)) or not (
+        math.isfinite(microbatch_host) and microbatch_host >= 0
+    ):
+        raise OptimusError(
+            f"{what} step_host.microbatch_host_us in {path} is not a non-negative number; re-run "
+            "optimus-profile"
+        )
+    return MachineProfile(
+        kernels, fits, kind, noise, float(optimizer), host, float(microbatch_host)
+    )
 
 
 def _layer_host(data: dict, path: str | Path, what: str) -> dict[tuple[str, Phase], float]:

@@ -256,7 +256,9 @@ def timeline_from_work(
     (baselines); ``op_us`` gives ops whose duration differs by microbatch (``simulate``)."""
     n_mb = config.num_microbatches_total // plan.dp
     p2p = llm_p2p_us(config, plan, cost)
-    stages = simulate(plan.pp, plan.vp, n_mb, work, p2p, warmup, op_us=op_us)
+    stages = simulate(
+        plan.pp, plan.vp, n_mb, work, p2p, warmup, op_us=op_us, op_host_us=cost.microbatch_host_us
+    )
     per_stage = (
         stage_params if stage_params is not None else llm_params_per_stage(config.llm, plan.pp)
     )
@@ -273,4 +275,5 @@ def timeline_from_work(
         [r for _, r in dp],
         tp_comm_is_busy=not cost.encoder_runs_beside_the_llm,
         optimizer_step_us=optimizer,
+        op_host_us=cost.microbatch_host_us,
     )

@@ -125,6 +125,8 @@ class LLMTimeline:
     tp_comm_is_busy: bool = False
     # per stage: its optimizer step, after its gradients are reduced (0 without a profile)
     optimizer_step_us: list[float] | None = None
+    # the schedule's host work after each op's kernels (``simulate``'s ``op_host_us``): busy
+    op_host_us: float = 0.0
 
     def stage_optimizer_us(self, stage: int) -> float:
         return self.optimizer_step_us[stage] if self.optimizer_step_us else 0.0
@@ -175,8 +177,8 @@ class LLMTimeline:
 
     def kernel_intervals(self, stage: int) -> tuple[Intervals, Intervals, Intervals]:
         """A stage's (compute, tp_comm, hidden_comm) intervals, each in time order: its compute
-        kernels, the TP collectives its compute stream waits for (the TP bubbles), and those it
-        runs under a GEMM (they hold the link only)."""
+        kernels and each op's host work after them, the TP collectives its compute stream waits
+        for (the TP bubbles), and those it runs under a GEMM (they hold the link only)."""
         compute: Intervals = []
         comm: Intervals = []
         hidden: Intervals = []
@@ -187,6 +189,8 @@ class LLMTimeline:
                 start = op.start_us + k.offset_us
                 into = (hidden if k.hidden else comm) if k.is_comm else compute
                 into.append((start, start + k.duration_us))
+            if self.op_host_us > 0:
+                compute.append((op.end_us - self.op_host_us, op.end_us))
         return compute, comm, hidden
 
 
@@ -208,13 +212,16 @@ def simulate(
     group_size: int | None = None,
     input_ready_us: list[float] | None = None,
     op_us: OpDuration | None = None,
+    op_host_us: float = 0.0,
 ) -> list[StageTimeline]:
     """Run the pipeline: every op starts when its rank is free and its input has arrived.
 
     ``input_ready_us[i]``, if given, is when microbatch i's input (the encoder output) reaches the
     first stage; by default inputs are ready at time 0. ``op_us``, if given, is each op's duration
     where it differs by microbatch (a baseline that runs a microbatch's own encoder work inside an
-    LLM op); by default its ``work``'s.
+    LLM op); by default its ``work``'s. ``op_host_us``: the schedule's host work each op adds after
+    its kernels (``CostModel.microbatch_host_us``), so the kernels keep their offsets from the op's
+    start.
     """
     group = group_size or pp
     warmups = (
@@ -239,9 +246,9 @@ def simulate(
                     break
                 start = max(free[s], ready)
                 if op_us is None:
-                    end = start + work[(s, chunk, phase)].duration_us
+                    end = start + work[(s, chunk, phase)].duration_us + op_host_us
                 else:
-                    end = start + op_us(s, chunk, mb, phase)
+                    end = start + op_us(s, chunk, mb, phase) + op_host_us
                 done[(s, chunk, mb, phase)] = end
                 stages[s].ops.append(PipelineOp(s, chunk, mb, phase, start, end))
                 free[s] = end

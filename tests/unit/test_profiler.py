@@ -19,6 +19,7 @@ from optimus_mllm.errors import OptimusError
 from optimus_mllm.planner import plan
 from optimus_mllm.scheduler.baselines import megatron_lm_balanced_baseline, megatron_lm_baseline
 from optimus_mllm.scheduler.bubble_scheduler import best_schedule
+from optimus_mllm.scheduler.step_host import fit_config
 from optimus_mllm.tools.profiler import (
     check_flops,
     kernel_callable,
@@ -279,7 +280,21 @@ def test_cli_under_torchrun_fits_the_jobs_collectives_on_its_own_groups(tmp_path
     # the TP group's all-reduce now costs what was measured, not NVLink's bandwidth
     config = load_config(CONFIG_FILES[0], [f"cost_model.profile={out}"])
     work = KernelWork("tp_ar_mlp", "fwd", "comm", bytes=1e6, collective="all_reduce", group_size=2)
-    assert CostModel.from_config(config).comm_us(work, 100.0) == fits[("all_reduce", 2)].us(1e6)
+    cost = CostModel.from_config(config)
+    assert cost.comm_us(work, 100.0) == fits[("all_reduce", 2)].us(1e6)
+    # real steps of Megatron-LM's placement at half the microbatches, which the profile's host
+    # work per LLM op predicts (unless its kernels alone predict more)
+    llm_plan = plan(config).llm_plan
+    fit = fit_config(config, llm_plan)
+    step_host = data["step_host"]
+    assert step_host["microbatches"] == fit.num_microbatches_total // llm_plan.dp == 4
+    assert cost.microbatch_host_us == step_host["microbatch_host_us"] >= 0
+    predicted = megatron_lm_baseline(fit, llm_plan, cost).iteration_us
+    if cost.microbatch_host_us > 0:
+        assert predicted == pytest.approx(step_host["measured_step_us"], rel=0.01)
+    else:
+        assert predicted >= step_host["measured_step_us"]
+    assert "Megatron-LM's placement at 4 microbatches: measured" in proc.stdout
 
 
 @pytest.mark.distributed
