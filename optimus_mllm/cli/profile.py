@@ -8,8 +8,9 @@ Every compute kernel is timed at the config's shard shapes and precision: with C
 by wall clock on CPU at the process's threads (torchrun gives each rank one). Run as a job of the
 config's world size, every rank times the kernels at once (so a CPU's ranks share its memory as in
 training, and the profile keeps their mean) and the job's communication is measured on the LLM
-plan's own groups (``tools/comm_profiler.py``). Point ``cost_model.profile`` at the file, or pass it
-to ``optimus-plan --profile``.
+plan's own groups (``tools/comm_profiler.py``); on CPU ranks a few real steps of Megatron-LM's
+placement then fit the schedule's host work per LLM op (``tools/step_profiler.py``). Point
+``cost_model.profile`` at the file, or pass it to ``optimus-plan --profile``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from optimus_mllm.cli.common import ArgumentParser, add_config_arguments, run
 from optimus_mllm.config import OptimusConfig, load_config
 from optimus_mllm.errors import OptimusError
+from optimus_mllm.planner.plans import ParallelPlan
 
 PROG = "optimus-profile"
 
@@ -167,28 +169,33 @@ def _measure_job(
         statistic="median per rank, mean over the ranks",
     )
     if device == "cpu" and world == config.cluster.num_gpus:
-        step_host = _measure_step_host(config, llm_plan, profile)
-        if step_host is not None:
-            profile["step_host"] = step_host
+        from optimus_mllm.scheduler.baselines import megatron_lm_problem
+
+        problem = megatron_lm_problem(config, llm_plan)
+        if problem is None:
+            profile["step_host"] = _measure_step_host(config, llm_plan, profile)
+        else:  # said, not skipped silently: its predictions lack the schedule's host work
+            profile["not_measured"] += (
+                f"; the schedule's host work per LLM op, fitted to steps of Megatron-LM's "
+                f"placement, which this job cannot run ({problem})"
+            )
     return profile
 
 
 def _measure_step_host(
-    config: OptimusConfig, llm_plan: Any, profile: dict[str, Any]
-) -> dict[str, Any] | None:
+    config: OptimusConfig, llm_plan: ParallelPlan, profile: dict[str, Any]
+) -> dict[str, Any]:
     """A few real steps of Megatron-LM's placement (the runtime's baseline), and the schedule's
-    host work per LLM op fitted to them with the rest of ``profile`` (``scheduler/step_host.py``);
-    None where the job cannot run that placement (its encoders do not shard at the LLM's TP)."""
+    host work per LLM op fitted to them with the rest of ``profile``
+    (``scheduler/step_host.py``)."""
     import tempfile
 
     from optimus_mllm.costing.cost_model import CostModel
-    from optimus_mllm.scheduler.baselines import megatron_lm_baseline, megatron_lm_problem
+    from optimus_mllm.scheduler.baselines import megatron_lm_baseline
     from optimus_mllm.scheduler.step_host import fit_config, fit_microbatch_host_us
     from optimus_mllm.tools.profiler import write_profile
     from optimus_mllm.tools.step_profiler import measure_baseline_step_us
 
-    if megatron_lm_problem(config, llm_plan) is not None:
-        return None
     fit = fit_config(config, llm_plan)
     measured = [{"measured_step_us": measure_baseline_step_us(fit, llm_plan)}]
     _mean_over_ranks(measured, ("measured_step_us",))
