@@ -35,6 +35,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 WHEELS, WHEEL_LIST = REPO / ".whl", REPO / "scripts" / "gpu_wheels.txt"
@@ -189,17 +190,10 @@ def check_carried_megatron(wheel: Path, version: str) -> str:
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(root)
         env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{REPO}", "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run(
-            [sys.executable, "-c", _RESOLVE, json.dumps({m: sorted(n) for m, n in imports.items()})]
-            + [root],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
+        listed = json.dumps({m: sorted(n) for m, n in imports.items()})
+        result = _python_json(
+            _RESOLVE, [listed, root], env, f"importing the carried {wheel.name} failed"
         )
-    if proc.returncode != 0:
-        raise PreflightError(f"importing the carried {wheel.name} failed: {_last_line(proc)}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
     if result["version"] != version or result["missing"]:
         raise PreflightError(
             f"the carried megatron-core {result['version']} lacks what the project imports: "
@@ -225,7 +219,7 @@ for name, argv in json.loads(sys.argv[1]):
             import pytest
             code = pytest.main(argv[2:])
         else:
-            sys.argv = [argv[1] if folder is None else argv[0], *argv[2 if folder is None else 1:]]
+            sys.argv = argv[1:] if folder is None else argv  # argv[0]: the module or script
             try:
                 if folder is None:
                     runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -265,21 +259,27 @@ def check_programs(steps: list[Step], pytest_timeout: Path) -> list[str]:
         subprocess.run([*install, "--target", site, str(pytest_timeout)], check=True, timeout=120)
         env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
         listed = json.dumps([(name, list(probe)) for probe, name in probes.items()])
-        proc = subprocess.run(
-            [sys.executable, "-c", _PROBE, listed],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=REPO,
-            timeout=300,
-        )
-    if proc.returncode != 0:
-        raise PreflightError(f"probing the steps' programs failed: {_last_line(proc)}")
-    failed = json.loads(proc.stdout.strip().splitlines()[-1])
+        failed = _python_json(_PROBE, [listed], env, "probing the steps' programs failed")
     for probe, name in probes.items():
         if name in failed:
             raise PreflightError(f"step {name}: python3 {' '.join(probe)}: {failed[name]}")
     return [s.name for s in steps if s.argv[0] == "python3"]
+
+
+def _python_json(program: str, args: list[str], env: dict[str, str], failure: str) -> Any:
+    """``python -c program args`` in the repository with ``env``: the JSON its last line of
+    output holds; where it fails, ``failure`` and its last line of output."""
+    proc = subprocess.run(
+        [sys.executable, "-c", program, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    if proc.returncode != 0:
+        raise PreflightError(f"{failure}: {_last_line(proc)}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _last_line(proc: subprocess.CompletedProcess) -> str:

@@ -834,25 +834,23 @@ def read_machine_profile(path: str | Path, what: str = "cost_model.profile:") ->
     host = _layer_host(data, path, what)
     noise = step_noise([k.time_us for k in kernels], spreads)
     optimizer = data.get("optimizer_us_per_param", 0.0)
-    if not isinstance(optimizer, (int, float)) or not (math.isfinite(optimizer) and optimizer >= 0):
-        raise OptimusError(
-            f"{what} optimizer_us_per_param in {path} is not a non-negative number; re-run "
-            "optimus-profile"
-        )
+    _check_non_negative(optimizer, "optimizer_us_per_param", path, what)
     step_host = data.get("step_host", {})
     microbatch_host = (
-        step_host.get("microbatch_host_us", 0.0) if isinstance(step_host, dict) else -1
+        step_host.get("microbatch_host_us", 0.0) if isinstance(step_host, dict) else None
     )
-    if not isinstance(microbatch_host, (int, float)) or not (
-        math.isfinite(microbatch_host) and microbatch_host >= 0
-    ):
-        raise OptimusError(
-            f"{what} step_host.microbatch_host_us in {path} is not a non-negative number; re-run "
-            "optimus-profile"
-        )
+    _check_non_negative(microbatch_host, "step_host.microbatch_host_us", path, what)
     return MachineProfile(
         kernels, fits, kind, noise, float(optimizer), host, float(microbatch_host)
     )
+
+
+def _check_non_negative(value: object, field: str, path: str | Path, what: str) -> None:
+    """A profile's ``field`` is a finite number of at least 0, or one line saying it is not."""
+    if not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise OptimusError(
+            f"{what} {field} in {path} is not a non-negative number; re-run optimus-profile"
+        )
 
 
 def _layer_host(data: dict, path: str | Path, what: str) -> dict[tuple[str, Phase], float]:

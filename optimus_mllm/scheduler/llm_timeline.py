@@ -246,9 +246,10 @@ def simulate(
                     break
                 start = max(free[s], ready)
                 if op_us is None:
-                    end = start + work[(s, chunk, phase)].duration_us + op_host_us
+                    kernels_us = work[(s, chunk, phase)].duration_us
                 else:
-                    end = start + op_us(s, chunk, mb, phase) + op_host_us
+                    kernels_us = op_us(s, chunk, mb, phase)
+                end = start + kernels_us + op_host_us
                 done[(s, chunk, mb, phase)] = end
                 stages[s].ops.append(PipelineOp(s, chunk, mb, phase, start, end))
                 free[s] = end

@@ -119,14 +119,13 @@ def ranks(
     agents number them (``torchrun_nodes`` launches real agents). The rendezvous port is one the
     OS called free a moment before; where another job took it first (rank 0's store could not
     listen on it), the ranks start again on a new one, up to ``PORT_ATTEMPTS`` times."""
-    per_node = world // len(nodes)
-    assert per_node * len(nodes) == world, (world, len(nodes))
-    launch = _Launch(program, interpreters, environment, watch, nodes, per_node)
-    done = _ranks_on(str(free_port()), world, args, launch)
+    assert world % len(nodes) == 0, (world, len(nodes))
+    launch = _Launch(world, program, interpreters, environment, watch, nodes)
+    done = _ranks_on(str(free_port()), args, launch)
     for _ in range(PORT_ATTEMPTS - 1):
         if not any(_PORT_TAKEN in d.stderr.lower() for d in done):
             break
-        done = _ranks_on(str(free_port()), world, args, launch)
+        done = _ranks_on(str(free_port()), args, launch)
     return done
 
 
@@ -134,12 +133,16 @@ def ranks(
 class _Launch:
     """How ``ranks`` starts its ranks (its arguments)."""
 
+    world: int
     program: tuple[str, ...]
     interpreters: bool
     environment: dict[str, str] | None
     watch: Watch | None
     nodes: tuple[tuple[str, ...], ...]
-    per_node: int
+
+    @property
+    def per_node(self) -> int:
+        return self.world // len(self.nodes)
 
 
 # what torch's TCPStore says when its port was taken between free_port and its listen
@@ -147,8 +150,9 @@ _PORT_TAKEN = "address already in use"
 
 
 def _ranks_on(
-    port: str, world: int, args: tuple[str, ...], launch: _Launch
+    port: str, args: tuple[str, ...], launch: _Launch
 ) -> list[subprocess.CompletedProcess]:
+    world = launch.world
     environments = [
         {
             **(os.environ if launch.environment is None else launch.environment),
